@@ -1,0 +1,72 @@
+# InstaSlice — one front door. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+CLUSTER_SPEC ?= hack/specs/dev.yaml
+CHAOS_MINUTES ?= 10
+CHAOS_SEED ?= 1
+
+.PHONY: help install lint test test-unit test-integration test-e2e kube-bins cluster-up cluster-down \
+        dev-up dev-down demo bench-placement bench-latency chaos clean
+
+help: ## list targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP) ## create .venv/ with the project (editable) and its dev tools
+
+lint: install ## ruff check + ruff format --check + mypy --strict + import-linter
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+kube-bins: install ## build (or verify cached) etcd, kube-*, kubectl, kwok from Go modules
+	hack/kube/build.sh
+
+test-unit: install ## pure-logic tests (milliseconds each)
+	$(BIN)/pytest -q tests/unit
+
+test-integration: install kube-bins ## components against the real local control plane
+	$(BIN)/pytest -q tests/integration
+
+test-e2e: install kube-bins ## whole system on the local control plane
+	$(BIN)/pytest -q tests/e2e
+
+test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs)
+	$(BIN)/pytest -q tests
+
+cluster-up: install kube-bins ## local control plane only; kubeconfig at .dev/kubeconfig
+	$(BIN)/python -m hack.cluster up
+
+cluster-down: install ## stop the local control plane
+	$(BIN)/python -m hack.cluster down
+
+dev-up: install kube-bins ## control plane + KWOK GPU nodes + webhook + allocator + emulated agents
+	$(BIN)/python -m hack.dev up --spec $(CLUSTER_SPEC)
+
+dev-down: install ## stop everything dev-up started
+	$(BIN)/python -m hack.dev down
+
+demo: install kube-bins ## the main job: a heterogeneous emulated cluster running a mixed workload
+	$(BIN)/python -m hack.demo
+
+bench-placement: install ## placement quality and decision speed (no cluster); .dev/bench/placement.json
+	$(BIN)/python -m bench.placement
+
+bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
+	$(BIN)/python -m bench.latency
+
+chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
+	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)
+
+clean: ## remove .dev/ (state, logs, kubeconfig)
+	rm -rf .dev

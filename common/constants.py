@@ -1,0 +1,52 @@
+"""Names of the public contract (shared/CONTRACT.md), defined once.
+
+Every annotation key, label, gate, resource prefix and API coordinate that more than one
+module uses lives here, so a misspelling is a NameError rather than a silent mismatch.
+"""
+
+from typing import Final
+
+GROUP: Final = "instaslice.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+# Namespace opt-in (annotation set by users, mirrored into a label for namespaceSelector).
+ENABLED_KEY: Final = "instaslice.io/enabled"
+
+# Pod rewriting.
+GATE_NAME: Final = "instaslice.io/allocation"
+CLAIM_ANNOTATION: Final = "instaslice.io/claim"
+NVIDIA_MIG_PREFIX: Final = "nvidia.com/mig-"
+INSTASLICE_MIG_PREFIX: Final = "instaslice.io/mig-"
+CDI_KIND: Final = "instaslice.io/mig"
+VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"
+
+# Objects.
+SLICE_ALLOCATION_KIND: Final = "SliceAllocation"
+SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"
+MIG_NODE_KIND: Final = "MigNode"
+MIG_NODE_PLURAL: Final = "mignodes"
+NODE_LABEL: Final = "instaslice.io/node"
+RELEASE_FINALIZER: Final = "instaslice.io/release"
+CDI_FILE_PREFIX: Final = "instaslice.io-"
+
+# Node labels written by KWOK specs / GPU discovery.
+GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"
+GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
+
+# Event reasons (CONTRACT.md §4).
+REASON_ALLOCATED: Final = "SliceAllocated"
+REASON_READY: Final = "SliceReady"
+REASON_RELEASED: Final = "SliceReleased"
+REASON_PENDING: Final = "AllocationPending"
+REASON_PINNED_UNSCHEDULABLE: Final = "PinnedUnschedulable"
+
+
+def cdi_device_name(namespace: str, claim: str, container: str) -> str:
+    """The unqualified CDI device name of one container's slices."""
+    return f"{namespace}_{claim}_{container}"
+
+
+def qualified_cdi_device(namespace: str, claim: str, container: str) -> str:
+    """`instaslice.io/mig=<ns>_<claim>_<container>`, what NVIDIA_VISIBLE_DEVICES carries."""
+    return f"{CDI_KIND}={cdi_device_name(namespace, claim, container)}"
