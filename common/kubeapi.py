@@ -1,0 +1,350 @@
+"""The one module that talks to kubernetes_asyncio (STYLE.md §1).
+
+Everything else sees Kubernetes objects as plain JSON dicts in wire format (camelCase, as
+in YAML) and calls a handful of verbs on `Kube`. kubernetes_asyncio supplies what it does
+well — kubeconfig / in-cluster loading, auth, TLS, the aiohttp session — and nothing of its
+generated models: raw dicts are faster to decode, match the manifests one to one, and keep
+one code path for core objects and our CRDs alike.
+
+Errors are classified once, here: `ApiError.status` plus the predicates `not_found`,
+`conflict`, `gone`, `retryable`. Watches follow STYLE.md §4 (`Informer`): list, then watch
+from the list's resourceVersion with bookmarks; re-list on 410 Gone; reconnect with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+import structlog
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from common.constants import GROUP, VERSION
+
+Obj = dict[str, Any]
+PatchType = Literal["merge", "json", "strategic"]
+_CONTENT_TYPES: Mapping[PatchType, str] = {
+    "merge": "application/merge-patch+json",
+    "json": "application/json-patch+json",
+    "strategic": "application/strategic-merge-patch+json",
+}
+log = structlog.get_logger("kubeapi")
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server (or a transport failure, status 0)."""
+
+    def __init__(self, status: int, reason: str, message: str, body: Obj | None = None) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body or {}
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+    @property
+    def gone(self) -> bool:
+        return self.status == 410
+
+    @property
+    def retryable(self) -> bool:
+        """Worth retrying unchanged: transport errors, throttling, server-side trouble."""
+        return self.status in (0, 429) or self.status >= 500
+
+
+# --- resource paths -------------------------------------------------------------------
+
+
+def core_path(resource: str, namespace: str | None = None, name: str | None = None) -> str:
+    return _path("/api/v1", resource, namespace, name)
+
+
+def group_path(
+    group_version: str, resource: str, namespace: str | None = None, name: str | None = None
+) -> str:
+    return _path(f"/apis/{group_version}", resource, namespace, name)
+
+
+def instaslice_path(resource: str, namespace: str | None = None, name: str | None = None) -> str:
+    return group_path(f"{GROUP}/{VERSION}", resource, namespace, name)
+
+
+def _path(prefix: str, resource: str, namespace: str | None, name: str | None) -> str:
+    path = prefix
+    if namespace is not None:
+        path += f"/namespaces/{quote(namespace, safe='')}"
+    path += f"/{resource}"
+    if name is not None:
+        path += f"/{quote(name, safe='')}"
+    return path
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+class Kube:
+    """A connection to one API server. Use `async with await Kube.connect(...)`."""
+
+    def __init__(self, api: k8s_client.ApiClient) -> None:
+        self._api = api
+
+    @classmethod
+    async def connect(cls, kubeconfig: str | None = None, *, qps_pool: int = 64) -> Kube:
+        """From a kubeconfig file, or the in-cluster service account when None."""
+        cfg = k8s_client.Configuration()
+        if kubeconfig:
+            await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        cfg.connection_pool_maxsize = qps_pool
+        return cls(k8s_client.ApiClient(configuration=cfg))
+
+    async def close(self) -> None:
+        await self._api.close()
+
+    async def __aenter__(self) -> Kube:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        request_timeout: float | None = 30.0,
+    ) -> Any:
+        """One request; returns the raw aiohttp response (caller reads it)."""
+        params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
+        try:
+            return await self._api.call_api(
+                path,
+                method,
+                query_params=params,
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=request_timeout,
+            )
+        except ApiException as exc:  # raised by the auth/refresh layers
+            raise ApiError(exc.status or 0, exc.reason or "", str(exc)) from exc
+        except (OSError, TimeoutError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc)) from exc
+        except Exception as exc:  # aiohttp.ClientError and friends
+            if type(exc).__module__.startswith("aiohttp"):
+                raise ApiError(0, type(exc).__name__, str(exc)) from exc
+            raise
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Obj:
+        resp = await self._call(method, path, query=query, body=body, content_type=content_type)
+        try:
+            raw = await resp.read()
+        except Exception as exc:
+            raise ApiError(0, type(exc).__name__, str(exc)) from exc
+        finally:
+            resp.release()
+        data: Obj = json.loads(raw) if raw else {}
+        if not 200 <= resp.status <= 299:
+            raise ApiError(resp.status, data.get("reason", ""), data.get("message", ""), data)
+        return data
+
+    async def get(self, path: str) -> Obj:
+        return await self.request("GET", path)
+
+    async def list(self, path: str, **query: Any) -> Obj:
+        return await self.request("GET", path, query=query)
+
+    async def create(self, path: str, body: Obj, **query: Any) -> Obj:
+        return await self.request("POST", path, body=body, query=query)
+
+    async def replace(self, path: str, body: Obj) -> Obj:
+        return await self.request("PUT", path, body=body)
+
+    async def patch(self, path: str, body: Any, kind: PatchType = "merge", **query: Any) -> Obj:
+        return await self.request(
+            "PATCH", path, body=body, content_type=_CONTENT_TYPES[kind], query=query
+        )
+
+    async def delete(self, path: str, body: Obj | None = None, **query: Any) -> Obj:
+        return await self.request("DELETE", path, body=body, query=query)
+
+    async def delete_ignore_missing(self, path: str, **query: Any) -> None:
+        try:
+            await self.delete(path, **query)
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+
+    async def watch(
+        self, path: str, resource_version: str, *, timeout_s: int = 300, **query: Any
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        """Yield (type, object) watch events until the server closes the stream.
+
+        Raises ApiError(410) when the resourceVersion is too old (the caller re-lists).
+        """
+        q = dict(query)
+        q.update(
+            watch="true",
+            resourceVersion=resource_version,
+            allowWatchBookmarks="true",
+            timeoutSeconds=timeout_s,
+        )
+        resp = await self._call("GET", path, query=q, request_timeout=None)
+        try:
+            if resp.status != 200:
+                raw = await resp.read()
+                data = json.loads(raw) if raw else {}
+                raise ApiError(resp.status, data.get("reason", ""), data.get("message", ""), data)
+            while True:
+                try:
+                    line = await asyncio.wait_for(resp.content.readline(), timeout_s + 30)
+                except TimeoutError as exc:  # inactivity: treat like a dropped stream
+                    raise ApiError(0, "WatchInactive", "no data on the watch") from exc
+                if not line:
+                    return
+                event = json.loads(line)
+                etype, obj = event.get("type", ""), event.get("object", {})
+                if etype == "ERROR":
+                    status = int(obj.get("code", 500))
+                    raise ApiError(status, obj.get("reason", ""), obj.get("message", ""), obj)
+                yield etype, obj
+        finally:
+            resp.release()
+
+
+def _query_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+# --- informers ----------------------------------------------------------------------------
+
+EventType = Literal["ADDED", "MODIFIED", "DELETED"]
+Handler = Callable[[EventType, Obj], Awaitable[None]]
+
+
+def obj_key(obj: Obj) -> str:
+    meta = obj.get("metadata", {})
+    ns = meta.get("namespace")
+    return f"{ns}/{meta.get('name')}" if ns else str(meta.get("name"))
+
+
+@dataclass
+class Informer:
+    """List-then-watch one collection, keep a cache, and call `handler` on each change.
+
+    After a re-list (410 Gone, reconnect) objects that vanished meanwhile are reported as
+    DELETED and changed ones as MODIFIED, so handlers never miss a transition.
+    `synced` is set once the first list has been delivered.
+    """
+
+    kube: Kube
+    path: str
+    handler: Handler
+    label_selector: str | None = None
+    field_selector: str | None = None
+    name: str = "informer"
+
+    def __post_init__(self) -> None:
+        self.cache: dict[str, Obj] = {}
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        backoff = 0.2
+        rv: str | None = None
+        while True:
+            try:
+                if rv is None:
+                    rv = await self._relist()
+                    backoff = 0.2
+                async for etype, obj in self.kube.watch(
+                    self.path,
+                    rv,
+                    labelSelector=self.label_selector,
+                    fieldSelector=self.field_selector,
+                ):
+                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                    if etype == "BOOKMARK":
+                        continue
+                    await self._apply(etype, obj)  # type: ignore[arg-type]
+                    backoff = 0.2
+            except ApiError as exc:
+                if exc.gone:
+                    rv = None  # too old: list again
+                    continue
+                log.warning("watch interrupted", informer=self.name, error=str(exc))
+                if exc.status in (401, 403, 404):
+                    rv = None
+                await asyncio.sleep(backoff * (1 + random.random() / 2))
+                backoff = min(backoff * 2, 10.0)
+
+    async def _relist(self) -> str:
+        listing = await self.kube.list(
+            self.path, labelSelector=self.label_selector, fieldSelector=self.field_selector
+        )
+        fresh = {obj_key(o): o for o in listing.get("items", [])}
+        kind = listing.get("kind", "").removesuffix("List")
+        api_version = listing.get("apiVersion", "")
+        for key in [k for k in self.cache if k not in fresh]:
+            await self._apply("DELETED", self.cache[key])
+        for o in fresh.values():
+            o.setdefault("kind", kind)
+            o.setdefault("apiVersion", api_version)
+            old = self.cache.get(obj_key(o))
+            if old is None:
+                await self._apply("ADDED", o)
+            elif old.get("metadata", {}).get("resourceVersion") != o["metadata"].get(
+                "resourceVersion"
+            ):
+                await self._apply("MODIFIED", o)
+        self.synced.set()
+        return str(listing.get("metadata", {}).get("resourceVersion", ""))
+
+    async def _apply(self, etype: EventType, obj: Obj) -> None:
+        key = obj_key(obj)
+        if etype == "DELETED":
+            self.cache.pop(key, None)
+        else:
+            self.cache[key] = obj
+        try:
+            await self.handler(etype, obj)
+        except Exception:  # a handler bug must not kill the watch; it is logged loudly
+            log.exception("informer handler failed", informer=self.name, key=key)
+
+
+@contextlib.asynccontextmanager
+async def connected(kubeconfig: str | None) -> AsyncIterator[Kube]:
+    kube = await Kube.connect(kubeconfig)
+    try:
+        yield kube
+    finally:
+        await kube.close()

@@ -1,0 +1,149 @@
+"""Wire shapes of InstaSlice's objects (CONTRACT.md §3) and small builders/readers.
+
+TypedDicts describe the JSON as it travels; the CRD schemas in manifests/base/crds are the
+validating source of truth. Builders here are the only place these objects are assembled, so
+the allocator, the node agent and the tests cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import string
+from typing import Any, NotRequired, TypedDict
+
+from common.constants import (
+    API_VERSION,
+    MIG_NODE_KIND,
+    NODE_LABEL,
+    RELEASE_FINALIZER,
+    SLICE_ALLOCATION_KIND,
+)
+
+Obj = dict[str, Any]
+
+
+class Phase(enum.StrEnum):
+    PENDING = "Pending"
+    CREATING = "Creating"
+    READY = "Ready"
+    RELEASING = "Releasing"
+    FAILED = "Failed"
+
+
+class SliceSpec(TypedDict):
+    container: str
+    profile: str
+    gpuUUID: str
+    gpuIndex: NotRequired[int]
+    start: int
+    size: int
+
+
+class SliceStatus(TypedDict):
+    container: str
+    migUUID: NotRequired[str]
+    giID: NotRequired[int]
+    ciID: NotRequired[int]
+
+
+class AllocationSpec(TypedDict):
+    podName: str
+    podUID: str
+    nodeName: str
+    slices: list[SliceSpec]
+
+
+class AllocationStatus(TypedDict, total=False):
+    phase: str
+    message: str
+    bootID: str
+    slices: list[SliceStatus]
+    conditions: list[Obj]
+
+
+class Placement(TypedDict):
+    start: int
+    size: int
+
+
+class MigProfileStatus(TypedDict):
+    name: str
+    id: int
+    memoryMiB: int
+    multiprocessors: int
+    maxCount: int
+    placements: list[Placement]
+
+
+class MigSliceStatus(TypedDict):
+    profile: str
+    start: int
+    size: int
+    migUUID: str
+    claim: NotRequired[str]
+
+
+class MigMode(TypedDict):
+    current: str
+    pending: str
+
+
+class GpuStatus(TypedDict):
+    index: int
+    uuid: str
+    model: str
+    migMode: MigMode
+    healthy: bool
+    message: NotRequired[str]
+    profiles: list[MigProfileStatus]
+    slices: list[MigSliceStatus]
+
+
+_ALNUM = string.ascii_lowercase + string.digits
+
+
+def new_claim_id() -> str:
+    """A fresh random DNS-1123 label (starts with a letter), unique per pod."""
+    return "c" + "".join(secrets.choice(_ALNUM) for _ in range(15))
+
+
+def slice_allocation(
+    *, namespace: str, claim: str, pod: Obj, node: str, slices: list[SliceSpec]
+) -> Obj:
+    """A new SliceAllocation for `pod` (owner reference → GC deletes it with the pod)."""
+    meta = pod["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": SLICE_ALLOCATION_KIND,
+        "metadata": {
+            "name": claim,
+            "namespace": namespace,
+            "labels": {NODE_LABEL: node},
+            "finalizers": [RELEASE_FINALIZER],
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "blockOwnerDeletion": False,
+                }
+            ],
+        },
+        "spec": {
+            "podName": meta["name"],
+            "podUID": meta["uid"],
+            "nodeName": node,
+            "slices": slices,
+        },
+        "status": {"phase": Phase.PENDING.value},
+    }
+
+
+def allocation_phase(alloc: Obj) -> str:
+    return str(alloc.get("status", {}).get("phase") or Phase.PENDING.value)
+
+
+def mig_node(node: str) -> Obj:
+    return {"apiVersion": API_VERSION, "kind": MIG_NODE_KIND, "metadata": {"name": node}}
