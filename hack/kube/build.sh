@@ -143,7 +143,8 @@ done
 
 for b in "${BINARIES[@]}"; do
     [[ -x "$BIN.tmp/$b" ]] || { echo "missing binary $b" >&2; exit 1; }
-    "$BIN.tmp/$b" --version >"$OUT/.version-$b" 2>&1 ||
+    case "$b" in kubectl) vflag=(version --client) ;; *) vflag=(--version) ;; esac
+    "$BIN.tmp/$b" "${vflag[@]}" >"$OUT/.version-$b" 2>&1 ||
         { echo "smoke check failed: $b --version" >&2; cat "$OUT/.version-$b" >&2; exit 1; }
     echo "  $b: $(head -n1 "$OUT/.version-$b")" >&2
 done

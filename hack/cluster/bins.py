@@ -1,0 +1,54 @@
+"""Where the control-plane binaries live.
+
+hack/kube/build.sh owns the cache layout; this module only asks it (`--print-bindir`, which
+never builds) so Python and shell cannot disagree about the cache key. INSTASLICE_KUBE_BIN_DIR
+overrides the lookup, e.g. for binaries built elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+__all__ = ["BINARIES", "REPO_ROOT", "BinariesMissing", "find_bin_dir", "stages_dir"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO_ROOT / "hack" / "kube" / "build.sh"
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubectl",
+    "kwok",
+)
+
+
+class BinariesMissing(RuntimeError):
+    """The binaries are not built yet; `make kube-bins` builds them."""
+
+
+def find_bin_dir() -> Path:
+    override = os.environ.get("INSTASLICE_KUBE_BIN_DIR")
+    if override:
+        bin_dir = Path(override)
+    else:
+        proc = subprocess.run(
+            [str(BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise BinariesMissing(
+                f"control-plane binaries are not built ({proc.stderr.strip()}); "
+                "run `make kube-bins` (cold: ~20 min, once per machine)"
+            )
+        bin_dir = Path(proc.stdout.strip())
+    missing = [b for b in BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        raise BinariesMissing(f"{bin_dir} lacks {', '.join(missing)}; run `make kube-bins`")
+    return bin_dir
+
+
+def stages_dir(bin_dir: Path) -> Path:
+    """KWOK Stage YAMLs that build.sh copied next to the bin dir."""
+    return bin_dir.parent / "stages"

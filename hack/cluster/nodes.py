@@ -1,0 +1,215 @@
+"""KWOK GPU nodes from a cluster spec (CONTRACT.md §5).
+
+A spec lists node groups; each group becomes Node objects `<prefix>-0 .. <prefix>-<count-1>`
+that KWOK manages (annotation `kwok.x-k8s.io/node: fake`), labelled with the GPU model, GPU
+count and MIG mode, and with the given cpu/memory/pods as capacity and allocatable. KWOK's
+node-initialize stage keeps that capacity and marks the node Ready.
+
+It deliberately does not advertise GPU or MIG extended resources: which slices a node offers
+is InstaSlice's business (its agents publish them). Parsing is pure (`parse_spec`,
+`node_manifest`); only `create_nodes` talks to the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, cast
+
+import yaml
+from kubernetes_asyncio import client, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from common.constants import GPU_COUNT_LABEL, GPU_MODEL_LABEL
+from hack.cluster.controlplane import KWOK_NODE_ANNOTATION
+
+__all__ = [
+    "KWOK_TYPE_LABEL",
+    "MIG_MODE_LABEL",
+    "ClusterSpec",
+    "NodeGroup",
+    "Taint",
+    "create_nodes",
+    "load_spec",
+    "node_manifest",
+    "node_manifests",
+    "parse_spec",
+    "wait_nodes_ready",
+]
+
+MIG_MODE_LABEL: Final = "instaslice.io/mig-mode"
+KWOK_TYPE_LABEL: Final = ("type", "kwok")
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+_EFFECTS: Final = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+class SpecError(ValueError):
+    """The cluster spec is malformed; the message names the entry and field."""
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    effect: TaintEffect
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    prefix: str
+    count: int
+    gpus: int
+    model: str
+    mig_mode: Literal["enabled", "disabled"] = "enabled"
+    cpu: str = "64"
+    memory: str = "512Gi"
+    pods: int = 110
+    taints: tuple[Taint, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return [f"{self.prefix}-{i}" for i in range(self.count)]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    groups: tuple[NodeGroup, ...]
+
+    def node_names(self) -> list[str]:
+        return [n for g in self.groups for n in g.names()]
+
+
+def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
+    where = f"nodes[{i}]"
+    try:
+        prefix, count, gpus, model = str(e["prefix"]), int(e["count"]), int(e["gpus"]), e["model"]
+    except KeyError as err:
+        raise SpecError(f"{where}: missing {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        raise SpecError(f"{where}: {err}") from None
+    mig_mode = e.get("migMode", "enabled")
+    if mig_mode not in ("enabled", "disabled"):
+        raise SpecError(f"{where}.migMode: {mig_mode!r} is not 'enabled' or 'disabled'")
+    if count < 0 or gpus < 0:
+        raise SpecError(f"{where}: count and gpus must be >= 0")
+    taints = []
+    for j, t in enumerate(e.get("taints") or []):
+        if t.get("effect") not in _EFFECTS or not t.get("key"):
+            raise SpecError(f"{where}.taints[{j}]: needs a key and an effect in {_EFFECTS}")
+        taints.append(Taint(key=str(t["key"]), effect=t["effect"], value=str(t.get("value", ""))))
+    return NodeGroup(
+        prefix=prefix,
+        count=count,
+        gpus=gpus,
+        model=str(model),
+        mig_mode=mig_mode,
+        cpu=str(e.get("cpu", "64")),
+        memory=str(e.get("memory", "512Gi")),
+        pods=int(e.get("pods", 110)),
+        taints=tuple(taints),
+        labels={str(k): str(v) for k, v in (e.get("labels") or {}).items()},
+    )
+
+
+def parse_spec(doc: Mapping[str, Any]) -> ClusterSpec:
+    entries = doc.get("nodes")
+    if not isinstance(entries, list):
+        raise SpecError("spec needs a top-level 'nodes' list")
+    spec = ClusterSpec(tuple(_group(i, e) for i, e in enumerate(entries)))
+    names = spec.node_names()
+    if len(set(names)) != len(names):
+        raise SpecError("node names collide; give each group its own prefix")
+    return spec
+
+
+def load_spec(path: Path) -> ClusterSpec:
+    return parse_spec(yaml.safe_load(path.read_text()))
+
+
+def node_manifest(group: NodeGroup, index: int) -> dict[str, Any]:
+    """The Node object for `group`'s `index`-th node (a plain dict, ready to POST)."""
+    resources = {"cpu": group.cpu, "memory": group.memory, "pods": str(group.pods)}
+    name = f"{group.prefix}-{index}"
+    labels = {
+        **group.labels,
+        KWOK_TYPE_LABEL[0]: KWOK_TYPE_LABEL[1],
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        GPU_MODEL_LABEL: group.model,
+        GPU_COUNT_LABEL: str(group.gpus),
+        MIG_MODE_LABEL: group.mig_mode,
+    }
+    spec: dict[str, Any] = {}
+    if group.taints:
+        spec["taints"] = [
+            {"key": t.key, "value": t.value, "effect": t.effect} for t in group.taints
+        ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {KWOK_NODE_ANNOTATION[0]: KWOK_NODE_ANNOTATION[1]},
+        },
+        "spec": spec,
+        "status": {"capacity": dict(resources), "allocatable": dict(resources)},
+    }
+
+
+def node_manifests(spec: ClusterSpec) -> list[dict[str, Any]]:
+    return [node_manifest(g, i) for g in spec.groups for i in range(g.count)]
+
+
+async def create_nodes(
+    api: client.ApiClient, spec: ClusterSpec, *, exist_ok: bool = True, concurrency: int = 32
+) -> list[str]:
+    """Create the spec's nodes (already existing ones are kept if `exist_ok`); returns names."""
+    core = client.CoreV1Api(api)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(body: dict[str, Any]) -> None:
+        async with sem:
+            try:
+                # the generated client sends a plain dict as-is; its stubs only say V1Node
+                await core.create_node(cast(Any, body))
+            except ApiException as e:
+                if not (exist_ok and e.status == 409):
+                    raise
+
+    manifests = node_manifests(spec)
+    async with asyncio.TaskGroup() as tg:
+        for m in manifests:
+            tg.create_task(one(m))
+    return [m["metadata"]["name"] for m in manifests]
+
+
+def _ready(node: Any) -> bool:
+    conditions = (node.status.conditions if node.status else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+async def wait_nodes_ready(
+    api: client.ApiClient, names: Sequence[str], *, timeout_s: float = 60.0
+) -> None:
+    """Block until KWOK has marked every named node Ready (watch, not poll)."""
+    core = client.CoreV1Api(api)
+    pending = set(names)
+    async with asyncio.timeout(timeout_s):
+        listing = await core.list_node()
+        pending -= {n.metadata.name for n in listing.items if _ready(n)}
+        rv = listing.metadata.resource_version
+        while pending:
+            async with watch.Watch() as w:
+                async for ev in w.stream(
+                    core.list_node, resource_version=rv, timeout_seconds=int(timeout_s) + 5
+                ):
+                    node = ev["object"]
+                    rv = node.metadata.resource_version
+                    if _ready(node):
+                        pending.discard(node.metadata.name)
+                    if not pending:
+                        break

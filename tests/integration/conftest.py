@@ -1,0 +1,113 @@
+"""Fixtures for tests against the real local control plane (hack/cluster).
+
+- `control_plane` (session): one etcd + kube-apiserver + scheduler + KCM + KWOK per pytest
+  run, in a pytest tmp dir (kept afterwards, logs included). With INSTASLICE_KUBECONFIG set
+  (e.g. `.dev/kubeconfig` after `make cluster-up`) the running one is reused and left running.
+- `kube_api` (session): a kubernetes_asyncio ApiClient authenticated as cluster admin.
+- `namespace` (function): a fresh namespace whose `default` ServiceAccount exists (pods can be
+  created at once); deleted after the test.
+KWOK GPU nodes: `await hack.cluster.nodes.create_nodes(kube_api, load_spec(path))`.
+
+Every async test under tests/integration runs in the session event loop, the loop the
+session-scoped `kube_api` lives in (aiohttp sessions cannot cross loops). On a failing test
+the tail of every control-plane log is attached to the report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Generator, Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from hack.cluster import BinariesMissing, ControlPlane
+
+_HERE = Path(__file__).parent
+_CP_KEY = pytest.StashKey[ControlPlane]()
+_LOG_TAIL_LINES = 25
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    session_loop = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if _HERE in Path(str(item.path)).parents and item.get_closest_marker("asyncio"):
+            item.add_marker(session_loop, append=False)  # closest marker wins
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    cp = item.config.stash.get(_CP_KEY, None)
+    if cp is not None and report.failed and _HERE in Path(str(item.path)).parents:
+        parts = [f"logs dir: {cp.logs_dir}"]
+        for log in sorted(cp.logs_dir.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+        report.sections.append(("control plane logs", "\n".join(parts)))
+    return report
+
+
+@pytest.fixture(scope="session")
+def control_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlPlane]:
+    reuse = os.environ.get("INSTASLICE_KUBECONFIG")
+    if reuse:
+        cp = ControlPlane.from_kubeconfig(Path(reuse))
+        request.config.stash[_CP_KEY] = cp
+        yield cp
+        return
+    try:
+        started = ControlPlane.start(tmp_path_factory.mktemp("control-plane"))
+    except BinariesMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    with started as cp:
+        request.config.stash[_CP_KEY] = cp
+        yield cp
+
+
+@pytest.fixture(scope="session")
+async def kube_api(control_plane: ControlPlane) -> AsyncIterator[client.ApiClient]:
+    api = await config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    async with api:
+        yield api
+
+
+async def _wait_default_service_account(core: client.CoreV1Api, namespace: str) -> None:
+    only_default = "metadata.name=default"
+    sas = await core.list_namespaced_service_account(namespace, field_selector=only_default)
+    if sas.items:
+        return
+    async with watch.Watch() as w:
+        async for _ in w.stream(
+            core.list_namespaced_service_account,
+            namespace,
+            field_selector=only_default,
+            resource_version=sas.metadata.resource_version,
+            timeout_seconds=30,
+        ):
+            return
+    raise TimeoutError(f"kube-controller-manager made no default ServiceAccount in {namespace}")
+
+
+@pytest.fixture
+async def namespace(kube_api: client.ApiClient) -> AsyncIterator[str]:
+    core = client.CoreV1Api(kube_api)
+    ns = await core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(generate_name="it-"))
+    )
+    name: str = ns.metadata.name
+    try:
+        await _wait_default_service_account(core, name)
+        yield name
+    finally:
+        try:
+            await core.delete_namespace(name)
+        except ApiException as e:
+            if e.status not in (404, 409):  # gone, or already terminating
+                raise
