@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Fetch (or reuse) the third-party CRDs our overlays use, so tests can install them into the
+# local control plane and server-side dry-run the overlays against the real schemas:
+#   - cert-manager's CRDs (Certificate, Issuer, ...), Kubernetes overlay;
+#   - OpenShift's SecurityContextConstraints CRD, OpenShift overlay.
+#
+# Both come from Go modules through the Go module proxy (no GitHub downloads here): the
+# cert-manager module ships plain CRDs in deploy/crds/, openshift/api ships the SCC CRD in
+# security/v1/zz_generated.crd-manifests/. Versions are pinned below, with the module sums
+# `go mod download` must report (a changed sum is an error, not a silent new schema).
+# openshift/api has no semver tags; the pin is a pseudo-version of a release-4.18 commit.
+#
+# The CRDs land outside the repo, keyed by the pins, so fresh clones reuse them:
+#   ${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/<key>/{cert-manager,openshift}/*.yaml
+# Prints that directory last. Cold: a few seconds (two module zips, ~35 MB); warm: instant.
+#
+# Usage: hack/fetch-crds.sh [--print-dir]   (--print-dir never downloads; exit 1 if not cached)
+set -euo pipefail
+
+export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+GO="${GO:-go}"
+
+CERT_MANAGER_MODULE=github.com/cert-manager/cert-manager
+CERT_MANAGER_VERSION=v1.21.2
+CERT_MANAGER_SUM="h1:UWgoYM+KLNtRlqmoWOKjKBOBUPVHeepQ6/ac3ERJW68="
+OPENSHIFT_API_MODULE=github.com/openshift/api
+OPENSHIFT_API_VERSION=v0.0.0-20250711200046-c86d80652a9e
+OPENSHIFT_API_SUM="h1:E1OdwSpqWuDPCedyUt0GEdoAE+r5TXy7YS21yNEo+2U="
+SCC_CRD=security/v1/zz_generated.crd-manifests/0000_03_config-operator_01_securitycontextconstraints-Default.crd.yaml
+
+KEY="$(printf '%s\n' "$CERT_MANAGER_VERSION" "$CERT_MANAGER_SUM" "$OPENSHIFT_API_VERSION" \
+    "$OPENSHIFT_API_SUM" "$SCC_CRD" | sha256sum | cut -c1-12)"
+OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/cm-$CERT_MANAGER_VERSION-$KEY"
+STAMP="$OUT/.stamp"
+
+case "${1:-}" in
+    --print-dir)
+        [[ -f "$STAMP" ]] || { echo "third-party CRDs not fetched; run $0" >&2; exit 1; }
+        echo "$OUT"; exit 0 ;;
+    "") ;;
+    *) echo "usage: $0 [--print-dir]" >&2; exit 2 ;;
+esac
+if [[ -f "$STAMP" ]]; then echo "$OUT"; exit 0; fi
+
+mkdir -p "$OUT"
+exec 9>"$OUT/.lock"
+flock 9
+if [[ -f "$STAMP" ]]; then echo "$OUT"; exit 0; fi
+
+# download MODULE VERSION SUM -> prints the module's directory in the module cache
+download() {
+    local json dir sum
+    # outside any module, so no go.mod of the repo's is consulted or changed
+    json="$(cd / && "$GO" mod download -json "$1@$2")" ||
+        { echo "go mod download $1@$2 failed" >&2; return 1; }
+    dir="$(sed -n 's#^\t"Dir": "\(.*\)",*$#\1#p' <<<"$json")"
+    sum="$(sed -n 's#^\t"Sum": "\(.*\)",*$#\1#p' <<<"$json")"
+    [[ "$sum" == "$3" ]] || { echo "$1@$2: module sum $sum, expected $3" >&2; return 1; }
+    [[ -d "$dir" ]] || { echo "$1@$2: no module dir in: $json" >&2; return 1; }
+    echo "$dir"
+}
+
+rm -rf "$OUT/cert-manager" "$OUT/openshift" && mkdir -p "$OUT/cert-manager" "$OUT/openshift"
+cm_dir="$(download "$CERT_MANAGER_MODULE" "$CERT_MANAGER_VERSION" "$CERT_MANAGER_SUM")"
+shopt -s nullglob
+crds=("$cm_dir"/deploy/crds/*.yaml)
+(( ${#crds[@]} > 0 )) || { echo "no CRDs in $cm_dir/deploy/crds" >&2; exit 1; }
+install -m 0644 "${crds[@]}" "$OUT/cert-manager/"
+
+os_dir="$(download "$OPENSHIFT_API_MODULE" "$OPENSHIFT_API_VERSION" "$OPENSHIFT_API_SUM")"
+[[ -f "$os_dir/$SCC_CRD" ]] || { echo "no $SCC_CRD in $os_dir" >&2; exit 1; }
+install -m 0644 "$os_dir/$SCC_CRD" "$OUT/openshift/securitycontextconstraints.crd.yaml"
+
+{
+    echo "cert-manager=$CERT_MANAGER_VERSION"
+    echo "openshift-api=$OPENSHIFT_API_VERSION"
+    echo "fetched=$(date -u +%FT%TZ)"
+} >"$STAMP"
+echo "$OUT"
