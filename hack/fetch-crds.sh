@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Fetch (or reuse) the third-party CRDs our overlays use, so tests can install them into the
-# local control plane and server-side dry-run the overlays against the real schemas:
+# Fetch (or reuse) the third-party schemas our deployment files are checked against, so tests
+# can install the CRDs into the local control plane and server-side dry-run the overlays:
 #   - cert-manager's CRDs (Certificate, Issuer, ...), Kubernetes overlay;
-#   - OpenShift's SecurityContextConstraints CRD, OpenShift overlay.
+#   - OpenShift's SecurityContextConstraints CRD, OpenShift overlay;
+#   - skaffold's JSON schema for skaffold.yaml (no skaffold binary can be built cheaply here).
 #
-# Both come from Go modules through the Go module proxy (no GitHub downloads here): the
+# All come from Go modules through the Go module proxy (no GitHub downloads here): the
 # cert-manager module ships plain CRDs in deploy/crds/, openshift/api ships the SCC CRD in
-# security/v1/zz_generated.crd-manifests/. Versions are pinned below, with the module sums
-# `go mod download` must report (a changed sum is an error, not a silent new schema).
-# openshift/api has no semver tags; the pin is a pseudo-version of a release-4.18 commit.
+# security/v1/zz_generated.crd-manifests/, skaffold ships docs-v2/content/en/schemas/*.json.
+# Versions are pinned below, with the module sums `go mod download` must report (a changed sum
+# is an error, not a silent new schema). openshift/api has no semver tags; the pin is a
+# pseudo-version of a release-4.18 commit.
 #
-# The CRDs land outside the repo, keyed by the pins, so fresh clones reuse them:
-#   ${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/<key>/{cert-manager,openshift}/*.yaml
-# Prints that directory last. Cold: a few seconds (two module zips, ~35 MB); warm: instant.
+# The files land outside the repo, keyed by the pins, so fresh clones reuse them:
+#   ${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/<key>/{cert-manager,openshift,skaffold}/
+# Prints that directory last. Cold: ~10 s (three module zips, ~140 MB); warm: instant.
 #
 # Usage: hack/fetch-crds.sh [--print-dir]   (--print-dir never downloads; exit 1 if not cached)
 set -euo pipefail
@@ -27,10 +29,14 @@ OPENSHIFT_API_MODULE=github.com/openshift/api
 OPENSHIFT_API_VERSION=v0.0.0-20250711200046-c86d80652a9e
 OPENSHIFT_API_SUM="h1:E1OdwSpqWuDPCedyUt0GEdoAE+r5TXy7YS21yNEo+2U="
 SCC_CRD=security/v1/zz_generated.crd-manifests/0000_03_config-operator_01_securitycontextconstraints-Default.crd.yaml
+SKAFFOLD_MODULE=github.com/GoogleContainerTools/skaffold/v2
+SKAFFOLD_VERSION=v2.16.1
+SKAFFOLD_SUM="h1:eMrp2qpn/5j2c1P/JqLo+mxcpEIdtokb/tCY2W/05ic="
+SKAFFOLD_SCHEMA=v4beta13  # must match skaffold.yaml's apiVersion (tests/unit/test_ops_files.py)
 
 KEY="$(printf '%s\n' "$CERT_MANAGER_VERSION" "$CERT_MANAGER_SUM" "$OPENSHIFT_API_VERSION" \
-    "$OPENSHIFT_API_SUM" "$SCC_CRD" | sha256sum | cut -c1-12)"
-OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/cm-$CERT_MANAGER_VERSION-$KEY"
+    "$OPENSHIFT_API_SUM" "$SCC_CRD" "$SKAFFOLD_VERSION" "$SKAFFOLD_SUM" "$SKAFFOLD_SCHEMA" | sha256sum | cut -c1-12)"
+OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/crds/$KEY"
 STAMP="$OUT/.stamp"
 
 case "${1:-}" in
@@ -50,6 +56,7 @@ if [[ -f "$STAMP" ]]; then echo "$OUT"; exit 0; fi
 # download MODULE VERSION SUM -> prints the module's directory in the module cache
 download() {
     local json dir sum
+    echo "fetching $1@$2 from the Go module proxy" >&2
     # outside any module, so no go.mod of the repo's is consulted or changed
     json="$(cd / && "$GO" mod download -json "$1@$2")" ||
         { echo "go mod download $1@$2 failed" >&2; return 1; }
@@ -60,7 +67,8 @@ download() {
     echo "$dir"
 }
 
-rm -rf "$OUT/cert-manager" "$OUT/openshift" && mkdir -p "$OUT/cert-manager" "$OUT/openshift"
+rm -rf "$OUT/cert-manager" "$OUT/openshift" "$OUT/skaffold"
+mkdir -p "$OUT/cert-manager" "$OUT/openshift" "$OUT/skaffold"
 cm_dir="$(download "$CERT_MANAGER_MODULE" "$CERT_MANAGER_VERSION" "$CERT_MANAGER_SUM")"
 shopt -s nullglob
 crds=("$cm_dir"/deploy/crds/*.yaml)
@@ -71,9 +79,15 @@ os_dir="$(download "$OPENSHIFT_API_MODULE" "$OPENSHIFT_API_VERSION" "$OPENSHIFT_
 [[ -f "$os_dir/$SCC_CRD" ]] || { echo "no $SCC_CRD in $os_dir" >&2; exit 1; }
 install -m 0644 "$os_dir/$SCC_CRD" "$OUT/openshift/securitycontextconstraints.crd.yaml"
 
+sk_dir="$(download "$SKAFFOLD_MODULE" "$SKAFFOLD_VERSION" "$SKAFFOLD_SUM")"
+schema="$sk_dir/docs-v2/content/en/schemas/$SKAFFOLD_SCHEMA.json"
+[[ -f "$schema" ]] || { echo "no $schema" >&2; exit 1; }
+install -m 0644 "$schema" "$OUT/skaffold/$SKAFFOLD_SCHEMA.json"
+
 {
     echo "cert-manager=$CERT_MANAGER_VERSION"
     echo "openshift-api=$OPENSHIFT_API_VERSION"
+    echo "skaffold=$SKAFFOLD_VERSION"
     echo "fetched=$(date -u +%FT%TZ)"
 } >"$STAMP"
 echo "$OUT"
