@@ -1,0 +1,1 @@
+"""Development PKI for the admission webhook (`python -m certs.make`); see certs/make.py."""

@@ -1,0 +1,109 @@
+"""Reading slice requests out of Pod JSON, the same way everywhere.
+
+The webhook validates and rewrites what users write (`nvidia.com/mig-*`); everything after
+admission (allocator, node agent, kubectl plugin) reads the rewritten pod, whose slice asks
+are the `instaslice.io/mig-*` limits of its containers and initContainers. Ephemeral
+containers never get slices (CONTRACT.md §1) and are never read here.
+
+Counts are Kubernetes quantities; only plain positive integers ("1", "2") are slice counts.
+The webhook refuses anything else at admission, so after admission `slice_requests` raising
+`SliceRequestError` means the pod did not come through the webhook (the cluster-wide policy
+refuses such pods too): callers treat it as a permanent error for that pod.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from common.constants import CLAIM_ANNOTATION, INSTASLICE_MIG_PREFIX
+from common.profiles import ProfileNameError, profile_from_suffix
+
+ContainerField = Literal["containers", "initContainers"]
+CONTAINER_FIELDS: tuple[ContainerField, ...] = ("containers", "initContainers")
+
+_COUNT = re.compile(r"^[1-9][0-9]{0,17}$")  # below 10^18: int() of it is always safe
+
+
+class SliceRequestError(ValueError):
+    """A pod's `instaslice.io/mig-*` request that is not a valid slice ask."""
+
+
+@dataclass(frozen=True, slots=True)
+class SliceAsk:
+    """`count` slices of `profile` (NVIDIA spelling) for one container."""
+
+    container: str
+    profile: str
+    count: int
+    init: bool = False
+
+
+def parse_count(value: object) -> int | None:
+    """A slice count: a positive integer (JSON int or a plain decimal string), else None.
+
+    Quantities such as "1k", "0.5", "1e3", "-1" or "0" are not slice counts.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if 0 < value < 10**18 else None
+    if isinstance(value, str) and _COUNT.match(value):
+        return int(value)
+    return None
+
+
+def iter_containers(pod: Mapping[str, Any]) -> Iterator[tuple[ContainerField, int, Any]]:
+    """(field, index, container) of every container then every initContainer.
+
+    Tolerates malformed JSON (yields whatever the list holds; non-lists yield nothing).
+    """
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return
+    for fld in CONTAINER_FIELDS:
+        items = spec.get(fld)
+        if isinstance(items, list):
+            for i, c in enumerate(items):
+                yield fld, i, c
+
+
+def pod_claim(pod: Mapping[str, Any]) -> str | None:
+    """The pod's `instaslice.io/claim` annotation, if it has one."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    claim = annotations.get(CLAIM_ANNOTATION) if isinstance(annotations, Mapping) else None
+    return claim if isinstance(claim, str) else None
+
+
+def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
+    """Every slice ask of a rewritten pod, in container order (containers, then init).
+
+    Raises SliceRequestError for an `instaslice.io/mig-*` limit that names no profile or
+    whose count is not a positive integer.
+    """
+    asks: list[SliceAsk] = []
+    for fld, _, c in iter_containers(pod):
+        if not isinstance(c, Mapping):
+            continue
+        resources = c.get("resources")
+        limits = resources.get("limits") if isinstance(resources, Mapping) else None
+        if not isinstance(limits, Mapping):
+            continue
+        for key, value in limits.items():
+            if not (isinstance(key, str) and key.startswith(INSTASLICE_MIG_PREFIX)):
+                continue
+            name = c.get("name")
+            try:
+                profile = profile_from_suffix(key[len(INSTASLICE_MIG_PREFIX) :])
+            except ProfileNameError as exc:
+                raise SliceRequestError(f"container {name!r}: {exc}") from exc
+            count = parse_count(value)
+            if count is None:
+                raise SliceRequestError(
+                    f"container {name!r}: {key}={value!r} is not a positive integer count"
+                )
+            asks.append(SliceAsk(str(name), profile, count, init=fld == "initContainers"))
+    return asks

@@ -1,0 +1,514 @@
+"""The admission decision (CONTRACT.md §1-2): AdmissionReview in, JSON Patch or denial out.
+
+Pure: no I/O, no clock, no randomness of its own (the claim id generator is passed in), so
+table-driven tests and hypothesis cover it completely and the HTTPS server stays a thin shell.
+
+What it decides, for a Pod CREATE in an opted-in namespace (the webhook configuration's
+namespaceSelector and matchConditions already filtered out everything else):
+- a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged;
+- otherwise every MIG request is validated and each problem is reported with the container,
+  the field and the reason; with none, the patch renames the resources to
+  `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
+  `env` binding mode, sets each slice-asking container's NVIDIA_VISIBLE_DEVICES to its CDI
+  device `instaslice.io/mig=<namespace>_<claim>_<container>`.
+
+Only CREATE is mutated: a pod's resources and env cannot change afterwards, and gate and
+claim changes on UPDATE are the cluster-wide ValidatingAdmissionPolicy's business. A CREATE
+that already carries InstaSlice's marks (a replayed `--dry-run=server` output, a copy of a
+live pod) is normalised rather than stacked: one gate, a *fresh* claim, device names of the
+fresh claim. Keeping the old claim would let two pods share one allocation record, and
+let a copy name another pod's device.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, NotRequired, TypedDict, cast
+
+from common.constants import (
+    CDI_KIND,
+    CLAIM_ANNOTATION,
+    GATE_NAME,
+    INSTASLICE_MIG_PREFIX,
+    NVIDIA_MIG_PREFIX,
+    VISIBLE_DEVICES_ENV,
+    qualified_cdi_device,
+)
+from common.podspec import SliceAsk, iter_containers, parse_count, slice_requests
+from common.profiles import ProfileNameError, profile_from_suffix
+from webhook.settings import AdmissionSettings, BindingMode
+
+ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
+CDI_ANNOTATION_PREFIX: Final = "cdi.k8s.io/"
+_DEVICE_MARK: Final = CDI_KIND + "="
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_MAX_PROBLEMS = 20
+
+# --- the wire (admission.k8s.io/v1) ------------------------------------------------------
+
+Obj = dict[str, Any]
+Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
+
+
+class GroupVersionKind(TypedDict):
+    group: str
+    version: str
+    kind: str
+
+
+class UserInfo(TypedDict, total=False):
+    username: str
+    uid: str
+    groups: list[str]
+    extra: dict[str, list[str]]
+
+
+class AdmissionRequest(TypedDict):
+    uid: str
+    kind: GroupVersionKind
+    operation: Operation
+    resource: NotRequired[Obj]
+    subResource: NotRequired[str]
+    name: NotRequired[str]
+    namespace: NotRequired[str]
+    userInfo: NotRequired[UserInfo]
+    object: NotRequired[Obj | None]
+    oldObject: NotRequired[Obj | None]
+    dryRun: NotRequired[bool]
+    options: NotRequired[Obj | None]
+
+
+class Status(TypedDict, total=False):
+    code: int
+    reason: str
+    message: str
+
+
+class AdmissionResponse(TypedDict):
+    uid: str
+    allowed: bool
+    patchType: NotRequired[Literal["JSONPatch"]]
+    patch: NotRequired[str]  # base64 of the JSON Patch
+    status: NotRequired[Status]
+    warnings: NotRequired[list[str]]
+
+
+class AdmissionReview(TypedDict):
+    apiVersion: Literal["admission.k8s.io/v1"]
+    kind: Literal["AdmissionReview"]
+    request: NotRequired[AdmissionRequest]
+    response: NotRequired[AdmissionResponse]
+
+
+class PatchOp(TypedDict):
+    op: Literal["add", "remove", "replace"]
+    path: str
+    value: NotRequired[Any]
+
+
+# --- decisions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """Admit unchanged; `reason` is for logs and metrics only."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Patched:
+    """Admit with `patch` applied: the pod now waits for InstaSlice under `claim`."""
+
+    patch: list[PatchOp]
+    claim: str
+    asks: tuple[SliceAsk, ...]
+    devices: tuple[str, ...] = ()  # qualified CDI device names set (env mode)
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    """Refuse; `message` names the container, the field and the reason of every problem."""
+
+    message: str
+    code: int = 403
+    reason: str = "Forbidden"
+
+
+Decision = Allowed | Patched | Denied
+
+
+class MalformedReview(ValueError):
+    """A body that is not an AdmissionReview v1 request; `uid` when one could be read."""
+
+    def __init__(self, message: str, uid: str | None = None) -> None:
+        super().__init__(message)
+        self.uid = uid
+
+
+def malformed(message: str) -> Denied:
+    return Denied(f"malformed AdmissionReview: {message}", code=400, reason="BadRequest")
+
+
+# --- parsing and answering ---------------------------------------------------------------
+
+
+def parse_review(doc: object) -> AdmissionRequest:
+    """Check the envelope of a decoded AdmissionReview and return its request.
+
+    Only what the decision relies on is checked (uid, kind, operation, namespace, object);
+    the pod itself is checked by `review`, field by field.
+    """
+    if not isinstance(doc, dict):
+        raise MalformedReview("the body is not a JSON object")
+    request = doc.get("request")
+    uid = request.get("uid") if isinstance(request, dict) else None
+    uid = uid if isinstance(uid, str) and uid else None
+    if doc.get("apiVersion") != ADMISSION_API_VERSION or doc.get("kind") != "AdmissionReview":
+        raise MalformedReview(f"expected kind AdmissionReview, {ADMISSION_API_VERSION}", uid)
+    if not isinstance(request, dict):
+        raise MalformedReview("no request", uid)
+    if uid is None:
+        raise MalformedReview("request.uid is missing or not a string")
+    kind = request.get("kind")
+    if not (isinstance(kind, dict) and all(isinstance(kind.get(k), str) for k in GVK_KEYS)):
+        raise MalformedReview("request.kind is not a group/version/kind", uid)
+    if request.get("operation") not in ("CREATE", "UPDATE", "DELETE", "CONNECT"):
+        raise MalformedReview("request.operation is not CREATE, UPDATE, DELETE or CONNECT", uid)
+    if not isinstance(request.get("namespace", ""), str):
+        raise MalformedReview("request.namespace is not a string", uid)
+    if not isinstance(request.get("object"), dict | None):
+        raise MalformedReview("request.object is not an object", uid)
+    return cast(AdmissionRequest, request)
+
+
+GVK_KEYS: Final = ("group", "version", "kind")
+
+
+def response_for(uid: str, decision: Decision) -> AdmissionReview:
+    """The AdmissionReview answering request `uid` with `decision`."""
+    resp: AdmissionResponse = {"uid": uid, "allowed": not isinstance(decision, Denied)}
+    if isinstance(decision, Patched):
+        raw = json.dumps(decision.patch, separators=(",", ":")).encode()
+        resp["patchType"] = "JSONPatch"
+        resp["patch"] = base64.b64encode(raw).decode("ascii")
+        if decision.warnings:
+            resp["warnings"] = list(decision.warnings)
+    elif isinstance(decision, Denied):
+        resp["status"] = {
+            "code": decision.code,
+            "reason": decision.reason,
+            "message": decision.message,
+        }
+    return {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": resp}
+
+
+# --- the decision ------------------------------------------------------------------------
+
+
+def review(
+    request: AdmissionRequest, settings: AdmissionSettings, *, new_claim: Callable[[], str]
+) -> Decision:
+    """Decide one review (see the module docstring)."""
+    kind = request["kind"]
+    if (kind["group"], kind["version"], kind["kind"]) != ("", "v1", "Pod"):
+        return Allowed("not a v1 Pod")
+    if request.get("subResource"):
+        return Allowed("a subresource")
+    if request["operation"] != "CREATE":
+        return Allowed("only CREATE is mutated")
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        return malformed("request.object is missing")
+    if not _asks_for_mig(pod):
+        return Allowed("no MIG request")
+    meta = pod.get("metadata")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        return malformed("object.metadata is not an object")
+    namespace = request.get("namespace") or meta.get("namespace")
+    if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):
+        return malformed(f"namespace {_show(namespace)} is not a DNS-1123 label")
+    return _Rewrite(pod, meta, namespace, settings).run(new_claim)
+
+
+def pod_slice_requests(pod: Mapping[str, Any]) -> list[tuple[str, str, int]]:
+    """(container, profile, count) of a rewritten pod, containers then initContainers."""
+    return [(a.container, a.profile, a.count) for a in slice_requests(pod)]
+
+
+def _is_mig_key(key: object) -> bool:
+    return isinstance(key, str) and key.startswith((NVIDIA_MIG_PREFIX, INSTASLICE_MIG_PREFIX))
+
+
+def _asks_for_mig(pod: Obj) -> bool:
+    for _, _, c in iter_containers(pod):
+        resources = c.get("resources") if isinstance(c, dict) else None
+        if not isinstance(resources, dict):
+            continue
+        for section in ("limits", "requests"):
+            entries = resources.get(section)
+            if isinstance(entries, dict) and any(_is_mig_key(k) for k in entries):
+                return True
+    return False
+
+
+def _show(value: object, limit: int = 64) -> str:
+    """A value for a message: JSON, truncated (hostile input must not bloat the answer)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _esc(token: str) -> str:
+    """One JSON Pointer reference token (RFC 6901): `~` → `~0`, `/` → `~1`."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+@dataclass
+class _Rewrite:
+    """One pod's validation and patch, built in a single pass over its containers."""
+
+    pod: Obj
+    meta: Obj
+    namespace: str
+    settings: AdmissionSettings
+    problems: list[str] = field(default_factory=list)
+    ops: list[PatchOp] = field(default_factory=list)
+    asks: list[SliceAsk] = field(default_factory=list)
+
+    def run(self, new_claim: Callable[[], str]) -> Decision:
+        spec = self.pod.get("spec")
+        assert isinstance(spec, dict)  # _asks_for_mig found containers in it
+        annotations = self.meta.get("annotations")
+        if annotations is not None and not isinstance(annotations, dict):
+            return malformed("object.metadata.annotations is not an object")
+        annotations = annotations or {}
+        old_claim = annotations.get(CLAIM_ANNOTATION)
+        old_claim = old_claim if isinstance(old_claim, str) else None
+        gates = spec.get("schedulingGates")
+        if gates is not None and not isinstance(gates, list):
+            return malformed("object.spec.schedulingGates is not a list")
+        gated = any(isinstance(g, dict) and g.get("name") == GATE_NAME for g in gates or [])
+
+        if spec.get("nodeName"):
+            self.problems.append(
+                f"spec.nodeName: is set to {_show(spec['nodeName'])}; a pod asking for MIG "
+                "slices must let InstaSlice choose its node (use a nodeSelector or affinity)"
+            )
+        for key, value in annotations.items():
+            if key.startswith(CDI_ANNOTATION_PREFIX) and _DEVICE_MARK in str(value):
+                self.problems.append(
+                    f"metadata.annotations[{key}]: names an {CDI_KIND} CDI device; "
+                    "InstaSlice assigns devices per container, never by pod annotation"
+                )
+
+        claim = new_claim()
+        devices: list[str] = []
+        names: set[str] = set()
+        for fld, i, c in iter_containers(self.pod):
+            where = f"spec.{fld}[{i}]"
+            if not isinstance(c, dict):
+                self.problems.append(f"{where}: is not a container object")
+                continue
+            name = c.get("name")
+            if not isinstance(name, str) or not _DNS_LABEL.match(name):
+                self.problems.append(f"{where}: name {_show(name)} is not a DNS-1123 label")
+                continue
+            if name in names:
+                self.problems.append(f"{where}: container name {_show(name)} is used twice")
+                continue
+            names.add(name)
+            asks = self._resources(c, fld, i, name)
+            own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
+            device = qualified_cdi_device(self.namespace, claim, name)
+            bind = bool(asks) and self.settings.binding_mode is BindingMode.ENV
+            if self._env(c, fld, i, name, own, device if bind else None) and bind:
+                devices.append(device)
+
+        if self.problems:
+            shown = self.problems[:_MAX_PROBLEMS]
+            if len(self.problems) > _MAX_PROBLEMS:
+                shown.append(f"and {len(self.problems) - _MAX_PROBLEMS} more problems")
+            return Denied("; ".join(shown))
+
+        # "add" on an existing member replaces it, so a JSON null in the way is fine too.
+        head: list[PatchOp] = []
+        if isinstance(self.meta.get("annotations"), dict):
+            path = f"/metadata/annotations/{_esc(CLAIM_ANNOTATION)}"
+            head.append({"op": "add", "path": path, "value": claim})
+        else:
+            if not isinstance(self.pod.get("metadata"), dict):
+                head.append({"op": "add", "path": "/metadata", "value": {}})
+            head.append(
+                {"op": "add", "path": "/metadata/annotations", "value": {CLAIM_ANNOTATION: claim}}
+            )
+        if not gated:
+            gate = {"name": GATE_NAME}
+            if gates is None:
+                head.append({"op": "add", "path": "/spec/schedulingGates", "value": [gate]})
+            else:
+                head.append({"op": "add", "path": "/spec/schedulingGates/-", "value": gate})
+        warnings: list[str] = []
+        if old_claim is not None or gated:
+            warnings.append(
+                f"the pod already carried InstaSlice's claim or gate; it gets the fresh claim "
+                f"{claim} (claims are never reused)"
+            )
+        return Patched(head + self.ops, claim, tuple(self.asks), tuple(devices), tuple(warnings))
+
+    def _resources(self, c: Obj, fld: str, i: int, name: str) -> bool:
+        """Validate one container's MIG resources and queue their renames; True if it asks."""
+        resources = c.get("resources")
+        if resources is None:
+            return False
+        where = f"container {_show(name)}"
+        if not isinstance(resources, dict):
+            self.problems.append(f"{where}: resources is not an object")
+            return False
+        sections: dict[str, dict[str, Any]] = {}
+        for section in ("limits", "requests"):
+            entries = resources.get(section)
+            if entries is None:
+                entries = {}
+            if not isinstance(entries, dict):
+                self.problems.append(f"{where}: resources.{section} is not an object")
+                return False
+            sections[section] = entries
+        limits, requests = sections["limits"], sections["requests"]
+        base = f"/spec/{fld}/{i}/resources"
+        seen: dict[str, str] = {}
+        asked = False
+        for key, value in limits.items():
+            if not _is_mig_key(key):
+                continue
+            asked = True
+            field_ = f"resources.limits[{key}]"
+            nvidia = key.startswith(NVIDIA_MIG_PREFIX)
+            prefix = NVIDIA_MIG_PREFIX if nvidia else INSTASLICE_MIG_PREFIX
+            suffix = key[len(prefix) :]
+            try:
+                profile = profile_from_suffix(suffix)
+            except ProfileNameError:
+                self.problems.append(
+                    f"{where}: {field_}: {_show(suffix)} is not a MIG profile "
+                    "(e.g. nvidia.com/mig-1g.18gb, nvidia.com/mig-1g.18gb.me for 1g.18gb+me)"
+                )
+                continue
+            if profile not in self.settings.known_profiles:
+                self.problems.append(
+                    f"{where}: {field_}: unknown MIG profile {profile}: "
+                    "no GPU model in the catalog offers it"
+                )
+                continue
+            if profile in seen:
+                self.problems.append(
+                    f"{where}: {field_}: profile {profile} is also asked as {seen[profile]}"
+                )
+                continue
+            seen[profile] = key
+            count = self._count(where, field_, value)
+            if key in requests and requests[key] != value:
+                self.problems.append(
+                    f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from "
+                    f"the limit {_show(value)}; requests, if given, must equal limits"
+                )
+                continue
+            if count is None:
+                continue
+            self.asks.append(SliceAsk(name, profile, count, init=fld == "initContainers"))
+            if nvidia:
+                new_key = INSTASLICE_MIG_PREFIX + suffix
+                for section, entries in (("limits", limits), ("requests", requests)):
+                    if key in entries:
+                        self.ops.append({"op": "remove", "path": f"{base}/{section}/{_esc(key)}"})
+                        self.ops.append(
+                            {"op": "add", "path": f"{base}/{section}/{_esc(new_key)}",
+                             "value": entries[key]}
+                        )  # fmt: skip
+        for key in requests:
+            if _is_mig_key(key) and key not in limits:
+                asked = True
+                self.problems.append(
+                    f"{where}: resources.requests[{key}]: a MIG resource in requests must "
+                    "also be in limits, with the same count"
+                )
+        return asked
+
+    def _count(self, where: str, field_: str, value: object) -> int | None:
+        count = parse_count(value)
+        if count is None:
+            self.problems.append(
+                f"{where}: {field_}: count {_show(value)} is not a positive integer"
+            )
+        elif count > self.settings.max_count:
+            self.problems.append(
+                f"{where}: {field_}: count {count} exceeds the limit of "
+                f"{self.settings.max_count} slices of one profile per container"
+            )
+            return None
+        return count
+
+    def _env(
+        self, c: Obj, fld: str, i: int, name: str, own: str | None, device: str | None
+    ) -> bool:
+        """Check one container's env and queue the NVIDIA_VISIBLE_DEVICES op.
+
+        `own`: the device this container had under the pod's old claim (a replay); entries
+        naming exactly it are InstaSlice's own and are dropped. `device`: the value to set
+        (env mode, slice-asking container), else None. True if the op was queued.
+        """
+        env = c.get("env")
+        where = f"container {_show(name)}"
+        if env is not None and not isinstance(env, list):
+            self.problems.append(f"{where}: env is not a list")
+            return False
+        kept: list[Any] = []
+        dropped = False
+        ok = True
+        for j, e in enumerate(env or []):
+            if not isinstance(e, dict):
+                self.problems.append(f"{where}: env[{j}] is not an object")
+                ok = False
+                continue
+            var, value = e.get("name"), e.get("value")
+            if own is not None and var == VISIBLE_DEVICES_ENV and value == own:
+                dropped = True  # InstaSlice's own entry of a replayed pod
+                continue
+            kept.append(e)
+            if var == VISIBLE_DEVICES_ENV:
+                how = "valueFrom" if "valueFrom" in e else "value"
+                self.problems.append(
+                    f"{where}: env[{j}] {VISIBLE_DEVICES_ENV} ({how}): containers may not set "
+                    "it in a pod asking for MIG slices; InstaSlice assigns each container its "
+                    "slice devices"
+                )
+                ok = False
+            elif isinstance(value, str) and _DEVICE_MARK in value:
+                self.problems.append(
+                    f"{where}: env[{j}] {_show(var)}: names an {CDI_KIND} CDI device itself; "
+                    "only InstaSlice assigns those"
+                )
+                ok = False
+        if not ok:
+            return False
+        path = f"/spec/{fld}/{i}/env"
+        entry = {"name": VISIBLE_DEVICES_ENV, "value": device}
+        if dropped:
+            value = [*kept, entry] if device else kept
+            self.ops.append({"op": "replace", "path": path, "value": value})
+        elif device is None:
+            return False
+        elif env is None:
+            self.ops.append({"op": "add", "path": path, "value": [entry]})
+        else:
+            self.ops.append({"op": "add", "path": f"{path}/-", "value": entry})
+        return device is not None

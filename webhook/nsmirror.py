@@ -1,0 +1,117 @@
+"""Mirror the namespace opt-in annotation into the label the webhook selects on.
+
+Users opt a namespace in with the annotation `instaslice.io/enabled: "true"` (CONTRACT.md §1);
+the MutatingWebhookConfiguration's `namespaceSelector` can only match labels, so this loop
+keeps the label `instaslice.io/enabled: "true"` present exactly while the annotation is. The
+annotation is the source of truth: a label set by hand without it is removed.
+
+An Informer (list + watch) delivers every namespace change; a patch is sent only when the
+label disagrees with the annotation, so a steady cluster sees no writes. Failed patches are
+retried with backoff through a keyed queue (the latest state of the namespace is re-read from
+the informer cache at retry time), never dropped. Running it in several replicas is harmless:
+the merge patch is idempotent, at worst each replica sends it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import structlog
+
+from common.constants import ENABLED_KEY
+from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path
+
+log = structlog.get_logger("nsmirror")
+
+
+def wanted_label(ns: Obj) -> str | None:
+    """The label value the namespace should carry: "true" when opted in, else none."""
+    meta = ns.get("metadata") or {}
+    return "true" if (meta.get("annotations") or {}).get(ENABLED_KEY) == "true" else None
+
+
+def label_patch(ns: Obj) -> Obj | None:
+    """The merge patch bringing the label in line with the annotation, or None if it is."""
+    meta = ns.get("metadata") or {}
+    current = (meta.get("labels") or {}).get(ENABLED_KEY)
+    wanted = wanted_label(ns)
+    if current == wanted:
+        return None
+    return {"metadata": {"labels": {ENABLED_KEY: wanted}}}
+
+
+@dataclass
+class _Mirror:
+    kube: Kube
+    retry_base_s: float
+    retry_max_s: float
+    informer: Informer = field(init=False)
+    queue: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    queued: set[str] = field(default_factory=set)
+    backoff: dict[str, float] = field(default_factory=dict)
+    retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.informer = Informer(self.kube, core_path("namespaces"), self.on_event, name="nsmirror")
+
+    async def on_event(self, etype: EventType, ns: Obj) -> None:
+        if etype != "DELETED" and label_patch(ns) is not None:
+            self.enqueue(ns["metadata"]["name"])
+
+    def enqueue(self, name: str) -> None:
+        pending = self.retries.pop(name, None)
+        if pending is not None:
+            pending.cancel()
+        if name not in self.queued:
+            self.queued.add(name)
+            self.queue.put_nowait(name)
+
+    async def worker(self) -> None:
+        try:
+            while True:
+                name = await self.queue.get()
+                self.queued.discard(name)
+                if await self.sync(name):
+                    self.backoff.pop(name, None)
+                else:  # retry later; other namespaces go on meanwhile
+                    delay = self.backoff.get(name, self.retry_base_s)
+                    self.backoff[name] = min(delay * 2, self.retry_max_s)
+                    loop = asyncio.get_running_loop()
+                    self.retries[name] = loop.call_later(delay, self.enqueue, name)
+        finally:
+            for handle in self.retries.values():
+                handle.cancel()
+
+    async def sync(self, name: str) -> bool:
+        """Patch the label of `name` if needed (latest cached state). False: retry later."""
+        ns = self.informer.cache.get(name)
+        patch = label_patch(ns) if ns is not None else None
+        if ns is None or patch is None:
+            return True
+        try:
+            await self.kube.patch(core_path("namespaces", name=name), patch)
+        except ApiError as exc:
+            if exc.not_found:
+                return True
+            log.warning("namespace label patch failed", namespace=name, error=str(exc))
+            return False
+        log.info("namespace label mirrored", namespace=name, label=wanted_label(ns))
+        return True
+
+
+async def run_namespace_mirror(
+    kube: Kube,
+    *,
+    synced: asyncio.Event | None = None,
+    retry_base_s: float = 0.2,
+    retry_max_s: float = 10.0,
+) -> None:
+    """Mirror until cancelled. `synced` is set once the first namespace list was handled."""
+    mirror = _Mirror(kube, retry_base_s, retry_max_s)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(mirror.informer.run(), name="nsmirror-informer")
+        tg.create_task(mirror.worker(), name="nsmirror-worker")
+        if synced is not None:
+            await mirror.informer.synced.wait()
+            synced.set()

@@ -1,0 +1,319 @@
+"""The HTTPS admission server: a thin aiohttp shell around `webhook.admission.review`.
+
+Routes: `POST /mutate` (AdmissionReview v1), `GET /healthz` (the process answers),
+`GET /readyz` (serving, not shutting down), `GET /metrics` (Prometheus, the registry given).
+
+Every body gets a well-formed answer: a body that is not JSON, or has no request uid to answer
+to, gets HTTP 400; any other malformed review gets an AdmissionReview denial (code 400); a bug
+in the decision gets a denial (code 500), never a dropped connection. The decision is
+synchronous and takes microseconds, so it runs inline on the event loop.
+
+TLS 1.2+ only. The certificate and key are re-read when their files change (cert-manager and
+kubelet replace Secret volume files in place; stat() is compared every few seconds). A new
+pair is loaded into the live `SSLContext` only after it loaded cleanly into a scratch one,
+from the same private copy of the bytes, so a half-written or mismatched pair never replaces
+a working one; connections already open keep the certificate they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import ssl
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from common.objects import new_claim_id
+from webhook.admission import (
+    Allowed,
+    Decision,
+    Denied,
+    MalformedReview,
+    Patched,
+    malformed,
+    parse_review,
+    response_for,
+    review,
+)
+from webhook.metrics import Outcome, WebhookMetrics
+from webhook.settings import ServerSettings
+
+log = structlog.get_logger("webhook")
+
+
+# --- TLS -----------------------------------------------------------------------------------
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()  # follows symlinks: kubelet swaps the ..data link of a Secret volume
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@dataclass
+class CertReloader:
+    """The server's SSLContext, kept in step with the certificate and key files."""
+
+    cert_file: Path
+    key_file: Path
+    metrics: WebhookMetrics | None = None
+    context: ssl.SSLContext = field(init=False)
+    _seen: tuple[object, object] = field(init=False, default=(None, None))
+
+    def __post_init__(self) -> None:
+        self.context = _server_context()
+        if not self.reload():
+            raise ssl.SSLError(f"cannot load {self.cert_file} / {self.key_file}")
+
+    def reload(self) -> bool:
+        """Load the pair if its files changed since the last load. True if now current."""
+        seen = (_signature(self.cert_file), _signature(self.key_file))
+        if seen == self._seen:
+            return True
+        try:
+            cert, key = self.cert_file.read_bytes(), self.key_file.read_bytes()
+            with tempfile.TemporaryDirectory(prefix="instaslice-tls-") as tmp:
+                cert_copy, key_copy = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
+                cert_copy.write_bytes(cert)
+                fd = os.open(key_copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(key)
+                _server_context().load_cert_chain(cert_copy, key_copy)  # validate first
+                self.context.load_cert_chain(cert_copy, key_copy)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.warning("serving certificate not loaded", cert=str(self.cert_file), error=str(exc))
+            if self.metrics is not None and self._seen != (None, None):
+                self.metrics.cert_reloads.labels("error").inc()
+            return False
+        if self._seen != (None, None):
+            log.info("serving certificate reloaded", cert=str(self.cert_file))
+            if self.metrics is not None:
+                self.metrics.cert_reloads.labels("ok").inc()
+        self._seen = seen
+        return True
+
+    async def watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.reload()
+
+
+def _server_context() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+# --- the app -------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    settings: ServerSettings
+    metrics: WebhookMetrics
+    new_claim: Callable[[], str]
+    timer: Callable[[], float]
+    tls: CertReloader | None
+    ready: bool = False
+
+
+STATE = web.AppKey("instaslice_webhook_state", _State)
+
+
+def build_app(
+    settings: ServerSettings,
+    *,
+    metrics: WebhookMetrics | None = None,
+    new_claim: Callable[[], str] = new_claim_id,
+    timer: Callable[[], float] = time.perf_counter,
+) -> web.Application:
+    """The admission app. With `settings.cert_file` None it has no TLS (unit tests only)."""
+    metrics = metrics or WebhookMetrics()
+    tls = None
+    if settings.cert_file is not None and settings.key_file is not None:
+        tls = CertReloader(settings.cert_file, settings.key_file, metrics)
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[STATE] = _State(settings, metrics, new_claim, timer, tls)
+    app.router.add_post("/mutate", _mutate)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    watcher = None
+    if state.tls is not None:
+        watcher = asyncio.create_task(
+            state.tls.watch(state.settings.cert_check_interval_s), name="cert-reload"
+        )
+    state.ready = True
+    try:
+        yield
+    finally:
+        state.ready = False
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+def _outcome(decision: Decision) -> Outcome:
+    if isinstance(decision, Patched):
+        return Outcome.PATCHED
+    if isinstance(decision, Allowed):
+        return Outcome.ALLOWED
+    return Outcome.MALFORMED if decision.code == 400 else Outcome.DENIED
+
+
+async def _mutate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    started = state.timer()
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        state.metrics.observe(Outcome.MALFORMED, state.timer() - started)
+        raise
+    try:
+        req = parse_review(json.loads(body))
+    except (ValueError, RecursionError) as exc:  # JSON, UTF-8 or envelope errors
+        uid = exc.uid if isinstance(exc, MalformedReview) else None
+        message = str(exc) if isinstance(exc, MalformedReview) else "body is not JSON"
+        state.metrics.observe(Outcome.MALFORMED, state.timer() - started)
+        log.info("malformed review", uid=uid, error=message[:200])
+        if uid is None:
+            return web.json_response({"error": message[:200]}, status=400)
+        return web.json_response(response_for(uid, malformed(message)))
+
+    try:
+        decision = review(req, state.settings.admission, new_claim=state.new_claim)
+    except Exception:  # a bug: refuse this pod, keep serving, make noise
+        log.exception("admission decision failed", uid=req["uid"])
+        decision = Denied("internal error in the InstaSlice webhook", 500, "InternalError")
+    answer = response_for(req["uid"], decision)
+    outcome = Outcome.ERROR if isinstance(decision, Denied) and decision.code == 500 else None
+    outcome = outcome or _outcome(decision)
+    elapsed = state.timer() - started
+    state.metrics.observe(outcome, elapsed)
+    _log_review(req, decision, outcome, elapsed)
+    return web.json_response(answer)
+
+
+def _log_review(req: object, decision: Decision, outcome: Outcome, elapsed: float) -> None:
+    assert isinstance(req, dict)
+    pod = req.get("object") if isinstance(req.get("object"), dict) else {}
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    fields: dict[str, object] = {
+        "uid": req.get("uid"),
+        "namespace": req.get("namespace"),
+        "pod": meta.get("name") or meta.get("generateName"),
+        "operation": req.get("operation"),
+        "dry_run": bool(req.get("dryRun")),
+        "outcome": outcome.value,
+        "ms": round(elapsed * 1000, 3),
+    }
+    if isinstance(decision, Patched):
+        fields["claim"] = decision.claim
+        fields["devices"] = list(decision.devices)
+    elif isinstance(decision, Denied):
+        fields["message"] = decision.message[:500]
+    else:
+        fields["reason"] = decision.reason
+    log.info("review", **fields)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    if request.app[STATE].ready:
+        return web.Response(text="ok")
+    return web.Response(text="not ready", status=503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --- running it ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    app: web.Application
+    port: int
+    url: str  # https://host:port (http:// without TLS)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: ServerSettings,
+    *,
+    metrics: WebhookMetrics | None = None,
+    new_claim: Callable[[], str] = new_claim_id,
+) -> AsyncIterator[RunningServer]:
+    """Serve until the block exits (port 0 in the settings picks a free port)."""
+    app = build_app(settings, metrics=metrics, new_claim=new_claim)
+    tls = app[STATE].tls
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(
+            runner, settings.host, settings.port, ssl_context=tls.context if tls else None
+        )
+        await site.start()
+        port = int(runner.addresses[0][1])
+        scheme = "https" if tls else "http"
+        log.info("admission server listening", host=settings.host, port=port, tls=bool(tls))
+        yield RunningServer(app, port, f"{scheme}://{settings.host}:{port}")
+    finally:
+        await runner.cleanup()
+
+
+async def serve(
+    settings: ServerSettings,
+    *,
+    metrics: WebhookMetrics | None = None,
+    new_claim: Callable[[], str] = new_claim_id,
+) -> None:
+    """Serve until cancelled (the entry point's TaskGroup cancels it on SIGTERM)."""
+    async with running(settings, metrics=metrics, new_claim=new_claim):
+        await asyncio.Event().wait()
+
+
+def configure_logging(level: str = "info") -> None:
+    """structlog → one JSON object per line on stdout (for the entry point to call once)."""
+    import logging
+
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,60 @@
+"""Settings of the admission webhook, as frozen dataclasses passed in (STYLE.md §8).
+
+Nothing here reads the environment or the catalog at import time: the entry point builds the
+settings (from flags, env, the catalog) and hands them down. `AdmissionSettings` is all the
+pure decision needs; `ServerSettings` adds what the HTTPS shell needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.catalog import load_catalog
+
+
+class BindingMode(enum.StrEnum):
+    """How a container reaches its CDI device (CONTRACT.md §4)."""
+
+    ENV = "env"  # the webhook sets NVIDIA_VISIBLE_DEVICES to the qualified CDI device name
+    DEVICE_PLUGIN = "device-plugin"  # the node agent's device plugin answers Allocate
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """What `webhook.admission.review` decides with.
+
+    `known_profiles`: the MIG profile names (NVIDIA spelling) some GPU model offers; anything
+    else is refused as an unknown profile. `max_count`: the largest count accepted for one
+    resource of one container — far above any real node (8 GPUs x 7 slices), it only keeps
+    absurd numbers out of the allocator.
+    """
+
+    known_profiles: frozenset[str]
+    binding_mode: BindingMode = BindingMode.ENV
+    max_count: int = 1024
+
+    @classmethod
+    def from_catalog(cls, binding_mode: BindingMode = BindingMode.ENV) -> AdmissionSettings:
+        return cls(known_profiles=load_catalog().profile_names(), binding_mode=binding_mode)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The HTTPS admission server.
+
+    The serving certificate and key are PEM files, re-read when they change (cert-manager
+    and kubelet's Secret volumes replace them in place); `cert_check_interval_s` is how often
+    their stat() is compared. `max_body_bytes` bounds one AdmissionReview (a Pod is at most
+    ~1.5 MiB in etcd; an UPDATE review carries two of them).
+    """
+
+    cert_file: Path | None  # None: plain HTTP, for unit tests of the app only
+    key_file: Path | None
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings.from_catalog)
+    host: str = "0.0.0.0"
+    port: int = 8443
+    cert_check_interval_s: float = 2.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout_s: float = 5.0
