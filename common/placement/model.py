@@ -1,0 +1,172 @@
+"""The placement engine's plain data: a cluster snapshot in, a Placement or a Pending out.
+
+Frozen dataclasses only; no behaviour beyond small derived keys. The caller (the allocator,
+the trace replayer, the benchmark) builds these from whatever it watches; free resources are
+already net of what is bound to or promised on each node.
+
+`Gpu` and `NodeState` precompute a string key of their state at construction (strings cache
+their hash), so the engine can group identical GPUs and nodes across a 1000-node snapshot
+with one dictionary lookup each instead of re-hashing nested tuples on every decision. A
+caller that changes a node builds a new `NodeState` (a few microseconds); untouched nodes
+are reused as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+def _empty() -> Mapping[str, str]:
+    return _EMPTY
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"  # NoSchedule | PreferNoSchedule | NoExecute
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str = ""  # "" with operator Exists tolerates every taint
+    operator: str = "Equal"  # Equal | Exists
+    value: str = ""
+    effect: str = ""  # "" tolerates every effect
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSelectorRequirement:
+    key: str
+    operator: str  # In | NotIn | Exists | DoesNotExist | Gt | Lt
+    values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Occupied:
+    """A GPU instance that exists or is promised: memory slots [start, start + size)."""
+
+    start: int
+    size: int
+    profile: str
+
+    @property
+    def mask(self) -> int:
+        return ((1 << self.size) - 1) << self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    index: int  # the GPU's index on its node (what PlacedSlice.gpu_index names)
+    model: str  # a catalog model name, e.g. "H100-80GB"
+    mig_enabled: bool = True
+    healthy: bool = True
+    occupied: tuple[Occupied, ...] = ()
+    # Derived at construction: the GPU's state as a string, equal for interchangeable GPUs.
+    key: str = field(init=False, repr=False, compare=False)
+    mask: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        occ = sorted(self.occupied, key=lambda o: (o.start, o.size, o.profile))
+        mask = 0
+        for o in occ:
+            mask |= o.mask
+        parts = ",".join(f"{o.start}:{o.size}:{o.profile}" for o in occ)
+        state = "u" if self.mig_enabled and self.healthy else ("d" if self.healthy else "x")
+        object.__setattr__(self, "key", f"{self.model}|{state}|{parts}")
+        object.__setattr__(self, "mask", mask)
+
+    @property
+    def usable(self) -> bool:
+        return self.mig_enabled and self.healthy
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=_empty)
+    taints: tuple[Taint, ...] = ()
+    unschedulable: bool = False
+    cpu_millis_free: int = 0
+    memory_bytes_free: int = 0
+    pods_free: int = 0
+    gpus: tuple[Gpu, ...] = ()
+    # Derived: the multiset of GPU states in index order (node-level grouping key).
+    gpu_key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_key", "/".join(g.key for g in self.gpus))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    nodes: tuple[NodeState, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRequest:
+    container: str
+    profile: str  # NVIDIA spelling, e.g. "3g.40gb" or "1g.18gb+me"
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PodRequest:
+    """One pod's ask. Init containers' slices are listed like any other container's: each
+    container (init or not) gets its own slices for the pod's lifetime (docs/placement.md).
+    cpu/memory are the pod's effective requests (max of init, sum of app, plus overhead)."""
+
+    name: str
+    cpu_millis: int = 0
+    memory_bytes: int = 0
+    slices: tuple[SliceRequest, ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=_empty)
+    # requiredDuringSchedulingIgnoredDuringExecution: OR of terms, each an AND of requirements.
+    required_affinity: tuple[tuple[NodeSelectorRequirement, ...], ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedSlice:
+    container: str
+    profile: str
+    gpu_index: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    node: str
+    slices: tuple[PlacedSlice, ...]  # in request order (count expanded in place)
+
+
+class Policy(StrEnum):
+    """How to choose among legal placements (engine.py describes each)."""
+
+    INSTASLICE = "instaslice"
+    FIRST_FIT = "first-fit"
+    SPREAD = "spread"
+    STATIC_BALANCED = "static-balanced"
+
+
+class PendingReason(StrEnum):
+    """Why a pod cannot be placed now (CONTRACT.md §4 AllocationPending)."""
+
+    NO_PROFILE = "NoProfile"  # no GPU model in the cluster offers a requested profile
+    FULL = "Full"  # GPUs that offer it exist but have no room
+    FRAGMENTED = "Fragmented"  # enough free slots in total, none at a legal start
+    NODE_RESOURCES = "NodeResources"  # GPUs would fit; node cpu/memory/pods short
+    GPU_UNAVAILABLE = "GpuUnavailable"  # the GPUs that offer it are unhealthy / MIG off
+    NO_MATCHING_NODE = "NoMatchingNode"  # nodeSelector / affinity / taints exclude all
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    reason: PendingReason
+    message: str

@@ -1,0 +1,260 @@
+"""Per-model placement tables and the per-GPU packing search, computed once and cached.
+
+`model_tables(model)` turns a catalog `GpuModel` into bitmasks: for every profile its legal
+starts and slot masks, engine vector and count limit; for every occupancy mask of the GPU
+(256 on 8-slot parts, 4096 on the 12-unit RTX PRO) the *potential* — how many instances of
+each placement shape could still be created, weighted by shape size squared. The potential
+is what the `instaslice` policy protects: a candidate's loss is the drop in potential it
+causes, so a 1g goes where it breaks the fewest 2-, 4- and 8-slot windows (slot 6 on an
+empty GPU, which only the 1g(2xmem), the second 3g and the 7g can use) and a GPU that is
+already broken is preferred to an intact one.
+
+`gpu_fit(tables, state, demand, mode)` packs a small multiset of profiles onto one GPU in
+a given state — exhaustively, with memoisation over (depth, mask) — and is LRU-cached, so
+each distinct (model, occupancy, demand) triple is solved once however many GPUs share it.
+These caches are pure memoisation of pure functions; nothing else is kept between calls.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache, lru_cache
+
+from common.catalog import GpuModel
+
+# A candidate's cost is loss * COST_SCALE + remaining potential of the GPUs it uses, so the
+# loss decides and, among equal losses, the fuller GPU wins (best fit / pack).
+COST_SCALE = 1 << 20
+
+_BASE_NAME = re.compile(r"^[0-9]+g\.[0-9]+gb$")
+
+
+class FitMode(Enum):
+    BEST = "best"  # minimum loss of potential (the instaslice policy)
+    LOWEST = "lowest"  # lowest start first, first packing found (first fit, spread)
+    STATIC = "static"  # only the slices of the static all-balanced layout
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ProfileTable:
+    name: str
+    index: int
+    size: int
+    starts: tuple[int, ...]
+    masks: tuple[int, ...]
+    max_count: int
+    engines: tuple[int, ...]
+    compute: int
+    reach: int  # union of the masks: the slots this profile can ever use
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ModelTables:
+    """Identity-hashed (eq=False) so LRU keys that hold it hash in O(1)."""
+
+    name: str
+    slots: int
+    profiles: dict[str, ProfileTable]
+    by_index: tuple[ProfileTable, ...]
+    potential: tuple[int, ...]  # indexed by occupancy mask
+    full_engines: tuple[int, ...]
+    compute_total: int
+    layout: tuple[tuple[str, int], ...]  # static all-balanced layout: (profile, start)
+
+    def offers(self, profile: str) -> bool:
+        return profile in self.profiles
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """What constrains new instances on one GPU: slots, per-profile counts, engines, SMs."""
+
+    mask: int
+    counts: tuple[int, ...]
+    engines: tuple[int, ...]
+    compute: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFit:
+    cost: int  # loss * COST_SCALE + potential left (BEST); 0 otherwise
+    loss: int
+    potential_after: int
+    starts: tuple[int, ...]  # aligned with the demand tuple
+
+
+def _weight(size: int) -> int:
+    return size * size
+
+
+@cache
+def model_tables(model: GpuModel) -> ModelTables:
+    profiles: dict[str, ProfileTable] = {}
+    by_index: list[ProfileTable] = []
+    for i, p in enumerate(model.profiles):
+        masks = tuple(p.mask(s) for s in p.starts)
+        reach = 0
+        for m in masks:
+            reach |= m
+        t = ProfileTable(
+            name=p.name,
+            index=i,
+            size=p.memory_slots,
+            starts=p.starts,
+            masks=masks,
+            max_count=p.max_count,
+            engines=p.engines.as_tuple(),
+            compute=p.compute_slices,
+            reach=reach,
+        )
+        profiles[p.name] = t
+        by_index.append(t)
+    # Placement shapes: distinct (size, starts); variants (+me, -me, +gfx) share a shape.
+    shapes: dict[tuple[int, tuple[int, ...]], int] = {}
+    for t in by_index:
+        key = (t.size, t.starts)
+        shapes[key] = max(shapes.get(key, 0), t.max_count)
+    shape_list = [
+        (_weight(size), tuple(((1 << size) - 1) << s for s in starts), cap)
+        for (size, starts), cap in shapes.items()
+    ]
+    potential = []
+    for occ in range(1 << model.memory_slots):
+        v = 0
+        for w, masks, cap in shape_list:
+            free = sum(1 for m in masks if not occ & m)
+            v += w * min(free, cap)
+        potential.append(v)
+    return ModelTables(
+        name=model.name,
+        slots=model.memory_slots,
+        profiles=profiles,
+        by_index=tuple(by_index),
+        potential=tuple(potential),
+        full_engines=model.full_engines.as_tuple(),
+        compute_total=model.compute_slices,
+        layout=_balanced_layout(by_index, model.memory_slots),
+    )
+
+
+def _balanced_layout(profiles: list[ProfileTable], slots: int) -> tuple[tuple[str, int], ...]:
+    """MIG Manager's `all-balanced`: 2x1g + 1x2g + 1x3g (no 3g on A30 / RTX PRO), each the
+    smallest-memory plain profile of its compute size; the largest goes to its highest start,
+    the rest to the lowest free start (the user guide's working order: 3g at 4, 1g at 0 and 1,
+    2g at 2 on an A100)."""
+    plain = [p for p in profiles if _BASE_NAME.match(p.name)]
+    recipe: list[ProfileTable] = []
+    for compute, count in ((3, 1), (2, 1), (1, 2)):
+        options = [p for p in plain if p.compute == compute]
+        if options:
+            recipe.extend([min(options, key=lambda p: (p.size, p.name))] * count)
+    recipe.sort(key=lambda p: -p.size)
+    occ = 0
+    layout: list[tuple[str, int]] = []
+    for i, p in enumerate(recipe):
+        order = sorted(zip(p.starts, p.masks, strict=True), reverse=(i == 0))
+        for s, m in order:
+            if not occ & m:
+                occ |= m
+                layout.append((p.name, s))
+                break
+    return tuple(sorted(layout, key=lambda e: e[1]))
+
+
+def gpu_state(tables: ModelTables, occupied: tuple[tuple[int, int, str], ...]) -> GpuState:
+    """State of a GPU from its occupied (start, size, profile) triples. A profile the model
+    does not know still blocks its slots; its engines are unknown and not counted."""
+    mask = 0
+    counts = [0] * len(tables.by_index)
+    engines = [0] * len(tables.full_engines)
+    compute = 0
+    for start, size, name in occupied:
+        mask |= ((1 << size) - 1) << start
+        t = tables.profiles.get(name)
+        if t is not None:
+            counts[t.index] += 1
+            compute += t.compute
+            for k, e in enumerate(t.engines):
+                engines[k] += e
+    return GpuState(mask, tuple(counts), tuple(engines), compute)
+
+
+def can_add(tables: ModelTables, state: GpuState, t: ProfileTable, i: int) -> bool:
+    """Whether an instance of `t` at its i-th start is legal on a GPU in `state`."""
+    if state.mask & t.masks[i] or state.counts[t.index] >= t.max_count:
+        return False
+    if state.compute + t.compute > tables.compute_total:
+        return False
+    limits = zip(state.engines, t.engines, tables.full_engines, strict=True)
+    return all(a + b <= c for a, b, c in limits)
+
+
+def add(state: GpuState, t: ProfileTable, i: int) -> GpuState:
+    counts = list(state.counts)
+    counts[t.index] += 1
+    return GpuState(
+        state.mask | t.masks[i],
+        tuple(counts),
+        tuple(a + b for a, b in zip(state.engines, t.engines, strict=True)),
+        state.compute + t.compute,
+    )
+
+
+def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[int]:
+    """Indices (into t.starts) where one more instance of `t` is legal."""
+    return [i for i in range(len(t.starts)) if can_add(tables, state, t, i)]
+
+
+@lru_cache(maxsize=1 << 16)
+def gpu_fit(
+    tables: ModelTables, state: GpuState, demand: tuple[str, ...], mode: FitMode
+) -> GpuFit | None:
+    """Pack every profile of `demand` (sorted largest first) onto one GPU, or None.
+
+    BEST: the packing with the least loss of potential; ties go to higher starts (small
+    slices high, HAMi's rule, keeps start 0 whole for a 4g). LOWEST: the first packing in
+    lowest-start order. STATIC: only free slices of the all-balanced layout.
+    """
+    ts = [tables.profiles[name] for name in demand]
+    before = tables.potential[state.mask]
+    if mode is FitMode.STATIC:
+        allowed = {(name, s) for name, s in tables.layout}
+    best: GpuFit | None = None
+    best_key: tuple[int, tuple[int, ...]] | None = None
+    seen: set[tuple[int, GpuState]] = set()
+    starts: list[int] = []
+
+    def dfs(depth: int, st: GpuState) -> bool:
+        nonlocal best, best_key
+        if depth == len(ts):
+            after = tables.potential[st.mask]
+            loss = before - after
+            fit = GpuFit(loss * COST_SCALE + after, loss, after, tuple(starts))
+            if mode is not FitMode.BEST:
+                best = fit
+                return True
+            key = (fit.cost, tuple(-s for s in starts))
+            if best_key is None or key < best_key:
+                best, best_key = fit, key
+            return False
+        if (depth, st) in seen:
+            return False
+        seen.add((depth, st))
+        t = ts[depth]
+        for i in free_starts(tables, st, t):
+            if mode is FitMode.STATIC and (t.name, t.starts[i]) not in allowed:
+                continue
+            # Identical consecutive profiles take increasing starts (no permutations).
+            if depth and ts[depth - 1] is t and t.starts[i] < starts[-1]:
+                continue
+            starts.append(t.starts[i])
+            done = dfs(depth + 1, add(st, t, i))
+            starts.pop()
+            if done:
+                return True
+        return False
+
+    dfs(0, state)
+    return best
