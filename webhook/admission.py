@@ -301,13 +301,13 @@ class _Rewrite:
 
         if spec.get("nodeName"):
             self.problems.append(
-                f"spec.nodeName: is set to {_show(spec['nodeName'])}; a pod asking for MIG "
+                f"spec.nodeName: is set to {_show(spec['nodeName'])}, but a pod asking for MIG "
                 "slices must let InstaSlice choose its node (use a nodeSelector or affinity)"
             )
         for key, value in annotations.items():
             if key.startswith(CDI_ANNOTATION_PREFIX) and _DEVICE_MARK in str(value):
                 self.problems.append(
-                    f"metadata.annotations[{key}]: names an {CDI_KIND} CDI device; "
+                    f"metadata.annotations[{key}]: names an {CDI_KIND} CDI device, but "
                     "InstaSlice assigns devices per container, never by pod annotation"
                 )
 
@@ -360,7 +360,7 @@ class _Rewrite:
         warnings: list[str] = []
         if old_claim is not None or gated:
             warnings.append(
-                f"the pod already carried InstaSlice's claim or gate; it gets the fresh claim "
+                f"the pod already carried InstaSlice's claim or gate, so it gets the fresh claim "
                 f"{claim} (claims are never reused)"
             )
         return Patched(head + self.ops, claim, tuple(self.asks), tuple(devices), tuple(warnings))
@@ -419,7 +419,7 @@ class _Rewrite:
             if key in requests and requests[key] != value:
                 self.problems.append(
                     f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from "
-                    f"the limit {_show(value)}; requests, if given, must equal limits"
+                    f"the limit {_show(value)} (requests, if given, must equal limits)"
                 )
                 continue
             if count is None:
@@ -488,13 +488,13 @@ class _Rewrite:
                 how = "valueFrom" if "valueFrom" in e else "value"
                 self.problems.append(
                     f"{where}: env[{j}] {VISIBLE_DEVICES_ENV} ({how}): containers may not set "
-                    "it in a pod asking for MIG slices; InstaSlice assigns each container its "
+                    "it in a pod asking for MIG slices, InstaSlice assigns each container its "
                     "slice devices"
                 )
                 ok = False
             elif isinstance(value, str) and _DEVICE_MARK in value:
                 self.problems.append(
-                    f"{where}: env[{j}] {_show(var)}: names an {CDI_KIND} CDI device itself; "
+                    f"{where}: env[{j}] {_show(var)}: names an {CDI_KIND} CDI device itself, but "
                     "only InstaSlice assigns those"
                 )
                 ok = False
