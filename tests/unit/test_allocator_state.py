@@ -1,0 +1,418 @@
+"""The allocator's pure core: pod readers, the cluster model and the queue.
+
+Covers resource accounting (init containers, sidecars, overhead, bound / pinned / allocated
+pods, terminal pods), occupancy (allocation slices united with unclaimed MigNode instances),
+assume / confirm / forget, the capacity epoch, snapshots with exclusions, gate detection,
+the pin update, queue order and the two trackers. Leaves out everything with I/O (the
+controller, leader election against an API server): tests/integration/test_allocator.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.constants import GATE_NAME
+from common.objects import Phase
+from common.placement import Pending, PendingReason, Placement, place
+from tests.integration.allocator_fixtures import (
+    GpuSpec,
+    gpu_uuid,
+    make_allocation,
+    make_mig_node,
+    make_node,
+    make_pod,
+)
+from webhook.allocator import pods as podlib
+from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
+from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
+from webhook.allocator.state import ClusterState
+
+pytestmark = pytest.mark.timeout(10)
+
+GiB = 2**30
+MiB = 2**20
+
+
+def cluster(*nodes: str, cpu: str = "8", gpus: int = 1) -> ClusterState:
+    state = ClusterState()
+    for name in nodes:
+        state.upsert_node(make_node(name, cpu=cpu, memory="32Gi", pods=10, gpus=gpus))
+        state.upsert_mig_node(make_mig_node(name, ["H100-80GB"] * gpus))
+    return state
+
+
+# --- pod readers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"cpu": "500m", "memory": "1Gi"}, Resources(500, GiB, 1)),
+        ({"cpu": None, "memory": None}, Resources(0, 0, 1)),
+        # init peak (2 cpu) beats the app's 500m; memory stays the app's
+        (
+            {"cpu": "500m", "memory": "1Gi", "init": [("i", {}, "2", "100Mi")]},
+            Resources(2000, GiB, 1),
+        ),
+        # overhead is added on top of the max
+        (
+            {"cpu": "500m", "memory": "1Gi", "overhead": {"cpu": "250m", "memory": "64Mi"}},
+            Resources(750, GiB + 64 * MiB, 1),
+        ),
+    ],
+)
+def test_pod_resources(kwargs, expected):
+    assert podlib.pod_resources(make_pod("p", **kwargs)) == expected
+
+
+def test_pod_resources_with_sidecars_follows_the_scheduler():
+    pod = make_pod("p", cpu="1", memory="1Gi")
+    pod["spec"]["initContainers"] = [
+        {"name": "side", "restartPolicy": "Always", "resources": {"requests": {"cpu": "1"}}},
+        {"name": "init", "resources": {"requests": {"cpu": "3", "memory": "2Gi"}}},
+    ]
+    # app + sidecar = 2 cpu; init after the sidecar = 3 + 1 = 4 cpu; memory init 2Gi
+    assert podlib.pod_resources(pod) == Resources(4000, 2 * GiB, 1)
+
+
+def test_requests_default_to_limits():
+    pod = make_pod("p", cpu=None, memory=None)
+    pod["spec"]["containers"][0]["resources"]["limits"].update(cpu="2", memory="1Gi")
+    assert podlib.pod_resources(pod) == Resources(2000, GiB, 1)
+
+
+@pytest.mark.parametrize(
+    ("gates", "ours", "only"),
+    [
+        ((GATE_NAME,), True, True),
+        (("kueue.x-k8s.io/admission", GATE_NAME), True, False),
+        (("kueue.x-k8s.io/admission",), False, False),
+        ((), False, False),
+    ],
+)
+def test_gate_detection(gates, ours, only):
+    pod = make_pod("p", gates=gates)
+    assert podlib.has_our_gate(pod) is ours
+    assert podlib.only_our_gate(pod) is only
+
+
+def test_pin_adds_a_term_and_lifts_only_our_gate():
+    pod = make_pod("p", gates=(GATE_NAME, "other/gate"))
+    pinned = podlib.pin(pod, "n1")
+    assert podlib.gates(pinned) == ("other/gate",)
+    assert podlib.pinned_node(pinned) == "n1"
+    assert podlib.gates(pod) == (GATE_NAME, "other/gate")  # the input is untouched
+    assert "schedulingGates" not in podlib.pin(make_pod("q"), "n1")["spec"]
+
+
+def test_pin_adds_to_every_existing_term():
+    terms = [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+    ]
+    pinned = podlib.pin(make_pod("p", required_terms=terms), "n2")
+    out = podlib.required_terms(pinned)
+    assert len(out) == 2
+    for term in out:
+        assert term["matchExpressions"]
+        assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["n2"]}]
+    assert podlib.pinned_node(pinned) == "n2"
+
+
+def test_pinned_node_needs_every_term_pinned_to_one_node():
+    one = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["a"]}]}
+    other = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["b"]}]}
+    assert podlib.pinned_node(make_pod("p", required_terms=[one])) == "a"
+    assert podlib.pinned_node(make_pod("p", required_terms=[one, other])) is None
+    assert podlib.pinned_node(make_pod("p", required_terms=[one, {"matchExpressions": []}])) is None
+    assert podlib.pinned_node(make_pod("p")) is None
+
+
+def test_pod_request_reads_slices_selectors_and_tolerations():
+    pod = make_pod(
+        "p",
+        slices={"a": {"1g.10gb": 2}, "b": {"3g.40gb": 1, "1g.10gb+me": 1}},
+        node_selector={"pool": "gpu"},
+        required_terms=[
+            {
+                "matchExpressions": [{"key": "zone", "operator": "In", "values": ["z"]}],
+                "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["x"]}],
+            }
+        ],
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        init=[("setup", {"1g.10gb": 1}, "1", None)],
+    )
+    req = podlib.pod_request(pod)
+    assert [(s.container, s.profile, s.count) for s in req.slices] == [
+        ("a", "1g.10gb", 2),
+        ("b", "3g.40gb", 1),
+        ("b", "1g.10gb+me", 1),
+        ("setup", "1g.10gb", 1),
+    ]
+    assert req.node_selector == {"pool": "gpu"}
+    (term,) = req.required_affinity
+    assert [(r.key, r.operator, r.values) for r in term] == [
+        ("zone", "In", ("z",)),
+        (FIELD_NAME_LABEL, "NotIn", ("x",)),
+    ]
+    assert req.tolerations[0].key == "gpu" and req.tolerations[0].operator == "Exists"
+    assert req.cpu_millis == 1000  # the init container's 1 cpu beats the two 100m
+
+
+def test_unschedulable_and_controller_readers():
+    pod = make_pod("p", owner={"kind": "ReplicaSet", "name": "rs", "uid": "u", "controller": True})
+    assert podlib.controller_ref(pod) is not None
+    assert podlib.controller_ref(make_pod("q")) is None
+    pod["status"] = {
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+    }
+    assert podlib.is_unschedulable(pod)
+    pod["status"]["conditions"][0]["reason"] = "SchedulingGated"
+    assert not podlib.is_unschedulable(pod)
+
+
+# --- accounting ---------------------------------------------------------------------------
+
+
+def test_free_resources_count_bound_pinned_and_allocated_pods_once():
+    state = cluster("n1", "n2")
+    bound = make_pod("bound", uid="b", cpu="1", memory="1Gi", node_name="n1", gates=(), claim=None)
+    pinned = podlib.pin(make_pod("pinned", uid="p", cpu="2", memory="1Gi"), "n1")
+    gated = make_pod("gated", uid="g", cpu="3", memory="1Gi")
+    stray = make_pod("stray", uid="s", cpu="4", gates=(), claim=None)  # not promised anywhere
+    done = make_pod("done", uid="d", cpu="5", node_name="n1", gates=(), phase="Succeeded")
+    for p in (bound, pinned, gated, stray, done):
+        state.upsert_pod(p)
+    assert state.free("n1") == Resources(8000 - 3000, 32 * GiB - 2 * GiB, 10 - 2)
+    alloc = make_allocation(gated, "n1", [("main", "1g.10gb", 0, 0, 1)])
+    state.upsert_allocation(alloc)
+    assert state.free("n1").cpu_millis == 8000 - 6000
+    # once bound, the same pod is still charged once, to the node it is bound to
+    state.upsert_pod(make_pod("gated", uid="g", cpu="3", memory="1Gi", node_name="n1", gates=()))
+    assert state.free("n1").cpu_millis == 8000 - 6000
+    assert state.free("n2") == Resources(8000, 32 * GiB, 10)
+    before = state.epoch
+    state.remove_pod(bound)
+    assert state.free("n1").cpu_millis == 8000 - 5000
+    assert state.epoch > before
+
+
+def test_terminal_pod_frees_its_node():
+    state = cluster("n1")
+    pod = make_pod("p", uid="p", cpu="2", node_name="n1", gates=())
+    state.upsert_pod(pod)
+    epoch = state.epoch
+    pod["status"] = {"phase": "Failed"}
+    state.upsert_pod(pod)
+    assert state.free("n1").cpu_millis == 8000
+    assert state.epoch > epoch
+
+
+def test_snapshot_carries_free_resources_and_labels():
+    state = cluster("n1", cpu="4")
+    state.upsert_pod(make_pod("x", uid="x", cpu="1500m", node_name="n1", gates=()))
+    (node,) = state.snapshot().nodes
+    assert (node.cpu_millis_free, node.pods_free) == (2500, 9)
+    assert node.labels["kubernetes.io/hostname"] == "n1"
+    assert [g.model for g in node.gpus] == ["H100-80GB"]
+
+
+def test_nodes_without_a_mig_node_are_not_offered():
+    state = ClusterState()
+    state.upsert_node(make_node("plain", model=None))
+    state.upsert_mig_node(make_mig_node("ghost"))  # a MigNode without a Node
+    assert state.snapshot().nodes == ()
+
+
+# --- occupancy ----------------------------------------------------------------------------
+
+
+def test_occupancy_unites_allocations_and_unclaimed_instances():
+    state = ClusterState()
+    state.upsert_node(make_node("n1"))
+    pod = make_pod("p", uid="p", claim="cown")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)])
+    state.upsert_allocation(alloc)
+    state.upsert_mig_node(
+        make_mig_node(
+            "n1",
+            [
+                GpuSpec(
+                    slices=[
+                        # ours, claimed: not counted twice
+                        {
+                            "profile": "1g.10gb",
+                            "start": 0,
+                            "size": 1,
+                            "migUUID": "M0",
+                            "claim": "cown",
+                        },
+                        # foreign: occupied, never reused
+                        {"profile": "2g.20gb", "start": 2, "size": 2, "migUUID": "M1"},
+                        # claimed by an allocation that is gone: still there, still occupied
+                        {
+                            "profile": "1g.10gb",
+                            "start": 5,
+                            "size": 1,
+                            "migUUID": "M2",
+                            "claim": "cold",
+                        },
+                    ]
+                )
+            ],
+        )
+    )
+    (gpu,) = state.snapshot().nodes[0].gpus
+    assert [(o.start, o.size) for o in gpu.occupied] == [(0, 1), (2, 2), (5, 1)]
+
+
+def test_slots_free_only_when_the_allocation_object_is_gone():
+    state = cluster("n1")
+    pod = make_pod("p", uid="p")
+    state.upsert_pod(pod)
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 3, 1)], phase=Phase.READY)
+    state.upsert_allocation(alloc)
+    deleting = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 3, 1)], deleting=True)
+    state.upsert_allocation(deleting)
+    assert [o.start for o in state.snapshot().nodes[0].gpus[0].occupied] == [3]
+    epoch = state.epoch
+    state.remove_allocation(deleting)
+    assert state.snapshot().nodes[0].gpus[0].occupied == ()
+    assert state.epoch > epoch
+
+
+def test_assume_confirm_forget():
+    state = cluster("n1")
+    pod = make_pod("p", uid="p", cpu="1")
+    state.upsert_pod(pod)
+    body = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)])
+    view = state.assume(body)
+    assert view.assumed
+    snap = state.snapshot().nodes[0]
+    assert [o.start for o in snap.gpus[0].occupied] == [0]
+    assert snap.cpu_millis_free == 7000  # the pod is promised to n1
+    state.forget(view.key)
+    snap = state.snapshot().nodes[0]
+    assert snap.gpus[0].occupied == () and snap.cpu_millis_free == 8000
+    # confirm replaces an assumed record; forget never drops a watched one
+    state.assume(body)
+    state.confirm(body)
+    assert not state.allocations[view.key].assumed
+    state.forget(view.key)
+    assert view.key in state.allocations
+    state.assume(make_allocation(make_pod("q", uid="q"), "n1", [("main", "1g.10gb", 0, 1, 1)]))
+    state.drop_assumed()
+    assert list(state.allocations) == [view.key]
+
+
+def test_snapshot_exclusions_and_name_label():
+    state = cluster("n1", gpus=2)
+    snap = state.snapshot(exclude={("n1", gpu_uuid("n1", 1))}, name_label=True)
+    (node,) = snap.nodes
+    assert [g.healthy for g in node.gpus] == [True, False]
+    assert node.labels[FIELD_NAME_LABEL] == "n1"
+    assert all(g.healthy for g in state.snapshot().nodes[0].gpus)  # the cache is untouched
+
+
+def test_unhealthy_and_non_mig_gpus():
+    state = ClusterState()
+    state.upsert_node(make_node("n1", gpus=2))
+    state.upsert_mig_node(make_mig_node("n1", [GpuSpec(healthy=False), GpuSpec(mig=False)]))
+    gpus = state.snapshot().nodes[0].gpus
+    assert [(g.healthy, g.mig_enabled) for g in gpus] == [(False, True), (True, False)]
+    result = place(state.snapshot(), podlib.pod_request(make_pod("p")))
+    assert isinstance(result, Pending) and result.reason is PendingReason.GPU_UNAVAILABLE
+
+
+def test_node_changes_bump_the_epoch_only_when_relevant():
+    state = cluster("n1")
+    epoch = state.epoch
+    node = make_node("n1", cpu="8", memory="32Gi", pods=10)
+    assert not state.upsert_node(node)  # same content (a heartbeat)
+    assert state.epoch == epoch
+    node["metadata"]["labels"]["pool"] = "a"
+    assert state.upsert_node(node)
+    assert state.epoch > epoch
+
+
+def test_fill_a_gpu_exactly_then_pending_full():
+    """The loop's decide/assume cycle, without I/O: seven 1g.10gb fill an H100, the eighth
+    is pending as Full, and releasing one makes room."""
+    state = cluster("n1")
+    placed = []
+    for i in range(8):
+        pod = make_pod(f"p{i}", uid=f"u{i}", cpu="10m")
+        state.upsert_pod(pod)
+        result = place(state.snapshot(), podlib.pod_request(pod))
+        if isinstance(result, Placement):
+            (s,) = result.slices
+            body = make_allocation(pod, result.node, [("main", s.profile, s.gpu_index, s.start, 1)])
+            state.assume(body)
+            placed.append(body)
+    assert len(placed) == 7
+    assert sorted(a["spec"]["slices"][0]["start"] for a in placed) == list(range(7))
+    last = place(state.snapshot(), podlib.pod_request(make_pod("p7", uid="u7")))
+    assert isinstance(last, Pending) and last.reason is PendingReason.FULL
+    state.forget(f"ns/{placed[3]['metadata']['name']}")
+    again = place(state.snapshot(), podlib.pod_request(make_pod("p7", uid="u7")))
+    assert isinstance(again, Placement) and again.slices[0].start == 3
+
+
+def test_pods_by_claim_index():
+    state = ClusterState()
+    pod = make_pod("p", uid="p", claim="cabc")
+    state.upsert_pod(pod)
+    found = state.pod_by_claim("ns", "cabc")
+    assert found is not None and found.uid == "p"
+    state.remove_pod(pod)
+    assert state.pod_by_claim("ns", "cabc") is None
+
+
+# --- queue and trackers -------------------------------------------------------------------
+
+
+def test_queue_orders_by_priority_then_age_then_name():
+    q = PlacementQueue()
+    q.push("old-low", priority=0, created="2026-01-01T00:00:00Z", key="ns/b")
+    q.push("new-high", priority=10, created="2026-01-02T00:00:00Z", key="ns/c")
+    q.push("new-low", priority=0, created="2026-01-02T00:00:00Z", key="ns/a")
+    q.push("old-low-2", priority=0, created="2026-01-01T00:00:00Z", key="ns/a")
+    q.push("gone", priority=99, created="2026-01-01T00:00:00Z", key="ns/z")
+    q.remove("gone")
+    q.push("new-low", priority=0, created="2026-01-02T00:00:00Z", key="ns/a")  # no duplicate
+    assert len(q) == 4 and "gone" not in q
+    order = [q.pop() for _ in range(5)]
+    assert order == ["new-high", "old-low-2", "old-low", "new-low", None]
+
+
+def test_queue_reprioritised_entry_moves():
+    q = PlacementQueue()
+    q.push("a", priority=0, created="t1", key="ns/a")
+    q.push("b", priority=0, created="t2", key="ns/b")
+    q.push("b", priority=5, created="t2", key="ns/b")
+    assert [q.pop(), q.pop(), q.pop()] == ["b", "a", None]
+
+
+def test_pending_tracker_reports_changes_only():
+    t = PendingTracker()
+    assert t.observe("u", "Full")
+    assert not t.observe("u", "Full")
+    assert t.observe("u", "NodeResources")
+    assert t.counts() == {"NodeResources": 1}
+    t.clear("u")
+    assert t.observe("u", "NodeResources")
+
+
+def test_unschedulable_tracker():
+    t = UnschedulableTracker()
+    t.observe("a", True, now=10.0)
+    t.observe("a", True, now=15.0)  # keeps the first time
+    t.observe("b", True, now=12.0)
+    assert t.next_deadline(5.0) == 15.0
+    assert t.due(14.9, 5.0) == []
+    assert t.due(17.0, 5.0) == ["a", "b"]
+    assert t.due(30.0, 5.0) == []  # handled once
+    assert t.next_deadline(5.0) is None
+    t.observe("a", False, now=31.0)
+    t.observe("a", True, now=32.0)
+    assert t.due(37.0, 5.0) == ["a"]

@@ -1,0 +1,71 @@
+"""The allocator's notion of time, injected (STYLE.md §8).
+
+Two clocks matter: a monotonic one for every duration the allocator measures (lease expiry,
+the pinned-unschedulable timeout, latency metrics) and the wall clock for what goes on the
+wire (Lease `renewTime`, event timestamps). Tests pass a fake whose `sleep` only returns when
+the test advances time, so timeouts are exercised without waiting for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> dt.datetime: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The real clocks: `time.monotonic`, UTC wall time, `asyncio.sleep`."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> dt.datetime:
+        return dt.datetime.now(dt.UTC)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+async def wait_or_sleep(clock: Clock, event: asyncio.Event, seconds: float | None) -> None:
+    """Return when `event` is set or `seconds` of `clock` time have passed (None: no limit).
+
+    The event is not cleared here: the caller decides what being woken means.
+    """
+    if seconds is None:
+        await event.wait()
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait((waiter, sleeper), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiter, sleeper):
+            task.cancel()
+        for task in (waiter, sleeper):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def micro_time(moment: dt.datetime) -> str:
+    """Kubernetes MicroTime: RFC 3339 with microseconds, always UTC (`...000000Z`)."""
+    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(stamp: str | None) -> dt.datetime | None:
+    """A Kubernetes Time/MicroTime string as an aware datetime; None when absent or bad."""
+    if not stamp:
+        return None
+    try:
+        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None

@@ -1,0 +1,651 @@
+"""The allocator loop: watched objects in, SliceAllocations and pod pins out.
+
+Informers (list, watch, re-list on 410; common.kubeapi) feed `ClusterState` on every
+replica, so a standby has a warm cache. Only the Lease holder acts (`lead`); every write
+checks the Lease first. Three coroutines run while leading:
+
+- the reconciler: level-triggered, per pod uid; decides from the cached pod and its
+  allocations what the next step is (queue for placement, pin, release, finalize) and runs
+  it as one task per pod, so each pod's steps are serialized and different pods proceed in
+  parallel;
+- the placer: pops gated pods in priority order and, for each, snapshot → place → assume →
+  create (STYLE.md §3). Pods that do not fit are parked with their reason and requeued only
+  when `ClusterState.epoch` says capacity may have grown;
+- the timer: the only timer, for pinned pods the scheduler cannot bind
+  (`pinned_unschedulable_timeout_s`, on the injected clock).
+
+What it deliberately does not do: talk to GPUs (the node agent does), retry on a clock
+(write errors back off per pod; pending pods wait for a relevant change), or bind pods
+(the kube-scheduler does, once the pod is pinned and ungated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, Literal
+
+import structlog
+
+from common.catalog import Catalog, load_catalog
+from common.constants import (
+    GATE_NAME,
+    MIG_NODE_PLURAL,
+    REASON_ALLOCATED,
+    REASON_PENDING,
+    REASON_PINNED_UNSCHEDULABLE,
+    RELEASE_FINALIZER,
+    SLICE_ALLOCATION_PLURAL,
+)
+from common.events import pod_event
+from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, instaslice_path
+from common.objects import SliceSpec, slice_allocation
+from common.placement import Pending, Placement, Policy, place
+from common.podspec import SliceRequestError
+from webhook.allocator import pods as podlib
+from webhook.allocator.clock import Clock, parse_time, wait_or_sleep
+from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
+from webhook.allocator.state import AllocView, ClusterState, PodView
+
+log = structlog.get_logger("allocator")
+
+COMPONENT = "instaslice-allocator"
+SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
+INVALID_REQUEST = "InvalidRequest"
+WRITE_ERROR = "WriteError"
+_ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+_PIN_ATTEMPTS = 5
+
+
+class Controller:
+    def __init__(
+        self,
+        kube: Kube,
+        elector: LeaderElector,
+        clock: Clock,
+        metrics: AllocatorMetrics,
+        *,
+        policy: Policy = Policy.INSTASLICE,
+        catalog: Catalog | None = None,
+        pinned_unschedulable_timeout_s: float = 60.0,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self.kube = kube
+        self.elector = elector
+        self.clock = clock
+        self.metrics = metrics
+        self.policy = policy
+        self.catalog = catalog if catalog is not None else load_catalog()
+        self.timeout_s = pinned_unschedulable_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.state = ClusterState()
+        self.queue = PlacementQueue()
+        self.parked: dict[str, int] = {}  # pending pod uid -> metadata.generation parked at
+        self.pending = PendingTracker()
+        self.unschedulable = UnschedulableTracker()
+        self.failed_gpus: dict[str, set[tuple[str, str]]] = {}  # uid -> (node, gpu uuid)
+        self.first_seen: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._dirty: set[str] = set()
+        self._busy: dict[str, asyncio.Task[None]] = {}
+        self._retouch: set[str] = set()
+        self._unstick_due: set[str] = set()
+        self._seen_epoch = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._wake_reconcile = asyncio.Event()
+        self._wake_placer = asyncio.Event()
+        self._wake_timer = asyncio.Event()
+        self.informers = [
+            Informer(
+                kube,
+                core_path("pods"),
+                self._on_pod,
+                field_selector=_ACTIVE_POD_SELECTOR,
+                name="pods",
+            ),
+            Informer(kube, core_path("nodes"), self._on_node, name="nodes"),
+            Informer(kube, instaslice_path(MIG_NODE_PLURAL), self._on_mig_node, name="mignodes"),
+            Informer(
+                kube,
+                instaslice_path(SLICE_ALLOCATION_PLURAL),
+                self._on_allocation,
+                name="sliceallocations",
+            ),
+        ]
+
+    # --- informers (every replica) ------------------------------------------------------
+
+    async def watch(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for informer in self.informers:
+                tg.create_task(informer.run(), name=f"informer-{informer.name}")
+
+    async def synced(self) -> None:
+        for informer in self.informers:
+            await informer.synced.wait()
+
+    async def _on_pod(self, etype: EventType, obj: Obj) -> None:
+        uid = podlib.uid(obj)
+        if etype == "DELETED":
+            self.state.remove_pod(obj)
+        else:
+            if etype == "ADDED" and self.informers[0].synced.is_set():
+                self.first_seen.setdefault(uid, self.clock.monotonic())
+            self.state.upsert_pod(obj)
+        self._touch(uid)
+        self._after_change()
+
+    async def _on_allocation(self, etype: EventType, obj: Obj) -> None:
+        view = (
+            self.state.remove_allocation(obj)
+            if etype == "DELETED"
+            else self.state.upsert_allocation(obj)
+        )
+        if view is not None:
+            self._touch(view.pod_uid)
+            if etype == "DELETED":  # a pod may have been waiting for the name to free up
+                waiting = self.state.pod_by_claim(view.namespace, view.name)
+                if waiting is not None:
+                    self._touch(waiting.uid)
+        self._after_change()
+
+    async def _on_node(self, etype: EventType, obj: Obj) -> None:
+        name = str(obj.get("metadata", {}).get("name", ""))
+        if etype == "DELETED":
+            self.state.remove_node(obj)
+        else:
+            self.state.upsert_node(obj)
+        for alloc in self.state.allocations_on(name):
+            self._touch(alloc.pod_uid)
+        self._after_change()
+
+    async def _on_mig_node(self, etype: EventType, obj: Obj) -> None:
+        if etype == "DELETED":
+            self.state.remove_mig_node(obj)
+        else:
+            self.state.upsert_mig_node(obj)
+        self._after_change()
+
+    def _touch(self, uid: str) -> None:
+        if uid:
+            self._dirty.add(uid)
+            self._wake_reconcile.set()
+
+    def _after_change(self) -> None:
+        """Capacity may have grown: give every parked pod another chance."""
+        if self.state.epoch == self._seen_epoch:
+            return
+        self._seen_epoch = self.state.epoch
+        for uid in list(self.parked):
+            self._touch(uid)
+        self.parked.clear()
+
+    # --- leading ------------------------------------------------------------------------
+
+    async def lead(self) -> None:
+        """Act until cancelled (leadership lost or shutdown)."""
+        await self.synced()
+        await self._merge_allocations()
+        self._dirty.update(self.state.pods)
+        self._dirty.update(a.pod_uid for a in self.state.allocations.values())
+        self._wake_reconcile.set()
+        self.metrics.leader.set(1)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self._reconcile_loop(), name="reconciler")
+                tg.create_task(self._placement_loop(), name="placer")
+                tg.create_task(self._timer_loop(), name="timer")
+        finally:
+            self.step_down()
+
+    def step_down(self) -> None:
+        """Forget everything that only makes sense while leading."""
+        self._tg = None
+        self._busy.clear()
+        self._retouch.clear()
+        self._backoff.clear()
+        self.queue.clear()
+        self.parked.clear()
+        self.state.drop_assumed()
+        self.metrics.leader.set(0)
+
+    async def _merge_allocations(self) -> None:
+        """Add allocations a previous leader may have written that our watch has not shown
+        yet (a quorum list). Add-only: seeing too much is safe, too little is not."""
+        listing = await self.kube.list(instaslice_path(SLICE_ALLOCATION_PLURAL))
+        for item in listing.get("items", []):
+            meta = item.get("metadata", {})
+            if f"{meta.get('namespace')}/{meta.get('name')}" not in self.state.allocations:
+                self.state.upsert_allocation(item)
+
+    def _spawn(self, uid: str, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._tg is not None
+        self._busy[uid] = self._tg.create_task(self._run(uid, coro), name=f"pod-{uid}")
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._tg is None:
+            coro.close()
+            return
+        self._tg.create_task(coro)
+
+    async def _run(self, uid: str, coro: Coroutine[Any, Any, None]) -> None:
+        """One step for one pod. A failed step keeps the pod busy for its backoff (doubling
+        per failure, capped), then the pod is reconciled again from the cache."""
+        retry = False
+        try:
+            try:
+                await coro
+                self._backoff.pop(uid, None)
+            except NotLeader:
+                return
+            except ApiError as exc:
+                log.warning("allocator write failed", pod_uid=uid, error=str(exc))
+                retry = True
+            except Exception:
+                log.exception("allocator step failed", pod_uid=uid)
+                retry = True
+            if retry:
+                delay = min(self._backoff.get(uid, 0.1) * 2, self.max_backoff_s)
+                self._backoff[uid] = delay
+                await self.clock.sleep(delay)
+        finally:
+            self._busy.pop(uid, None)
+        if retry or uid in self._retouch:
+            self._retouch.discard(uid)
+            self._touch(uid)
+
+    # --- the reconciler -----------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._wake_reconcile.wait()
+            self._wake_reconcile.clear()
+            batch, self._dirty = self._dirty, set()
+            for uid in sorted(batch):
+                self._reconcile(uid)
+            self._update_gauges()
+            await asyncio.sleep(0)
+
+    def _reconcile(self, uid: str) -> None:
+        if uid in self._busy:
+            self._retouch.add(uid)
+            return
+        pod = self.state.pods.get(uid)
+        if uid in self._unstick_due:
+            self._unstick_due.discard(uid)
+            if pod is not None and not pod.bound and GATE_NAME not in pod.gates:
+                self._spawn(uid, self._unstick(pod))
+                return
+        allocs = self.state.allocations_of(uid)
+        for alloc in allocs:
+            step = self._allocation_step(pod, alloc)
+            if step is not None:
+                self._spawn(uid, step)
+                return
+        if pod is None:
+            self._forget_pod(uid)
+            return
+        if pod.claim is None or pod.terminal:
+            return
+        if GATE_NAME in pod.gates:
+            self.unschedulable.forget(uid)
+            self._reconcile_gated(pod, allocs)
+            return
+        self.queue.remove(uid)
+        self.parked.pop(uid, None)
+        self.pending.clear(uid)
+        waiting = pod.unschedulable and not pod.bound and not pod.deleting
+        self.unschedulable.observe(uid, waiting, self.clock.monotonic())
+        if waiting:
+            self._wake_timer.set()
+
+    def _allocation_step(
+        self, pod: PodView | None, alloc: AllocView
+    ) -> Coroutine[Any, Any, None] | None:
+        if alloc.assumed:
+            return None  # its create is in flight
+        if alloc.node not in self.state.nodes:
+            if alloc.finalizer or not alloc.deleting:
+                return self._finalize(alloc)
+            return None
+        if alloc.deleting:
+            return None  # the node agent destroys the slices and drops the finalizer
+        if pod is None:
+            return self._release_orphan(alloc)
+        if pod.terminal:
+            return self._release(alloc, "the pod finished")
+        if pod.claim != alloc.name:
+            return self._release(alloc, "the pod no longer carries this claim")
+        if alloc.failed:
+            return self._release_failed(alloc)
+        return None
+
+    def _reconcile_gated(self, pod: PodView, allocs: list[AllocView]) -> None:
+        uid = pod.uid
+        if pod.gates != (GATE_NAME,) or pod.deleting:
+            self.queue.remove(uid)  # another gate goes first (e.g. Kueue's)
+            self.parked.pop(uid, None)
+            return
+        if not allocs:
+            other = self.state.allocations.get(f"{pod.namespace}/{pod.claim}")
+            if other is not None:
+                self._touch(other.pod_uid)  # a stale record holds the name: release it first
+                return
+            generation = int(pod.obj.get("metadata", {}).get("generation") or 0)
+            if self.parked.get(uid) == generation:
+                return  # pending; waits for capacity to grow
+            self.parked.pop(uid, None)
+            self.queue.push(uid, priority=pod.priority, created=pod.created, key=pod.key)
+            self._wake_placer.set()
+            return
+        self.queue.remove(uid)
+        ready = [a for a in allocs if a.ready and not a.assumed and a.name == pod.claim]
+        if ready:
+            self._spawn(uid, self._pin(pod, ready[0]))
+
+    def _forget_pod(self, uid: str) -> None:
+        self.queue.remove(uid)
+        self.parked.pop(uid, None)
+        self.pending.clear(uid)
+        self.unschedulable.forget(uid)
+        self.failed_gpus.pop(uid, None)
+        self.first_seen.pop(uid, None)
+        self._backoff.pop(uid, None)
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self.queue) + len(self.parked))
+        self.metrics.set_pending(self.pending.counts())
+
+    # --- the placer ---------------------------------------------------------------------
+
+    async def _placement_loop(self) -> None:
+        while True:
+            await self._wake_placer.wait()
+            self._wake_placer.clear()
+            while (uid := self.queue.pop()) is not None:
+                self._decide(uid)
+                self._update_gauges()
+                await asyncio.sleep(0)  # let watch events and writes progress between pods
+
+    def _decide(self, uid: str) -> None:
+        pod = self.state.pods.get(uid)
+        if uid in self._busy:
+            self._retouch.add(uid)
+            return
+        if pod is None or pod.gates != (GATE_NAME,) or pod.deleting or pod.claim is None:
+            return
+        if (
+            self.state.allocations_of(uid)
+            or f"{pod.namespace}/{pod.claim}" in self.state.allocations
+        ):
+            return
+        try:
+            request = podlib.pod_request(pod.obj)
+        except SliceRequestError as exc:
+            self._park(pod, INVALID_REQUEST, f"cannot read the pod's slice requests: {exc}")
+            return
+        if not request.slices:
+            return
+        name_label = podlib.uses_name_field(pod.obj)
+        excluded = self.failed_gpus.get(uid, set())
+        result = place(
+            self.state.snapshot(exclude=excluded, name_label=name_label),
+            request,
+            self.policy,
+            self.catalog,
+        )
+        if isinstance(result, Pending) and excluded:
+            # No other GPU will do: trying the one that failed again beats waiting forever.
+            self.failed_gpus.pop(uid, None)
+            result = place(
+                self.state.snapshot(name_label=name_label), request, self.policy, self.catalog
+            )
+        if isinstance(result, Pending):
+            self._park(pod, result.reason.value, result.message)
+            return
+        body = self._allocation(pod, result)
+        self.state.assume(body)
+        self.pending.clear(uid)
+        self._spawn(uid, self._create(pod, body))
+
+    def _park(self, pod: PodView, reason: str, message: str) -> None:
+        self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
+        if self.pending.observe(pod.uid, reason):
+            log.info("pod pending", pod=pod.key, reason=reason, message=message)
+            self._event(pod.obj, REASON_PENDING, message, "Warning")
+
+    def _allocation(self, pod: PodView, placement: Placement) -> Obj:
+        slices: list[SliceSpec] = []
+        for s in placement.slices:
+            gpu = self.state.gpu(placement.node, s.gpu_index)
+            assert gpu is not None, "placement named a GPU outside the snapshot"
+            slices.append(
+                {
+                    "container": s.container,
+                    "profile": s.profile,
+                    "gpuUUID": gpu.uuid,
+                    "gpuIndex": s.gpu_index,
+                    "start": s.start,
+                    "size": s.size,
+                }
+            )
+        assert pod.claim is not None
+        body = slice_allocation(
+            namespace=pod.namespace,
+            claim=pod.claim,
+            pod=pod.obj,
+            node=placement.node,
+            slices=slices,
+        )
+        body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
+        return body
+
+    # --- steps (one task per pod) -------------------------------------------------------
+
+    async def _create(self, pod: PodView, body: Obj) -> None:
+        key = f"{pod.namespace}/{body['metadata']['name']}"
+        try:
+            self.elector.check()
+            written = await self.kube.create(
+                instaslice_path(SLICE_ALLOCATION_PLURAL, pod.namespace), body
+            )
+        except (ApiError, NotLeader) as exc:
+            self.state.forget(key)
+            self._after_change()
+            if isinstance(exc, ApiError) and exc.conflict:
+                self.metrics.outcome("conflict")  # it exists: the watch will show it
+                return
+            if isinstance(exc, ApiError) and not exc.retryable:
+                self.metrics.outcome("error")
+                log.error("allocation refused", pod=pod.key, error=str(exc))
+                self._park(pod, WRITE_ERROR, f"the SliceAllocation was refused: {exc.message}")
+                return
+            raise
+        self.state.confirm(written)
+        self.metrics.outcome("created")
+        annotations = body["metadata"]["annotations"]
+        message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
+        await self._emit(pod.obj, REASON_ALLOCATED, message, "Normal")
+
+    async def _pin(self, pod: PodView, alloc: AllocView) -> None:
+        path = core_path("pods", pod.namespace, pod.name)
+        current = pod.obj
+        for _ in range(_PIN_ATTEMPTS):
+            if podlib.uid(current) != pod.uid or not podlib.has_our_gate(current):
+                return
+            self.elector.check()
+            try:
+                await self.kube.replace(path, podlib.pin(current, alloc.node))
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                if not exc.conflict:
+                    raise
+                current = await self.kube.get(path)
+                continue
+            self._observe_latency(pod)
+            self.metrics.outcome("ready")
+            log.info("pod pinned", pod=pod.key, node=alloc.node, claim=alloc.name)
+            return
+        raise ApiError(409, "Conflict", f"pod {pod.key} kept changing while being pinned")
+
+    def _observe_latency(self, pod: PodView) -> None:
+        seen = self.first_seen.pop(pod.uid, None)
+        if seen is not None:
+            self.metrics.gate_removal.observe(self.clock.monotonic() - seen)
+            return
+        created = parse_time(pod.created)
+        if created is not None:
+            self.metrics.gate_removal.observe(
+                max(0.0, (self.clock.wall() - created).total_seconds())
+            )
+
+    async def _delete_allocation(self, alloc: AllocView) -> None:
+        self.elector.check()
+        uid = alloc.obj.get("metadata", {}).get("uid")
+        body = {"preconditions": {"uid": uid}} if uid else None
+        try:
+            await self.kube.delete(
+                instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name), body
+            )
+        except ApiError as exc:
+            if not (exc.not_found or exc.conflict):  # gone, or already another object
+                raise
+
+    async def _release(self, alloc: AllocView, why: str) -> None:
+        log.info("releasing allocation", allocation=alloc.key, why=why)
+        await self._delete_allocation(alloc)
+        self.metrics.outcome("released")
+
+    async def _release_orphan(self, alloc: AllocView) -> None:
+        """The cache has no such pod. Ask the API server before believing it."""
+        try:
+            pod = await self.kube.get(core_path("pods", alloc.namespace, alloc.pod_name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            pod = None
+        if pod is not None and podlib.uid(pod) == alloc.pod_uid and not podlib.is_terminal(pod):
+            return  # our cache lags; the pod's watch event will arrive
+        await self._release(alloc, "its pod is gone")
+
+    async def _release_failed(self, alloc: AllocView) -> None:
+        message = str(alloc.obj.get("status", {}).get("message") or "no message")
+        log.warning("allocation failed", allocation=alloc.key, node=alloc.node, message=message)
+        self.failed_gpus.setdefault(alloc.pod_uid, set()).update(
+            (alloc.node, s.gpu_uuid) for s in alloc.slices
+        )
+        self.metrics.outcome("failed")
+        await self._release(alloc, f"the node agent failed it: {message}")
+
+    async def _finalize(self, alloc: AllocView) -> None:
+        """The node is gone, so nothing is left to destroy: finish the record ourselves."""
+        try:
+            await self.kube.get(core_path("nodes", name=alloc.node))
+            return  # it exists after all; the node watch will say so
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        try:
+            current = await self.kube.get(path)
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            raise
+        finalizers = current.get("metadata", {}).get("finalizers") or []
+        if RELEASE_FINALIZER in finalizers:
+            self.elector.check()
+            await self.kube.patch(
+                path,
+                [
+                    {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                    {
+                        "op": "replace",
+                        "path": "/metadata/finalizers",
+                        "value": [f for f in finalizers if f != RELEASE_FINALIZER],
+                    },
+                ],
+                kind="json",
+            )
+        log.info("finalized allocation of a deleted node", allocation=alloc.key, node=alloc.node)
+        if not current.get("metadata", {}).get("deletionTimestamp"):
+            await self._delete_allocation(AllocView.of(current))
+        self.metrics.outcome("released")
+
+    # --- pinned but unschedulable -------------------------------------------------------
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self.unschedulable.next_deadline(self.timeout_s)
+            wait = None if deadline is None else max(0.0, deadline - self.clock.monotonic())
+            await wait_or_sleep(self.clock, self._wake_timer, wait)
+            self._wake_timer.clear()
+            for uid in self.unschedulable.due(self.clock.monotonic(), self.timeout_s):
+                self._unstick_due.add(uid)
+                self._touch(uid)
+
+    async def _unstick(self, pod: PodView) -> None:
+        """CONTRACT.md §4 step 4: release the slices; a controller recreates its pod."""
+        node = pod.node or "its node"
+        cause = _scheduled_message(pod.obj)
+        for alloc in self.state.allocations_of(pod.uid):
+            if not alloc.deleting and not alloc.assumed:
+                await self._release(alloc, "pinned pod stayed unschedulable")
+        owner = podlib.controller_ref(pod.obj)
+        if owner is not None:
+            message = (
+                f"pinned to {node} but unschedulable for {self.timeout_s:g}s ({cause}); "
+                f"released its slices and deleted it so its {owner.get('kind', 'controller')} "
+                "recreates it and it is placed again"
+            )
+            await self._emit(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+            self.elector.check()
+            try:
+                await self.kube.delete(
+                    core_path("pods", pod.namespace, pod.name), {"preconditions": {"uid": pod.uid}}
+                )
+            except ApiError as exc:
+                if not (exc.not_found or exc.conflict):
+                    raise
+        else:
+            message = (
+                f"pinned to {node} but unschedulable for {self.timeout_s:g}s ({cause}); "
+                "released its slices; it has no controller to recreate it: delete and recreate "
+                "the pod to have it placed again"
+            )
+            await self._emit(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+
+    # --- events -------------------------------------------------------------------------
+
+    def _event(
+        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
+    ) -> None:
+        self._background(self._emit(pod, reason, message, type_))
+
+    async def _emit(
+        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
+    ) -> None:
+        if not self.elector.is_leader:
+            return
+        await pod_event(
+            self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
+        )
+
+
+def summary(placement: Placement) -> str:
+    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
+    parts = [
+        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
+    ]
+    return ", ".join(parts)
+
+
+def _scheduled_message(pod: Obj) -> str:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled":
+            return str(cond.get("message") or cond.get("reason") or "unschedulable")
+    return "unschedulable"

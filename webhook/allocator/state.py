@@ -1,0 +1,503 @@
+"""The allocator's in-memory cluster model: pure data, fed by watch events, read as snapshots.
+
+`ClusterState` keeps what the four informers deliver — Pods, Nodes, MigNodes and
+SliceAllocations — reduced to what placement needs, and answers `snapshot()` with the
+placement engine's `Snapshot`:
+
+- A node's free cpu/memory/pods is its allocatable minus the requests of every non-terminal
+  pod charged to it: bound there (`spec.nodeName`), pinned there (required affinity on
+  `metadata.name`, ours or anyone's), or holding a live SliceAllocation there. InstaSlice's
+  pods or not, each pod is charged to at most one node.
+- A GPU's occupied slots are the union of the slices of every live SliceAllocation naming
+  it (any phase, including assumed ones and ones being deleted) and the MigNode's instances
+  that no live allocation claims (foreign instances are never reused). Slots free up only
+  when the allocation object is gone (docs/protocol.md, "Occupancy truth").
+
+"Assumed" allocations (STYLE.md §3) are recorded before the create is sent, so the next
+decision already sees them, and are forgotten if the create fails; the watched object
+replaces the assumed one when it arrives.
+
+`epoch` grows whenever capacity may have grown (a slice released, a pod gone from a node, a
+node or GPU added or changed): pods parked as pending are retried on that, not on a timer.
+
+It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
+changed, so a decision on a large cluster does not rebuild the whole snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.constants import RELEASE_FINALIZER
+from common.objects import Phase, allocation_phase
+from common.placement.model import Gpu, NodeState, Occupied, Snapshot, Taint
+from common.quantity import parse_bytes, parse_cpu_millis
+from webhook.allocator import pods as podlib
+from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    uid: str
+    key: str  # namespace/name
+    namespace: str
+    name: str
+    claim: str | None
+    gates: tuple[str, ...]
+    priority: int
+    created: str
+    terminal: bool
+    deleting: bool
+    bound: str
+    pinned: str | None
+    unschedulable: bool
+    resources: Resources
+    obj: Obj
+
+    @classmethod
+    def of(cls, obj: Obj) -> PodView:
+        meta = obj.get("metadata", {})
+        return cls(
+            uid=podlib.uid(obj),
+            key=podlib.key(obj),
+            namespace=str(meta.get("namespace", "")),
+            name=str(meta.get("name", "")),
+            claim=podlib.claim(obj),
+            gates=podlib.gates(obj),
+            priority=podlib.priority(obj),
+            created=podlib.created(obj),
+            terminal=podlib.is_terminal(obj),
+            deleting=podlib.is_deleting(obj),
+            bound=podlib.bound_node(obj),
+            pinned=podlib.pinned_node(obj),
+            unschedulable=podlib.is_unschedulable(obj),
+            resources=podlib.pod_resources(obj),
+            obj=obj,
+        )
+
+    @property
+    def node(self) -> str | None:
+        """The node the pod is bound or pinned to, if any."""
+        return self.bound or self.pinned
+
+
+@dataclass(frozen=True, slots=True)
+class SliceView:
+    container: str
+    profile: str
+    gpu_uuid: str
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocView:
+    key: str  # namespace/name
+    namespace: str
+    name: str  # = the pod's claim id
+    pod_uid: str
+    pod_name: str
+    node: str
+    slices: tuple[SliceView, ...]
+    phase: str
+    deleting: bool
+    finalizer: bool
+    assumed: bool
+    obj: Obj
+
+    @classmethod
+    def of(cls, obj: Obj, *, assumed: bool = False) -> AllocView:
+        meta = obj.get("metadata", {})
+        spec = obj.get("spec", {})
+        ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        return cls(
+            key=f"{ns}/{name}",
+            namespace=ns,
+            name=name,
+            pod_uid=str(spec.get("podUID", "")),
+            pod_name=str(spec.get("podName", "")),
+            node=str(spec.get("nodeName", "")),
+            slices=tuple(
+                SliceView(
+                    str(s.get("container", "")),
+                    str(s.get("profile", "")),
+                    str(s.get("gpuUUID", "")),
+                    int(s.get("start", 0)),
+                    int(s.get("size", 1)),
+                )
+                for s in spec.get("slices") or []
+            ),
+            phase=allocation_phase(obj),
+            deleting=bool(meta.get("deletionTimestamp")),
+            finalizer=RELEASE_FINALIZER in (meta.get("finalizers") or []),
+            assumed=assumed,
+            obj=obj,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == Phase.READY.value and not self.deleting
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == Phase.FAILED.value
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    labels: Mapping[str, str]
+    taints: tuple[Taint, ...]
+    unschedulable: bool
+    allocatable: Resources
+
+    @classmethod
+    def of(cls, obj: Obj) -> NodeView:
+        meta, spec = obj.get("metadata", {}), obj.get("spec", {})
+        alloc = obj.get("status", {}).get("allocatable") or {}
+
+        def q(name: str, parse: Any) -> int:
+            try:
+                return int(parse(alloc[name])) if name in alloc else 0
+            except ValueError:
+                return 0
+
+        return cls(
+            name=str(meta.get("name", "")),
+            labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
+            taints=tuple(
+                Taint(str(t.get("key", "")), str(t.get("value") or ""), str(t.get("effect", "")))
+                for t in spec.get("taints") or []
+            ),
+            unschedulable=bool(spec.get("unschedulable")),
+            allocatable=Resources(
+                q("cpu", parse_cpu_millis), q("memory", parse_bytes), q("pods", parse_bytes)
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    index: int
+    uuid: str
+    model: str
+    mig_enabled: bool
+    healthy: bool
+    instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+
+
+def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
+    out = []
+    for g in mig_node.get("status", {}).get("gpus") or []:
+        mode = g.get("migMode") or {}
+        out.append(
+            GpuView(
+                index=int(g.get("index", 0)),
+                uuid=str(g.get("uuid", "")),
+                model=str(g.get("model", "")),
+                mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
+                healthy=bool(g.get("healthy")),
+                instances=tuple(
+                    (
+                        int(s.get("start", 0)),
+                        int(s.get("size", 1)),
+                        str(s.get("profile", "")),
+                        str(s.get("claim") or ""),
+                    )
+                    for s in g.get("slices") or []
+                ),
+            )
+        )
+    return tuple(sorted(out, key=lambda g: g.index))
+
+
+class ClusterState:
+    def __init__(self) -> None:
+        self.pods: dict[str, PodView] = {}  # by uid
+        self._pod_by_key: dict[str, str] = {}
+        self._pod_by_claim: dict[str, str] = {}  # namespace/claim -> uid
+        self.allocations: dict[str, AllocView] = {}  # by namespace/name
+        self._allocs_by_pod: dict[str, set[str]] = {}
+        self._allocs_by_node: dict[str, set[str]] = {}
+        self.nodes: dict[str, NodeView] = {}
+        self.gpus: dict[str, tuple[GpuView, ...]] = {}  # MigNode status, by node
+        self._live_claims: Counter[str] = Counter()
+        self._charges: dict[str, tuple[str, Resources]] = {}
+        self._usage: dict[str, Resources] = {}
+        self._node_cache: dict[str, NodeState] = {}
+        self._nodes_sorted: tuple[NodeState, ...] = ()
+        self._dirty: set[str] = set()
+        self.epoch = 0
+
+    # --- pods ---------------------------------------------------------------------------
+
+    def upsert_pod(self, obj: Obj) -> PodView:
+        view = PodView.of(obj)
+        old = self.pods.get(view.uid)
+        if old is not None:
+            self._unindex_pod(old)
+        self.pods[view.uid] = view
+        self._pod_by_key[view.key] = view.uid
+        if view.claim:
+            self._pod_by_claim[f"{view.namespace}/{view.claim}"] = view.uid
+        self._recharge(view.uid)
+        return view
+
+    def remove_pod(self, obj: Obj) -> PodView | None:
+        uid = podlib.uid(obj)
+        view = self.pods.pop(uid, None)
+        if view is not None:
+            self._unindex_pod(view)
+        self._recharge(uid)
+        return view
+
+    def _unindex_pod(self, view: PodView) -> None:
+        if self._pod_by_key.get(view.key) == view.uid:
+            del self._pod_by_key[view.key]
+        claim_key = f"{view.namespace}/{view.claim}"
+        if view.claim and self._pod_by_claim.get(claim_key) == view.uid:
+            del self._pod_by_claim[claim_key]
+
+    def pod_by_claim(self, namespace: str, claim: str) -> PodView | None:
+        uid = self._pod_by_claim.get(f"{namespace}/{claim}")
+        return self.pods.get(uid) if uid else None
+
+    def pod_by_key(self, key: str) -> PodView | None:
+        uid = self._pod_by_key.get(key)
+        return self.pods.get(uid) if uid else None
+
+    # --- allocations --------------------------------------------------------------------
+
+    def upsert_allocation(self, obj: Obj) -> AllocView:
+        """A watched allocation (replaces an assumed one of the same name)."""
+        return self._put_alloc(AllocView.of(obj))
+
+    def assume(self, obj: Obj) -> AllocView:
+        """Record a decision before its create is sent, so the next decision sees it."""
+        return self._put_alloc(AllocView.of(obj, assumed=True))
+
+    def confirm(self, obj: Obj) -> None:
+        """The create succeeded: hold the written object unless the watch was faster."""
+        view = AllocView.of(obj)
+        current = self.allocations.get(view.key)
+        if current is not None and current.assumed:
+            self._put_alloc(view)
+
+    def forget(self, key: str) -> None:
+        """The create failed: drop the assumed allocation (a watched one is kept)."""
+        current = self.allocations.get(key)
+        if current is not None and current.assumed:
+            self._drop_alloc(key)
+
+    def drop_assumed(self) -> None:
+        for k in [k for k, a in self.allocations.items() if a.assumed]:
+            self._drop_alloc(k)
+
+    def remove_allocation(self, obj: Obj) -> AllocView | None:
+        view = AllocView.of(obj)
+        if view.key not in self.allocations:
+            return None
+        return self._drop_alloc(view.key)
+
+    def allocations_of(self, pod_uid: str) -> list[AllocView]:
+        return [self.allocations[k] for k in sorted(self._allocs_by_pod.get(pod_uid, ()))]
+
+    def allocations_on(self, node: str) -> list[AllocView]:
+        return [self.allocations[k] for k in sorted(self._allocs_by_node.get(node, ()))]
+
+    def _put_alloc(self, view: AllocView) -> AllocView:
+        old = self.allocations.get(view.key)
+        if old is not None:
+            self._unindex(old)
+        self.allocations[view.key] = view
+        self._allocs_by_pod.setdefault(view.pod_uid, set()).add(view.key)
+        self._allocs_by_node.setdefault(view.node, set()).add(view.key)
+        self._live_claims[view.name] += 1
+        self._dirty.add(view.node)
+        self._recharge(view.pod_uid)
+        if old is not None and old.pod_uid != view.pod_uid:
+            self._recharge(old.pod_uid)
+        return view
+
+    def _drop_alloc(self, key: str) -> AllocView:
+        view = self.allocations.pop(key)
+        self._unindex(view)
+        self._recharge(view.pod_uid)
+        self.epoch += 1
+        return view
+
+    def _unindex(self, view: AllocView) -> None:
+        keys = self._allocs_by_pod.get(view.pod_uid)
+        if keys is not None:
+            keys.discard(view.key)
+            if not keys:
+                del self._allocs_by_pod[view.pod_uid]
+        keys = self._allocs_by_node.get(view.node)
+        if keys is not None:
+            keys.discard(view.key)
+            if not keys:
+                del self._allocs_by_node[view.node]
+        self._live_claims[view.name] -= 1
+        if self._live_claims[view.name] <= 0:
+            del self._live_claims[view.name]
+        self._dirty.add(view.node)
+
+    # --- nodes and MigNodes -------------------------------------------------------------
+
+    def upsert_node(self, obj: Obj) -> bool:
+        """Returns True when something placement looks at changed."""
+        view = NodeView.of(obj)
+        if self.nodes.get(view.name) == view:
+            return False
+        self.nodes[view.name] = view
+        self._dirty.add(view.name)
+        self.epoch += 1
+        return True
+
+    def remove_node(self, obj: Obj) -> None:
+        name = str(obj.get("metadata", {}).get("name", ""))
+        if self.nodes.pop(name, None) is not None:
+            self._dirty.add(name)
+
+    def upsert_mig_node(self, obj: Obj) -> bool:
+        name = str(obj.get("metadata", {}).get("name", ""))
+        gpus = gpus_of(obj)
+        if self.gpus.get(name) == gpus:
+            return False
+        self.gpus[name] = gpus
+        self._dirty.add(name)
+        self.epoch += 1
+        return True
+
+    def remove_mig_node(self, obj: Obj) -> None:
+        name = str(obj.get("metadata", {}).get("name", ""))
+        if self.gpus.pop(name, None) is not None:
+            self._dirty.add(name)
+
+    def gpu(self, node: str, index: int) -> GpuView | None:
+        return next((g for g in self.gpus.get(node, ()) if g.index == index), None)
+
+    # --- accounting ---------------------------------------------------------------------
+
+    def _charge_of(self, uid: str) -> tuple[str, Resources] | None:
+        pod = self.pods.get(uid)
+        if pod is None or pod.terminal:
+            return None
+        node = pod.node
+        if not node:
+            live = [a for a in self.allocations_of(uid) if not a.deleting]
+            node = live[0].node if live else None
+        return (node, pod.resources) if node else None
+
+    def _recharge(self, uid: str) -> None:
+        new = self._charge_of(uid)
+        old = self._charges.get(uid)
+        if new == old:
+            return
+        if old is not None:
+            node, res = old
+            self._usage[node] = self._usage.get(node, Resources()) - res
+            self._dirty.add(node)
+            self.epoch += 1  # something left (or shrank on) a node
+        if new is None:
+            self._charges.pop(uid, None)
+        else:
+            self._charges[uid] = new
+            node, res = new
+            self._usage[node] = self._usage.get(node, Resources()) + res
+            self._dirty.add(node)
+
+    def usage(self, node: str) -> Resources:
+        return self._usage.get(node, Resources())
+
+    def free(self, node: str) -> Resources:
+        view = self.nodes.get(node)
+        return (view.allocatable if view else Resources()) - self.usage(node)
+
+    # --- snapshots ----------------------------------------------------------------------
+
+    def occupied(self, node: str, gpu: GpuView) -> tuple[Occupied, ...]:
+        """Union of live allocations' slices on `gpu` and unclaimed MigNode instances."""
+        slots: set[Occupied] = set()
+        for alloc in self.allocations_on(node):
+            for s in alloc.slices:
+                if s.gpu_uuid == gpu.uuid:
+                    slots.add(Occupied(s.start, s.size, s.profile))
+        for start, size, profile, claim in gpu.instances:
+            if not claim or claim not in self._live_claims:
+                slots.add(Occupied(start, size, profile))
+        return tuple(sorted(slots, key=lambda o: (o.start, o.size, o.profile)))
+
+    def _node_state(self, name: str) -> NodeState | None:
+        view = self.nodes.get(name)
+        gpus = self.gpus.get(name)
+        if view is None or gpus is None:
+            return None
+        free = self.free(name)
+        return NodeState(
+            name=name,
+            labels=view.labels,
+            taints=view.taints,
+            unschedulable=view.unschedulable,
+            cpu_millis_free=free.cpu_millis,
+            memory_bytes_free=free.memory_bytes,
+            pods_free=free.pods,
+            gpus=tuple(
+                Gpu(
+                    index=g.index,
+                    model=g.model,
+                    mig_enabled=g.mig_enabled,
+                    healthy=g.healthy,
+                    occupied=self.occupied(name, g),
+                )
+                for g in gpus
+            ),
+        )
+
+    def snapshot(
+        self,
+        *,
+        exclude: Collection[tuple[str, str]] = frozenset(),
+        name_label: bool = False,
+    ) -> Snapshot:
+        """The placement engine's view: every node that has both a Node and a MigNode.
+
+        `exclude`: (node, gpu uuid) pairs shown as unhealthy (GPUs that failed this pod).
+        `name_label`: add FIELD_NAME_LABEL=<node> to each node (pods with matchFields).
+        """
+        if self._dirty:
+            for name in self._dirty:
+                state = self._node_state(name)
+                if state is None:
+                    self._node_cache.pop(name, None)
+                else:
+                    self._node_cache[name] = state
+            self._dirty.clear()
+            self._nodes_sorted = tuple(self._node_cache[n] for n in sorted(self._node_cache))
+        if not exclude and not name_label:
+            return Snapshot(nodes=self._nodes_sorted)
+        excluded: dict[str, set[str]] = {}
+        for node, gpu_uuid in exclude:
+            excluded.setdefault(node, set()).add(gpu_uuid)
+        nodes = []
+        for state in self._nodes_sorted:
+            name = state.name
+            if name in excluded:
+                bad = {g.index for g in self.gpus.get(name, ()) if g.uuid in excluded[name]}
+                state = dataclasses.replace(
+                    state,
+                    gpus=tuple(
+                        dataclasses.replace(g, healthy=False) if g.index in bad else g
+                        for g in state.gpus
+                    ),
+                )
+            if name_label:
+                state = dataclasses.replace(state, labels={**state.labels, FIELD_NAME_LABEL: name})
+            nodes.append(state)
+        return Snapshot(nodes=tuple(nodes))
