@@ -1,0 +1,273 @@
+"""The node agent for one node: startup reconcile, then the node's loops in one TaskGroup.
+
+Startup: discover GPUs and instances (NVML), load the checkpoint, forget instance ids if
+the node rebooted, sort instances into ours (claimed by a record) and foreign, publish.
+Then, concurrently: the allocation queue (one worker per SliceAllocation, `Lifecycle`),
+the publisher (MigNode status and Node capacity, on change only), the Lease heartbeat,
+garbage collection (orphaned records after the grace period, stale CDI files, a fresh
+NVML scan) and health (NVML XID / GPU-lost events → MigNode, capacity, allocations).
+
+Allocation events come from one informer per process (`on_event`), shared by all nodes
+that process serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from common.catalog import Catalog
+from common.kubeapi import ApiError, EventType, Kube
+from nodeagent import cdi, checkpoint, writes
+from nodeagent.binding import Binding
+from nodeagent.device import HealthHub, NodeGpus
+from nodeagent.lifecycle import Lifecycle
+from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
+from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
+from nodeagent.report import capacity, capacity_patch, mig_node_status
+from nodeagent.settings import Settings
+from nodeagent.state import NodeState
+from nodeagent.workqueue import KeyedQueue
+
+log = structlog.get_logger("agent")
+Obj = dict[str, Any]
+REASON_UNHEALTHY = "GPUUnhealthy"
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        *,
+        node: str,
+        kube: Kube,
+        gpus: NodeGpus,
+        settings: Settings,
+        catalog: Catalog,
+        boot_id: str,
+        numbers: cdi.DeviceNumbers,
+        base_spec: Obj | None,
+        binding: Binding,
+        health_hub: HealthHub,
+        synced: asyncio.Event,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.kube = kube
+        self.gpus = gpus
+        self.settings = settings
+        self.hub = health_hub
+        self.synced = synced
+        self.clock = clock
+        self.st = NodeState(node, boot_id, settings.checkpoint_path(node))
+        self.life = Lifecycle(
+            state=self.st,
+            gpus=gpus,
+            kube=kube,
+            settings=settings,
+            catalog=catalog,
+            numbers=numbers,
+            common_edits=cdi.common_edits(base_spec, numbers),
+            binding=binding,
+            clock=clock,
+        )
+        self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
+        self.started = asyncio.Event()
+        self._health_q: asyncio.Queue[HealthEvent] = asyncio.Queue()
+        self._orphan_seen: dict[str, float] = {}
+        self._last_status: Obj | None = None
+        self._last_capacity: dict[str, str] | None = None
+
+    # ---- informer → agent --------------------------------------------------------------------
+
+    def on_event(self, etype: EventType, obj: Obj) -> None:
+        uid = obj.get("metadata", {}).get("uid", "")
+        if etype == "DELETED":
+            self.st.allocs.pop(uid, None)
+        else:
+            self.st.allocs[uid] = obj
+        self.queue.kick(uid)
+
+    # ---- run ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.startup()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self.queue.start(tg)
+                tg.create_task(self._publisher(), name=f"publish-{self.node}")
+                tg.create_task(self._lease(), name=f"lease-{self.node}")
+                tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
+                tg.create_task(self._health(), name=f"health-{self.node}")
+                self.started.set()
+        finally:
+            self.hub.remove(self.node)
+
+    async def startup(self) -> None:
+        st = self.st
+        st.inv = await self.gpus.call(self.gpus.s.inventory)
+        for i in st.inv.lost:
+            st.health[i] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
+        for g in st.inv.gpus:
+            for w in g.warnings:
+                log.warning("NVML differs from the catalog; NVML wins", gpu=g.index, detail=w)
+        path = self.settings.checkpoint_path(self.node)
+        cp = await asyncio.to_thread(checkpoint.load, path, self.node)
+        if cp.boot_id and cp.boot_id != st.boot_id:
+            log.warning("node rebooted: recorded instances are gone", records=len(cp.claims))
+        st.set_checkpoint(after_reboot(cp, st.boot_id))
+        await st.persist()
+        own = match(st.cp, st.inv.instances)
+        st.foreign = own.foreign
+        log.info(
+            "node discovered",
+            node=self.node,
+            gpus=len(st.inv.gpus),
+            instances=len(st.inv.instances),
+            ours=len(own.owner),
+            foreign=len(own.foreign),
+            records=len(st.cp.claims),
+        )
+        for f in own.foreign:
+            log.warning(
+                "instance InstaSlice did not create; left alone",
+                gpu=f.gpu_index,
+                gi=f.gi_id,
+                placement=f"{f.start}:{f.size}",
+            )
+        healthy = [g.index for g in st.inv.gpus if g.index not in st.inv.lost]
+        self.hub.add(self.node, self.gpus.event_session(), healthy, self._health_q.put_nowait)
+        st.publish.set()
+
+    # ---- publishing ----------------------------------------------------------------------------
+
+    async def _publisher(self) -> None:
+        retry: float | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.st.publish.wait(), retry)
+            self.st.publish.clear()
+            await asyncio.sleep(0.02)  # coalesce a burst of changes into one write
+            try:
+                retry = await self.publish_once()
+            except ApiError as exc:
+                log.warning("publish failed", node=self.node, error=str(exc))
+                retry = 2.0
+
+    async def publish_once(self) -> float | None:
+        """Write MigNode status and Node capacity if they changed; a retry delay if the
+        Node object does not exist yet."""
+        st = self.st
+        status = mig_node_status(
+            st.inv,
+            st.health,
+            st.cp,
+            st.foreign,
+            version=self.settings.version,
+            boot_id=st.boot_id,
+        )
+        if status != self._last_status:
+            await writes.patch_mig_node_status(self.kube, self.node, status)
+            self._last_status = status
+        desired = capacity(st.inv, st.health)
+        if desired == self._last_capacity:
+            return None
+        current = await writes.node_capacity(self.kube, self.node)
+        if current is None:
+            log.info("Node object not found; capacity waits", node=self.node)
+            return 5.0
+        body = capacity_patch(desired, current)
+        if body is not None:
+            await writes.patch_node_status(self.kube, self.node, body)
+        self._last_capacity = desired
+        return None
+
+    async def _lease(self) -> None:
+        period = max(1.0, self.settings.lease_duration_s / 4)
+        while True:
+            try:
+                await writes.renew_lease(
+                    self.kube, self.settings.namespace, self.node, self.settings.lease_duration_s
+                )
+            except ApiError as exc:
+                log.warning("lease renewal failed", node=self.node, error=str(exc))
+            await asyncio.sleep(period)
+
+    # ---- garbage collection ----------------------------------------------------------------------
+
+    async def _gc_loop(self) -> None:
+        await self.synced.wait()
+        while True:
+            try:
+                await self.gc()
+            except (ApiError, NvmlFailure) as exc:
+                log.warning("garbage collection failed", node=self.node, error=str(exc))
+            await asyncio.sleep(self.settings.gc_period_s)
+
+    async def gc(self) -> None:
+        """Destroy what orphaned records hold (after the grace period), retry failed
+        rollbacks, remove CDI files nobody claims, and rescan NVML for foreign instances."""
+        st = self.st
+        live = set(st.allocs)
+        due, self._orphan_seen = orphans(
+            st.cp, live, self._orphan_seen, self.clock(), self.settings.gc_grace_s
+        )
+        stuck = [
+            uid
+            for uid, rec in st.cp.claims.items()
+            if uid in live and rec.state == "releasing" and not alloc_view(st.allocs[uid]).deleting
+        ]
+        for uid in due + stuck:
+            rec = st.cp.claims.get(uid)
+            if rec is not None:
+                log.warning(
+                    "destroying slices no allocation claims", claim=rec.key, orphan=uid in due
+                )
+                await self.life.rollback(rec)
+        keys = {(r.namespace, r.name) for r in st.cp.claims.values()}
+        keys |= {(a["metadata"]["namespace"], a["metadata"]["name"]) for a in st.allocs.values()}
+        cdi_dir = self.life.cdi_dir
+        for ns, claim in await asyncio.to_thread(cdi.our_spec_files, cdi_dir):
+            if (ns, claim) not in keys:
+                log.info("removing stale CDI spec", claim=f"{ns}/{claim}")
+                await asyncio.to_thread(cdi.remove_spec, cdi_dir, ns, claim)
+        instances = await self.life.instances({g.index for g in st.inv.gpus})
+        foreign = match(st.cp, instances).foreign
+        if foreign != st.foreign:
+            st.foreign = foreign
+            st.publish.set()
+
+    # ---- health ----------------------------------------------------------------------------------
+
+    async def _health(self) -> None:
+        while True:
+            ev = await self._health_q.get()
+            await self.on_health(ev)
+
+    async def on_health(self, ev: HealthEvent) -> None:
+        if ev.kind == "xid" and ev.xid in APPLICATION_XIDS:
+            log.info("application XID (GPU stays healthy)", gpu=ev.gpu_index, xid=ev.xid)
+            return
+        gpu = self.st.inv.gpu_by_index(ev.gpu_index)
+        if gpu is None or not self.st.healthy(ev.gpu_index):
+            return
+        self.st.health[ev.gpu_index] = Health(False, ev.message)
+        log.warning("GPU unhealthy", node=self.node, gpu=ev.gpu_index, reason=ev.message)
+        self.st.publish.set()
+        for uid, obj in list(self.st.allocs.items()):
+            alloc = alloc_view(obj)
+            if any(s.gpu_uuid == gpu.uuid for s in alloc.slices):
+                self.queue.kick(uid)
+                await writes.event(
+                    self.kube,
+                    alloc.namespace,
+                    alloc.pod_name,
+                    alloc.pod_uid,
+                    REASON_UNHEALTHY,
+                    f"GPU {gpu.index} ({gpu.uuid}) on {self.node} is unhealthy: {ev.message}",
+                    warning=True,
+                )

@@ -1,0 +1,55 @@
+"""How a container gets the CDI device of its slices (CONTRACT.md §4 "Binding modes").
+
+`env`: the webhook already set the container's `NVIDIA_VISIBLE_DEVICES` to its
+fully-qualified CDI device name at admission, and the NVIDIA Container Toolkit (CDI mode)
+resolves it from the spec file the agent writes; nothing else happens on the node.
+
+`device-plugin` (a later issue) will serve the kubelet device-plugin API for
+`instaslice.io/mig-<profile>` and answer `Allocate` with the CDI device of a prepared slice.
+The seam is this protocol: the lifecycle tells the binding when an allocation's devices are
+ready and when they are gone; a binding that needs a server runs it in `run()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Protocol
+
+from nodeagent.settings import Binding as BindingMode
+
+
+class Binding(Protocol):
+    async def run(self) -> None:
+        """Serve whatever the mode needs until cancelled."""
+
+    async def slices_ready(self, namespace: str, claim: str, devices: Mapping[str, str]) -> None:
+        """`devices`: container → fully-qualified CDI device name, now in the spec dir."""
+
+    async def slices_released(self, namespace: str, claim: str) -> None: ...
+
+
+class EnvBinding:
+    """The `env` mode: the CDI file is the whole contract; nothing to serve."""
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+    async def slices_ready(self, namespace: str, claim: str, devices: Mapping[str, str]) -> None:
+        return None
+
+    async def slices_released(self, namespace: str, claim: str) -> None:
+        return None
+
+
+class UnsupportedBinding(Exception):
+    pass
+
+
+def make_binding(mode: BindingMode) -> Binding:
+    if mode == "env":
+        return EnvBinding()
+    raise UnsupportedBinding(
+        f"binding mode {mode!r} is not implemented yet (planned: kubelet device-plugin API "
+        "serving instaslice.io/mig-<profile>); use --binding env"
+    )

@@ -1,0 +1,343 @@
+"""CDI spec files for allocations (CONTRACT.md §3 "CDI"; mig.md §4).
+
+One JSON file per allocation, `instaslice.io-<namespace>_<claim>.json`, kind
+`instaslice.io/mig`, one device per slice-asking container. A device's edits are exactly what
+that container needs for its slices and nothing of another slice: the parent GPU's device
+node, the GPU-instance and compute-instance capability nodes
+(`/dev/nvidia-caps/nvidia-cap<N>`), and `NVIDIA_VISIBLE_DEVICES=<MIG UUIDs>`. The spec's
+top-level edits (applied once per container that gets any device of the spec) are the common
+edits of the node's NVIDIA CDI spec (control and UVM nodes, driver library mounts, hooks), so
+the container also gets the user-space driver.
+
+Building is pure (`build_spec`); the only I/O is the atomic write/remove and reading the two
+host files it depends on: the NVIDIA base spec and `/proc/driver/nvidia-caps/mig-minors`. In
+emulation a generated base spec and the minors formula of mig.md §2.12 stand in for them.
+Device nodes carry type/major/minor when known, so a consumer need not stat host paths that
+do not exist (emulation); on real nodes the runtime fills them from the host when absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.constants import CDI_FILE_PREFIX, CDI_KIND, VISIBLE_DEVICES_ENV, cdi_device_name
+
+CDI_VERSION = "0.6.0"
+NVIDIA_MAJOR = 195  # /dev/nvidia<N> and /dev/nvidiactl (fixed by the driver)
+NVIDIACTL_MINOR = 255
+# Dynamic majors: read from /proc/devices on a real node; these stand in under emulation.
+EMULATED_UVM_MAJOR = 510
+EMULATED_CAPS_MAJOR = 511
+DEFAULT_MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
+DEFAULT_PROC_DEVICES = Path("/proc/devices")
+
+Obj = dict[str, Any]
+
+
+class CdiError(Exception):
+    """A host file the CDI spec depends on is missing or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class DevNode:
+    path: str
+    major: int | None = None
+    minor: int | None = None
+
+    def to_json(self) -> Obj:
+        out: Obj = {"path": self.path}
+        if self.major is not None and self.minor is not None:
+            out.update(type="c", major=self.major, minor=self.minor)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SliceNodes:
+    """The device nodes and UUID of one created slice (one MIG device)."""
+
+    mig_uuid: str
+    parent: DevNode
+    gi_access: DevNode
+    ci_access: DevNode
+
+
+# --- /dev/nvidia-caps minors ----------------------------------------------------------------
+
+_MINOR_LINE = re.compile(r"^(?P<name>\S+)\s+(?P<minor>\d+)\s*$")
+
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """`/proc/driver/nvidia-caps/mig-minors` → {"gpu0/gi1/access": 12, ...}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _MINOR_LINE.match(line.strip())
+        if m:
+            out[m["name"]] = int(m["minor"])
+    return out
+
+
+def formula_minor(gpu_minor: int, gi_id: int, ci_id: int | None = None) -> int:
+    """mig.md §2.12: gpu{g}/gi{i}/access = 3+135g+9i; .../ci{c}/access = 4+135g+9i+c."""
+    base = 135 * gpu_minor + 9 * gi_id
+    return 3 + base if ci_id is None else 4 + base + ci_id
+
+
+def gi_cap_name(gpu_minor: int, gi_id: int) -> str:
+    return f"gpu{gpu_minor}/gi{gi_id}/access"
+
+
+def ci_cap_name(gpu_minor: int, gi_id: int, ci_id: int) -> str:
+    return f"gpu{gpu_minor}/gi{gi_id}/ci{ci_id}/access"
+
+
+def parse_proc_devices(text: str) -> dict[str, int]:
+    """`/proc/devices` character section → {"nvidia-caps": 511, "nvidia-uvm": 510, ...}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit():
+            out.setdefault(parts[1], int(parts[0]))
+        if line.startswith("Block devices"):
+            break
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceNumbers:
+    """How to name a slice's device nodes on this node (host facts, read once)."""
+
+    minors: Mapping[str, int] | None  # None: use the formula (emulation)
+    caps_major: int | None
+    uvm_major: int | None
+    with_numbers: bool  # write type/major/minor into the spec
+
+    @classmethod
+    def emulated(cls) -> DeviceNumbers:
+        return cls(None, EMULATED_CAPS_MAJOR, EMULATED_UVM_MAJOR, True)
+
+    @classmethod
+    def from_host(
+        cls, mig_minors: Path = DEFAULT_MIG_MINORS, proc_devices: Path = DEFAULT_PROC_DEVICES
+    ) -> DeviceNumbers:
+        try:
+            minors = parse_mig_minors(mig_minors.read_text())
+        except OSError as exc:
+            raise CdiError(f"cannot read {mig_minors}: {exc}") from exc
+        try:
+            majors = parse_proc_devices(proc_devices.read_text())
+        except OSError:
+            majors = {}
+        caps, uvm = majors.get("nvidia-caps"), majors.get("nvidia-uvm")
+        return cls(minors, caps, uvm, caps is not None)
+
+    def cap_minor(self, name: str, fallback: int) -> int:
+        if self.minors is None:
+            return fallback
+        try:
+            return self.minors[name]
+        except KeyError as exc:
+            raise CdiError(f"mig-minors has no entry {name!r}") from exc
+
+    def slice_nodes(self, mig_uuid: str, gpu_minor: int, gi_id: int, ci_id: int) -> SliceNodes:
+        gi_minor = self.cap_minor(gi_cap_name(gpu_minor, gi_id), formula_minor(gpu_minor, gi_id))
+        ci_minor = self.cap_minor(
+            ci_cap_name(gpu_minor, gi_id, ci_id), formula_minor(gpu_minor, gi_id, ci_id)
+        )
+        num = self.with_numbers
+        caps = self.caps_major if num else None
+        return SliceNodes(
+            mig_uuid=mig_uuid,
+            parent=DevNode(f"/dev/nvidia{gpu_minor}", NVIDIA_MAJOR if num else None, gpu_minor),
+            gi_access=DevNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps, gi_minor),
+            ci_access=DevNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps, ci_minor),
+        )
+
+
+# --- the node's NVIDIA CDI spec (common edits) ------------------------------------------------
+
+
+def control_nodes(numbers: DeviceNumbers) -> list[DevNode]:
+    """/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools: every CUDA process opens them."""
+    num = numbers.with_numbers
+    uvm = numbers.uvm_major if num else None
+    return [
+        DevNode("/dev/nvidiactl", NVIDIA_MAJOR if num else None, NVIDIACTL_MINOR),
+        DevNode("/dev/nvidia-uvm", uvm, 0),
+        DevNode("/dev/nvidia-uvm-tools", uvm, 1),
+    ]
+
+
+def common_edits(base_spec: Obj | None, numbers: DeviceNumbers) -> Obj:
+    """The top-level edits of our specs: the base spec's common edits, plus the control/UVM
+    nodes if the base lacks them. `NVIDIA_VISIBLE_DEVICES` from the base is dropped (each
+    device sets its own)."""
+    base = (base_spec or {}).get("containerEdits") or {}
+    nodes: list[Obj] = [dict(n) for n in base.get("deviceNodes") or []]
+    have = {n.get("path") for n in nodes}
+    nodes += [n.to_json() for n in control_nodes(numbers) if n.path not in have]
+    edits: Obj = {"deviceNodes": nodes}
+    env = [e for e in base.get("env") or [] if not e.startswith(VISIBLE_DEVICES_ENV + "=")]
+    if env:
+        edits["env"] = env
+    for key in ("mounts", "hooks"):
+        if base.get(key):
+            edits[key] = [dict(x) for x in base[key]]
+    return edits
+
+
+def load_base_spec(path: Path) -> Obj:
+    """Read the node's NVIDIA CDI spec (`nvidia-ctk cdi generate` output; YAML or JSON)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CdiError(f"cannot read the NVIDIA CDI spec {path}: {exc}") from exc
+    try:
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise CdiError(f"{path} is not a CDI spec: {exc}") from exc
+    if not isinstance(doc, dict) or "kind" not in doc:
+        raise CdiError(f"{path} is not a CDI spec (no kind)")
+    return doc
+
+
+def fake_nvidia_spec(driver_version: str = "580.159.04") -> Obj:
+    """A small stand-in for `nvidia-ctk cdi generate` output, for emulated nodes."""
+    lib = "/usr/lib/x86_64-linux-gnu"
+    numbers = DeviceNumbers.emulated()
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": "nvidia.com/gpu",
+        "devices": [],
+        "containerEdits": {
+            "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+            "deviceNodes": [n.to_json() for n in control_nodes(numbers)],
+            "mounts": [
+                {
+                    "hostPath": f"{lib}/{so}.{driver_version}",
+                    "containerPath": f"{lib}/{so}.{driver_version}",
+                    "options": ["ro", "nosuid", "nodev", "rbind", "rprivate"],
+                }
+                for so in ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so")
+            ]
+            + [
+                {
+                    "hostPath": "/usr/bin/nvidia-smi",
+                    "containerPath": "/usr/bin/nvidia-smi",
+                    "options": ["ro", "nosuid", "nodev", "rbind", "rprivate"],
+                }
+            ],
+            "hooks": [
+                {
+                    "hookName": "createContainer",
+                    "path": "/usr/bin/nvidia-cdi-hook",
+                    "args": [
+                        "nvidia-cdi-hook",
+                        "create-symlinks",
+                        "--link",
+                        f"libcuda.so.{driver_version}::{lib}/libcuda.so.1",
+                    ],
+                },
+                {
+                    "hookName": "createContainer",
+                    "path": "/usr/bin/nvidia-cdi-hook",
+                    "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", lib],
+                },
+            ],
+        },
+    }
+
+
+# --- our spec files ---------------------------------------------------------------------------
+
+
+def spec_file_name(namespace: str, claim: str) -> str:
+    return f"{CDI_FILE_PREFIX}{namespace}_{claim}.json"
+
+
+def claim_of_file(name: str) -> tuple[str, str] | None:
+    """`instaslice.io-ns_claim.json` → (ns, claim); None for files that are not ours."""
+    if not (name.startswith(CDI_FILE_PREFIX) and name.endswith(".json")):
+        return None
+    ns, sep, claim = name[len(CDI_FILE_PREFIX) : -len(".json")].partition("_")
+    return (ns, claim) if sep and ns and claim else None
+
+
+def build_spec(
+    namespace: str,
+    claim: str,
+    containers: Mapping[str, Sequence[SliceNodes]],
+    common: Obj,
+) -> Obj:
+    """The CDI spec of one allocation: a device per container, in container order."""
+    devices = []
+    for container, slices in containers.items():
+        nodes: list[Obj] = []
+        seen: set[str] = set()
+        for s in slices:
+            for node in (s.parent, s.gi_access, s.ci_access):
+                if node.path not in seen:  # two slices on one GPU share the parent node
+                    seen.add(node.path)
+                    nodes.append(node.to_json())
+        uuids = ",".join(s.mig_uuid for s in slices)
+        devices.append(
+            {
+                "name": cdi_device_name(namespace, claim, container),
+                "containerEdits": {
+                    "env": [f"{VISIBLE_DEVICES_ENV}={uuids}"],
+                    "deviceNodes": nodes,
+                },
+            }
+        )
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": CDI_KIND,
+        "annotations": {"instaslice.io/claim": f"{namespace}/{claim}"},
+        "devices": devices,
+        "containerEdits": common,
+    }
+
+
+def write_json_atomic(path: Path, doc: Obj, mode: int = 0o644) -> Path:
+    """tmp + fsync + rename: a reader never sees half a file. The temporary name starts
+    with a dot and ends in .tmp, so CDI caches (which load *.json, *.yaml) never read it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, json.dumps(doc, indent=1).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def write_spec(cdi_dir: Path, namespace: str, claim: str, spec: Obj) -> Path:
+    """Atomically write the allocation's spec file."""
+    return write_json_atomic(cdi_dir / spec_file_name(namespace, claim), spec)
+
+
+def remove_spec(cdi_dir: Path, namespace: str, claim: str) -> bool:
+    """Remove the allocation's spec file; False if it was not there."""
+    try:
+        (cdi_dir / spec_file_name(namespace, claim)).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def our_spec_files(cdi_dir: Path) -> Iterable[tuple[str, str]]:
+    """(namespace, claim) of every InstaSlice spec file in `cdi_dir`."""
+    try:
+        names = sorted(p.name for p in cdi_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    return [c for c in (claim_of_file(n) for n in names) if c is not None]

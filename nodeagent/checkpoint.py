@@ -1,0 +1,136 @@
+"""Intent records: the node agent's proof of what it created (STYLE.md §6).
+
+Before any NVML call that creates or destroys, the agent writes what it is about to do into a
+small JSON file per node (`<state-dir>/<node>.agent.json`), atomically (tmp + fsync +
+rename). After a crash the records are reconciled against what NVML reports:
+
+- a `creating` record claims the instances at exactly its placements (the allocator never
+  promises one placement twice, and the agent checked the placement was free before it wrote
+  the record), so a restart finishes the create or rolls it back, never creates twice;
+- a `releasing` record is destroyed again (NOT_FOUND counts as done);
+- an instance no record claims is foreign: reported, never destroyed.
+
+The record is the only proof of ownership; a lost or corrupt checkpoint makes every instance
+foreign (leaked, visible in MigNode), which is the safe way to fail. Values are frozen;
+`Checkpoint` holds the current records and is replaced wholesale on each change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+State = Literal["creating", "ready", "releasing"]
+VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRecord:
+    """One slice of a claim: where it goes and, once made, what NVML named it."""
+
+    container: str
+    profile: str
+    profile_id: int
+    gpu_uuid: str
+    gpu_index: int
+    start: int
+    size: int
+    gi_id: int | None = None
+    ci_id: int | None = None
+    mig_uuid: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.gi_id is not None and self.ci_id is not None and self.mig_uuid is not None
+
+    def cleared(self) -> SliceRecord:
+        return replace(self, gi_id=None, ci_id=None, mig_uuid=None)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRecord:
+    uid: str  # the SliceAllocation's metadata.uid
+    namespace: str
+    name: str  # the claim id
+    state: State
+    slices: tuple[SliceRecord, ...]
+    boot_id: str = ""
+    updated: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    node: str
+    boot_id: str = ""
+    claims: Mapping[str, ClaimRecord] = field(default_factory=dict)  # by uid
+
+    def with_claim(self, rec: ClaimRecord) -> Checkpoint:
+        claims = dict(self.claims)
+        claims[rec.uid] = rec
+        return replace(self, claims=claims)
+
+    def without(self, uid: str) -> Checkpoint:
+        claims = {k: v for k, v in self.claims.items() if k != uid}
+        return replace(self, claims=claims)
+
+
+def to_json(cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "node": cp.node,
+        "bootID": cp.boot_id,
+        "claims": [asdict(c) for c in sorted(cp.claims.values(), key=lambda c: c.key)],
+    }
+
+
+def from_json(doc: Mapping[str, Any]) -> Checkpoint:
+    if doc.get("version") != VERSION:
+        raise ValueError(f"unsupported checkpoint version {doc.get('version')!r}")
+    claims = {}
+    for raw in doc.get("claims", []):
+        slices = tuple(SliceRecord(**s) for s in raw["slices"])
+        rec = ClaimRecord(**{**raw, "slices": slices})
+        claims[rec.uid] = rec
+    return Checkpoint(node=doc["node"], boot_id=doc.get("bootID", ""), claims=claims)
+
+
+def load(path: Path, node: str) -> Checkpoint:
+    """The checkpoint at `path`; empty if there is none. A corrupt file is moved aside (its
+    instances then count as foreign: leaked and reported, never destroyed by guesswork)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return Checkpoint(node=node)
+    try:
+        return from_json(json.loads(text))
+    except (ValueError, KeyError, TypeError):
+        path.rename(path.with_name(f"{path.name}.corrupt-{int(time.time())}"))
+        return Checkpoint(node=node)
+
+
+def save(path: Path, cp: Checkpoint) -> None:
+    """Atomic, durable write: a crash leaves the old or the new file, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    data = json.dumps(to_json(cp), indent=1).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

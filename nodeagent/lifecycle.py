@@ -1,0 +1,451 @@
+"""One allocation's life on the node: create → Ready, verify, release → finalizer gone.
+
+`work(uid)` is the KeyedQueue worker: it reads the latest SliceAllocation, asks
+`reconcile.decide` what to do and does it. Every step is idempotent and ordered intent
+first (STYLE.md §6):
+
+create   plan (pure) → status Creating → check the placements are free → write the intent
+         record → per slice: GI at exactly the placement (or adopt the one the record
+         claims), its default CI, MIG UUID by walking MIG handles → CDI file → record
+         `ready` → status Ready + pod event. On an NVML error: destroy what the record
+         holds, drop it, status Failed with the NVML error.
+release  record `releasing` → destroy CI then GI (IN_USE: status says so, pod event once,
+         retry with backoff) → remove the CDI file → drop the record → drop the finalizer.
+
+A crash anywhere leaves a record that the next start finishes (create) or repeats
+(release); NVML NOT_FOUND on destroy counts as done, so nothing is made or destroyed twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import structlog
+
+from common.catalog import Catalog
+from common.constants import REASON_READY, REASON_RELEASED, qualified_cdi_device
+from common.kubeapi import ApiError, Kube
+from common.objects import Phase, SliceStatus
+from nodeagent import cdi, writes
+from nodeagent.binding import Binding
+from nodeagent.checkpoint import ClaimRecord, SliceRecord
+from nodeagent.device import NodeGpus
+from nodeagent.model import Health, Instance, NvmlFailure
+from nodeagent.reconcile import (
+    Action,
+    AllocView,
+    adopt_from_status,
+    alloc_view,
+    blocked,
+    decide,
+    match,
+    merge_plan,
+    plan,
+)
+from nodeagent.report import (
+    condition,
+    gpu_condition,
+    status_creating,
+    status_failed,
+    status_ready,
+    status_releasing,
+    with_condition,
+)
+from nodeagent.settings import Settings
+from nodeagent.state import NodeState
+
+log = structlog.get_logger("lifecycle")
+
+REASON_FAILED = "SliceCreateFailed"
+REASON_IN_USE = "SliceInUse"
+API_RETRY_S = 1.0
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        *,
+        state: NodeState,
+        gpus: NodeGpus,
+        kube: Kube,
+        settings: Settings,
+        catalog: Catalog,
+        numbers: cdi.DeviceNumbers,
+        common_edits: cdi.Obj,
+        binding: Binding,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.st = state
+        self.gpus = gpus
+        self.kube = kube
+        self.settings = settings
+        self.catalog = catalog
+        self.numbers = numbers
+        self.common_edits = common_edits
+        self.binding = binding
+        self.clock = clock
+        self.cdi_dir = settings.node_cdi_dir(state.node)
+        self._backoff: dict[str, float] = {}
+        self._in_use_told: set[str] = set()
+        self._announced: set[str] = set()  # SliceReady sent (once per process lifetime)
+
+    # ---- the worker ------------------------------------------------------------------------
+
+    async def work(self, uid: str) -> float | None:
+        obj = self.st.allocs.get(uid)
+        if obj is None:
+            return None  # gone from the API; an orphaned record is garbage collection's
+        alloc = alloc_view(obj)
+        d = decide(alloc, self.st.cp.claims.get(uid), self.st.boot_id)
+        try:
+            if d.action in (Action.CREATE, Action.RECREATE):
+                await self.create(alloc, d.reason)
+            elif d.action is Action.VERIFY:
+                await self.verify(alloc)
+            elif d.action is Action.RELEASE:
+                return await self.release(alloc)
+        except ApiError as exc:
+            log.warning("api write failed; retrying", claim=alloc.key, error=str(exc))
+            return API_RETRY_S if (exc.retryable or exc.conflict) else 10 * API_RETRY_S
+        except NvmlFailure as exc:
+            self.note_nvml(exc, None)
+            log.warning("nvml failed; retrying", claim=alloc.key, error=str(exc))
+            return 5.0
+        return None
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def note_nvml(self, exc: NvmlFailure, gpu_index: int | None) -> None:
+        if exc.gpu_lost and gpu_index is not None and self.st.healthy(gpu_index):
+            self.st.health[gpu_index] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
+            self.st.publish.set()
+
+    async def instances(self, gpu_indexes: set[int]) -> list[Instance]:
+        out: list[Instance] = []
+        for g in self.st.inv.gpus:
+            if g.index in gpu_indexes and g.index not in self.st.inv.lost:
+                out += await self.gpus.call(self.gpus.s.instances, g)
+        return out
+
+    async def status(self, alloc: AllocView, body: cdi.Obj) -> None:
+        await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
+
+    def conditions(self, alloc: AllocView) -> list[cdi.Obj]:
+        obj = self.st.allocs.get(alloc.uid) or {}
+        return list((obj.get("status") or {}).get("conditions") or [])
+
+    async def fail(self, alloc: AllocView, message: str) -> None:
+        log.warning("allocation failed", claim=alloc.key, reason=message)
+        conds = with_condition(
+            self.conditions(alloc), condition("Ready", False, "CreateFailed", message, _now())
+        )
+        await self.status(alloc, status_failed(message, conds))
+        await writes.event(
+            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
+        )
+
+    async def destroy(self, inst: Instance) -> None:
+        """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
+        if inst.gpu_index in self.st.inv.lost:
+            log.warning("GPU lost; its instances went with it", gpu=inst.gpu_index)
+            return
+        try:
+            for ci in inst.ci_ids:
+                await self.gpus.call(self.gpus.s.destroy_ci, inst.gpu_index, inst.gi_id, ci)
+            await self.gpus.call(self.gpus.s.destroy_gi, inst.gpu_index, inst.gi_id)
+        except NvmlFailure as exc:
+            self.note_nvml(exc, inst.gpu_index)
+            raise
+
+    def cdi_nodes(self, rec: ClaimRecord) -> dict[str, list[cdi.SliceNodes]]:
+        out: dict[str, list[cdi.SliceNodes]] = {}
+        for s in rec.slices:
+            gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
+            assert gpu is not None and s.done and s.gi_id is not None and s.ci_id is not None
+            nodes = self.numbers.slice_nodes(str(s.mig_uuid), gpu.minor, s.gi_id, s.ci_id)
+            out.setdefault(s.container, []).append(nodes)
+        return out
+
+    async def write_cdi(self, rec: ClaimRecord) -> None:
+        spec = cdi.build_spec(rec.namespace, rec.name, self.cdi_nodes(rec), self.common_edits)
+        await asyncio.to_thread(cdi.write_spec, self.cdi_dir, rec.namespace, rec.name, spec)
+
+    # ---- create ------------------------------------------------------------------------------
+
+    async def create(self, alloc: AllocView, reason: str = "") -> None:
+        t0 = self.clock()
+        uid = alloc.uid
+        rec = self.st.cp.claims.get(uid)
+        if (
+            rec is not None
+            and rec.state == "ready"
+            and rec.boot_id == self.st.boot_id
+            and all(s.done for s in rec.slices)
+        ):
+            # made already (a stale event, or a crash before the Ready write): say so again
+            await self.ready(alloc, rec, t0)
+            return
+        fresh = plan(alloc, self.st.inv, self.st.health)
+        if isinstance(fresh, str):
+            if rec is not None and not await self.rollback(rec):
+                return
+            await self.fail(alloc, fresh)
+            return
+        if alloc.phase != Phase.CREATING or reason:
+            await self.status(alloc, status_creating(reason))
+        instances = await self.instances({s.gpu_index for s in fresh})
+        if rec is None:
+            # Intent first, but only for placements that are free: an instance already at
+            # one is not ours, and the record would otherwise claim it.
+            why = blocked(fresh, uid, instances, match(self.st.cp, instances))
+            if why:
+                await self.fail(alloc, why)
+                return
+        rec = ClaimRecord(
+            uid=uid,
+            namespace=alloc.namespace,
+            name=alloc.name,
+            state="creating",
+            slices=merge_plan(rec, fresh),
+            boot_id=self.st.boot_id,
+            updated=time.time(),
+        )
+        self.st.put(rec)
+        await self.st.persist()
+        own = match(self.st.cp, instances)
+        why = blocked(rec.slices, uid, instances, own)
+        if why:
+            if await self.rollback(rec):
+                await self.fail(alloc, why)
+            return
+        slices = list(rec.slices)
+        for i, s in enumerate(slices):
+            try:
+                slices[i] = await self.make_slice(s, own.found.get((uid, i)))
+            except NvmlFailure as exc:
+                self.note_nvml(exc, s.gpu_index)
+                self.st.put(replace(rec, slices=tuple(slices)))
+                msg = (
+                    f"creating slice {i} ({s.container}: {s.profile} on GPU {s.gpu_index} "
+                    f"at {s.start}:{s.size}): {exc}"
+                )
+                if await self.rollback(self.st.cp.claims[uid]):
+                    await self.fail(alloc, msg)
+                return
+        rec = replace(rec, slices=tuple(slices))
+        await self.write_cdi(rec)
+        rec = replace(rec, state="ready", updated=time.time())
+        self.st.put(rec)
+        await self.st.persist()
+        await self.ready(alloc, rec, t0)
+
+    async def make_slice(self, s: SliceRecord, inst: Instance | None) -> SliceRecord:
+        """One slice: adopt what the record already claims, create only what is missing."""
+        gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
+        assert gpu is not None
+        prof = gpu.profile_by_id(s.profile_id)
+        assert prof is not None
+        call, nv = self.gpus.call, self.gpus.s
+        if inst is None:
+            gi = await call(nv.create_gi, s.gpu_index, s.profile_id, s.start, s.size)
+        else:
+            gi = inst.gi_id
+        if inst is not None and inst.ci_ids:
+            return replace(s, gi_id=gi, ci_id=inst.ci_ids[0], mig_uuid=inst.mig_uuids[0])
+        model = self.catalog.model(gpu.model)
+        known = model.profile_by_id(s.profile_id) if model else None
+        hint = known.default_ci if known else None
+        ci = await call(nv.create_ci, s.gpu_index, gi, prof.slice_count, hint)
+        uuid = await call(nv.mig_uuid, s.gpu_index, gi, ci)
+        return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
+
+    async def ready(self, alloc: AllocView, rec: ClaimRecord, t0: float) -> None:
+        slices: list[SliceStatus] = [
+            {
+                "container": s.container,
+                "migUUID": str(s.mig_uuid),
+                "giID": int(s.gi_id or 0),
+                "ciID": int(s.ci_id or 0),
+            }
+            for s in rec.slices
+        ]
+        now = _now()
+        uuids = ", ".join(f"{s['container']}: {s['migUUID']}" for s in slices)
+        conds = with_condition(
+            self.conditions(alloc), condition("Ready", True, "SlicesCreated", uuids, now)
+        )
+        gpu_idx = [s.gpu_index for s in rec.slices]
+        conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
+        await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
+        devices = {
+            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
+        }
+        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+        self.st.publish.set()
+        if alloc.uid in self._announced:
+            return
+        self._announced.add(alloc.uid)
+        ms = round((self.clock() - t0) * 1000, 1)
+        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
+        await writes.event(
+            self.kube,
+            alloc.namespace,
+            alloc.pod_name,
+            alloc.pod_uid,
+            REASON_READY,
+            f"MIG slices ready on {self.st.node}: {uuids}",
+        )
+
+    async def rollback(self, rec: ClaimRecord) -> bool:
+        """Destroy what the record holds, remove its CDI file and drop it. False (record
+        kept as `releasing`, for garbage collection to retry) if NVML refused."""
+        if rec.state != "releasing":
+            rec = replace(rec, state="releasing", updated=time.time())
+            self.st.put(rec)
+            await self.st.persist()
+        instances = await self.instances({s.gpu_index for s in rec.slices})
+        own = match(self.st.cp, instances)
+        try:
+            for i in range(len(rec.slices)):
+                inst = own.found.get((rec.uid, i))
+                if inst is not None:
+                    await self.destroy(inst)
+        except NvmlFailure as exc:
+            log.error(
+                "could not destroy slices; garbage collection retries",
+                claim=rec.key,
+                error=str(exc),
+            )
+            return False
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, rec.namespace, rec.name)
+        self.st.drop(rec.uid)
+        await self.st.persist()
+        self.st.publish.set()
+        return True
+
+    # ---- verify (Ready) -----------------------------------------------------------------------
+
+    async def verify(self, alloc: AllocView) -> None:
+        rec = self.st.cp.claims.get(alloc.uid)
+        if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
+            path = self.cdi_dir / cdi.spec_file_name(alloc.namespace, alloc.name)
+            if not await asyncio.to_thread(path.exists):
+                log.warning("CDI file missing; rewriting", claim=alloc.key)
+                await self.write_cdi(rec)
+            await self.sync_health(alloc, rec)
+            return
+        fresh = plan(alloc, self.st.inv, self.st.health)
+        if not isinstance(fresh, str):
+            instances = await self.instances({s.gpu_index for s in fresh})
+            adopted = adopt_from_status(alloc, fresh, instances)
+            taken = match(self.st.cp.without(alloc.uid), instances).owner
+            if adopted and not any(
+                i.key in taken for i in instances if i.mig_uuid in {s.mig_uuid for s in adopted}
+            ):
+                rec = ClaimRecord(
+                    alloc.uid,
+                    alloc.namespace,
+                    alloc.name,
+                    "ready",
+                    adopted,
+                    self.st.boot_id,
+                    time.time(),
+                )
+                self.st.put(rec)
+                await self.st.persist()
+                await self.write_cdi(rec)
+                self.st.publish.set()
+                log.info("adopted slices from allocation status", claim=alloc.key)
+                return
+        await self.create(alloc, "slices vanished from the GPU; re-creating")
+
+    async def sync_health(self, alloc: AllocView, rec: ClaimRecord) -> None:
+        """Keep the allocation's GPUHealthy condition in line with its GPUs' health."""
+        want = gpu_condition(self.st.health, [s.gpu_index for s in rec.slices], _now())
+        have = next((c for c in self.conditions(alloc) if c.get("type") == "GPUHealthy"), None)
+        if have is not None and (have.get("status"), have.get("message")) == (
+            want["status"],
+            want["message"],
+        ):
+            return
+        conds = with_condition(self.conditions(alloc), want)
+        body: cdi.Obj = {"status": {"conditions": conds}}
+        if want["status"] == "False":
+            body["status"]["message"] = f"slice GPU unhealthy: {want['message']}"
+        await self.status(alloc, body)
+
+    # ---- release ------------------------------------------------------------------------------
+
+    async def release(self, alloc: AllocView) -> float | None:
+        uid = alloc.uid
+        rec = self.st.cp.claims.get(uid)
+        if rec is None and alloc.status_slices:
+            fresh = plan(alloc, self.st.inv, self.st.health)
+            if not isinstance(fresh, str):
+                instances = await self.instances({s.gpu_index for s in fresh})
+                adopted = adopt_from_status(alloc, fresh, instances)
+                if adopted:  # the status's MIG UUIDs prove these are ours
+                    rec = ClaimRecord(uid, alloc.namespace, alloc.name, "releasing", adopted)
+        if alloc.has_finalizer and alloc.phase != Phase.RELEASING:
+            await self.status(alloc, status_releasing())
+        if rec is not None:
+            if rec.state != "releasing":
+                rec = replace(rec, state="releasing", updated=time.time())
+            self.st.put(rec)
+            await self.st.persist()
+            instances = await self.instances({s.gpu_index for s in rec.slices})
+            own = match(self.st.cp, instances)
+            try:
+                for i in range(len(rec.slices)):
+                    inst = own.found.get((uid, i))
+                    if inst is not None:
+                        await self.destroy(inst)
+            except NvmlFailure as exc:
+                if not exc.in_use:
+                    raise
+                return await self.in_use(alloc, exc)
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name)
+        self.st.drop(uid)
+        await self.st.persist()
+        self.st.publish.set()
+        await self.binding.slices_released(alloc.namespace, alloc.name)
+        if alloc.has_finalizer:
+            await writes.drop_finalizer(
+                self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
+            )
+        self._backoff.pop(uid, None)
+        self._announced.discard(uid)
+        told = uid in self._in_use_told
+        self._in_use_told.discard(uid)
+        log.info("slices released", claim=alloc.key, after_in_use=told)
+        if alloc.has_finalizer:
+            await writes.event(
+                self.kube,
+                alloc.namespace,
+                alloc.pod_name,
+                alloc.pod_uid,
+                REASON_RELEASED,
+                f"MIG slices released on {self.st.node}",
+            )
+        return None
+
+    async def in_use(self, alloc: AllocView, exc: NvmlFailure) -> float:
+        delay = self._backoff.get(alloc.uid, self.settings.release_backoff_s)
+        self._backoff[alloc.uid] = min(delay * 2, self.settings.release_backoff_max_s)
+        msg = f"slice still in use by a process ({exc.text}); retrying with backoff"
+        await self.status(alloc, status_releasing(msg))
+        if alloc.uid not in self._in_use_told:
+            self._in_use_told.add(alloc.uid)
+            await writes.event(
+                self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_IN_USE, msg, True
+            )
+        log.info("release waits: slice in use", claim=alloc.key, retry_s=delay)
+        return delay

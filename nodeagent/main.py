@@ -1,0 +1,293 @@
+"""`instaslice-nodeagent`: the node daemon's entry point (CONTRACT.md §6).
+
+    instaslice-nodeagent [--kubeconfig PATH] (--node NAME | --nodes a,b,c)
+        [--emulate --emu-state DIR] [--cdi-dir DIR | --cdi-root DIR] [--state-dir DIR]
+        [--namespace NS] [--binding env|device-plugin] [--discover-only [--output text|json]]
+        [--gc-grace-s S] ...
+
+Wiring only: parse settings, pick the NVML module (real `pynvml`, or one `EmulatedNvml` per
+node), read the host facts the CDI specs need, connect to the API server, and run one
+`NodeAgent` per node plus one SliceAllocation informer in a TaskGroup. SIGTERM/SIGINT cancel
+it; every resource closes in its `finally` (an NVML call in flight finishes first).
+`serve(settings)` is the Python entry point (tests and `make dev-up` call it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from common.catalog import load_catalog
+from common.constants import NODE_LABEL
+from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
+from nodeagent import cdi
+from nodeagent.agent import NodeAgent
+from nodeagent.binding import UnsupportedBinding, make_binding
+from nodeagent.device import HealthHub, NodeGpus
+from nodeagent.discover import discover, render, report
+from nodeagent.nvml import NvmlModule, real_nvml
+from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
+
+log = structlog.get_logger("nodeagent")
+MAX_IN_SELECTOR = 100
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
+    p = argparse.ArgumentParser(
+        prog="instaslice-nodeagent",
+        description="InstaSlice node agent: creates and destroys MIG slices for the "
+        "SliceAllocations bound to its node(s).",
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--node", help="the node this agent serves (default: $NODE_NAME)")
+    who.add_argument("--nodes", help="comma-separated nodes (with --emulate: many in one process)")
+    p.add_argument("--emulate", action="store_true", help="use the NVML emulator")
+    p.add_argument("--emu-state", type=Path, help="emulator state dir (one <node>.json per node)")
+    cdi_dest = p.add_mutually_exclusive_group()
+    cdi_dest.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"))
+    cdi_dest.add_argument("--cdi-root", type=Path, help="CDI dir of node N is ROOT/N/cdi")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="checkpoint dir (default /var/lib/instaslice; the emulator state dir under --emulate)",
+    )
+    p.add_argument("--namespace", default="instaslice-system", help="namespace of the Leases")
+    p.add_argument("--binding", choices=("env", "device-plugin"), default="env")
+    p.add_argument(
+        "--discover-only",
+        action="store_true",
+        help="print what NVML shows; change nothing, contact no API server",
+    )
+    p.add_argument(
+        "--output", choices=("text", "json"), default="text", help="--discover-only output format"
+    )
+    p.add_argument(
+        "--gc-grace-s",
+        type=float,
+        default=60.0,
+        help="seconds before an unclaimed InstaSlice instance is destroyed",
+    )
+    p.add_argument("--gc-period-s", type=float, default=30.0)
+    p.add_argument("--lease-duration-s", type=int, default=40)
+    p.add_argument(
+        "--nvidia-cdi-spec",
+        type=Path,
+        help="the node's NVIDIA CDI spec (default /var/run/cdi/nvidia.yaml, then "
+        "/etc/cdi/nvidia.yaml; generated under --emulate)",
+    )
+    p.add_argument("--mig-minors", type=Path, default=Path("/proc/driver/nvidia-caps/mig-minors"))
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    if a.nodes:
+        nodes = tuple(n.strip() for n in a.nodes.split(",") if n.strip())
+    else:
+        node = a.node or os.environ.get("NODE_NAME", "")
+        nodes = (node,) if node else ()
+    if not nodes:
+        p.error("no node: pass --node NAME (or set NODE_NAME), or --nodes a,b,c")
+    if len(nodes) > 1 and not a.emulate:
+        p.error("--nodes with more than one node needs --emulate (one real node per process)")
+    if a.emulate and a.emu_state is None:
+        p.error("--emulate needs --emu-state DIR")
+    if len(nodes) > 1 and a.cdi_root is None and not a.discover_only:
+        p.error("several nodes need --cdi-root (each node gets ROOT/<node>/cdi)")
+    settings = Settings(
+        nodes=nodes,
+        kubeconfig=a.kubeconfig,
+        emulate=a.emulate,
+        emu_state=a.emu_state,
+        cdi_dir=a.cdi_dir,
+        cdi_root=a.cdi_root,
+        state_dir=a.state_dir,
+        namespace=a.namespace,
+        binding=a.binding,
+        discover_only=a.discover_only,
+        gc_grace_s=a.gc_grace_s,
+        gc_period_s=a.gc_period_s,
+        lease_duration_s=a.lease_duration_s,
+        nvidia_cdi_spec=a.nvidia_cdi_spec,
+        mig_minors=a.mig_minors,
+    )
+    return settings, f"{a.output}:{a.log_level}"
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+# --- dependencies ---------------------------------------------------------------------------
+
+
+def nvml_factory(settings: Settings) -> Callable[[str], NvmlModule]:
+    if settings.emulate:
+        from nodeagent.emulator import EmulatedNvml
+
+        assert settings.emu_state is not None
+        state = settings.emu_state
+        return lambda node: EmulatedNvml(state, node)
+    return lambda node: real_nvml()
+
+
+def boot_id_factory(settings: Settings) -> Callable[[str], str]:
+    if settings.emulate:
+        from nodeagent.emulator import EmulatorControl
+
+        assert settings.emu_state is not None
+        state = settings.emu_state
+        return lambda node: EmulatorControl(state, node).boot_id()
+    return lambda node: settings.boot_id_path.read_text().strip()
+
+
+def host_cdi_facts(
+    settings: Settings, node: str, driver: str
+) -> tuple[cdi.DeviceNumbers, Obj | None]:
+    """Device numbering and the base NVIDIA CDI spec for one node."""
+    if settings.emulate:
+        path = settings.nvidia_cdi_spec or settings.checkpoint_path(node).with_name(
+            f"{node}.nvidia-cdi.json"
+        )
+        if not path.exists():
+            cdi.write_json_atomic(path, cdi.fake_nvidia_spec(driver or "580.159.04"))
+        return cdi.DeviceNumbers.emulated(), cdi.load_base_spec(path)
+    numbers = cdi.DeviceNumbers.from_host(settings.mig_minors, settings.proc_devices)
+    candidates = (
+        [settings.nvidia_cdi_spec] if settings.nvidia_cdi_spec else DEFAULT_NVIDIA_CDI_SPECS
+    )
+    for path in candidates:
+        if path is not None and path.exists():
+            return numbers, cdi.load_base_spec(path)
+    log.error(
+        "no NVIDIA CDI spec found: slices get device nodes but no driver mounts/hooks; "
+        "run `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml`",
+        tried=[str(c) for c in candidates],
+    )
+    return numbers, None
+
+
+def selector(nodes: Sequence[str]) -> str:
+    if len(nodes) == 1:
+        return f"{NODE_LABEL}={nodes[0]}"
+    if len(nodes) <= MAX_IN_SELECTOR:
+        return f"{NODE_LABEL} in ({','.join(nodes)})"
+    return NODE_LABEL  # many nodes: every bound allocation, filtered here
+
+
+# --- serving --------------------------------------------------------------------------------
+
+
+async def serve(
+    settings: Settings,
+    *,
+    nvml_for: Callable[[str], NvmlModule] | None = None,
+    boot_id_for: Callable[[str], str] | None = None,
+    started: Callable[[dict[str, NodeAgent]], None] | None = None,
+) -> None:
+    """Run the agents of `settings.nodes` until cancelled."""
+    catalog = load_catalog()
+    binding = make_binding(settings.binding)
+    nvml_for = nvml_for or nvml_factory(settings)
+    boot_id_for = boot_id_for or boot_id_factory(settings)
+    agents: dict[str, NodeAgent] = {}
+
+    async def on_alloc(etype: EventType, obj: Obj) -> None:
+        node = (obj.get("metadata", {}).get("labels") or {}).get(NODE_LABEL, "")
+        agent = agents.get(node)
+        if agent is not None:
+            agent.on_event(etype, obj)
+
+    hub = HealthHub(timeout_ms=settings.health_timeout_ms)
+    try:
+        async with connected(settings.kubeconfig) as kube, contextlib.AsyncExitStack() as stack:
+            informer = Informer(
+                kube,
+                instaslice_path("sliceallocations"),
+                on_alloc,
+                label_selector=selector(settings.nodes),
+                name="sliceallocations",
+            )
+            for node in settings.nodes:
+                gpus = await stack.enter_async_context(NodeGpus(nvml_for(node), catalog, node))
+                driver = await gpus.call(gpus.s.call, "nvmlSystemGetDriverVersion")
+                numbers, base = await asyncio.to_thread(host_cdi_facts, settings, node, str(driver))
+                agents[node] = NodeAgent(
+                    node=node,
+                    kube=kube,
+                    gpus=gpus,
+                    settings=settings,
+                    catalog=catalog,
+                    boot_id=await asyncio.to_thread(boot_id_for, node),
+                    numbers=numbers,
+                    base_spec=base,
+                    binding=binding,
+                    health_hub=hub,
+                    synced=informer.synced,
+                )
+            async with asyncio.TaskGroup() as tg:
+                for agent in agents.values():
+                    tg.create_task(agent.run(), name=f"agent-{agent.node}")
+                tg.create_task(informer.run(), name="informer")
+                tg.create_task(binding.run(), name="binding")
+                if started is not None:
+                    started(agents)
+    finally:
+        await hub.stop()
+
+
+async def _serve_until_signal(settings: Settings) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    log.info(
+        "starting", nodes=len(settings.nodes), emulate=settings.emulate, binding=settings.binding
+    )
+    with contextlib.suppress(asyncio.CancelledError):
+        await serve(settings)
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, extra = parse_args(argv)
+    output, level = extra.split(":", 1)
+    configure_logging(level)
+    if settings.discover_only:
+        catalog = load_catalog()
+        nv_for = nvml_factory(settings)
+        docs = [report(n, discover(nv_for(n), catalog), catalog) for n in settings.nodes]
+        for doc in docs:
+            print(render(doc, output))
+        return 0
+    try:
+        make_binding(settings.binding)
+    except UnsupportedBinding as exc:
+        print(f"instaslice-nodeagent: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve_until_signal(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

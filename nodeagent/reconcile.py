@@ -1,0 +1,316 @@
+"""Pure decisions of the node agent: (allocation, intent record, NVML instances) → action.
+
+No I/O, no clock, no NVML here (STYLE.md §2); `nodeagent.agent` executes what these return.
+The rules (docs/nodeagent.md "Checkpoint and reconcile"):
+
+- An allocation being deleted is released; Pending/Creating ones are created (idempotently:
+  what the record already claims is adopted, only what is missing is made); a Ready one is
+  verified, and re-created when its boot ID is not the node's (the node rebooted, and MIG
+  geometry never survives a reboot) or its instances vanished.
+- Instances are owned only through a record: same GPU, profile and placement, and the same
+  GI id once the record knows it. Everything else is foreign and never destroyed.
+- A record whose allocation no longer exists is an orphan; its instances are destroyed once
+  it has been an orphan for the grace period (the informer may lag behind a fresh create).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from common.constants import NODE_LABEL, RELEASE_FINALIZER
+from common.objects import Phase
+from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
+from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSlice:
+    container: str
+    profile: str
+    gpu_uuid: str
+    gpu_index: int | None
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocView:
+    """The fields of a SliceAllocation the agent decides on."""
+
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    pod_name: str
+    pod_uid: str
+    deleting: bool
+    has_finalizer: bool
+    phase: str
+    boot_id: str
+    message: str
+    slices: tuple[SpecSlice, ...]
+    status_slices: tuple[Obj, ...]
+    finalizers: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def containers(self) -> list[str]:
+        """Slice-asking containers, in spec order, each once."""
+        return list(dict.fromkeys(s.container for s in self.slices))
+
+
+def alloc_view(obj: Obj) -> AllocView:
+    meta = obj.get("metadata", {})
+    spec = obj.get("spec", {})
+    status = obj.get("status") or {}
+    finalizers = tuple(meta.get("finalizers") or ())
+    return AllocView(
+        uid=meta.get("uid", ""),
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        node=spec.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
+        pod_name=spec.get("podName", ""),
+        pod_uid=spec.get("podUID", ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+        has_finalizer=RELEASE_FINALIZER in finalizers,
+        phase=str(status.get("phase") or Phase.PENDING.value),
+        boot_id=str(status.get("bootID") or ""),
+        message=str(status.get("message") or ""),
+        slices=tuple(
+            SpecSlice(
+                container=s["container"],
+                profile=s["profile"],
+                gpu_uuid=s["gpuUUID"],
+                gpu_index=s.get("gpuIndex"),
+                start=int(s["start"]),
+                size=int(s["size"]),
+            )
+            for s in spec.get("slices") or ()
+        ),
+        status_slices=tuple(status.get("slices") or ()),
+        finalizers=finalizers,
+    )
+
+
+# --- what to do with one allocation ------------------------------------------------------------
+
+
+class Action(enum.StrEnum):
+    CREATE = "create"  # make what is missing, then Ready
+    RECREATE = "recreate"  # the instances are gone (reboot): make them again, then Ready
+    VERIFY = "verify"  # Ready: check the record and the CDI file; adopt from status if needed
+    RELEASE = "release"  # being deleted: destroy, remove CDI file, drop the finalizer
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str = ""
+
+
+def decide(alloc: AllocView, record: ClaimRecord | None, boot_id: str) -> Decision:
+    if alloc.deleting:
+        return Decision(Action.RELEASE, "allocation deleted")
+    phase = alloc.phase
+    if phase in (Phase.PENDING, Phase.CREATING):
+        return Decision(Action.CREATE)
+    if phase == Phase.READY:
+        if alloc.boot_id and alloc.boot_id != boot_id:
+            return Decision(Action.RECREATE, "the node rebooted (boot ID changed)")
+        return Decision(Action.VERIFY)
+    if phase == Phase.FAILED and record is not None and record.state != "ready":
+        # a rollback that could not finish: keep destroying what the record holds
+        return Decision(Action.NONE, "failed; leftovers are retried by garbage collection")
+    return Decision(Action.NONE)
+
+
+# --- ownership: which instances are ours --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    owner: Mapping[tuple[str, int], tuple[str, int]]  # instance key → (claim uid, slice index)
+    found: Mapping[tuple[str, int], Instance]  # (claim uid, slice index) → instance
+    foreign: tuple[Instance, ...]
+
+
+def slice_matches(s: SliceRecord, inst: Instance, profile_id: int | None = None) -> bool:
+    pid = s.profile_id if profile_id is None else profile_id
+    if inst.gpu_uuid != s.gpu_uuid or (inst.profile_id, inst.start, inst.size) != (
+        pid,
+        s.start,
+        s.size,
+    ):
+        return False
+    return s.gi_id is None or s.gi_id == inst.gi_id
+
+
+def match(cp: Checkpoint, instances: Sequence[Instance]) -> Ownership:
+    owner: dict[tuple[str, int], tuple[str, int]] = {}
+    found: dict[tuple[str, int], Instance] = {}
+    for uid, rec in sorted(cp.claims.items()):
+        for i, s in enumerate(rec.slices):
+            for inst in instances:
+                if inst.key not in owner and slice_matches(s, inst):
+                    owner[inst.key] = (uid, i)
+                    found[(uid, i)] = inst
+                    break
+    foreign = tuple(i for i in instances if i.key not in owner)
+    return Ownership(owner, found, foreign)
+
+
+def overlaps(a_start: int, a_size: int, b_start: int, b_size: int) -> bool:
+    return a_start < b_start + b_size and b_start < a_start + a_size
+
+
+def blocked(
+    plan: Sequence[SliceRecord], uid: str, instances: Sequence[Instance], own: Ownership
+) -> str | None:
+    """Why a planned slice cannot be created: an instance we do not own for this claim
+    overlaps its memory slots. None when every placement is free or already ours."""
+    for i, s in enumerate(plan):
+        for inst in instances:
+            if inst.gpu_uuid != s.gpu_uuid or not overlaps(s.start, s.size, inst.start, inst.size):
+                continue
+            holder = own.owner.get(inst.key)
+            if holder == (uid, i):
+                continue
+            who = (
+                f"an instance of another allocation (uid {holder[0]})"
+                if holder
+                else "an instance InstaSlice did not create"
+            )
+            return (
+                f"slice {i} ({s.profile} at GPU {s.gpu_index} slots {s.start}:{s.size}) "
+                f"overlaps {who}: GI {inst.gi_id} at {inst.start}:{inst.size}"
+            )
+    return None
+
+
+# --- create plan ---------------------------------------------------------------------------------
+
+
+def plan(
+    alloc: AllocView, inv: NodeInventory, health: Mapping[int, Health]
+) -> list[SliceRecord] | str:
+    """Slice records for the allocation's spec, or the reason it cannot be made here."""
+    out: list[SliceRecord] = []
+    for i, s in enumerate(alloc.slices):
+        gpu: GpuInfo | None = inv.gpu_by_uuid(s.gpu_uuid)
+        where = f"slice {i} ({s.container}: {s.profile} at {s.start}:{s.size})"
+        if gpu is None:
+            return f"{where}: GPU {s.gpu_uuid} is not on node {alloc.node}"
+        if not gpu.mig_enabled:
+            return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}"
+        h = health.get(gpu.index, Health())
+        if not h.healthy:
+            return f"{where}: GPU {gpu.index} is unhealthy ({h.message})"
+        prof = gpu.profile(s.profile)
+        if prof is None:
+            return f"{where}: GPU {gpu.index} ({gpu.model}) has no profile {s.profile}"
+        if (s.start, s.size) not in prof.placements:
+            allowed = ", ".join(f"{a}:{b}" for a, b in prof.placements)
+            return f"{where}: not a placement of {s.profile} (allowed: {allowed})"
+        out.append(
+            SliceRecord(
+                container=s.container,
+                profile=s.profile,
+                profile_id=prof.id,
+                gpu_uuid=gpu.uuid,
+                gpu_index=gpu.index,
+                start=s.start,
+                size=s.size,
+            )
+        )
+    for i, a in enumerate(out):
+        for b in out[i + 1 :]:
+            if a.gpu_uuid == b.gpu_uuid and overlaps(a.start, a.size, b.start, b.size):
+                return (
+                    f"slices overlap on GPU {a.gpu_index}: "
+                    f"{a.start}:{a.size} and {b.start}:{b.size}"
+                )
+    return out
+
+
+def merge_plan(record: ClaimRecord | None, fresh: Sequence[SliceRecord]) -> tuple[SliceRecord, ...]:
+    """Keep what the record already knows about each slice (ids from an interrupted create)."""
+    if record is None or len(record.slices) != len(fresh):
+        return tuple(fresh)
+    out = []
+    for old, new in zip(record.slices, fresh, strict=True):
+        same = (old.gpu_uuid, old.profile_id, old.start, old.size) == (
+            new.gpu_uuid,
+            new.profile_id,
+            new.start,
+            new.size,
+        )
+        out.append(old if same else new)
+    return tuple(out)
+
+
+def adopt_from_status(
+    alloc: AllocView, fresh: Sequence[SliceRecord], instances: Sequence[Instance]
+) -> tuple[SliceRecord, ...] | None:
+    """A Ready allocation without a usable record (checkpoint lost): adopt its instances when
+    every status slice names a MIG UUID that NVML still shows at the spec placement. The UUID
+    is new on every create, so it proves the instance is the one this agent made."""
+    if len(alloc.status_slices) != len(fresh):
+        return None
+    out = []
+    for st, s in zip(alloc.status_slices, fresh, strict=True):
+        uuid = st.get("migUUID")
+        inst = next(
+            (
+                x
+                for x in instances
+                if uuid and uuid in x.mig_uuids and slice_matches(s.cleared(), x)
+            ),
+            None,
+        )
+        if inst is None:
+            return None
+        ci = inst.ci_ids[inst.mig_uuids.index(str(uuid))]
+        out.append(replace(s, gi_id=inst.gi_id, ci_id=ci, mig_uuid=str(uuid)))
+    return tuple(out)
+
+
+# --- reboot and garbage collection -------------------------------------------------------------
+
+
+def after_reboot(cp: Checkpoint, boot_id: str) -> Checkpoint:
+    """MIG geometry never survives a reboot: forget every id the records hold."""
+    if cp.boot_id == boot_id:
+        return cp
+    if not cp.boot_id:
+        return replace(cp, boot_id=boot_id)
+    claims = {
+        uid: replace(rec, slices=tuple(s.cleared() for s in rec.slices))
+        for uid, rec in cp.claims.items()
+    }
+    return Checkpoint(node=cp.node, boot_id=boot_id, claims=claims)
+
+
+def orphans(
+    cp: Checkpoint,
+    live_uids: set[str],
+    first_seen: Mapping[str, float],
+    now: float,
+    grace_s: float,
+) -> tuple[list[str], dict[str, float]]:
+    """Records without a live allocation: those orphaned for `grace_s` are due for
+    destruction. Returns (due uids, the updated first-seen map)."""
+    seen = {uid: first_seen.get(uid, now) for uid in cp.claims if uid not in live_uids}
+    due = sorted(uid for uid, t in seen.items() if now - t >= grace_s)
+    return due, seen
+
+
+def instance_of(rec: ClaimRecord, i: int, own: Ownership) -> Instance | None:
+    return own.found.get((rec.uid, i))

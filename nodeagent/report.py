@@ -1,0 +1,208 @@
+"""What the agent publishes, built as data: MigNode status, Node capacity, allocation status.
+
+Pure functions of the inventory, health, records and foreign instances. The agent compares
+the result with what it last wrote and writes only on change (CONTRACT.md §3).
+
+Node capacity is the fixed upper bound of CONTRACT.md §3: for each profile, the sum of its
+maximum instance count over the node's healthy GPUs in MIG mode, never "currently free".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from common.constants import INSTASLICE_MIG_PREFIX
+from common.objects import GpuStatus, MigProfileStatus, MigSliceStatus, Phase, SliceStatus
+from common.profiles import ProfileNameError, instaslice_resource
+from nodeagent.checkpoint import Checkpoint
+from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
+
+Obj = dict[str, Any]
+
+
+def gpu_status(
+    gpu: GpuInfo, health: Health, claimed: Sequence[MigSliceStatus], foreign: Sequence[Instance]
+) -> GpuStatus:
+    profiles: list[MigProfileStatus] = [
+        {
+            "name": p.name,
+            "id": p.id,
+            "memoryMiB": p.memory_mib,
+            "multiprocessors": p.multiprocessors,
+            "maxCount": p.instance_count,
+            "placements": [{"start": s, "size": z} for s, z in p.placements],
+        }
+        for p in gpu.profiles
+    ]
+    slices: list[MigSliceStatus] = list(claimed)
+    for inst in foreign:
+        prof = gpu.profile_by_id(inst.profile_id)
+        entry: MigSliceStatus = {
+            "profile": prof.name if prof else f"id{inst.profile_id}",
+            "start": inst.start,
+            "size": inst.size,
+            "migUUID": inst.mig_uuid or "",
+        }
+        slices.append(entry)
+    slices.sort(key=lambda s: (s["start"], s["size"]))
+    out: GpuStatus = {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "model": gpu.model,
+        "migMode": {"current": gpu.mig_current, "pending": gpu.mig_pending},
+        "healthy": health.healthy,
+        "profiles": profiles,
+        "slices": slices,
+    }
+    if health.message:
+        out["message"] = health.message
+    elif gpu.warnings:
+        out["message"] = "; ".join(gpu.warnings)[:1000]
+    return out
+
+
+def claimed_slices(cp: Checkpoint) -> dict[str, list[MigSliceStatus]]:
+    """Slices our records hold, per GPU UUID (instances being created count: they occupy)."""
+    out: dict[str, list[MigSliceStatus]] = {}
+    for rec in cp.claims.values():
+        for s in rec.slices:
+            if s.gi_id is None and rec.state == "ready":
+                continue  # cleared by a reboot and not yet re-created
+            out.setdefault(s.gpu_uuid, []).append(
+                {
+                    "profile": s.profile,
+                    "start": s.start,
+                    "size": s.size,
+                    "migUUID": s.mig_uuid or "",
+                    "claim": rec.name,
+                }
+            )
+    return out
+
+
+def mig_node_status(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    cp: Checkpoint,
+    foreign: Sequence[Instance],
+    *,
+    version: str,
+    boot_id: str,
+) -> Obj:
+    claimed = claimed_slices(cp)
+    gpus = [
+        gpu_status(
+            g,
+            health.get(g.index, Health()),
+            claimed.get(g.uuid, []),
+            [f for f in foreign if f.gpu_uuid == g.uuid],
+        )
+        for g in inv.gpus
+    ]
+    return {
+        "gpuCount": len(gpus),
+        "agent": {"version": version, "bootID": boot_id},
+        "gpus": gpus,
+    }
+
+
+def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
+    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings."""
+    total: dict[str, int] = {}
+    for g in inv.gpus:
+        counted = g.mig_enabled and health.get(g.index, Health()).healthy
+        for p in g.profiles:
+            try:
+                res = instaslice_resource(p.name)
+            except ProfileNameError:
+                continue  # a name NVML reports that the resource grammar cannot spell
+            total[res] = total.get(res, 0) + (p.instance_count if counted else 0)
+    return {k: str(v) for k, v in sorted(total.items())}
+
+
+def capacity_patch(desired: Mapping[str, str], current: Mapping[str, Any]) -> Obj | None:
+    """A merge patch for Node status that sets our resources and removes stale ones (null);
+    None when nothing changes. Other resources are never touched."""
+    changes: dict[str, str | None] = {}
+    for res, val in desired.items():
+        if str(current.get(res)) != val:
+            changes[res] = val
+    for res in current:
+        if res.startswith(INSTASLICE_MIG_PREFIX) and res not in desired:
+            changes[res] = None
+    if not changes:
+        return None
+    return {"status": {"capacity": dict(changes), "allocatable": dict(changes)}}
+
+
+# --- SliceAllocation status ----------------------------------------------------------------------
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, now: str) -> Obj:
+    return {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message[:4000],
+        "lastTransitionTime": now,
+    }
+
+
+def with_condition(existing: Sequence[Obj], new: Obj) -> list[Obj]:
+    """Upsert `new` by type; an unchanged status keeps its lastTransitionTime."""
+    out: list[Obj] = []
+    for c in existing:
+        if c.get("type") == new["type"]:
+            if c.get("status") == new["status"]:
+                new = {
+                    **new,
+                    "lastTransitionTime": c.get("lastTransitionTime", new["lastTransitionTime"]),
+                }
+            continue
+        out.append(c)
+    out.append(new)
+    return sorted(out, key=lambda c: str(c.get("type")))
+
+
+def status_creating(message: str = "") -> Obj:
+    return {"status": {"phase": Phase.CREATING.value, "message": message}}
+
+
+def status_ready(
+    slices: Sequence[SliceStatus], boot_id: str, conditions: Sequence[Obj], message: str = ""
+) -> Obj:
+    return {
+        "status": {
+            "phase": Phase.READY.value,
+            "message": message,
+            "bootID": boot_id,
+            "slices": list(slices),
+            "conditions": list(conditions),
+        }
+    }
+
+
+def status_failed(message: str, conditions: Sequence[Obj]) -> Obj:
+    return {
+        "status": {
+            "phase": Phase.FAILED.value,
+            "message": message[:4000],
+            "conditions": list(conditions),
+        }
+    }
+
+
+def status_releasing(message: str = "") -> Obj:
+    return {"status": {"phase": Phase.RELEASING.value, "message": message}}
+
+
+def gpu_condition(health: Mapping[int, Health], gpu_indexes: Sequence[int], now: str) -> Obj:
+    """The `GPUHealthy` condition of an allocation whose slices sit on `gpu_indexes`."""
+    bad = [
+        (i, health[i]) for i in sorted(set(gpu_indexes)) if i in health and not health[i].healthy
+    ]
+    if not bad:
+        return condition("GPUHealthy", True, "Healthy", "", now)
+    msg = "; ".join(f"GPU {i}: {h.message}" for i, h in bad)
+    return condition("GPUHealthy", False, "GPUUnhealthy", msg, now)

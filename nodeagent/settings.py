@@ -1,0 +1,49 @@
+"""The node agent's settings: one frozen dataclass, built from the command line (main.py)
+or directly by tests and the dev launcher. Nothing reads the environment at import time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Binding = Literal["env", "device-plugin"]
+
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
+DEFAULT_NVIDIA_CDI_SPECS = (Path("/var/run/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.yaml"))
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+@dataclass(frozen=True)
+class Settings:
+    nodes: tuple[str, ...]
+    kubeconfig: str | None = None
+    emulate: bool = False
+    emu_state: Path | None = None
+    cdi_dir: Path = DEFAULT_CDI_DIR
+    cdi_root: Path | None = None  # many nodes: CDI dir of node n is ROOT/n/cdi
+    state_dir: Path | None = None  # default: emu_state under --emulate, else DEFAULT_STATE_DIR
+    namespace: str = "instaslice-system"
+    binding: Binding = "env"
+    discover_only: bool = False
+    gc_grace_s: float = 60.0
+    gc_period_s: float = 30.0
+    lease_duration_s: int = 40
+    release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
+    release_backoff_max_s: float = 30.0
+    nvidia_cdi_spec: Path | None = None  # None: the first of DEFAULT_NVIDIA_CDI_SPECS that exists
+    mig_minors: Path = Path("/proc/driver/nvidia-caps/mig-minors")
+    proc_devices: Path = Path("/proc/devices")
+    boot_id_path: Path = BOOT_ID_PATH
+    health_timeout_ms: int = 500
+    version: str = "0.1.0"
+
+    def node_cdi_dir(self, node: str) -> Path:
+        if self.cdi_root is not None:
+            return self.cdi_root / node / "cdi"
+        return self.cdi_dir
+
+    def checkpoint_path(self, node: str) -> Path:
+        base = self.state_dir or (self.emu_state if self.emulate else None) or DEFAULT_STATE_DIR
+        return base / f"{node}.agent.json"

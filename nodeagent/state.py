@@ -1,0 +1,61 @@
+"""The mutable state of one node agent, in one place, with one writer of the checkpoint.
+
+Coroutines of the node change `cp` synchronously (no await between reading and replacing
+it), then `await persist()`: a write started after a change contains it, writes are
+serialized, and a change already covered by a later write is not written twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent import checkpoint
+from nodeagent.checkpoint import Checkpoint, ClaimRecord
+from nodeagent.model import Health, Instance, NodeInventory
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class NodeState:
+    node: str
+    boot_id: str
+    checkpoint_path: Path
+    inv: NodeInventory = field(default_factory=lambda: NodeInventory(gpus=()))
+    health: dict[int, Health] = field(default_factory=dict)
+    foreign: tuple[Instance, ...] = ()
+    allocs: dict[str, Obj] = field(default_factory=dict)  # uid → latest SliceAllocation
+    cp: Checkpoint = field(init=False)
+    publish: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.cp = Checkpoint(node=self.node, boot_id=self.boot_id)
+        self._version = 0
+        self._saved = 0
+        self._lock = asyncio.Lock()
+
+    def set_checkpoint(self, cp: Checkpoint) -> None:
+        self.cp = cp
+        self._version += 1
+
+    def put(self, rec: ClaimRecord) -> None:
+        self.set_checkpoint(self.cp.with_claim(rec))
+
+    def drop(self, uid: str) -> None:
+        if uid in self.cp.claims:
+            self.set_checkpoint(self.cp.without(uid))
+
+    async def persist(self) -> None:
+        want = self._version
+        async with self._lock:
+            if self._saved >= want:
+                return
+            snap, version = self.cp, self._version
+            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, snap)
+            self._saved = version
+
+    def healthy(self, gpu_index: int) -> bool:
+        return self.health.get(gpu_index, Health()).healthy

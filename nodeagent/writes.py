@@ -1,0 +1,154 @@
+"""Every API write the node agent makes, and nothing else (docs/protocol.md ownership table).
+
+The agent writes only: the status and the finalizer of SliceAllocations bound to its node,
+its own MigNode, the `instaslice.io/mig-*` capacity in its own Node's status, its Lease, and
+pod events. The least-privilege policy (manifests/base/nodeagent) enforces the same list on
+the API server side. Conflicts are resolved here: finalizer removal is a JSON patch with a
+`test` on the current list, re-read and retried when another writer got there first.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from common.constants import RELEASE_FINALIZER
+from common.events import pod_event
+from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
+from common.objects import mig_node
+
+Obj = dict[str, Any]
+COMPONENT = "instaslice-nodeagent"
+LEASE_GV = "coordination.k8s.io/v1"
+
+
+def alloc_path(namespace: str, name: str) -> str:
+    return instaslice_path("sliceallocations", namespace, name)
+
+
+async def patch_alloc_status(kube: Kube, namespace: str, name: str, body: Obj) -> Obj | None:
+    """Merge-patch the status subresource; None if the allocation is gone."""
+    try:
+        return await kube.patch(alloc_path(namespace, name) + "/status", body)
+    except ApiError as exc:
+        if exc.not_found:
+            return None
+        raise
+
+
+async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list[str]) -> None:
+    """Remove our finalizer, conflict-safe: `test` the list we saw, re-read on mismatch."""
+    path = alloc_path(namespace, name)
+    current = list(finalizers)
+    for _ in range(10):
+        if RELEASE_FINALIZER not in current:
+            return
+        body = [
+            {"op": "test", "path": "/metadata/finalizers", "value": current},
+            {
+                "op": "replace",
+                "path": "/metadata/finalizers",
+                "value": [f for f in current if f != RELEASE_FINALIZER],
+            },
+        ]
+        try:
+            await kube.patch(path, body, kind="json")
+            return
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            if exc.status not in (409, 422):  # 422: the test failed, someone changed the list
+                raise
+        try:
+            fresh = await kube.get(path)
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            raise
+        current = list(fresh.get("metadata", {}).get("finalizers") or [])
+    raise ApiError(409, "Conflict", f"finalizers of {namespace}/{name} keep changing")
+
+
+async def ensure_mig_node(kube: Kube, node: str) -> None:
+    try:
+        await kube.create(instaslice_path("mignodes"), mig_node(node))
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+
+
+async def patch_mig_node_status(kube: Kube, node: str, status: Obj) -> None:
+    """Publish MigNode status (creating the object on first use)."""
+    path = instaslice_path("mignodes", name=node) + "/status"
+    try:
+        await kube.patch(path, {"status": status})
+    except ApiError as exc:
+        if not exc.not_found:
+            raise
+        await ensure_mig_node(kube, node)
+        await kube.patch(path, {"status": status})
+
+
+async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
+    """The Node's current status.capacity; None if the Node does not exist (yet)."""
+    try:
+        obj = await kube.get(core_path("nodes", name=node))
+    except ApiError as exc:
+        if exc.not_found:
+            return None
+        raise
+    return dict(obj.get("status", {}).get("capacity") or {})
+
+
+async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:
+    await kube.patch(core_path("nodes", name=node) + "/status", body)
+
+
+def _micro(now: dt.datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) -> None:
+    """Heartbeat: bump the Lease `<node>` in InstaSlice's namespace (create it if missing)."""
+    now = _micro(dt.datetime.now(dt.UTC))
+    path = group_path(LEASE_GV, "leases", namespace, node)
+    try:
+        await kube.patch(path, {"spec": {"renewTime": now, "leaseDurationSeconds": duration_s}})
+        return
+    except ApiError as exc:
+        if not exc.not_found:
+            raise
+    body: Obj = {
+        "apiVersion": LEASE_GV,
+        "kind": "Lease",
+        "metadata": {"name": node, "namespace": namespace},
+        "spec": {
+            "holderIdentity": f"{COMPONENT}/{node}",
+            "leaseDurationSeconds": duration_s,
+            "acquireTime": now,
+            "renewTime": now,
+        },
+    }
+    try:
+        await kube.create(group_path(LEASE_GV, "leases", namespace), body)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+
+
+async def event(
+    kube: Kube,
+    namespace: str,
+    pod_name: str,
+    pod_uid: str,
+    reason: str,
+    message: str,
+    warning: bool = False,
+) -> None:
+    """A pod event (best effort: never fails the caller)."""
+    if not pod_name:
+        return
+    pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": pod_uid}}
+    await pod_event(
+        kube, pod, reason, message, component=COMPONENT, type_="Warning" if warning else "Normal"
+    )
