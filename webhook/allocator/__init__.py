@@ -45,6 +45,8 @@ class AllocatorSettings:
       slices are released (CONTRACT.md §4 step 4).
     lease_*: leader election (client-go's defaults: 15 s lease, renew every 5 s, give up
       after 10 s without a renewal); release_on_exit hands the Lease back on shutdown.
+    node_selector: a label selector; when set, only matching nodes are offered to placement
+      (a cluster partition, or a test's own nodes). Pods are watched cluster-wide regardless.
     clock: injectable for tests.
     """
 
@@ -60,6 +62,7 @@ class AllocatorSettings:
     retry_interval_s: float = 2.0
     release_on_exit: bool = True
     max_backoff_s: float = 30.0
+    node_selector: str | None = None
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:
@@ -88,6 +91,7 @@ def build_controller(
         catalog=settings.catalog,
         pinned_unschedulable_timeout_s=settings.pinned_unschedulable_timeout_s,
         max_backoff_s=settings.max_backoff_s,
+        node_selector=settings.node_selector,
     )
 
 

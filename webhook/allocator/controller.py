@@ -22,6 +22,7 @@ What it deliberately does not do: talk to GPUs (the node agent does), retry on a
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
@@ -71,6 +72,7 @@ class Controller:
         catalog: Catalog | None = None,
         pinned_unschedulable_timeout_s: float = 60.0,
         max_backoff_s: float = 30.0,
+        node_selector: str | None = None,
     ) -> None:
         self.kube = kube
         self.elector = elector
@@ -86,7 +88,8 @@ class Controller:
         self.pending = PendingTracker()
         self.unschedulable = UnschedulableTracker()
         self.failed_gpus: dict[str, set[tuple[str, str]]] = {}  # uid -> (node, gpu uuid)
-        self.first_seen: dict[str, float] = {}
+        # When ours became the pod's only gate, on the monotonic clock (time-to-ungate metric).
+        self.ungate_start: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[str] = set()
         self._busy: dict[str, asyncio.Task[None]] = {}
@@ -105,7 +108,9 @@ class Controller:
                 field_selector=_ACTIVE_POD_SELECTOR,
                 name="pods",
             ),
-            Informer(kube, core_path("nodes"), self._on_node, name="nodes"),
+            Informer(
+                kube, core_path("nodes"), self._on_node, label_selector=node_selector, name="nodes"
+            ),
             Informer(kube, instaslice_path(MIG_NODE_PLURAL), self._on_mig_node, name="mignodes"),
             Informer(
                 kube,
@@ -131,8 +136,8 @@ class Controller:
         if etype == "DELETED":
             self.state.remove_pod(obj)
         else:
-            if etype == "ADDED" and self.informers[0].synced.is_set():
-                self.first_seen.setdefault(uid, self.clock.monotonic())
+            if uid not in self.ungate_start and podlib.only_our_gate(obj):
+                self.ungate_start[uid] = self._since(obj)
             self.state.upsert_pod(obj)
         self._touch(uid)
         self._after_change()
@@ -167,6 +172,14 @@ class Controller:
         else:
             self.state.upsert_mig_node(obj)
         self._after_change()
+
+    def _since(self, pod: Obj) -> float:
+        """Now, or — for pods found by the initial list — their creation, as monotonic time."""
+        now = self.clock.monotonic()
+        created = parse_time(podlib.created(pod))
+        if self.informers[0].synced.is_set() or created is None:
+            return now
+        return now - max(0.0, (self.clock.wall() - created).total_seconds())
 
     def _touch(self, uid: str) -> None:
         if uid:
@@ -243,6 +256,7 @@ class Controller:
                 return
             except ApiError as exc:
                 log.warning("allocator write failed", pod_uid=uid, error=str(exc))
+                self.metrics.outcome("error")
                 retry = True
             except Exception:
                 log.exception("allocator step failed", pod_uid=uid)
@@ -352,12 +366,33 @@ class Controller:
         self.pending.clear(uid)
         self.unschedulable.forget(uid)
         self.failed_gpus.pop(uid, None)
-        self.first_seen.pop(uid, None)
+        self.ungate_start.pop(uid, None)
         self._backoff.pop(uid, None)
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue) + len(self.parked))
         self.metrics.set_pending(self.pending.counts())
+        changed = self.state.take_changed_nodes()
+        if not changed:
+            return
+        for name in changed:
+            node = self.state.node_state(name)
+            self.metrics.set_node_gpus(
+                name,
+                [
+                    (g.index, g.model, g.mask.bit_count(), self._slots(g.model))
+                    for g in (node.gpus if node is not None else ())
+                ],
+            )
+        models = {g.uuid: g.model for gpus in self.state.gpus.values() for g in gpus}
+        by_profile: Counter[tuple[str, str]] = Counter()
+        for (profile, _, gpu_uuid), n in self.state.slice_counts.items():
+            by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
+        self.metrics.set_slices(by_profile)
+
+    def _slots(self, model: str) -> int:
+        found = self.catalog.model(model)
+        return found.memory_slots if found is not None else 0
 
     # --- the placer ---------------------------------------------------------------------
 
@@ -413,6 +448,7 @@ class Controller:
 
     def _park(self, pod: PodView, reason: str, message: str) -> None:
         self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
+        self.metrics.outcome("pending")
         if self.pending.observe(pod.uid, reason):
             log.info("pod pending", pod=pod.key, reason=reason, message=message)
             self._event(pod.obj, REASON_PENDING, message, "Warning")
@@ -456,8 +492,7 @@ class Controller:
             self.state.forget(key)
             self._after_change()
             if isinstance(exc, ApiError) and exc.conflict:
-                self.metrics.outcome("conflict")  # it exists: the watch will show it
-                return
+                return  # it exists (another replica's, or ours before a restart): watch shows it
             if isinstance(exc, ApiError) and not exc.retryable:
                 self.metrics.outcome("error")
                 log.error("allocation refused", pod=pod.key, error=str(exc))
@@ -465,7 +500,7 @@ class Controller:
                 return
             raise
         self.state.confirm(written)
-        self.metrics.outcome("created")
+        self.metrics.outcome("allocated")
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
         await self._emit(pod.obj, REASON_ALLOCATED, message, "Normal")
@@ -487,21 +522,14 @@ class Controller:
                 current = await self.kube.get(path)
                 continue
             self._observe_latency(pod)
-            self.metrics.outcome("ready")
             log.info("pod pinned", pod=pod.key, node=alloc.node, claim=alloc.name)
             return
         raise ApiError(409, "Conflict", f"pod {pod.key} kept changing while being pinned")
 
     def _observe_latency(self, pod: PodView) -> None:
-        seen = self.first_seen.pop(pod.uid, None)
-        if seen is not None:
-            self.metrics.gate_removal.observe(self.clock.monotonic() - seen)
-            return
-        created = parse_time(pod.created)
-        if created is not None:
-            self.metrics.gate_removal.observe(
-                max(0.0, (self.clock.wall() - created).total_seconds())
-            )
+        start = self.ungate_start.pop(pod.uid, None)
+        if start is not None:
+            self.metrics.time_to_ungate.observe(max(0.0, self.clock.monotonic() - start))
 
     async def _delete_allocation(self, alloc: AllocView) -> None:
         self.elector.check()
@@ -595,6 +623,7 @@ class Controller:
         for alloc in self.state.allocations_of(pod.uid):
             if not alloc.deleting and not alloc.assumed:
                 await self._release(alloc, "pinned pod stayed unschedulable")
+        self.metrics.outcome("pinned_unschedulable")
         owner = podlib.controller_ref(pod.obj)
         if owner is not None:
             message = (

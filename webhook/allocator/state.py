@@ -234,6 +234,10 @@ class ClusterState:
         self._nodes_sorted: tuple[NodeState, ...] = ()
         self._dirty: set[str] = set()
         self.epoch = 0
+        # For metrics: slices of watched allocations by (profile, node, gpu uuid), and the
+        # nodes whose snapshot state was rebuilt since the last `take_changed_nodes`.
+        self.slice_counts: Counter[tuple[str, str, str]] = Counter()
+        self._changed: set[str] = set()
 
     # --- pods ---------------------------------------------------------------------------
 
@@ -319,6 +323,8 @@ class ClusterState:
         self._allocs_by_pod.setdefault(view.pod_uid, set()).add(view.key)
         self._allocs_by_node.setdefault(view.node, set()).add(view.key)
         self._live_claims[view.name] += 1
+        if not view.assumed:
+            self.slice_counts.update((s.profile, view.node, s.gpu_uuid) for s in view.slices)
         self._dirty.add(view.node)
         self._recharge(view.pod_uid)
         if old is not None and old.pod_uid != view.pod_uid:
@@ -346,6 +352,9 @@ class ClusterState:
         self._live_claims[view.name] -= 1
         if self._live_claims[view.name] <= 0:
             del self._live_claims[view.name]
+        if not view.assumed:
+            self.slice_counts.subtract((s.profile, view.node, s.gpu_uuid) for s in view.slices)
+            self.slice_counts += Counter()  # drop zero counts
         self._dirty.add(view.node)
 
     # --- nodes and MigNodes -------------------------------------------------------------
@@ -460,6 +469,16 @@ class ClusterState:
             ),
         )
 
+    def take_changed_nodes(self) -> set[str]:
+        """Nodes whose snapshot state changed since the last call (refreshes the cache)."""
+        self.snapshot()
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def node_state(self, name: str) -> NodeState | None:
+        """The cached snapshot state of one node (call after `snapshot`)."""
+        return self._node_cache.get(name)
+
     def snapshot(
         self,
         *,
@@ -472,6 +491,7 @@ class ClusterState:
         `name_label`: add FIELD_NAME_LABEL=<node> to each node (pods with matchFields).
         """
         if self._dirty:
+            self._changed |= self._dirty
             for name in self._dirty:
                 state = self._node_state(name)
                 if state is None:
