@@ -69,7 +69,7 @@ class CertReloader:
     key_file: Path
     metrics: WebhookMetrics | None = None
     context: ssl.SSLContext = field(init=False)
-    _seen: tuple[object, object] = field(init=False, default=(None, None))
+    _seen: tuple[object, object] | None = field(init=False, default=None)  # of the last load
 
     def __post_init__(self) -> None:
         self.context = _server_context()
@@ -93,10 +93,10 @@ class CertReloader:
                 self.context.load_cert_chain(cert_copy, key_copy)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("serving certificate not loaded", cert=str(self.cert_file), error=str(exc))
-            if self.metrics is not None and self._seen != (None, None):
+            if self.metrics is not None and self._seen is not None:
                 self.metrics.cert_reloads.labels("error").inc()
             return False
-        if self._seen != (None, None):
+        if self._seen is not None:
             log.info("serving certificate reloaded", cert=str(self.cert_file))
             if self.metrics is not None:
                 self.metrics.cert_reloads.labels("ok").inc()
