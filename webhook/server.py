@@ -2,6 +2,8 @@
 
 Routes: `POST /mutate` (AdmissionReview v1), `GET /healthz` (the process answers),
 `GET /readyz` (serving, not shutting down), `GET /metrics` (Prometheus, the registry given).
+With `metrics_port` set, the three GET routes are also served in plain HTTP on that port
+(for Prometheus and kubelet probes, which should not need the webhook's CA); /mutate never is.
 
 Every body gets a well-formed answer: a body that is not JSON, or has no request uid to answer
 to, gets HTTP 400; any other malformed review gets an AdmissionReview denial (code 400); a bug
@@ -147,10 +149,22 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[STATE] = _State(settings, metrics, new_claim, timer, tls)
     app.router.add_post("/mutate", _mutate)
+    _add_ops_routes(app)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+def _add_ops_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.cleanup_ctx.append(_lifecycle)
+
+
+def build_ops_app(admission_app: web.Application) -> web.Application:
+    """/healthz, /readyz and /metrics of `admission_app`, for a plain-HTTP port."""
+    app = web.Application()
+    app[STATE] = admission_app[STATE]
+    _add_ops_routes(app)
     return app
 
 
@@ -260,6 +274,7 @@ class RunningServer:
     app: web.Application
     port: int
     url: str  # https://host:port (http:// without TLS)
+    metrics_port: int | None = None
 
 
 @contextlib.asynccontextmanager
@@ -275,6 +290,7 @@ async def running(
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s
     )
+    ops = None
     await runner.setup()
     try:
         site = web.TCPSite(
@@ -282,10 +298,21 @@ async def running(
         )
         await site.start()
         port = int(runner.addresses[0][1])
+        metrics_port = None
+        if settings.metrics_port is not None:
+            ops = web.AppRunner(build_ops_app(app), access_log=None, handle_signals=False)
+            await ops.setup()
+            await web.TCPSite(ops, settings.host, settings.metrics_port).start()
+            metrics_port = int(ops.addresses[0][1])
         scheme = "https" if tls else "http"
-        log.info("admission server listening", host=settings.host, port=port, tls=bool(tls))
-        yield RunningServer(app, port, f"{scheme}://{settings.host}:{port}")
+        log.info(
+            "admission server listening",
+            host=settings.host, port=port, tls=bool(tls), metrics_port=metrics_port,
+        )  # fmt: skip
+        yield RunningServer(app, port, f"{scheme}://{settings.host}:{port}", metrics_port)
     finally:
+        if ops is not None:
+            await ops.cleanup()
         await runner.cleanup()
 
 

@@ -54,7 +54,8 @@ class ServerSettings:
     key_file: Path | None
     admission: AdmissionSettings = field(default_factory=AdmissionSettings.from_catalog)
     host: str = "0.0.0.0"
-    port: int = 8443
+    port: int = 8443  # 0: any free port
+    metrics_port: int | None = None  # plain HTTP /metrics, /healthz, /readyz; None: none
     cert_check_interval_s: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout_s: float = 5.0

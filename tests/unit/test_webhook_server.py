@@ -359,7 +359,7 @@ def _tls_files(tmp: Path, ca: KeyPair) -> ServerSettings:
     )
     return ServerSettings(
         cert_file=tmp / "tls.crt", key_file=tmp / "tls.key", host="127.0.0.1", port=0,
-        cert_check_interval_s=0.05,
+        cert_check_interval_s=0.05, metrics_port=0,
     )  # fmt: skip
 
 
@@ -396,6 +396,11 @@ async def test_tls_serves_reviews_and_refuses_old_protocols(tmp_path: Path) -> N
             assert resp is not None and "patch" in resp
             r = await s.get(f"{srv.url}/readyz", ssl=_client_ctx(ca, ssl.TLSVersion.TLSv1_2))
             assert r.status == 200
+            plain = f"http://127.0.0.1:{srv.metrics_port}"
+            r = await s.get(f"{plain}/metrics")
+            assert 'instaslice_webhook_reviews_total{outcome="patched"} 1.0' in await r.text()
+            assert (await s.get(f"{plain}/readyz")).status == 200
+            assert (await s.post(f"{plain}/mutate", json=sent)).status == 404
         with pytest.raises(ssl.SSLError):
             await _peer_serial(srv.port, _client_ctx(ca, ssl.TLSVersion.TLSv1_1))
 
