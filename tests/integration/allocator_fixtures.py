@@ -14,9 +14,15 @@ being deleted. The real node agent and its emulator are exercised by the e2e tes
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
 
 from common.catalog import load_catalog
 from common.constants import (
@@ -24,10 +30,17 @@ from common.constants import (
     CLAIM_ANNOTATION,
     GATE_NAME,
     MIG_NODE_KIND,
+    MIG_NODE_PLURAL,
+    RELEASE_FINALIZER,
+    SLICE_ALLOCATION_PLURAL,
 )
-from common.kubeapi import Obj
+from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
 from common.objects import Phase, SliceSpec, new_claim_id, slice_allocation
 from common.profiles import instaslice_resource
+from webhook.allocator import AllocatorSettings, build_controller, run_controller
+from webhook.allocator import pods as podlib
+from webhook.allocator.controller import Controller
+from webhook.allocator.metrics import AllocatorMetrics
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 _uids = itertools.count(1)
@@ -241,3 +254,418 @@ def make_allocation(
     if deleting:
         obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return obj
+
+
+# --- waiting on the API server (watches, not polling) --------------------------------------
+
+T = TypeVar("T")
+
+
+async def wait_for(
+    kube: Kube,
+    path: str,
+    predicate: Callable[[list[Obj]], T | None],
+    *,
+    within: float = 30.0,
+    what: str = "",
+    label_selector: str | None = None,
+    field_selector: str | None = None,
+) -> T:
+    """List `path`, then watch it, until `predicate(all objects)` returns something truthy."""
+    selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
+    items: dict[str, Obj] = {}
+    last: list[Obj] = []
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                listing = await kube.list(path, **selectors)
+                items = {obj_key(o): o for o in listing.get("items", [])}
+                last = list(items.values())
+                if result := predicate(last):
+                    return result
+                rv = str(listing.get("metadata", {}).get("resourceVersion", ""))
+                with contextlib.suppress(ApiError):
+                    async for etype, obj in kube.watch(path, rv, timeout_s=60, **selectors):
+                        if etype == "BOOKMARK":
+                            continue
+                        if etype == "DELETED":
+                            items.pop(obj_key(obj), None)
+                        else:
+                            items[obj_key(obj)] = obj
+                        last = list(items.values())
+                        if result := predicate(last):
+                            return result
+    except TimeoutError:
+        names = sorted(obj_key(o) for o in last)
+        raise AssertionError(
+            f"timed out after {within}s waiting for {what or path}: {names}"
+        ) from None
+
+
+# --- the emulated node agents -------------------------------------------------------------
+
+
+@dataclass
+class FakeAgent:
+    """Plays every node agent: Pending → Ready (fake MIG UUIDs), finalizer off on delete.
+
+    `hold`: leave new allocations Pending until `release()`; `ignore_nodes`: agents that are
+    down (their allocations get no answer at all, not even on deletion); `fail`: claim ids
+    to mark Failed instead of Ready (once each).
+    """
+
+    kube: Kube
+    hold: bool = False
+    ignore_nodes: set[str] = field(default_factory=set)
+    fail: set[str] = field(default_factory=set)
+    readied: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    finalized: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.informer = Informer(
+            self.kube, instaslice_path(SLICE_ALLOCATION_PLURAL), self._on_event, name="fake-agent"
+        )
+        self._busy: set[str] = set()
+
+    async def run(self) -> None:
+        await self.informer.run()
+
+    async def release(self) -> None:
+        """Stop holding; answer every allocation that waited."""
+        self.hold = False
+        for obj in list(self.informer.cache.values()):
+            await self._on_event("MODIFIED", obj)
+
+    async def _on_event(self, etype: str, obj: Obj) -> None:
+        if etype == "DELETED":
+            return
+        meta, spec = obj["metadata"], obj.get("spec", {})
+        if spec.get("nodeName") in self.ignore_nodes:
+            return
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, meta["namespace"], meta["name"])
+        if meta.get("deletionTimestamp"):
+            finalizers = meta.get("finalizers") or []
+            if RELEASE_FINALIZER in finalizers:
+                patch = [
+                    {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                    {
+                        "op": "replace",
+                        "path": "/metadata/finalizers",
+                        "value": [f for f in finalizers if f != RELEASE_FINALIZER],
+                    },
+                ]
+                with contextlib.suppress(ApiError):  # a newer version will come by
+                    await self.kube.patch(path, patch, kind="json")
+                    self.finalized.append(meta["name"])
+            return
+        phase = (obj.get("status") or {}).get("phase") or Phase.PENDING.value
+        if phase != Phase.PENDING.value or self.hold or meta["uid"] in self._busy:
+            return
+        self._busy.add(meta["uid"])  # answered once per object (a name can come back)
+        if meta["name"] in self.fail:
+            self.fail.discard(meta["name"])
+            status: Obj = {"phase": Phase.FAILED.value, "message": "emulated NVML failure"}
+            self.failed.append(meta["name"])
+        else:
+            status = {
+                "phase": Phase.READY.value,
+                "slices": [
+                    {"container": s["container"], "migUUID": f"MIG-{meta['name']}-{i}"}
+                    for i, s in enumerate(spec.get("slices") or [])
+                ],
+            }
+            self.readied.append(meta["name"])
+        with contextlib.suppress(ApiError):
+            await self.kube.patch(path + "/status", {"status": status})
+
+
+# --- objects on the API server ------------------------------------------------------------
+
+
+def load_crds(crd_dir: Path) -> list[Obj]:
+    return [yaml.safe_load(f.read_text()) for f in sorted(crd_dir.glob("*.yaml"))]
+
+
+async def ensure_crds(kube: Kube, crds: list[Obj]) -> None:
+    """Create InstaSlice's CRDs (once per control plane) and wait until they are served."""
+    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    names = []
+    for body in crds:
+        names.append(body["metadata"]["name"])
+        try:
+            await kube.create(path, body)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+
+    def established(items: list[Obj]) -> bool:
+        ok = {
+            o["metadata"]["name"]
+            for o in items
+            if any(
+                c.get("type") == "Established" and c.get("status") == "True"
+                for c in o.get("status", {}).get("conditions") or []
+            )
+        }
+        return set(names) <= ok
+
+    await wait_for(kube, path, established, what="CRDs established")
+
+
+async def create_mig_node(kube: Kube, body: Obj) -> None:
+    """Create (or replace) a MigNode and set its status, as the node agent would."""
+    name = body["metadata"]["name"]
+    path = instaslice_path(MIG_NODE_PLURAL, name=name)
+    try:
+        await kube.create(instaslice_path(MIG_NODE_PLURAL), {**body, "status": {}})
+    except ApiError as exc:
+        if not exc.conflict:
+            raise
+    await kube.patch(path + "/status", {"status": body["status"]})
+
+
+async def set_gpus(kube: Kube, node: str, gpus: Iterable[GpuSpec | str]) -> None:
+    """Replace what a node's MigNode reports (a GPU healed, an instance gone, ...)."""
+    body = make_mig_node(node, gpus)
+    await kube.patch(
+        instaslice_path(MIG_NODE_PLURAL, name=node) + "/status",
+        [{"op": "replace", "path": "/status/gpus", "value": body["status"]["gpus"]}],
+        kind="json",
+    )
+
+
+NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def node_ready(node: Obj) -> bool:
+    """KWOK marked it Ready and the node lifecycle controller lifted the not-ready taint
+    that admission puts on every new node."""
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in node.get("status", {}).get("conditions") or []
+    )
+    tainted = any(
+        t.get("key") in NOT_READY_TAINTS for t in node.get("spec", {}).get("taints") or []
+    )
+    return ready and not tainted
+
+
+async def wait_node_ready(kube: Kube, name: str, *, within: float = 60.0) -> None:
+    await wait_for(
+        kube,
+        core_path("nodes"),
+        lambda items: any(node_ready(n) for n in items),
+        within=within,
+        what=f"node {name} ready",
+        field_selector=f"metadata.name={name}",
+    )
+
+
+async def remove_finalizers(kube: Kube, namespace: str) -> None:
+    listing = await kube.list(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace))
+    for obj in listing.get("items", []):
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, namespace, obj["metadata"]["name"])
+        with contextlib.suppress(ApiError):
+            await kube.patch(path, {"metadata": {"finalizers": None}})
+
+
+async def delete_node(kube: Kube, name: str) -> None:
+    await kube.delete_ignore_missing(core_path("nodes", name=name))
+    await kube.delete_ignore_missing(instaslice_path(MIG_NODE_PLURAL, name=name))
+
+
+# --- one test's world: its nodes, the fake agent, allocator replicas -------------------------
+
+TEST_NODE_LABEL = "allocator-test.instaslice.io/namespace"
+
+
+@dataclass
+class AllocatorEnv:
+    """A test's namespace, its own KWOK nodes (labelled so only its allocators see them),
+    the fake agent, and allocator replicas started and stopped by identity."""
+
+    kube: Kube
+    namespace: str
+    agent: FakeAgent
+    nodes: list[str] = field(default_factory=list)
+    replicas: dict[str, tuple[Controller, asyncio.Task[None]]] = field(default_factory=dict)
+
+    def node_name(self, short: str) -> str:
+        return f"{self.namespace}-{short}"
+
+    async def add_node(
+        self,
+        short: str,
+        *,
+        model: str = "H100-80GB",
+        gpus: Sequence[GpuSpec | str] | None = None,
+        cpu: str = "8",
+        memory: str = "32Gi",
+        pods: int = 110,
+        labels: Mapping[str, str] | None = None,
+        taints: list[Obj] | None = None,
+        mig_node: bool = True,
+    ) -> str:
+        name = self.node_name(short)
+        specs = list(gpus) if gpus is not None else [GpuSpec(model=model)]
+        body = make_node(
+            name,
+            cpu=cpu,
+            memory=memory,
+            pods=pods,
+            labels={TEST_NODE_LABEL: self.namespace, **(labels or {})},
+            taints=taints,
+            model=model,
+            gpus=len(specs),
+        )
+        await self.kube.create(core_path("nodes"), body)
+        self.nodes.append(name)
+        await wait_node_ready(self.kube, name)
+        if mig_node:  # like a node agent: only once the node is up
+            await create_mig_node(self.kube, make_mig_node(name, specs))
+        return name
+
+    def settings(self, identity: str = "a", **overrides: Any) -> AllocatorSettings:
+        values: dict[str, Any] = {
+            "namespace": self.namespace,
+            "identity": identity,
+            "node_selector": f"{TEST_NODE_LABEL}={self.namespace}",
+            "lease_duration_s": 3.0,
+            "renew_interval_s": 1.0,
+            "renew_deadline_s": 2.0,
+            "retry_interval_s": 0.2,
+            "max_backoff_s": 1.0,
+            "pinned_unschedulable_timeout_s": 30.0,
+        }
+        values.update(overrides)
+        return AllocatorSettings(**values)
+
+    def start(self, identity: str = "a", **overrides: Any) -> Controller:
+        settings = self.settings(identity, **overrides)
+        controller = build_controller(self.kube, settings, AllocatorMetrics())
+        task = asyncio.create_task(run_controller(controller, settings), name=f"alloc-{identity}")
+        self.replicas[identity] = (controller, task)
+        return controller
+
+    async def stop(self, identity: str = "a") -> None:
+        _, task = self.replicas.pop(identity)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def close(self) -> None:
+        for identity in list(self.replicas):
+            await self.stop(identity)
+        pods = await self.kube.list(core_path("pods", self.namespace))
+        for pod in pods.get("items", []):
+            await self.kube.delete_ignore_missing(
+                core_path("pods", self.namespace, pod["metadata"]["name"]),
+                gracePeriodSeconds=0,
+            )
+        await remove_finalizers(self.kube, self.namespace)
+        for name in self.nodes:
+            await delete_node(self.kube, name)
+
+    # --- pods ----------------------------------------------------------------------------
+
+    async def create_pod(self, name: str, **kwargs: Any) -> Obj:
+        body = make_pod(name, namespace=self.namespace, **kwargs)
+        return await self.kube.create(core_path("pods", self.namespace), body)
+
+    async def delete_pod(self, name: str) -> None:
+        await self.kube.delete_ignore_missing(core_path("pods", self.namespace, name))
+
+    async def pod(self, name: str) -> Obj:
+        return await self.kube.get(core_path("pods", self.namespace, name))
+
+    async def wait_pod(
+        self, name: str, predicate: Callable[[Obj], bool], *, within: float = 30.0, what: str = ""
+    ) -> Obj:
+        def check(items: list[Obj]) -> Obj | None:
+            return next((p for p in items if predicate(p)), None)
+
+        return await wait_for(
+            self.kube,
+            core_path("pods", self.namespace),
+            check,
+            within=within,
+            what=f"pod {name}: {what}",
+            field_selector=f"metadata.name={name}",
+        )
+
+    async def wait_ungated(self, name: str, *, within: float = 30.0) -> Obj:
+        return await self.wait_pod(
+            name, lambda p: not podlib.has_our_gate(p), within=within, what="gate lifted"
+        )
+
+    async def wait_bound(self, name: str, *, within: float = 30.0) -> Obj:
+        return await self.wait_pod(
+            name, lambda p: bool(podlib.bound_node(p)), within=within, what="bound"
+        )
+
+    async def wait_gone(self, name: str, *, within: float = 30.0) -> None:
+        await wait_for(
+            self.kube,
+            core_path("pods", self.namespace),
+            lambda items: not items,
+            within=within,
+            what=f"pod {name} gone",
+            field_selector=f"metadata.name={name}",
+        )
+
+    async def events(self, pod: str, reason: str) -> list[Obj]:
+        listing = await self.kube.list(
+            core_path("events", self.namespace),
+            fieldSelector=f"involvedObject.name={pod},reason={reason}",
+        )
+        return list(listing.get("items", []))
+
+    async def wait_event(self, pod: str, reason: str, *, within: float = 30.0) -> Obj:
+        def found(items: list[Obj]) -> Obj | None:
+            return next(iter(items), None)
+
+        return await wait_for(
+            self.kube,
+            core_path("events", self.namespace),
+            found,
+            within=within,
+            what=f"{reason} event on {pod}",
+            field_selector=f"involvedObject.name={pod},reason={reason}",
+        )
+
+    # --- allocations ---------------------------------------------------------------------
+
+    async def allocations(self) -> list[Obj]:
+        listing = await self.kube.list(instaslice_path(SLICE_ALLOCATION_PLURAL, self.namespace))
+        return list(listing.get("items", []))
+
+    async def wait_allocations(
+        self, predicate: Callable[[list[Obj]], bool], *, within: float = 30.0, what: str = ""
+    ) -> list[Obj]:
+        def check(items: list[Obj]) -> list[Obj] | None:
+            return items if predicate(items) else None
+
+        result: list[Obj] = await wait_for(
+            self.kube,
+            instaslice_path(SLICE_ALLOCATION_PLURAL, self.namespace),
+            check,
+            within=within,
+            what=f"allocations: {what}",
+        )
+        return result
+
+
+def assert_no_double_booking(allocations: Iterable[Obj]) -> None:
+    """Every memory slot of every GPU is held by at most one allocation; one per pod."""
+    held: dict[str, int] = {}
+    pods: set[str] = set()
+    for alloc in allocations:
+        uid = alloc["spec"]["podUID"]
+        assert uid not in pods, f"pod {alloc['spec']['podName']} holds two allocations"
+        pods.add(uid)
+        for s in alloc["spec"]["slices"]:
+            mask = ((1 << s["size"]) - 1) << s["start"]
+            gpu = s["gpuUUID"]
+            assert not held.get(gpu, 0) & mask, f"{gpu} slots {s} booked twice"
+            held[gpu] = held.get(gpu, 0) | mask
