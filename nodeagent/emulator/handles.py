@@ -5,15 +5,18 @@ and read them back out of info structs (`c_nvmlGpuInstanceInfo_t.device`), so em
 handles must be the same ctypes types as real ones. The "address" is never dereferenced;
 it packs what the handle names:
 
-    bits 0-3 kind | 4-11 GPU index | 12-15 GI id | 16-19 CI id | 20-51 serial
+    bits 0-3 kind | 4-11 GPU index | 12-15 GI id | 16-19 CI id | 20-51 serial | 52-59 node
 
 The serial is the GI's (for GI handles) or CI's (for CI and MIG-device handles) creation
 serial, so a handle to a destroyed instance stays invalid even when the same id is reused.
+The node tag (a hash of the node name) makes a handle of one emulated node invalid on
+another, as it would be in two real NVML processes (one agent may serve many nodes).
 """
 
 from __future__ import annotations
 
 import ctypes
+import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -45,6 +48,7 @@ class Ref:
     gi: int = 0
     ci: int = 0
     serial: int = 0
+    node: int = 0  # node_tag() of the node the handle belongs to
 
     def address(self) -> int:
         return (
@@ -53,7 +57,12 @@ class Ref:
             | (self.gi & 0xF) << 12
             | (self.ci & 0xF) << 16
             | (self.serial & 0xFFFFFFFF) << 20
+            | (self.node & 0xFF) << 52
         )
+
+
+def node_tag(node: str) -> int:
+    return zlib.crc32(node.encode()) & 0xFF
 
 
 def make(ref: Ref) -> Any:
@@ -66,7 +75,7 @@ def read(handle: object) -> Ref | None:
     if not isinstance(handle, ctypes._Pointer):
         return None
     address = ctypes.cast(handle, ctypes.c_void_p).value
-    if not address or address >> 52:
+    if not address or address >> 60:
         return None
     try:
         kind = Kind(address & 0xF)
@@ -78,4 +87,5 @@ def read(handle: object) -> Ref | None:
         gi=(address >> 12) & 0xF,
         ci=(address >> 16) & 0xF,
         serial=(address >> 20) & 0xFFFFFFFF,
+        node=(address >> 52) & 0xFF,
     )

@@ -90,6 +90,7 @@ class NvmlBase:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = NodeStore(Path(state_dir), node)
+        self._tag = handles.node_tag(node)
         self._sleep = sleep
         self._monotonic = monotonic
         self._lock = threading.Lock()
@@ -142,13 +143,16 @@ class NvmlBase:
         change: Callable[[EmulatorState], tuple[EmulatorState, T | Rejected]],
     ) -> T:
         """Apply `change` atomically; sleep the configured latency first (outside the lock)."""
-        state = self._read()
+        settings = self._read().settings
         if latency is not None:
-            ms = state.settings.create_ms if "create" in latency else state.settings.destroy_ms
+            ms = settings.create_ms if latency.startswith("create") else settings.destroy_ms
             if ms > 0:
                 self._sleep(ms / 1000)
-        with self._store.transaction() as box:
-            box.state, result = change(box.state)
+        try:
+            with self._store.transaction() as box:
+                box.state, result = change(box.state)
+        except StateError as exc:
+            fail(DRIVER_NOT_LOADED, str(exc))
         if isinstance(result, Rejected):
             fail(result.code, result.reason)
         return result
@@ -166,7 +170,7 @@ class NvmlBase:
 
     def _device(self, state: EmulatorState, handle: object) -> Gpu:
         """A full-GPU handle (MIG device handles are refused with INVALID_ARGUMENT)."""
-        ref = handles.read(handle)
+        ref = self._ref(handle)
         if ref is None or ref.kind is not Kind.DEVICE:
             fail(INVALID_ARGUMENT, "expected a GPU handle")
         return self._gpu_of(state, ref)
@@ -175,14 +179,14 @@ class NvmlBase:
         self, state: EmulatorState, handle: object
     ) -> tuple[Gpu, tuple[GpuInstance, ComputeInstance] | None]:
         """A GPU handle, or a MIG device handle with the GI and CI behind it."""
-        ref = handles.read(handle)
+        ref = self._ref(handle)
         if ref is not None and ref.kind is Kind.MIG_DEVICE:
             gpu, gi, ci = self._compute(state, ref)
             return gpu, (gi, ci)
         return self._device(state, handle), None
 
     def _gpu_instance(self, state: EmulatorState, handle: object) -> tuple[Gpu, GpuInstance]:
-        ref = handles.read(handle)
+        ref = self._ref(handle)
         if ref is None or ref.kind is not Kind.GPU_INSTANCE:
             fail(INVALID_ARGUMENT, "expected a GPU instance handle")
         gpu = self._gpu_of(state, ref)
@@ -205,7 +209,7 @@ class NvmlBase:
     def _compute_instance(
         self, state: EmulatorState, handle: object
     ) -> tuple[Gpu, GpuInstance, ComputeInstance]:
-        ref = handles.read(handle)
+        ref = self._ref(handle)
         if ref is None or ref.kind is not Kind.COMPUTE_INSTANCE:
             fail(INVALID_ARGUMENT, "expected a compute instance handle")
         return self._compute(state, ref)
@@ -215,17 +219,22 @@ class NvmlBase:
         if gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
             fail(NOT_SUPPORTED, f"GPU {gpu.index}: MIG mode is disabled")
 
-    @staticmethod
-    def _device_handle(gpu: Gpu) -> Any:
-        return handles.make(Ref(Kind.DEVICE, gpu=gpu.index))
+    def _ref(self, handle: object) -> Ref | None:
+        """What `handle` names, if it is one of this node's handles."""
+        ref = handles.read(handle)
+        return ref if ref is not None and ref.node == self._tag else None
 
-    @staticmethod
-    def _gi_handle(gpu: Gpu, gi: GpuInstance) -> Any:
-        return handles.make(Ref(Kind.GPU_INSTANCE, gpu=gpu.index, gi=gi.id, serial=gi.serial))
+    def _make(self, kind: Kind, gpu: int = 0, gi: int = 0, ci: int = 0, serial: int = 0) -> Any:
+        return handles.make(Ref(kind, gpu, gi, ci, serial, self._tag))
 
-    @staticmethod
-    def _ci_handle(gpu: Gpu, gi: GpuInstance, ci: ComputeInstance, kind: Kind) -> Any:
-        return handles.make(Ref(kind, gpu=gpu.index, gi=gi.id, ci=ci.id, serial=ci.serial))
+    def _device_handle(self, gpu: Gpu) -> Any:
+        return self._make(Kind.DEVICE, gpu.index)
+
+    def _gi_handle(self, gpu: Gpu, gi: GpuInstance) -> Any:
+        return self._make(Kind.GPU_INSTANCE, gpu.index, gi.id, serial=gi.serial)
+
+    def _ci_handle(self, gpu: Gpu, gi: GpuInstance, ci: ComputeInstance, kind: Kind) -> Any:
+        return self._make(kind, gpu.index, gi.id, ci.id, ci.serial)
 
     # ---- ctypes in/out parameters ----------------------------------------------------------
 

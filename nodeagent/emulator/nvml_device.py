@@ -12,8 +12,8 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.emulator import handles, rules
-from nodeagent.emulator.handles import Kind, Ref
+from nodeagent.emulator import rules
+from nodeagent.emulator.handles import Kind
 from nodeagent.emulator.nvml_base import EventSet, NvmlBase, fail
 from nodeagent.emulator.state import (
     GPU_IS_LOST,
@@ -139,10 +139,6 @@ class DeviceCalls(NvmlBase):
         gpu, _ = self._any_device(self._read(), handle)
         return gpu.spec.nvml_arch
 
-    def nvmlDeviceGetCudaComputeCapability(self, handle: object) -> tuple[int, int]:
-        gpu, _ = self._any_device(self._read(), handle)
-        return {7: (8, 0), 9: (9, 0), 10: (10, 0)}.get(gpu.spec.nvml_arch, (0, 0))
-
     def nvmlDeviceGetIndex(self, handle: object) -> int:
         return self._device(self._read(), handle).index
 
@@ -233,10 +229,10 @@ class DeviceCalls(NvmlBase):
             number = self._next_event_set
             self._next_event_set += 1
             self._event_sets[number] = EventSet(cursor=state.next_event - 1)
-        return handles.make(Ref(Kind.EVENT_SET, serial=number))
+        return self._make(Kind.EVENT_SET, serial=number)
 
     def _event_set(self, event_set: object) -> EventSet:
-        ref = handles.read(event_set)
+        ref = self._ref(event_set)
         found = self._event_sets.get(ref.serial) if ref and ref.kind is Kind.EVENT_SET else None
         if found is None:
             fail(INVALID_ARGUMENT, "not a live event set")
@@ -268,7 +264,7 @@ class DeviceCalls(NvmlBase):
                 mask, since = es.registered.get(event.gpu, (0, 0))
                 if event.event_type & mask and event.seq > since:
                     data = pynvml.c_nvmlEventData_t()
-                    data.device = handles.make(Ref(Kind.DEVICE, gpu=event.gpu))
+                    data.device = self._make(Kind.DEVICE, event.gpu)
                     data.eventType = event.event_type
                     data.eventData = event.data
                     data.gpuInstanceId = event.gi_id
@@ -284,7 +280,7 @@ class DeviceCalls(NvmlBase):
 
     def nvmlEventSetFree(self, eventSet: object) -> None:
         self._event_set(eventSet)
-        ref = handles.read(eventSet)
+        ref = self._ref(eventSet)
         assert ref is not None
         with self._lock:
             del self._event_sets[ref.serial]

@@ -38,6 +38,7 @@ MIG_ENABLE: Final = 1
 NO_ID: Final = 0xFFFFFFFF
 EVENT_XID: Final = 0x8  # nvmlEventTypeXidCriticalError
 XID_FELL_OFF_BUS: Final = 79
+EVENT_HISTORY: Final = 256  # events kept in the state file for event sets to read
 
 Op = Literal["create_gi", "create_ci", "destroy_ci", "destroy_gi"]
 OPS: Final[tuple[Op, ...]] = ("create_gi", "create_ci", "destroy_ci", "destroy_gi")
@@ -165,5 +166,3 @@ class EmulatorState:
                         return g, gi, ci
         raise LookupError(uuid)
 
-
-EVENT_HISTORY: Final = 256

@@ -572,6 +572,18 @@ def test_pynvml_shapes_and_names(tmp_path: Path) -> None:
         nv.nvmlDeviceCreateGpuInstanceWithPlacement(dev, 19, (3, 1))
 
 
+def test_handles_belong_to_their_node(tmp_path: Path) -> None:
+    """One agent process may serve many emulated nodes: a handle of one is not another's."""
+    a, _ = make(tmp_path, ["H200-141GB"], node="a")
+    b, _ = make(tmp_path, ["H200-141GB"], node="b")
+    dev_a, dev_b = a.nvmlDeviceGetHandleByIndex(0), b.nvmlDeviceGetHandleByIndex(0)
+    assert a.nvmlDeviceGetUUID(dev_a) != b.nvmlDeviceGetUUID(dev_b)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        b.nvmlDeviceGetUUID(dev_a)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        b.nvmlGpuInstanceGetInfo(gi_at(a, dev_a, 19, 0, 1))
+
+
 def test_init_and_provision(tmp_path: Path) -> None:
     with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
         EmulatedNvml(tmp_path, "nobody").nvmlInit()
