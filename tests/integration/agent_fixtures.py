@@ -114,7 +114,7 @@ async def install_instaslice(kube: Kube) -> None:
             conds = got.get("status", {}).get("conditions") or []
             return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
-        await eventually(established, timeout=30, what=f"CRD {doc['metadata']['name']}")
+        await eventually(established, within=30, what=f"CRD {doc['metadata']['name']}")
     await apply(kube, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     for doc in manifest_docs(ROOT / "manifests" / "base" / "nodeagent"):
         if doc["kind"] != "DaemonSet":
@@ -122,14 +122,14 @@ async def install_instaslice(kube: Kube) -> None:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[T]],
+    check: Callable[[], Awaitable[T | None]],
     *,
-    timeout: float = 20.0,
+    within: float = 20.0,
     interval: float = 0.05,
     what: str = "condition",
 ) -> T:
     """Poll `check` until it returns something truthy; its last value is returned."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     last: Any = None
     while True:
         try:
@@ -139,7 +139,7 @@ async def eventually(
         if last and not isinstance(last, AssertionError):
             return last  # type: ignore[no-any-return]
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+            raise AssertionError(f"timed out after {within}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
 
 
@@ -341,7 +341,7 @@ async def get_allocation(kube: Kube, namespace: str, name: str) -> Obj | None:
         raise
 
 
-async def wait_phase(kube: Kube, obj: Obj, phase: str, timeout: float = 20) -> Obj:
+async def wait_phase(kube: Kube, obj: Obj, phase: str, within: float = 20) -> Obj:
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
 
     async def check() -> Obj | None:
@@ -350,16 +350,16 @@ async def wait_phase(kube: Kube, obj: Obj, phase: str, timeout: float = 20) -> O
             return got
         return None
 
-    return await eventually(check, timeout=timeout, what=f"{ns}/{name} {phase}")
+    return await eventually(check, within=within, what=f"{ns}/{name} {phase}")
 
 
-async def wait_gone(kube: Kube, obj: Obj, timeout: float = 20) -> None:
+async def wait_gone(kube: Kube, obj: Obj, within: float = 20) -> None:
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
 
     async def check() -> bool:
         return await get_allocation(kube, ns, name) is None
 
-    await eventually(check, timeout=timeout, what=f"{ns}/{name} deleted")
+    await eventually(check, within=within, what=f"{ns}/{name} deleted")
 
 
 async def pod_events(kube: Kube, namespace: str, pod: str) -> list[Obj]:
