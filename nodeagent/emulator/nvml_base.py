@@ -40,6 +40,10 @@ from nodeagent.emulator.state import (
 from nodeagent.emulator.store import NodeStore, StateError
 
 T = TypeVar("T")
+# pynvml helpers that never reach the library: passed through, not stubbed.
+_PURE_HELPERS = frozenset(
+    {"nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct", "nvmlExceptionClass"}
+)
 
 
 def nvml_error(code: int, reason: str = "") -> pynvml.NVMLError:
@@ -102,7 +106,8 @@ class NvmlBase:
         if name.startswith("_"):
             raise AttributeError(name)
         value = getattr(pynvml, name)  # AttributeError for names pynvml lacks, as a module
-        if name.startswith("nvml") and callable(value) and not isinstance(value, type):
+        pure = name in _PURE_HELPERS or isinstance(value, type)
+        if name.startswith("nvml") and callable(value) and not pure:
 
             def not_emulated(*_args: object, **_kwargs: object) -> NoReturn:
                 fail(FUNCTION_NOT_FOUND, f"{name} is not emulated")

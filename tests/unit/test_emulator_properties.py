@@ -5,7 +5,9 @@ create succeeds iff its start is listed, its slots are free, the profile's count
 its maximum and the engines of all GIs still fit the full profile's; GIs never overlap;
 RemainingCapacity of every profile equals the largest set of free listed starts that can be
 created together (subsets enumerated); a GI with compute instances refuses to go (IN_USE).
-The pure rules get many examples; the pynvml-shaped facade (file-backed) fewer.
+The pure rules get many examples; the pynvml-shaped facade (file-backed) fewer. An
+exhaustive walk over every model's geometries shows the inferred engine rule only ever
+limits `+me`/`+me.all` combinations.
 Leaves out: MIG mode, processes, faults (test_emulator.py covers those by example).
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pynvml
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
@@ -246,3 +249,36 @@ def test_facade_agrees_with_brute_force(scenario: tuple[GpuModel, list[Op]]) -> 
                 got = nv.nvmlDeviceGetGpuInstanceRemainingCapacity(dev, p.id)
                 assert got == brute_capacity(model, gpu, p), p.name
         nv.nvmlShutdown()
+
+
+# ---- the engine rule, exhaustively ---------------------------------------------------------
+
+
+def blocked_by_engines(model: GpuModel) -> list[tuple[str, ...]]:
+    """Every set of GIs legal by slots and counts whose engines do not fit (DFS)."""
+    candidates = [(p, s) for p in model.profiles for s in p.starts]
+    blocked: list[tuple[str, ...]] = []
+    stack: list[tuple[int, set[int], list[Profile]]] = [(0, set(), [])]
+    while stack:
+        first, taken, chosen = stack.pop()
+        for j in range(first, len(candidates)):
+            p, s = candidates[j]
+            if slots(s, p.size) & taken or chosen.count(p) >= p.max_count:
+                continue
+            now = [*chosen, p]
+            if engine_sum(model, now).fits_within(model.full_engines):
+                stack.append((j + 1, taken | slots(s, p.size), now))
+            else:
+                blocked.append(tuple(q.name for q in now))
+    return blocked
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_engine_sum_only_ever_limits_media_extension_profiles(model: GpuModel) -> None:
+    """Every geometry that is legal by slots and counts fits the engines, unless it holds a
+    `+me`/`+me.all` profile: the [INF] engine rule adds no limit the hardware lacks."""
+    blocked = blocked_by_engines(model)
+    for names in blocked:
+        assert any("+me" in n for n in names), names
+    # Only where two media-extension profiles can meet does the rule bite at all.
+    assert bool(blocked) == (model.name in ("A30-24GB", "RTX-PRO-6000"))
