@@ -165,4 +165,3 @@ class EmulatorState:
                     if ci.uuid == uuid:
                         return g, gi, ci
         raise LookupError(uuid)
-
