@@ -67,8 +67,8 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
     for doc in load_manifest("policy/validatingadmissionpolicy.yaml") + load_manifest(
         "policy/binding.yaml"
     ):
-        plural = doc["kind"].lower() + "ies" if doc["kind"].endswith("y") else ""
-        plural = plural or doc["kind"].lower() + "s"
+        kind = doc["kind"].lower()
+        plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
         path = group_path(ADMISSIONREG, plural)
         await kube.create(path, doc)
         created.append(f"{path}/{doc['metadata']['name']}")
@@ -253,9 +253,9 @@ async def test_only_instaslice_removes_the_gate_or_changes_the_claim(
     path = core_path("pods", ns, name)
     for who in (mallory, kube):  # a user with RBAC rights, and cluster-admin
         await _refused(who.patch(path, ungate, "json"), "only InstaSlice may remove", "gate")
+        # (the env rule refuses this too: the container's device names the old claim)
         await _refused(
-            who.patch(path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cstolen"}}}),
-            "only InstaSlice may set or change it",
+            who.patch(path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cstolen"}}})
         )
         await _refused(who.patch(path, {"metadata": {"annotations": {CLAIM_ANNOTATION: None}}}))
     # ordinary updates of a gated pod are fine
@@ -265,20 +265,28 @@ async def test_only_instaslice_removes_the_gate_or_changes_the_claim(
     assert not done["spec"].get("schedulingGates")
     name2 = await gated_pod()
     await sa.patch(core_path("pods", ns, name2), ungate, "json")
-    await allocator.patch(
-        core_path("pods", ns, name2), {"metadata": {"annotations": {CLAIM_ANNOTATION: "cnew"}}}
-    )
 
 
 async def test_gate_and_claim_are_guarded_in_namespaces_that_never_opted_in(
     kube: Kube, policy: None, users: dict[str, Kube], namespace: str
 ) -> None:
-    mallory = users["mallory"]
+    mallory, allocator = users["mallory"], users["allocator"]
     pod = await kube.create(core_path("pods", namespace), _wired_pod(namespace, "cmine"))
     path = core_path("pods", namespace, pod["metadata"]["name"])
     ungate = [{"op": "remove", "path": "/spec/schedulingGates/0"}]
-    await _refused(mallory.patch(path, ungate, "json"))
-    await _refused(mallory.patch(path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cx"}}}))
+    await _refused(mallory.patch(path, ungate, "json"), "only InstaSlice may remove")
+    # a device-plugin-mode pod (no env names its device): only the claim rule speaks
+    bare = _wired_pod(namespace, "cbare")
+    del bare["spec"]["containers"][0]["env"]
+    created = await kube.create(core_path("pods", namespace), bare)
+    bare_path = core_path("pods", namespace, created["metadata"]["name"])
+    for claim in ("cx", None):
+        await _refused(
+            mallory.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: claim}}}),
+            "only InstaSlice may set or change it",
+        )
+    await allocator.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cnew"}}})
+    await allocator.patch(bare_path, ungate, "json")
     plain = await mallory.create(core_path("pods", namespace), make_pod(container("main")))
     plain_path = core_path("pods", namespace, plain["metadata"]["name"])
     await _refused(

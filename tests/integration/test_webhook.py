@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, VISIBLE_DEVICES_ENV
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
@@ -328,11 +329,15 @@ async def test_review_latency_through_the_apiserver(
     await kube.create(core_path("namespaces"), {"metadata": {"name": plain_ns}})
     try:
         await timed(opted_in, True)  # warm connections and caches
-        with_hook = await timed(opted_in, True)
+        with capture_logs() as logs:  # the server logs each review with its own duration
+            with_hook = await timed(opted_in, True)
         without = await timed(plain_ns, False)
     finally:
         await kube.delete_ignore_missing(core_path("namespaces", name=plain_ns))
-    server = {q: _server_quantile(webhook, q) for q in (0.5, 0.99)}
+    server_ms = [e["ms"] for e in logs if e.get("event") == "review"]
+    assert len(server_ms) == n
+    s50, s99 = _quantile(server_ms, 0.50), _quantile(server_ms, 0.99)
+    bucket = {q: _server_quantile(webhook, q) for q in (0.5, 0.99)}
     p50, p99 = _quantile(with_hook, 0.50), _quantile(with_hook, 0.99)
     b50, b99 = _quantile(without, 0.50), _quantile(without, 0.99)
     print(
@@ -341,8 +346,9 @@ async def test_review_latency_through_the_apiserver(
         f"  without webhook p50 {b50 * 1000:.2f} ms  p99 {b99 * 1000:.2f} ms\n"
         f"  added by the webhook: p50 {(p50 - b50) * 1000:.2f} ms, "
         f"p99 {(p99 - b99) * 1000:.2f} ms\n"
-        f"  server-side (histogram bucket bounds): p50 <= {server[0.5] * 1000:.2f} ms, "
-        f"p99 <= {server[0.99] * 1000:.2f} ms"
+        f"  server-side (request read to answer encoded): p50 {s50:.3f} ms  p99 {s99:.3f} ms\n"
+        f"  server-side histogram bucket bounds: p50 <= {bucket[0.5] * 1000:.2f} ms, "
+        f"p99 <= {bucket[0.99] * 1000:.2f} ms"
     )
     assert p99 < 1.0  # generous: the webhook's timeout is 5 s; numbers go to docs/webhook.md
 
