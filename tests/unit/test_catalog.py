@@ -32,7 +32,7 @@ from common.profiles import (
 )
 
 # The shared docs sit next to the checkout (../shared), as the project's hooks expect.
-H200_DIR = Path(__file__).resolve().parents[3] / "shared" / "hardware" / "h200-141gb"
+H200_DIR = Path(__file__).resolve().parents[1] / "data" / "h200-141gb"
 
 CATALOG = load_catalog()
 

@@ -22,7 +22,7 @@ from nodeagent.emulator import EmulatedNvml, EmulatorControl
 from nodeagent.emulator.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-REAL = REPO.parent / "shared" / "hardware" / "h200-141gb"
+REAL = REPO / "tests" / "data" / "h200-141gb"
 SCRIPT = Path(sys.executable).parent / "instaslice-emu"
 
 

@@ -238,7 +238,7 @@ def test_mig_disabled(tmp_path: Path) -> None:
 def test_profile_info_enums_like_the_h200(tmp_path: Path) -> None:
     nv, _ = make(tmp_path, ["H200-141GB"], mig="disabled")
     dev = nv.nvmlDeviceGetHandleByIndex(0)
-    real = json.loads((REPO.parent / "shared/hardware/h200-141gb/nvml.json").read_text())
+    real = json.loads((REPO / "tests/data/h200-141gb/nvml.json").read_text())
     for entry in real["devices"][0]["gi_profiles"]:
         enum = entry["profile"]
         if "info_err" in entry:

@@ -3,10 +3,12 @@
 Covers the pure renderers only; fetching from a live cluster is exercised by the e2e tests.
 """
 
+from typing import Any
+
 from common.kubectl_plugin import render_nodes, render_pods
 
 
-def _mignode(name: str, slices: list[dict[str, object]], healthy: bool = True) -> dict:
+def _mignode(name: str, slices: list[dict[str, object]], healthy: bool = True) -> dict[str, Any]:
     return {
         "metadata": {"name": name},
         "status": {
@@ -27,7 +29,9 @@ def _mignode(name: str, slices: list[dict[str, object]], healthy: bool = True) -
     }
 
 
-def _alloc(ns: str, pod: str, gpu: str, start: int, size: int, phase: str = "Ready") -> dict:
+def _alloc(
+    ns: str, pod: str, gpu: str, start: int, size: int, phase: str = "Ready"
+) -> dict[str, Any]:
     return {
         "metadata": {"namespace": ns, "name": f"claim-{pod}"},
         "spec": {
