@@ -43,7 +43,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 RBAC = "rbac.authorization.k8s.io/v1"
 ISL = "instaslice.io/mig-1g.18gb"
-POLICY_DENIED = "ValidatingAdmissionPolicy 'instaslice-pods'"
+POLICY = "instaslice-pods"
+POLICY_DENIED = f"ValidatingAdmissionPolicy '{POLICY}'"
 
 
 def _device(ns: str, claim: str, c: str) -> str:
@@ -83,6 +84,17 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
 
     try:
         await eventually(enforced, timeout_s=30)
+        # the apiserver type-checks every expression against the Pod schema: no warnings
+        vap_path = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=POLICY)
+        vap: Obj = {}
+
+        async def checked() -> bool:
+            nonlocal vap
+            vap = await kube.get(vap_path)
+            return "typeChecking" in vap.get("status", {})
+
+        await eventually(checked, timeout_s=30)
+        assert not vap["status"]["typeChecking"].get("expressionWarnings"), vap["status"]
         yield
     finally:
         for path in reversed(created):
@@ -293,3 +305,27 @@ async def test_gate_and_claim_are_guarded_in_namespaces_that_never_opted_in(
         mallory.patch(plain_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cmine"}}})
     )
     await mallory.patch(plain_path, {"metadata": {"labels": {"ok": "yes"}}})
+
+
+async def test_controller_made_pods_pass_webhook_and_policy(
+    kube: Kube, webhook: Webhook, policy: None, namespace: str
+) -> None:
+    """The policy must not stand in the way of what the webhook produces for controllers."""
+    ns = await opted_in_namespace(kube, namespace)
+    pod = make_pod(
+        container("main", limits={MIG: "1"}), init=[container("prep", limits={MIG: "1"})]
+    )
+    spec = {**pod["spec"], "restartPolicy": "Never"}
+    template = {"metadata": {"labels": {"app": "job"}}, "spec": spec}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "job"},
+           "spec": {"parallelism": 2, "completions": 2, "template": template}}  # fmt: skip
+    await kube.create(group_path("batch/v1", "jobs", ns), job)
+    pods: list[Obj] = []
+
+    async def both() -> bool:
+        nonlocal pods
+        pods = (await kube.list(core_path("pods", ns), labelSelector="app=job"))["items"]
+        return len(pods) == 2
+
+    await eventually(both, timeout_s=30)
+    assert all(is_rewritten(p) for p in pods)
