@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common.catalog import Catalog, load_catalog
+from common.catalog import Catalog
 from common.placement.explain import explain
 from common.placement.model import (
     NodeState,
@@ -35,8 +35,9 @@ from common.placement.model import (
     Policy,
     Snapshot,
 )
-from common.placement.search import Context, NodeFit
+from common.placement.search import Context, NodeFit, node_bound, node_single
 from common.placement.selectors import mismatch
+from common.placement.tables import COST_SCALE
 
 __all__ = ["Policy", "place"]
 
@@ -48,12 +49,18 @@ def place(
     catalog: Catalog | None = None,
 ) -> Placement | Pending:
     """Where `request` goes in `snapshot` under `policy`, or why it cannot go anywhere now."""
-    ctx = Context(catalog if catalog is not None else load_catalog(), policy, request)
+    ctx = Context(catalog, policy, request)
     chosen = _choose(snapshot, request, ctx)
     if chosen is None:
         return explain(snapshot, request, ctx)
     node, fit = chosen
     return _placement(node, fit, request, ctx)
+
+
+# A multi-slice pod is scored exactly on the nodes in ascending order of a lower bound on
+# its loss; after the first node that fits, at most this many more are scored (bounded work
+# on a cold cache; the bound usually stops the scan much earlier).
+MULTI_NODE_BUDGET = 8
 
 
 def _choose(
@@ -70,31 +77,56 @@ def _choose(
                 continue
             yield node
 
-    if ctx.policy is Policy.INSTASLICE:
-        best: list[tuple[NodeState, NodeFit]] = []
-        best_cost = -1
-        for node in candidates():
+    if ctx.policy is not Policy.INSTASLICE:
+        nodes: Iterator[NodeState] | list[NodeState] = candidates()
+        if ctx.policy is Policy.SPREAD:
+            nodes = sorted(nodes, key=ctx.node_free_slots, reverse=True)
+        for node in nodes:
             fit = ctx.node_fit(node)
-            if fit is None:
+            if fit is not None:
+                return node, fit
+        return None
+
+    # instaslice: the least (cost, node potential) over all candidate nodes, first in
+    # snapshot order on a tie — the fuller node wins, so the policy packs. The loops below
+    # are the hot path (one pass over every node per decision), so they stay flat: no
+    # per-node work beyond one memoised lookup.
+    ct, policy = ctx.ct, ctx.policy
+    best: tuple[NodeState, NodeFit] | None = None
+    if ctx.single is not None:
+        profile = ctx.single
+        rank = (-1, -1)
+        for node in snapshot.nodes:
+            if node.pods_free < 1 or node.cpu_millis_free < cpu or node.memory_bytes_free < mem:
                 continue
-            if not best or fit.cost < best_cost:
-                best, best_cost = [(node, fit)], fit.cost
-            elif fit.cost == best_cost:
-                best.append((node, fit))
-        if not best:
-            return None
-        if len(best) == 1:
-            return best[0]
-        # Pack: among equally good spots, the node with the least potential left.
-        return min(enumerate(best), key=lambda e: (ctx.node_potential(e[1][0]), e[0]))[1]
-    nodes: Iterator[NodeState] | list[NodeState] = candidates()
-    if ctx.policy is Policy.SPREAD:
-        nodes = sorted(nodes, key=ctx.node_free_slots, reverse=True)
-    for node in nodes:
+            if (filtered or node.taints or node.unschedulable) and mismatch(node, request):
+                continue
+            fit = node_single(ct, node.gpu_key, profile, policy)
+            if fit is not None and (best is None or fit.rank < rank):
+                best, rank = (node, fit), fit.rank
+        return best
+    if not ctx.profiles:
+        return next(((node, NodeFit(0, 0, ())) for node in candidates()), None)
+    bounded = []
+    profiles = ctx.profiles
+    for order, node in enumerate(candidates()):
+        bound = node_bound(ct, node.gpu_key, profiles)
+        if bound is not None:
+            bounded.append((bound, order, node))
+    bounded.sort(key=lambda e: (e[0], e[1]))
+    budget = MULTI_NODE_BUDGET
+    for bound, _, node in bounded:
+        if best is not None and (bound * COST_SCALE > best[1].cost or budget <= 0):
+            break
         fit = ctx.node_fit(node)
-        if fit is not None:
-            return node, fit
-    return None
+        if fit is None:
+            continue
+        if best is not None:
+            budget -= 1
+            if fit.rank >= best[1].rank:
+                continue
+        best = (node, fit)
+    return best
 
 
 def _placement(node: NodeState, fit: NodeFit, request: PodRequest, ctx: Context) -> Placement:

@@ -25,6 +25,29 @@ def _empty() -> Mapping[str, str]:
     return _EMPTY
 
 
+# Separators of the derived keys: ASCII control characters, which no model or profile name
+# holds, so a key can be split back into its parts (parse_node_key).
+_GPU_SEP, _FIELD_SEP, _OCC_SEP, _SUB_SEP = "\x1d", "\x1e", "\x1f", "\x1c"
+
+GpuKeyParts = tuple[str, bool, tuple[tuple[int, int, str], ...]]
+
+
+def parse_node_key(key: str) -> tuple[GpuKeyParts, ...]:
+    """`NodeState.gpu_key` back to (model, usable, ((start, size, profile), ...)) per GPU."""
+    if not key:
+        return ()
+    out = []
+    for gpu in key.split(_GPU_SEP):
+        model, state, parts = gpu.split(_FIELD_SEP)
+        occ = []
+        if parts:
+            for part in parts.split(_OCC_SEP):
+                start, size, profile = part.split(_SUB_SEP)
+                occ.append((int(start), int(size), profile))
+        out.append((model, state == "u", tuple(occ)))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class Taint:
     key: str
@@ -76,9 +99,9 @@ class Gpu:
         mask = 0
         for o in occ:
             mask |= o.mask
-        parts = ",".join(f"{o.start}:{o.size}:{o.profile}" for o in occ)
+        parts = _OCC_SEP.join(f"{o.start}{_SUB_SEP}{o.size}{_SUB_SEP}{o.profile}" for o in occ)
         state = "u" if self.mig_enabled and self.healthy else ("d" if self.healthy else "x")
-        object.__setattr__(self, "key", f"{self.model}|{state}|{parts}")
+        object.__setattr__(self, "key", _FIELD_SEP.join((self.model, state, parts)))
         object.__setattr__(self, "mask", mask)
 
     @property
@@ -100,7 +123,7 @@ class NodeState:
     gpu_key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "gpu_key", "/".join(g.key for g in self.gpus))
+        object.__setattr__(self, "gpu_key", _GPU_SEP.join(g.key for g in self.gpus))
 
 
 @dataclass(frozen=True, slots=True)

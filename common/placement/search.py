@@ -1,11 +1,13 @@
 """The node search behind `place`: how each policy hosts a pod's slices on one node.
 
 Per node the pod's slices are split between its GPUs by a small dynamic programme over
-(GPU, slices still to place); each GPU's share is packed exactly by `tables.gpu_fit`, which
-is memoised per (model, GPU state, share). `Context` holds the per-call caches that make
-one decision over 1000 nodes x 8 GPUs cheap: GPU states and node results are computed once
-per distinct GPU / node key (model.py) — a fleet of identical or identically-filled GPUs is
-scored once, not per GPU.
+(GPU, slices still to place); each GPU's share is packed exactly by `tables.gpu_fit`.
+
+Speed comes from keys, not from shortcuts. A node's GPU state is one string
+(`NodeState.gpu_key`, hash cached by Python), and every node-level answer is a pure function
+of (catalog, that key, the demand, the policy), memoised in bounded LRU caches. One decision
+over 1000 nodes x 8 GPUs is then one cache lookup per node; only nodes whose GPUs changed
+since the last decision — usually one — are recomputed, and identical nodes share a result.
 
 The search is complete for every policy: if any legal placement exists on a node, it is
 found. The `instaslice` policy takes the split with the least total loss of potential; the
@@ -17,21 +19,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache, lru_cache
 from itertools import product
 
-from common.catalog import Catalog
-from common.placement.model import Gpu, NodeState, PodRequest, Policy
-from common.placement.selectors import mismatch
+from common.catalog import Catalog, load_catalog
+from common.placement.model import Gpu, NodeState, PodRequest, Policy, parse_node_key
 from common.placement.tables import (
+    COST_SCALE,
     FitMode,
-    GpuFit,
     GpuState,
     ModelTables,
     add,
+    addable,
     free_starts,
     gpu_fit,
     gpu_state,
     model_tables,
+    single_table,
 )
 from common.profiles import ProfileNameError, parse_profile
 
@@ -41,6 +45,9 @@ _MODE = {
     Policy.SPREAD: FitMode.LOWEST,
     Policy.STATIC_BALANCED: FitMode.STATIC,
 }
+
+Assignment = tuple[tuple[int, str, int], ...]  # (position in node.gpus, profile, start)
+Demand = tuple[tuple[str, int], ...]  # (profile, count), largest profile first
 
 
 def profile_order(name: str) -> tuple[int, int, str]:
@@ -52,40 +59,13 @@ def profile_order(name: str) -> tuple[int, int, str]:
     return (-p.memory_gb, -p.gi_slices, name)
 
 
-@dataclass(frozen=True, slots=True)
-class NodeFit:
-    """One node's best way to host every slice: (position in node.gpus, profile, start)."""
+class CatalogTables:
+    """The tables of one catalog's models, built on first use. Identity-hashed: it is the
+    cheap cache key that stands for its catalog."""
 
-    cost: int
-    assignment: tuple[tuple[int, str, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Usable:
-    pos: int
-    tables: ModelTables
-    state: GpuState
-
-
-class Context:
-    """Per-call caches: one entry per distinct GPU state and per distinct node state."""
-
-    def __init__(self, catalog: Catalog, policy: Policy, request: PodRequest) -> None:
+    def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        self.policy = policy
-        self.mode = _MODE[policy]
-        counts: dict[str, int] = {}
-        for s in request.slices:
-            if s.count > 0:
-                counts[s.profile] = counts.get(s.profile, 0) + s.count
-        self.profiles: tuple[str, ...] = tuple(sorted(counts, key=profile_order))
-        self.counts: tuple[int, ...] = tuple(counts[p] for p in self.profiles)
-        self.single = self.profiles[0] if self.counts == (1,) else None
         self._tables: dict[str, ModelTables | None] = {}
-        self._states: dict[str, GpuState | None] = {}
-        self._single: dict[str, GpuFit | None] = {}
-        self._nodes: dict[str, NodeFit | None] = {}
-        self._potentials: dict[str, int] = {}
 
     def tables(self, model: str) -> ModelTables | None:
         try:
@@ -96,214 +76,264 @@ class Context:
             self._tables[model] = t
             return t
 
-    def state(self, gpu: Gpu) -> GpuState | None:
-        """None for a GPU that cannot take slices (unhealthy, MIG off, unknown model)."""
-        try:
-            return self._states[gpu.key]
-        except KeyError:
-            t = self.tables(gpu.model)
-            st = None
-            if t is not None and gpu.usable:
-                st = gpu_state(t, tuple((o.start, o.size, o.profile) for o in gpu.occupied))
-            self._states[gpu.key] = st
-            return st
 
-    def usable(self, node: NodeState) -> list[_Usable]:
-        out = []
-        for pos, g in enumerate(node.gpus):
-            st = self.state(g)
-            if st is not None:
-                t = self.tables(g.model)
-                assert t is not None
-                out.append(_Usable(pos, t, st))
-        return out
+@cache
+def _builtin_tables() -> CatalogTables:
+    return CatalogTables(load_catalog())
 
-    def node_fit(self, node: NodeState) -> NodeFit | None:
-        """How this policy would host the pod's slices on `node` (resources ignored)."""
-        key = node.gpu_key
-        try:
-            return self._nodes[key]
-        except KeyError:
-            fit = self._single_fit(node) if self.single is not None else self._multi_fit(node)
-            self._nodes[key] = fit
-            return fit
 
-    def _gpu_single(self, gpu: Gpu, profile: str) -> GpuFit | None:
-        try:
-            return self._single[gpu.key]
-        except KeyError:
-            fit = None
-            st = self.state(gpu)
-            if st is not None:
-                t = self.tables(gpu.model)
-                if t is not None and profile in t.profiles:
-                    fit = gpu_fit(t, st, (profile,), self.mode)
-            self._single[gpu.key] = fit
-            return fit
+@lru_cache(maxsize=8)
+def _custom_tables(catalog: Catalog) -> CatalogTables:
+    return CatalogTables(catalog)
 
-    def _single_fit(self, node: NodeState) -> NodeFit | None:
-        profile = self.single
-        assert profile is not None
-        positions: list[int] | range = range(len(node.gpus))
-        if self.policy is Policy.SPREAD:
-            positions = self._spread_order(node, list(positions))
-        best: tuple[int, int, int] | None = None
-        for pos in positions:
-            fit = self._gpu_single(node.gpus[pos], profile)
-            if fit is None:
-                continue
-            if self.mode is not FitMode.BEST:
-                return NodeFit(0, ((pos, profile, fit.starts[0]),))
-            if best is None or fit.cost < best[0]:
-                best = (fit.cost, pos, fit.starts[0])
-        if best is None:
+
+def catalog_tables(catalog: Catalog | None) -> CatalogTables:
+    if catalog is None or catalog is load_catalog():
+        return _builtin_tables()
+    return _custom_tables(catalog)
+
+
+@dataclass(frozen=True, slots=True)
+class UsableGpu:
+    pos: int  # position in node.gpus
+    tables: ModelTables
+    state: GpuState
+    free: int  # free memory slots
+    addable: int  # bit per profile index: count / engine / SM limits allow one more
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    gpus: tuple[UsableGpu, ...]  # usable GPUs of a known model, in position order
+    potential: int  # sum of the usable GPUs' potentials (smaller = fuller node)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFit:
+    """One node's way to host every slice of the pod."""
+
+    cost: int  # loss * COST_SCALE + potential left on the GPUs used (instaslice); else 0
+    loss: int
+    assignment: Assignment
+    rank: tuple[int, int] = (0, 0)  # (cost, node potential): smaller is better (packs)
+
+
+@lru_cache(maxsize=1 << 15)
+def node_info(ct: CatalogTables, node_key: str) -> NodeInfo:
+    gpus = []
+    potential = 0
+    for pos, (model, usable, occupied) in enumerate(parse_node_key(node_key)):
+        t = ct.tables(model)
+        if t is None or not usable:
+            continue
+        st = gpu_state(t, occupied)
+        gpus.append(UsableGpu(pos, t, st, t.slots - bin(st.mask).count("1"), addable(t, st)))
+        potential += t.potential[st.mask]
+    return NodeInfo(tuple(gpus), potential)
+
+
+def _spread_order(gpus: tuple[UsableGpu, ...] | list[UsableGpu]) -> list[UsableGpu]:
+    return sorted(gpus, key=lambda u: (-u.free, u.pos))
+
+
+@lru_cache(maxsize=1 << 16)
+def node_single(ct: CatalogTables, node_key: str, profile: str, policy: Policy) -> NodeFit | None:
+    """The policy's spot for one slice of `profile` on the node, or None."""
+    info = node_info(ct, node_key)
+    mode = _MODE[policy]
+    gpus = _spread_order(info.gpus) if policy is Policy.SPREAD else info.gpus
+    best: NodeFit | None = None
+    for u in gpus:
+        t = u.tables.profiles.get(profile)
+        if t is None or not u.addable >> t.index & 1:
+            continue
+        fit = single_table(u.tables, profile, mode)[u.state.mask]
+        if fit is None:
+            continue
+        cost, loss, start = fit
+        if mode is not FitMode.BEST:
+            return NodeFit(0, 0, ((u.pos, profile, start),))
+        if best is None or cost < best.cost:
+            best = NodeFit(cost, loss, ((u.pos, profile, start),), (cost, info.potential))
+    return best
+
+
+@lru_cache(maxsize=1 << 16)
+def node_bound(ct: CatalogTables, node_key: str, profiles: tuple[str, ...]) -> int | None:
+    """A lower bound on the instaslice loss of placing all of `profiles` (and more) on the
+    node — placing more slices never raises the potential, so it is at least the loss of
+    the dearest single one — or None when one of them fits nowhere on the node."""
+    bound = 0
+    for p in profiles:
+        fit = node_single(ct, node_key, p, Policy.INSTASLICE)
+        if fit is None:
             return None
-        return NodeFit(best[0], ((best[1], profile, best[2]),))
+        bound = max(bound, fit.loss)
+    return bound
 
-    # --- several slices --------------------------------------------------------------
-    def _demand(self, counts: tuple[int, ...]) -> tuple[str, ...]:
-        return tuple(p for p, c in zip(self.profiles, counts, strict=True) for _ in range(c))
 
-    def _fits(self, u: _Usable, counts: tuple[int, ...], mode: FitMode) -> GpuFit | None:
-        demand = self._demand(counts)
-        if not demand:
+@lru_cache(maxsize=1 << 14)
+def node_multi(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> NodeFit | None:
+    """The policy's way to host several slices on the node, or None."""
+    info = node_info(ct, node_key)
+    gpus = info.gpus
+    if not gpus:
+        return None
+    profiles = tuple(p for p, _ in demand)
+    counts = tuple(c for _, c in demand)
+    if policy is Policy.INSTASLICE:
+        found = _split(gpus, profiles, counts, FitMode.BEST, want_best=True)
+        if found is None:
             return None
-        if any(p not in u.tables.profiles for p in demand):
-            return None
-        free = u.tables.slots - bin(u.state.mask).count("1")
-        if sum(u.tables.profiles[p].size for p in demand) > free:
-            return None
-        return gpu_fit(u.tables, u.state, demand, mode)
+        return NodeFit(found[0], found[0] // COST_SCALE, found[1], (found[0], info.potential))
+    return _sequential(gpus, profiles, counts, policy)
 
-    def _dp(
-        self, gpus: list[_Usable], counts: tuple[int, ...], mode: FitMode, want_best: bool
-    ) -> tuple[int, tuple[tuple[int, str, int], ...]] | None:
-        """Split `counts` over `gpus`: the cheapest split (want_best) or any split."""
-        memo: dict[tuple[int, tuple[int, ...]], tuple[int, tuple[tuple[int, str, int], ...]] | None]
-        memo = {}
 
-        def go(i: int, rem: tuple[int, ...]) -> tuple[int, tuple[tuple[int, str, int], ...]] | None:
-            if not any(rem):
-                return (0, ())
-            if i == len(gpus):
-                return None
-            key = (i, rem)
-            if key in memo:
-                return memo[key]
-            best: tuple[int, tuple[tuple[int, str, int], ...]] | None = None
-            for sub in _sub_vectors(rem):
-                if any(sub):
-                    fit = self._fits(gpus[i], sub, mode)
-                    if fit is None:
-                        continue
-                    rest = go(i + 1, tuple(r - s for r, s in zip(rem, sub, strict=True)))
-                    if rest is None:
-                        continue
-                    here = tuple(
-                        (gpus[i].pos, p, s)
-                        for p, s in zip(self._demand(sub), fit.starts, strict=True)
-                    )
-                    cand = (fit.cost + rest[0], here + rest[1])
-                else:
-                    skip = go(i + 1, rem)
-                    if skip is None:
-                        continue
-                    cand = skip
-                if best is None or cand[0] < best[0]:
-                    best = cand
-                    if not want_best:
-                        break
-            memo[key] = best
-            return best
-
-        return go(0, counts)
-
-    def _multi_fit(self, node: NodeState) -> NodeFit | None:
-        usable = self.usable(node)
-        if not usable or not self.profiles:
-            return None if self.profiles else NodeFit(0, ())
-        if self.mode is FitMode.BEST:
-            found = self._dp(usable, self.counts, FitMode.BEST, want_best=True)
-            return None if found is None else NodeFit(found[0], found[1])
-        return self._sequential(node, usable)
-
-    def _sequential(self, node: NodeState, usable: list[_Usable]) -> NodeFit | None:
-        """Baselines: each slice, largest first, at the policy's first preferred spot that
-        keeps the remaining slices placeable (so the search is still complete)."""
-        if self._dp(usable, self.counts, self.mode, want_best=False) is None:
-            return None
-        states = {u.pos: u for u in usable}
-        rem = list(self.counts)
-        out: list[tuple[int, str, int]] = []
-        for k, profile in enumerate(self._demand(self.counts)):
-            idx = self.profiles.index(profile)
-            rem[idx] -= 1
-            order = list(states)
-            if self.policy is Policy.SPREAD:
-                order = self._spread_order_states(states)
-            placed = False
-            for pos in order:
-                u = states[pos]
-                t = u.tables.profiles.get(profile)
-                if t is None:
-                    continue
-                for i in free_starts(u.tables, u.state, t):
-                    if (
-                        self.mode is FitMode.STATIC
-                        and (profile, t.starts[i]) not in u.tables.layout
-                    ):
-                        continue
-                    trial = dict(states)
-                    trial[pos] = _Usable(pos, u.tables, add(u.state, t, i))
-                    if self._dp(list(trial.values()), tuple(rem), self.mode, False) is not None:
-                        states = trial
-                        out.append((pos, profile, t.starts[i]))
-                        placed = True
-                        break
-                if placed:
-                    break
-            assert placed, f"slice {k} lost feasibility"
-        return NodeFit(0, tuple(out))
-
-    def _spread_order(self, node: NodeState, positions: list[int]) -> list[int]:
-        def free(pos: int) -> int:
-            g = node.gpus[pos]
-            t = self.tables(g.model)
-            return 0 if t is None else t.slots - bin(g.mask).count("1")
-
-        return sorted(positions, key=lambda p: (-free(p), p))
-
-    @staticmethod
-    def _spread_order_states(states: dict[int, _Usable]) -> list[int]:
-        return sorted(
-            states,
-            key=lambda p: (-(states[p].tables.slots - bin(states[p].state.mask).count("1")), p),
-        )
-
-    def node_free_slots(self, node: NodeState) -> int:
-        total = 0
-        for u in self.usable(node):
-            if any(p in u.tables.profiles for p in self.profiles):
-                total += u.tables.slots - bin(u.state.mask).count("1")
-        return total
-
-    def node_potential(self, node: NodeState) -> int:
-        key = node.gpu_key
-        v = self._potentials.get(key)
-        if v is None:
-            v = sum(u.tables.potential[u.state.mask] for u in self.usable(node))
-            self._potentials[key] = v
-        return v
-
-    def size(self, model: str, profile: str) -> int:
-        t = self.tables(model)
-        assert t is not None
-        return t.profiles[profile].size
+def _expand(profiles: tuple[str, ...], counts: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(p for p, c in zip(profiles, counts, strict=True) for _ in range(c))
 
 
 def _sub_vectors(rem: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """All vectors 0 <= sub <= rem, largest first (so 'any split' finds packing quickly)."""
+    """All vectors 0 <= sub <= rem, largest first."""
     return product(*(range(r, -1, -1) for r in rem))
+
+
+@dataclass(frozen=True, slots=True)
+class _Radix:
+    """Sub-vectors of a demand's count vector, numbered in mixed radix: a share `sub` of
+    `rem` (sub <= rem digit by digit) leaves index(rem) - index(sub)."""
+
+    size: int  # number of vectors 0 <= v <= counts
+    subs: tuple[tuple[int, ...], ...]  # by index
+    fits: tuple[tuple[bool, ...], ...]  # fits[r][s]: vector s <= vector r
+
+
+@lru_cache(maxsize=256)
+def _radix(counts: tuple[int, ...]) -> _Radix:
+    vectors = sorted(product(*(range(c + 1) for c in counts)))  # index order = mixed radix
+    fits = tuple(
+        tuple(all(a <= b for a, b in zip(s, r, strict=True)) for s in vectors) for r in vectors
+    )
+    return _Radix(len(vectors), tuple(vectors), fits)
+
+
+Share = tuple[int, int, tuple[str, ...], tuple[int, ...]]  # sub index, cost, demand, starts
+
+
+@lru_cache(maxsize=1 << 15)
+def gpu_options(
+    tables: ModelTables,
+    state: GpuState,
+    profiles: tuple[str, ...],
+    counts: tuple[int, ...],
+    mode: FitMode,
+) -> tuple[Share, ...]:
+    """Every non-empty share of the demand one GPU in `state` can take, with its packing,
+    largest share first."""
+    free = tables.slots - bin(state.mask).count("1")
+    sizes = [tables.profiles[p].size if p in tables.profiles else 0 for p in profiles]
+    radix = _radix(counts)
+    out = []
+    for index in range(radix.size - 1, 0, -1):
+        sub = radix.subs[index]
+        if any(c and not z for c, z in zip(sub, sizes, strict=True)):
+            continue
+        if sum(c * z for c, z in zip(sub, sizes, strict=True)) > free:
+            continue
+        demand = _expand(profiles, sub)
+        fit = gpu_fit(tables, state, demand, mode)
+        if fit is not None:
+            out.append((index, fit.cost, demand, fit.starts))
+    return tuple(out)
+
+
+def _split(
+    gpus: tuple[UsableGpu, ...] | list[UsableGpu],
+    profiles: tuple[str, ...],
+    counts: tuple[int, ...],
+    mode: FitMode,
+    want_best: bool,
+) -> tuple[int, Assignment] | None:
+    """Split the slices over the GPUs: the cheapest split (want_best) or the first one in
+    GPU order, largest share first. A dynamic programme over (GPU, slices still to place),
+    run backwards over the GPUs; each GPU's shares are memoised per GPU state, so GPUs in
+    the same state anywhere in the cluster are packed once."""
+    radix = _radix(counts)
+    size, fits = radix.size, radix.fits
+    table = []
+    for u in gpus:
+        opts = gpu_options(u.tables, u.state, profiles, counts, mode)
+        if opts:
+            table.append((u, opts))
+    # after[i][r]: least cost to place the share numbered r on GPUs i.. (None: impossible)
+    nothing: list[int | None] = [None] * size
+    nothing[0] = 0
+    after = [nothing]
+    for _, opts in reversed(table):
+        nxt = after[-1]
+        row = list(nxt)
+        for r in range(1, size):
+            fit_r = fits[r]
+            best = row[r]
+            for s, cost, _, _ in opts:
+                if fit_r[s]:
+                    rest = nxt[r - s]
+                    if rest is not None and (best is None or cost + rest < best):
+                        best = cost + rest if want_best else 0
+            row[r] = best
+        after.append(row)
+    after.reverse()
+    total = after[0][size - 1]
+    if total is None:
+        return None
+    out: list[tuple[int, str, int]] = []
+    r = size - 1
+    for i, (u, opts) in enumerate(table):
+        if r == 0:
+            break
+        for s, cost, demand, starts in opts:
+            rest = after[i + 1][r - s] if fits[r][s] else None
+            if rest is not None and (not want_best or cost + rest == after[i][r]):
+                out.extend((u.pos, p, st) for p, st in zip(demand, starts, strict=True))
+                r -= s
+                break
+    return total, tuple(out)
+
+
+def _sequential(
+    gpus: tuple[UsableGpu, ...], profiles: tuple[str, ...], counts: tuple[int, ...], policy: Policy
+) -> NodeFit | None:
+    """Baselines: each slice, largest first, at the policy's first preferred spot that keeps
+    the remaining slices placeable (so the search stays complete)."""
+    mode = _MODE[policy]
+    if _split(gpus, profiles, counts, mode, want_best=False) is None:
+        return None
+    current = list(gpus)
+    rem = list(counts)
+    out: list[tuple[int, str, int]] = []
+    for profile in _expand(profiles, counts):
+        rem[profiles.index(profile)] -= 1
+        order = _spread_order(current) if policy is Policy.SPREAD else current
+        placed = False
+        for u in order:
+            t = u.tables.profiles.get(profile)
+            if t is None:
+                continue
+            for i in free_starts(u.tables, u.state, t):
+                if mode is FitMode.STATIC and (profile, t.starts[i]) not in u.tables.layout:
+                    continue
+                st = add(u.state, t, i)
+                after = UsableGpu(u.pos, u.tables, st, u.free - t.size, addable(u.tables, st))
+                trial = [after if g.pos == u.pos else g for g in current]
+                if _split(trial, profiles, tuple(rem), mode, want_best=False) is not None:
+                    current = trial
+                    out.append((u.pos, profile, t.starts[i]))
+                    placed = True
+                    break
+            if placed:
+                break
+        assert placed, "a feasible split lost feasibility"
+    return NodeFit(0, 0, tuple(out))
 
 
 def resources_fit(node: NodeState, request: PodRequest) -> bool:
@@ -314,5 +344,48 @@ def resources_fit(node: NodeState, request: PodRequest) -> bool:
     )
 
 
-def eligible(node: NodeState, request: PodRequest) -> bool:
-    return resources_fit(node, request) and mismatch(node, request) is None
+class Context:
+    """One decision's view: the request's demand plus the cached per-node answers."""
+
+    def __init__(self, catalog: Catalog | None, policy: Policy, request: PodRequest) -> None:
+        self.ct = catalog_tables(catalog)
+        self.catalog = self.ct.catalog
+        self.policy = policy
+        self.mode = _MODE[policy]
+        counts: dict[str, int] = {}
+        for s in request.slices:
+            if s.count > 0:
+                counts[s.profile] = counts.get(s.profile, 0) + s.count
+        self.profiles: tuple[str, ...] = tuple(sorted(counts, key=profile_order))
+        self.counts: tuple[int, ...] = tuple(counts[p] for p in self.profiles)
+        self.demand: Demand = tuple(zip(self.profiles, self.counts, strict=True))
+        self.single = self.profiles[0] if self.counts == (1,) else None
+
+    def tables(self, model: str) -> ModelTables | None:
+        return self.ct.tables(model)
+
+    def state(self, gpu: Gpu) -> GpuState | None:
+        """None for a GPU that cannot take slices (unhealthy, MIG off, unknown model)."""
+        t = self.ct.tables(gpu.model)
+        if t is None or not gpu.usable:
+            return None
+        return gpu_state(t, tuple((o.start, o.size, o.profile) for o in gpu.occupied))
+
+    def node_fit(self, node: NodeState) -> NodeFit | None:
+        """How this policy would host the pod's slices on `node` (resources ignored)."""
+        if not self.profiles:
+            return NodeFit(0, 0, ())
+        if self.single is not None:
+            return node_single(self.ct, node.gpu_key, self.single, self.policy)
+        return node_multi(self.ct, node.gpu_key, self.demand, self.policy)
+
+    def node_free_slots(self, node: NodeState) -> int:
+        return sum(u.free for u in node_info(self.ct, node.gpu_key).gpus)
+
+    def node_potential(self, node: NodeState) -> int:
+        return node_info(self.ct, node.gpu_key).potential
+
+    def size(self, model: str, profile: str) -> int:
+        t = self.ct.tables(model)
+        assert t is not None
+        return t.profiles[profile].size

@@ -18,8 +18,8 @@ These caches are pure memoisation of pure functions; nothing else is kept betwee
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
+from enum import IntEnum
 from functools import cache, lru_cache
 
 from common.catalog import GpuModel
@@ -31,10 +31,10 @@ COST_SCALE = 1 << 20
 _BASE_NAME = re.compile(r"^[0-9]+g\.[0-9]+gb$")
 
 
-class FitMode(Enum):
-    BEST = "best"  # minimum loss of potential (the instaslice policy)
-    LOWEST = "lowest"  # lowest start first, first packing found (first fit, spread)
-    STATIC = "static"  # only the slices of the static all-balanced layout
+class FitMode(IntEnum):  # an IntEnum: hashed in C, it is part of hot cache keys
+    BEST = 0  # minimum loss of potential (the instaslice policy)
+    LOWEST = 1  # lowest start first, first packing found (first fit, spread)
+    STATIC = 2  # only the slices of the static all-balanced layout
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -69,12 +69,21 @@ class ModelTables:
 
 @dataclass(frozen=True, slots=True)
 class GpuState:
-    """What constrains new instances on one GPU: slots, per-profile counts, engines, SMs."""
+    """What constrains new instances on one GPU: slots, per-profile counts, engines, SMs.
+    Its hash is computed once (it keys the hot per-GPU caches)."""
 
     mask: int
     counts: tuple[int, ...]
     engines: tuple[int, ...]
     compute: int
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        h = hash((self.mask, self.counts, self.engines, self.compute))
+        object.__setattr__(self, "_hash", h)
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +190,52 @@ def gpu_state(tables: ModelTables, occupied: tuple[tuple[int, int, str], ...]) -
     return GpuState(mask, tuple(counts), tuple(engines), compute)
 
 
+def addable(tables: ModelTables, state: GpuState) -> int:
+    """Bit i set: one more instance of profile i passes the count, engine and SM limits on
+    this GPU (its slots are a separate question: `single_table`)."""
+    bits = 0
+    for t in tables.by_index:
+        if state.counts[t.index] >= t.max_count:
+            continue
+        if state.compute + t.compute > tables.compute_total:
+            continue
+        limits = zip(state.engines, t.engines, tables.full_engines, strict=True)
+        if all(a + b <= c for a, b, c in limits):
+            bits |= 1 << t.index
+    return bits
+
+
+SingleFit = tuple[int, int, int]  # (cost, loss, start)
+
+
+@lru_cache(maxsize=256)
+def single_table(tables: ModelTables, profile: str, mode: FitMode) -> tuple[SingleFit | None, ...]:
+    """For every occupancy mask: where one `profile` instance goes under `mode`, by slots
+    alone (pair it with `addable`). BEST: least cost, ties to the higher start; LOWEST:
+    lowest free start; STATIC: lowest free start of the all-balanced layout."""
+    t = tables.profiles[profile]
+    spots = list(zip(t.starts, t.masks, strict=True))
+    if mode is FitMode.STATIC:
+        spots = [(s, m) for s, m in spots if (profile, s) in tables.layout]
+    pot = tables.potential
+    out: list[SingleFit | None] = []
+    for mask in range(1 << tables.slots):
+        before = pot[mask]
+        best: SingleFit | None = None
+        for s, m in spots:
+            if mask & m:
+                continue
+            after = pot[mask | m]
+            fit = ((before - after) * COST_SCALE + after, before - after, s)
+            if mode is not FitMode.BEST:
+                best = fit
+                break
+            if best is None or (fit[0], -fit[2]) < (best[0], -best[2]):
+                best = fit
+        out.append(best)
+    return tuple(out)
+
+
 def can_add(tables: ModelTables, state: GpuState, t: ProfileTable, i: int) -> bool:
     """Whether an instance of `t` at its i-th start is legal on a GPU in `state`."""
     if state.mask & t.masks[i] or state.counts[t.index] >= t.max_count:
@@ -207,54 +262,87 @@ def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[i
     return [i for i in range(len(t.starts)) if can_add(tables, state, t, i)]
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 17)
 def gpu_fit(
     tables: ModelTables, state: GpuState, demand: tuple[str, ...], mode: FitMode
 ) -> GpuFit | None:
     """Pack every profile of `demand` (sorted largest first) onto one GPU, or None.
 
-    BEST: the packing with the least loss of potential; ties go to higher starts (small
+    BEST: the packing with the least loss of potential; ties go to higher slots (small
     slices high, HAMi's rule, keeps start 0 whole for a 4g). LOWEST: the first packing in
-    lowest-start order. STATIC: only free slices of the all-balanced layout.
+    lowest-start order. STATIC: the same, but only on free slices of the all-balanced layout.
+
+    Counts, engines and SMs depend on which profiles are added, not where, so they are
+    checked once for the whole demand; the search itself is over slot masks only, memoised
+    on (depth, mask) — which also merges the permutations of identical profiles.
     """
     ts = [tables.profiles[name] for name in demand]
-    before = tables.potential[state.mask]
+    counts = list(state.counts)
+    engines = list(state.engines)
+    compute = state.compute
+    for t in ts:
+        counts[t.index] += 1
+        if counts[t.index] > t.max_count:
+            return None
+        compute += t.compute
+        for k, e in enumerate(t.engines):
+            engines[k] += e
+    if compute > tables.compute_total or any(
+        e > limit for e, limit in zip(engines, tables.full_engines, strict=True)
+    ):
+        return None
+    options = [list(zip(t.starts, t.masks, strict=True)) for t in ts]
     if mode is FitMode.STATIC:
-        allowed = {(name, s) for name, s in tables.layout}
-    best: GpuFit | None = None
-    best_key: tuple[int, tuple[int, ...]] | None = None
-    seen: set[tuple[int, GpuState]] = set()
-    starts: list[int] = []
+        layout = set(tables.layout)
+        options = [
+            [(s, m) for s, m in o if (t.name, s) in layout]
+            for t, o in zip(ts, options, strict=True)
+        ]
+    pot = tables.potential
+    before = pot[state.mask]
+    n = len(ts)
 
-    def dfs(depth: int, st: GpuState) -> bool:
-        nonlocal best, best_key
-        if depth == len(ts):
-            after = tables.potential[st.mask]
-            loss = before - after
-            fit = GpuFit(loss * COST_SCALE + after, loss, after, tuple(starts))
-            if mode is not FitMode.BEST:
-                best = fit
-                return True
-            key = (fit.cost, tuple(-s for s in starts))
-            if best_key is None or key < best_key:
-                best, best_key = fit, key
-            return False
-        if (depth, st) in seen:
-            return False
-        seen.add((depth, st))
-        t = ts[depth]
-        for i in free_starts(tables, st, t):
-            if mode is FitMode.STATIC and (t.name, t.starts[i]) not in allowed:
-                continue
-            # Identical consecutive profiles take increasing starts (no permutations).
-            if depth and ts[depth - 1] is t and t.starts[i] < starts[-1]:
-                continue
-            starts.append(t.starts[i])
-            done = dfs(depth + 1, add(st, t, i))
-            starts.pop()
-            if done:
-                return True
-        return False
+    def fit_of(mask: int, starts: tuple[int, ...]) -> GpuFit:
+        after = pot[mask]
+        return GpuFit((before - after) * COST_SCALE + after, before - after, after, starts)
 
-    dfs(0, state)
-    return best
+    if mode is not FitMode.BEST:
+        failed: set[tuple[int, int]] = set()
+
+        def first(depth: int, mask: int) -> tuple[int, tuple[int, ...]] | None:
+            if depth == n:
+                return mask, ()
+            if (depth, mask) in failed:
+                return None
+            for s, m in options[depth]:
+                if not mask & m:
+                    found = first(depth + 1, mask | m)
+                    if found is not None:
+                        return found[0], (s, *found[1])
+            failed.add((depth, mask))
+            return None
+
+        done = first(0, state.mask)
+        return None if done is None else fit_of(done[0], done[1])
+
+    memo: dict[tuple[int, int], tuple[int, int, tuple[int, ...]] | None] = {}
+
+    def best(depth: int, mask: int) -> tuple[int, int, tuple[int, ...]] | None:
+        """(cost, -final mask, starts) of the best completion from here."""
+        if depth == n:
+            after = pot[mask]
+            return (before - after) * COST_SCALE + after, -mask, ()
+        key = (depth, mask)
+        if key in memo:
+            return memo[key]
+        result: tuple[int, int, tuple[int, ...]] | None = None
+        for s, m in options[depth]:
+            if not mask & m:
+                sub = best(depth + 1, mask | m)
+                if sub is not None and (result is None or sub[:2] < result[:2]):
+                    result = (sub[0], sub[1], (s, *sub[2]))
+        memo[key] = result
+        return result
+
+    found = best(0, state.mask)
+    return None if found is None else fit_of(-found[1], found[2])

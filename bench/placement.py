@@ -1,0 +1,587 @@
+"""Placement benchmark: quality of every policy on seeded traces, and decision speed.
+
+`python -m bench.placement` (make bench-placement) replays seeded traces through the
+engine under each policy — `instaslice`, `first-fit`, `spread`, `static-balanced` — and,
+where the instance is small enough, through the exact hindsight optimum (optimum.py):
+
+- churn-*: Poisson arrivals, exponential lifetimes, offered load above capacity, on H100,
+  H200, A100 and mixed A100+H100 fleets; a size mix of 1g … 7g with some multi-slice pods.
+- fill-*: a batch that asks for more than the fleet holds, arriving at once, never leaving.
+- trap-*: the known fragmentation traps (the issue's and the reference's); counter-*: a
+  sequence where no online policy can be right for every future (first fit wins it).
+- opt-*: small churn and batch instances where the optimum is computed.
+
+Metrics per (trace, policy): accepted pods; slot utilisation = time-averaged share of the
+fleet's memory slots held (slot-time served / (slots x trace length)); pods dropped as
+FRAGMENTED. Decision speed: `place` on a 1000-node x 8-GPU snapshot with random legal
+occupancy, as the allocator calls it (snapshot updated between calls, caches warm).
+
+Prints a table, writes `.dev/bench/placement.json` and `.dev/bench/placement.png`, and
+dumps every trace to `.dev/bench/traces/` so `instaslice-place` can replay it. `--quick`
+runs small versions of the same (seconds; `make test` runs it via the unit tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.catalog import GpuModel, load_catalog
+from common.placement.engine import place
+from common.placement.model import PendingReason, PlacedSlice, Placement, PodRequest, Policy
+from common.placement.optimum import Objective, optimum
+from common.placement.replay import AddEvent, Cluster, Trace, parse_trace
+from common.placement.tables import add, free_starts, gpu_state, model_tables
+
+POLICIES = (Policy.INSTASLICE, Policy.FIRST_FIT, Policy.SPREAD, Policy.STATIC_BALANCED)
+OUT_DIR = Path(".dev/bench")
+
+# Share of single-slice pods by size class; "1g2x" is the 1g with twice the memory (2 slots).
+MIX_DEFAULT = {"1g": 0.35, "1g2x": 0.10, "2g": 0.20, "3g": 0.15, "4g": 0.10, "7g": 0.10}
+MIX_BIMODAL = {"1g": 0.60, "2g": 0.05, "3g": 0.10, "4g": 0.15, "7g": 0.10}
+MIX_SMALL = {"1g": 0.5, "1g2x": 0.2, "2g": 0.3}  # for the extra containers of multi-slice pods
+_PLAIN = re.compile(r"^[0-9]+g\.[0-9]+gb$")
+
+
+def class_profiles(model: GpuModel) -> dict[str, str]:
+    """Size class -> this model's plain profile name (1g, 1g2x, 2g, 3g, 4g, 7g)."""
+    out: dict[str, str] = {}
+    for p in model.profiles:
+        if not _PLAIN.match(p.name):
+            continue
+        if p.compute_slices == 1:
+            out["1g" if p.memory_slots == 1 else "1g2x"] = p.name
+        elif p.memory_slots == model.memory_slots:
+            out["7g"] = p.name
+        else:
+            out[f"{p.compute_slices}g"] = p.name
+    return out
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    groups: tuple[tuple[str, int, str, int], ...]  # (prefix, nodes, model, gpus per node)
+
+    def nodes_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": f"{prefix}-{i}",
+                "cpu": "128",
+                "memory": "1Ti",
+                "pods": 110,
+                "gpus": [{"model": model}] * gpus,
+            }
+            for prefix, count, model, gpus in self.groups
+            for i in range(count)
+        ]
+
+    @property
+    def profiles(self) -> dict[str, str]:
+        model = load_catalog().model(self.groups[0][2])
+        assert model is not None
+        return class_profiles(model)
+
+    @property
+    def slots(self) -> int:
+        cat = load_catalog()
+        total = 0
+        for _, count, model, gpus in self.groups:
+            m = cat.model(model)
+            assert m is not None
+            total += count * gpus * m.memory_slots
+        return total
+
+
+def _pick(rng: random.Random, mix: dict[str, float]) -> str:
+    return rng.choices(list(mix), weights=list(mix.values()))[0]
+
+
+def _pod(
+    rng: random.Random, name: str, fleet: Fleet, mix: dict[str, float], multi: float
+) -> dict[str, Any]:
+    names = fleet.profiles
+    if rng.random() < multi:
+        containers = []
+        for c in range(rng.randint(1, 2)):
+            slices: dict[str, int] = {}
+            for _ in range(rng.randint(1, 2)):
+                p = names[_pick(rng, MIX_SMALL)]
+                slices[p] = slices.get(p, 0) + 1
+            containers.append({"name": f"c{c}", "slices": slices})
+    else:
+        containers = [{"name": "main", "slices": {names[_pick(rng, mix)]: 1}}]
+    return {"op": "add", "pod": name, "cpu": "1", "memory": "4Gi", "containers": containers}
+
+
+def _mean_slots(fleet: Fleet, mix: dict[str, float], multi: float) -> float:
+    m = load_catalog().model(fleet.groups[0][2])
+    assert m is not None
+    size = {
+        cls: p.memory_slots
+        for cls, name in class_profiles(m).items()
+        if (p := m.profile(name)) is not None
+    }
+    single = sum(w * size[c] for c, w in mix.items()) / sum(mix.values())
+    small = sum(w * size[c] for c, w in MIX_SMALL.items())
+    return (1 - multi) * single + multi * 1.5 * 1.5 * small
+
+
+def churn_trace(
+    seed: int,
+    fleet: Fleet,
+    arrivals: int,
+    mix: dict[str, float] = MIX_DEFAULT,
+    load: float = 1.2,
+    lifetime: float = 10.0,
+    multi: float = 0.15,
+) -> dict[str, Any]:
+    """Poisson arrivals at `load` x the fleet's slot capacity, exponential lifetimes."""
+    rng = random.Random(seed)
+    rate = load * fleet.slots / (_mean_slots(fleet, mix, multi) * lifetime)
+    t = 0.0
+    pending: list[tuple[float, str]] = []
+    events: list[dict[str, Any]] = []
+    for i in range(arrivals):
+        t += rng.expovariate(rate)
+        pending.sort()
+        while pending and pending[0][0] <= t:
+            leave, gone = pending.pop(0)
+            events.append({"op": "remove", "pod": gone, "t": round(leave, 6)})
+        pod = _pod(rng, f"p{i}", fleet, mix, multi)
+        pod["t"] = round(t, 6)
+        events.append(pod)
+        pending.append((t + rng.expovariate(1 / lifetime), f"p{i}"))
+    return {"nodes": fleet.nodes_json(), "events": events, "end": round(t, 6)}
+
+
+def fill_trace(
+    seed: int,
+    fleet: Fleet,
+    overfill: float = 1.25,
+    mix: dict[str, float] = MIX_DEFAULT,
+    multi: float = 0.15,
+) -> dict[str, Any]:
+    """A batch asking for `overfill` x the fleet's slots, all at t=0, never leaving."""
+    rng = random.Random(seed)
+    want = overfill * fleet.slots
+    events: list[dict[str, Any]] = []
+    asked = 0.0
+    i = 0
+    mean = _mean_slots(fleet, mix, multi)
+    while asked < want:
+        pod = _pod(rng, f"p{i}", fleet, mix, multi)
+        pod["t"] = 0.0
+        events.append(pod)
+        asked += mean
+        i += 1
+    return {"nodes": fleet.nodes_json(), "events": events, "end": 1.0}
+
+
+def sequence_trace(
+    model: str, gpus: int, pods: Sequence[dict[str, int] | str], nodes: int = 1
+) -> dict[str, Any]:
+    """Pods one after another (t = 0, 1, 2, …); "-pN" removes pod N; end one step later."""
+    events: list[dict[str, Any]] = []
+    for i, p in enumerate(pods):
+        if isinstance(p, str):
+            events.append({"op": "remove", "pod": p[1:], "t": float(i)})
+        else:
+            events.append(
+                {
+                    "op": "add",
+                    "pod": f"p{i}",
+                    "cpu": "1",
+                    "memory": "1Gi",
+                    "containers": [{"name": "main", "slices": dict(p)}],
+                    "t": float(i),
+                }
+            )
+    fleet = Fleet("x", (("n", nodes, model, gpus),))
+    return {"nodes": fleet.nodes_json(), "events": events, "end": float(len(pods))}
+
+
+def traps() -> dict[str, dict[str, Any]]:
+    """The fragmentation traps every policy is measured on (tiny; optimum computed)."""
+    return {
+        # NVIDIA DRA / first fit puts the 1g at slot 0, the only start of a 4g.
+        "trap-a100-1g-4g": sequence_trace("A100-40GB", 1, [{"1g.5gb": 1}, {"4g.20gb": 1}]),
+        # First fit: 3g@0 on both GPUs, so the 4g (start 0 only) has nowhere to go.
+        "trap-h200-3g-1g-3g-4g": sequence_trace(
+            "H200-141GB",
+            2,
+            [{"3g.71gb": 1}, {"1g.18gb": 1}, {"3g.71gb": 1}, {"4g.71gb": 1}],
+        ),
+        # One pod: only 3g@4 + {2g, 1g, 1g} in slots 0-3 fits.
+        "trap-a100-one-pod-1g-1g-2g-3g": sequence_trace(
+            "A100-40GB", 1, [{"3g.20gb": 1, "1g.5gb": 2, "2g.10gb": 1}]
+        ),
+        # dra-driver-nvidia-gpu#933: removals out of order leave 1g islands at 0, 2, 4.
+        "trap-a100-removal-order": sequence_trace(
+            "A100-40GB",
+            1,
+            [{"1g.5gb": 1}] * 6 + ["-p1", "-p3", "-p5", {"3g.20gb": 1}, {"2g.10gb": 1}],
+        ),
+        # Small pods first, then the big ones, on a two-GPU node.
+        "trap-h100-small-then-7g": sequence_trace(
+            "H100-80GB",
+            2,
+            [{"1g.10gb": 1}, {"2g.20gb": 1}, {"1g.10gb": 1}, {"7g.80gb": 1}, {"3g.40gb": 1}],
+        ),
+        # The user guide's `-cgi 19,19,14,9` as separate pods: only a first 1g in slots 0-3
+        # leaves room for the 3g — the opposite of what trap-a100-1g-4g needs. No online
+        # policy wins both; first fit wins this one.
+        "counter-a100-1g-1g-2g-3g": sequence_trace(
+            "A100-40GB", 1, [{"1g.5gb": 1}, {"1g.5gb": 1}, {"2g.10gb": 1}, {"3g.20gb": 1}]
+        ),
+    }
+
+
+def suite(quick: bool) -> dict[str, dict[str, Any]]:
+    """Every trace of the benchmark, by name (seeded: the same on every run)."""
+    if quick:
+        n, arrivals = 2, 300
+        fleets = {
+            "h100": Fleet("h100", (("h100", n, "H100-80GB", 4),)),
+            "a100": Fleet("a100", (("a100", n, "A100-40GB", 4),)),
+            "h200": Fleet("h200", (("h200", n, "H200-141GB", 4),)),
+        }
+    else:
+        n, arrivals = 16, 3000
+        fleets = {
+            "h100": Fleet("h100", (("h100", n, "H100-80GB", 8),)),
+            "h200": Fleet("h200", (("h200", n, "H200-141GB", 8),)),
+            "a100": Fleet("a100", (("a100", n, "A100-40GB", 8),)),
+            "mixed": Fleet(
+                "mixed", (("a100", n // 2, "A100-80GB", 8), ("h100", n // 2, "H100-80GB", 8))
+            ),
+        }
+    traces: dict[str, dict[str, Any]] = {}
+    for seed, (name, fleet) in enumerate(fleets.items(), start=1):
+        traces[f"churn-{name}"] = churn_trace(seed, fleet, arrivals)
+    traces["churn-bimodal-h100"] = churn_trace(11, fleets["h100"], arrivals, MIX_BIMODAL)
+    traces["churn-light-h200"] = churn_trace(12, fleets["h200"], arrivals, load=0.8)
+    for seed, (name, fleet) in enumerate(fleets.items(), start=21):
+        traces[f"fill-{name}"] = fill_trace(seed, fleet)
+    traces.update(traps())
+    small_h200 = Fleet("h200x2", (("h200", 1, "H200-141GB", 2),))
+    small_a100 = Fleet("a100x2", (("a100", 1, "A100-40GB", 2),))
+    traces["opt-churn-h200x2"] = churn_trace(31, small_h200, 24 if quick else 40, load=1.3)
+    traces["opt-churn-a100x2"] = churn_trace(32, small_a100, 24 if quick else 40, load=1.3)
+    traces["opt-fill-a100x2"] = fill_trace(33, small_a100, overfill=1.4)
+    return traces
+
+
+# --- measuring ------------------------------------------------------------------------
+@dataclass
+class Run:
+    accepted_pods: int = 0
+    slot_time: float = 0.0
+    slot_utilization: float = 0.0
+    pending: Counter[str] = field(default_factory=Counter)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "accepted_pods": self.accepted_pods,
+            "slot_utilization": round(self.slot_utilization, 4),
+            "pending_fragmented": self.pending.get(str(PendingReason.FRAGMENTED), 0),
+            "slot_time": round(self.slot_time, 3),
+            "dropped": sum(self.pending.values()),
+            "pending": dict(self.pending),
+        }
+
+
+def _span(trace: Trace) -> float:
+    end = trace.end if trace.end is not None else max((e.t for e in trace.events), default=0)
+    return max(end, 1e-9)
+
+
+def run_policy(trace: Trace, policy: Policy) -> Run:
+    cluster = Cluster(trace.nodes, policy)
+    run = Run()
+    last = 0.0
+    for ev in trace.events:
+        run.slot_time += cluster.used_slots * (ev.t - last)
+        last = ev.t
+        if isinstance(ev, AddEvent):
+            result = cluster.add(ev.request)
+            if isinstance(result, Placement):
+                run.accepted_pods += 1
+            else:
+                run.pending[str(result.reason)] += 1
+        else:
+            cluster.remove(ev.pod)
+    span = _span(trace)
+    run.slot_time += cluster.used_slots * (span - last)
+    run.slot_utilization = run.slot_time / (cluster.total_slots * span)
+    return run
+
+
+def run_optimum(trace: Trace, budget: int) -> Run | None:
+    by_slots = optimum(trace, Objective.SLOT_TIME, budget=budget)
+    by_pods = optimum(trace, Objective.PODS, budget=budget)
+    if by_slots is None or by_pods is None:
+        return None
+    total = Cluster(trace.nodes).total_slots
+    run = Run(by_pods.accepted_pods, by_slots.slot_time)
+    run.slot_utilization = by_slots.slot_time / (total * _span(trace))
+    run.pending.update(str(reason) for _, reason in by_pods.dropped)
+    return run
+
+
+def timing_cluster(
+    rng: random.Random, nodes: int = 1000, gpus: int = 8
+) -> tuple[Cluster, list[str]]:
+    """A nodes x gpus H100/H200 cluster with random legal occupancy (about 60 % of slots)."""
+    cat = load_catalog()
+    half = nodes // 2
+    fleet = Fleet(
+        "timing", (("h100", half, "H100-80GB", gpus), ("h200", nodes - half, "H200-141GB", gpus))
+    )
+    trace = parse_trace({"nodes": fleet.nodes_json(), "events": []})
+    cluster = Cluster(trace.nodes, Policy.INSTASLICE)
+    # Random legal occupancy, about 60 % of the slots, without calling the engine.
+    held: list[str] = []
+    for ni, node in enumerate(trace.nodes):
+        for g in node.gpus:
+            model = cat.model(g.model)
+            assert model is not None
+            t = model_tables(model)
+            names = class_profiles(model)
+            st = gpu_state(t, ())
+            target = rng.choice([0, 2, 4, 5, 6, 7, 8])
+            occupied: list[tuple[str, int]] = []
+            for _ in range(12):
+                if bin(st.mask).count("1") >= target:
+                    break
+                pt = t.profiles[names[_pick(rng, MIX_DEFAULT)]]
+                options = free_starts(t, st, pt)
+                if options:
+                    i = rng.choice(options)
+                    st = add(st, pt, i)
+                    occupied.append((pt.name, pt.starts[i]))
+            for k, (profile, start) in enumerate(occupied):
+                name = f"pre-{ni}-{g.index}-{k}"
+                req = PodRequest(name, 1000, 4 << 30)
+                size = t.profiles[profile].size
+                slices = (PlacedSlice("main", profile, g.index, start, size),)
+                cluster.assume(req, Placement(node.name, slices))
+                held.append(name)
+    return cluster, held
+
+
+def decision_timing(
+    samples: int, nodes: int = 1000, gpus: int = 8, seed: int = 7
+) -> dict[str, Any]:
+    """Time `place` as the allocator calls it: one pod at a time on a nodes x gpus snapshot,
+    the snapshot updated between calls (one placement, one departure), caches warm."""
+    rng = random.Random(seed)
+    cluster, held = timing_cluster(rng, nodes, gpus)
+    pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
+    times: list[float] = []
+    placed = 0
+    for i in range(samples):
+        raw = _pod(rng, f"t{i}", rng.choice(pod_fleets), MIX_DEFAULT, 0.15)
+        ev = parse_trace({"nodes": [], "events": [raw]}).events[0]
+        assert isinstance(ev, AddEvent)
+        snap = cluster.snapshot
+        t0 = time.perf_counter()
+        result = place(snap, ev.request)
+        times.append((time.perf_counter() - t0) * 1000)
+        if isinstance(result, Placement):
+            placed += 1
+            cluster.assume(ev.request, result)
+            held.append(ev.request.name)
+        # Keep the load steady: one random departure per decision.
+        cluster.remove(held.pop(rng.randrange(len(held))))
+    times_sorted = sorted(times)
+    return {
+        "nodes": nodes,
+        "gpus_per_node": gpus,
+        "p50": round(statistics.median(times), 3),
+        "p99": round(times_sorted[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], 3),
+        "max": round(times_sorted[-1], 3),
+        "samples": samples,
+        "placed": placed,
+        "occupancy": round(cluster.used_slots / cluster.total_slots, 3),
+    }
+
+
+# --- reporting ------------------------------------------------------------------------
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    return (
+        f"{r['accepted_pods']:>5} {100 * r['slot_utilization']:5.1f}% f{r['pending_fragmented']:<3}"
+    )
+
+
+def table(results: dict[str, Any]) -> str:
+    names = [str(p) for p in POLICIES] + ["optimum"]
+    head = f"{'trace':<31}{'pods':>5}  " + "".join(f"{n:<21}" for n in names)
+    lines = [
+        "accepted pods, slot utilisation (time-averaged), f = pods dropped as fragmented",
+        head,
+        "-" * len(head),
+    ]
+    for name, tr in results["traces"].items():
+        cells = "".join(f"{_cell(tr['policies'].get(n)):<21}" for n in names)
+        lines.append(f"{name:<31}{tr['pods']:>5}  {cells}")
+    tot = results["totals"]
+    lines.append("-" * len(head))
+    lines.append(
+        f"{'total accepted pods':<38}"
+        + "".join(f"{tot[str(p)]['accepted_pods']:<21}" for p in POLICIES)
+    )
+    lines.append(
+        f"{'total slot-time vs instaslice':<38}"
+        + "".join(f"{100 * tot[str(p)]['slot_time_vs_instaslice']:<20.1f}%" for p in POLICIES)
+    )
+    d = results["decision_ms"]
+    lines.append(
+        f"decision at {d['nodes']} nodes x {d['gpus_per_node']} GPUs: p50 {d['p50']} ms, "
+        f"p99 {d['p99']} ms, max {d['max']} ms ({d['samples']} decisions, "
+        f"occupancy {100 * d['occupancy']:.0f} %)"
+    )
+    for w in results["baseline_wins"]:
+        lines.append(
+            f"baseline win: {w['trace']}: {w['policy']} {w['metric']} "
+            f"{w['baseline']} > instaslice {w['instaslice']}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["traces"])
+    policies = [str(p) for p in POLICIES] + ["optimum"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(10, len(names) * 0.9), 9), sharex=True)
+    width = 0.8 / len(policies)
+    for k, pol in enumerate(policies):
+        xs, util, rel = [], [], []
+        for i, n in enumerate(names):
+            r = results["traces"][n]["policies"].get(pol)
+            if r is None:
+                continue
+            base = results["traces"][n]["policies"]["instaslice"]["accepted_pods"] or 1
+            xs.append(i + (k - len(policies) / 2) * width + width / 2)
+            util.append(100 * r["slot_utilization"])
+            rel.append(100 * r["accepted_pods"] / base)
+        axes[0].bar(xs, util, width, label=pol)
+        axes[1].bar(xs, rel, width, label=pol)
+    axes[0].set_ylabel("slot utilisation (%)")
+    axes[1].set_ylabel("accepted pods (% of instaslice)")
+    axes[1].set_ylim(0, 130)
+    axes[1].set_xticks(range(len(names)))
+    axes[1].set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+    axes[0].legend(ncol=len(policies), fontsize=8)
+    d = results["decision_ms"]
+    axes[0].set_title(
+        f"InstaSlice placement benchmark — decision p50 {d['p50']} ms / p99 {d['p99']} ms "
+        f"at {d['nodes']}x{d['gpus_per_node']} GPUs"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(
+    quick: bool, out_dir: Path | None = OUT_DIR, timing_samples: int | None = None
+) -> dict[str, Any]:
+    """Run the whole benchmark; write JSON/PNG/traces under `out_dir` (None: write nothing)."""
+    traces = suite(quick)
+    budget = 50_000 if quick else 400_000
+    results: dict[str, Any] = {"traces": {}, "quick": quick}
+    for name, doc in traces.items():
+        trace = parse_trace(doc)
+        entry: dict[str, Any] = {
+            "pods": sum(isinstance(e, AddEvent) for e in trace.events),
+            "gpus": sum(len(n.gpus) for n in trace.nodes),
+            "policies": {},
+        }
+        for policy in POLICIES:
+            entry["policies"][str(policy)] = run_policy(trace, policy).as_json()
+        if name.startswith(("trap-", "counter-", "opt-")):
+            best = run_optimum(trace, budget)
+            if best is not None:
+                entry["policies"]["optimum"] = best.as_json()
+        results["traces"][name] = entry
+    results["totals"] = _totals(results["traces"])
+    results["baseline_wins"] = _wins(results["traces"])
+    samples = timing_samples if timing_samples is not None else (100 if quick else 2000)
+    results["decision_ms"] = decision_timing(samples)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "placement.json").write_text(json.dumps(results, indent=1) + "\n")
+        plot(results, out_dir / "placement.png")
+        tdir = out_dir / "traces"
+        tdir.mkdir(exist_ok=True)
+        for name, doc in traces.items():
+            (tdir / f"{name}.json").write_text(json.dumps(doc) + "\n")
+    return results
+
+
+def _totals(traces: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in POLICIES:
+        pods = sum(t["policies"][str(p)]["accepted_pods"] for t in traces.values())
+        st = sum(t["policies"][str(p)]["slot_time"] for t in traces.values())
+        out[str(p)] = {"accepted_pods": pods, "slot_time": round(st, 3)}
+    base = out[str(Policy.INSTASLICE)]["slot_time"] or 1.0
+    for p in POLICIES:
+        out[str(p)]["slot_time_vs_instaslice"] = round(out[str(p)]["slot_time"] / base, 4)
+    return out
+
+
+def _wins(traces: dict[str, Any]) -> list[dict[str, Any]]:
+    wins = []
+    for name, t in traces.items():
+        ours = t["policies"][str(Policy.INSTASLICE)]
+        for p in POLICIES[1:]:
+            other = t["policies"][str(p)]
+            for metric in ("accepted_pods", "slot_time"):
+                if other[metric] > ours[metric] + 1e-9:
+                    wins.append(
+                        {
+                            "trace": name,
+                            "policy": str(p),
+                            "metric": metric,
+                            "baseline": other[metric],
+                            "instaslice": ours[metric],
+                        }
+                    )
+    return wins
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small traces (seconds)")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output directory")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    results = run(args.quick, args.out)
+    print(table(results))
+    print(
+        f"wrote {args.out / 'placement.json'}, {args.out / 'placement.png'} and "
+        f"{args.out / 'traces'}/ in {time.perf_counter() - started:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
