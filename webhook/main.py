@@ -1,0 +1,119 @@
+"""`instaslice-webhook`: the cluster-side service — admission server, namespace label mirror
+and the (leader-elected) allocator, in one process.
+
+This module only parses flags into settings and runs the three parts under one TaskGroup;
+each part owns its resources. SIGTERM/SIGINT cancel the group: the allocator hands its Lease
+back, the server drains. One Prometheus registry serves both parts' metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from common.kubeapi import Kube
+from common.placement import Policy
+from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
+from webhook.metrics import WebhookMetrics
+from webhook.nsmirror import run_namespace_mirror
+from webhook.server import configure_logging, serve
+from webhook.settings import AdmissionSettings, BindingMode, ServerSettings
+
+log = structlog.get_logger("main")
+
+
+@dataclass(frozen=True)
+class Settings:
+    kubeconfig: str | None
+    server: ServerSettings | None  # None: no admission server
+    allocator: AllocatorSettings | None  # None: no allocator
+    mirror_namespaces: bool
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(prog="instaslice-webhook", description=__doc__)
+    p.add_argument("--kubeconfig", default=None, help="default: in-cluster service account")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8443, help="HTTPS admission port (0: any)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="/metrics, /healthz, /readyz")
+    p.add_argument("--cert-file", type=Path, default=Path("/etc/instaslice/tls/tls.crt"))
+    p.add_argument("--key-file", type=Path, default=Path("/etc/instaslice/tls/tls.key"))
+    p.add_argument(
+        "--binding-mode", choices=[m.value for m in BindingMode], default=BindingMode.ENV.value
+    )
+    p.add_argument("--namespace", default="instaslice-system", help="for the leader Lease")
+    p.add_argument("--identity", default=None, help="leader-election identity")
+    p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.INSTASLICE.value)
+    p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
+    p.add_argument("--node-selector", default=None, help="only place on matching nodes")
+    p.add_argument("--no-admission", action="store_true", help="run without the server")
+    p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
+    p.add_argument("--no-namespace-mirror", action="store_true")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    configure_logging(a.log_level)
+    server = None
+    if not a.no_admission:
+        server = ServerSettings(
+            cert_file=a.cert_file,
+            key_file=a.key_file,
+            admission=AdmissionSettings.from_catalog(BindingMode(a.binding_mode)),
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+        )
+    allocator = None
+    if not a.no_allocator:
+        allocator = AllocatorSettings(
+            namespace=a.namespace,
+            identity=a.identity or default_identity(),
+            pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
+            policy=Policy(a.policy),
+            node_selector=a.node_selector,
+        )
+    return Settings(a.kubeconfig, server, allocator, not a.no_namespace_mirror)
+
+
+async def run(settings: Settings) -> None:
+    registry = CollectorRegistry()
+    webhook_metrics = WebhookMetrics(registry)
+    allocator_metrics = AllocatorMetrics(registry)
+    async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:
+        if settings.server is not None:
+            tg.create_task(serve(settings.server, metrics=webhook_metrics), name="admission")
+        if settings.mirror_namespaces:
+            tg.create_task(run_namespace_mirror(kube), name="namespace-mirror")
+        if settings.allocator is not None:
+            tg.create_task(
+                run_allocator(kube, settings.allocator, allocator_metrics), name="allocator"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+
+    async def _main() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if task is not None:
+                loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await run(settings)
+        log.info("stopped")
+
+    asyncio.run(_main())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
