@@ -1,0 +1,337 @@
+"""`make dev-up` / `make dev-down`: the whole InstaSlice system on the local control plane.
+
+`DevSystem.up()` = control plane (reused when alive) + InstaSlice's CRDs, namespace, RBAC and
+admission policies + KWOK GPU nodes from a cluster spec (CONTRACT.md §5) + emulated GPUs per
+node (`<dir>/gpus/`) + the webhook/allocator process (as the instaslice-controller
+ServiceAccount, so its RBAC is the real one) + one emulated node-agent process serving every
+node (CDI dirs `<dir>/nodes/<node>/cdi/`), logs under `<dir>/logs/`. The components run as
+local processes, so the MutatingWebhookConfiguration points at `https://127.0.0.1:<port>`
+with a serving certificate from the cluster CA.
+
+The same class backs the e2e tests, the demo and the benchmarks (each with its own dir).
+What it does not do: build or run container images (there is no container engine here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes_asyncio import config as k8s_config
+
+from hack.cluster.controlplane import ClusterSettings, ControlPlane
+from hack.cluster.nodes import ClusterSpec, create_nodes, load_spec, wait_nodes_ready
+from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from nodeagent.emulator import provision
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests" / "base"
+NAMESPACE = "instaslice-system"
+CONTROLLER_SA = "instaslice-controller"
+# What a dev install applies (the Deployments/DaemonSet are replaced by local processes).
+INSTALL = [
+    "crds/sliceallocations.yaml",
+    "crds/mignodes.yaml",
+    "common/namespace.yaml",
+    "webhook/serviceaccount.yaml",
+    "webhook/rbac.yaml",
+    "allocator/rbac.yaml",
+    "nodeagent/serviceaccount.yaml",
+    "nodeagent/rbac.yaml",
+    "nodeagent/policy.yaml",
+    "policy/validatingadmissionpolicy.yaml",
+    "policy/binding.yaml",
+]
+_STATE = "system.json"
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+@dataclass
+class DevSystem:
+    dir: Path
+    cp: ControlPlane
+    nodes: list[str]
+    webhook_port: int
+    metrics_port: int
+    processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    agent_args: tuple[str, ...] = ()
+    webhook_args: tuple[str, ...] = ()
+
+    # ---- paths ------------------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cp.kubeconfig
+
+    @property
+    def gpu_state(self) -> Path:
+        return self.dir / "gpus"
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / "logs"
+
+    def cdi_dir(self, node: str) -> Path:
+        return self.dir / "nodes" / node / "cdi"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def up(
+        cls,
+        dir: Path,
+        spec: ClusterSpec,
+        *,
+        die_with_parent: bool = False,
+        cluster_settings: ClusterSettings | None = None,
+        agent_args: Sequence[str] = (),
+        webhook_args: Sequence[str] = (),
+    ) -> DevSystem:
+        dir = dir.absolute()
+        dir.mkdir(parents=True, exist_ok=True)
+        old = cls.attach(dir)
+        if old is not None:
+            old.stop_components()
+        cp = ControlPlane.attach(dir / "cluster") or ControlPlane.start(
+            dir / "cluster",
+            kubeconfig=dir / "kubeconfig",
+            logs_dir=dir / "logs",
+            settings=cluster_settings,
+            die_with_parent=die_with_parent,
+        )
+        _link_bin(dir, cp)
+        system = cls(
+            dir,
+            cp,
+            spec.node_names(),
+            free_port(),
+            free_port(),
+            agent_args=tuple(agent_args),
+            webhook_args=tuple(webhook_args),
+        )
+        system.install()
+        asyncio.run(_create_nodes(cp.kubeconfig, spec))
+        for group in spec.groups:
+            for name in group.names():
+                provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
+        system.start_webhook(die_with_parent=die_with_parent)
+        system.start_agent(die_with_parent=die_with_parent)
+        system.save()
+        system.wait_ready()
+        return system
+
+    def install(self) -> None:
+        docs = "---\n".join((MANIFESTS / f).read_text() for f in INSTALL)
+        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=docs)
+        self.cp.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s",
+            "crd/sliceallocations.instaslice.io", "crd/mignodes.instaslice.io",
+        )  # fmt: skip
+
+    def start_webhook(self, *, die_with_parent: bool = False) -> None:
+        certs = self.dir / "certs"
+        certs.mkdir(exist_ok=True)
+        issued = self.cp.issue_serving_cert(("127.0.0.1", "localhost"))
+        (certs / "tls.crt").write_bytes(issued.cert_pem)
+        (certs / "tls.key").write_bytes(issued.key_pem)
+        kubeconfig = self.cp.service_account_kubeconfig(NAMESPACE, CONTROLLER_SA)
+        argv = [
+            _bin("instaslice-webhook"),
+            f"--kubeconfig={kubeconfig}",
+            "--host=127.0.0.1",
+            f"--port={self.webhook_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--cert-file={certs / 'tls.crt'}",
+            f"--key-file={certs / 'tls.key'}",
+            f"--namespace={NAMESPACE}",
+            *self.webhook_args,
+        ]
+        self._spawn("webhook", argv, die_with_parent)
+        self._register_webhook()
+
+    def start_agent(self, *, die_with_parent: bool = False) -> None:
+        argv = [
+            _bin("instaslice-nodeagent"),
+            f"--kubeconfig={self.kubeconfig}",
+            "--emulate",
+            f"--emu-state={self.gpu_state}",
+            f"--nodes={','.join(self.nodes)}",
+            f"--cdi-root={self.dir / 'nodes'}",
+            f"--namespace={NAMESPACE}",
+            *self.agent_args,
+        ]
+        self._spawn("nodeagent", argv, die_with_parent)
+
+    def _spawn(self, name: str, argv: list[str], die_with_parent: bool) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        _, rec = spawn(
+            name, argv, self.logs / f"{name}.log", env=env, die_with_parent=die_with_parent
+        )
+        self.processes[name] = rec
+
+    def stop(self, name: str) -> None:
+        rec = self.processes.pop(name, None)
+        if rec is not None:
+            stop_process(rec)
+        self.save()
+
+    def kill(self, name: str) -> None:
+        """kill -9 (chaos): no graceful shutdown, no Lease hand-back."""
+        rec = self.processes.pop(name, None)
+        if rec is not None and rec.alive():
+            os.killpg(rec.pid, 9)
+        self.save()
+
+    def stop_components(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+        self.cp.kubectl(
+            "delete", "mutatingwebhookconfiguration", "instaslice-dev", "--ignore-not-found"
+        )
+
+    def down(self) -> None:
+        self.stop_components()
+        self.cp.stop()
+        (self.dir / _STATE).unlink(missing_ok=True)
+
+    def _register_webhook(self) -> None:
+        mwc = yaml.safe_load(
+            (MANIFESTS / "webhook" / "mutatingwebhookconfiguration.yaml").read_text()
+        )
+        mwc["metadata"]["name"] = "instaslice-dev"
+        ca = base64.b64encode(self.cp.ca_cert_pem).decode()
+        for hook in mwc["webhooks"]:
+            hook["clientConfig"] = {
+                "url": f"https://127.0.0.1:{self.webhook_port}/mutate",
+                "caBundle": ca,
+            }
+        self.cp.kubectl("apply", "-f", "-", stdin=json.dumps(mwc))
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the webhook answers /readyz and every node has a MigNode."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        want = set(self.nodes)
+        while time.monotonic() < deadline:
+            for name, rec in self.processes.items():
+                if not rec.alive():
+                    raise RuntimeError(f"{name} exited; see {rec.log}")
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2
+                ) as r:
+                    ready = r.status == 200
+            except OSError:
+                ready = False
+            out = self.cp.kubectl("get", "mignodes", "-o", "name", check=False).stdout
+            have = {line.split("/", 1)[1] for line in out.split() if "/" in line}
+            if ready and want <= have:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"InstaSlice not ready after {timeout_s}s; logs in {self.logs}")
+
+    # ---- persistence (so `make dev-down` in another process can stop it) -------------------
+    def save(self) -> None:
+        state: dict[str, Any] = {
+            "nodes": self.nodes,
+            "webhook_port": self.webhook_port,
+            "metrics_port": self.metrics_port,
+            "processes": {k: v.to_json() for k, v in self.processes.items()},
+            "agent_args": list(self.agent_args),
+            "webhook_args": list(self.webhook_args),
+        }
+        (self.dir / _STATE).write_text(json.dumps(state, indent=1))
+
+    @classmethod
+    def attach(cls, dir: Path) -> DevSystem | None:
+        dir = dir.absolute()
+        try:
+            st = json.loads((dir / _STATE).read_text())
+        except (OSError, ValueError):
+            return None
+        cp = ControlPlane.attach(dir / "cluster", require_alive=False)
+        if cp is None:
+            return None
+        return cls(
+            dir,
+            cp,
+            st["nodes"],
+            st["webhook_port"],
+            st["metrics_port"],
+            {k: ProcessRecord.from_json(v) for k, v in st["processes"].items()},
+            tuple(st.get("agent_args", ())),
+            tuple(st.get("webhook_args", ())),
+        )
+
+
+def _link_bin(dev: Path, cp: ControlPlane) -> None:
+    link = dev / "bin"
+    if link.is_symlink() and link.resolve() == cp.bin_dir.resolve():
+        return
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(cp.bin_dir)
+
+
+async def _create_nodes(kubeconfig: Path, spec: ClusterSpec) -> None:
+    async with await k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api:
+        names = await create_nodes(api, spec)
+        await wait_nodes_ready(api, names, timeout_s=180)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hack.dev", description=__doc__)
+    ap.add_argument("command", choices=["up", "down", "status"])
+    ap.add_argument("--dir", type=Path, default=Path(".dev"))
+    ap.add_argument("--spec", type=Path, default=REPO / "hack" / "specs" / "dev.yaml")
+    args = ap.parse_args(argv)
+    if args.command == "down":
+        system = DevSystem.attach(args.dir)
+        if system is None:
+            cp = ControlPlane.attach(args.dir.absolute() / "cluster", require_alive=False)
+            if cp is not None:
+                cp.stop()
+            print("nothing running" if cp is None else "stopped the control plane")
+            return 0
+        system.down()
+        print("stopped InstaSlice and the control plane")
+        return 0
+    if args.command == "status":
+        system = DevSystem.attach(args.dir)
+        if system is None:
+            print("not running")
+            return 1
+        for name, rec in system.processes.items():
+            print(
+                f"  {name:<10} pid {rec.pid:<8} {'running' if rec.alive() else 'DEAD'}  {rec.log}"
+            )
+        return 0
+    t0 = time.monotonic()
+    system = DevSystem.up(args.dir, load_spec(args.spec))
+    print(f"InstaSlice is up in {time.monotonic() - t0:.1f}s on {len(system.nodes)} KWOK GPU nodes")
+    print(f"  kubeconfig: {system.kubeconfig}")
+    print(
+        f"  kubectl:    {args.dir / 'bin' / 'kubectl'} --kubeconfig {system.kubeconfig} get pods -A"
+    )
+    print(f"  slice map:  .venv/bin/kubectl-instaslice --kubeconfig {system.kubeconfig} nodes")
+    print(
+        f"  logs:       {system.logs}/   GPUs: {system.gpu_state}/   CDI: {system.dir / 'nodes'}/"
+    )
+    print("  opt a namespace in: kubectl annotate ns NS instaslice.io/enabled=true")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
