@@ -424,7 +424,10 @@ def _scheduler_config(kubeconfig: Path, s: ClusterSettings) -> str:
 
 def _kwok_args(s: ClusterSettings, kubeconfig: Path, stages: Path) -> list[str]:
     key, value = KWOK_NODE_ANNOTATION
-    configs = sorted(stages.glob("*.yaml"))
+    # the cached upstream stages, overridden by name by the repo's own (hack/cluster/stages/)
+    by_name = {c.name: c for c in stages.glob("*.yaml")}
+    by_name.update({c.name: c for c in (Path(__file__).parent / "stages").glob("*.yaml")})
+    configs = [by_name[n] for n in sorted(by_name)]
     if not configs:
         raise ControlPlaneError(f"no KWOK stages in {stages}; rerun hack/kube/build.sh")
     return [

@@ -187,15 +187,23 @@ async def create_nodes(
     return [m["metadata"]["name"] for m in manifests]
 
 
+_LIFECYCLE_TAINTS: Final = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
 def _ready(node: Any) -> bool:
+    """Ready=True, and KCM has lifted the not-ready taint (TaintNodesByCondition puts it on
+    every new node), so the scheduler can use the node."""
     conditions = (node.status.conditions if node.status else None) or []
-    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+    taints = (node.spec.taints if node.spec else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions) and not any(
+        t.key in _LIFECYCLE_TAINTS for t in taints
+    )
 
 
 async def wait_nodes_ready(
     api: client.ApiClient, names: Sequence[str], *, timeout_s: float = 60.0
 ) -> None:
-    """Block until KWOK has marked every named node Ready (watch, not poll)."""
+    """Block until every named node is Ready (KWOK) and untainted (KCM), i.e. schedulable."""
     core = client.CoreV1Api(api)
     pending = set(names)
     async with asyncio.timeout(timeout_s):

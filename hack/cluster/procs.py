@@ -120,13 +120,25 @@ def spawn(
 
 
 def _group_gone(pgid: int) -> bool:
+    """No live (non-zombie) process left in group `pgid`. Zombies are ignored: their parent
+    may be a slow-reaping init, and a zombie holds no port, file or CPU."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
         return False
-    return False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return False
+    return True
 
 
 def stop_process(

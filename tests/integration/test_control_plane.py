@@ -14,6 +14,7 @@ Leaves out: InstaSlice components, node failure (chaos tests), scale (docs/contr
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -203,7 +204,8 @@ async def test_rbac_is_enforced(
         with pytest.raises(ApiException) as err:
             await client.CoreV1Api(api).list_namespaced_pod(namespace)
         assert err.value.status == 403
-        assert f'User "{user}" cannot list resource "pods"' in str(err.value.body)
+        message = json.loads(err.value.body or "{}").get("message", "")
+        assert f'User "{user}" cannot list resource "pods"' in message
 
         await client.RbacAuthorizationV1Api(kube_api).create_namespaced_role_binding(
             namespace,
