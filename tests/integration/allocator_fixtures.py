@@ -39,7 +39,7 @@ from common.objects import Phase, SliceSpec, new_claim_id, slice_allocation
 from common.profiles import instaslice_resource
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.controller import Controller
+from webhook.allocator.controller import Controller, cancel_until_done
 from webhook.allocator.metrics import AllocatorMetrics
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
@@ -271,7 +271,8 @@ async def wait_for(
     label_selector: str | None = None,
     field_selector: str | None = None,
 ) -> T:
-    """List `path`, then watch it, until `predicate(all objects)` returns something truthy."""
+    """List `path`, then watch it, until `predicate(all objects)` returns neither None nor
+    False (an empty list is an answer)."""
     selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
     items: dict[str, Obj] = {}
     last: list[Obj] = []
@@ -281,7 +282,8 @@ async def wait_for(
                 listing = await kube.list(path, **selectors)
                 items = {obj_key(o): o for o in listing.get("items", [])}
                 last = list(items.values())
-                if result := predicate(last):
+                result = predicate(last)
+                if result is not None and result is not False:
                     return result
                 rv = str(listing.get("metadata", {}).get("resourceVersion", ""))
                 with contextlib.suppress(ApiError):
@@ -293,7 +295,8 @@ async def wait_for(
                         else:
                             items[obj_key(obj)] = obj
                         last = list(items.values())
-                        if result := predicate(last):
+                        result = predicate(last)
+                        if result is not None and result is not False:
                             return result
     except TimeoutError:
         names = sorted(obj_key(o) for o in last)
@@ -384,7 +387,8 @@ class FakeAgent:
 
 
 def load_crds(crd_dir: Path) -> list[Obj]:
-    return [yaml.safe_load(f.read_text()) for f in sorted(crd_dir.glob("*.yaml"))]
+    docs = [yaml.safe_load(f.read_text()) for f in sorted(crd_dir.glob("*.yaml"))]
+    return [d for d in docs if d and d.get("kind") == "CustomResourceDefinition"]
 
 
 async def ensure_crds(kube: Kube, crds: list[Obj]) -> None:
@@ -550,9 +554,7 @@ class AllocatorEnv:
 
     async def stop(self, identity: str = "a") -> None:
         _, task = self.replicas.pop(identity)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_until_done([task])
 
     async def close(self) -> None:
         for identity in list(self.replicas):

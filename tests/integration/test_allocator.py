@@ -14,7 +14,6 @@ and NVML emulator (tests/e2e) and latency (test_allocator_latency.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from tests.integration.allocator_fixtures import (
     set_gpus,
 )
 from webhook.allocator import pods as podlib
+from webhook.allocator.controller import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -66,9 +66,7 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
         yield world
     finally:
         await world.close()
-        agent_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await agent_task
+        await cancel_until_done([agent_task])
 
 
 def slots(alloc: dict[str, Any]) -> list[tuple[str, int, int]]:

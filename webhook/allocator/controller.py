@@ -123,9 +123,11 @@ class Controller:
     # --- informers (every replica) ------------------------------------------------------
 
     async def watch(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for informer in self.informers:
-                tg.create_task(informer.run(), name=f"informer-{informer.name}")
+        tasks = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self.informers]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await cancel_until_done(tasks)
 
     async def synced(self) -> None:
         for informer in self.informers:
@@ -663,6 +665,20 @@ class Controller:
         await pod_event(
             self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
         )
+
+
+async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` until every one has finished.
+
+    Not a TaskGroup, on purpose: in Python 3.11 `asyncio.wait_for` (which `Kube.watch` uses
+    to read the stream) swallows a cancellation that arrives just as its read completes
+    (CPython gh-86296, fixed in 3.12), and a TaskGroup would then wait forever for an
+    informer that keeps watching.
+    """
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
 
 
 def summary(placement: Placement) -> str:
