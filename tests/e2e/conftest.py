@@ -1,0 +1,154 @@
+"""Fixtures for the end-to-end tests: the whole InstaSlice system on the local control plane.
+
+- `system` (session): `hack.dev.DevSystem` — etcd, kube-apiserver (RBAC), scheduler, KCM and
+  KWOK; InstaSlice's CRDs, RBAC and admission policies; the webhook/allocator process and one
+  emulated node-agent process for every KWOK GPU node of `SPEC`; in a pytest tmp dir (kept
+  afterwards, logs in `<dir>/logs/`), torn down at the end of the session.
+- `kube` (session): a `common.kubeapi.Kube` client as cluster admin.
+- `namespace` (function): a fresh namespace opted in to InstaSlice, returned once the opt-in
+  label is mirrored; deleted after the test, which then waits until every SliceAllocation
+  of it is gone, so the next test starts with the GPUs free.
+- `plain_namespace` (function): a namespace that never opted in.
+
+`SPEC` is small and heterogeneous on purpose (2 x H100-80GB and 1 x H200-141GB with 2 GPUs,
+1 x A100-40GB with 1 GPU, and 2 x A30-24GB with 1 GPU that only the node-deletion test uses),
+so tests reach exhaustion, pick a GPU model by profile, and can lose a node without starving
+the others. Nodes carry `nvidia.com/mig.capable=true`, the label InstaSlice's DaemonSet
+selects. On a failing test the tail of every log is attached to the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.constants import ENABLED_KEY
+from common.kubeapi import ApiError, Kube, core_path
+from hack.cluster import BinariesMissing
+from hack.cluster.nodes import parse_spec
+from hack.dev import DevSystem
+from tests.e2e.helpers import RELEASE_TIMEOUT_S, allocs_path, detached_processes, wait_for
+
+_HERE = Path(__file__).parent
+_SYSTEM_KEY = pytest.StashKey[DevSystem]()
+_LOG_TAIL_LINES = 30
+_MIG_CAPABLE = {"nvidia.com/mig.capable": "true"}
+_NODE = {"cpu": "8", "memory": "32Gi", "pods": 110, "labels": _MIG_CAPABLE}
+SPEC: dict[str, Any] = {
+    "nodes": [
+        {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
+        {"prefix": "h200", "count": 1, "gpus": 2, "model": "H200-141GB", **_NODE},
+        {"prefix": "a100", "count": 1, "gpus": 1, "model": "A100-40GB", **_NODE},
+        {"prefix": "a30", "count": 2, "gpus": 1, "model": "A30-24GB", **_NODE},
+    ]
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    session_loop = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if _HERE in Path(str(item.path)).parents and item.get_closest_marker("asyncio"):
+            item.add_marker(session_loop, append=False)  # closest marker wins
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    system = item.config.stash.get(_SYSTEM_KEY, None)
+    if system is not None and report.failed and _HERE in Path(str(item.path)).parents:
+        parts = [f"logs dir: {system.logs}"]
+        for log in sorted(system.logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+        report.sections.append(("InstaSlice e2e logs", "\n".join(parts)))
+    return report
+
+
+@pytest.fixture(scope="session")
+def system(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    try:
+        with detached_processes():
+            started = DevSystem.up(
+                tmp_path_factory.mktemp("e2e"), parse_spec(SPEC), die_with_parent=True
+            )
+    except BinariesMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    request.config.stash[_SYSTEM_KEY] = started
+    try:
+        yield started
+    finally:
+        started.down()
+
+
+@pytest.fixture(scope="session")
+async def kube(system: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(system.kubeconfig)) as k:
+        yield k
+
+
+async def _new_namespace(kube: Kube, prefix: str, annotations: dict[str, str]) -> str:
+    ns = await kube.create(
+        core_path("namespaces"),
+        {"metadata": {"generateName": prefix, "annotations": annotations}},
+    )
+    name: str = ns["metadata"]["name"]
+    # Pods need the namespace's default ServiceAccount (made by KCM) to be admitted.
+    await wait_for(
+        kube,
+        core_path("serviceaccounts", name),
+        lambda sas: "default" in sas,
+        what=f"ServiceAccount {name}/default",
+        timeout_s=30,
+    )
+    return name
+
+
+async def _delete_namespace(kube: Kube, name: str, *, wait_released: bool) -> None:
+    try:
+        await kube.delete(core_path("namespaces", name=name))
+    except ApiError as e:
+        if not (e.not_found or e.conflict):
+            raise
+    if wait_released:
+        await wait_for(
+            kube,
+            allocs_path(name),
+            lambda allocs: not allocs,
+            what=f"every SliceAllocation of deleted namespace {name} gone",
+            timeout_s=RELEASE_TIMEOUT_S,
+        )
+
+
+@pytest.fixture
+async def namespace(kube: Kube) -> AsyncIterator[str]:
+    name = await _new_namespace(kube, "e2e-", {ENABLED_KEY: "true"})
+    await wait_for(
+        kube,
+        core_path("namespaces"),
+        lambda nss: (
+            nss.get(name, {}).get("metadata", {}).get("labels", {}).get(ENABLED_KEY) == "true"
+        ),
+        what=f"label {ENABLED_KEY}=true mirrored onto namespace {name}",
+        timeout_s=30,
+        fieldSelector=f"metadata.name={name}",
+    )
+    try:
+        yield name
+    finally:
+        await _delete_namespace(kube, name, wait_released=True)
+
+
+@pytest.fixture
+async def plain_namespace(kube: Kube) -> AsyncIterator[str]:
+    name = await _new_namespace(kube, "e2e-plain-", {})
+    try:
+        yield name
+    finally:
+        await _delete_namespace(kube, name, wait_released=False)

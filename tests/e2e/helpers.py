@@ -1,0 +1,564 @@
+"""Builders, waits and the slice invariant for the end-to-end tests.
+
+Builders (`make_pod`, `make_deployment`, `make_job`) return what a user writes: plain wire
+JSON asking for `nvidia.com/mig-<profile>` in limits (CONTRACT.md §1), never the rewritten
+form, so admission is exercised on every object.
+
+Waits are list-then-watch (`wait_for`): the predicate sees the current objects after the
+list and after every watch event, and a bounded deadline turns "never happened" into an
+AssertionError that says what was awaited and what was last seen. Nothing here sleeps.
+
+`assert_holds_slices` is the whole invariant of a Running pod, checked against every layer
+that can disagree: the pod, its SliceAllocation, the emulated GPUs' real instances, the CDI
+spec file on the node and the container env. `assert_node_matches` checks one node's GPUs
+hold exactly what its allocations promise (no leaked and no duplicate instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from common.constants import (
+    CDI_FILE_PREFIX,
+    CDI_KIND,
+    CLAIM_ANNOTATION,
+    GATE_NAME,
+    NODE_LABEL,
+    VISIBLE_DEVICES_ENV,
+    cdi_device_name,
+    qualified_cdi_device,
+)
+from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
+from common.profiles import instaslice_resource, nvidia_resource
+from hack.dev import DevSystem
+from nodeagent.emulator import EmulatorControl
+
+T = TypeVar("T")
+SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
+IMAGE = "registry.k8s.io/pause:3.10"
+READY_TIMEOUT_S = 60.0  # pod creation to Running, with slices, on a busy 2-core machine
+RELEASE_TIMEOUT_S = 60.0
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def detached_processes() -> Iterator[None]:
+    """Around `DevSystem.up()` / `start_agent()` / `start_webhook()`: they hand their children
+    to a `ProcessRecord` and drop the `subprocess.Popen`, whose destructor then warns
+    "subprocess N is still running" (a ResourceWarning, an error under this suite's
+    filterwarnings). The children are meant to outlive the Popen (DevSystem stops them by
+    process group), so that one warning, and only it, is silenced while they start."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
+        yield
+
+
+# --- builders -----------------------------------------------------------------------------
+
+
+def _container(
+    name: str,
+    asks: Mapping[str, int],
+    *,
+    cpu: str | None,
+    memory: str | None,
+    requests: Mapping[str, int | str] | None,
+) -> Obj:
+    limits: dict[str, str] = {nvidia_resource(p): str(n) for p, n in asks.items()}
+    reqs: dict[str, str] = {}
+    if requests is not None:
+        reqs.update({nvidia_resource(p): str(n) for p, n in requests.items()})
+    if cpu is not None:
+        reqs["cpu"] = cpu
+    if memory is not None:
+        reqs["memory"] = memory
+    resources: Obj = {}
+    if limits:
+        resources["limits"] = limits
+    if reqs:
+        resources["requests"] = reqs
+    return {"name": name, "image": IMAGE, "resources": resources}
+
+
+def pod_spec(
+    slices: SliceAsks,
+    *,
+    cpu: str | None = None,
+    memory: str | None = None,
+    slice_requests: SliceAsks | None = None,
+    restart_policy: str | None = None,
+    node_selector: Mapping[str, str] | None = None,
+) -> Obj:
+    """A pod spec whose containers ask for `slices` (one container per key)."""
+    spec: Obj = {
+        "containers": [
+            _container(
+                c,
+                asks,
+                cpu=cpu,
+                memory=memory,
+                requests=(slice_requests or {}).get(c),
+            )
+            for c, asks in slices.items()
+        ],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if restart_policy is not None:
+        spec["restartPolicy"] = restart_policy
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    return spec
+
+
+def make_pod(
+    name: str,
+    *,
+    slices: SliceAsks,
+    namespace: str | None = None,
+    cpu: str | None = None,
+    memory: str | None = None,
+    slice_requests: SliceAsks | None = None,
+    labels: Mapping[str, str] | None = None,
+    node_selector: Mapping[str, str] | None = None,
+) -> Obj:
+    """A bare Pod asking `slices`, e.g. `make_pod("p", slices={"main": {"3g.71gb": 1}})`.
+
+    `slice_requests` adds `resources.requests` for slices (absent by default: the contract
+    makes them optional), so a test can write requests that differ from the limits.
+    """
+    meta: Obj = {"name": name, "labels": dict(labels or {})}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": pod_spec(
+            slices,
+            cpu=cpu,
+            memory=memory,
+            slice_requests=slice_requests,
+            node_selector=node_selector,
+        ),
+    }
+
+
+def make_deployment(
+    name: str,
+    *,
+    replicas: int,
+    slices: SliceAsks,
+    cpu: str | None = None,
+    node_selector: Mapping[str, str] | None = None,
+) -> Obj:
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": pod_spec(slices, cpu=cpu, node_selector=node_selector),
+            },
+        },
+    }
+
+
+def make_job(name: str, *, slices: SliceAsks, cpu: str | None = None) -> Obj:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {"spec": pod_spec(slices, cpu=cpu, restart_policy="Never")},
+        },
+    }
+
+
+# --- API paths ----------------------------------------------------------------------------
+
+
+def pods_path(ns: str, name: str | None = None) -> str:
+    return core_path("pods", ns, name)
+
+
+def allocs_path(ns: str | None, name: str | None = None) -> str:
+    return instaslice_path("sliceallocations", ns, name)
+
+
+def deployments_path(ns: str, name: str | None = None) -> str:
+    return group_path("apps/v1", "deployments", ns, name)
+
+
+def jobs_path(ns: str, name: str | None = None) -> str:
+    return group_path("batch/v1", "jobs", ns, name)
+
+
+# --- waits --------------------------------------------------------------------------------
+
+
+async def wait_for(
+    kube: Kube,
+    path: str,
+    check: Callable[[dict[str, Obj]], T | None],
+    *,
+    what: str,
+    timeout_s: float = READY_TIMEOUT_S,
+    **query: Any,
+) -> T:
+    """List `path` (with `query` selectors), then watch it; return the first truthy
+    `check(objects by name)`. Fails with `what` and the last objects seen on timeout."""
+    objs: dict[str, Obj] = {}
+    deadline = time.monotonic() + timeout_s
+
+    async def run() -> T:
+        while True:  # a dropped or expired watch is re-listed
+            listing = await kube.list(path, **query)
+            objs.clear()
+            objs.update({o["metadata"]["name"]: o for o in listing.get("items", [])})
+            if (got := check(objs)) is not None and got is not False:
+                return got
+            rv = listing["metadata"]["resourceVersion"]
+            remaining = max(1, int(deadline - time.monotonic()) + 1)
+            with contextlib.suppress(ApiError):
+                async for etype, obj in kube.watch(path, rv, timeout_s=remaining, **query):
+                    if etype == "BOOKMARK":
+                        continue
+                    name = obj["metadata"]["name"]
+                    if etype == "DELETED":
+                        objs.pop(name, None)
+                    else:
+                        objs[name] = obj
+                    if (got := check(objs)) is not None and got is not False:
+                        return got
+
+    try:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            return await run()
+    except TimeoutError:
+        seen = json.dumps(_summaries(objs), indent=1)[:4000]
+        raise AssertionError(
+            f"timed out after {timeout_s:.0f}s waiting for {what}; last seen:\n{seen}"
+        ) from None
+
+
+def _summaries(objs: Mapping[str, Obj]) -> dict[str, Any]:
+    """What a failure message shows of each object: phase, gates, node, conditions."""
+    out: dict[str, Any] = {}
+    for name, o in objs.items():
+        spec, status = o.get("spec", {}), o.get("status", {})
+        out[name] = {
+            "phase": status.get("phase"),
+            "node": spec.get("nodeName"),
+            "gates": spec.get("schedulingGates"),
+            "message": status.get("message"),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status", "reason", "message")}
+                for c in status.get("conditions", [])
+            ],
+            "deleting": "deletionTimestamp" in o.get("metadata", {}),
+        }
+    return out
+
+
+async def wait_pod_running(
+    kube: Kube, ns: str, name: str, timeout_s: float = READY_TIMEOUT_S
+) -> Obj:
+    def running(objs: dict[str, Obj]) -> Obj | None:
+        pod = objs.get(name)
+        return pod if pod and pod.get("status", {}).get("phase") == "Running" else None
+
+    return await wait_for(
+        kube,
+        pods_path(ns),
+        running,
+        what=f"pod {ns}/{name} Running",
+        timeout_s=timeout_s,
+        fieldSelector=f"metadata.name={name}",
+    )
+
+
+async def wait_pods_running(
+    kube: Kube, ns: str, count: int, *, selector: str, timeout_s: float = READY_TIMEOUT_S
+) -> list[Obj]:
+    """Exactly `count` live pods match `selector` and all are Running."""
+
+    def done(objs: dict[str, Obj]) -> list[Obj] | None:
+        live = [p for p in objs.values() if "deletionTimestamp" not in p["metadata"]]
+        ok = len(live) == count and all(p.get("status", {}).get("phase") == "Running" for p in live)
+        return sorted(live, key=lambda p: p["metadata"]["name"]) if ok else None
+
+    return await wait_for(
+        kube,
+        pods_path(ns),
+        done,
+        what=f"{count} Running pods matching {selector} in {ns}",
+        timeout_s=timeout_s,
+        labelSelector=selector,
+    )
+
+
+async def wait_gone(
+    kube: Kube, path: str, name: str, *, timeout_s: float = RELEASE_TIMEOUT_S
+) -> None:
+    await wait_for(
+        kube,
+        path,
+        lambda objs: name not in objs,
+        what=f"{path}/{name} deleted",
+        timeout_s=timeout_s,
+        fieldSelector=f"metadata.name={name}",
+    )
+
+
+async def wait_event(
+    kube: Kube,
+    ns: str,
+    pod: str,
+    reason: str,
+    *,
+    uid: str | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
+) -> Obj:
+    """The first event with `reason` about pod `ns/pod` (of that incarnation, given `uid`)."""
+    selector = f"involvedObject.name={pod},reason={reason}"
+    if uid is not None:
+        selector += f",involvedObject.uid={uid}"
+
+    def first(objs: dict[str, Obj]) -> Obj | None:
+        return next(iter(objs.values()), None)
+
+    return await wait_for(
+        kube,
+        core_path("events", ns),
+        first,
+        what=f"event {reason} on pod {ns}/{pod}",
+        timeout_s=timeout_s,
+        fieldSelector=selector,
+    )
+
+
+# --- kubectl ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int
+    out: str
+    err: str
+
+
+async def kubectl(system: DevSystem, *args: str, stdin: str | None = None) -> Result:
+    """kubectl as cluster admin (no check: callers assert on rc, out and err)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(system.cp.kubectl_path),
+        f"--kubeconfig={system.kubeconfig}",
+        *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+# --- the invariant ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """One slice as the allocation records it (spec placement + status MIG UUID)."""
+
+    container: str
+    profile: str
+    gpu_index: int
+    start: int
+    size: int
+    mig_uuid: str
+
+
+def _gpu_indices(system: DevSystem, node: str) -> dict[str, int]:
+    return {g.uuid: g.index for g in EmulatorControl(system.gpu_state, node).state().gpus}
+
+
+def held_slices(system: DevSystem, alloc: Obj) -> list[Held]:
+    spec, status = alloc["spec"], alloc.get("status", {})
+    done = status.get("slices", [])
+    where = f"SliceAllocation {alloc['metadata']['namespace']}/{alloc['metadata']['name']}"
+    assert len(done) == len(spec["slices"]), (
+        f"{where}: status.slices {done} vs spec {spec['slices']}"
+    )
+    index = _gpu_indices(system, spec["nodeName"])
+    out = []
+    for want, got in zip(spec["slices"], done, strict=True):
+        assert got["container"] == want["container"], f"{where}: status.slices out of order"
+        out.append(
+            Held(
+                want["container"],
+                want["profile"],
+                index[want["gpuUUID"]],
+                int(want["start"]),
+                int(want["size"]),
+                got["migUUID"],
+            )
+        )
+    return out
+
+
+def _instances(system: DevSystem, node: str) -> list[Held]:
+    return [
+        Held("", r.profile_name, r.gpu_index, r.start, r.size, r.mig_uuid or "")
+        for r in EmulatorControl(system.gpu_state, node).instances()
+    ]
+
+
+def cdi_files(system: DevSystem, node: str) -> dict[Path, Obj]:
+    d = system.cdi_dir(node)
+    if not d.is_dir():
+        return {}
+    return {p: json.loads(p.read_text()) for p in sorted(d.glob(f"{CDI_FILE_PREFIX}*"))}
+
+
+def cdi_file_for(system: DevSystem, node: str, ns: str, claim: str) -> tuple[Path, Obj] | None:
+    found = [
+        (p, spec)
+        for p, spec in cdi_files(system, node).items()
+        if spec.get("annotations", {}).get(CLAIM_ANNOTATION) == f"{ns}/{claim}" or claim in p.name
+    ]
+    assert len(found) <= 1, f"several CDI files for {ns}/{claim} on {node}: {[p for p, _ in found]}"
+    return found[0] if found else None
+
+
+def slice_containers(pod: Obj) -> list[str]:
+    """Containers (init and regular) whose limits ask for InstaSlice slices."""
+    out = []
+    for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
+        limits = c.get("resources", {}).get("limits", {})
+        if any(k.startswith("instaslice.io/mig-") for k in limits):
+            out.append(c["name"])
+    return out
+
+
+async def assert_holds_slices(kube: Kube, system: DevSystem, ns: str, name: str) -> Obj:
+    """The whole invariant of a Running pod with slices; returns its SliceAllocation."""
+    pod = await kube.get(pods_path(ns, name))
+    where = f"pod {ns}/{name}"
+    assert pod["status"].get("phase") == "Running", f"{where} is {pod['status'].get('phase')}"
+    claim = pod["metadata"].get("annotations", {}).get(CLAIM_ANNOTATION)
+    assert claim, f"{where} has no {CLAIM_ANNOTATION} annotation"
+    gates = [g["name"] for g in pod["spec"].get("schedulingGates", [])]
+    assert GATE_NAME not in gates, f"{where} still gated: {gates}"
+    node = pod["spec"]["nodeName"]
+
+    alloc = await kube.get(allocs_path(ns, claim))
+    aw = f"SliceAllocation {ns}/{claim} of {where}"
+    assert alloc.get("status", {}).get("phase") == "Ready", f"{aw}: {alloc.get('status')}"
+    assert alloc["spec"]["nodeName"] == node, (
+        f"{aw} is for {alloc['spec']['nodeName']}, pod on {node}"
+    )
+    assert alloc["spec"]["podUID"] == pod["metadata"]["uid"], f"{aw} names another pod UID"
+    assert alloc["metadata"]["labels"].get(NODE_LABEL) == node, f"{aw}: node label"
+    owners = [(o["kind"], o["uid"]) for o in alloc["metadata"].get("ownerReferences", [])]
+    assert ("Pod", pod["metadata"]["uid"]) in owners, f"{aw}: owner references {owners}"
+
+    # Pinned by the allocator to exactly that node.
+    terms = (
+        pod["spec"].get("affinity", {}).get("nodeAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+    )  # fmt: skip
+    pinned = [
+        f["values"] for t in terms for f in t.get("matchFields", []) if f["key"] == "metadata.name"
+    ]
+    assert pinned and all(v == [node] for v in pinned), f"{where} not pinned to {node}: {terms}"
+
+    # The GPUs really hold exactly these instances, with the UUIDs the status reports.
+    held = held_slices(system, alloc)
+    mine = {h.mig_uuid for h in held}
+    assert len(mine) == len(held), f"{aw}: duplicate MIG UUIDs {held}"
+    real = {(i.gpu_index, i.profile, i.start, i.size, i.mig_uuid) for i in _instances(system, node)}
+    want = {(h.gpu_index, h.profile, h.start, h.size, h.mig_uuid) for h in held}
+    missing = want - real
+    assert not missing, f"{aw}: instances missing on {node}'s GPUs: {missing}; GPUs hold {real}"
+
+    # The CDI spec names one device per slice-asking container with exactly its MIG UUIDs.
+    found = cdi_file_for(system, node, ns, claim)
+    assert found is not None, f"{aw}: no CDI file in {system.cdi_dir(node)}"
+    path, cdi = found
+    assert cdi.get("kind") == CDI_KIND, f"{path}: kind {cdi.get('kind')}"
+    containers = slice_containers(pod)
+    devices = {d["name"]: d for d in cdi.get("devices", [])}
+    assert set(devices) == {cdi_device_name(ns, claim, c) for c in containers}, (
+        f"{path}: devices {sorted(devices)} for containers {containers}"
+    )
+    env_of = {
+        c["name"]: c.get("env", [])
+        for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+    }
+    for c in containers:
+        uuids = [h.mig_uuid for h in held if h.container == c]
+        dev = devices[cdi_device_name(ns, claim, c)]
+        env = dict(e.split("=", 1) for e in dev.get("containerEdits", {}).get("env", []))
+        assert env.get(VISIBLE_DEVICES_ENV) == ",".join(uuids), (
+            f"{path}: device of {c} has {VISIBLE_DEVICES_ENV}={env.get(VISIBLE_DEVICES_ENV)}, "
+            f"allocation says {uuids}"
+        )
+        pod_env = {e["name"]: e.get("value") for e in env_of[c]}
+        assert pod_env.get(VISIBLE_DEVICES_ENV) == qualified_cdi_device(ns, claim, c), (
+            f"{where} container {c}: {VISIBLE_DEVICES_ENV}={pod_env.get(VISIBLE_DEVICES_ENV)}"
+        )
+    return alloc
+
+
+async def assert_node_matches(kube: Kube, system: DevSystem, node: str) -> None:
+    """The node's GPUs hold exactly the instances its allocations promise: none leaked, none
+    duplicated, each at its recorded placement. Only call when nothing on `node` is moving."""
+    allocs = (await kube.list(allocs_path(None), labelSelector=f"{NODE_LABEL}={node}"))["items"]
+    want: list[tuple[int, str, int, int, str]] = []
+    for a in allocs:
+        assert a.get("status", {}).get("phase") == "Ready", (
+            f"SliceAllocation {a['metadata']['namespace']}/{a['metadata']['name']} on {node} "
+            f"is {a.get('status', {}).get('phase')}; settle the node before checking it"
+        )
+        want += [
+            (h.gpu_index, h.profile, h.start, h.size, h.mig_uuid) for h in held_slices(system, a)
+        ]
+    real = [(i.gpu_index, i.profile, i.start, i.size, i.mig_uuid) for i in _instances(system, node)]
+    assert sorted(real) == sorted(want), (
+        f"{node}: GPUs hold {sorted(real)}\nallocations promise {sorted(want)}"
+    )
+    claims = {f"{a['metadata']['namespace']}/{a['metadata']['name']}" for a in allocs}
+    files = {
+        spec.get("annotations", {}).get(CLAIM_ANNOTATION, str(p))
+        for p, spec in cdi_files(system, node).items()
+    }
+    assert files == claims, f"{node}: CDI files for {sorted(files)}, allocations {sorted(claims)}"
+
+
+def assert_released(
+    system: DevSystem, node: str, ns: str, claim: str, mig_uuids: Sequence[str]
+) -> None:
+    """After release: no instance with those MIG UUIDs on the node, no CDI file for the claim."""
+    left = [i for i in _instances(system, node) if i.mig_uuid in set(mig_uuids)]
+    assert not left, f"{ns}/{claim}: instances still on {node}: {left}"
+    found = cdi_file_for(system, node, ns, claim)
+    assert found is None, f"{ns}/{claim}: CDI file left on {node}: {found[0] if found else ''}"
+
+
+def resource_of(profile: str) -> str:
+    """What admission turns `nvidia.com/mig-<profile>` into."""
+    return instaslice_resource(profile)
