@@ -148,8 +148,11 @@ class NodeAgent:
     async def _publisher(self) -> None:
         retry: float | None = None
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+            # cancellation that races with the event (gh-86296) and this loop never ends
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.st.publish.wait(), retry)
+                async with asyncio.timeout(retry):
+                    await self.st.publish.wait()
             self.st.publish.clear()
             await asyncio.sleep(0.02)  # coalesce a burst of changes into one write
             try:

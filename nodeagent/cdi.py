@@ -208,14 +208,20 @@ def load_base_spec(path: Path) -> Obj:
     return doc
 
 
-def fake_nvidia_spec(driver_version: str = "580.159.04") -> Obj:
-    """A small stand-in for `nvidia-ctk cdi generate` output, for emulated nodes."""
+def fake_nvidia_spec(driver_version: str = "580.159.04", gpu_minors: Sequence[int] = (0,)) -> Obj:
+    """A small stand-in for `nvidia-ctk cdi generate` output, for emulated nodes: a device
+    per GPU plus `all`, and the common edits (control/UVM nodes, driver libraries, hooks)."""
     lib = "/usr/lib/x86_64-linux-gnu"
     numbers = DeviceNumbers.emulated()
+    gpu_nodes = {m: DevNode(f"/dev/nvidia{m}", NVIDIA_MAJOR, m).to_json() for m in gpu_minors}
+    devices: list[Obj] = [
+        {"name": str(m), "containerEdits": {"deviceNodes": [node]}} for m, node in gpu_nodes.items()
+    ]
+    devices.append({"name": "all", "containerEdits": {"deviceNodes": list(gpu_nodes.values())}})
     return {
         "cdiVersion": CDI_VERSION,
         "kind": "nvidia.com/gpu",
-        "devices": [],
+        "devices": devices,
         "containerEdits": {
             "env": ["NVIDIA_VISIBLE_DEVICES=void"],
             "deviceNodes": [n.to_json() for n in control_nodes(numbers)],

@@ -21,8 +21,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -161,15 +162,18 @@ def boot_id_factory(settings: Settings) -> Callable[[str], str]:
 
 
 def host_cdi_facts(
-    settings: Settings, node: str, driver: str
+    settings: Settings, node: str, driver: str, gpu_minors: Sequence[int]
 ) -> tuple[cdi.DeviceNumbers, Obj | None]:
-    """Device numbering and the base NVIDIA CDI spec for one node."""
+    """Device numbering and the base NVIDIA CDI spec for one node. Under --emulate the base
+    spec is generated once into the state dir (`<node>.nvidia-cdi.json`) and read back like
+    a real one."""
     if settings.emulate:
         path = settings.nvidia_cdi_spec or settings.checkpoint_path(node).with_name(
             f"{node}.nvidia-cdi.json"
         )
         if not path.exists():
-            cdi.write_json_atomic(path, cdi.fake_nvidia_spec(driver or "580.159.04"))
+            spec = cdi.fake_nvidia_spec(driver or "580.159.04", gpu_minors)
+            cdi.write_json_atomic(path, spec)
         return cdi.DeviceNumbers.emulated(), cdi.load_base_spec(path)
     numbers = cdi.DeviceNumbers.from_host(settings.mig_minors, settings.proc_devices)
     candidates = (
@@ -195,6 +199,23 @@ def selector(nodes: Sequence[str]) -> str:
 
 
 # --- serving --------------------------------------------------------------------------------
+
+
+async def stoppable(coro: Coroutine[Any, Any, None], name: str) -> None:
+    """Run `coro` as a task that surely ends when this one is cancelled.
+
+    common.kubeapi's watch waits with asyncio.wait_for, which on Python 3.11 can swallow a
+    cancellation that races with arriving data (gh-86296): the informer would then keep
+    running and the TaskGroup's shutdown would wait for it forever. Cancel until done.
+    """
+    task = asyncio.create_task(coro, name=name)
+    try:
+        await asyncio.wait({task})
+        task.result()
+    finally:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
 
 
 async def serve(
@@ -230,7 +251,10 @@ async def serve(
             for node in settings.nodes:
                 gpus = await stack.enter_async_context(NodeGpus(nvml_for(node), catalog, node))
                 driver = await gpus.call(gpus.s.call, "nvmlSystemGetDriverVersion")
-                numbers, base = await asyncio.to_thread(host_cdi_facts, settings, node, str(driver))
+                count = await gpus.call(gpus.s.call, "nvmlDeviceGetCount")
+                numbers, base = await asyncio.to_thread(
+                    host_cdi_facts, settings, node, str(driver), range(int(count))
+                )
                 agents[node] = NodeAgent(
                     node=node,
                     kube=kube,
@@ -247,7 +271,7 @@ async def serve(
             async with asyncio.TaskGroup() as tg:
                 for agent in agents.values():
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
-                tg.create_task(informer.run(), name="informer")
+                tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
                 if started is not None:
                     started(agents)

@@ -48,7 +48,19 @@ class KeyedQueue:
             return
         wake = self._wake[key] = asyncio.Event()
         wake.set()
-        self._tg.create_task(self._run(key, wake), name=f"{self._name}:{key}")
+        run = self._run(key, wake)
+        try:
+            task = self._tg.create_task(run, name=f"{self._name}:{key}")
+        except RuntimeError:  # the group is shutting down: the work waits for the next start
+            run.close()
+            self._wake.pop(key, None)
+            return
+        # also here: a task cancelled before its first step never runs _run's finally
+        task.add_done_callback(lambda _: self._forget(key, wake))
+
+    def _forget(self, key: str, wake: asyncio.Event) -> None:
+        if self._wake.get(key) is wake:
+            del self._wake[key]
 
     async def _run(self, key: str, wake: asyncio.Event) -> None:
         try:
@@ -61,7 +73,8 @@ class KeyedQueue:
                     delay = CRASH_RETRY_S
                 if delay is not None and not wake.is_set():
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(wake.wait(), delay)
+                        async with asyncio.timeout(delay):  # not wait_for: gh-86296
+                            await wake.wait()
                     wake.set()  # retry (timed out) or re-run (kicked)
         finally:
-            self._wake.pop(key, None)
+            self._forget(key, wake)  # at once, so a kick right after starts a new task

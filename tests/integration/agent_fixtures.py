@@ -231,7 +231,8 @@ async def running_agent(settings: Settings) -> AsyncIterator[dict[str, NodeAgent
             waiter.cancel()
             raise AssertionError("node agent did not start in 30 s")
         for a in agents.values():
-            await asyncio.wait_for(a.started.wait(), 30)
+            async with asyncio.timeout(30):
+                await a.started.wait()
         yield agents
     finally:
         task.cancel()
