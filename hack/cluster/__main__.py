@@ -65,8 +65,9 @@ def cmd_down(dev: Path) -> int:
     if cp is None:
         print("no local control plane recorded; nothing to stop")
         return 0
+    n = len(cp.processes)
     cp.stop()
-    print(f"stopped the control plane at {cp.server} ({len(cp.processes) or 'all'} processes)")
+    print(f"stopped the control plane at {cp.server} ({n} process groups)")
     return 0
 
 

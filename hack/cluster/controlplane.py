@@ -41,6 +41,7 @@ __all__ = ["KWOK_NODE_ANNOTATION", "ClusterSettings", "ControlPlane", "ControlPl
 # KWOK manages exactly the nodes carrying this annotation (see hack/cluster/nodes.py).
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 _STATE = "state.json"
+_ETCD_DIR_PREFIX = "instaslice-etcd-"
 _ADMIN = ("kubernetes-admin", ("system:masters",))
 
 
@@ -81,6 +82,8 @@ class ControlPlane:
     ca: CertificateAuthority
     processes: list[ProcessRecord]
     etcd_data_dir: Path
+    # argv of each process as launched, so `restart(name)` can launch it again (chaos tests)
+    argv: dict[str, list[str]] = field(default_factory=dict)
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     # ---- what other code uses -------------------------------------------------------------
@@ -154,6 +157,31 @@ class ControlPlane:
         (self.workdir / _STATE).unlink(missing_ok=True)
         self.processes = []
 
+    def restart(self, name: str, *, die_with_parent: bool = True, kill: bool = True) -> None:
+        """Stop one process (`kill`: SIGKILL, no graceful shutdown) and launch it again with
+        the same arguments, ports and log; for the apiserver, block until /readyz passes.
+
+        For fault injection (`make chaos`): etcd keeps the state, so a restarted apiserver or
+        controller resumes where it was; clients see dropped watches and refused connections.
+        """
+        i = next((i for i, p in enumerate(self.processes) if p.name == name), None)
+        if i is None or name not in self.argv:
+            raise ControlPlaneError(f"no restartable process {name!r} in {self.workdir}")
+        old = self.processes[i]
+        popen = self._popens.pop(name, None)
+        if kill:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(old.pid, 9)
+        stop_process(old, popen, grace_s=0.0 if kill else 5.0)
+        new_popen, rec = spawn(
+            name, self.argv[name], Path(old.log), die_with_parent=die_with_parent
+        )
+        self._popens[name] = new_popen
+        self.processes[i] = rec
+        self._save()
+        if name == "kube-apiserver":
+            self._wait(ClusterSettings().ready_timeout_s, "/readyz", "kube-apiserver /readyz")
+
     def __enter__(self) -> ControlPlane:
         return self
 
@@ -211,7 +239,8 @@ class ControlPlane:
         server = f"https://127.0.0.1:{api_port}"
         shm = Path("/dev/shm")
         data_root = shm if shm.is_dir() and os.access(shm, os.W_OK) else workdir
-        etcd_data = data_root / f"instaslice-etcd-{os.getpid()}-{secrets.token_hex(4)}"
+        _remove_orphaned_etcd_dirs(data_root)
+        etcd_data = data_root / f"{_ETCD_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
 
         def kc(path: Path, user: str, groups: Sequence[str] = ()) -> Path:
             return write_kubeconfig(
@@ -233,6 +262,7 @@ class ControlPlane:
             )  # fmt: skip
             cp._popens[name] = popen
             cp.processes.append(rec)
+            cp.argv[name] = [str(bin_dir / name), *args]
             cp._save()  # after every launch, so a failed start can still be cleaned up
 
         try:
@@ -279,6 +309,7 @@ class ControlPlane:
             ca=CertificateAuthority.load(wd / "pki" / "ca.crt", wd / "pki" / "ca.key"),
             processes=[ProcessRecord.from_json(p) for p in st["processes"]],
             etcd_data_dir=Path(st["etcd_data_dir"]),
+            argv={k: list(v) for k, v in st.get("argv", {}).items()},
         )
         if require_alive and not cp.alive():
             return None
@@ -306,6 +337,7 @@ class ControlPlane:
             "logs_dir": str(self.logs_dir),
             "etcd_data_dir": str(self.etcd_data_dir),
             "processes": [p.to_json() for p in self.processes],
+            "argv": self.argv,
         }
         tmp = self.workdir / (_STATE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -341,6 +373,20 @@ class ControlPlane:
         raise ControlPlaneError(
             f"timed out after {timeout_s:.0f}s waiting for {what}; logs in {self.logs_dir}"
         )
+
+
+def _remove_orphaned_etcd_dirs(root: Path) -> None:
+    """Delete etcd data dirs no running process names on its command line. They are what a
+    launcher killed with SIGKILL leaves behind (its children die with it, via PDEATHSIG, but
+    nobody runs `stop()`), and on /dev/shm they hold memory."""
+    in_use = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                in_use.update((proc / "cmdline").read_bytes().split(b"\0"))
+    for d in root.glob(_ETCD_DIR_PREFIX + "*"):
+        if f"--data-dir={d}".encode() not in in_use:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
