@@ -502,7 +502,7 @@ class AllocatorEnv:
         self,
         short: str,
         *,
-        model: str = "H100-80GB",
+        model: str | None = "H100-80GB",
         gpus: Sequence[GpuSpec | str] | None = None,
         cpu: str = "8",
         memory: str = "32Gi",
@@ -512,7 +512,7 @@ class AllocatorEnv:
         mig_node: bool = True,
     ) -> str:
         name = self.node_name(short)
-        specs = list(gpus) if gpus is not None else [GpuSpec(model=model)]
+        specs = list(gpus) if gpus is not None else [GpuSpec(model=model or "H100-80GB")]
         body = make_node(
             name,
             cpu=cpu,

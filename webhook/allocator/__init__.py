@@ -25,7 +25,15 @@ from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LEASE_NAME, LeaderElector, LeadershipLost, LeaseSettings
 from webhook.allocator.metrics import AllocatorMetrics
 
-__all__ = ["AllocatorMetrics", "AllocatorSettings", "Controller", "run_allocator"]
+__all__ = [
+    "AllocatorMetrics",
+    "AllocatorSettings",
+    "Controller",
+    "build_controller",
+    "default_identity",
+    "run_allocator",
+    "run_controller",
+]
 
 log = structlog.get_logger("allocator")
 

@@ -505,7 +505,7 @@ class Controller:
         self.metrics.outcome("allocated")
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
-        await self._emit(pod.obj, REASON_ALLOCATED, message, "Normal")
+        self._event(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the pod's critical path
 
     async def _pin(self, pod: PodView, alloc: AllocView) -> None:
         path = core_path("pods", pod.namespace, pod.name)

@@ -1,0 +1,148 @@
+"""The allocator with the real node agent (in-process, on the NVML emulator) instead of the
+fake one: what it decides is what NVML accepts.
+
+Covers one pod end to end (SliceAllocation → GPU instance at exactly the decided placement →
+Ready → pinned → bound → deleted → instance destroyed → record gone) and two GPUs filled
+with mixed profiles (every decided placement is legal on the emulated hardware; a pod that
+needs a whole GPU is then pending). The fake-agent suite (test_allocator.py) covers the
+failure paths; the e2e suite covers the webhook and agent processes as deployed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from common.constants import MIG_NODE_PLURAL, REASON_PENDING
+from common.kubeapi import Kube, Obj, instaslice_path
+from hack.cluster import ControlPlane
+from nodeagent.emulator import EmulatorControl, provision
+from nodeagent.main import serve
+from nodeagent.settings import Settings
+from tests.integration.allocator_fixtures import (
+    AllocatorEnv,
+    FakeAgent,
+    assert_no_double_booking,
+    ensure_crds,
+    load_crds,
+    wait_for,
+)
+from webhook.allocator import pods as podlib
+from webhook.allocator.controller import cancel_until_done
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+CRDS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "crds"
+
+
+@pytest.fixture(scope="session")
+async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
+    k = await Kube.connect(str(control_plane.kubeconfig))
+    async with k:
+        await ensure_crds(k, load_crds(CRDS))
+        yield k
+
+
+class AgentWorld:
+    def __init__(self, env: AllocatorEnv, state: Path, kubeconfig: str) -> None:
+        self.env = env
+        self.gpus = state / "gpus"
+        self.cdi = state / "nodes"
+        self.kubeconfig = kubeconfig
+        self.task: asyncio.Task[None] | None = None
+
+    async def nodes(self, *shorts: str, model: str = "H100-80GB", gpus: int = 1) -> list[str]:
+        """KWOK nodes whose GPUs are emulated and served by one in-process node agent."""
+        names = []
+        for short in shorts:
+            name = await self.env.add_node(short, model=None, mig_node=False)
+            await asyncio.to_thread(provision, self.gpus, name, [model] * gpus)
+            names.append(name)
+        settings = Settings(
+            nodes=tuple(names),
+            kubeconfig=self.kubeconfig,
+            emulate=True,
+            emu_state=self.gpus,
+            cdi_root=self.cdi,
+            namespace=self.env.namespace,
+        )
+        self.task = asyncio.create_task(serve(settings), name="nodeagent")
+
+        def published(items: list[Obj]) -> bool:
+            ready = {o["metadata"]["name"] for o in items if o.get("status", {}).get("gpus")}
+            return set(names) <= ready
+
+        await wait_for(
+            self.env.kube, instaslice_path(MIG_NODE_PLURAL), published, what="MigNodes published"
+        )
+        return names
+
+    def instances(self, node: str) -> set[tuple[int, str, int, int]]:
+        rows = EmulatorControl(self.gpus, node).instances()
+        return {(r.gpu_index, r.profile_name, r.start, r.size) for r in rows}
+
+
+@pytest.fixture
+async def world(
+    kube: Kube, namespace: str, control_plane: ControlPlane, tmp_path: Path
+) -> AsyncIterator[AgentWorld]:
+    env = AllocatorEnv(kube, namespace, FakeAgent(kube))  # the fake agent is never started
+    w = AgentWorld(env, tmp_path, str(control_plane.kubeconfig))
+    try:
+        yield w
+    finally:
+        await env.close()
+        if w.task is not None:
+            await cancel_until_done([w.task])
+
+
+def decided(allocs: list[dict[str, object]], node: str) -> set[tuple[int, str, int, int]]:
+    out = set()
+    for a in allocs:
+        spec = a["spec"]
+        assert isinstance(spec, dict)
+        if spec["nodeName"] == node:
+            for s in spec["slices"]:
+                out.add((s["gpuIndex"], s["profile"], s["start"], s["size"]))
+    return out
+
+
+async def test_one_pod_through_the_real_agent(world: AgentWorld) -> None:
+    (node,) = await world.nodes("n1")
+    env = world.env
+    env.start()
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    bound = await env.wait_bound("p", within=60)
+    assert podlib.bound_node(bound) == node
+    (record,) = await env.allocations()
+    assert record["status"]["phase"] == "Ready"
+    assert record["status"]["slices"][0]["migUUID"].startswith("MIG-")
+    assert world.instances(node) == decided([record], node)
+    await env.delete_pod("p")
+    await env.wait_allocations(lambda items: not items, within=60, what="released")
+    assert world.instances(node) == set()
+
+
+async def test_gpus_filled_with_mixed_profiles(world: AgentWorld) -> None:
+    nodes = await world.nodes("n1", "n2")
+    env = world.env
+    env.start()
+    # Two 3g.40gb and seven 1g.10gb fit two H100s however the 3g land (together on one GPU,
+    # or one per GPU leaving 4 + 4 slots for the 1g); 15 of 16 memory slots end up used.
+    asks = ["3g.40gb"] * 2 + ["1g.10gb"] * 7
+    for i, profile in enumerate(asks):
+        await env.create_pod(f"p{i}", slices={"main": {profile: 1}})
+    for i in range(len(asks)):
+        await env.wait_bound(f"p{i}", within=60)
+    allocs = await env.allocations()
+    assert len(allocs) == len(asks)
+    assert_no_double_booking(allocs)
+    for node in nodes:
+        assert world.instances(node) == decided(allocs, node)  # NVML took every placement
+    used = sum(size for node in nodes for _, _, _, size in world.instances(node))
+    assert used == 2 * 4 + 7
+    await env.create_pod("whole", slices={"main": {"7g.80gb": 1}})  # no GPU is empty now
+    await env.wait_event("whole", REASON_PENDING)
