@@ -27,6 +27,7 @@ kwok_version() { sed -n 's#^require sigs.k8s.io/kwok \(v[^ ]*\)$#\1#p; s#^\tsigs
 
 VERSION="$(k8s_version)"
 KWOK_VERSION="$(kwok_version)"
+[[ -n "$VERSION" && -n "$KWOK_VERSION" ]] || { echo "cannot read the pins from hack/kube/{,kwok/}go.mod" >&2; exit 1; }
 KEY="$(cat "$HERE/go.sum" "$HERE/kwok/go.sum" | sha256sum | cut -c1-12)"
 CACHE_ROOT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/kube"
 OUT="$CACHE_ROOT/$VERSION-$KEY"
