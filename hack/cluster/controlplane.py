@@ -140,6 +140,10 @@ class ControlPlane:
             check=check,
         )
 
+    def ready(self) -> bool:
+        """The apiserver answers /readyz (a quick probe; no wait)."""
+        return self._ready("/readyz")
+
     def alive(self) -> bool:
         return all(p.alive() for p in self.processes) and self._ready("/readyz")
 
@@ -157,9 +161,12 @@ class ControlPlane:
         (self.workdir / _STATE).unlink(missing_ok=True)
         self.processes = []
 
-    def restart(self, name: str, *, die_with_parent: bool = True, kill: bool = True) -> None:
+    def restart(
+        self, name: str, *, die_with_parent: bool = True, kill: bool = True, wait: bool = True
+    ) -> None:
         """Stop one process (`kill`: SIGKILL, no graceful shutdown) and launch it again with
-        the same arguments, ports and log; for the apiserver, block until /readyz passes.
+        the same arguments, ports and log; for the apiserver, with `wait`, block until
+        /readyz passes (without it, the caller polls `ready()`).
 
         For fault injection (`make chaos`): etcd keeps the state, so a restarted apiserver or
         controller resumes where it was; clients see dropped watches and refused connections.
@@ -179,7 +186,7 @@ class ControlPlane:
         self._popens[name] = new_popen
         self.processes[i] = rec
         self._save()
-        if name == "kube-apiserver":
+        if name == "kube-apiserver" and wait:
             self._wait(ClusterSettings().ready_timeout_s, "/readyz", "kube-apiserver /readyz")
 
     def __enter__(self) -> ControlPlane:
