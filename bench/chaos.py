@@ -1,0 +1,484 @@
+"""`make chaos`: a seeded fault-injection soak of the whole system, judged by ground truth.
+
+    python -m bench.chaos --minutes M --seed S [--quick] [--dir D] [--out F]
+
+Brings up InstaSlice on the local control plane with KWOK GPU nodes backed by the NVML
+emulator (`hack.dev.DevSystem`, in its own dir `.dev/bench/chaos-run/`, always torn down),
+then for M minutes runs three things at once:
+
+- churn (`Workload`): MIG pods created in opted-in namespaces — bare pods (deleted again
+  at random), Jobs (KWOK completes them after a run time) and a Deployment per namespace
+  (scaled up and down) — around a target number of live pods, so some wait for capacity;
+- faults (bench/chaos_faults.py), drawn from the seed: every kind once, then by weight,
+  up to three at a time;
+- a sampler: every second one list of SliceAllocations is checked for double bookings
+  (bench/invariants.py), so a slot promised twice is caught at the moment, not only at the end.
+
+After the last fault is recovered and the churn stops, it waits for the system to settle:
+the settled invariants (no leaked instance, no orphan allocation, no unsettled pod) are
+checked every few seconds until they hold twice in a row, or the settle timeout passes.
+The result goes to `.dev/bench/chaos.json` (schema in docs/security.md); violations, the
+fault log and per-kind counts ride along for diagnosis. Exit status 1 if any count is not 0.
+
+Component settings for the soak (documented, not hidden): the node agent collects orphaned
+records after 10 s (`--gc-grace-s`, default 60) and the allocator releases pinned-but-
+unschedulable pods after 20 s (default 60), so recoveries finish within the settle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bench.chaos_faults import Faults, detached
+from bench.invariants import (
+    Report,
+    Slot,
+    Violation,
+    check_settled,
+    collect,
+    double_bookings,
+    slots_of,
+)
+from common.constants import ENABLED_KEY
+from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
+from common.kubeapi import instaslice_path as isl_path
+from hack.cluster.nodes import ClusterSpec, parse_spec
+from hack.dev import REPO, DevSystem
+
+log = structlog.get_logger("chaos")
+
+CHAOS_LABEL = "instaslice.io/chaos"
+IMAGE = "registry.k8s.io/pause:3.10"
+_NODE = {"cpu": "16", "memory": "64Gi", "pods": 110,
+         "labels": {"nvidia.com/mig.capable": "true"}}  # fmt: skip
+FULL_SPEC = {
+    "nodes": [
+        {"prefix": "h100", "count": 3, "gpus": 2, "model": "H100-80GB", **_NODE},
+        {"prefix": "a100", "count": 2, "gpus": 2, "model": "A100-40GB", **_NODE},
+    ]
+}
+QUICK_SPEC = {
+    "nodes": [
+        {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
+        {"prefix": "a100", "count": 1, "gpus": 2, "model": "A100-40GB", **_NODE},
+    ]
+}
+PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
+AGENT_ARGS = ("--gc-grace-s=10", "--gc-period-s=5")
+WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20",)
+
+
+@dataclass(frozen=True)
+class Mode:
+    spec: dict[str, Any]
+    namespaces: int
+    target_pods: int
+    churn_period_s: float
+    fault_gap_s: float  # mean time between fault starts
+    max_faults: int  # at once
+    hold: tuple[float, float]
+    settle_timeout_s: float
+
+
+QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 3.0, 3, (3.0, 10.0), 180.0)
+FULL = Mode(FULL_SPEC, 3, 24, 0.7, 5.0, 3, (5.0, 25.0), 300.0)
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+def _container(name: str, profile: str, count: int = 1) -> Obj:
+    return {
+        "name": name,
+        "image": IMAGE,
+        "resources": {
+            "limits": {f"nvidia.com/mig-{profile}": str(count)},
+            "requests": {"cpu": "100m", "memory": "64Mi"},
+        },
+    }
+
+
+@dataclass
+class Workload:
+    """The churn, and the informer cache of its pods that the sampler reads too."""
+
+    kube: Kube
+    rng: random.Random
+    mode: Mode
+    namespaces: list[str] = field(default_factory=list)
+    pods: dict[str, Obj] = field(default_factory=dict)  # uid -> latest pod
+    seen: set[str] = field(default_factory=set)  # uids of every chaos pod ever seen
+    refused: int = 0
+    deleted: int = 0
+
+    async def on_pod(self, etype: EventType, pod: Obj) -> None:
+        uid = pod["metadata"]["uid"]
+        self.seen.add(uid)
+        if etype == "DELETED":
+            self.pods.pop(uid, None)
+        else:
+            self.pods[uid] = pod
+
+    def live(self) -> list[Obj]:
+        return [
+            p
+            for p in self.pods.values()
+            if not p["metadata"].get("deletionTimestamp")
+            and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+            and p["metadata"]["namespace"] in self.namespaces
+        ]
+
+    def _profile(self) -> str:
+        return self.rng.choice(PROFILES)
+
+    def _pod_spec(self) -> Obj:
+        containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
+        if self.rng.random() < 0.15:
+            containers.append(_container("side", self._profile()))
+        return {"containers": containers, "terminationGracePeriodSeconds": 0}
+
+    async def new_namespace(self) -> None:
+        ns = await self.kube.create(
+            core_path("namespaces"),
+            {"metadata": {"generateName": "chaos-", "annotations": {ENABLED_KEY: "true"},
+                          "labels": {CHAOS_LABEL: "1"}}},
+        )  # fmt: skip
+        name = ns["metadata"]["name"]
+        # usable once the mirror labelled it (else MIG pods would skip the webhook) and its
+        # default ServiceAccount exists; the webhook may be down for a while, so be patient
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ApiError):
+                got = await self.kube.get(core_path("namespaces", name=name))
+                sa = await self.kube.list(core_path("serviceaccounts", name))
+                labelled = (got["metadata"].get("labels") or {}).get(ENABLED_KEY) == "true"
+                if labelled and sa["items"]:
+                    self.namespaces.append(name)
+                    await self._deployment(name)
+                    return
+            await asyncio.sleep(0.5)
+        log.warning("namespace never got its opt-in label; not used", namespace=name)
+
+    async def _deployment(self, ns: str) -> None:
+        labels = {CHAOS_LABEL: "1", "app": "svc"}
+        body = {
+            "metadata": {"name": "svc"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": self._pod_spec()}},
+        }  # fmt: skip
+        with contextlib.suppress(ApiError):
+            await self.kube.create(group_path("apps/v1", "deployments", ns), body)
+
+    async def replace_namespace(self, ns: str) -> None:
+        if ns in self.namespaces:
+            self.namespaces.remove(ns)
+        await self.kube.delete_ignore_missing(core_path("namespaces", name=ns))
+        await self.new_namespace()
+
+    async def create_pod(self, ns: str, *, why: str = "churn") -> Obj | None:
+        body = {"metadata": {"generateName": "p-", "labels": {CHAOS_LABEL: "1", "why": why}},
+                "spec": self._pod_spec()}  # fmt: skip
+        try:
+            pod = await self.kube.create(core_path("pods", ns), body)
+        except ApiError as exc:  # webhook down (failurePolicy Fail), apiserver restarting...
+            self.refused += 1
+            log.info("pod refused", namespace=ns, status=exc.status, error=exc.message[:120])
+            return None
+        self.seen.add(pod["metadata"]["uid"])
+        return pod
+
+    async def _job(self, ns: str) -> None:
+        runtime = self.rng.randint(3, 20)
+        labels = {CHAOS_LABEL: "1"}
+        body = {
+            "metadata": {"generateName": "job-"},
+            "spec": {
+                "backoffLimit": 0,
+                "ttlSecondsAfterFinished": 10,
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": {"pod-complete.stage.kwok.x-k8s.io/delay": f"{runtime}s"},
+                    },
+                    "spec": {**self._pod_spec(), "restartPolicy": "Never"},
+                },
+            },
+        }
+        with contextlib.suppress(ApiError):
+            await self.kube.create(group_path("batch/v1", "jobs", ns), body)
+
+    async def _scale(self, ns: str) -> None:
+        path = group_path("apps/v1", "deployments", ns, "svc")
+        with contextlib.suppress(ApiError):
+            await self.kube.patch(path + "/scale", {"spec": {"replicas": self.rng.randint(0, 3)}})
+
+    async def step(self) -> None:
+        if not self.namespaces:
+            return
+        ns = self.rng.choice(self.namespaces)
+        live = self.live()
+        r = self.rng.random()
+        if len(live) < self.mode.target_pods and r < 0.75:
+            if r < 0.45:
+                await self.create_pod(ns)
+            else:
+                await self._job(ns)
+        elif r < 0.85:
+            bare = [p for p in live if (p["metadata"].get("labels") or {}).get("why") == "churn"]
+            if bare:
+                victim = self.rng.choice(bare)["metadata"]
+                self.deleted += 1
+                await self.kube.delete_ignore_missing(
+                    core_path("pods", victim["namespace"], victim["name"])
+                )
+        else:
+            await self._scale(ns)
+
+    async def run(self, until: float) -> None:
+        while time.monotonic() < until:
+            try:
+                await self.step()
+            except ApiError as exc:
+                log.info("churn step failed", error=str(exc)[:160])
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5) * self.mode.churn_period_s)
+
+
+# --- sampling double bookings during the run --------------------------------------------------
+
+
+@dataclass
+class Sampler:
+    kube: Kube
+    workload: Workload
+    last_slots: dict[str, list[Slot]] = field(default_factory=dict)  # pod uid -> slots
+    violations: dict[str, Violation] = field(default_factory=dict)
+    samples: int = 0
+
+    async def once(self) -> None:
+        allocs = (await self.kube.list(isl_path("sliceallocations")))["items"]
+        by_pod = {str(a["spec"].get("podUID", "")) for a in allocs}
+        for a in allocs:
+            self.last_slots[str(a["spec"].get("podUID", ""))] = slots_of(a)
+        # pods still Running after their allocation went: confirm each with a fresh read
+        # (the informer may lag) before counting an overlap with it
+        held: dict[str, list[Slot]] = {}
+        others = [s for a in allocs for s in slots_of(a)]
+        for uid, pod in list(self.workload.pods.items()):
+            if uid in by_pod or uid not in self.last_slots:
+                continue
+            mine = self.last_slots[uid]
+            if not any(m.overlaps(o) and o.pod_uid != uid for m in mine for o in others):
+                continue
+            m = pod["metadata"]
+            try:
+                fresh = await self.kube.get(core_path("pods", m["namespace"], m["name"]))
+            except ApiError:
+                continue
+            if (
+                fresh["metadata"]["uid"] == uid
+                and not fresh["metadata"].get("deletionTimestamp")
+                and fresh.get("status", {}).get("phase") == "Running"
+            ):
+                held[uid] = mine
+        for v in double_bookings(allocs, held):
+            if v.key not in self.violations:
+                log.error("double booking", violation=str(v))
+                self.violations[v.key] = v
+        self.samples += 1
+        live_uids = set(self.workload.pods)
+        for uid in [u for u in self.last_slots if u not in by_pod and u not in live_uids]:
+            del self.last_slots[uid]
+
+    async def run(self, period_s: float = 1.0) -> None:
+        while True:
+            try:
+                await self.once()
+            except ApiError as exc:  # apiserver restarting
+                log.info("sample skipped", error=str(exc)[:120])
+            await asyncio.sleep(period_s)
+
+
+# --- the soak ---------------------------------------------------------------------------------
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel until done (an informer's watch can swallow one cancellation on 3.11)."""
+    while pending := [t for t in tasks if not t.done()]:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+
+
+async def _settle(system: DevSystem, kube: Kube, timeout_s: float) -> tuple[Report, float]:
+    """Check the settled invariants until they hold twice in a row (3 s apart): the report,
+    and the seconds until the first of the two (the timeout if they never held)."""
+    t0 = time.monotonic()
+    first_ok: float | None = None
+    report = Report()
+    while True:
+        ok = False
+        try:
+            truth = await collect(kube, system.gpu_state, system.dir / "nodes", system.nodes)
+            report = check_settled(truth)
+            ok = report.ok
+        except ApiError as exc:
+            log.info("settle check failed", error=str(exc)[:120])
+        now = time.monotonic() - t0
+        if ok:
+            if first_ok is not None:
+                return report, first_ok
+            first_ok = now
+        else:
+            first_ok = None
+        if now > timeout_s:
+            return report, now
+        await asyncio.sleep(3.0)
+
+
+async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float, seed: int) -> Obj:
+    t_start = time.monotonic()
+    async with await Kube.connect(str(system.kubeconfig)) as kube:
+        work = Workload(kube, random.Random(f"{seed}/churn"), mode)
+        informer = Informer(
+            kube, core_path("pods"), work.on_pod, label_selector=f"{CHAOS_LABEL}=1", name="pods"
+        )
+        sampler = Sampler(kube, work)
+        faults = Faults(system, kube, spec, work, random.Random(f"{seed}/faults"),
+                        hold=mode.hold)  # fmt: skip
+        background = [asyncio.create_task(informer.run()), asyncio.create_task(sampler.run())]
+        errors: list[str] = []
+        try:
+            for _ in range(mode.namespaces):
+                await work.new_namespace()
+            until = time.monotonic() + minutes * 60
+            churn = asyncio.create_task(work.run(until))
+            rng = random.Random(f"{seed}/schedule")
+            inflight: set[asyncio.Task[None]] = set()
+            next_progress = time.monotonic() + 30
+            while True:
+                await asyncio.sleep(rng.expovariate(1.0 / mode.fault_gap_s))
+                if time.monotonic() >= until:
+                    break
+                inflight = {t for t in inflight if not t.done()}
+                if len(inflight) < mode.max_faults:
+                    inflight.add(asyncio.create_task(faults.run_one()))
+                if time.monotonic() > next_progress:
+                    next_progress += 30
+                    _progress(t_start, faults, work, sampler)
+            faults.finish()
+            for res in await asyncio.gather(*inflight, return_exceptions=True):
+                if isinstance(res, BaseException):
+                    errors.append(f"{type(res).__name__}: {res}")
+                    log.error("fault failed", error=str(res))
+            await churn
+            print(f"[{time.monotonic() - t_start:6.0f}s] last fault recovered; settling",
+                  flush=True)  # fmt: skip
+            report, settle_s = await _settle(system, kube, mode.settle_timeout_s)
+            await sampler.once()  # one last sample, after settling
+        finally:
+            await _cancel(background)
+    result = {
+        "minutes": round(minutes, 2),
+        "seed": seed,
+        "faults_injected": faults.injected,
+        "pods_created": len(work.seen),
+        "leaked_instances": len(report.leaked_instances),
+        "orphan_allocations": len(report.orphan_allocations),
+        "double_booked": len(sampler.violations)
+        + len([v for v in report.double_booked if v.key not in sampler.violations]),
+        "unsettled_pods": len(report.unsettled_pods),
+        "settle_s": round(settle_s, 1),
+        # diagnosis, beyond the contract's schema
+        "quick": mode is QUICK,
+        "faults_by_kind": faults.by_kind(),
+        "double_booking_samples": sampler.samples,
+        "pods_refused": work.refused,
+        "fault_errors": errors,
+        "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
+        "faults": [r.to_json() for r in faults.records],
+    }
+    return result
+
+
+def _progress(t0: float, faults: Faults, work: Workload, sampler: Sampler) -> None:
+    print(
+        f"[{time.monotonic() - t0:6.0f}s] faults {faults.injected} {faults.by_kind()}  "
+        f"pods seen {len(work.seen)} live {len(work.live())} refused {work.refused}  "
+        f"samples {sampler.samples} double-booked {len(sampler.violations)}",
+        flush=True,
+    )
+
+
+def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> Obj:
+    """Bring the system up in `dir` (wiped first), soak it, always tear it down."""
+    mode = QUICK if quick else FULL
+    dir = dir.absolute()
+    old = DevSystem.attach(dir)
+    if old is not None:
+        with contextlib.suppress(Exception):
+            old.down()
+    shutil.rmtree(dir, ignore_errors=True)
+    spec = parse_spec(mode.spec)
+    t0 = time.monotonic()
+    with detached():
+        system = DevSystem.up(
+            dir, spec, die_with_parent=True, agent_args=AGENT_ARGS, webhook_args=WEBHOOK_ARGS
+        )
+    print(f"InstaSlice up in {time.monotonic() - t0:.0f}s on {len(system.nodes)} nodes; "
+          f"soaking {minutes:g} min, seed {seed}; logs in {system.logs}", flush=True)  # fmt: skip
+    try:
+        return asyncio.run(soak(system, spec, mode, minutes, seed))
+    finally:
+        system.down()
+
+
+COUNTS = ("leaked_instances", "orphan_allocations", "double_booked", "unsettled_pods")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="small fleet, short holds")
+    ap.add_argument("--dir", type=Path, default=REPO / ".dev" / "bench" / "chaos-run")
+    ap.add_argument("--out", type=Path, default=REPO / ".dev" / "bench" / "chaos.json")
+    args = ap.parse_args(argv)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    log_file = (args.dir.parent / "chaos-driver.log").open("w")
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(file=log_file),
+    )
+    result = run_chaos(args.dir, minutes=args.minutes, seed=args.seed, quick=args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    summary = {k: result[k] for k in list(result)[:10]}
+    print(json.dumps(summary, indent=1))
+    for v in result["violations"][:20]:
+        print("  ", v)
+    print(f"written to {args.out}")
+    return 0 if all(result[k] == 0 for k in COUNTS) and not result["fault_errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
