@@ -256,7 +256,11 @@ class NodeAgent:
             log.info("application XID (GPU stays healthy)", gpu=ev.gpu_index, xid=ev.xid)
             return
         gpu = self.st.inv.gpu_by_index(ev.gpu_index)
-        if gpu is None or not self.st.healthy(ev.gpu_index):
+        if gpu is None:
+            return
+        if ev.kind == "lost":
+            self.st.lost.add(ev.gpu_index)
+        if not self.st.healthy(ev.gpu_index):
             return
         self.st.health[ev.gpu_index] = Health(False, ev.message)
         log.warning("GPU unhealthy", node=self.node, gpu=ev.gpu_index, reason=ev.message)

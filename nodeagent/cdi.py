@@ -312,14 +312,14 @@ def build_spec(
 
 
 def write_json_atomic(path: Path, doc: Obj, mode: int = 0o644) -> Path:
-    """tmp + fsync + rename: a reader never sees half a file. The temporary name starts
-    with a dot and ends in .tmp, so CDI caches (which load *.json, *.yaml) never read it."""
+    """tmp + rename: a reader never sees half a file. The temporary name starts with a dot
+    and ends in .tmp, so CDI caches (which load *.json, *.yaml) never read it. No fsync:
+    /var/run/cdi is a tmpfs, gone on reboot anyway, and the agent rewrites a missing spec."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.write(fd, json.dumps(doc, indent=1).encode())
-        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -117,20 +117,25 @@ def load(path: Path, node: str) -> Checkpoint:
         return Checkpoint(node=node)
 
 
-def save(path: Path, cp: Checkpoint) -> None:
-    """Atomic, durable write: a crash leaves the old or the new file, never a mix."""
+def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
+    """Atomic write (tmp + rename): a crash leaves the old or the new file, never a mix.
+    `durable` also fsyncs file and directory, for records that must survive power loss:
+    the intent written before NVML creates anything. Later updates (ids, `ready`, removal)
+    may be lost with the page cache: the restart then re-derives them from NVML."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     data = json.dumps(to_json(cp), indent=1).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

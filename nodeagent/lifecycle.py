@@ -124,14 +124,16 @@ class Lifecycle:
     # ---- helpers ---------------------------------------------------------------------------
 
     def note_nvml(self, exc: NvmlFailure, gpu_index: int | None) -> None:
-        if exc.gpu_lost and gpu_index is not None and self.st.healthy(gpu_index):
-            self.st.health[gpu_index] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
-            self.st.publish.set()
+        if exc.gpu_lost and gpu_index is not None:
+            self.st.lost.add(gpu_index)
+            if self.st.healthy(gpu_index):
+                self.st.health[gpu_index] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
+                self.st.publish.set()
 
     async def instances(self, gpu_indexes: set[int]) -> list[Instance]:
         out: list[Instance] = []
         for g in self.st.inv.gpus:
-            if g.index in gpu_indexes and g.index not in self.st.inv.lost:
+            if g.index in gpu_indexes and not self.st.is_lost(g.index):
                 out += await self.gpus.call(self.gpus.s.instances, g)
         return out
 
@@ -154,7 +156,7 @@ class Lifecycle:
 
     async def destroy(self, inst: Instance) -> None:
         """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
-        if inst.gpu_index in self.st.inv.lost:
+        if self.st.is_lost(inst.gpu_index):
             log.warning("GPU lost; its instances went with it", gpu=inst.gpu_index)
             return
         try:
@@ -219,7 +221,7 @@ class Lifecycle:
             updated=time.time(),
         )
         self.st.put(rec)
-        await self.st.persist()
+        await self.st.persist(durable=True)  # the intent, on disk before NVML creates
         own = match(self.st.cp, instances)
         why = blocked(rec.slices, uid, instances, own)
         if why:
@@ -360,7 +362,7 @@ class Lifecycle:
                     time.time(),
                 )
                 self.st.put(rec)
-                await self.st.persist()
+                await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)

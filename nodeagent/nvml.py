@@ -249,8 +249,11 @@ class NvmlSession:
         self.call(fn, h, profile_id, arr, ctypes.byref(count))
         return tuple(sorted((int(arr[i].start), int(arr[i].size)) for i in range(count.value)))
 
-    def mig_devices(self, gpu_index: int) -> dict[tuple[int, int], str]:
-        """(GI id, CI id) → MIG UUID, by walking the GPU's MIG device handles."""
+    def mig_devices(
+        self, gpu_index: int, want: tuple[int, int] | None = None
+    ) -> dict[tuple[int, int], str]:
+        """(GI id, CI id) → MIG UUID, by walking the GPU's MIG device handles (stopping
+        at `want` when given)."""
         h = self.handle(gpu_index)
         out: dict[tuple[int, int], str] = {}
         for i in range(int(self.call("nvmlDeviceGetMaxMigDeviceCount", h))):
@@ -262,7 +265,11 @@ class NvmlSession:
                 raise
             gi = int(self.call("nvmlDeviceGetGpuInstanceId", m))
             ci = int(self.call("nvmlDeviceGetComputeInstanceId", m))
+            if want is not None and (gi, ci) != want:
+                continue
             out[(gi, ci)] = _text(self.call("nvmlDeviceGetUUID", m))
+            if want is not None:
+                break
         return out
 
     def instances(self, gpu: GpuInfo) -> list[Instance]:
@@ -347,7 +354,7 @@ class NvmlSession:
             raise
 
     def mig_uuid(self, gpu_index: int, gi_id: int, ci_id: int) -> str:
-        uuid = self.mig_devices(gpu_index).get((gi_id, ci_id))
+        uuid = self.mig_devices(gpu_index, want=(gi_id, ci_id)).get((gi_id, ci_id))
         if uuid is None:
             raise NvmlFailure(
                 NVML_NOT_FOUND, "mig_uuid", f"no MIG device for GI {gi_id} CI {ci_id}"

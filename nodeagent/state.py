@@ -27,6 +27,7 @@ class NodeState:
     inv: NodeInventory = field(default_factory=lambda: NodeInventory(gpus=()))
     health: dict[int, Health] = field(default_factory=dict)
     foreign: tuple[Instance, ...] = ()
+    lost: set[int] = field(default_factory=set)  # GPUs that answered GPU_IS_LOST
     allocs: dict[str, Obj] = field(default_factory=dict)  # uid → latest SliceAllocation
     cp: Checkpoint = field(init=False)
     publish: asyncio.Event = field(default_factory=asyncio.Event)
@@ -35,6 +36,7 @@ class NodeState:
         self.cp = Checkpoint(node=self.node, boot_id=self.boot_id)
         self._version = 0
         self._saved = 0
+        self._durable = 0
         self._lock = asyncio.Lock()
 
     def set_checkpoint(self, cp: Checkpoint) -> None:
@@ -48,14 +50,20 @@ class NodeState:
         if uid in self.cp.claims:
             self.set_checkpoint(self.cp.without(uid))
 
-    async def persist(self) -> None:
+    async def persist(self, durable: bool = False) -> None:
+        """Write the checkpoint if it changed; `durable` (fsync) for intent records."""
         want = self._version
         async with self._lock:
-            if self._saved >= want:
+            if self._saved >= want and not (durable and self._durable < want):
                 return
             snap, version = self.cp, self._version
-            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, snap)
+            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, snap, durable)
             self._saved = version
+            if durable:
+                self._durable = version
+
+    def is_lost(self, gpu_index: int) -> bool:
+        return gpu_index in self.lost or gpu_index in self.inv.lost
 
     def healthy(self, gpu_index: int) -> bool:
         return self.health.get(gpu_index, Health()).healthy
