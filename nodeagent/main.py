@@ -296,19 +296,18 @@ async def _serve_until_signal(settings: Settings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings, extra = parse_args(argv)
     output, level = extra.split(":", 1)
-    configure_logging(level)
     if settings.discover_only:
         catalog = load_catalog()
         nv_for = nvml_factory(settings)
-        docs = [report(n, discover(nv_for(n), catalog), catalog) for n in settings.nodes]
-        for doc in docs:
-            print(render(doc, output))
+        for node in settings.nodes:
+            print(render(report(node, discover(nv_for(node), catalog), catalog), output))
         return 0
     try:
         make_binding(settings.binding)
     except UnsupportedBinding as exc:
         print(f"instaslice-nodeagent: {exc}", file=sys.stderr)
         return 2
+    configure_logging(level)
     asyncio.run(_serve_until_signal(settings))
     return 0
 

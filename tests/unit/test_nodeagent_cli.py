@@ -1,0 +1,90 @@
+"""`instaslice-nodeagent` command line (nodeagent.main): argument rules, settings, the
+label selector, the unimplemented device-plugin binding, and `--discover-only` end to end on
+the emulator (read-only: the emulated node's state file is unchanged)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from common.catalog import load_catalog
+from nodeagent.emulator import provision
+from nodeagent.main import main, parse_args, selector
+
+
+def test_settings_from_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    s, extra = parse_args(["--node", "n1", "--gc-grace-s", "5"])
+    assert s.nodes == ("n1",) and s.gc_grace_s == 5 and s.binding == "env" and not s.emulate
+    assert s.node_cdi_dir("n1") == Path("/var/run/cdi")
+    assert s.checkpoint_path("n1") == Path("/var/lib/instaslice/n1.agent.json")
+    assert extra == "text:info"
+    monkeypatch.setenv("NODE_NAME", "from-env")
+    s, _ = parse_args([])
+    assert s.nodes == ("from-env",)
+    s, _ = parse_args(
+        ["--nodes", "a, b", "--emulate", "--emu-state", str(tmp_path), "--cdi-root", "/r"]
+    )
+    assert s.nodes == ("a", "b")
+    assert s.node_cdi_dir("b") == Path("/r/b/cdi")
+    assert s.checkpoint_path("a") == tmp_path / "a.agent.json"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "no node"),
+        (["--nodes", "a,b"], "needs --emulate"),
+        (["--node", "a", "--emulate"], "needs --emu-state"),
+        (["--nodes", "a,b", "--emulate", "--emu-state", "/x"], "--cdi-root"),
+        (["--node", "a", "--binding", "dra"], "invalid choice"),
+    ],
+)
+def test_bad_arguments(
+    argv: list[str],
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_selector() -> None:
+    assert selector(["a"]) == "instaslice.io/node=a"
+    assert selector(["a", "b"]) == "instaslice.io/node in (a,b)"
+    assert selector([f"n{i}" for i in range(500)]) == "instaslice.io/node"
+
+
+def test_device_plugin_binding_is_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--node", "a", "--binding", "device-plugin"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_discover_only_prints_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    provision(tmp_path, "n1", ["H200-141GB", "A30-24GB"])
+    state = tmp_path / "n1.json"
+    before = hashlib.sha256(state.read_bytes()).hexdigest()
+    argv = ["--discover-only", "--emulate", "--emu-state", str(tmp_path), "--node", "n1"]
+    assert main([*argv, "--output", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert hashlib.sha256(state.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n1.json", "n1.lock"]
+    h200 = load_catalog().model("H200-141GB")
+    assert h200 is not None
+    g0 = doc["gpus"][0]
+    assert g0["catalog"]["matches"] and g0["migMode"]["current"] == "enabled"
+    assert {p["name"]: p["placements"] for p in g0["profiles"]} == {
+        p.name: [f"{s}:{p.size}" for s in p.starts] for p in h200.profiles
+    }
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert (
+        "GPU 1  NVIDIA A30" in text and "catalog: A30-24GB (profiles and placements match)" in text
+    )
