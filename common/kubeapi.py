@@ -151,9 +151,9 @@ class Kube:
         except (OSError, TimeoutError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc)) from exc
         except Exception as exc:  # aiohttp.ClientError and friends
-            if type(exc).__module__.startswith("aiohttp"):
-                raise ApiError(0, type(exc).__name__, str(exc)) from exc
-            raise
+            if (err := _transport_error(exc)) is None:
+                raise
+            raise err from exc
 
     async def request(
         self,
@@ -171,7 +171,10 @@ class Kube:
             raise ApiError(0, type(exc).__name__, str(exc)) from exc
         finally:
             resp.release()
-        data: Obj = json.loads(raw) if raw else {}
+        try:
+            data: Obj = json.loads(raw) if raw else {}
+        except ValueError as exc:  # not JSON: a proxy's error page, a truncated body
+            raise ApiError(resp.status, "BadResponse", f"{exc}: {raw[:200]!r}") from exc
         if not 200 <= resp.status <= 299:
             raise ApiError(resp.status, data.get("reason", ""), data.get("message", ""), data)
         return data
@@ -228,9 +231,16 @@ class Kube:
                     line = await asyncio.wait_for(resp.content.readline(), timeout_s + 30)
                 except TimeoutError as exc:  # inactivity: treat like a dropped stream
                     raise ApiError(0, "WatchInactive", "no data on the watch") from exc
+                except Exception as exc:  # the stream broke (e.g. the apiserver restarted)
+                    if (err := _transport_error(exc)) is None:
+                        raise
+                    raise err from exc
                 if not line:
                     return
-                event = json.loads(line)
+                try:
+                    event = json.loads(line)
+                except ValueError as exc:  # a line cut off by a dropped connection
+                    raise ApiError(0, "BadWatchEvent", str(exc)) from exc
                 etype, obj = event.get("type", ""), event.get("object", {})
                 if etype == "ERROR":
                     status = int(obj.get("code", 500))
@@ -238,6 +248,14 @@ class Kube:
                 yield etype, obj
         finally:
             resp.release()
+
+
+def _transport_error(exc: Exception) -> ApiError | None:
+    """aiohttp's errors (a refused connection, a payload cut short when the apiserver
+    restarts) as ApiError(0), which callers retry; None for anything else (a bug)."""
+    if isinstance(exc, OSError) or type(exc).__module__.startswith("aiohttp"):
+        return ApiError(0, type(exc).__name__, str(exc))
+    return None
 
 
 def _query_value(v: Any) -> str:
