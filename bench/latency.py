@@ -1,0 +1,622 @@
+"""`make bench-latency`: time-to-slice, throughput and scale on the local control plane.
+
+Each fleet is a fresh `hack.dev.DevSystem` (etcd, kube-apiserver, scheduler, KCM, KWOK,
+InstaSlice's webhook/allocator process and ONE emulated node-agent process serving every
+node) of N KWOK nodes x 8 emulated H100-80GB, in `.dev/bench/latency-run/`, always torn
+down. Pods ask for one `nvidia.com/mig-1g.10gb`. Every scenario runs twice: with emulated
+NVML latency 0 and with a realistic setting (`--create-ms`/`--destroy-ms`, default 300/200
+per GI/CI create/destroy call, so one slice costs 600 ms to make and 400 ms to destroy):
+
+- sequential: 100 pods one after another (each waits for the previous to run), 10 nodes;
+- burst: 1000 pods created at once (64 creates in flight), 100 nodes;
+- churn: Poisson arrivals, each pod deleted a random lifetime after it runs, 500 nodes;
+- scale: the largest fleets (1000, 2000 nodes): startup, idle cost, then a sequential probe
+  and a burst; allocator and agent CPU seconds and peak RSS.
+
+Every fleet also records its idle cost (CPU share of each process with no pods) and peak
+RSS, which is what "cost against fleet size" plots. Times are from the create request
+being sent to the milestone being seen in a watch (bench/latency_track.py).
+Writes `.dev/bench/latency.json`; `--report DIR` also writes the plots there
+(bench/latency_report.py). `--quick` is the small variant `make test` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.latency_profile import Profiler
+from bench.latency_track import ProcSampler, Tracker, load, mem_mb, r3, summary
+from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path
+from hack.cluster.controlplane import ClusterSettings
+from hack.cluster.nodes import parse_spec
+from hack.dev import DevSystem
+from nodeagent.emulator import EmulatorControl
+
+NS = "bench"
+MODEL = "H100-80GB"
+PROFILE = "1g.10gb"
+GPUS_PER_NODE = 8
+OUT = Path(".dev/bench/latency.json")
+RUN_DIR = Path(".dev/bench/latency-run")
+SCENARIOS = ("sequential", "burst", "churn", "scale")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every scenario (the full run, or `--quick`)."""
+
+    seq_nodes: int = 10
+    seq_pods: int = 100
+    burst_nodes: int = 100
+    burst_pods: int = 1000
+    churn_nodes: int = 500
+    churn_s: float = 180.0
+    churn_rate: float = 4.0  # arrivals per second
+    churn_life_s: float = 20.0  # mean lifetime once Running (exponential)
+    scale_nodes: tuple[int, ...] = (1000, 2000)
+    scale_probe: int = 20
+    scale_burst: int = 500
+    idle_s: float = 30.0
+    create_ms: int = 300
+    destroy_ms: int = 200
+    in_flight: int = 64
+
+
+QUICK = Plan(
+    seq_nodes=3,
+    seq_pods=20,
+    burst_nodes=5,
+    burst_pods=50,
+    churn_nodes=5,
+    churn_s=15.0,
+    churn_rate=2.0,
+    churn_life_s=3.0,
+    scale_nodes=(20,),
+    scale_probe=5,
+    scale_burst=50,
+    idle_s=3.0,
+    create_ms=100,
+    destroy_ms=50,
+)
+
+
+def cluster_settings(nodes: int) -> ClusterSettings:
+    """Lease renewals cost nodes/(lease/4) writes/s (reference/control-plane.md): keep them
+    near 10/s for big fleets by stretching KWOK's lease and KCM's grace period."""
+    if nodes < 200:
+        return ClusterSettings()
+    lease = min(1200, max(40, nodes // 2))
+    return ClusterSettings(
+        node_lease_duration_s=lease, node_monitor_grace_s=lease + 60, ready_timeout_s=300.0
+    )
+
+
+def agent_args(nodes: int) -> list[str]:
+    """The same idea for the agent's own per-node Leases (renewed every duration/4)."""
+    if nodes < 200:
+        return []
+    return [f"--lease-duration-s={min(1200, max(40, nodes // 2))}"]
+
+
+def spec(nodes: int) -> Any:
+    return parse_spec({"nodes": [{
+        "prefix": "gpu", "count": nodes, "gpus": GPUS_PER_NODE, "model": MODEL,
+        "cpu": "128", "memory": "1Ti", "pods": 250,
+    }]})  # fmt: skip
+
+
+def pod(name: str) -> Obj:
+    limits = {f"nvidia.com/mig-{PROFILE}": 1, "cpu": "100m", "memory": "128Mi"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "bench"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "main", "image": "bench", "resources": {"limits": limits}}],
+        },
+    }
+
+
+def machine() -> dict[str, Any]:
+    mem = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(mem, 1),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "load_at_start": load(),
+    }
+
+
+# ---- one fleet --------------------------------------------------------------------------------
+
+
+class Fleet:
+    """A running system of N nodes plus the bench's client, informers and tracker."""
+
+    def __init__(self, system: DevSystem, kube: Kube, tracker: Tracker) -> None:
+        self.system = system
+        self.kube = kube
+        self.tr = tracker
+        self.pids = {
+            "allocator": system.processes["webhook"].pid,
+            "agent": system.processes["nodeagent"].pid,
+            **{p.name: p.pid for p in system.cp.processes},
+        }
+        self.seq = 0
+
+    def sampler(self) -> ProcSampler:
+        return ProcSampler(dict(self.pids))
+
+    def next_name(self) -> str:
+        self.seq += 1
+        return f"p{self.seq:05d}"
+
+    async def create(self, sem: asyncio.Semaphore | None = None, name: str = "") -> str:
+        name = name or self.next_name()
+        body = pod(name)
+        if sem is None:
+            await self._create(name, body)
+        else:
+            async with sem:
+                await self._create(name, body)
+        return name
+
+    async def _create(self, name: str, body: Obj) -> None:
+        t = self.tr.sent(name)
+        for attempt in range(5):
+            try:
+                await self.kube.create(core_path("pods", NS), body)
+                break
+            except ApiError as exc:
+                if not exc.retryable or attempt == 4:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        t.admitted = self.tr.clock()
+
+    async def delete(self, name: str) -> None:
+        await self.kube.delete_ignore_missing(core_path("pods", NS, name))
+
+    async def clean(self, timeout_s: float = 300.0) -> None:
+        """Delete every bench pod; wait until no SliceAllocation is left in the namespace."""
+        await self.kube.delete(core_path("pods", NS))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            allocs = await self.kube.list(instaslice_path("sliceallocations", NS))
+            pods = await self.kube.list(core_path("pods", NS))
+            if not allocs.get("items") and not pods.get("items"):
+                return
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"bench namespace not clean after {timeout_s}s")
+
+    def set_latency(self, create_ms: int, destroy_ms: int) -> None:
+        for node in self.system.nodes:
+            EmulatorControl(self.system.gpu_state, node).set_latency(create_ms, destroy_ms)
+
+
+async def opt_in(kube: Kube) -> None:
+    body = {"metadata": {"name": NS, "annotations": {"instaslice.io/enabled": "true"}}}
+    await kube.create(core_path("namespaces"), body)
+    for _ in range(300):
+        ns = await kube.get(core_path("namespaces", name=NS))
+        if (ns["metadata"].get("labels") or {}).get("instaslice.io/enabled") == "true":
+            break
+        await asyncio.sleep(0.1)
+    for _ in range(300):  # pods need the default ServiceAccount (KCM makes it)
+        try:
+            await kube.get(core_path("serviceaccounts", NS, "default"))
+            return
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        await asyncio.sleep(0.1)
+
+
+def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, float]:
+    old = DevSystem.attach(run_dir)
+    if old is not None:
+        old.down()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.monotonic()
+    system = DevSystem.up(
+        run_dir,
+        spec(nodes),
+        die_with_parent=True,
+        cluster_settings=cluster_settings(nodes),
+        agent_args=agent_args(nodes),
+    )
+    return system, time.monotonic() - t0
+
+
+async def with_fleet(
+    run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any
+) -> dict[str, Any]:
+    """Bring a fleet up, run `body(fleet, fleet_record)`, always tear it down."""
+    log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
+    system, up_s = await asyncio.to_thread(bring_up, run_dir, nodes)
+    rec: dict[str, Any] = {"nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "startup_s": r3(up_s)}
+    log(f"  up in {up_s:.1f}s")
+    try:
+        async with await Kube.connect(str(system.kubeconfig)) as kube:
+            tr = Tracker()
+            fleet = Fleet(system, kube, tr)
+            rec["after_startup"] = {
+                k: {"peak_rss_mb": round(mem_mb(p)[1], 1)} for k, p in fleet.pids.items()
+            }
+            await opt_in(kube)
+            informers = [
+                Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
+                Informer(
+                    kube, instaslice_path("sliceallocations", NS), tr.on_alloc, name="bench-allocs"
+                ),
+            ]
+            tasks = [asyncio.create_task(i.run()) for i in informers]
+            try:
+                for i in informers:
+                    await i.synced.wait()
+                rec["idle"] = await idle(fleet, idle_s)
+                log(
+                    f"  idle: agent {rec['idle']['agent']['cpu_share']:.0%} CPU, "
+                    f"allocator {rec['idle']['allocator']['cpu_share']:.0%} CPU"
+                )
+                await body(fleet, rec)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await asyncio.to_thread(system.down)
+        log(f"  torn down (load {load()})")
+    return rec
+
+
+async def idle(fleet: Fleet, seconds: float) -> dict[str, Any]:
+    s = fleet.sampler()
+    s.start()
+    await asyncio.sleep(seconds)
+    return s.stop()
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+
+
+def _head(nodes: int, pods: int, create_ms: int) -> dict[str, Any]:
+    return {"nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "pods": pods,
+            "emulated_create_ms": create_ms}  # fmt: skip
+
+
+async def sequential(fleet: Fleet, pods: int, create_ms: int, timeout_s: float = 120.0) -> Obj:
+    res = _head(len(fleet.system.nodes), pods, create_ms)
+    res["load_start"] = load()
+    s = fleet.sampler()
+    s.start()
+    names = []
+    for _ in range(pods):
+        name = await fleet.create()
+        names.append(name)
+        if not await fleet.tr.wait(fleet.tr.reached(name, "running"), timeout_s):
+            break
+    res["processes"] = s.stop()
+    res.update(summary(fleet.tr, names))
+    res["load_end"] = load()
+    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    await release_all(fleet, names)
+    res["release_p50_s"] = summary(fleet.tr, names).get("release_p50_s", math.nan)
+    return res
+
+
+async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout_s: float) -> Obj:
+    res = _head(len(fleet.system.nodes), pods, create_ms)
+    res["load_start"] = load()
+    s = fleet.sampler()
+    s.start()
+    t0 = fleet.tr.clock()
+    sem = asyncio.Semaphore(in_flight)
+    names = await asyncio.gather(*(fleet.create(sem) for _ in range(pods)))
+    res["all_created_s"] = r3(fleet.tr.clock() - t0)
+    ok = await fleet.tr.wait(
+        lambda: all(fleet.tr.pods[n].ungated is not None for n in names), timeout_s
+    )
+    ung = [fleet.tr.pods[n].ungated for n in names if fleet.tr.pods[n].ungated is not None]
+    last = max((u for u in ung if u is not None), default=math.nan)
+    res["all_ungated_s"] = r3(last - t0) if ok else math.nan
+    res["pods_per_s"] = r3(len(ung) / (last - t0)) if ung else 0.0
+    await fleet.tr.wait(
+        lambda: all(fleet.tr.pods[n].running is not None for n in names), timeout_s / 2
+    )
+    res["processes"] = s.stop()
+    res.update(summary(fleet.tr, list(names)))
+    res["load_end"] = load()
+    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    await release_all(fleet, list(names))
+    res["release_p50_s"] = summary(fleet.tr, list(names)).get("release_p50_s", math.nan)
+    return res
+
+
+async def churn(
+    fleet: Fleet, seconds: float, rate: float, life_s: float, create_ms: int, seed: int = 1
+) -> Obj:
+    """Poisson arrivals at `rate`/s for `seconds`; each pod is deleted an exponential
+    lifetime (mean `life_s`) after it runs. Latency counts pods that arrived in the window."""
+    rnd = random.Random(seed)
+    res = _head(len(fleet.system.nodes), 0, create_ms)
+    res.update(duration_s=seconds, arrival_rate_per_s=rate, mean_life_s=life_s)
+    res["load_start"] = load()
+    s = fleet.sampler()
+    s.start()
+    names: list[str] = []
+    lifetimes: list[asyncio.Task[None]] = []
+
+    async def live(name: str) -> None:
+        t = fleet.tr.pods[name]
+        if await fleet.tr.wait(lambda: t.running is not None, 120.0):
+            await asyncio.sleep(rnd.expovariate(1 / life_s))
+        await fleet.delete(name)
+
+    start = time.monotonic()
+    sem = asyncio.Semaphore(32)
+    while time.monotonic() - start < seconds:
+        name = fleet.next_name()
+        lifetimes.append(asyncio.create_task(_spawn(fleet, sem, live, name)))
+        names.append(name)
+        await asyncio.sleep(rnd.expovariate(rate))
+    await asyncio.gather(*lifetimes, return_exceptions=True)
+    await fleet.tr.wait(lambda: all(fleet.tr.pods[n].released for n in names), 120.0)
+    res["processes"] = s.stop()
+    res["pods"] = len(names)
+    res.update(summary(fleet.tr, names))
+    res["completed"] = sum(1 for n in names if fleet.tr.pods[n].released is not None)
+    res["load_end"] = load()
+    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    await fleet.clean()
+    return res
+
+
+async def _spawn(fleet: Fleet, sem: asyncio.Semaphore, live: Any, name: str) -> None:
+    await fleet.create(sem, name)
+    await live(name)
+
+
+async def release_all(fleet: Fleet, names: list[str]) -> None:
+    """Delete the pods (measuring release: delete seen → allocation gone); wait for it."""
+    sem = asyncio.Semaphore(64)
+
+    async def one(n: str) -> None:
+        async with sem:
+            await fleet.delete(n)
+
+    await asyncio.gather(*(one(n) for n in names))
+    await fleet.tr.wait(lambda: all(fleet.tr.pods[n].released for n in names), 300.0)
+    await fleet.clean()
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    plan: Plan
+    run_dir: Path
+    scenarios: tuple[str, ...]
+    realistic: bool = True
+    quiet: bool = False
+    profile: Path | None = None
+
+    def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
+        if self.profile is None:
+            return None
+        prof = Profiler(self.profile)
+        prof.start(label, {k: fleet.pids[k] for k in ("agent", "allocator")})
+        return prof
+
+    def log(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, flush=True)
+
+    def variants(self) -> list[tuple[str, int, int]]:
+        out = [("", 0, 0)]
+        if self.realistic:
+            out.append(("-realistic", self.plan.create_ms, self.plan.destroy_ms))
+        return out
+
+    async def run(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"machine": machine(), "plan": _plan_json(self.plan),
+                               "scenarios": {}, "fleets": {}}  # fmt: skip
+        p = self.plan
+        for sc in self.scenarios:
+            t0 = time.monotonic()
+            if sc == "sequential":
+                rec = await self._simple(doc, "sequential", p.seq_nodes, self._sequential)
+            elif sc == "burst":
+                rec = await self._simple(doc, "burst", p.burst_nodes, self._burst)
+            elif sc == "churn":
+                rec = await self._simple(doc, "churn", p.churn_nodes, self._churn)
+            elif sc == "scale":
+                rec = await self._scale(doc)
+            else:
+                raise ValueError(f"unknown scenario {sc!r}; known: {', '.join(SCENARIOS)}")
+            self.log(f"{sc}: done in {time.monotonic() - t0:.0f}s")
+            del rec
+        doc["machine"]["load_at_end"] = load()
+        return doc
+
+    async def _simple(self, doc: Obj, name: str, nodes: int, fn: Any) -> Obj:
+        async def body(fleet: Fleet, rec: Obj) -> None:
+            for suffix, cms, dms in self.variants():
+                fleet.set_latency(cms, dms)
+                key = name + suffix
+                self.log(f"  {key}: running (load {load()})")
+                prof = self._profiled(key, fleet)
+                try:
+                    doc["scenarios"][key] = res = await fn(fleet, cms)
+                finally:
+                    if prof is not None:
+                        prof.stop()
+                self.log("  " + line(key, res))
+
+        rec = await with_fleet(self.run_dir, nodes, self.plan.idle_s, body, self.log)
+        doc["fleets"][str(nodes)] = rec
+        return rec
+
+    async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
+        return await sequential(fleet, self.plan.seq_pods, cms)
+
+    async def _burst(self, fleet: Fleet, cms: int) -> Obj:
+        return await burst(fleet, self.plan.burst_pods, cms, self.plan.in_flight, 600.0)
+
+    async def _churn(self, fleet: Fleet, cms: int) -> Obj:
+        p = self.plan
+        return await churn(fleet, p.churn_s, p.churn_rate, p.churn_life_s, cms)
+
+    async def _scale(self, doc: Obj) -> Obj:
+        p = self.plan
+        best: Obj = {}
+        for nodes in p.scale_nodes:
+            key = f"scale-{nodes}"
+
+            async def body(fleet: Fleet, rec: Obj, key: str = key) -> None:
+                out: Obj = {}
+                s = fleet.sampler()
+                s.start()
+                prof = self._profiled(key, fleet)
+                out["probe"] = await sequential(fleet, p.scale_probe, 0)
+                self.log("  " + line(f"{key} probe", out["probe"]))
+                out["burst"] = await burst(fleet, p.scale_burst, 0, p.in_flight, 900.0)
+                self.log("  " + line(f"{key} burst", out["burst"]))
+                out["processes"] = s.stop()
+                if prof is not None:
+                    prof.stop()
+                doc["scenarios"][key] = out
+
+            try:
+                rec = await with_fleet(self.run_dir, nodes, p.idle_s, body, self.log)
+            except Exception as exc:  # the largest fleet may not fit: record why, keep going
+                self.log(f"  {key}: FAILED: {exc!r}")
+                doc["scenarios"][key] = {"nodes": nodes, "error": repr(exc)}
+                continue
+            doc["fleets"][str(nodes)] = rec
+            sc = doc["scenarios"][key]
+            procs = sc["processes"]
+            best = {
+                **_head(nodes, p.scale_probe + p.scale_burst, 0),
+                "ungate_p50_s": sc["burst"]["ungate_p50_s"],
+                "ungate_p99_s": sc["burst"]["ungate_p99_s"],
+                "probe_ungate_p50_s": sc["probe"]["ungate_p50_s"],
+                "probe_ungate_p99_s": sc["probe"]["ungate_p99_s"],
+                "burst_all_ungated_s": sc["burst"]["all_ungated_s"],
+                "startup_s": rec["startup_s"],
+                "allocator_rss_mb": procs["allocator"]["peak_rss_mb"],
+                "allocator_cpu_s": procs["allocator"]["cpu_s"],
+                "agent_rss_mb": procs["agent"]["peak_rss_mb"],
+                "agent_cpu_s": procs["agent"]["cpu_s"],
+                "allocator_idle_cpu_share": rec["idle"]["allocator"]["cpu_share"],
+                "agent_idle_cpu_share": rec["idle"]["agent"]["cpu_share"],
+            }
+            doc["scenarios"]["scale"] = best
+        return best
+
+
+def line(key: str, r: Obj) -> str:
+    parts = [f"{key}: {r.get('ungated', 0)}/{r.get('pods', 0)} ungated",
+             f"ungate p50 {r.get('ungate_p50_s', math.nan):.2f}s "
+             f"p99 {r.get('ungate_p99_s', math.nan):.2f}s",
+             f"running p50 {r.get('running_p50_s', math.nan):.2f}s"]  # fmt: skip
+    if "all_ungated_s" in r:
+        parts.append(f"all ungated {r['all_ungated_s']:.1f}s ({r['pods_per_s']:.1f} pods/s)")
+    steps = [k.removesuffix("_p50_s") for k in r if k.endswith("_p50_s")]
+    brk = ", ".join(f"{k} {r[k + '_p50_s']:.3f}" for k in steps if k not in ("ungate", "running"))
+    return "; ".join(parts) + f"  [p50 steps: {brk}]"
+
+
+def _plan_json(p: Plan) -> Obj:
+    d = dict(p.__dict__)
+    d["scale_nodes"] = list(p.scale_nodes)
+    return d
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="small sizes (make test runs this)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    ap.add_argument("--scale-nodes", default=None, help="fleet sizes for scale, e.g. 1000,2000")
+    ap.add_argument("--no-realistic", action="store_true", help="only emulated latency 0")
+    ap.add_argument("--create-ms", type=int, default=None)
+    ap.add_argument("--destroy-ms", type=int, default=None)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a size of the plan, e.g. --set seq_pods=30 (see Plan)",
+    )
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--dir", type=Path, default=RUN_DIR, help="where the system runs")
+    ap.add_argument("--report", type=Path, default=None, help="write plots into this dir")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks into DIR")
+    args = ap.parse_args(argv)
+    plan = QUICK if args.quick else Plan()
+    if args.scale_nodes:
+        plan = replace(plan, scale_nodes=tuple(int(x) for x in args.scale_nodes.split(",")))
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in Plan.__dataclass_fields__:
+            ap.error(f"--set: no plan field {key!r}")
+        current = getattr(plan, key)
+        if isinstance(current, tuple):
+            new: Any = tuple(int(x) for x in value.split(","))
+        else:
+            new = type(current)(value)
+        plan = replace(plan, **{key: new})
+    if args.create_ms is not None:
+        plan = replace(plan, create_ms=args.create_ms)
+    if args.destroy_ms is not None:
+        plan = replace(plan, destroy_ms=args.destroy_ms)
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    bench = Bench(plan, args.dir, scenarios, realistic=not args.no_realistic, profile=args.profile)
+    doc = asyncio.run(bench.run())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}")
+    if args.report is not None:
+        from bench.latency_report import plots
+
+        for path in plots(doc, args.report):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

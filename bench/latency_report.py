@@ -1,0 +1,152 @@
+"""Plots of `.dev/bench/latency.json` for docs/benchmarks.md.
+
+- `latency-cdf.png`: time to ungate, one cumulative distribution per scenario, emulated NVML
+  latency 0 on the left and the realistic setting on the right;
+- `fleet-cost.png`: against fleet size (nodes): time to ungate of single pods on an idle
+  fleet (p50/p99), idle CPU share and peak RSS of the allocator and the agent, startup time.
+
+`python -m bench.latency_report [JSON] [DIR]` redraws them from a saved run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+Obj = dict[str, Any]
+
+
+def _cdf(ax: Any, xs: list[float], label: str) -> None:
+    xs = sorted(x for x in xs if math.isfinite(x))
+    if not xs:
+        return
+    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+    ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+
+
+def latency_cdf(doc: Obj, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for key, sc in sorted(doc["scenarios"].items()):
+        samples = _samples(sc)
+        for name, xs in samples.items():
+            label = key if not name else f"{key} {name}"
+            ax = axes[1] if "realistic" in key else axes[0]
+            _cdf(ax, xs, label)
+    titles = ("emulated NVML latency 0", "realistic emulated NVML latency")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("pod created → scheduling gate removed (s, log)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.axvline(0.5, color="grey", linestyle=":", linewidth=1)
+        ax.axvline(2.0, color="grey", linestyle="--", linewidth=1)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("share of pods")
+    fig.suptitle("InstaSlice time to ungate (dotted: 0.5 s, dashed: 2 s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _samples(sc: Obj) -> dict[str, list[float]]:
+    if "samples" in sc:
+        return {"": list(sc["samples"]["ungate_s"])}
+    out = {}
+    for part in ("probe", "burst"):
+        if isinstance(sc.get(part), dict) and "samples" in sc[part]:
+            out[part] = list(sc[part]["samples"]["ungate_s"])
+    return out
+
+
+def fleet_cost(doc: Obj, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fleets = sorted(doc.get("fleets", {}).values(), key=lambda f: f["nodes"])
+    probes = []  # (nodes, p50, p99) of single pods on an otherwise idle fleet
+    for key, sc in doc["scenarios"].items():
+        if key == "sequential":
+            probes.append((sc["nodes"], sc["ungate_p50_s"], sc["ungate_p99_s"]))
+        elif key.startswith("scale-") and "probe" in sc:
+            p = sc["probe"]
+            probes.append((p["nodes"], p["ungate_p50_s"], p["ungate_p99_s"]))
+    probes.sort()
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    ax = axes[0]
+    if probes:
+        ax.plot([p[0] for p in probes], [p[1] for p in probes], "o-", label="p50")
+        ax.plot([p[0] for p in probes], [p[2] for p in probes], "s--", label="p99")
+    ax.set_title("single pod, idle fleet: time to ungate")
+    ax.set_ylabel("seconds")
+    ax = axes[1]
+    for proc in ("allocator", "agent", "kube-apiserver", "etcd"):
+        pts = [(f["nodes"], 100 * f["idle"][proc]["cpu_share"]) for f in fleets if "idle" in f]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", label=proc)
+    ax.set_title("idle CPU (% of one core)")
+    ax = axes[2]
+    for proc in ("allocator", "agent"):
+        pts = [(f["nodes"], _peak(doc, f["nodes"], proc)) for f in fleets]
+        pts = [p for p in pts if math.isfinite(p[1])]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", label=proc)
+    ax.set_title("peak RSS (MiB)")
+    ax = axes[3]
+    pts = [(f["nodes"], f["startup_s"]) for f in fleets]
+    if pts:
+        ax.plot(*zip(*pts, strict=True), "o-", label="system up")
+    ax.set_title("startup (s): control plane + nodes + InstaSlice")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("nodes (x 8 GPUs)")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _peak(doc: Obj, nodes: int, proc: str) -> float:
+    """The highest peak RSS any scenario on this fleet size recorded for `proc`."""
+    best = math.nan
+    for sc in doc["scenarios"].values():
+        for part in (sc, sc.get("probe"), sc.get("burst")):
+            if isinstance(part, dict) and part.get("nodes") == nodes and "processes" in part:
+                v = part["processes"].get(proc, {}).get("peak_rss_mb", math.nan)
+                best = v if not math.isfinite(best) else max(best, v)
+    return best
+
+
+def plots(doc: Obj, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        latency_cdf(doc, out_dir / "latency-cdf.png"),
+        fleet_cost(doc, out_dir / "fleet-cost.png"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    src = Path(args[0]) if args else Path(".dev/bench/latency.json")
+    out = Path(args[1]) if len(args) > 1 else Path("bench/results")
+    for p in plots(json.loads(src.read_text()), out):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

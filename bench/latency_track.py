@@ -1,0 +1,237 @@
+"""What `bench.latency` measures: per-pod milestones, percentiles, process CPU and memory.
+
+`Tracker` is fed by two informers (the benchmark's pods, their SliceAllocations) and keeps,
+per pod, when each step of the protocol (docs/protocol.md) was first seen on the bench's
+monotonic clock: create sent → admitted (the POST returned) → SliceAllocation created
+(placement) → allocation Ready (the node agent) → gate removed (the pin) → Running (the
+scheduler and KWOK) → deleted → allocation gone (release). All times are seen through
+watches from the benchmark process, so they include watch delivery (milliseconds here).
+
+`ProcSampler` reads /proc for CPU seconds (utime+stime) and peak RSS (VmHWM) of the
+components; `load()` is the machine's load average, recorded because the machine is shared.
+Nothing here starts or stops anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.constants import GATE_NAME
+
+Obj = dict[str, Any]
+CLAIM = "instaslice.io/claim"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class PodTimes:
+    sent: float
+    admitted: float | None = None
+    allocated: float | None = None
+    ready: float | None = None
+    ungated: float | None = None
+    running: float | None = None
+    deleted: float | None = None
+    released: float | None = None
+    node: str = ""
+
+    def since(self, attr: str) -> float | None:
+        t = getattr(self, attr)
+        return None if t is None else t - self.sent
+
+
+@dataclass
+class Tracker:
+    """Milestones per pod name, from watch events; `changed` wakes waiters."""
+
+    clock: Callable[[], float] = time.monotonic
+    pods: dict[str, PodTimes] = field(default_factory=dict)
+    claim_to_pod: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.changed = asyncio.Event()
+
+    def sent(self, name: str) -> PodTimes:
+        t = self.pods[name] = PodTimes(sent=self.clock())
+        return t
+
+    async def on_pod(self, etype: str, p: Obj) -> None:
+        now = self.clock()
+        meta = p.get("metadata", {})
+        t = self.pods.get(meta.get("name", ""))
+        if t is None:
+            return
+        claim = (meta.get("annotations") or {}).get(CLAIM)
+        if claim:
+            self.claim_to_pod[claim] = meta["name"]
+        if etype == "DELETED":
+            return
+        if meta.get("deletionTimestamp") and t.deleted is None:
+            t.deleted = now
+        gates = [g.get("name") for g in p.get("spec", {}).get("schedulingGates") or []]
+        if claim and GATE_NAME not in gates and t.ungated is None:
+            t.ungated = now
+            t.node = _pinned_node(p)
+        if p.get("status", {}).get("phase") == "Running" and t.running is None:
+            t.running = now
+        self.changed.set()
+
+    async def on_alloc(self, etype: str, a: Obj) -> None:
+        now = self.clock()
+        name = self.claim_to_pod.get(a.get("metadata", {}).get("name", ""))
+        if name is None:
+            name = a.get("spec", {}).get("podName", "")
+        t = self.pods.get(name)
+        if t is None:
+            return
+        if t.allocated is None:
+            t.allocated = now
+        if etype == "DELETED":
+            t.released = now
+        elif (a.get("status") or {}).get("phase") == "Ready" and t.ready is None:
+            t.ready = now
+        self.changed.set()
+
+    def reached(self, name: str, attr: str) -> Callable[[], bool]:
+        t = self.pods[name]
+        return lambda: getattr(t, attr) is not None
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Until `done()` holds (checked on every change) or the timeout; whether it held."""
+        deadline = self.clock() + timeout_s
+        while not done():
+            left = deadline - self.clock()
+            if left <= 0:
+                return False
+            self.changed.clear()
+            try:
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self.changed.wait()
+            except TimeoutError:
+                pass
+        return True
+
+    def durations(self, names: Iterable[str], attr: str, start: str = "sent") -> list[float]:
+        out = []
+        for n in names:
+            t = self.pods[n]
+            a, b = getattr(t, start), getattr(t, attr)
+            if a is not None and b is not None:
+                out.append(b - a)
+        return out
+
+
+def _pinned_node(p: Obj) -> str:
+    """The node the allocator pinned the pod to (node affinity on metadata.name)."""
+    aff = p.get("spec", {}).get("affinity", {}).get("nodeAffinity", {})
+    req = aff.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    for term in req.get("nodeSelectorTerms", []):
+        for f in term.get("matchFields", []):
+            if f.get("key") == "metadata.name" and f.get("values"):
+                return str(f["values"][0])
+    return ""
+
+
+def pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no data."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def r3(x: float) -> float:
+    return round(x, 3) if math.isfinite(x) else x
+
+
+def summary(tr: Tracker, names: list[str]) -> dict[str, float]:
+    """p50/p99 of each step for `names`; the breakdown medians explain where time goes."""
+    ung = tr.durations(names, "ungated")
+    run = tr.durations(names, "running")
+    out = {
+        "ungated": len(ung),
+        "ungate_p50_s": r3(pct(ung, 0.5)),
+        "ungate_p99_s": r3(pct(ung, 0.99)),
+        "ungate_max_s": r3(max(ung, default=math.nan)),
+        "running_p50_s": r3(pct(run, 0.5)),
+        "running_p99_s": r3(pct(run, 0.99)),
+    }
+    steps = {
+        "admit": ("sent", "admitted"),
+        "place": ("admitted", "allocated"),
+        "agent": ("allocated", "ready"),
+        "pin": ("ready", "ungated"),
+        "bind_run": ("ungated", "running"),
+        "release": ("deleted", "released"),
+    }
+    for step, (a, b) in steps.items():
+        xs = tr.durations(names, b, a)
+        if xs:
+            out[f"{step}_p50_s"] = r3(pct(xs, 0.5))
+            out[f"{step}_p99_s"] = r3(pct(xs, 0.99))
+    return out
+
+
+# ---- processes -----------------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of `pid` in seconds (NaN if gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return math.nan
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def mem_mb(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) in MiB from /proc/<pid>/status (NaN if gone)."""
+    rss = hwm = math.nan
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return rss, hwm
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@dataclass
+class ProcSampler:
+    """CPU seconds of named processes between `start()` and `stop()`; peak RSS at stop."""
+
+    pids: dict[str, int]
+    t0: float = 0.0
+    cpu0: dict[str, float] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.cpu0 = {k: cpu_s(p) for k, p in self.pids.items()}
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        wall = time.monotonic() - self.t0
+        out: dict[str, dict[str, float]] = {}
+        for k, p in self.pids.items():
+            used = cpu_s(p) - self.cpu0.get(k, math.nan)
+            rss, hwm = mem_mb(p)
+            out[k] = {
+                "cpu_s": r3(used),
+                "cpu_share": r3(used / wall) if wall > 0 else math.nan,
+                "rss_mb": round(rss, 1),
+                "peak_rss_mb": round(hwm, 1),
+            }
+        return out
