@@ -27,6 +27,7 @@ from nodeagent import cdi, checkpoint, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
+from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
 from nodeagent.report import capacity, capacity_patch, mig_node_status
@@ -54,9 +55,11 @@ class NodeAgent:
         binding: Binding,
         health_hub: HealthHub,
         synced: asyncio.Event,
+        metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
+        self.metrics = metrics or AgentMetrics()
         self.kube = kube
         self.gpus = gpus
         self.settings = settings
@@ -73,6 +76,7 @@ class NodeAgent:
             numbers=numbers,
             common_edits=cdi.common_edits(base_spec, numbers),
             binding=binding,
+            metrics=self.metrics,
             clock=clock,
         )
         self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
@@ -176,6 +180,11 @@ class NodeAgent:
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
             self._last_status = status
+            for g in st.inv.gpus:
+                self.metrics.gpu_healthy.labels(self.node, str(g.index)).set(st.healthy(g.index))
+            ours = sum(len(r.slices) for r in st.cp.claims.values())
+            self.metrics.slices.labels(self.node, "instaslice").set(ours)
+            self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
         desired = capacity(st.inv, st.health)
         if desired == self._last_capacity:
             return None

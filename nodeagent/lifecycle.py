@@ -34,6 +34,7 @@ from nodeagent import cdi, writes
 from nodeagent.binding import Binding
 from nodeagent.checkpoint import ClaimRecord, SliceRecord
 from nodeagent.device import NodeGpus
+from nodeagent.metrics import AgentMetrics
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import (
     Action,
@@ -81,9 +82,11 @@ class Lifecycle:
         numbers: cdi.DeviceNumbers,
         common_edits: cdi.Obj,
         binding: Binding,
+        metrics: AgentMetrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.st = state
+        self.metrics = metrics
         self.gpus = gpus
         self.kube = kube
         self.settings = settings
@@ -146,6 +149,7 @@ class Lifecycle:
 
     async def fail(self, alloc: AllocView, message: str) -> None:
         log.warning("allocation failed", claim=alloc.key, reason=message)
+        self.metrics.creates.labels(self.st.node, "failed").inc()
         conds = with_condition(
             self.conditions(alloc), condition("Ready", False, "CreateFailed", message, _now())
         )
@@ -295,6 +299,8 @@ class Lifecycle:
         if alloc.uid in self._announced:
             return
         self._announced.add(alloc.uid)
+        self.metrics.creates.labels(self.st.node, "ready").inc()
+        self.metrics.create_seconds.labels(self.st.node).observe(self.clock() - t0)
         ms = round((self.clock() - t0) * 1000, 1)
         log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
         await writes.event(
@@ -428,6 +434,7 @@ class Lifecycle:
         told = uid in self._in_use_told
         self._in_use_told.discard(uid)
         log.info("slices released", claim=alloc.key, after_in_use=told)
+        self.metrics.releases.labels(self.st.node, "released").inc()
         if alloc.has_finalizer:
             await writes.event(
                 self.kube,
@@ -450,4 +457,5 @@ class Lifecycle:
                 self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_IN_USE, msg, True
             )
         log.info("release waits: slice in use", claim=alloc.key, retry_s=delay)
+        self.metrics.releases.labels(self.st.node, "in_use").inc()
         return delay

@@ -35,6 +35,7 @@ from nodeagent.agent import NodeAgent
 from nodeagent.binding import UnsupportedBinding, make_binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
+from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
 from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
 
@@ -87,6 +88,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         "/etc/cdi/nvidia.yaml; generated under --emulate)",
     )
     p.add_argument("--mig-minors", type=Path, default=Path("/proc/driver/nvidia-caps/mig-minors"))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve /metrics, /healthz and /readyz on this port (0: off)",
+    )
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     if a.nodes:
@@ -118,6 +125,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         lease_duration_s=a.lease_duration_s,
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,
+        metrics_port=a.metrics_port,
     )
     return settings, f"{a.output}:{a.log_level}"
 
@@ -231,6 +239,7 @@ async def serve(
     nvml_for = nvml_for or nvml_factory(settings)
     boot_id_for = boot_id_for or boot_id_factory(settings)
     agents: dict[str, NodeAgent] = {}
+    metrics = AgentMetrics()
 
     async def on_alloc(etype: EventType, obj: Obj) -> None:
         node = (obj.get("metadata", {}).get("labels") or {}).get(NODE_LABEL, "")
@@ -267,6 +276,16 @@ async def serve(
                     binding=binding,
                     health_hub=hub,
                     synced=informer.synced,
+                    metrics=metrics,
+                )
+
+            def ready() -> bool:
+                started = all(a.started.is_set() for a in agents.values())
+                return started and informer.synced.is_set()
+
+            if settings.metrics_port:
+                await stack.enter_async_context(
+                    health_server(settings.metrics_port, metrics, ready)
                 )
             async with asyncio.TaskGroup() as tg:
                 for agent in agents.values():

@@ -37,6 +37,7 @@ class Settings:
     proc_devices: Path = Path("/proc/devices")
     boot_id_path: Path = BOOT_ID_PATH
     health_timeout_ms: int = 500
+    metrics_port: int = 0  # 0: no /metrics, /healthz, /readyz server
     version: str = "0.1.0"
 
     def node_cdi_dir(self, node: str) -> Path:

@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
+from hack.cluster.procs import free_port
 from nodeagent import checkpoint
 from nodeagent.emulator import EmulatedNvml
 from tests.integration.agent_fixtures import (
@@ -105,7 +107,9 @@ async def test_allocation_ready_and_released(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
     node = await gpu_node(kube, tmp_path, [H200, H200])
-    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+    port = free_port()
+    settings = agent_settings([node], control_plane.kubeconfig, metrics_port=port)
+    async with running_agent(settings):
 
         async def published() -> bool:
             mn = await mig_node(kube, node.name)
@@ -193,6 +197,15 @@ async def test_allocation_ready_and_released(
             return await mig_slices() is None
 
         await eventually(no_slices, what="MigNode without slices")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
+                assert r.status == 200
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+        labels = f'node="{node.name}"'
+        assert f'instaslice_nodeagent_creates_total{{{labels},result="ready"}} 1.0' in text
+        assert f'instaslice_nodeagent_releases_total{{{labels},result="released"}} 1.0' in text
+        assert f'instaslice_nodeagent_gpu_healthy{{gpu="1",{labels}}} 1.0' in text
 
 
 async def test_nvml_failure_rolls_back_and_fails(

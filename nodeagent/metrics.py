@@ -1,0 +1,92 @@
+"""Prometheus metrics and the health endpoints of the node agent.
+
+No global registry (the webhook does the same): `serve()` creates one `AgentMetrics` and,
+with `--metrics-port`, an aiohttp server on `:PORT` with `/metrics`, `/healthz` (the
+process's loop answers) and `/readyz` (every node agent finished startup and the
+SliceAllocation informer listed once). Tests build their own `AgentMetrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# GI+CI creation: milliseconds in the emulator, around a second on hardware (mig.md §5).
+CREATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class AgentMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.creates = Counter(
+            "instaslice_nodeagent_creates",
+            "Allocations whose slices were created, by result (ready, failed).",
+            ["node", "result"],
+            registry=self.registry,
+        )
+        self.create_seconds = Histogram(
+            "instaslice_nodeagent_create_seconds",
+            "From picking up an allocation to its Ready status write.",
+            ["node"],
+            buckets=CREATE_BUCKETS,
+            registry=self.registry,
+        )
+        self.releases = Counter(
+            "instaslice_nodeagent_releases",
+            "Release attempts, by result (released, in_use).",
+            ["node", "result"],
+            registry=self.registry,
+        )
+        self.gpu_healthy = Gauge(
+            "instaslice_nodeagent_gpu_healthy",
+            "1 while the GPU is healthy, 0 after an XID or GPU-lost event.",
+            ["node", "gpu"],
+            registry=self.registry,
+        )
+        self.slices = Gauge(
+            "instaslice_nodeagent_slices",
+            "Slices held by InstaSlice records, and foreign instances, on the node.",
+            ["node", "owner"],
+            registry=self.registry,
+        )
+
+
+@asynccontextmanager
+async def health_server(
+    port: int, metrics: AgentMetrics, ready: Callable[[], bool], host: str = "0.0.0.0"
+) -> AsyncIterator[web.AppRunner]:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok = ready()
+        return web.Response(text="ok\n" if ok else "starting\n", status=200 if ok else 503)
+
+    async def prom(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", prom)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield runner
+    finally:
+        await runner.cleanup()
