@@ -359,7 +359,10 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         sampler = Sampler(kube, work)
         faults = Faults(system, kube, spec, work, random.Random(f"{seed}/faults"),
                         hold=mode.hold)  # fmt: skip
-        background = [asyncio.create_task(informer.run()), asyncio.create_task(sampler.run())]
+        background = [
+            asyncio.create_task(informer.run(), name="pod-informer"),
+            asyncio.create_task(sampler.run(), name="sampler"),
+        ]
         errors: list[str] = []
         try:
             for _ in range(mode.namespaces):
@@ -367,20 +370,19 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
             until = time.monotonic() + minutes * 60
             churn = asyncio.create_task(work.run(until))
             rng = random.Random(f"{seed}/schedule")
-            inflight: set[asyncio.Task[None]] = set()
+            started: list[asyncio.Task[None]] = []
             next_progress = time.monotonic() + 30
             while True:
                 await asyncio.sleep(rng.expovariate(1.0 / mode.fault_gap_s))
                 if time.monotonic() >= until:
                     break
-                inflight = {t for t in inflight if not t.done()}
-                if len(inflight) < mode.max_faults:
-                    inflight.add(asyncio.create_task(faults.run_one()))
+                if sum(not t.done() for t in started) < mode.max_faults:
+                    started.append(asyncio.create_task(faults.run_one()))
                 if time.monotonic() > next_progress:
                     next_progress += 30
                     _progress(t_start, faults, work, sampler)
             faults.finish()
-            for res in await asyncio.gather(*inflight, return_exceptions=True):
+            for res in await asyncio.gather(*started, return_exceptions=True):
                 if isinstance(res, BaseException):
                     errors.append(f"{type(res).__name__}: {res}")
                     log.error("fault failed", error=str(res))
@@ -389,6 +391,12 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
                   flush=True)  # fmt: skip
             report, settle_s = await _settle(system, kube, mode.settle_timeout_s)
             await sampler.once()  # one last sample, after settling
+            for name, rec in system.processes.items():
+                if not rec.alive():  # a component that crashed (nothing restarts it here)
+                    errors.append(f"{name} exited; see {rec.log}")
+            for task in background:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    errors.append(f"chaos {task.get_name()} failed: {task.exception()!r}")
         finally:
             await _cancel(background)
     result = {
@@ -408,6 +416,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "double_booking_samples": sampler.samples,
         "pods_refused": work.refused,
         "fault_errors": errors,
+        "faults_not_injected": faults.skipped,
         "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
         "faults": [r.to_json() for r in faults.records],
     }
