@@ -11,10 +11,12 @@
 - `plain_namespace` (function): a namespace that never opted in.
 
 `SPEC` is small and heterogeneous on purpose (2 x H100-80GB and 1 x H200-141GB with 2 GPUs,
-1 x A100-40GB with 1 GPU, and 2 x A30-24GB with 1 GPU that only the node-deletion test uses),
-so tests reach exhaustion, pick a GPU model by profile, and can lose a node without starving
-the others. Nodes carry `nvidia.com/mig.capable=true`, the label InstaSlice's DaemonSet
-selects. On a failing test the tail of every log is attached to the report.
+1 x A100-40GB with 1 GPU, and 3 x A30-24GB with 1 GPU for the tests that delete a node), so
+tests reach exhaustion, pick a GPU model by profile, and can lose a node without starving the
+others. The node agent destroys instances whose allocation vanished (records prove they are
+its own) after 5 s instead of 60 s, so the documented force-removal case ends within a test.
+Nodes carry `nvidia.com/mig.capable=true`, the label InstaSlice's DaemonSet selects. On a
+failing test the tail of every log is attached to the report.
 """
 
 from __future__ import annotations
@@ -30,19 +32,26 @@ from common.kubeapi import ApiError, Kube, core_path
 from hack.cluster import BinariesMissing
 from hack.cluster.nodes import parse_spec
 from hack.dev import DevSystem
-from tests.e2e.helpers import RELEASE_TIMEOUT_S, allocs_path, detached_processes, wait_for
+from tests.e2e.helpers import (
+    RELEASE_TIMEOUT_S,
+    allocs_path,
+    detached_processes,
+    wait_for,
+    wait_opted_in,
+)
 
 _HERE = Path(__file__).parent
 _SYSTEM_KEY = pytest.StashKey[DevSystem]()
 _LOG_TAIL_LINES = 30
 _MIG_CAPABLE = {"nvidia.com/mig.capable": "true"}
 _NODE = {"cpu": "8", "memory": "32Gi", "pods": 110, "labels": _MIG_CAPABLE}
+AGENT_ARGS = ("--gc-grace-s=5", "--gc-period-s=3")
 SPEC: dict[str, Any] = {
     "nodes": [
         {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "h200", "count": 1, "gpus": 2, "model": "H200-141GB", **_NODE},
         {"prefix": "a100", "count": 1, "gpus": 1, "model": "A100-40GB", **_NODE},
-        {"prefix": "a30", "count": 2, "gpus": 1, "model": "A30-24GB", **_NODE},
+        {"prefix": "a30", "count": 3, "gpus": 1, "model": "A30-24GB", **_NODE},
     ]
 }
 
@@ -76,7 +85,10 @@ def system(
     try:
         with detached_processes():
             started = DevSystem.up(
-                tmp_path_factory.mktemp("e2e"), parse_spec(SPEC), die_with_parent=True
+                tmp_path_factory.mktemp("e2e"),
+                parse_spec(SPEC),
+                die_with_parent=True,
+                agent_args=AGENT_ARGS,
             )
     except BinariesMissing as e:
         pytest.fail(str(e), pytrace=False)
@@ -129,16 +141,7 @@ async def _delete_namespace(kube: Kube, name: str, *, wait_released: bool) -> No
 @pytest.fixture
 async def namespace(kube: Kube) -> AsyncIterator[str]:
     name = await _new_namespace(kube, "e2e-", {ENABLED_KEY: "true"})
-    await wait_for(
-        kube,
-        core_path("namespaces"),
-        lambda nss: (
-            nss.get(name, {}).get("metadata", {}).get("labels", {}).get(ENABLED_KEY) == "true"
-        ),
-        what=f"label {ENABLED_KEY}=true mirrored onto namespace {name}",
-        timeout_s=30,
-        fieldSelector=f"metadata.name={name}",
-    )
+    await wait_opted_in(kube, name)
     try:
         yield name
     finally:

@@ -30,6 +30,7 @@ from common.constants import (
     CDI_FILE_PREFIX,
     CDI_KIND,
     CLAIM_ANNOTATION,
+    ENABLED_KEY,
     GATE_NAME,
     NODE_LABEL,
     VISIBLE_DEVICES_ENV,
@@ -349,6 +350,23 @@ async def wait_event(
         what=f"event {reason} on pod {ns}/{pod}",
         timeout_s=timeout_s,
         fieldSelector=selector,
+    )
+
+
+async def wait_opted_in(kube: Kube, ns: str) -> None:
+    """Until InstaSlice has mirrored the namespace's opt-in annotation into its label."""
+
+    def mirrored(nss: dict[str, Obj]) -> bool:
+        labels = nss.get(ns, {}).get("metadata", {}).get("labels", {})
+        return bool(labels.get(ENABLED_KEY) == "true")
+
+    await wait_for(
+        kube,
+        core_path("namespaces"),
+        mirrored,
+        what=f"label {ENABLED_KEY}=true mirrored onto namespace {ns}",
+        timeout_s=30,
+        fieldSelector=f"metadata.name={ns}",
     )
 
 
