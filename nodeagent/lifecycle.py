@@ -127,6 +127,7 @@ class Lifecycle:
     # ---- helpers ---------------------------------------------------------------------------
 
     def note_nvml(self, exc: NvmlFailure, gpu_index: int | None) -> None:
+        self.metrics.nvml_errors.labels(self.st.node, exc.call, exc.code_name).inc()
         if exc.gpu_lost and gpu_index is not None:
             self.st.lost.add(gpu_index)
             if self.st.healthy(gpu_index):

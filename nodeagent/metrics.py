@@ -50,6 +50,12 @@ class AgentMetrics:
             ["node", "result"],
             registry=self.registry,
         )
+        self.nvml_errors = Counter(
+            "instaslice_nodeagent_nvml_errors",
+            "NVML calls that failed, by function and nvml.h error name.",
+            ["node", "op", "code"],
+            registry=self.registry,
+        )
         self.gpu_healthy = Gauge(
             "instaslice_nodeagent_gpu_healthy",
             "1 while the GPU is healthy, 0 after an XID or GPU-lost event.",

@@ -34,6 +34,11 @@ class NvmlFailure(Exception):
         self.text = text
 
     @property
+    def code_name(self) -> str:
+        """`NVML_ERROR_IN_USE` and the like (the first word of `text`)."""
+        return self.text.split(":", 1)[0]
+
+    @property
     def in_use(self) -> bool:
         return self.code == NVML_IN_USE
 

@@ -206,6 +206,7 @@ async def test_allocation_ready_and_released(
         assert f'instaslice_nodeagent_creates_total{{{labels},result="ready"}} 1.0' in text
         assert f'instaslice_nodeagent_releases_total{{{labels},result="released"}} 1.0' in text
         assert f'instaslice_nodeagent_gpu_healthy{{gpu="1",{labels}}} 1.0' in text
+        assert "instaslice_nodeagent_create_seconds_bucket" in text
 
 
 async def test_nvml_failure_rolls_back_and_fails(
