@@ -204,7 +204,7 @@ class Lifecycle:
         if isinstance(fresh, str):
             if rec is not None and not await self.rollback(rec):
                 return
-            await self.fail(alloc, fresh)
+            await self.fail(alloc, f"{reason}; cannot re-create: {fresh}" if reason else fresh)
             return
         if alloc.phase != Phase.CREATING or reason:
             await self.status(alloc, status_creating(reason))

@@ -441,6 +441,26 @@ async def test_reboot_recreates_ready_allocations(
         await wait_gone(kube, alloc)
 
 
+async def test_reboot_that_cannot_be_recreated_fails_explicitly(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 6, 1)])
+    async with running_agent(settings):
+        await create_allocation(kube, alloc)
+        await wait_phase(kube, alloc, "Ready")
+    node.emu.reboot(keep_mig_mode=False)  # a VM whose MIG mode went with it (mig.md §1)
+    async with running_agent(settings):
+        failed = await wait_phase(kube, alloc, "Failed")
+        msg = failed["status"]["message"]
+        assert "rebooted" in msg and "MIG mode is disabled" in msg, msg
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+        assert node.cdi_files() == []
+
+
 async def test_orphaned_record_is_collected_after_grace(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
