@@ -324,6 +324,7 @@ class FakeAgent:
     readied: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     finalized: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.informer = Informer(
@@ -358,9 +359,16 @@ class FakeAgent:
                         "value": [f for f in finalizers if f != RELEASE_FINALIZER],
                     },
                 ]
-                with contextlib.suppress(ApiError):  # a newer version will come by
-                    await self.kube.patch(path, patch, kind="json")
-                    self.finalized.append(meta["name"])
+                for attempt in range(5):
+                    try:
+                        await self.kube.patch(path, patch, kind="json")
+                        self.finalized.append(meta["name"])
+                        return
+                    except ApiError as exc:
+                        if exc.not_found or exc.status in (409, 422):  # gone, or changed:
+                            return  # a newer version of it is on its way to us
+                        self.errors.append(f"{meta['name']}: {exc}")
+                        await asyncio.sleep(0.1 * 2**attempt)
             return
         phase = (obj.get("status") or {}).get("phase") or Phase.PENDING.value
         if phase != Phase.PENDING.value or self.hold or meta["uid"] in self._busy:
@@ -379,8 +387,16 @@ class FakeAgent:
                 ],
             }
             self.readied.append(meta["name"])
-        with contextlib.suppress(ApiError):
-            await self.kube.patch(path + "/status", {"status": status})
+        for attempt in range(5):  # a loaded API server may shed a request: try again
+            try:
+                await self.kube.patch(path + "/status", {"status": status})
+                return
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                self.errors.append(f"{meta['name']}: {exc}")
+                await asyncio.sleep(0.1 * 2**attempt)
+        self._busy.discard(meta["uid"])  # the next event about it tries again
 
 
 # --- objects on the API server ------------------------------------------------------------
@@ -535,9 +551,9 @@ class AllocatorEnv:
             "namespace": self.namespace,
             "identity": identity,
             "node_selector": f"{TEST_NODE_LABEL}={self.namespace}",
-            "lease_duration_s": 3.0,
-            "renew_interval_s": 1.0,
-            "renew_deadline_s": 2.0,
+            "lease_duration_s": 4.0,
+            "renew_interval_s": 0.5,
+            "renew_deadline_s": 2.5,
             "retry_interval_s": 0.2,
             "max_backoff_s": 1.0,
             "pinned_unschedulable_timeout_s": 30.0,
@@ -597,14 +613,37 @@ class AllocatorEnv:
         )
 
     async def wait_ungated(self, name: str, *, within: float = 30.0) -> Obj:
-        return await self.wait_pod(
-            name, lambda p: not podlib.has_our_gate(p), within=within, what="gate lifted"
-        )
+        try:
+            return await self.wait_pod(
+                name, lambda p: not podlib.has_our_gate(p), within=within, what="gate lifted"
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await self.diagnosis()}") from None
+
+    async def diagnosis(self) -> str:
+        """What the allocations and the fake agent looked like (for failure messages)."""
+        allocs = [
+            (a["spec"]["podName"], (a.get("status") or {}).get("phase"), a["metadata"]["name"])
+            for a in await self.allocations()
+        ]
+        replicas = {
+            k: (c.elector.is_leader, len(c.queue), sorted(c.parked), sorted(c._busy))
+            for k, (c, _) in self.replicas.items()
+        }
+        return f"allocations={allocs} agent_errors={self.agent.errors} replicas={replicas}"
 
     async def wait_bound(self, name: str, *, within: float = 30.0) -> Obj:
-        return await self.wait_pod(
-            name, lambda p: bool(podlib.bound_node(p)), within=within, what="bound"
-        )
+        try:
+            return await self.wait_pod(
+                name, lambda p: bool(podlib.bound_node(p)), within=within, what="bound"
+            )
+        except AssertionError as exc:
+            pod = await self.pod(name)
+            conditions = pod.get("status", {}).get("conditions")
+            raise AssertionError(
+                f"{exc}\ngates={podlib.gates(pod)} conditions={conditions}\n"
+                f"{await self.diagnosis()}"
+            ) from None
 
     async def wait_gone(self, name: str, *, within: float = 30.0) -> None:
         await wait_for(

@@ -255,7 +255,10 @@ class Controller:
                 await coro
                 self._backoff.pop(uid, None)
             except NotLeader:
-                return
+                # The Lease went unrenewed past the deadline. If it is lost for good this
+                # term is about to be cancelled; if a late renewal keeps it, the step must
+                # run again rather than be forgotten.
+                retry = True
             except ApiError as exc:
                 log.warning("allocator write failed", pod_uid=uid, error=str(exc))
                 self.metrics.outcome("error")
@@ -451,7 +454,8 @@ class Controller:
     def _park(self, pod: PodView, reason: str, message: str) -> None:
         self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
         self.metrics.outcome("pending")
-        if self.pending.observe(pod.uid, reason):
+        # Record the reason only when the event can be written, or it would never be.
+        if self.elector.is_leader and self.pending.observe(pod.uid, reason):
             log.info("pod pending", pod=pod.key, reason=reason, message=message)
             self._event(pod.obj, REASON_PENDING, message, "Warning")
 
