@@ -61,6 +61,8 @@ from nodeagent.state import NodeState
 
 log = structlog.get_logger("lifecycle")
 
+CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
+NOT_OURS = -1  # a GI id no instance has: the slice claims nothing
 REASON_FAILED = "SliceCreateFailed"
 REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
@@ -239,6 +241,10 @@ class Lifecycle:
                 slices[i] = await self.make_slice(s, own.found.get((uid, i)))
             except NvmlFailure as exc:
                 self.note_nvml(exc, s.gpu_index)
+                if exc.call == CREATE_GI:
+                    # NVML refused the GI: whatever sits at that placement is someone else's
+                    # (it appeared after our check); the rollback must not claim it
+                    slices[i] = replace(s, gi_id=NOT_OURS)
                 self.st.put(replace(rec, slices=tuple(slices)))
                 msg = (
                     f"creating slice {i} ({s.container}: {s.profile} on GPU {s.gpu_index} "

@@ -258,6 +258,36 @@ async def test_foreign_instance_is_reported_and_never_touched(
         assert node.instances() == [(0, "1g.18gb", 5, 1, None)]  # GC leaves it alone too
 
 
+async def test_instance_appearing_after_the_check_is_not_rolled_back(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Someone creates a GI at the allocation's placement after the agent checked it was free
+    and wrote its intent: NVML refuses the agent's create, and the rollback must leave the
+    other GI alone although the intent record names its placement."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    node.emu.set_latency(create_ms=800)
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+        alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 4, 1)])
+        await create_allocation(kube, alloc)
+
+        async def intent_written() -> bool:
+            return bool(checkpoint.load(node.checkpoint, node.name).claims)
+
+        await eventually(intent_written, interval=0.01, what="the intent record")
+        node.emu.set_latency(create_ms=0)
+        nv = EmulatedNvml(tmp_path / "gpus", node.name)
+        nv.nvmlInit()
+        dev = nv.nvmlDeviceGetHandleByIndex(0)
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(dev, 19, nv.c_nvmlGpuInstancePlacement_t(4, 1))
+        nv.nvmlShutdown()
+        failed = await wait_phase(kube, alloc, "Failed")
+        assert "INSUFFICIENT_RESOURCES" in failed["status"]["message"]
+        assert node.instances() == [(0, "1g.18gb", 4, 1, None)]  # the other one survived
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+
+
 async def test_release_waits_while_in_use(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
