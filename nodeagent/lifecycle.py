@@ -254,7 +254,13 @@ class Lifecycle:
                     await self.fail(alloc, msg)
                 return
         rec = replace(rec, slices=tuple(slices))
-        await self.write_cdi(rec)
+        self.st.put(rec)
+        try:
+            await self.write_cdi(rec)
+        except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
+            if await self.rollback(rec):
+                await self.fail(alloc, f"writing the CDI spec: {exc}")
+            return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
         await self.st.persist()
