@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	PY=$(BIN)/python hack/gen-protos.sh
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP) ## create .venv/ with the project (editable) and its dev tools

@@ -4,9 +4,9 @@
 fully-qualified CDI device name at admission, and the NVIDIA Container Toolkit (CDI mode)
 resolves it from the spec file the agent writes; nothing else happens on the node.
 
-`device-plugin` (a later issue) will serve the kubelet device-plugin API for
-`instaslice.io/mig-<profile>` and answer `Allocate` with the CDI device of a prepared slice.
-The seam is this protocol: the lifecycle tells the binding when an allocation's devices are
+`device-plugin` (nodeagent/deviceplugin/, docs/binding.md) serves the kubelet device-plugin
+API for `instaslice.io/mig-<profile>` and answers `Allocate` with the CDI device of a prepared
+slice; main.py builds it (it needs the node's kubelet paths and the agent). The seam is this protocol: the lifecycle tells the binding when an allocation's devices are
 ready and when they are gone; a binding that needs a server runs it in `run()`.
 """
 
@@ -47,9 +47,7 @@ class UnsupportedBinding(Exception):
 
 
 def make_binding(mode: BindingMode) -> Binding:
+    """The `env` binding; `device-plugin` is built per node by main.py."""
     if mode == "env":
         return EnvBinding()
-    raise UnsupportedBinding(
-        f"binding mode {mode!r} is not implemented yet (planned: kubelet device-plugin API "
-        "serving instaslice.io/mig-<profile>); use --binding env"
-    )
+    raise UnsupportedBinding(f"binding mode {mode!r} is built by nodeagent.main")

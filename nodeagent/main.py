@@ -32,11 +32,12 @@ from common.constants import NODE_LABEL
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
-from nodeagent.binding import UnsupportedBinding, make_binding
+from nodeagent.binding import Binding, EnvBinding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
+from nodeagent.report import capacity
 from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
 
 log = structlog.get_logger("nodeagent")
@@ -64,7 +65,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         help="checkpoint dir (default /var/lib/instaslice; the emulator state dir under --emulate)",
     )
     p.add_argument("--namespace", default="instaslice-system", help="namespace of the Leases")
-    p.add_argument("--binding", choices=("env", "device-plugin"), default="env")
+    p.add_argument(
+        "--binding",
+        choices=("env", "device-plugin"),
+        default="env",
+        help="how a container gets its slice (docs/binding.md); the DaemonSet sets device-plugin",
+    )
+    p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
+    p.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+    )
     p.add_argument(
         "--discover-only",
         action="store_true",
@@ -105,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         p.error("no node: pass --node NAME (or set NODE_NAME), or --nodes a,b,c")
     if len(nodes) > 1 and not a.emulate:
         p.error("--nodes with more than one node needs --emulate (one real node per process)")
+    if a.binding == "device-plugin" and len(nodes) > 1:
+        p.error("--binding device-plugin serves one node's kubelet: pass one --node")
     if a.emulate and a.emu_state is None:
         p.error("--emulate needs --emu-state DIR")
     if len(nodes) > 1 and a.cdi_root is None and not a.discover_only:
@@ -126,6 +140,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,
         metrics_port=a.metrics_port,
+        kubelet_dir=a.kubelet_dir,
+        pod_resources_socket=a.pod_resources_socket,
     )
     return settings, f"{a.output}:{a.log_level}"
 
@@ -235,7 +251,6 @@ async def serve(
 ) -> None:
     """Run the agents of `settings.nodes` until cancelled."""
     catalog = load_catalog()
-    binding = make_binding(settings.binding)
     nvml_for = nvml_for or nvml_factory(settings)
     boot_id_for = boot_id_for or boot_id_factory(settings)
     agents: dict[str, NodeAgent] = {}
@@ -257,6 +272,18 @@ async def serve(
                 label_selector=selector(settings.nodes),
                 name="sliceallocations",
             )
+            binding: Binding = EnvBinding()
+            if settings.binding == "device-plugin":
+                from nodeagent.deviceplugin.plugin import DevicePluginBinding
+
+                plugin = DevicePluginBinding(
+                    kube=kube,
+                    cdi_dir=settings.node_cdi_dir(settings.nodes[0]),
+                    kubelet_dir=settings.kubelet_dir,
+                    pod_resources_socket=settings.pod_resources_socket,
+                    refresh_s=settings.plugin_refresh_s,
+                )
+                binding = plugin
             for node in settings.nodes:
                 gpus = await stack.enter_async_context(NodeGpus(nvml_for(node), catalog, node))
                 driver = await gpus.call(gpus.s.call, "nvmlSystemGetDriverVersion")
@@ -278,6 +305,10 @@ async def serve(
                     synced=informer.synced,
                     metrics=metrics,
                 )
+
+            if settings.binding == "device-plugin":
+                a = agents[settings.nodes[0]]
+                plugin.attach(lambda: capacity(a.st.inv, a.st.health), lambda: a.st.allocs.values())
 
             def ready() -> bool:
                 started = all(a.started.is_set() for a in agents.values())
@@ -321,11 +352,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for node in settings.nodes:
             print(render(report(node, discover(nv_for(node), catalog), catalog), output))
         return 0
-    try:
-        make_binding(settings.binding)
-    except UnsupportedBinding as exc:
-        print(f"instaslice-nodeagent: {exc}", file=sys.stderr)
-        return 2
     configure_logging(level)
     asyncio.run(_serve_until_signal(settings))
     return 0

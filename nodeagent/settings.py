@@ -38,6 +38,9 @@ class Settings:
     boot_id_path: Path = BOOT_ID_PATH
     health_timeout_ms: int = 500
     metrics_port: int = 0  # 0: no /metrics, /healthz, /readyz server
+    kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")  # device-plugin binding
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    plugin_refresh_s: float = 1.0
     version: str = "0.1.0"
 
     def node_cdi_dir(self, node: str) -> Path:

@@ -60,9 +60,12 @@ def test_selector() -> None:
     assert selector([f"n{i}" for i in range(500)]) == "instaslice.io/node"
 
 
-def test_device_plugin_binding_is_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--node", "a", "--binding", "device-plugin"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_device_plugin_binding_serves_one_node(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--nodes", "a,b", "--emulate", "--emu-state", "/tmp/x", "--cdi-root", "/tmp/y"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--binding", "device-plugin"])
+    assert exc.value.code == 2
+    assert "one node's kubelet" in capsys.readouterr().err
 
 
 def test_discover_only_prints_and_changes_nothing(

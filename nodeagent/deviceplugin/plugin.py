@@ -1,0 +1,342 @@
+"""The device-plugin binding's I/O shell: one gRPC device-plugin server per
+`instaslice.io/mig-<profile>` on a unix socket in the kubelet's device-plugins dir, the
+registration with the kubelet, and the PodResources client.
+
+- Devices: `<profile>-<n>` for n below the fixed upper bound of CONTRACT.md §3 (the same
+  number the agent writes into Node capacity); ids above a shrunken bound stay listed as
+  Unhealthy, so the kubelet never loses track of an id it handed out.
+- `Allocate` binds the ids to a prepared slice (core.Bindings) and answers with a CDI alias
+  device `instaslice.io/mig=dp-<first id>` (no `_`: never collides with a claim's devices),
+  written as its own spec file carrying the unit's container edits from the allocation's
+  CDI file. `PreStartContainer` (required) settles the ids against the PodResources API and
+  rewrites the alias before the runtime resolves it. The mapping is recorded in the
+  SliceAllocation as the `DeviceBound` condition.
+- The kubelet deletes plugin sockets when it restarts; the watch loop sees `kubelet.sock`
+  replaced (or ours gone) and serves and registers again.
+Polls (socket inode, capacity) run every `refresh_s`: the kubelet offers no event for either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from common.constants import CDI_KIND
+from common.kubeapi import ApiError, Kube
+from common.profiles import profile_from_suffix
+from nodeagent import cdi, writes
+from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2 as dp
+from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2 as pr
+from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2_grpc as pr_grpc
+from nodeagent.deviceplugin.core import Bindings, IdKey, NoSlice, Unit, key_of
+from nodeagent.report import condition, with_condition
+
+log = structlog.get_logger("deviceplugin")
+Obj = dict[str, Any]
+API_VERSION = "v1beta1"
+ALIAS_PREFIX = "dp-"
+
+
+def device_id(resource: str, n: int) -> str:
+    return f"{resource.split('/mig-', 1)[1]}-{n}"
+
+
+def alias_name(key: IdKey) -> str:
+    return f"{ALIAS_PREFIX}{key[0]}"
+
+
+def alias_file(cdi_dir: Path, key: IdKey) -> Path:
+    return cdi_dir / f"instaslice.io-plugin-{key[0]}.json"  # no `_`: not a claim file
+
+
+def units_of(alloc: Obj) -> list[Unit]:
+    meta, spec = alloc.get("metadata", {}), alloc.get("spec", {})
+    counts: dict[tuple[str, str], int] = {}
+    for s in spec.get("slices") or []:
+        k = (s["container"], s["profile"])
+        counts[k] = counts.get(k, 0) + 1
+    return [
+        Unit(meta.get("namespace", ""), meta.get("name", ""), c, p, n)
+        for (c, p), n in sorted(counts.items())
+    ]
+
+
+class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
+    def __init__(self, owner: DevicePluginBinding, resource: str, profile: str) -> None:
+        self.owner, self.resource, self.profile = owner, resource, profile
+        self.total = 0
+        self.healthy = 0
+        self.changed = asyncio.Condition()
+        self.server: grpc.aio.Server | None = None
+        self.socket = owner.kubelet_dir / f"instaslice-mig-{resource.split('/mig-', 1)[1]}.sock"
+
+    def devices(self) -> list[Any]:
+        return [
+            dp.Device(
+                ID=device_id(self.resource, n),
+                health="Healthy" if n < self.healthy else "Unhealthy",
+            )
+            for n in range(self.total)
+        ]
+
+    async def set_bound(self, n: int) -> None:
+        if (n, max(self.total, n)) == (self.healthy, self.total):
+            return
+        self.healthy, self.total = n, max(self.total, n)
+        async with self.changed:
+            self.changed.notify_all()
+
+    # --- the DevicePlugin service ---------------------------------------------------------
+
+    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+        return dp.DevicePluginOptions(pre_start_required=True)
+
+    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        while True:
+            async with self.changed:
+                sent = (self.total, self.healthy)
+                yield dp.ListAndWatchResponse(devices=self.devices())
+                await self.changed.wait_for(lambda s=sent: (self.total, self.healthy) != s)  # type: ignore[misc]
+
+    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        return dp.PreferredAllocationResponse()
+
+    async def Allocate(self, request: Any, context: Any) -> Any:
+        answers = []
+        for creq in request.container_requests:
+            try:
+                name = await self.owner.allocate(self.profile, list(creq.devices_ids))
+            except NoSlice as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            answers.append(dp.ContainerAllocateResponse(cdi_devices=[dp.CDIDevice(name=name)]))
+        return dp.AllocateResponse(container_responses=answers)
+
+    async def PreStartContainer(self, request: Any, context: Any) -> Any:
+        await self.owner.settle_now()
+        return dp.PreStartContainerResponse()
+
+    # --- serving and registration ---------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.stop()
+        self.socket.unlink(missing_ok=True)
+        self.server = grpc.aio.server()
+        dp_grpc.add_DevicePluginServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        await self.server.start()
+        async with grpc.aio.insecure_channel(f"unix://{self.owner.kubelet_sock}") as ch:
+            await dp_grpc.RegistrationStub(ch).Register(
+                dp.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=self.socket.name,
+                    resource_name=self.resource,
+                    options=dp.DevicePluginOptions(pre_start_required=True),
+                ),
+                timeout=10,
+            )
+        log.info("registered with the kubelet", resource=self.resource, socket=str(self.socket))
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+            self.server = None
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+class DevicePluginBinding:
+    """The `device-plugin` Binding (nodeagent.binding) of one node."""
+
+    def __init__(
+        self,
+        *,
+        kube: Kube | None,
+        cdi_dir: Path,
+        kubelet_dir: Path,
+        pod_resources_socket: Path,
+        refresh_s: float = 1.0,
+    ) -> None:
+        self.kube = kube
+        self.cdi_dir = cdi_dir
+        self.kubelet_dir = kubelet_dir
+        self.kubelet_sock = kubelet_dir / "kubelet.sock"
+        self.pod_resources_socket = pod_resources_socket
+        self.refresh_s = refresh_s
+        self.b = Bindings()
+        self.servers: dict[str, ProfileServer] = {}
+        self.lock = asyncio.Lock()
+        self.capacity: Callable[[], Mapping[str, str]] = dict
+        self.allocs: Callable[[], Iterable[Obj]] = list
+        self._recorded: dict[tuple[str, str], str] = {}
+
+    def attach(
+        self, capacity: Callable[[], Mapping[str, str]], allocs: Callable[[], Iterable[Obj]]
+    ) -> None:
+        """The node agent's capacity (CONTRACT.md §3 upper bound) and SliceAllocations."""
+        self.capacity, self.allocs = capacity, allocs
+
+    # --- Binding protocol -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        registered: int | None = None
+        try:
+            while True:
+                await self.refresh_servers()
+                sock = _inode(self.kubelet_sock)
+                lost = any(s.server is None or not s.socket.exists() for s in self.servers.values())
+                if sock is not None and (sock != registered or lost):
+                    try:
+                        for s in self.servers.values():
+                            await s.start()
+                        registered = sock
+                    except grpc.aio.AioRpcError as exc:
+                        log.warning("kubelet registration failed; retrying", error=str(exc))
+                with contextlib.suppress(grpc.aio.AioRpcError, OSError):
+                    if self.b.bound and self.pod_resources_socket.exists():
+                        await self.settle_now()
+                await asyncio.sleep(self.refresh_s)
+        finally:
+            for s in self.servers.values():
+                await s.stop()
+
+    async def slices_ready(self, namespace: str, claim: str, devices: Mapping[str, str]) -> None:
+        alloc = next(
+            (
+                a
+                for a in self.allocs()
+                if (a["metadata"].get("namespace"), a["metadata"].get("name")) == (namespace, claim)
+            ),
+            None,
+        )
+        if alloc is not None:
+            async with self.lock:
+                self.b.add_ready(units_of(alloc))
+
+    async def slices_released(self, namespace: str, claim: str) -> None:
+        async with self.lock:
+            for key in self.b.release(namespace, claim):
+                await asyncio.to_thread(alias_file(self.cdi_dir, key).unlink, missing_ok=True)
+        self._recorded = {k: v for k, v in self._recorded.items() if k != (namespace, claim)}
+
+    # --- devices ----------------------------------------------------------------------------
+
+    async def refresh_servers(self) -> None:
+        for resource, qty in self.capacity().items():
+            server = self.servers.get(resource)
+            if server is None:
+                profile = profile_from_suffix(resource.split("/mig-", 1)[1])
+                server = self.servers[resource] = ProfileServer(self, resource, profile)
+            await server.set_bound(int(qty))
+
+    async def allocate(self, profile: str, ids: list[str]) -> str:
+        async with self.lock:
+            unit = self.b.allocate(profile, ids)
+            key = key_of(ids)
+            await self.write_alias(key, unit)
+        log.info("allocated", ids=list(key), claim=f"{unit.namespace}/{unit.claim}")
+        return f"{CDI_KIND}={alias_name(key)}"
+
+    async def write_alias(self, key: IdKey, unit: Unit) -> None:
+        def write() -> None:
+            path = self.cdi_dir / cdi.spec_file_name(unit.namespace, unit.claim)
+            spec = json.loads(path.read_text())
+            dev = next(
+                d
+                for d in spec["devices"]
+                if d["name"] == f"{unit.namespace}_{unit.claim}_{unit.container}"
+            )
+            alias = {
+                "cdiVersion": spec["cdiVersion"],
+                "kind": CDI_KIND,
+                "annotations": {
+                    "instaslice.io/claim": f"{unit.namespace}/{unit.claim}",
+                    "instaslice.io/container": unit.container,
+                },
+                "devices": [{"name": alias_name(key), "containerEdits": dev["containerEdits"]}],
+                "containerEdits": spec.get("containerEdits", {}),
+            }
+            cdi.write_json_atomic(alias_file(self.cdi_dir, key), alias)
+
+        await asyncio.to_thread(write)
+
+    # --- the real mapping (PodResources) ----------------------------------------------------
+
+    async def list_pod_resources(self) -> list[Any]:
+        async with grpc.aio.insecure_channel(f"unix://{self.pod_resources_socket}") as ch:
+            resp = await pr_grpc.PodResourcesListerStub(ch).List(
+                pr.ListPodResourcesRequest(), timeout=10
+            )
+        return list(resp.pod_resources)
+
+    async def settle_now(self) -> None:
+        """Bind every id key the kubelet reports to its holder's own unit; record it."""
+        pods = await self.list_pod_resources()
+        own: dict[tuple[str, str], str] = {}  # (namespace, pod) → claim
+        for a in self.allocs():
+            meta, spec = a.get("metadata", {}), a.get("spec", {})
+            own[(meta.get("namespace", ""), spec.get("podName", ""))] = meta.get("name", "")
+        records: list[tuple[Unit, IdKey, str]] = []
+        async with self.lock:
+            for pod in pods:
+                claim = own.get((pod.namespace, pod.name))
+                if claim is None:
+                    continue
+                for c in pod.containers:
+                    for d in c.devices:
+                        server = self.servers.get(d.resource_name)
+                        if server is None or not d.device_ids:
+                            continue
+                        key = key_of(list(d.device_ids))
+                        if key not in self.b.bound:
+                            continue
+                        mine = Unit(pod.namespace, claim, c.name, server.profile, len(key))
+                        for changed in self.b.settle(key, mine):
+                            await self.write_alias(changed, self.b.bound[changed])
+                        if self.b.bound.get(key) == mine:
+                            records.append((mine, key, pod.name))
+        for unit, key, pod_name in records:
+            await self.record(unit, key, pod_name)
+
+    async def record(self, unit: Unit, key: IdKey, pod_name: str) -> None:
+        msg = f"{unit.container}/{unit.profile}: kubelet devices {','.join(key)} of pod {pod_name}"
+        rid = (unit.namespace, unit.claim)
+        if self.kube is None or msg in self._recorded.get(rid, ""):
+            return
+        text = "; ".join(x for x in (self._recorded.get(rid, ""), msg) if x)
+        alloc = next(
+            (
+                a
+                for a in self.allocs()
+                if (a["metadata"]["namespace"], a["metadata"]["name"]) == rid
+            ),
+            None,
+        )
+        if alloc is None:
+            return
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        conds = with_condition(
+            (alloc.get("status") or {}).get("conditions") or [],
+            condition("DeviceBound", True, "KubeletDevicePlugin", text, now),
+        )
+        try:
+            await writes.patch_alloc_status(
+                self.kube, unit.namespace, unit.claim, {"status": {"conditions": conds}}
+            )
+        except ApiError as exc:
+            log.warning("could not record the device mapping", claim=rid, error=str(exc))
+            return
+        self._recorded[rid] = text

@@ -1,0 +1,231 @@
+"""The node agent's `device-plugin` binding against a fake kubelet over real unix-socket gRPC.
+
+The test plays the kubelet: a Registration server on `kubelet.sock` and a PodResources
+server on its own socket, in a temp dir; it calls the plugin's ListAndWatch, Allocate and
+PreStartContainer like the kubelet's device manager does. The agent runs in process on the
+NVML emulator against the local control plane.
+Covers: registration per profile with the §3 upper bound; two same-profile pods allocated
+concurrently get distinct slices; the PodResources mapping (deliberately the opposite of the
+provisional binding) moves each pod onto its own allocation's slice before it starts and is
+recorded as the DeviceBound condition; release destroys exactly that slice; a kubelet
+restart (kubelet.sock recreated, plugin sockets deleted) is followed by re-registration.
+Leaves out: a real kubelet and container runtime (the CDI alias files are checked as files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from common.kubeapi import Kube, instaslice_path
+from hack.cluster import ControlPlane
+from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2 as dp
+from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2 as pr
+from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2_grpc as pr_grpc
+from tests.integration.agent_fixtures import (
+    agent_settings,
+    create_allocation,
+    eventually,
+    get_allocation,
+    gpu_node,
+    install_instaslice,
+    running_agent,
+    slice_allocation,
+    wait_gone,
+    wait_phase,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+H200 = "H200-141GB"
+RES = "instaslice.io/mig-1g.18gb"
+
+
+class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.registered: list[Any] = []
+        self.pods: list[Any] = []
+        self.server: grpc.aio.Server | None = None
+        self.pr_server: grpc.aio.Server | None = None
+
+    async def Register(self, request: Any, context: Any) -> Any:
+        self.registered.append(request)
+        return dp.Empty()
+
+    async def List(self, request: Any, context: Any) -> Any:
+        return pr.ListPodResourcesResponse(pod_resources=self.pods)
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        dp_grpc.add_RegistrationServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{self.root / 'kubelet.sock'}")
+        await self.server.start()
+        if self.pr_server is None:
+            self.pr_server = grpc.aio.server()
+            pr_grpc.add_PodResourcesListerServicer_to_server(self, self.pr_server)
+            self.pr_server.add_insecure_port(f"unix://{self.root / 'pr.sock'}")
+            await self.pr_server.start()
+
+    async def restart(self) -> None:
+        """What a kubelet restart does to the dir: its socket anew, plugin sockets gone."""
+        assert self.server is not None
+        await self.server.stop(0)
+        for p in self.root.glob("*.sock"):
+            if p.name != "pr.sock":
+                p.unlink()
+        self.registered.clear()
+        await self.start()
+
+    async def stop(self) -> None:
+        for s in (self.server, self.pr_server):
+            if s is not None:
+                await s.stop(0)
+
+    def plugin(self, resource: str) -> Any:
+        reg = next(r for r in self.registered if r.resource_name == resource)
+        ch = grpc.aio.insecure_channel(f"unix://{self.root / reg.endpoint}")
+        return ch, dp_grpc.DevicePluginStub(ch)
+
+
+def registered(kubelet: FakeKubelet) -> Any:
+    async def check() -> bool:
+        return any(r.resource_name == RES for r in kubelet.registered)
+
+    return check
+
+
+def pod(ns: str, name: str, container: str, ids: list[str]) -> Any:
+    dev = pr.ContainerDevices(resource_name=RES, device_ids=ids)
+    return pr.PodResources(
+        name=name,
+        namespace=ns,
+        containers=[pr.ContainerResources(name=container, devices=[dev])],
+    )
+
+
+@pytest.fixture(scope="session")
+async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(control_plane.kubeconfig)) as k:
+        await install_instaslice(k)
+        yield k
+
+
+@pytest.fixture
+async def kubelet() -> AsyncIterator[FakeKubelet]:
+    root = Path(tempfile.mkdtemp(prefix="kl", dir="/tmp"))  # unix socket paths are short
+    k = FakeKubelet(root)
+    await k.start()
+    try:
+        yield k
+    finally:
+        await k.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def alias_uuids(cdi_dir: Path, name: str) -> str:
+    dev = name.split("=", 1)[1]
+    path = cdi_dir / f"instaslice.io-plugin-{dev.removeprefix('dp-')}.json"
+    doc = json.loads(path.read_text())
+    (env,) = doc["devices"][0]["containerEdits"]["env"]
+    return str(env.split("=", 1)[1])
+
+
+async def test_two_pods_same_profile(
+    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
+) -> None:
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings(
+        [node],
+        control_plane.kubeconfig,
+        binding="device-plugin",
+        kubelet_dir=kubelet.root,
+        pod_resources_socket=kubelet.root / "pr.sock",
+        plugin_refresh_s=0.1,
+    )
+    ns = namespace
+    async with running_agent(settings):
+        await eventually(registered(kubelet), what="registration")
+        reg = next(r for r in kubelet.registered if r.resource_name == RES)
+        assert reg.version == "v1beta1" and reg.options.pre_start_required
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            stream = stub.ListAndWatch(dp.Empty())
+            first = await stream.read()
+            assert len(first.devices) == 7  # 1g.18gb maxCount on one H200
+            assert {d.health for d in first.devices} == {"Healthy"}
+            stream.cancel()
+
+            a = slice_allocation(ns, node, [("main", "1g.18gb", 0, 0, 1)], claim="ca")
+            b = slice_allocation(ns, node, [("main", "1g.18gb", 0, 1, 1)], claim="cb")
+            for x in (a, b):
+                await create_allocation(kube, x)
+            a_ready, b_ready = [await wait_phase(kube, x, "Ready") for x in (a, b)]
+            uuid = {
+                "ca": a_ready["status"]["slices"][0]["migUUID"],
+                "cb": b_ready["status"]["slices"][0]["migUUID"],
+            }
+
+            def req(i: str) -> Any:
+                return dp.AllocateRequest(
+                    container_requests=[dp.ContainerAllocateRequest(devices_ids=[i])]
+                )
+
+            r0, r1 = await asyncio.gather(
+                stub.Allocate(req("1g.18gb-0")), stub.Allocate(req("1g.18gb-1"))
+            )
+            n0 = r0.container_responses[0].cdi_devices[0].name
+            n1 = r1.container_responses[0].cdi_devices[0].name
+            got0, got1 = alias_uuids(node.cdi_dir, n0), alias_uuids(node.cdi_dir, n1)
+            assert {got0, got1} == set(uuid.values())  # distinct prepared slices
+            # the kubelet gave id 0 to the pod whose slice went to id 1: the opposite mapping
+            holder0 = "cb" if got0 == uuid["ca"] else "ca"
+            holder1 = "ca" if holder0 == "cb" else "cb"
+            kubelet.pods = [
+                pod(ns, f"pod-{holder0}", "main", ["1g.18gb-0"]),
+                pod(ns, f"pod-{holder1}", "main", ["1g.18gb-1"]),
+            ]
+            for i in ("1g.18gb-0", "1g.18gb-1"):
+                await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=[i]))
+            assert alias_uuids(node.cdi_dir, n0) == uuid[holder0]
+            assert alias_uuids(node.cdi_dir, n1) == uuid[holder1]
+
+            async def recorded() -> bool:
+                for claim, dev in ((holder0, "1g.18gb-0"), (holder1, "1g.18gb-1")):
+                    obj = await get_allocation(kube, ns, claim)
+                    conds = (obj or {}).get("status", {}).get("conditions") or []
+                    c = next((c for c in conds if c["type"] == "DeviceBound"), None)
+                    if c is None or dev not in c["message"] or f"pod-{claim}" not in c["message"]:
+                        return False
+                return True
+
+            await eventually(recorded, what="DeviceBound conditions")
+
+            # release the pod holding id 0: its own slice goes, the other stays
+            gone = a if holder0 == "ca" else b
+            m = gone["metadata"]
+            await kube.delete(instaslice_path("sliceallocations", ns, m["name"]))
+            await wait_gone(kube, gone)
+            kept_start = 0 if holder1 == "ca" else 1
+            assert node.instances() == [(0, "1g.18gb", kept_start, 1, 0)]
+            assert alias_uuids(node.cdi_dir, n1) == uuid[holder1]
+            with contextlib.suppress(FileNotFoundError):
+                alias_uuids(node.cdi_dir, n0)
+                raise AssertionError("alias of the released slice still there")
+
+        # kubelet restart: re-registration on the new kubelet.sock
+        await kubelet.restart()
+        await eventually(registered(kubelet), what="registration")
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            opts = await stub.GetDevicePluginOptions(dp.Empty())
+            assert opts.pre_start_required
