@@ -352,6 +352,23 @@ class Lifecycle:
         self.st.publish.set()
         return True
 
+    def adoptable(
+        self, alloc: AllocView, fresh: list[SliceRecord], instances: list[Instance]
+    ) -> tuple[SliceRecord, ...] | None:
+        """`adopt_from_status`, unless another record owns one of those instances: a corrupt
+        or forged status naming another allocation's MIG device must never make this one
+        its owner (on release it would destroy the other pod's slice)."""
+        adopted = adopt_from_status(alloc, fresh, instances)
+        if not adopted:
+            return None
+        taken = match(self.st.cp.without(alloc.uid), instances).owner
+        named = {s.mig_uuid for s in adopted}
+        if any(i.key in taken for i in instances if i.mig_uuid in named):
+            log.warning("status names another allocation's MIG devices; not adopted",
+                        claim=alloc.key)  # fmt: skip
+            return None
+        return adopted
+
     # ---- verify (Ready) -----------------------------------------------------------------------
 
     async def verify(self, alloc: AllocView) -> None:
@@ -366,11 +383,8 @@ class Lifecycle:
         fresh = plan(alloc, self.st.inv, self.st.health)
         if not isinstance(fresh, str):
             instances = await self.instances({s.gpu_index for s in fresh})
-            adopted = adopt_from_status(alloc, fresh, instances)
-            taken = match(self.st.cp.without(alloc.uid), instances).owner
-            if adopted and not any(
-                i.key in taken for i in instances if i.mig_uuid in {s.mig_uuid for s in adopted}
-            ):
+            adopted = self.adoptable(alloc, fresh, instances)
+            if adopted:
                 rec = ClaimRecord(
                     alloc.uid,
                     alloc.namespace,
@@ -412,7 +426,7 @@ class Lifecycle:
             fresh = plan(alloc, self.st.inv, self.st.health)
             if not isinstance(fresh, str):
                 instances = await self.instances({s.gpu_index for s in fresh})
-                adopted = adopt_from_status(alloc, fresh, instances)
+                adopted = self.adoptable(alloc, fresh, instances)
                 if adopted:  # the status's MIG UUIDs prove these are ours
                     rec = ClaimRecord(uid, alloc.namespace, alloc.name, "releasing", adopted)
         if alloc.has_finalizer and alloc.phase != Phase.RELEASING:
