@@ -397,8 +397,9 @@ async def test_sigkill_during_create_then_restart(
     assert rec.state == "creating"  # the intent was on disk before the GI was made
 
     node.emu.set_latency(create_ms=0)
-    async with running_agent(settings):
-        ready = await wait_phase(kube, alloc, "Ready")
+    proc2 = AgentProcess(process_args(settings), tmp_path / "agent-2.log").start()
+    try:
+        ready = await wait_phase(kube, alloc, "Ready", within=40)
         assert node.instances() == [(0, "1g.18gb", 1, 1, 0), (0, "2g.35gb", 4, 2, 0)]
         assert len(node.emu.instances()) == 2  # adopted the half-made GI, made nothing twice
         uuids = {r.mig_uuid for r in node.emu.instances()}
@@ -406,6 +407,10 @@ async def test_sigkill_during_create_then_restart(
         await _delete(kube, alloc)
         await wait_gone(kube, alloc)
         assert node.instances() == []
+        assert proc2.stop() == 0, proc2.tail()  # SIGTERM: a clean exit
+        assert '"event": "stopped"' in proc2.tail(), proc2.tail()
+    finally:
+        proc2.kill()
 
 
 async def test_sigkill_during_destroy_then_restart(
