@@ -114,6 +114,14 @@ class Kube:
         cfg.connection_pool_maxsize = qps_pool
         return cls(k8s_client.ApiClient(configuration=cfg))
 
+    def sibling(self) -> Kube:
+        """Another connection pool to the same server, with the same credentials.
+
+        For requests that must not wait behind bulk traffic queued on this client's pool:
+        a Lease renewal queued behind hundreds of writes in a burst misses its deadline.
+        The caller closes it (`async with kube.sibling() as other:`)."""
+        return Kube(k8s_client.ApiClient(configuration=self._api.configuration))
+
     async def close(self) -> None:
         await self._api.close()
 
