@@ -250,22 +250,17 @@ def traps() -> dict[str, dict[str, Any]]:
 def suite(quick: bool) -> dict[str, dict[str, Any]]:
     """Every trace of the benchmark, by name (seeded: the same on every run)."""
     if quick:
-        n, arrivals = 2, 300
-        fleets = {
-            "h100": Fleet("h100", (("h100", n, "H100-80GB", 4),)),
-            "a100": Fleet("a100", (("a100", n, "A100-40GB", 4),)),
-            "h200": Fleet("h200", (("h200", n, "H200-141GB", 4),)),
-        }
+        n, per, arrivals = 4, 4, 400
     else:
-        n, arrivals = 16, 3000
-        fleets = {
-            "h100": Fleet("h100", (("h100", n, "H100-80GB", 8),)),
-            "h200": Fleet("h200", (("h200", n, "H200-141GB", 8),)),
-            "a100": Fleet("a100", (("a100", n, "A100-40GB", 8),)),
-            "mixed": Fleet(
-                "mixed", (("a100", n // 2, "A100-80GB", 8), ("h100", n // 2, "H100-80GB", 8))
-            ),
-        }
+        n, per, arrivals = 16, 8, 3000
+    fleets = {
+        "h100": Fleet("h100", (("h100", n, "H100-80GB", per),)),
+        "h200": Fleet("h200", (("h200", n, "H200-141GB", per),)),
+        "a100": Fleet("a100", (("a100", n, "A100-40GB", per),)),
+        "mixed": Fleet(
+            "mixed", (("a100", n // 2, "A100-80GB", per), ("h100", n // 2, "H100-80GB", per))
+        ),
+    }
     traces: dict[str, dict[str, Any]] = {}
     for seed, (name, fleet) in enumerate(fleets.items(), start=1):
         traces[f"churn-{name}"] = churn_trace(seed, fleet, arrivals)
@@ -274,11 +269,17 @@ def suite(quick: bool) -> dict[str, dict[str, Any]]:
     for seed, (name, fleet) in enumerate(fleets.items(), start=21):
         traces[f"fill-{name}"] = fill_trace(seed, fleet)
     traces.update(traps())
-    small_h200 = Fleet("h200x2", (("h200", 1, "H200-141GB", 2),))
-    small_a100 = Fleet("a100x2", (("a100", 1, "A100-40GB", 2),))
-    traces["opt-churn-h200x2"] = churn_trace(31, small_h200, 24 if quick else 40, load=1.3)
-    traces["opt-churn-a100x2"] = churn_trace(32, small_a100, 24 if quick else 40, load=1.3)
-    traces["opt-fill-a100x2"] = fill_trace(33, small_a100, overfill=1.4)
+    # Small enough for the exact optimum (optimum.py).
+    a100x2 = Fleet("a100x2", (("a100", 1, "A100-40GB", 2),))
+    h200x1 = Fleet("h200x1", (("h200", 1, "H200-141GB", 1),))
+    traces["opt-fill-a100x2"] = fill_trace(33, a100x2, overfill=1.4)
+    traces["opt-churn-h200x1"] = churn_trace(31, h200x1, 14, load=1.3)
+    if not quick:
+        h100x4 = Fleet("h100x4", (("h100", 1, "H100-80GB", 4),))
+        h200x2 = Fleet("h200x2", (("h200", 1, "H200-141GB", 2),))
+        traces["opt-fill-h100x4"] = fill_trace(34, h100x4, overfill=1.4)
+        traces["opt-churn-h200x2"] = churn_trace(35, h200x2, 18, load=1.3)
+        traces["opt-churn-a100x2"] = churn_trace(36, a100x2, 18, load=1.3)
     return traces
 
 

@@ -186,7 +186,7 @@ class _Diagnosis:
                 unavailable.append(n)
             elif ctx.node_fit(n) is not None:
                 short.append(n)
-            elif self.reachable_free(n) >= self.needed_slots(n):
+            elif self.reachable_free(n) >= self.needed_slots(n) and self.limits_allow(n):
                 fragmented.append(n)
             else:
                 full.append(n)
@@ -228,6 +228,26 @@ class _Diagnosis:
             else:
                 reach |= (1 << t.slots) - 1
         return reach & ~st.mask
+
+    def limits_allow(self, node: NodeState) -> bool:
+        """Whether count and engine limits alone would let the node take every slice (so
+        that only slot geometry stands in the way)."""
+        for p, need in zip(self.ctx.profiles, self.ctx.counts, strict=True):
+            room = 0
+            for g in node.gpus:
+                st = self.ctx.state(g)
+                t = self.ctx.tables(g.model)
+                if st is None or t is None or p not in t.profiles:
+                    continue
+                pt = t.profiles[p]
+                fits = pt.max_count - st.counts[pt.index]
+                for have, use, limit in zip(st.engines, pt.engines, t.full_engines, strict=True):
+                    if use:
+                        fits = min(fits, (limit - have) // use)
+                room += max(fits, 0)
+            if room < need:
+                return False
+        return True
 
     def reachable_free(self, node: NodeState) -> int:
         return sum(bin(self.free_reach(node, pos)).count("1") for pos in self.relevant_gpus(node))

@@ -31,13 +31,90 @@ from common.placement.model import (
 )
 from common.placement.replay import AddEvent, RemoveEvent, Trace
 from common.placement.search import profile_order
-from common.placement.tables import ModelTables, free_starts, gpu_state, model_tables
+from common.placement.tables import (
+    GpuState,
+    ModelTables,
+    ProfileTable,
+    add,
+    can_add,
+    free_starts,
+    gpu_state,
+    model_tables,
+)
 
-# One GPU: (model, sorted entries (start, size, profile, pod)).
-_Gpu = tuple[str, tuple[tuple[int, int, str, str], ...]]
+# One GPU: (model, slots of anonymous instances, sorted named entries (start, size,
+# profile, pod)). A pod that never leaves within the trace is anonymous: only its slots
+# matter (when count and engine limits cannot bind, see _limits_never_bind).
+_Gpu = tuple[str, int, tuple[tuple[int, int, str, str], ...]]
 # One node: (cpu free, memory free, pods free, sorted GPUs).
 _Node = tuple[int, int, int, tuple[_Gpu, ...]]
 _State = tuple[_Node, ...]
+
+
+def _automorphisms(tables: ModelTables) -> tuple[tuple[int, ...], ...]:
+    """Slot permutations that map every profile's placements onto that profile's placements
+    (on 8-slot parts: swap slots 0/1, 2/3, 4/5 and the pairs 0-1/2-3: 16 in all). Two GPU
+    states related by one have the same future, so the search keeps one of them."""
+    n = tables.slots
+    if n > 8:
+        return (tuple(range(n)),)
+    shapes = [frozenset(t.masks) for t in tables.by_index]
+    found: list[tuple[int, ...]] = []
+    perm: list[int] = []
+
+    def image(mask: int) -> int:
+        out = 0
+        for i in range(n):
+            if mask >> i & 1:
+                out |= 1 << perm[i]
+        return out
+
+    def ok_so_far() -> bool:
+        done = (1 << len(perm)) - 1
+        for masks in shapes:
+            for m in masks:
+                if m & ~done == 0 and image(m) not in masks:
+                    return False
+        return True
+
+    def extend() -> None:
+        if len(perm) == n:
+            found.append(tuple(perm))
+            return
+        for j in range(n):
+            if j not in perm:
+                perm.append(j)
+                if ok_so_far():
+                    extend()
+                perm.pop()
+
+    extend()
+    return tuple(found)
+
+
+def _limits_never_bind(tables: ModelTables, profiles: set[str]) -> bool:
+    """True when no set of non-overlapping placements of `profiles` breaks a count, engine
+    or SM limit — then a GPU's future depends on its occupied slots alone."""
+    ts = [tables.profiles[p] for p in sorted(profiles) if p in tables.profiles]
+    spots = [(t, m) for t in ts for m in t.masks]
+    ok = True
+
+    def walk(k: int, st: GpuState) -> None:
+        nonlocal ok
+        if not ok:
+            return
+        for j in range(k, len(spots)):
+            t, m = spots[j]
+            if st.mask & m:
+                continue
+            i = t.masks.index(m)
+            if not can_add(tables, st, t, i):
+                ok = False
+                return
+            walk(j + 1, add(st, t, i))
+
+    walk(0, gpu_state(tables, ()))
+    return ok
 
 
 class Objective(Enum):
@@ -66,17 +143,38 @@ class _Search:
         self.explored = 0
         self.memo: dict[tuple[int, _State], tuple[float, _State | None]] = {}
         self.tables: dict[str, ModelTables | None] = {}
+        self.moves: dict[str, tuple[tuple[dict[tuple[int, int], int], tuple[int, ...]], ...]]
+        self.moves = {}
+        self.canons: dict[_Gpu, _Gpu] = {}
+        self.states: dict[_Gpu, GpuState] = {}
+        self.frees: dict[tuple[_Gpu, str], list[int]] = {}
+        self.demands: dict[str, list[tuple[str, str]]] = {}
         end = trace.end
         if end is None:
             end = max((e.t for e in trace.events), default=0.0)
         self.end = end
         leave: dict[int, float] = {}
         alive: dict[str, int] = {}
+        self.leaving: set[str] = set()
         for i, ev in enumerate(trace.events):
             if isinstance(ev, AddEvent):
                 alive[ev.pod] = i
             elif ev.pod in alive:
                 leave[alive.pop(ev.pod)] = ev.t
+                self.leaving.add(ev.pod)
+        used: dict[str, set[str]] = {}
+        for n in trace.nodes:
+            for g in n.gpus:
+                used.setdefault(g.model, set())
+        for ev in trace.events:
+            if isinstance(ev, AddEvent):
+                for sl in ev.request.slices:
+                    for model in used:
+                        used[model].add(sl.profile)
+        self.mask_only = all(
+            (t := self.table(model)) is None or _limits_never_bind(t, profiles)
+            for model, profiles in used.items()
+        )
         self.duration = {
             i: max(0.0, leave.get(i, end) - ev.t)
             for i, ev in enumerate(trace.events)
@@ -86,8 +184,36 @@ class _Search:
     def table(self, model: str) -> ModelTables | None:
         if model not in self.tables:
             m = self.catalog.model(model)
-            self.tables[model] = model_tables(m) if m is not None else None
+            t = model_tables(m) if m is not None else None
+            self.tables[model] = t
+            perms = _automorphisms(t) if t is not None else ()
+            spans = {(s, p.size) for p in (t.by_index if t else ()) for s in p.starts}
+            self.moves[model] = tuple(
+                ({(s, z): min(perm[i] for i in range(s, s + z)) for s, z in spans}, perm)
+                for perm in perms
+                if perm != tuple(range(len(perm)))
+            )
         return self.tables[model]
+
+    def canon(self, gpu: _Gpu) -> _Gpu:
+        """The least of the GPU's symmetric images (see _automorphisms)."""
+        hit = self.canons.get(gpu)
+        if hit is not None:
+            return hit
+        model, anon, entries = gpu
+        best = (anon, entries)
+        if (anon or entries) and self.table(model) is not None:
+            for moved, bits in self.moves[model]:
+                image = 0
+                for i, j in enumerate(bits):
+                    if anon >> i & 1:
+                        image |= 1 << j
+                cand = (image, tuple(sorted((moved[s, z], z, p, pod) for s, z, p, pod in entries)))
+                if cand < best:
+                    best = cand
+        out = (model, best[0], best[1])
+        self.canons[gpu] = out
+        return out
 
     def initial(self) -> _State:
         """Only usable GPUs take part (unhealthy / MIG-disabled ones never hold a slice)."""
@@ -96,17 +222,20 @@ class _Search:
                 n.cpu_millis,
                 n.memory_bytes,
                 n.pods,
-                tuple(sorted((g.model, ()) for g in n.gpus if g.usable)),
+                tuple(sorted((g.model, 0, ()) for g in n.gpus if g.usable)),
             )
             for n in self.trace.nodes
         )
 
     def placements(self, state: _State, req: PodRequest) -> Iterator[tuple[_State, int]]:
         """Every distinct state after placing `req`, with the slots it took."""
-        demand = sorted(
-            ((s.profile, s.container) for s in req.slices for _ in range(s.count)),
-            key=lambda d: profile_order(d[0]),
-        )
+        demand = self.demands.get(req.name)
+        if demand is None:
+            demand = sorted(
+                ((s.profile, s.container) for s in req.slices for _ in range(s.count)),
+                key=lambda d: profile_order(d[0]),
+            )
+            self.demands[req.name] = demand
         spec = self.trace.nodes
         for ni, (cpu, mem, pods, gpus) in enumerate(state):
             if cpu < req.cpu_millis or mem < req.memory_bytes or pods < 1:
@@ -117,8 +246,11 @@ class _Search:
             ):
                 continue
             seen: set[tuple[_Gpu, ...]] = set()
-            for new_gpus, slots in self._assign(list(gpus), demand, 0, req.name):
-                key = tuple(sorted(new_gpus))
+            # A pod that never leaves within the trace needs no name: anonymous entries let
+            # states that differ only in who holds a slot merge (a batch is then tiny).
+            token = req.name if req.name in self.leaving else ""
+            for new_gpus, slots in self._assign(list(gpus), demand, 0, token):
+                key = tuple(sorted(self.canon(g) for g in new_gpus))
                 if key in seen:
                     continue
                 seen.add(key)
@@ -137,29 +269,50 @@ class _Search:
             return
         profile = demand[k][0]
         tried: set[_Gpu] = set()
-        for gi, (model, entries) in enumerate(gpus):
-            if (model, entries) in tried:
+        for gi, gpu in enumerate(gpus):
+            if gpu in tried:
                 continue
-            tried.add((model, entries))
+            tried.add(gpu)
+            model, anon, entries = gpu
             t = self.table(model)
             if t is None or profile not in t.profiles:
                 continue
             pt = t.profiles[profile]
-            st = gpu_state(t, tuple((s, z, p) for s, z, p, _ in entries))
-            for i in free_starts(t, st, pt):
-                entry = (pt.starts[i], pt.size, profile, pod)
-                gpus[gi] = (model, tuple(sorted((*entries, entry))))
+            for i in self.free(gpu, t, pt):
+                if pod or not self.mask_only:
+                    entry = (pt.starts[i], pt.size, profile, pod)
+                    gpus[gi] = (model, anon, tuple(sorted((*entries, entry))))
+                else:
+                    gpus[gi] = (model, anon | pt.masks[i], entries)
                 for out, slots in self._assign(gpus, demand, k + 1, pod):
                     yield out, slots + pt.size
-                gpus[gi] = (model, entries)
+                gpus[gi] = gpu
 
-    @staticmethod
-    def release(state: _State, pod: str, req: PodRequest) -> _State:
+    def free(self, gpu: _Gpu, t: ModelTables, pt: ProfileTable) -> list[int]:
+        """Indices of the starts where one more `pt` fits on `gpu` (memoised)."""
+        key = (gpu, pt.name)
+        hit = self.frees.get(key)
+        if hit is not None:
+            return hit
+        st = self.states.get(gpu)
+        if st is None:
+            _, anon, entries = gpu
+            named = gpu_state(t, tuple((s, z, p) for s, z, p, _ in entries))
+            st = GpuState(named.mask | anon, named.counts, named.engines, named.compute)
+            self.states[gpu] = st
+        out = free_starts(t, st, pt)
+        self.frees[key] = out
+        return out
+
+    def release(self, state: _State, pod: str, req: PodRequest) -> _State:
         """`pod` leaves: its slots, cpu, memory and pod slot are free again."""
         out = []
         for cpu, mem, pods, gpus in state:
             new = tuple(
-                sorted((m, tuple(e for e in entries if e[3] != pod)) for m, entries in gpus)
+                sorted(
+                    self.canon((m, anon, tuple(e for e in entries if e[3] != pod)))
+                    for m, anon, entries in gpus
+                )
             )
             if new != gpus:
                 out.append((cpu + req.cpu_millis, mem + req.memory_bytes, pods + 1, new))
@@ -208,8 +361,13 @@ class _Search:
         nodes = []
         for spec, (cpu, mem, pods, gpus) in zip(self.trace.nodes, state, strict=True):
             built = tuple(
-                Gpu(k, model, True, True, tuple(Occupied(s, z, p) for s, z, p, _ in entries))
-                for k, (model, entries) in enumerate(gpus)
+                Gpu(
+                    k,
+                    model,
+                    occupied=tuple(Occupied(s, z, p) for s, z, p, _ in entries)
+                    + tuple(Occupied(i, 1, "") for i in range(anon.bit_length()) if anon >> i & 1),
+                )
+                for k, (model, anon, entries) in enumerate(gpus)
             )
             nodes.append(
                 NodeState(spec.name, spec.labels, spec.taints, False, cpu, mem, pods, built)
@@ -240,7 +398,11 @@ class _Search:
 
 
 def _slots(state: _State) -> int:
-    return sum(e[1] for _, _, _, gpus in state for _, entries in gpus for e in entries)
+    return sum(
+        bin(anon).count("1") + sum(e[1] for e in entries)
+        for _, _, _, gpus in state
+        for _, anon, entries in gpus
+    )
 
 
 def optimum(

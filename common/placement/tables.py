@@ -94,6 +94,9 @@ class GpuFit:
     starts: tuple[int, ...]  # aligned with the demand tuple
 
 
+_STRAND = 8
+
+
 def _weight(size: int) -> int:
     return size * size
 
@@ -130,11 +133,18 @@ def model_tables(model: GpuModel) -> ModelTables:
         for (size, starts), cap in shapes.items()
     ]
     potential = []
+    all_masks = [m for _, masks, _ in shape_list for m in masks]
     for occ in range(1 << model.memory_slots):
         v = 0
         for w, masks, cap in shape_list:
             free = sum(1 for m in masks if not occ & m)
             v += w * min(free, cap)
+        if _STRAND:
+            usable = 0
+            for m in all_masks:
+                if not occ & m:
+                    usable |= m
+            v += _STRAND * bin(usable).count("1")
         potential.append(v)
     return ModelTables(
         name=model.name,
