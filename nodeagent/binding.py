@@ -6,8 +6,9 @@ resolves it from the spec file the agent writes; nothing else happens on the nod
 
 `device-plugin` (nodeagent/deviceplugin/, docs/binding.md) serves the kubelet device-plugin
 API for `instaslice.io/mig-<profile>` and answers `Allocate` with the CDI device of a prepared
-slice; main.py builds it (it needs the node's kubelet paths and the agent). The seam is this protocol: the lifecycle tells the binding when an allocation's devices are
-ready and when they are gone; a binding that needs a server runs it in `run()`.
+slice; main.py builds it (it needs the node's kubelet paths and the agent). The seam is this
+protocol: the lifecycle tells the binding when an allocation's devices are ready and when
+they are gone; a binding that needs a server runs it in `run()`.
 """
 
 from __future__ import annotations
