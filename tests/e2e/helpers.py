@@ -21,10 +21,10 @@ import contextlib
 import json
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from common.constants import (
     CDI_FILE_PREFIX,
@@ -235,17 +235,23 @@ async def wait_for(
                 return got
             rv = listing["metadata"]["resourceVersion"]
             remaining = max(1, int(deadline - time.monotonic()) + 1)
+            events = cast(
+                AsyncGenerator[tuple[str, Obj], None],
+                kube.watch(path, rv, timeout_s=remaining, **query),
+            )
+            # aclosing: returning mid-stream must release the connection now, not at GC
             with contextlib.suppress(ApiError):
-                async for etype, obj in kube.watch(path, rv, timeout_s=remaining, **query):
-                    if etype == "BOOKMARK":
-                        continue
-                    name = obj["metadata"]["name"]
-                    if etype == "DELETED":
-                        objs.pop(name, None)
-                    else:
-                        objs[name] = obj
-                    if (got := check(objs)) is not None and got is not False:
-                        return got
+                async with contextlib.aclosing(events):
+                    async for etype, obj in events:
+                        if etype == "BOOKMARK":
+                            continue
+                        name = obj["metadata"]["name"]
+                        if etype == "DELETED":
+                            objs.pop(name, None)
+                        else:
+                            objs[name] = obj
+                        if (got := check(objs)) is not None and got is not False:
+                            return got
 
     try:
         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):

@@ -23,6 +23,7 @@ integration tests), GPU faults (the chaos soak), the scale of a real cluster (be
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -343,6 +344,20 @@ async def test_agent_killed_and_restarted(
     assert after == kept, f"the running pod's slices changed across the restart: {kept} -> {after}"
     for node in SHARED_NODES:
         await assert_node_matches(kube, system, node)
+
+    # Released once each, by the restarted agent (events go out on change, not per retry).
+    pods = {p["metadata"]["name"]: p for p in (await kube.list(pods_path(namespace)))["items"]}
+    for name in pods:
+        await kube.delete(pods_path(namespace, name))
+    await _alloc_count(kube, namespace, 0)
+    for name, pod in pods.items():
+        await wait_event(kube, namespace, name, REASON_RELEASED, uid=pod["metadata"]["uid"])
+    released = await kube.list(
+        core_path("events", namespace), fieldSelector=f"reason={REASON_RELEASED}"
+    )
+    per_pod = Counter(e["involvedObject"]["name"] for e in released["items"])
+    twice = {n: c for n, c in per_pod.items() if c != 1}
+    assert not twice, f"SliceReleased events per pod after the agent restart: {dict(per_pod)}"
 
 
 async def test_node_deleted(kube: Kube, system: DevSystem, namespace: str) -> None:

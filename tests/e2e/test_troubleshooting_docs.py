@@ -268,13 +268,22 @@ async def ops_install(kube: Kube, system: DevSystem) -> AsyncIterator[None]:
         str(crds / "cert-manager" / f"cert-manager.io_{k}.yaml")
         for k in ("certificates", "issuers")
     ]
-    for args in (
-        ("apply", "--server-side", *(x for f in cm for x in ("-f", f))),
-        ("wait", "--for=condition=Established", "--timeout=60s",
-         "crd/certificates.cert-manager.io", "crd/issuers.cert-manager.io"),
-    ):  # fmt: skip
-        r = await kubectl(system, *args)
-        assert r.rc == 0, r.err
+    r = await kubectl(system, "apply", "--server-side", *(x for f in cm for x in ("-f", f)))
+    assert r.rc == 0, r.err
+
+    def established(crds: dict[str, Obj]) -> bool:
+        names = {"certificates.cert-manager.io", "issuers.cert-manager.io"}
+        return all(
+            any(c["type"] == "Established" and c["status"] == "True"
+                for c in crds.get(n, {}).get("status", {}).get("conditions") or [])
+            for n in names
+        )  # fmt: skip
+
+    # (not `kubectl wait`: it errors out while a new CRD has no status.conditions yet)
+    await wait_for(
+        kube, group_path("apiextensions.k8s.io/v1", "customresourcedefinitions"), established,
+        what="cert-manager's CRDs Established", timeout_s=60,
+    )  # fmt: skip
     rendered = await kubectl(system, "kustomize", str(REPO / OVERLAY))
     assert rendered.rc == 0, rendered.err
     docs = [d for d in yaml.safe_load_all(rendered.out) if d]
@@ -351,107 +360,6 @@ def test_every_block_is_exercised_or_explained() -> None:
             )
         for k in keys:
             block(doc, k)  # each key names exactly one block
-
-
-async def test_troubleshooting_read_only_blocks(
-    kube: Kube, system: DevSystem, namespace: str, ops_install: None
-) -> None:
-    doc = "troubleshooting.md"
-    ns = namespace
-    await kube.create(pods_path(ns), make_pod("served", slices={"main": {"1g.18gb": 1}}))
-    # Pending for good: every node has 8 CPUs.
-    await kube.create(
-        pods_path(ns), make_pod("waiting", slices={"main": {"1g.10gb": 1}}, cpu="100")
-    )
-    served = await wait_pod_running(kube, ns, "served")
-    alloc = await assert_holds_slices(kube, system, ns, "served")
-    (held,) = held_slices(system, alloc)
-    node = served["spec"]["nodeName"]
-    waiting = await kube.get(pods_path(ns, "waiting"))
-    await wait_for(
-        kube, core_path("events", ns), lambda evs: bool(evs),
-        what="AllocationPending on pod waiting",
-        fieldSelector="involvedObject.name=waiting,reason=AllocationPending",
-    )  # fmt: skip
-    vars_block = block(doc, "POD=my-pod")
-    on_served = {"NS": ns, "POD": "served"}
-    on_waiting = {"NS": ns, "POD": "waiting"}
-
-    # The variables resolve: claim and node of a placed pod; no node yet for a pending one.
-    run = await run_blocks(system, [vars_block], on_served)
-    assert run.vars == {"CLAIM": _claim(served), "NODE": node, "AGENT": ""}, run.show()
-    run = await run_blocks(system, [vars_block], on_waiting)
-    assert run.vars["CLAIM"] == _claim(waiting) and run.vars["NODE"] == "", run.show()
-
-    run = await run_blocks(system, [vars_block, block(doc, "kubectl instaslice nodes")], on_served)
-    expect(run, _claim(served), "Ready", f"{ns}/served 1g.18gb", "served/main", held.mig_uuid)
-    expect(run, "AllocationPending", "pod/waiting", "cpu")
-
-    lease = await kube.get(
-        group_path("coordination.k8s.io/v1", "leases", "instaslice-system", "instaslice-allocator")
-    )
-    agents = await kube.list(
-        core_path("pods", "instaslice-system"),
-        labelSelector="app.kubernetes.io/name=instaslice-nodeagent",
-        fieldSelector=f"spec.nodeName={node}",
-    )
-    (agent,) = agents["items"]
-    run = await run_blocks(
-        system,
-        [vars_block, block(doc, "get lease instaslice-allocator")],
-        on_served,
-        allowed=[Allowed(r"\blogs\b", NO_KUBELET)],
-    )
-    expect(run, lease["spec"]["holderIdentity"])
-    assert run.vars["AGENT"] == f"pod/{agent['metadata']['name']}", run.show()
-    assert len(run.failed) == 2, f"only the two `kubectl logs` fail (no kubelet):\n{run.show()}"
-
-    gates = block(doc, "{.spec.schedulingGates}")
-    run = await run_blocks(system, [vars_block, gates], on_waiting)
-    assert run.out.strip() == '[{"name":"instaslice.io/allocation"}]', run.show()
-    run = await run_blocks(system, [vars_block, gates], on_served)
-    assert run.out.strip() == "", run.show()
-
-    is_there = block(doc, 'get slicealloc "$CLAIM"\n')
-    run = await run_blocks(system, [vars_block, is_there], on_served)
-    expect(run, _claim(served), node, "Ready", "1g.18gb")
-    run = await run_blocks(
-        system, [vars_block, is_there], on_waiting,
-        allowed=[Allowed(r"get slicealloc", r"NotFound|not found")],
-    )  # fmt: skip
-    assert len(run.failed) == 1, "NotFound: the allocator has not placed it (as documented)"
-
-    run = await run_blocks(system, [vars_block, block(doc, ".spec.renewTime")], on_served)
-    expect(run, agent["metadata"]["name"], "Running")
-    assert re.search(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", run.out, re.M), run.show()
-
-    events = block(doc, 'describe pod "$POD"')
-    run = await run_blocks(system, [vars_block, events], on_served)
-    expect(run, "SliceAllocated", "SliceReady", held.mig_uuid)
-    run = await run_blocks(system, [vars_block, events], on_waiting)
-    expect(run, "AllocationPending", "node cpu short", "instaslice.io/claim")
-
-    run = await run_blocks(
-        system, [vars_block, block(doc, "metadata.labels.instaslice")], on_waiting
-    )
-    lines = run.out.splitlines()
-    assert lines[0] == "true", run.show()
-    expect(run, CLAIM_ANNOTATION, _claim(waiting), "instaslice-dev")
-
-    run = await run_blocks(system, [vars_block, block(doc, "caBundle bytes")], on_served)
-    expect(run, "instaslice-webhook-", "8443", "pods.instaslice.io caBundle bytes: LS0t")
-    expect(run, "certificate.cert-manager.io/instaslice-webhook", "instaslice-webhook-tls")
-
-    run = await run_blocks(system, [vars_block, block(doc, "{range .status.conditions")], on_served)
-    expect(run, "Ready=True SlicesCreated", held.mig_uuid)
-
-    run = await run_blocks(
-        system, [vars_block, block(doc, "reason=PinnedUnschedulable")], on_served
-    )
-    assert "No resources found" in run.err, run.show()
-
-    run = await run_blocks(system, [block(doc, "describe daemonset instaslice-nodeagent")], {})
-    expect(run, "Desired Number of Nodes Scheduled", "Running", node)
 
 
 async def test_slice_that_will_not_release(kube: Kube, system: DevSystem, namespace: str) -> None:
@@ -561,6 +469,104 @@ async def _stuck_cases(
     )
     expect(run, f'node "{node}" deleted')
     await wait_gone(kube, allocs_path(ns), gone)
+
+
+async def test_troubleshooting_read_only_blocks(
+    kube: Kube, system: DevSystem, namespace: str, ops_install: None
+) -> None:
+    doc = "troubleshooting.md"
+    ns = namespace
+    await kube.create(pods_path(ns), make_pod("served", slices={"main": {"1g.18gb": 1}}))
+    # Pending for good: every node has 8 CPUs.
+    await kube.create(
+        pods_path(ns), make_pod("waiting", slices={"main": {"1g.10gb": 1}}, cpu="100")
+    )
+    served = await wait_pod_running(kube, ns, "served")
+    alloc = await assert_holds_slices(kube, system, ns, "served")
+    (held,) = held_slices(system, alloc)
+    node = served["spec"]["nodeName"]
+    waiting = await kube.get(pods_path(ns, "waiting"))
+    await wait_for(
+        kube, core_path("events", ns), lambda evs: bool(evs),
+        what="AllocationPending on pod waiting",
+        fieldSelector="involvedObject.name=waiting,reason=AllocationPending",
+    )  # fmt: skip
+    vars_block = block(doc, "POD=my-pod")
+
+    # The variables resolve: claim and node of a placed pod; no node yet for a pending one.
+    # Later blocks get the values this block computed (instead of running it again).
+    run = await run_blocks(system, [vars_block], {"NS": ns, "POD": "served"})
+    assert run.vars == {"CLAIM": _claim(served), "NODE": node, "AGENT": ""}, run.show()
+    on_served = {"NS": ns, "POD": "served", "CLAIM": run.vars["CLAIM"], "NODE": node}
+    run = await run_blocks(system, [vars_block], {"NS": ns, "POD": "waiting"})
+    assert run.vars["CLAIM"] == _claim(waiting) and run.vars["NODE"] == "", run.show()
+    on_waiting = {"NS": ns, "POD": "waiting", "CLAIM": run.vars["CLAIM"], "NODE": ""}
+
+    run = await run_blocks(system, [block(doc, "kubectl instaslice nodes")], on_served)
+    expect(run, _claim(served), "Ready", f"{ns}/served 1g.18gb", "served/main", held.mig_uuid)
+    expect(run, "AllocationPending", "pod/waiting", "cpu")
+
+    lease = await kube.get(
+        group_path("coordination.k8s.io/v1", "leases", "instaslice-system", "instaslice-allocator")
+    )
+    agents = await kube.list(
+        core_path("pods", "instaslice-system"),
+        labelSelector="app.kubernetes.io/name=instaslice-nodeagent",
+        fieldSelector=f"spec.nodeName={node}",
+    )
+    (agent,) = agents["items"]
+    run = await run_blocks(
+        system,
+        [block(doc, "get lease instaslice-allocator")],
+        on_served,
+        allowed=[Allowed(r"\blogs\b", NO_KUBELET)],
+    )
+    expect(run, lease["spec"]["holderIdentity"])
+    assert run.vars["AGENT"] == f"pod/{agent['metadata']['name']}", run.show()
+    assert len(run.failed) == 2, f"only the two `kubectl logs` fail (no kubelet):\n{run.show()}"
+
+    gates = block(doc, "{.spec.schedulingGates}")
+    run = await run_blocks(system, [gates], on_waiting)
+    assert run.out.strip() == '[{"name":"instaslice.io/allocation"}]', run.show()
+    run = await run_blocks(system, [gates], on_served)
+    assert run.out.strip() == "", run.show()
+
+    is_there = block(doc, 'get slicealloc "$CLAIM"\n')
+    run = await run_blocks(system, [is_there], on_served)
+    expect(run, _claim(served), node, "Ready", "1g.18gb")
+    run = await run_blocks(
+        system, [is_there], on_waiting,
+        allowed=[Allowed(r"get slicealloc", r"NotFound|not found")],
+    )  # fmt: skip
+    assert len(run.failed) == 1, "NotFound: the allocator has not placed it (as documented)"
+
+    run = await run_blocks(system, [block(doc, ".spec.renewTime")], on_served)
+    expect(run, agent["metadata"]["name"], "Running")
+    assert re.search(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", run.out, re.M), run.show()
+
+    events = block(doc, 'describe pod "$POD"')
+    run = await run_blocks(system, [events], on_served)
+    expect(run, "SliceAllocated", "SliceReady", held.mig_uuid)
+    run = await run_blocks(system, [events], on_waiting)
+    expect(run, "AllocationPending", "node cpu short", "instaslice.io/claim")
+
+    run = await run_blocks(system, [block(doc, "metadata.labels.instaslice")], on_waiting)
+    lines = run.out.splitlines()
+    assert lines[0] == "true", run.show()
+    expect(run, CLAIM_ANNOTATION, _claim(waiting), "instaslice-dev")
+
+    run = await run_blocks(system, [block(doc, "caBundle bytes")], on_served)
+    expect(run, "instaslice-webhook-", "8443", "pods.instaslice.io caBundle bytes: LS0t")
+    expect(run, "certificate.cert-manager.io/instaslice-webhook", "instaslice-webhook-tls")
+
+    run = await run_blocks(system, [block(doc, "{range .status.conditions")], on_served)
+    expect(run, "Ready=True SlicesCreated", held.mig_uuid)
+
+    run = await run_blocks(system, [block(doc, "reason=PinnedUnschedulable")], on_served)
+    assert "No resources found" in run.err, run.show()
+
+    run = await run_blocks(system, [block(doc, "describe daemonset instaslice-nodeagent")], {})
+    expect(run, "Desired Number of Nodes Scheduled", "Running", node)
 
 
 async def test_driver_upgrade_drain(
