@@ -236,7 +236,10 @@ class Kube:
                 raise ApiError(resp.status, data.get("reason", ""), data.get("message", ""), data)
             while True:
                 try:
-                    line = await asyncio.wait_for(resp.content.readline(), timeout_s + 30)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancellation (gh-86296), leaving an informer that never stops
+                    async with asyncio.timeout(timeout_s + 30):
+                        line = await resp.content.readline()
                 except TimeoutError as exc:  # inactivity: treat like a dropped stream
                     raise ApiError(0, "WatchInactive", "no data on the watch") from exc
                 except Exception as exc:  # the stream broke (e.g. the apiserver restarted)
