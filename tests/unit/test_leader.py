@@ -7,57 +7,18 @@ integration test covers it).
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import heapq
 import itertools
 from typing import Any, cast
 
 import pytest
 
 from common.kubeapi import ApiError, Kube
+from tests.integration.allocator_fixtures import FakeClock
 from webhook.allocator.leader import LeaderElector, LeadershipLost, LeaseSettings
 
 pytestmark = pytest.mark.timeout(10)
 
 PATH = "/apis/coordination.k8s.io/v1/namespaces/sys/leases/instaslice-allocator"
-
-
-class FakeClock:
-    """Monotonic time that only moves when the test says so; `sleep` waits for it."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def wall(self) -> dt.datetime:
-        return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=self.t)
-
-    async def sleep(self, seconds: float) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self.t + seconds, next(self._seq), fut))
-        await fut
-
-    async def advance(self, seconds: float) -> None:
-        target = self.t + seconds
-        while True:
-            await settle()
-            if not self._sleepers or self._sleepers[0][0] > target:
-                break
-            deadline, _, fut = heapq.heappop(self._sleepers)
-            self.t = max(self.t, deadline)
-            if not fut.done():
-                fut.set_result(None)
-        self.t = target
-        await settle()
-
-
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
 
 
 class FakeLeases:

@@ -1,0 +1,319 @@
+"""The allocator loop's decisions, without an API server: a recording fake `Kube`, an
+always-leader elector and the fake clock.
+
+Covers what is hard to provoke on a real cluster on purpose: the pinned-unschedulable
+timeout on the injected clock (owned pod deleted, bare pod told); the safety checks before a
+destructive write (an allocation looks orphaned or its node looks gone only because the
+cache lags: a GET says otherwise, nothing is written); finalizing a gone node's record;
+placement after a Failed allocation avoiding the failed GPU; a foreign gate; a lapsed Lease
+retrying a step instead of dropping it. The same paths on a real control plane:
+tests/integration/test_allocator.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import pytest
+
+from common.constants import (
+    GATE_NAME,
+    REASON_PENDING,
+    REASON_PINNED_UNSCHEDULABLE,
+    RELEASE_FINALIZER,
+)
+from common.kubeapi import ApiError, Kube, Obj
+from common.objects import Phase
+from tests.integration.allocator_fixtures import (
+    FakeClock,
+    GpuSpec,
+    gpu_uuid,
+    make_allocation,
+    make_mig_node,
+    make_node,
+    make_pod,
+    settle,
+)
+from webhook.allocator import pods as podlib
+from webhook.allocator.controller import Controller, cancel_until_done
+from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.metrics import AllocatorMetrics
+
+pytestmark = pytest.mark.timeout(10)
+
+TIMEOUT = 30.0
+
+
+class RecordingKube:
+    """Answers GETs from `objects` (404 otherwise) and records every call."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Obj] = {}
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def writes(self, verb: str | None = None) -> list[tuple[str, str, Any]]:
+        return [c for c in self.calls if c[0] != "get" and (verb is None or c[0] == verb)]
+
+    async def get(self, path: str) -> Obj:
+        self.calls.append(("get", path, None))
+        if path not in self.objects:
+            raise ApiError(404, "NotFound", path)
+        return copy.deepcopy(self.objects[path])
+
+    async def list(self, path: str, **query: Any) -> Obj:
+        return {"items": []}
+
+    async def create(self, path: str, body: Obj, **query: Any) -> Obj:
+        self.calls.append(("create", path, body))
+        return {**body, "metadata": {**body["metadata"], "resourceVersion": "1", "uid": "new"}}
+
+    async def replace(self, path: str, body: Obj) -> Obj:
+        self.calls.append(("replace", path, body))
+        return body
+
+    async def patch(self, path: str, body: Any, kind: str = "merge", **query: Any) -> Obj:
+        self.calls.append(("patch", path, body))
+        return {}
+
+    async def delete(self, path: str, body: Obj | None = None, **query: Any) -> Obj:
+        self.calls.append(("delete", path, body))
+        return {}
+
+
+class Leader:
+    def __init__(self) -> None:
+        self.leading = True
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def check(self) -> None:
+        if not self.leading:
+            raise NotLeader("test")
+
+
+def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = None) -> Controller:
+    return Controller(
+        cast(Kube, kube),
+        cast(LeaderElector, elector or Leader()),
+        clock,
+        AllocatorMetrics(),
+        pinned_unschedulable_timeout_s=TIMEOUT,
+        max_backoff_s=1.0,
+    )
+
+
+@asynccontextmanager
+async def leading(c: Controller) -> AsyncIterator[None]:
+    """The three loops of a leadership term, without informers (events are fed by hand)."""
+    async with asyncio.TaskGroup() as tg:
+        c._tg = tg
+        loops = [
+            asyncio.create_task(c._reconcile_loop()),
+            asyncio.create_task(c._placement_loop()),
+            asyncio.create_task(c._timer_loop()),
+        ]
+        try:
+            yield
+            await settle()
+        finally:
+            await cancel_until_done(loops)
+            for task in list(c._busy.values()):
+                task.cancel()
+
+
+async def node(c: Controller, name: str = "n1", gpus: int = 1) -> None:
+    await c._on_node("ADDED", make_node(name, gpus=gpus))
+    await c._on_mig_node("ADDED", make_mig_node(name, [GpuSpec()] * gpus))
+
+
+def unschedulable(pod: Obj) -> Obj:
+    pod = podlib.pin(pod, "n1")
+    pod["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/1 nodes are available: 1 Insufficient cpu.",
+            }
+        ],
+    }
+    return pod
+
+
+def event_reasons(kube: RecordingKube) -> list[str]:
+    return [c[2]["reason"] for c in kube.writes("create") if c[1].endswith("/events")]
+
+
+# --- pinned but unschedulable --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["controller-owned", "bare"])
+async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    owner = {"kind": "ReplicaSet", "name": "rs", "uid": "rs-uid", "controller": True}
+    pod = make_pod("p", uid="p", owner=owner if owned else None)
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    async with leading(c):
+        await node(c)
+        await c._on_allocation("ADDED", alloc)
+        await c._on_pod("ADDED", unschedulable(pod))
+        await settle()
+        await clock.advance(TIMEOUT - 1)
+        assert kube.writes("delete") == []
+        await clock.advance(1)
+        await settle()
+    deleted = [c[1] for c in kube.writes("delete")]
+    alloc_path = (
+        f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
+    )
+    assert deleted[0] == alloc_path
+    assert ("/api/v1/namespaces/ns/pods/p" in deleted) is owned
+    assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
+    assert c.metrics.count("pinned_unschedulable") == 1
+
+
+async def test_a_pod_that_gets_bound_in_time_is_left_alone() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", unschedulable(pod))
+        await clock.advance(TIMEOUT / 2)
+        bound = unschedulable(pod)
+        bound["spec"]["nodeName"] = "n1"
+        bound["status"] = {"phase": "Running"}
+        await c._on_pod("MODIFIED", bound)
+        await clock.advance(TIMEOUT)
+    assert kube.writes() == []
+
+
+# --- destructive writes are double-checked ---------------------------------------------------
+
+
+async def test_orphan_allocation_is_released_only_when_the_pod_is_really_gone() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = pod  # exists; our pod cache lags
+    async with leading(c):
+        await node(c)
+        await c._on_allocation("ADDED", alloc)
+    assert kube.writes() == []
+    del kube.objects["/api/v1/namespaces/ns/pods/p"]
+    async with leading(c):
+        c._touch("p")
+    assert [w[0] for w in kube.writes()] == ["delete"]
+    assert kube.writes()[0][2] == {"preconditions": {"uid": alloc["metadata"]["uid"]}}
+
+
+async def test_allocation_of_a_gone_node_is_finalized_only_when_the_node_is_really_gone() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p", gates=())
+    alloc = make_allocation(pod, "gone", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    path = (
+        f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
+    )
+    kube.objects[path] = alloc
+    kube.objects["/api/v1/nodes/gone"] = make_node("gone")  # our node cache lags
+    async with leading(c):
+        await c._on_pod("ADDED", pod)
+        await c._on_allocation("ADDED", alloc)
+    assert kube.writes() == []
+    del kube.objects["/api/v1/nodes/gone"]
+    async with leading(c):
+        c._touch("p")
+    patch, delete = kube.writes()
+    assert patch[0] == "patch" and patch[1] == path
+    test_op, replace_op = patch[2]
+    assert test_op == {"op": "test", "path": "/metadata/finalizers", "value": [RELEASE_FINALIZER]}
+    assert replace_op["value"] == []
+    assert delete[0] == "delete" and delete[1] == path
+
+
+# --- placement ------------------------------------------------------------------------------
+
+
+async def test_failed_allocation_is_replaced_on_another_gpu() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p", claim="cclaim")
+    async with leading(c):
+        await node(c, gpus=2)
+        await c._on_pod("ADDED", pod)
+        await settle()
+        (create,) = kube.writes("create")[:1]
+        first = create[2]
+        failed = copy.deepcopy(first)
+        failed["metadata"]["uid"] = "a1"
+        failed["status"] = {"phase": "Failed", "message": "boom"}
+        await c._on_allocation("ADDED", failed)
+        await settle()
+        assert kube.writes("delete")  # released
+        failed["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        await c._on_allocation("DELETED", failed)
+        await settle()
+    creates = [w for w in kube.writes("create") if "sliceallocations" in w[1]]
+    assert len(creates) == 2
+    gpus = [w[2]["spec"]["slices"][0]["gpuUUID"] for w in creates]
+    assert gpus[0] != gpus[1] and set(gpus) == {gpu_uuid("n1", 0), gpu_uuid("n1", 1)}
+    assert c.metrics.count("failed") == 1
+
+
+async def test_foreign_gate_first_then_ours() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p", gates=("kueue.x-k8s.io/admission", GATE_NAME))
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", pod)
+    assert kube.writes() == []
+    async with leading(c):
+        await c._on_pod("MODIFIED", make_pod("p", uid="p", claim=podlib.claim(pod)))
+    assert next(w[1] for w in kube.writes("create")).endswith("/sliceallocations")
+
+
+async def test_pending_event_once_per_reason_and_retry_on_capacity_only() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
+        await settle()
+        tried = c.metrics.count("pending")
+        await c._on_pod("ADDED", make_pod("other", uid="o", slices={}, claim=None, gates=()))
+        await settle()
+        assert c.metrics.count("pending") == tried  # a new pod frees nothing: no retry
+        await node(c, "n2")  # capacity grew, still not enough for two 7g on one node
+        await settle()
+        assert c.metrics.count("pending") == tried + 1
+    assert event_reasons(kube) == [REASON_PENDING]
+
+
+async def test_a_step_refused_for_a_lapsed_lease_is_retried() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    elector = Leader()
+    c = controller(kube, clock, elector)
+    pod = make_pod("p", uid="p")
+    async with leading(c):
+        await node(c)
+        elector.leading = False  # the renewal is late
+        await c._on_pod("ADDED", pod)
+        await settle()
+        assert kube.writes() == []
+        assert not c.state.allocations  # the assumed decision was forgotten
+        elector.leading = True  # the late renewal succeeded
+        await clock.advance(1.0)
+        await settle()
+    assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
