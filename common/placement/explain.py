@@ -2,29 +2,35 @@
 
 Checked in this order, cluster-wide first:
 1. NO_PROFILE — no GPU in the cluster has a model offering a requested profile (under
-   `static-balanced`: no layout slice of it); the message names the catalog models that do.
+   `static-balanced`: no layout slice of it), or no single node has all the requested
+   profiles; the message names the catalog models that offer it.
 2. NO_MATCHING_NODE — nodeSelector / required affinity / taints / cordons exclude every node,
    or every node that offers the profiles; the message counts the exclusions by cause.
 Then each remaining node (it matches and offers every requested profile) gets one class,
-and the pod's reason is the most advanced class any node reached — the one that tells what
+and the pod's reason is the most advanced class any node reached — the one that says what
 would unblock the pod:
 
     NODE_RESOURCES > FRAGMENTED > FULL > GPU_UNAVAILABLE
 
 - NODE_RESOURCES: the node's GPUs could host every slice; its free cpu / memory / pods fall
   short (the message says which, the need and the most free).
-- FRAGMENTED: the usable GPUs' free slots (those the requested profiles can ever reach) add
-  up to what the pod needs, yet no set of legal starts is free; the message lists the free
-  slots per GPU, largest first, truncated.
-- FULL: not even that many free slots; the message counts the GPUs that offer the profile.
+- FRAGMENTED: the usable GPUs' free slots add up to what the pod needs and count / engine
+  limits would allow it, yet no set of legal starts is free; the message lists the free
+  slots per GPU, most first, truncated.
+- FULL: not even that (the message counts the GPUs that offer the profile, and mentions
+  unusable ones).
 - GPU_UNAVAILABLE: every GPU on the node that offers a requested profile is unhealthy or in
   MIG-disabled mode.
+
+A node's class depends only on its GPU key and the demand, so it is memoised like the node
+search: explaining a pending pod on 1000 nodes costs one lookup per node.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
 
 from common.placement.model import (
     NodeState,
@@ -33,9 +39,19 @@ from common.placement.model import (
     PodRequest,
     Policy,
     Snapshot,
+    parse_node_key,
 )
-from common.placement.search import Context, resources_fit
+from common.placement.search import (
+    CatalogTables,
+    Context,
+    Demand,
+    node_info,
+    node_multi,
+    node_single,
+    resources_fit,
+)
 from common.placement.selectors import Mismatch, mismatch
+from common.placement.tables import ModelTables
 from common.quantity import format_bytes, format_cpu_millis
 
 _MAX_LISTED = 4
@@ -47,8 +63,8 @@ _MISMATCH_TEXT = {
 }
 
 
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n} {word if n == 1 else (plural or word + 's')}"
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word if n == 1 else word + 's'}"
 
 
 def _join(items: list[str], last: str = "and") -> str:
@@ -87,22 +103,118 @@ def _mismatch_breakdown(counts: Counter[Mismatch]) -> str:
     return "; ".join(f"{n} {_MISMATCH_TEXT[m]}" for m, n in counts.most_common())
 
 
+def _offers(t: ModelTables | None, profile: str, policy: Policy) -> bool:
+    if t is None or profile not in t.profiles:
+        return False
+    if policy is Policy.STATIC_BALANCED:
+        return any(name == profile for name, _ in t.layout)
+    return True
+
+
+class NodeClass:
+    UNAVAILABLE, FULL, FRAGMENTED, FITS = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one node's GPUs say about the demand (resources and selectors aside)."""
+
+    offered: frozenset[str]  # requested profiles some GPU here offers (any health)
+    klass: int  # NodeClass, meaningful when every profile is offered
+    free: int  # free slots on the usable GPUs that offer a requested profile
+    needed: int  # slots the demand needs at least
+    gpu_free: tuple[tuple[int, int], ...]  # (position, free mask) of those GPUs
+    models: tuple[str, ...]  # their models
+    unusable: int  # GPUs here that offer a requested profile but are unhealthy / MIG off
+
+
+@lru_cache(maxsize=1 << 15)
+def verdict(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> Verdict:
+    profiles = [p for p, _ in demand]
+    parsed = parse_node_key(node_key)
+    offered = set()
+    unusable = 0
+    for model, usable, _ in parsed:
+        t = ct.tables(model)
+        mine = [p for p in profiles if _offers(t, p, policy)]
+        offered.update(mine)
+        if mine and not usable:
+            unusable += 1
+    info = node_info(ct, node_key)
+    gpu_free = []
+    models = []
+    usable_offered: set[str] = set()
+    room: Counter[str] = Counter()
+    for u in info.gpus:
+        mine = [p for p in profiles if _offers(u.tables, p, policy)]
+        if not mine:
+            continue
+        usable_offered.update(mine)
+        reach = 0
+        for p in mine:
+            pt = u.tables.profiles[p]
+            fits = pt.max_count - u.state.counts[pt.index]
+            limits = zip(u.state.engines, pt.engines, u.tables.full_engines, strict=True)
+            for have, use, limit in limits:
+                if use:
+                    fits = min(fits, (limit - have) // use)
+            room[p] += max(fits, 0)
+            if fits <= 0:
+                continue
+            if policy is Policy.STATIC_BALANCED:
+                for name, s in u.tables.layout:
+                    if name == p:
+                        reach |= pt.masks[pt.starts.index(s)]
+            else:
+                reach |= (1 << u.tables.slots) - 1
+        gpu_free.append((u.pos, reach & ~u.state.mask))
+        models.append(u.tables.name)
+    needed = 0
+    for p, c in demand:
+        sizes = [
+            t.profiles[p].size
+            for model, _, _ in parsed
+            if (t := ct.tables(model)) is not None and p in t.profiles
+        ]
+        needed += c * min(sizes, default=0)
+    free = sum(bin(m).count("1") for _, m in gpu_free)
+    if len(usable_offered) < len(profiles):
+        klass = NodeClass.UNAVAILABLE
+    else:
+        single = demand[0][0] if len(demand) == 1 and demand[0][1] == 1 else None
+        fit = (
+            node_single(ct, node_key, single, policy)
+            if single
+            else node_multi(ct, node_key, demand, policy)
+        )
+        if fit is not None:
+            klass = NodeClass.FITS
+        elif free >= needed and all(room[p] >= c for p, c in demand):
+            klass = NodeClass.FRAGMENTED
+        else:
+            klass = NodeClass.FULL
+    return Verdict(
+        frozenset(offered),
+        klass,
+        free,
+        needed,
+        tuple(gpu_free),
+        tuple(models),
+        unusable,
+    )
+
+
 class _Diagnosis:
     def __init__(self, snapshot: Snapshot, request: PodRequest, ctx: Context) -> None:
         self.snapshot = snapshot
         self.request = request
         self.ctx = ctx
 
-    def offers(self, model: str, profile: str) -> bool:
-        t = self.ctx.tables(model)
-        if t is None or profile not in t.profiles:
-            return False
-        if self.ctx.policy is Policy.STATIC_BALANCED:
-            return any(name == profile for name, _ in t.layout)
-        return True
+    def verdict(self, node: NodeState) -> Verdict:
+        return verdict(self.ctx.ct, node.gpu_key, self.ctx.demand, self.ctx.policy)
 
-    def node_offers_all(self, node: NodeState) -> bool:
-        return all(any(self.offers(g.model, p) for g in node.gpus) for p in self.ctx.profiles)
+    def offers_all(self, node: NodeState) -> bool:
+        return len(self.verdict(node).offered) == len(self.ctx.profiles)
 
     def run(self) -> Pending:
         ctx, nodes = self.ctx, self.snapshot.nodes
@@ -126,10 +238,12 @@ class _Diagnosis:
                 "no node matches the pod's nodeSelector/affinity/tolerations "
                 f"(of {_plural(len(nodes), 'node')}: {_mismatch_breakdown(excluded)})",
             )
-        offering = [n for n in matching if self.node_offers_all(n)]
+        if not ctx.profiles:
+            return self.node_resources(matching)
+        offering = [n for n in matching if self.offers_all(n)]
         if not offering:
             plist = _join(list(ctx.profiles))
-            elsewhere = [n for n in nodes if self.node_offers_all(n)]
+            elsewhere = [n for n in nodes if self.offers_all(n)]
             if not elsewhere:
                 return Pending(
                     PendingReason.NO_PROFILE,
@@ -151,11 +265,14 @@ class _Diagnosis:
 
     def no_profile(self) -> Pending | None:
         ctx = self.ctx
-        models = list(dict.fromkeys(g.model for n in self.snapshot.nodes for g in n.gpus))
+        offered: set[str] = set()
+        for n in self.snapshot.nodes:
+            offered |= self.verdict(n).offered
         parts = []
         for p in ctx.profiles:
-            if any(self.offers(m, p) for m in models):
+            if p in offered:
                 continue
+            models = {g.model for n in self.snapshot.nodes for g in n.gpus}
             if ctx.policy is Policy.STATIC_BALANCED and any(
                 (t := ctx.tables(m)) is not None and p in t.profiles for m in models
             ):
@@ -174,94 +291,16 @@ class _Diagnosis:
 
     # --- per-node classes ------------------------------------------------------------
     def classify(self, offering: list[NodeState]) -> Pending:
-        ctx = self.ctx
-        if not ctx.profiles:
-            return self.node_resources(offering)
-        short: list[NodeState] = []
-        fragmented: list[NodeState] = []
-        full: list[NodeState] = []
-        unavailable: list[NodeState] = []
+        by_class: dict[int, list[NodeState]] = {}
         for n in offering:
-            if not self.has_usable_for_each(n):
-                unavailable.append(n)
-            elif ctx.node_fit(n) is not None:
-                short.append(n)
-            elif self.reachable_free(n) >= self.needed_slots(n) and self.limits_allow(n):
-                fragmented.append(n)
-            else:
-                full.append(n)
-        if short:
-            return self.node_resources(short)
-        if fragmented:
-            return self.fragmented(fragmented)
-        if full:
-            return self.full(full, offering)
+            by_class.setdefault(self.verdict(n).klass, []).append(n)
+        if NodeClass.FITS in by_class:
+            return self.node_resources(by_class[NodeClass.FITS])
+        if NodeClass.FRAGMENTED in by_class:
+            return self.fragmented(by_class[NodeClass.FRAGMENTED])
+        if NodeClass.FULL in by_class:
+            return self.full(by_class[NodeClass.FULL], offering)
         return self.unavailable(offering)
-
-    def relevant_gpus(self, node: NodeState) -> Iterable[int]:
-        for pos, g in enumerate(node.gpus):
-            if any(self.offers(g.model, p) for p in self.ctx.profiles):
-                yield pos
-
-    def has_usable_for_each(self, node: NodeState) -> bool:
-        return all(
-            any(g.usable and self.offers(g.model, p) for g in node.gpus) for p in self.ctx.profiles
-        )
-
-    def free_reach(self, node: NodeState, pos: int) -> int:
-        """Free slots of this GPU if a requested profile could still be added there (below
-        its count limit; under static-balanced: the free slots of its layout slices)."""
-        g = node.gpus[pos]
-        st = self.ctx.state(g)
-        t = self.ctx.tables(g.model)
-        if st is None or t is None:
-            return 0
-        reach = 0
-        for p in self.ctx.profiles:
-            pt = t.profiles.get(p)
-            if pt is None or st.counts[pt.index] >= pt.max_count:
-                continue
-            if self.ctx.policy is Policy.STATIC_BALANCED:
-                for name, s in t.layout:
-                    if name == p:
-                        reach |= pt.masks[pt.starts.index(s)]
-            else:
-                reach |= (1 << t.slots) - 1
-        return reach & ~st.mask
-
-    def limits_allow(self, node: NodeState) -> bool:
-        """Whether count and engine limits alone would let the node take every slice (so
-        that only slot geometry stands in the way)."""
-        for p, need in zip(self.ctx.profiles, self.ctx.counts, strict=True):
-            room = 0
-            for g in node.gpus:
-                st = self.ctx.state(g)
-                t = self.ctx.tables(g.model)
-                if st is None or t is None or p not in t.profiles:
-                    continue
-                pt = t.profiles[p]
-                fits = pt.max_count - st.counts[pt.index]
-                for have, use, limit in zip(st.engines, pt.engines, t.full_engines, strict=True):
-                    if use:
-                        fits = min(fits, (limit - have) // use)
-                room += max(fits, 0)
-            if room < need:
-                return False
-        return True
-
-    def reachable_free(self, node: NodeState) -> int:
-        return sum(bin(self.free_reach(node, pos)).count("1") for pos in self.relevant_gpus(node))
-
-    def needed_slots(self, node: NodeState) -> int:
-        total = 0
-        for p, c in zip(self.ctx.profiles, self.ctx.counts, strict=True):
-            sizes = [
-                t.profiles[p].size
-                for g in node.gpus
-                if (t := self.ctx.tables(g.model)) is not None and p in t.profiles
-            ]
-            total += c * min(sizes)
-        return total
 
     def profile_shape(self, profile: str) -> str:
         for n in self.snapshot.nodes:
@@ -280,8 +319,7 @@ class _Diagnosis:
     def fragmented(self, nodes: list[NodeState]) -> Pending:
         gpus: list[tuple[int, int, str]] = []
         for order, n in enumerate(nodes):
-            for pos in self.relevant_gpus(n):
-                free = self.free_reach(n, pos)
+            for pos, free in self.verdict(n).gpu_free:
                 if free:
                     slots = [i for i in range(free.bit_length()) if free >> i & 1]
                     text = f"{n.name} gpu{n.gpus[pos].index} {{{_runs(slots)}}}"
@@ -301,10 +339,7 @@ class _Diagnosis:
         ctx = self.ctx
         by_model: Counter[str] = Counter()
         for n in nodes:
-            for pos in self.relevant_gpus(n):
-                g = n.gpus[pos]
-                if g.usable:
-                    by_model[g.model] += 1
+            by_model.update(self.verdict(n).models)
         total = sum(by_model.values())
         if len(by_model) == 1:
             what = f"{total} {next(iter(by_model))} GPUs"
@@ -313,8 +348,8 @@ class _Diagnosis:
             what = f"{total} GPUs ({models})"
         what = f"the only {next(iter(by_model))} GPU" if total == 1 else f"all {what}"
         plist = _join(list(ctx.profiles))
-        best_free = max(self.reachable_free(n) for n in nodes)
-        need = max(self.needed_slots(n) for n in nodes)
+        best_free = max(self.verdict(n).free for n in nodes)
+        need = max(self.verdict(n).needed for n in nodes)
         slot_word = "slot" if best_free == 1 else "slots"
         offer, be = ("offers", "is") if total == 1 else ("offer", "are")
         if ctx.counts == (1,):
@@ -329,23 +364,31 @@ class _Diagnosis:
         )
 
     def unavailable_counts(self, nodes: list[NodeState]) -> tuple[int, int]:
+        """Unhealthy and MIG-disabled GPUs that offer a requested profile."""
         unhealthy = disabled = 0
+        profiles = self.ctx.profiles
         for n in nodes:
-            for pos in self.relevant_gpus(n):
-                g = n.gpus[pos]
-                if not g.healthy:
-                    unhealthy += 1
-                elif not g.mig_enabled:
-                    disabled += 1
+            if not self.verdict(n).unusable:
+                continue
+            for g in n.gpus:
+                if g.usable:
+                    continue
+                t = self.ctx.tables(g.model)
+                if any(_offers(t, p, self.ctx.policy) for p in profiles):
+                    if not g.healthy:
+                        unhealthy += 1
+                    else:
+                        disabled += 1
         return unhealthy, disabled
 
-    def unavailable_text(self, unhealthy: int, disabled: int) -> str:
+    @staticmethod
+    def unavailable_text(unhealthy: int, disabled: int) -> str:
         parts = []
         if unhealthy:
             parts.append(f"{_plural(unhealthy, 'GPU')} unhealthy")
         if disabled:
-            noun = "GPU" if not unhealthy else ""
-            parts.append(f"{disabled} {noun + ' ' if noun else ''}in MIG-disabled mode")
+            noun = "" if unhealthy else ("GPU " if disabled == 1 else "GPUs ")
+            parts.append(f"{disabled} {noun}in MIG-disabled mode")
         return ", ".join(parts)
 
     def unavailable_note(self, nodes: list[NodeState]) -> str:
@@ -368,24 +411,21 @@ class _Diagnosis:
         req = self.request
         parts: list[str] = []
         names: list[str] = []
-        cpu_short = [n for n in nodes if n.cpu_millis_free < req.cpu_millis]
-        mem_short = [n for n in nodes if n.memory_bytes_free < req.memory_bytes]
-        pods_short = [n for n in nodes if n.pods_free < 1]
-        if cpu_short:
+        if any(n.cpu_millis_free < req.cpu_millis for n in nodes):
             names.append("cpu")
             most = max(n.cpu_millis_free for n in nodes)
             parts.append(
                 f"need {format_cpu_millis(req.cpu_millis)} cpu, most free "
                 f"{format_cpu_millis(max(most, 0))}"
             )
-        if mem_short:
+        if any(n.memory_bytes_free < req.memory_bytes for n in nodes):
             names.append("memory")
             most = max(n.memory_bytes_free for n in nodes)
             parts.append(
                 f"need {format_bytes(req.memory_bytes)} memory, most free "
                 f"{format_bytes(max(most, 0))}"
             )
-        if pods_short:
+        if any(n.pods_free < 1 for n in nodes):
             names.append("pods")
             parts.append(f"need 1 pod slot, most free {max(max(n.pods_free for n in nodes), 0)}")
         if not names:  # cannot happen: the engine would have placed the pod

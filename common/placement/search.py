@@ -23,7 +23,7 @@ from functools import cache, lru_cache
 from itertools import product
 
 from common.catalog import Catalog, load_catalog
-from common.placement.model import Gpu, NodeState, PodRequest, Policy, parse_node_key
+from common.placement.model import NodeState, PodRequest, Policy, parse_node_key
 from common.placement.tables import (
     COST_SCALE,
     FitMode,
@@ -363,13 +363,6 @@ class Context:
 
     def tables(self, model: str) -> ModelTables | None:
         return self.ct.tables(model)
-
-    def state(self, gpu: Gpu) -> GpuState | None:
-        """None for a GPU that cannot take slices (unhealthy, MIG off, unknown model)."""
-        t = self.ct.tables(gpu.model)
-        if t is None or not gpu.usable:
-            return None
-        return gpu_state(t, tuple((o.start, o.size, o.profile) for o in gpu.occupied))
 
     def node_fit(self, node: NodeState) -> NodeFit | None:
         """How this policy would host the pod's slices on `node` (resources ignored)."""
