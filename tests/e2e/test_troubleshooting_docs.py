@@ -647,6 +647,27 @@ async def test_upgrade_then_uninstall(
     # here they are local processes, stopped by hand.
     system.stop("webhook")
     system.stop("nodeagent")
+    try:
+        await _uninstall_steps_4_to_6(kube, system)
+    finally:  # installed again, as hack.dev does, whatever happened
+        system.install()
+        with detached_processes():
+            system.start_webhook(die_with_parent=True)
+            system.start_agent(die_with_parent=True)
+        await asyncio.to_thread(system.wait_ready)
+
+    # A pod gets its slice as before.
+    await kube.patch(
+        core_path("namespaces", name=ns), {"metadata": {"annotations": {ENABLED_KEY: "true"}}}
+    )
+    await wait_opted_in(kube, ns)
+    await kube.create(pods_path(ns), make_pod("again", slices={"c": {"1g.10gb": 1}}))
+    await wait_pod_running(kube, ns, "again")
+    await assert_holds_slices(kube, system, ns, "again")
+
+
+async def _uninstall_steps_4_to_6(kube: Kube, system: DevSystem) -> None:
+    doc = "upgrade.md"
     run = await run_blocks(
         system, [block(doc, "delete mutatingwebhookconfigurations")], {}, timeout_s=150
     )
@@ -672,17 +693,3 @@ async def test_upgrade_then_uninstall(
         name = n["metadata"]["name"]
         assert not EmulatorControl(system.gpu_state, name).instances(), f"{name}: instances left"
         assert not cdi_files(system, name), f"{name}: CDI files left"
-
-    # Installed again: a pod gets its slice as before.
-    system.install()
-    with detached_processes():
-        system.start_webhook(die_with_parent=True)
-        system.start_agent(die_with_parent=True)
-    await asyncio.to_thread(system.wait_ready)
-    await kube.patch(
-        core_path("namespaces", name=ns), {"metadata": {"annotations": {ENABLED_KEY: "true"}}}
-    )
-    await wait_opted_in(kube, ns)
-    await kube.create(pods_path(ns), make_pod("again", slices={"c": {"1g.10gb": 1}}))
-    await wait_pod_running(kube, ns, "again")
-    await assert_holds_slices(kube, system, ns, "again")
