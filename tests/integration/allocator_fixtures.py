@@ -41,7 +41,8 @@ from common.objects import Phase, SliceSpec, new_claim_id, slice_allocation
 from common.profiles import instaslice_resource
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.controller import Controller, cancel_until_done
+from webhook.allocator.clock import cancel_until_done
+from webhook.allocator.controller import Controller
 from webhook.allocator.metrics import AllocatorMetrics
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}

@@ -31,7 +31,7 @@ from tests.integration.allocator_fixtures import (
     load_crds,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.controller import cancel_until_done
+from webhook.allocator.clock import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -29,7 +29,7 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import build_controller, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.controller import cancel_until_done
+from webhook.allocator.clock import cancel_until_done
 from webhook.allocator.metrics import AllocatorMetrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

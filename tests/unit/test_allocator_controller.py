@@ -39,7 +39,8 @@ from tests.integration.allocator_fixtures import (
     settle,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.controller import Controller, cancel_until_done
+from webhook.allocator.clock import cancel_until_done
+from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
 

@@ -56,6 +56,20 @@ async def wait_or_sleep(clock: Clock, event: asyncio.Event, seconds: float | Non
                 await task
 
 
+async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` until every one has finished.
+
+    Not a TaskGroup, on purpose: in Python 3.11 `asyncio.wait_for` (which `Kube.watch` uses
+    to read the stream) swallows a cancellation that arrives just as its read completes
+    (CPython gh-86296, fixed in 3.12), and a TaskGroup would then wait forever for an
+    informer that keeps watching.
+    """
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+
+
 def micro_time(moment: dt.datetime) -> str:
     """Kubernetes MicroTime: RFC 3339 with microseconds, always UTC (`...000000Z`)."""
     return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

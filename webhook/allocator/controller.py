@@ -22,7 +22,6 @@ What it deliberately does not do: talk to GPUs (the node agent does), retry on a
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
@@ -35,29 +34,24 @@ from common.constants import (
     REASON_ALLOCATED,
     REASON_PENDING,
     REASON_PINNED_UNSCHEDULABLE,
-    RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
 )
-from common.events import pod_event
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, instaslice_path
-from common.objects import SliceSpec, slice_allocation
-from common.placement import Pending, Placement, Policy, place
+from common.placement import Pending, Policy, place
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import Clock, parse_time, wait_or_sleep
+from webhook.allocator.clock import Clock, cancel_until_done, parse_time, wait_or_sleep
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
-from webhook.allocator.state import AllocView, ClusterState, PodView
+from webhook.allocator.state import SUMMARY_ANNOTATION, AllocView, ClusterState, PodView
+from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
-COMPONENT = "instaslice-allocator"
-SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
 INVALID_REQUEST = "InvalidRequest"
 WRITE_ERROR = "WriteError"
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
-_PIN_ATTEMPTS = 5
 
 
 class Controller:
@@ -82,6 +76,7 @@ class Controller:
         self.catalog = catalog if catalog is not None else load_catalog()
         self.timeout_s = pinned_unschedulable_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.writes = Writes(kube, elector, clock)
         self.state = ClusterState()
         self.queue = PlacementQueue()
         self.parked: dict[str, int] = {}  # pending pod uid -> metadata.generation parked at
@@ -375,29 +370,9 @@ class Controller:
         self._backoff.pop(uid, None)
 
     def _update_gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.queue) + len(self.parked))
-        self.metrics.set_pending(self.pending.counts())
-        changed = self.state.take_changed_nodes()
-        if not changed:
-            return
-        for name in changed:
-            node = self.state.node_state(name)
-            self.metrics.set_node_gpus(
-                name,
-                [
-                    (g.index, g.model, g.mask.bit_count(), self._slots(g.model))
-                    for g in (node.gpus if node is not None else ())
-                ],
-            )
-        models = {g.uuid: g.model for gpus in self.state.gpus.values() for g in gpus}
-        by_profile: Counter[tuple[str, str]] = Counter()
-        for (profile, _, gpu_uuid), n in self.state.slice_counts.items():
-            by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
-        self.metrics.set_slices(by_profile)
-
-    def _slots(self, model: str) -> int:
-        found = self.catalog.model(model)
-        return found.memory_slots if found is not None else 0
+        self.metrics.publish(
+            self.state, len(self.queue) + len(self.parked), self.pending.counts(), self.catalog
+        )
 
     # --- the placer ---------------------------------------------------------------------
 
@@ -446,7 +421,7 @@ class Controller:
         if isinstance(result, Pending):
             self._park(pod, result.reason.value, result.message)
             return
-        body = self._allocation(pod, result)
+        body = self.state.allocation_for(pod, result)
         self.state.assume(body)
         self.pending.clear(uid)
         self._spawn(uid, self._create(pod, body))
@@ -459,41 +434,12 @@ class Controller:
             log.info("pod pending", pod=pod.key, reason=reason, message=message)
             self._event(pod.obj, REASON_PENDING, message, "Warning")
 
-    def _allocation(self, pod: PodView, placement: Placement) -> Obj:
-        slices: list[SliceSpec] = []
-        for s in placement.slices:
-            gpu = self.state.gpu(placement.node, s.gpu_index)
-            assert gpu is not None, "placement named a GPU outside the snapshot"
-            slices.append(
-                {
-                    "container": s.container,
-                    "profile": s.profile,
-                    "gpuUUID": gpu.uuid,
-                    "gpuIndex": s.gpu_index,
-                    "start": s.start,
-                    "size": s.size,
-                }
-            )
-        assert pod.claim is not None
-        body = slice_allocation(
-            namespace=pod.namespace,
-            claim=pod.claim,
-            pod=pod.obj,
-            node=placement.node,
-            slices=slices,
-        )
-        body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
-        return body
-
-    # --- steps (one task per pod) -------------------------------------------------------
+    # --- steps (one task per pod; the writes themselves are in writes.py) ----------------
 
     async def _create(self, pod: PodView, body: Obj) -> None:
         key = f"{pod.namespace}/{body['metadata']['name']}"
         try:
-            self.elector.check()
-            written = await self.kube.create(
-                instaslice_path(SLICE_ALLOCATION_PLURAL, pod.namespace), body
-            )
+            written = await self.writes.create_allocation(body)
         except (ApiError, NotLeader) as exc:
             self.state.forget(key)
             self._after_change()
@@ -512,57 +458,21 @@ class Controller:
         self._event(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the pod's critical path
 
     async def _pin(self, pod: PodView, alloc: AllocView) -> None:
-        path = core_path("pods", pod.namespace, pod.name)
-        current = pod.obj
-        for _ in range(_PIN_ATTEMPTS):
-            if podlib.uid(current) != pod.uid or not podlib.has_our_gate(current):
-                return
-            self.elector.check()
-            try:
-                await self.kube.replace(path, podlib.pin(current, alloc.node))
-            except ApiError as exc:
-                if exc.not_found:
-                    return
-                if not exc.conflict:
-                    raise
-                current = await self.kube.get(path)
-                continue
-            self._observe_latency(pod)
-            log.info("pod pinned", pod=pod.key, node=alloc.node, claim=alloc.name)
+        if not await self.writes.pin(pod.obj, alloc.node):
             return
-        raise ApiError(409, "Conflict", f"pod {pod.key} kept changing while being pinned")
-
-    def _observe_latency(self, pod: PodView) -> None:
         start = self.ungate_start.pop(pod.uid, None)
         if start is not None:
             self.metrics.time_to_ungate.observe(max(0.0, self.clock.monotonic() - start))
-
-    async def _delete_allocation(self, alloc: AllocView) -> None:
-        self.elector.check()
-        uid = alloc.obj.get("metadata", {}).get("uid")
-        body = {"preconditions": {"uid": uid}} if uid else None
-        try:
-            await self.kube.delete(
-                instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name), body
-            )
-        except ApiError as exc:
-            if not (exc.not_found or exc.conflict):  # gone, or already another object
-                raise
+        log.info("pod pinned", pod=pod.key, node=alloc.node, claim=alloc.name)
 
     async def _release(self, alloc: AllocView, why: str) -> None:
         log.info("releasing allocation", allocation=alloc.key, why=why)
-        await self._delete_allocation(alloc)
+        await self.writes.delete_allocation(alloc)
         self.metrics.outcome("released")
 
     async def _release_orphan(self, alloc: AllocView) -> None:
         """The cache has no such pod. Ask the API server before believing it."""
-        try:
-            pod = await self.kube.get(core_path("pods", alloc.namespace, alloc.pod_name))
-        except ApiError as exc:
-            if not exc.not_found:
-                raise
-            pod = None
-        if pod is not None and podlib.uid(pod) == alloc.pod_uid and not podlib.is_terminal(pod):
+        if await self.writes.pod_alive(alloc):
             return  # our cache lags; the pod's watch event will arrive
         await self._release(alloc, "its pod is gone")
 
@@ -577,37 +487,14 @@ class Controller:
 
     async def _finalize(self, alloc: AllocView) -> None:
         """The node is gone, so nothing is left to destroy: finish the record ourselves."""
-        try:
-            await self.kube.get(core_path("nodes", name=alloc.node))
+        if await self.writes.node_exists(alloc.node):
             return  # it exists after all; the node watch will say so
-        except ApiError as exc:
-            if not exc.not_found:
-                raise
-        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
-        try:
-            current = await self.kube.get(path)
-        except ApiError as exc:
-            if exc.not_found:
-                return
-            raise
-        finalizers = current.get("metadata", {}).get("finalizers") or []
-        if RELEASE_FINALIZER in finalizers:
-            self.elector.check()
-            await self.kube.patch(
-                path,
-                [
-                    {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
-                    {
-                        "op": "replace",
-                        "path": "/metadata/finalizers",
-                        "value": [f for f in finalizers if f != RELEASE_FINALIZER],
-                    },
-                ],
-                kind="json",
-            )
+        current = await self.writes.drop_finalizer(alloc)
+        if current is None:
+            return
         log.info("finalized allocation of a deleted node", allocation=alloc.key, node=alloc.node)
         if not current.get("metadata", {}).get("deletionTimestamp"):
-            await self._delete_allocation(AllocView.of(current))
+            await self.writes.delete_allocation(AllocView.of(current))
         self.metrics.outcome("released")
 
     # --- pinned but unschedulable -------------------------------------------------------
@@ -637,60 +524,21 @@ class Controller:
                 f"released its slices and deleted it so its {owner.get('kind', 'controller')} "
                 "recreates it and it is placed again"
             )
-            await self._emit(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
-            self.elector.check()
-            try:
-                await self.kube.delete(
-                    core_path("pods", pod.namespace, pod.name), {"preconditions": {"uid": pod.uid}}
-                )
-            except ApiError as exc:
-                if not (exc.not_found or exc.conflict):
-                    raise
+            await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+            await self.writes.delete_pod(pod.obj)
         else:
             message = (
                 f"pinned to {node} but unschedulable for {self.timeout_s:g}s ({cause}); "
                 "released its slices; it has no controller to recreate it: delete and recreate "
                 "the pod to have it placed again"
             )
-            await self._emit(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
-
-    # --- events -------------------------------------------------------------------------
+            await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
 
     def _event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:
-        self._background(self._emit(pod, reason, message, type_))
-
-    async def _emit(
-        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
-        if not self.elector.is_leader:
-            return
-        await pod_event(
-            self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
-        )
-
-
-async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel `tasks` until every one has finished.
-
-    Not a TaskGroup, on purpose: in Python 3.11 `asyncio.wait_for` (which `Kube.watch` uses
-    to read the stream) swallows a cancellation that arrives just as its read completes
-    (CPython gh-86296, fixed in 3.12), and a TaskGroup would then wait forever for an
-    informer that keeps watching.
-    """
-    while pending := [t for t in tasks if not t.done()]:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=1.0)
-
-
-def summary(placement: Placement) -> str:
-    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
-    parts = [
-        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
-    ]
-    return ", ".join(parts)
+        """An event written in the background, off the pod's critical path."""
+        self._background(self.writes.event(pod, reason, message, type_))
 
 
 def _scheduled_message(pod: Obj) -> str:

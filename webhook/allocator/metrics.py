@@ -22,12 +22,18 @@ Names follow docs/metrics.md:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
+from common.catalog import Catalog
 from common.placement import PendingReason
+
+if TYPE_CHECKING:
+    from webhook.allocator.state import ClusterState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 OUTCOMES = ("allocated", "pending", "failed", "released", "pinned_unschedulable", "error")
@@ -123,3 +129,34 @@ class AllocatorMetrics:
             self._gpu_labels[node] = set(fresh)
         else:
             self._gpu_labels.pop(node, None)
+
+    def publish(
+        self,
+        state: ClusterState,
+        queue_depth: int,
+        pending: Mapping[str, int],
+        catalog: Catalog,
+    ) -> None:
+        """Refresh the gauges from the model; per-GPU series only for nodes that changed."""
+        self.queue_depth.set(queue_depth)
+        self.set_pending(pending)
+        changed = state.take_changed_nodes()
+        if not changed:
+            return
+        for name in changed:
+            node = state.node_state(name)
+            gpus = node.gpus if node is not None else ()
+            self.set_node_gpus(
+                name,
+                [(g.index, g.model, g.mask.bit_count(), _slots(catalog, g.model)) for g in gpus],
+            )
+        models = {g.uuid: g.model for gpus in state.gpus.values() for g in gpus}
+        by_profile: Counter[tuple[str, str]] = Counter()
+        for (profile, _, gpu_uuid), n in state.slice_counts.items():
+            by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
+        self.set_slices(by_profile)
+
+
+def _slots(catalog: Catalog, model: str) -> int:
+    found = catalog.model(model)
+    return found.memory_slots if found is not None else 0

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.constants import RELEASE_FINALIZER
-from common.objects import Phase, allocation_phase
-from common.placement.model import Gpu, NodeState, Occupied, Snapshot, Taint
+from common.objects import Phase, SliceSpec, allocation_phase, slice_allocation
+from common.placement import Gpu, NodeState, Occupied, Placement, Snapshot, Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
@@ -521,3 +521,41 @@ class ClusterState:
                 state = dataclasses.replace(state, labels={**state.labels, FIELD_NAME_LABEL: name})
             nodes.append(state)
         return Snapshot(nodes=tuple(nodes))
+
+    def allocation_for(self, pod: PodView, placement: Placement) -> Obj:
+        """The SliceAllocation to create for `placement` (GPU indexes become UUIDs)."""
+        slices: list[SliceSpec] = []
+        for s in placement.slices:
+            gpu = self.gpu(placement.node, s.gpu_index)
+            assert gpu is not None, "placement named a GPU outside the snapshot"
+            slices.append(
+                {
+                    "container": s.container,
+                    "profile": s.profile,
+                    "gpuUUID": gpu.uuid,
+                    "gpuIndex": s.gpu_index,
+                    "start": s.start,
+                    "size": s.size,
+                }
+            )
+        assert pod.claim is not None
+        body = slice_allocation(
+            namespace=pod.namespace,
+            claim=pod.claim,
+            pod=pod.obj,
+            node=placement.node,
+            slices=slices,
+        )
+        body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
+        return body
+
+
+SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
+
+
+def summary(placement: Placement) -> str:
+    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
+    parts = [
+        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
+    ]
+    return ", ".join(parts)

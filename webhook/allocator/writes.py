@@ -1,0 +1,137 @@
+"""Every write the allocator makes, each preceded by the Lease check.
+
+The controller decides *what* to do; this module is *how*, against the API server: the
+SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
+deletes with a UID precondition (so a newer object of the same name is never hit), the JSON
+patch that drops the release finalizer (with a `test` of the current list), pod events. The
+reads before destructive writes live here too: a cache that has not seen an object yet must
+never be taken as proof that it is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from common.constants import RELEASE_FINALIZER, SLICE_ALLOCATION_PLURAL
+from common.events import pod_event
+from common.kubeapi import ApiError, Kube, Obj, core_path, instaslice_path
+from webhook.allocator import pods as podlib
+from webhook.allocator.clock import Clock
+from webhook.allocator.leader import LeaderElector
+from webhook.allocator.state import AllocView
+
+COMPONENT = "instaslice-allocator"
+_PIN_ATTEMPTS = 5
+
+
+class Writes:
+    def __init__(self, kube: Kube, elector: LeaderElector, clock: Clock) -> None:
+        self.kube = kube
+        self.elector = elector
+        self.clock = clock
+
+    async def create_allocation(self, body: Obj) -> Obj:
+        self.elector.check()
+        namespace = body["metadata"]["namespace"]
+        return await self.kube.create(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace), body)
+
+    async def pin(self, pod: Obj, node: str) -> bool:
+        """Pin `pod` to `node` and lift our gate in one PUT. False when there is nothing to
+        do any more (the pod is gone, replaced, or already ungated)."""
+        meta = pod["metadata"]
+        path = core_path("pods", meta["namespace"], meta["name"])
+        uid, current = podlib.uid(pod), pod
+        for _ in range(_PIN_ATTEMPTS):
+            if podlib.uid(current) != uid or not podlib.has_our_gate(current):
+                return False
+            self.elector.check()
+            try:
+                await self.kube.replace(path, podlib.pin(current, node))
+                return True
+            except ApiError as exc:
+                if exc.not_found:
+                    return False
+                if not exc.conflict:
+                    raise
+            current = await self.kube.get(path)
+        raise ApiError(409, "Conflict", f"pod {meta['name']} kept changing while being pinned")
+
+    async def delete_allocation(self, alloc: AllocView) -> None:
+        self.elector.check()
+        uid = alloc.obj.get("metadata", {}).get("uid")
+        try:
+            await self.kube.delete(
+                instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name),
+                {"preconditions": {"uid": uid}} if uid else None,
+            )
+        except ApiError as exc:
+            if not (exc.not_found or exc.conflict):  # gone, or already another object
+                raise
+
+    async def pod_alive(self, alloc: AllocView) -> bool:
+        """Whether the allocation's pod exists (same UID) and has not finished."""
+        try:
+            pod = await self.kube.get(core_path("pods", alloc.namespace, alloc.pod_name))
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return podlib.uid(pod) == alloc.pod_uid and not podlib.is_terminal(pod)
+
+    async def node_exists(self, node: str) -> bool:
+        try:
+            await self.kube.get(core_path("nodes", name=node))
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
+
+    async def drop_finalizer(self, alloc: AllocView) -> Obj | None:
+        """Remove the release finalizer (nothing is left to destroy); returns the object as
+        it was read, or None when it is already gone."""
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        try:
+            current = await self.kube.get(path)
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+        finalizers = current.get("metadata", {}).get("finalizers") or []
+        if RELEASE_FINALIZER in finalizers:
+            self.elector.check()
+            await self.kube.patch(
+                path,
+                [
+                    {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                    {
+                        "op": "replace",
+                        "path": "/metadata/finalizers",
+                        "value": [f for f in finalizers if f != RELEASE_FINALIZER],
+                    },
+                ],
+                kind="json",
+            )
+        return current
+
+    async def delete_pod(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        self.elector.check()
+        try:
+            await self.kube.delete(
+                core_path("pods", meta["namespace"], meta["name"]),
+                {"preconditions": {"uid": meta["uid"]}},
+            )
+        except ApiError as exc:
+            if not (exc.not_found or exc.conflict):
+                raise
+
+    async def event(
+        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
+    ) -> None:
+        """Best effort (common.events); skipped by a replica that is not leading."""
+        if not self.elector.is_leader:
+            return
+        await pod_event(
+            self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
+        )
