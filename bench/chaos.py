@@ -36,6 +36,7 @@ import random
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +48,12 @@ from bench.chaos_faults import Faults, detached
 from bench.invariants import (
     Report,
     Slot,
+    Truth,
     Violation,
     check_settled,
     collect,
     double_bookings,
+    is_instaslice_pod,
     slots_of,
 )
 from common.constants import ENABLED_KEY
@@ -323,30 +326,46 @@ async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
         await asyncio.wait(pending, timeout=1.0)
 
 
-async def _settle(system: DevSystem, kube: Kube, timeout_s: float) -> tuple[Report, float]:
+async def _settle(
+    system: DevSystem, kube: Kube, timeout_s: float
+) -> tuple[Report, float, dict[str, int]]:
     """Check the settled invariants until they hold twice in a row (3 s apart): the report,
-    and the seconds until the first of the two (the timeout if they never held)."""
+    the seconds until the first of the two (the timeout if they never held), and what the
+    settled system held (so a clean report is seen not to be an empty one)."""
     t0 = time.monotonic()
     first_ok: float | None = None
-    report = Report()
+    report, held = Report(), {}
     while True:
         ok = False
         try:
             truth = await collect(kube, system.gpu_state, system.dir / "nodes", system.nodes)
             report = check_settled(truth)
             ok = report.ok
+            held = _held(truth)
         except ApiError as exc:
             log.info("settle check failed", error=str(exc)[:120])
         now = time.monotonic() - t0
         if ok:
             if first_ok is not None:
-                return report, first_ok
+                return report, first_ok, held
             first_ok = now
         else:
             first_ok = None
         if now > timeout_s:
-            return report, now
+            return report, now, held
         await asyncio.sleep(3.0)
+
+
+def _held(truth: Truth) -> dict[str, int]:
+    phases = Counter(str(p.get("status", {}).get("phase") or "Pending") for p in truth.pods
+                     if is_instaslice_pod(p))  # fmt: skip
+    return {
+        "pods_running": phases["Running"],
+        "pods_pending": phases["Pending"],
+        "pods_finished": phases["Succeeded"] + phases["Failed"],
+        "allocations": len(truth.allocs),
+        "gpu_instances": len(truth.instances),
+    }
 
 
 async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float, seed: int) -> Obj:
@@ -389,7 +408,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
             await churn
             print(f"[{time.monotonic() - t_start:6.0f}s] last fault recovered; settling",
                   flush=True)  # fmt: skip
-            report, settle_s = await _settle(system, kube, mode.settle_timeout_s)
+            report, settle_s, held = await _settle(system, kube, mode.settle_timeout_s)
             await sampler.once()  # one last sample, after settling
             for name, rec in system.processes.items():
                 if not rec.alive():  # a component that crashed (nothing restarts it here)
@@ -412,6 +431,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
+        "settled": held,
         "faults_by_kind": faults.by_kind(),
         "double_booking_samples": sampler.samples,
         "pods_refused": work.refused,
