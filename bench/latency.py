@@ -32,13 +32,24 @@ import random
 import shutil
 import sys
 import time
+import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.latency_profile import Profiler
-from bench.latency_track import ProcSampler, Tracker, load, mem_mb, r3, summary
+from bench.latency_track import (
+    ProcSampler,
+    Tracker,
+    api_writes,
+    load,
+    mem_mb,
+    r3,
+    summary,
+    writes_summary,
+)
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path
 from hack.cluster.controlplane import ClusterSettings
 from hack.cluster.nodes import parse_spec
@@ -73,13 +84,14 @@ class Plan:
     create_ms: int = 300
     destroy_ms: int = 200
     in_flight: int = 64
+    shared_fleet: bool = False  # run sequential/burst/churn on one fleet (saves startups)
 
 
 QUICK = Plan(
     seq_nodes=3,
-    seq_pods=20,
+    seq_pods=12,
     burst_nodes=5,
-    burst_pods=50,
+    burst_pods=30,
     churn_nodes=5,
     churn_s=15.0,
     churn_rate=2.0,
@@ -90,25 +102,34 @@ QUICK = Plan(
     idle_s=3.0,
     create_ms=100,
     destroy_ms=50,
+    shared_fleet=True,
 )
+QUICK_SCENARIOS = ("sequential", "burst")
+
+
+def lease_s(nodes: int) -> int:
+    """Node Lease duration for a fleet: renewals cost nodes/(lease/4) writes/s each for
+    KWOK's node leases and the agent's (reference/control-plane.md); 1.6 s per node keeps
+    each near 2.5 writes/s (capped at 20 minutes, so 2000 nodes pay 6.7/s)."""
+    return int(min(1200, max(40, nodes * 1.6)))
 
 
 def cluster_settings(nodes: int) -> ClusterSettings:
-    """Lease renewals cost nodes/(lease/4) writes/s (reference/control-plane.md): keep them
-    near 10/s for big fleets by stretching KWOK's lease and KCM's grace period."""
-    if nodes < 200:
+    """Stretch KWOK's node lease and KCM's grace period with the fleet (see lease_s)."""
+    if nodes < 50:
         return ClusterSettings()
-    lease = min(1200, max(40, nodes // 2))
+    lease = lease_s(nodes)
     return ClusterSettings(
         node_lease_duration_s=lease, node_monitor_grace_s=lease + 60, ready_timeout_s=300.0
     )
 
 
 def agent_args(nodes: int) -> list[str]:
-    """The same idea for the agent's own per-node Leases (renewed every duration/4)."""
-    if nodes < 200:
+    """The agent's own per-node Leases like KWOK's; its garbage-collection rescan (NVML walk
+    of every GPU, ~5-20 ms CPU per emulated node) every nodes/5 s, at least the default 30."""
+    if nodes < 50:
         return []
-    return [f"--lease-duration-s={min(1200, max(40, nodes // 2))}"]
+    return [f"--lease-duration-s={lease_s(nodes)}", f"--gc-period-s={max(30, nodes // 5)}"]
 
 
 def spec(nodes: int) -> Any:
@@ -218,6 +239,34 @@ class Fleet:
             await asyncio.sleep(0.5)
         raise TimeoutError(f"bench namespace not clean after {timeout_s}s")
 
+    async def api_writes(self) -> Counter[str]:
+        proc = await asyncio.to_thread(
+            self.system.cp.kubectl, "get", "--raw", "/metrics", check=False
+        )
+        return api_writes(proc.stdout)
+
+    async def measured(self, res: Obj, pods: int, coro: Any) -> None:
+        """Run `coro` with process CPU/RSS and API-server writes recorded into `res`."""
+        res["load_start"] = load()
+        before = await self.api_writes()
+        s = self.sampler()
+        s.start()
+        t0 = time.monotonic()
+        try:
+            await coro
+        finally:
+            wall = time.monotonic() - t0
+            res["processes"] = procs = s.stop()
+            res["api"] = writes_summary(before, await self.api_writes(), pods, wall)
+            # load-independent cost: CPU seconds every process of the system spent, per pod,
+            # and how many cores the system actually got (the machine is shared)
+            total = sum(p["cpu_s"] for p in procs.values() if math.isfinite(p["cpu_s"]))
+            res["system_cpu_s"] = r3(total)
+            res["system_cpu_s_per_pod"] = r3(total / pods) if pods else math.nan
+            res["system_cores_used"] = r3(total / wall) if wall > 0 else math.nan
+            res["wall_s"] = r3(wall)
+            res["load_end"] = load()
+
     def set_latency(self, create_ms: int, destroy_ms: int) -> None:
         for node in self.system.nodes:
             EmulatorControl(self.system.gpu_state, node).set_latency(create_ms, destroy_ms)
@@ -247,13 +296,18 @@ def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, float]:
         old.down()
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.monotonic()
-    system = DevSystem.up(
-        run_dir,
-        spec(nodes),
-        die_with_parent=True,
-        cluster_settings=cluster_settings(nodes),
-        agent_args=agent_args(nodes),
-    )
+    with warnings.catch_warnings():
+        # DevSystem hands its children to ProcessRecords and drops the Popen objects, whose
+        # destructors warn that the (deliberately detached) child still runs; only that
+        # warning is silenced (as tests/e2e/helpers.py does), so `-W error` runs pass
+        warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
+        system = DevSystem.up(
+            run_dir,
+            spec(nodes),
+            die_with_parent=True,
+            cluster_settings=cluster_settings(nodes),
+            agent_args=agent_args(nodes),
+        )
     return system, time.monotonic() - t0
 
 
@@ -263,7 +317,17 @@ async def with_fleet(
     """Bring a fleet up, run `body(fleet, fleet_record)`, always tear it down."""
     log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
     system, up_s = await asyncio.to_thread(bring_up, run_dir, nodes)
-    rec: dict[str, Any] = {"nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "startup_s": r3(up_s)}
+    cs = cluster_settings(nodes)
+    rec: dict[str, Any] = {
+        "nodes": nodes,
+        "gpus": nodes * GPUS_PER_NODE,
+        "startup_s": r3(up_s),
+        "settings": {
+            "kwok_node_lease_s": cs.node_lease_duration_s,
+            "kcm_node_monitor_grace_s": cs.node_monitor_grace_s,
+            "agent_args": agent_args(nodes),
+        },
+    }
     log(f"  up in {up_s:.1f}s")
     try:
         async with await Kube.connect(str(system.kubeconfig)) as kube:
@@ -290,9 +354,12 @@ async def with_fleet(
                 )
                 await body(fleet, rec)
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                # cancel until done: Python 3.11's wait_for (in Kube.watch) can swallow a
+                # cancellation (gh-86296), and a still-running watch leaks its connection
+                while pending := [t for t in tasks if not t.done()]:
+                    for t in pending:
+                        t.cancel()
+                    await asyncio.wait(pending, timeout=1.0)
     finally:
         await asyncio.to_thread(system.down)
         log(f"  torn down (load {load()})")
@@ -315,51 +382,53 @@ def _head(nodes: int, pods: int, create_ms: int) -> dict[str, Any]:
 
 
 async def sequential(fleet: Fleet, pods: int, create_ms: int, timeout_s: float = 120.0) -> Obj:
+    """`pods` pods one after another: each is created once the previous one runs."""
     res = _head(len(fleet.system.nodes), pods, create_ms)
-    res["load_start"] = load()
-    s = fleet.sampler()
-    s.start()
-    names = []
-    for _ in range(pods):
-        name = await fleet.create()
-        names.append(name)
-        if not await fleet.tr.wait(fleet.tr.reached(name, "running"), timeout_s):
-            break
-    res["processes"] = s.stop()
-    res.update(summary(fleet.tr, names))
-    res["load_end"] = load()
-    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
-    await release_all(fleet, names)
-    res["release_p50_s"] = summary(fleet.tr, names).get("release_p50_s", math.nan)
+    names: list[str] = []
+
+    async def run() -> None:
+        for _ in range(pods):
+            name = await fleet.create()
+            names.append(name)
+            if not await fleet.tr.wait(fleet.tr.reached(name, "running"), timeout_s):
+                return
+
+    await fleet.measured(res, pods, run())
+    await finish(fleet, res, names)
     return res
 
 
 async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout_s: float) -> Obj:
+    """`pods` pods created at once (`in_flight` create requests at a time)."""
     res = _head(len(fleet.system.nodes), pods, create_ms)
-    res["load_start"] = load()
-    s = fleet.sampler()
-    s.start()
-    t0 = fleet.tr.clock()
-    sem = asyncio.Semaphore(in_flight)
-    names = await asyncio.gather(*(fleet.create(sem) for _ in range(pods)))
-    res["all_created_s"] = r3(fleet.tr.clock() - t0)
-    ok = await fleet.tr.wait(
-        lambda: all(fleet.tr.pods[n].ungated is not None for n in names), timeout_s
-    )
-    ung = [fleet.tr.pods[n].ungated for n in names if fleet.tr.pods[n].ungated is not None]
-    last = max((u for u in ung if u is not None), default=math.nan)
-    res["all_ungated_s"] = r3(last - t0) if ok else math.nan
-    res["pods_per_s"] = r3(len(ung) / (last - t0)) if ung else 0.0
-    await fleet.tr.wait(
-        lambda: all(fleet.tr.pods[n].running is not None for n in names), timeout_s / 2
-    )
-    res["processes"] = s.stop()
-    res.update(summary(fleet.tr, list(names)))
-    res["load_end"] = load()
-    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
-    await release_all(fleet, list(names))
-    res["release_p50_s"] = summary(fleet.tr, list(names)).get("release_p50_s", math.nan)
+    names: list[str] = []
+    tr = fleet.tr
+
+    async def run() -> None:
+        t0 = tr.clock()
+        sem = asyncio.Semaphore(in_flight)
+        names.extend(await asyncio.gather(*(fleet.create(sem) for _ in range(pods))))
+        res["all_created_s"] = r3(tr.clock() - t0)
+        ok = await tr.wait(lambda: all(tr.pods[n].ungated is not None for n in names), timeout_s)
+        ung = [u for n in names if (u := tr.pods[n].ungated) is not None]
+        last = max(ung, default=math.nan)
+        res["all_ungated_s"] = r3(last - t0) if ok else math.nan
+        res["pods_per_s"] = r3(len(ung) / (last - t0)) if ung else 0.0
+        await tr.wait(lambda: all(tr.pods[n].running is not None for n in names), timeout_s / 2)
+
+    await fleet.measured(res, pods, run())
+    await finish(fleet, res, names)
     return res
+
+
+async def finish(fleet: Fleet, res: Obj, names: list[str]) -> None:
+    """Summaries, then delete the pods (timing release: delete seen → allocation gone)."""
+    res.update(summary(fleet.tr, names))
+    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    await release_all(fleet, names)
+    rel = summary(fleet.tr, names)
+    res["release_p50_s"] = rel.get("release_p50_s", math.nan)
+    res["release_p99_s"] = rel.get("release_p99_s", math.nan)
 
 
 async def churn(
@@ -370,40 +439,37 @@ async def churn(
     rnd = random.Random(seed)
     res = _head(len(fleet.system.nodes), 0, create_ms)
     res.update(duration_s=seconds, arrival_rate_per_s=rate, mean_life_s=life_s)
-    res["load_start"] = load()
-    s = fleet.sampler()
-    s.start()
     names: list[str] = []
-    lifetimes: list[asyncio.Task[None]] = []
+    tr = fleet.tr
 
     async def live(name: str) -> None:
-        t = fleet.tr.pods[name]
-        if await fleet.tr.wait(lambda: t.running is not None, 120.0):
+        await fleet.create(sem, name)
+        if await tr.wait(tr.reached(name, "running"), 120.0):
             await asyncio.sleep(rnd.expovariate(1 / life_s))
         await fleet.delete(name)
 
-    start = time.monotonic()
     sem = asyncio.Semaphore(32)
-    while time.monotonic() - start < seconds:
-        name = fleet.next_name()
-        lifetimes.append(asyncio.create_task(_spawn(fleet, sem, live, name)))
-        names.append(name)
-        await asyncio.sleep(rnd.expovariate(rate))
-    await asyncio.gather(*lifetimes, return_exceptions=True)
-    await fleet.tr.wait(lambda: all(fleet.tr.pods[n].released for n in names), 120.0)
-    res["processes"] = s.stop()
+
+    async def run() -> None:
+        lifetimes: list[asyncio.Task[None]] = []
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            name = fleet.next_name()
+            names.append(name)
+            lifetimes.append(asyncio.create_task(live(name)))
+            await asyncio.sleep(rnd.expovariate(rate))
+        await asyncio.gather(*lifetimes, return_exceptions=True)
+        await tr.wait(lambda: all(tr.pods[n].released for n in names), 120.0)
+
+    await fleet.measured(res, 1, run())
     res["pods"] = len(names)
-    res.update(summary(fleet.tr, names))
-    res["completed"] = sum(1 for n in names if fleet.tr.pods[n].released is not None)
-    res["load_end"] = load()
-    res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    res["api"]["writes_per_pod"] = r3(res["api"]["writes"] / max(1, len(names)))
+    res["system_cpu_s_per_pod"] = r3(res["system_cpu_s"] / max(1, len(names)))
+    res.update(summary(tr, names))
+    res["completed"] = sum(1 for n in names if tr.pods[n].released is not None)
+    res["samples"] = {"ungate_s": [r3(x) for x in tr.durations(names, "ungated")]}
     await fleet.clean()
     return res
-
-
-async def _spawn(fleet: Fleet, sem: asyncio.Semaphore, live: Any, name: str) -> None:
-    await fleet.create(sem, name)
-    await live(name)
 
 
 async def release_all(fleet: Fleet, names: list[str]) -> None:
@@ -448,44 +514,51 @@ class Bench:
             out.append(("-realistic", self.plan.create_ms, self.plan.destroy_ms))
         return out
 
+    def _simple_nodes(self, sc: str) -> int:
+        p = self.plan
+        return {"sequential": p.seq_nodes, "burst": p.burst_nodes, "churn": p.churn_nodes}[sc]
+
     async def run(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"machine": machine(), "plan": _plan_json(self.plan),
                                "scenarios": {}, "fleets": {}}  # fmt: skip
-        p = self.plan
-        for sc in self.scenarios:
+        simple = [sc for sc in self.scenarios if sc != "scale"]
+        if self.plan.shared_fleet and simple:
+            # --quick: one fleet (the largest asked for) serves every small scenario
             t0 = time.monotonic()
-            if sc == "sequential":
-                rec = await self._simple(doc, "sequential", p.seq_nodes, self._sequential)
-            elif sc == "burst":
-                rec = await self._simple(doc, "burst", p.burst_nodes, self._burst)
-            elif sc == "churn":
-                rec = await self._simple(doc, "churn", p.churn_nodes, self._churn)
-            elif sc == "scale":
-                rec = await self._scale(doc)
-            else:
-                raise ValueError(f"unknown scenario {sc!r}; known: {', '.join(SCENARIOS)}")
-            self.log(f"{sc}: done in {time.monotonic() - t0:.0f}s")
-            del rec
+            await self._fleet(doc, simple, max(self._simple_nodes(sc) for sc in simple))
+            self.log(f"{','.join(simple)}: done in {time.monotonic() - t0:.0f}s")
+        else:
+            for sc in simple:
+                t0 = time.monotonic()
+                await self._fleet(doc, [sc], self._simple_nodes(sc))
+                self.log(f"{sc}: done in {time.monotonic() - t0:.0f}s")
+        if "scale" in self.scenarios:
+            t0 = time.monotonic()
+            await self._scale(doc)
+            self.log(f"scale: done in {time.monotonic() - t0:.0f}s")
         doc["machine"]["load_at_end"] = load()
         return doc
 
-    async def _simple(self, doc: Obj, name: str, nodes: int, fn: Any) -> Obj:
-        async def body(fleet: Fleet, rec: Obj) -> None:
-            for suffix, cms, dms in self.variants():
-                fleet.set_latency(cms, dms)
-                key = name + suffix
-                self.log(f"  {key}: running (load {load()})")
-                prof = self._profiled(key, fleet)
-                try:
-                    doc["scenarios"][key] = res = await fn(fleet, cms)
-                finally:
-                    if prof is not None:
-                        prof.stop()
-                self.log("  " + line(key, res))
+    async def _fleet(self, doc: Obj, scenarios: list[str], nodes: int) -> None:
+        fns = {"sequential": self._sequential, "burst": self._burst, "churn": self._churn}
 
-        rec = await with_fleet(self.run_dir, nodes, self.plan.idle_s, body, self.log)
-        doc["fleets"][str(nodes)] = rec
-        return rec
+        async def body(fleet: Fleet, rec: Obj) -> None:
+            for name in scenarios:
+                for suffix, cms, dms in self.variants():
+                    fleet.set_latency(cms, dms)
+                    key = name + suffix
+                    self.log(f"  {key}: running (load {load()})")
+                    prof = self._profiled(key, fleet)
+                    try:
+                        doc["scenarios"][key] = res = await fns[name](fleet, cms)
+                    finally:
+                        if prof is not None:
+                            prof.stop()
+                    self.log("  " + line(key, res))
+
+        doc["fleets"][str(nodes)] = await with_fleet(
+            self.run_dir, nodes, self.plan.idle_s, body, self.log
+        )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
         return await sequential(fleet, self.plan.seq_pods, cms)
@@ -567,7 +640,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="small sizes (make test runs this)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    ap.add_argument(
+        "--scenarios",
+        default=None,
+        help=f"comma-separated subset of {','.join(SCENARIOS)} "
+        f"(default: all; with --quick: {','.join(QUICK_SCENARIOS)})",
+    )
     ap.add_argument("--scale-nodes", default=None, help="fleet sizes for scale, e.g. 1000,2000")
     ap.add_argument("--no-realistic", action="store_true", help="only emulated latency 0")
     ap.add_argument("--create-ms", type=int, default=None)
@@ -601,7 +679,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, create_ms=args.create_ms)
     if args.destroy_ms is not None:
         plan = replace(plan, destroy_ms=args.destroy_ms)
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    chosen = args.scenarios or ",".join(QUICK_SCENARIOS if args.quick else SCENARIOS)
+    scenarios = tuple(s.strip() for s in chosen.split(",") if s.strip())
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")

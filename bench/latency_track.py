@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from common.constants import GATE_NAME
 Obj = dict[str, Any]
 CLAIM = "instaslice.io/claim"
 _TICK = os.sysconf("SC_CLK_TCK")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -177,6 +180,41 @@ def summary(tr: Tracker, names: list[str]) -> dict[str, float]:
             out[f"{step}_p50_s"] = r3(pct(xs, 0.5))
             out[f"{step}_p99_s"] = r3(pct(xs, 0.99))
     return out
+
+
+# ---- API server requests ---------------------------------------------------------------------
+
+_WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "APPLY")
+
+
+def api_writes(metrics_text: str) -> Counter[str]:
+    """Mutating requests served so far, by `VERB resource[/subresource]`, from the API
+    server's /metrics (apiserver_request_total)."""
+    out: Counter[str] = Counter()
+    for line in metrics_text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels_part, _, value = line.rpartition(" ")
+        labels = dict(_LABEL.findall(labels_part))
+        verb = labels.get("verb", "")
+        if verb not in _WRITE_VERBS:
+            continue
+        res = labels.get("resource", "")
+        if labels.get("subresource"):
+            res += "/" + labels["subresource"]
+        out[f"{verb} {res}"] += int(float(value))
+    return out
+
+
+def writes_summary(before: Counter[str], after: Counter[str], pods: int, wall: float) -> Obj:
+    delta = after - before
+    total = sum(delta.values())
+    return {
+        "writes": total,
+        "writes_per_pod": r3(total / pods) if pods else math.nan,
+        "writes_per_s": r3(total / wall) if wall > 0 else math.nan,
+        "by_kind": dict(delta.most_common(12)),
+    }
 
 
 # ---- processes -----------------------------------------------------------------------------
