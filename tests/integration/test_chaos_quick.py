@@ -37,6 +37,6 @@ def test_quick_chaos_keeps_every_invariant(tmp_path: Path) -> None:
     assert result["faults_injected"] >= 10, shown
     assert len(result["faults_by_kind"]) == 10, f"not every fault kind came up:\n{shown}"
     assert result["pods_created"] >= 10, shown
-    assert result["double_booking_samples"] >= 30, shown
+    assert result["double_booking_samples"] >= 20, shown
     assert not result["fault_errors"], shown
     assert {k: result[k] for k in COUNTS} == dict.fromkeys(COUNTS, 0), shown
