@@ -6,7 +6,8 @@ timeout on the injected clock (owned pod deleted, bare pod told); the safety che
 destructive write (an allocation looks orphaned or its node looks gone only because the
 cache lags: a GET says otherwise, nothing is written); finalizing a gone node's record;
 placement after a Failed allocation avoiding the failed GPU; a foreign gate; a lapsed Lease
-retrying a step instead of dropping it. The same paths on a real control plane:
+retrying a step instead of dropping it; a failed leadership term handing the Lease back
+instead of taking the process down. The same paths on a real control plane:
 tests/integration/test_allocator.py.
 """
 
@@ -38,6 +39,7 @@ from tests.integration.allocator_fixtures import (
     make_pod,
     settle,
 )
+from webhook.allocator import AllocatorSettings, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.clock import cancel_until_done
 from webhook.allocator.controller import Controller
@@ -318,3 +320,53 @@ async def test_a_step_refused_for_a_lapsed_lease_is_retried() -> None:
         await clock.advance(1.0)
         await settle()
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
+
+
+# --- a failing term does not take the process down -----------------------------------------
+
+
+class TermElector(Leader):
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = 0
+        self.acquired = 0
+
+    async def acquire(self) -> None:
+        self.acquired += 1
+
+    async def hold(self) -> None:
+        await asyncio.Event().wait()
+
+    async def release(self) -> None:
+        self.released += 1
+
+
+class FlakyController(Controller):
+    """Leads by failing once, then by waiting forever; no informers."""
+
+    terms = 0
+
+    async def watch(self) -> None:
+        await asyncio.Event().wait()
+
+    async def synced(self) -> None:
+        return None
+
+    async def lead(self) -> None:
+        self.terms += 1
+        if self.terms == 1:
+            raise RuntimeError("a bug")
+        await asyncio.Event().wait()
+
+
+async def test_a_failed_term_hands_the_lease_back_and_stands_again() -> None:
+    kube, clock, elector = RecordingKube(), FakeClock(), TermElector()
+    c = FlakyController(cast(Kube, kube), cast(LeaderElector, elector), clock, AllocatorMetrics())
+    settings = AllocatorSettings(namespace="sys", identity="a", clock=clock)
+    task = asyncio.create_task(run_controller(c, settings))
+    await settle()
+    assert (c.terms, elector.released, elector.acquired) == (1, 1, 1)
+    await clock.advance(settings.lease_duration_s)
+    assert (c.terms, elector.acquired) == (2, 2)
+    await cancel_until_done([task])
+    assert elector.released == 2  # and once more on the way out

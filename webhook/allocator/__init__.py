@@ -122,7 +122,12 @@ async def run_allocator(
 
 
 async def run_controller(controller: Controller, settings: AllocatorSettings) -> None:
-    """`run_allocator` for a controller built by the caller (tests inspect its state)."""
+    """`run_allocator` for a controller built by the caller (tests inspect its state).
+
+    A term that fails (a bug, an API error while starting to lead) is logged, the Lease is
+    handed back so another replica can lead, and this replica stands again after a pause:
+    the allocator shares its process with admission, which must not go down with it.
+    """
     elector = controller.elector
     async with asyncio.TaskGroup() as tg:
         tg.create_task(controller.watch(), name="informers")
@@ -136,6 +141,14 @@ async def run_controller(controller: Controller, settings: AllocatorSettings) ->
                         term.create_task(controller.lead(), name="lead")
                 except* LeadershipLost:
                     log.warning("stepped down", identity=settings.identity)
+                except* Exception as failed:
+                    log.error(
+                        "allocator term failed; handing the Lease back",
+                        identity=settings.identity,
+                        exc_info=failed,
+                    )
+                    await elector.release()
+                    await settings.clock.sleep(settings.lease_duration_s)
         finally:
             if settings.release_on_exit:
                 await elector.release()
