@@ -46,8 +46,10 @@ def _holders_by_gpu(allocations: Sequence[Obj]) -> dict[str, list[Holder]]:
 
 
 def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
-    """One line per GPU: its slots as letters (held), '#' (not InstaSlice's), '.' (free)."""
+    """One line per GPU: its slots as letters (held by a live allocation), '#' (an instance no
+    live allocation holds: not InstaSlice's, or orphaned until the agent's GC), '.' (free)."""
     holders = _holders_by_gpu(allocations)
+    live = {a["metadata"].get("name") for a in allocations}
     legend: dict[str, str] = {}
     lines = [f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'HEALTH':<9} SLOTS"]
     for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
@@ -62,7 +64,7 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
             )
             cells = ["."] * slots
             for inst in gpu.get("slices", []):
-                if not inst.get("claim"):
+                if inst.get("claim") not in live:
                     for i in range(inst["start"], min(slots, inst["start"] + inst["size"])):
                         cells[i] = "#"
             for h in holders.get(gpu.get("uuid", ""), []):
@@ -82,7 +84,7 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     if legend:
         lines.append("")
         lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
-    lines.append("  . = free   # = instance not created by InstaSlice")
+    lines.append("  . = free   # = instance held by no live allocation (foreign, or awaiting GC)")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ INSTALL = [
     "policy/binding.yaml",
 ]
 _STATE = "system.json"
+PART_OF = {"app.kubernetes.io/part-of": "instaslice"}
 
 
 def _bin(name: str) -> str:
@@ -69,6 +71,9 @@ class DevSystem:
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
+    # children started by this Python process: reaped through their Popen (no zombie, no
+    # "still running" ResourceWarning); a DevSystem attached from another process has none
+    _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     # ---- paths ------------------------------------------------------------------------------
     @property
@@ -132,12 +137,28 @@ class DevSystem:
         return system
 
     def install(self) -> None:
-        docs = "---\n".join((MANIFESTS / f).read_text() for f in INSTALL)
-        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=docs)
-        self.cp.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s",
-            "crd/sliceallocations.instaslice.io", "crd/mignodes.instaslice.io",
-        )  # fmt: skip
+        docs = []
+        for f in INSTALL:
+            for doc in yaml.safe_load_all((MANIFESTS / f).read_text()):
+                if doc:  # the label the base kustomization adds (docs select by it)
+                    doc.setdefault("metadata", {}).setdefault("labels", {}).update(PART_OF)
+                    docs.append(doc)
+        body = yaml.safe_dump_all(docs)
+        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=body)
+        deadline = time.monotonic() + 60
+        for crd in ("sliceallocations.instaslice.io", "mignodes.instaslice.io"):
+            # `kubectl wait --for=condition=Established` fails outright while a new CRD has
+            # no conditions yet, so read the condition until it is True
+            jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+            while (
+                self.cp.kubectl(
+                    "get", "crd", crd, "-o", f"jsonpath={jsonpath}", check=False
+                ).stdout.strip()
+                != "True"
+            ):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CRD {crd} not Established after 60s")
+                time.sleep(0.2)
 
     def start_webhook(self, *, die_with_parent: bool = False) -> None:
         certs = self.dir / "certs"
@@ -183,14 +204,17 @@ class DevSystem:
     def stop(self, name: str) -> None:
         rec = self.processes.pop(name, None)
         if rec is not None:
-            stop_process(rec)
+            stop_process(rec, self._popens.pop(name, None))
         self.save()
 
     def kill(self, name: str) -> None:
         """kill -9 (chaos): no graceful shutdown, no Lease hand-back."""
         rec = self.processes.pop(name, None)
+        popen = self._popens.pop(name, None)
         if rec is not None and rec.alive():
             os.killpg(rec.pid, 9)
+        if popen is not None:
+            popen.wait()
         self.save()
 
     def stop_components(self) -> None:

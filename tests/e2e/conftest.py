@@ -35,7 +35,6 @@ from hack.dev import DevSystem
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
     allocs_path,
-    detached_processes,
     wait_for,
     wait_opted_in,
 )
@@ -83,13 +82,12 @@ def system(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DevSystem]:
     try:
-        with detached_processes():
-            started = DevSystem.up(
-                tmp_path_factory.mktemp("e2e"),
-                parse_spec(SPEC),
-                die_with_parent=True,
-                agent_args=AGENT_ARGS,
-            )
+        started = DevSystem.up(
+            tmp_path_factory.mktemp("e2e"),
+            parse_spec(SPEC),
+            die_with_parent=True,
+            agent_args=AGENT_ARGS,
+        )
     except BinariesMissing as e:
         pytest.fail(str(e), pytrace=False)
     request.config.stash[_SYSTEM_KEY] = started

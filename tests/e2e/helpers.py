@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-import warnings
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -50,18 +49,6 @@ RELEASE_TIMEOUT_S = 60.0
 
 
 # --- processes ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def detached_processes() -> Iterator[None]:
-    """Around `DevSystem.up()` / `start_agent()` / `start_webhook()`: they hand their children
-    to a `ProcessRecord` and drop the `subprocess.Popen`, whose destructor then warns
-    "subprocess N is still running" (a ResourceWarning, an error under this suite's
-    filterwarnings). The children are meant to outlive the Popen (DevSystem stops them by
-    process group), so that one warning, and only it, is silenced while they start."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
-        yield
 
 
 # --- builders -----------------------------------------------------------------------------

@@ -51,7 +51,6 @@ from tests.e2e.helpers import (
     assert_node_matches,
     assert_released,
     deployments_path,
-    detached_processes,
     held_slices,
     jobs_path,
     kubectl,
@@ -332,8 +331,7 @@ async def test_agent_killed_and_restarted(
     system.kill("nodeagent")
     for node in SHARED_NODES:
         EmulatorControl(system.gpu_state, node).set_latency(create_ms=0)
-    with detached_processes():
-        system.start_agent(die_with_parent=True)
+    system.start_agent(die_with_parent=True)
 
     for name in ("before", *names):
         await wait_pod_running(kube, namespace, name)

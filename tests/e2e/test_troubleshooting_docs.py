@@ -50,7 +50,6 @@ from tests.e2e.helpers import (
     assert_released,
     cdi_files,
     deployments_path,
-    detached_processes,
     held_slices,
     kubectl,
     make_deployment,
@@ -383,8 +382,7 @@ async def test_slice_that_will_not_release(kube: Kube, system: DevSystem, namesp
         await _stuck_cases(kube, system, ns, node, allocs, stuck_status, problems)
     finally:
         if "nodeagent" not in system.processes:  # the teardown needs an agent to release
-            with detached_processes():
-                system.start_agent(die_with_parent=True)
+            system.start_agent(die_with_parent=True)
     assert not problems, "\n".join(problems)
 
 
@@ -441,8 +439,7 @@ async def _stuck_cases(
 
     # Way 2, the agent back: it finishes the release, and destroys the orphan (its records
     # prove it made it) after its grace period.
-    with detached_processes():
-        system.start_agent(die_with_parent=True)
+    system.start_agent(die_with_parent=True)
     await wait_gone(kube, allocs_path(ns), claim)
     assert_released(
         system, node, ns, claim, [h.mig_uuid for h in held_slices(system, allocs["s-agent"])]
@@ -651,9 +648,8 @@ async def test_upgrade_then_uninstall(
         await _uninstall_steps_4_to_6(kube, system)
     finally:  # installed again, as hack.dev does, whatever happened
         system.install()
-        with detached_processes():
-            system.start_webhook(die_with_parent=True)
-            system.start_agent(die_with_parent=True)
+        system.start_webhook(die_with_parent=True)
+        system.start_agent(die_with_parent=True)
         await asyncio.to_thread(system.wait_ready)
 
     # A pod gets its slice as before.

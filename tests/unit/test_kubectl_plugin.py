@@ -60,6 +60,13 @@ def test_nodes_draw_holders_foreign_and_free_slots() -> None:
     assert "A = team/train 3g.40gb [0:4] Ready" in out
 
 
+def test_nodes_draw_orphaned_instance_as_occupied() -> None:
+    # the claim's allocation is gone (finalizer force-removed) but the instance still exists
+    node = _mignode("n0", [{"profile": "1g.10gb", "start": 2, "size": 1, "claim": "gone"}])
+    line = next(ln for ln in render_nodes([node], []).splitlines() if ln.startswith("n0"))
+    assert line.endswith("|..#.....|")
+
+
 def test_nodes_flag_unhealthy_gpu() -> None:
     out = render_nodes([_mignode("n1", [], healthy=False)], [])
     assert "UNHEALTHY" in out
