@@ -23,6 +23,7 @@ fits, explain.py says why.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from heapq import heapify, heappop
 
 from common.catalog import Catalog
 from common.placement.explain import explain
@@ -113,9 +114,10 @@ def _choose(
         bound = node_bound(ct, node.gpu_key, profiles)
         if bound is not None:
             bounded.append((bound, order, node))
-    bounded.sort(key=lambda e: (e[0], e[1]))
+    heapify(bounded)  # (bound, snapshot order): popped in ascending order
     budget = MULTI_NODE_BUDGET
-    for bound, _, node in bounded:
+    while bounded:
+        bound, _, node = heappop(bounded)
         if best is not None and (bound * COST_SCALE > best[1].cost or budget <= 0):
             break
         fit = ctx.node_fit(node)

@@ -17,7 +17,6 @@ leaves the rest placeable (a backtracking scheduler would do the same).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import product
@@ -193,11 +192,6 @@ def _expand(profiles: tuple[str, ...], counts: tuple[int, ...]) -> tuple[str, ..
     return tuple(p for p, c in zip(profiles, counts, strict=True) for _ in range(c))
 
 
-def _sub_vectors(rem: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """All vectors 0 <= sub <= rem, largest first."""
-    return product(*(range(r, -1, -1) for r in rem))
-
-
 @dataclass(frozen=True, slots=True)
 class _Radix:
     """Sub-vectors of a demand's count vector, numbered in mixed radix: a share `sub` of
@@ -351,7 +345,6 @@ class Context:
         self.ct = catalog_tables(catalog)
         self.catalog = self.ct.catalog
         self.policy = policy
-        self.mode = _MODE[policy]
         counts: dict[str, int] = {}
         for s in request.slices:
             if s.count > 0:
@@ -374,9 +367,6 @@ class Context:
 
     def node_free_slots(self, node: NodeState) -> int:
         return sum(u.free for u in node_info(self.ct, node.gpu_key).gpus)
-
-    def node_potential(self, node: NodeState) -> int:
-        return node_info(self.ct, node.gpu_key).potential
 
     def size(self, model: str, profile: str) -> int:
         t = self.ct.tables(model)
