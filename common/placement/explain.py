@@ -39,7 +39,6 @@ from common.placement.model import (
     PodRequest,
     Policy,
     Snapshot,
-    parse_node_key,
 )
 from common.placement.search import (
     CatalogTables,
@@ -129,56 +128,68 @@ class Verdict:
 
 
 @lru_cache(maxsize=1 << 15)
-def verdict(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> Verdict:
-    profiles = [p for p, _ in demand]
-    parsed = parse_node_key(node_key)
-    offered = set()
+def _models_offer(
+    ct: CatalogTables,
+    models: tuple[str, ...],
+    usable: tuple[bool, ...],
+    demand: Demand,
+    policy: Policy,
+) -> tuple[frozenset[str], int]:
+    """Requested profiles the node's models offer, and how many of its GPUs that offer one
+    are unusable. Depends on the node's hardware only, so shared by all nodes of a kind."""
+    offered: set[str] = set()
     unusable = 0
-    for model, usable, _ in parsed:
+    for model, ok in zip(models, usable, strict=True):
         t = ct.tables(model)
-        mine = [p for p in profiles if _offers(t, p, policy)]
+        mine = [p for p, _ in demand if _offers(t, p, policy)]
         offered.update(mine)
-        if mine and not usable:
+        if mine and not ok:
             unusable += 1
+    return frozenset(offered), unusable
+
+
+@lru_cache(maxsize=1 << 15)
+def verdict(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> Verdict:
     info = node_info(ct, node_key)
+    offered, unusable = _models_offer(ct, info.models, info.usable, demand, policy)
     gpu_free = []
     models = []
     usable_offered: set[str] = set()
     room: Counter[str] = Counter()
     for u in info.gpus:
-        mine = [p for p in profiles if _offers(u.tables, p, policy)]
-        if not mine:
-            continue
-        usable_offered.update(mine)
         reach = 0
-        for p in mine:
+        mine = False
+        for p, _ in demand:
+            if not _offers(u.tables, p, policy):
+                continue
+            mine = True
+            usable_offered.add(p)
             pt = u.tables.profiles[p]
             fits = pt.max_count - u.state.counts[pt.index]
             limits = zip(u.state.engines, pt.engines, u.tables.full_engines, strict=True)
             for have, use, limit in limits:
                 if use:
                     fits = min(fits, (limit - have) // use)
-            room[p] += max(fits, 0)
             if fits <= 0:
                 continue
+            room[p] += fits
             if policy is Policy.STATIC_BALANCED:
                 for name, s in u.tables.layout:
                     if name == p:
                         reach |= pt.masks[pt.starts.index(s)]
             else:
                 reach |= (1 << u.tables.slots) - 1
-        gpu_free.append((u.pos, reach & ~u.state.mask))
-        models.append(u.tables.name)
+        if mine:
+            gpu_free.append((u.pos, reach & ~u.state.mask))
+            models.append(u.tables.name)
     needed = 0
     for p, c in demand:
         sizes = [
-            t.profiles[p].size
-            for model, _, _ in parsed
-            if (t := ct.tables(model)) is not None and p in t.profiles
+            t.profiles[p].size for m in set(info.models) if (t := ct.tables(m)) and p in t.profiles
         ]
         needed += c * min(sizes, default=0)
     free = sum(bin(m).count("1") for _, m in gpu_free)
-    if len(usable_offered) < len(profiles):
+    if len(usable_offered) < len(demand):
         klass = NodeClass.UNAVAILABLE
     else:
         single = demand[0][0] if len(demand) == 1 and demand[0][1] == 1 else None
@@ -193,15 +204,7 @@ def verdict(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) ->
             klass = NodeClass.FRAGMENTED
         else:
             klass = NodeClass.FULL
-    return Verdict(
-        frozenset(offered),
-        klass,
-        free,
-        needed,
-        tuple(gpu_free),
-        tuple(models),
-        unusable,
-    )
+    return Verdict(offered, klass, free, needed, tuple(gpu_free), tuple(models), unusable)
 
 
 class _Diagnosis:
@@ -209,12 +212,30 @@ class _Diagnosis:
         self.snapshot = snapshot
         self.request = request
         self.ctx = ctx
+        self._verdicts: dict[str, Verdict] = {}
+        self._offered: dict[str, frozenset[str]] = {}
 
     def verdict(self, node: NodeState) -> Verdict:
-        return verdict(self.ctx.ct, node.gpu_key, self.ctx.demand, self.ctx.policy)
+        key = node.gpu_key
+        v = self._verdicts.get(key)
+        if v is None:
+            v = verdict(self.ctx.ct, key, self.ctx.demand, self.ctx.policy)
+            self._verdicts[key] = v
+        return v
+
+    def offered(self, node: NodeState) -> frozenset[str]:
+        """The requested profiles the node's GPU models offer (hardware only: cheap)."""
+        key = node.gpu_key
+        got = self._offered.get(key)
+        if got is None:
+            info = node_info(self.ctx.ct, key)
+            ctx = self.ctx
+            got = _models_offer(ctx.ct, info.models, info.usable, ctx.demand, ctx.policy)[0]
+            self._offered[key] = got
+        return got
 
     def offers_all(self, node: NodeState) -> bool:
-        return len(self.verdict(node).offered) == len(self.ctx.profiles)
+        return len(self.offered(node)) == len(self.ctx.profiles)
 
     def run(self) -> Pending:
         ctx, nodes = self.ctx, self.snapshot.nodes
@@ -267,7 +288,7 @@ class _Diagnosis:
         ctx = self.ctx
         offered: set[str] = set()
         for n in self.snapshot.nodes:
-            offered |= self.verdict(n).offered
+            offered |= self.offered(n)
         parts = []
         for p in ctx.profiles:
             if p in offered:

@@ -105,6 +105,8 @@ class UsableGpu:
 class NodeInfo:
     gpus: tuple[UsableGpu, ...]  # usable GPUs of a known model, in position order
     potential: int  # sum of the usable GPUs' potentials (smaller = fuller node)
+    models: tuple[str, ...]  # every GPU's model, in position order
+    usable: tuple[bool, ...]  # every GPU's usability, in position order
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +123,16 @@ class NodeFit:
 def node_info(ct: CatalogTables, node_key: str) -> NodeInfo:
     gpus = []
     potential = 0
-    for pos, (model, usable, occupied) in enumerate(parse_node_key(node_key)):
+    parsed = parse_node_key(node_key)
+    for pos, (model, usable, occupied) in enumerate(parsed):
         t = ct.tables(model)
         if t is None or not usable:
             continue
         st = gpu_state(t, occupied)
         gpus.append(UsableGpu(pos, t, st, t.slots - bin(st.mask).count("1"), addable(t, st)))
         potential += t.potential[st.mask]
-    return NodeInfo(tuple(gpus), potential)
+    models = tuple(m for m, _, _ in parsed)
+    return NodeInfo(tuple(gpus), potential, models, tuple(u for _, u, _ in parsed))
 
 
 def _spread_order(gpus: tuple[UsableGpu, ...] | list[UsableGpu]) -> list[UsableGpu]:
