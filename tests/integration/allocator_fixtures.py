@@ -556,6 +556,7 @@ class AllocatorEnv:
     agent: FakeAgent
     nodes: list[str] = field(default_factory=list)
     replicas: dict[str, tuple[Controller, asyncio.Task[None]]] = field(default_factory=dict)
+    _lease_kubes: dict[str, Kube] = field(default_factory=dict)
 
     def node_name(self, short: str) -> str:
         return f"{self.namespace}-{short}"
@@ -608,15 +609,22 @@ class AllocatorEnv:
         return AllocatorSettings(**values)
 
     def start(self, identity: str = "a", **overrides: Any) -> Controller:
+        """An allocator replica, built like `run_allocator` builds it (the Lease renewed
+        over its own connection pool) but with its controller in the test's hands."""
         settings = self.settings(identity, **overrides)
-        controller = build_controller(self.kube, settings, AllocatorMetrics())
+        lease_kube = self.kube.sibling()
+        controller = build_controller(
+            self.kube, settings, AllocatorMetrics(), lease_kube=lease_kube
+        )
         task = asyncio.create_task(run_controller(controller, settings), name=f"alloc-{identity}")
         self.replicas[identity] = (controller, task)
+        self._lease_kubes[identity] = lease_kube
         return controller
 
     async def stop(self, identity: str = "a") -> None:
         _, task = self.replicas.pop(identity)
         await cancel_until_done([task])
+        await self._lease_kubes.pop(identity).close()
 
     async def close(self) -> None:
         for identity in list(self.replicas):

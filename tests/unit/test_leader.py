@@ -28,12 +28,14 @@ class FakeLeases:
         self.objects: dict[str, dict[str, Any]] = {}
         self.rv = itertools.count(1)
         self.down = False
+        self.gets = 0
 
     def _check(self) -> None:
         if self.down:
             raise ApiError(0, "ClientConnectorError", "connection refused")
 
     async def get(self, path: str) -> dict[str, Any]:
+        self.gets += 1
         self._check()
         if path not in self.objects:
             raise ApiError(404, "NotFound", path)
@@ -200,3 +202,18 @@ def test_settings_refuse_unsafe_timings(interval, deadline, duration):
             renew_deadline_s=deadline,
             lease_duration_s=duration,
         )
+
+
+async def test_a_leader_renews_with_one_write_and_reads_only_after_a_conflict():
+    api, clock = FakeLeases(), FakeClock()
+    a = elector(api, clock, "a")
+    assert await a.try_acquire_or_renew()
+    reads = api.gets
+    for _ in range(3):
+        await clock.advance(1)
+        assert await a.try_acquire_or_renew()
+    assert api.gets == reads  # renewals: PUTs of the Lease it wrote last
+    lease = api.objects[PATH]  # someone else writes it (an admin, a racing candidate)
+    api.objects[PATH] = {**lease, "metadata": {**lease["metadata"], "resourceVersion": "x"}}
+    assert await a.try_acquire_or_renew()  # still its own: read, then written again
+    assert api.gets == reads + 1

@@ -233,7 +233,10 @@ class Controller:
 
     def _spawn(self, uid: str, coro: Coroutine[Any, Any, None]) -> None:
         assert self._tg is not None
-        self._busy[uid] = self._tg.create_task(self._run(uid, coro), name=f"pod-{uid}")
+        task = self._tg.create_task(self._run(uid, coro), name=f"pod-{uid}")
+        # A task cancelled before it ran (the term ended) never awaited `coro`: close it.
+        task.add_done_callback(lambda _: coro.close())
+        self._busy[uid] = task
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         if self._tg is None:
