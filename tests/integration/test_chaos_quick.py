@@ -9,6 +9,8 @@ bench/invariants.py holding against ground truth (the emulated GPUs' real instan
 API objects, the CDI files): no leaked instance, no orphan allocation, no double booking at
 any sampled moment, no unsettled pod.
 
+A pure test checks the checker: each kind of violation, planted in synthetic ground
+truth, is reported (so a clean soak is not a blind one).
 Leaves out: the 10-minute soak with the bigger fleet (`make chaos`; its numbers are in
 docs/security.md), and real GPUs.
 """
@@ -17,10 +19,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.chaos import COUNTS, run_chaos
+from bench.invariants import Instance, Slot, Truth, check_settled, double_bookings
+from common.constants import CLAIM_ANNOTATION
 from hack.cluster import BinariesMissing
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -40,3 +45,54 @@ def test_quick_chaos_keeps_every_invariant(tmp_path: Path) -> None:
     assert result["double_booking_samples"] >= 20, shown
     assert not result["fault_errors"], shown
     assert {k: result[k] for k in COUNTS} == dict.fromkeys(COUNTS, 0), shown
+
+
+# --- the checker itself is not vacuous (pure, no cluster) ---------------------------------------
+
+
+def _alloc(name: str, uid: str, gpu: str, start: int, size: int, mig: str = "") -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": "Ready" if mig else "Creating"}
+    if mig:
+        status["slices"] = [{"container": "main", "migUUID": mig}]
+    return {
+        "metadata": {"namespace": "ns", "name": name},
+        "spec": {"podUID": uid, "nodeName": "n", "slices": [
+            {"container": "main", "profile": "1g.10gb", "gpuUUID": gpu, "start": start,
+             "size": size}]},
+        "status": status,
+    }  # fmt: skip
+
+
+def _running(name: str, uid: str, claim: str) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ns", "name": name, "uid": uid,
+                     "annotations": {CLAIM_ANNOTATION: claim}},
+        "spec": {"nodeName": "n", "containers": [{"name": "main"}]},
+        "status": {"phase": "Running"},
+    }  # fmt: skip
+
+
+def test_checker_sees_each_kind_of_violation() -> None:
+    a = _alloc("ca", "ua", "GPU-0", 0, 2, "MIG-a")
+    b = _alloc("cb", "ub", "GPU-0", 1, 1, "MIG-b")  # overlaps a
+    c = _alloc("cc", "uc", "GPU-1", 0, 1, "MIG-a")  # names a's device
+    assert {v.detail for v in double_bookings([a, b, c])} == {
+        "overlapping memory slots",
+        "both name MIG device MIG-a",
+    }
+    held = {"ugone": [Slot("ns/old", "ugone", "GPU-1", 0, 1, "MIG-x")]}
+    assert len(double_bookings([c], held)) == 1  # a pod still runs on c's slots
+
+    inst = [Instance("n", "GPU-0", 0, "1g.10gb", 0, 2, "MIG-a"),
+            Instance("n", "GPU-0", 0, "1g.10gb", 5, 1, "MIG-leak")]  # fmt: skip
+    pods = [_running("pa", "ua", "ca"), _running("pz", "uz", "cz")]
+    pending = _alloc("cp", "ua-gone", "GPU-1", 3, 1)
+    truth = Truth(pods, [a, pending], inst, {"n": {("ns", "ca")}})
+    report = check_settled(truth)
+    assert [v.key for v in report.leaked_instances] == ["n/gpu0[5:1]"]
+    assert [v.key for v in report.orphan_allocations] == ["ns/cp"]
+    assert [(v.key, v.detail) for v in report.unsettled_pods] == [
+        ("ns/pz", "Running without an allocation of its own")
+    ]
+    truth.cdi_claims = {"n": set()}
+    assert "no CDI spec file" in check_settled(truth).unsettled_pods[0].detail
