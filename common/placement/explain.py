@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 
 from common.placement.model import (
     NodeState,
@@ -39,6 +40,7 @@ from common.placement.model import (
     PodRequest,
     Policy,
     Snapshot,
+    parse_hw_key,
 )
 from common.placement.search import (
     CatalogTables,
@@ -127,19 +129,16 @@ class Verdict:
     unusable: int  # GPUs here that offer a requested profile but are unhealthy / MIG off
 
 
-@lru_cache(maxsize=1 << 15)
+@lru_cache(maxsize=1 << 12)
 def _models_offer(
-    ct: CatalogTables,
-    models: tuple[str, ...],
-    usable: tuple[bool, ...],
-    demand: Demand,
-    policy: Policy,
+    ct: CatalogTables, hw_key: str, demand: Demand, policy: Policy
 ) -> tuple[frozenset[str], int]:
     """Requested profiles the node's models offer, and how many of its GPUs that offer one
-    are unusable. Depends on the node's hardware only, so shared by all nodes of a kind."""
+    are unusable. Depends on the node's hardware only (`NodeState.hw_key`), so it is shared
+    by all nodes of a kind."""
     offered: set[str] = set()
     unusable = 0
-    for model, ok in zip(models, usable, strict=True):
+    for model, ok in parse_hw_key(hw_key):
         t = ct.tables(model)
         mine = [p for p, _ in demand if _offers(t, p, policy)]
         offered.update(mine)
@@ -149,9 +148,11 @@ def _models_offer(
 
 
 @lru_cache(maxsize=1 << 15)
-def verdict(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> Verdict:
+def verdict(
+    ct: CatalogTables, node_key: str, hw_key: str, demand: Demand, policy: Policy
+) -> Verdict:
     info = node_info(ct, node_key)
-    offered, unusable = _models_offer(ct, info.models, info.usable, demand, policy)
+    offered, unusable = _models_offer(ct, hw_key, demand, policy)
     gpu_free = []
     models = []
     usable_offered: set[str] = set()
@@ -219,18 +220,17 @@ class _Diagnosis:
         key = node.gpu_key
         v = self._verdicts.get(key)
         if v is None:
-            v = verdict(self.ctx.ct, key, self.ctx.demand, self.ctx.policy)
+            v = verdict(self.ctx.ct, key, node.hw_key, self.ctx.demand, self.ctx.policy)
             self._verdicts[key] = v
         return v
 
     def offered(self, node: NodeState) -> frozenset[str]:
         """The requested profiles the node's GPU models offer (hardware only: cheap)."""
-        key = node.gpu_key
+        key = node.hw_key
         got = self._offered.get(key)
         if got is None:
-            info = node_info(self.ctx.ct, key)
             ctx = self.ctx
-            got = _models_offer(ctx.ct, info.models, info.usable, ctx.demand, ctx.policy)[0]
+            got = _models_offer(ctx.ct, key, ctx.demand, ctx.policy)[0]
             self._offered[key] = got
         return got
 
@@ -245,8 +245,10 @@ class _Diagnosis:
                 return missing
         matching: list[NodeState] = []
         excluded: Counter[Mismatch] = Counter()
+        req = self.request
+        filtered = bool(req.node_selector or req.required_affinity)
         for n in nodes:
-            m = mismatch(n, self.request)
+            m = mismatch(n, req) if filtered or n.taints or n.unschedulable else None
             if m is None:
                 matching.append(n)
             else:
@@ -261,7 +263,13 @@ class _Diagnosis:
             )
         if not ctx.profiles:
             return self.node_resources(matching)
-        offering = [n for n in matching if self.offers_all(n)]
+        offering = []
+        by_class: dict[int, list[tuple[NodeState, Verdict]]] = {}
+        for n in matching:
+            if self.offers_all(n):
+                offering.append(n)
+                v = self.verdict(n)
+                by_class.setdefault(v.klass, []).append((n, v))
         if not offering:
             plist = _join(list(ctx.profiles))
             elsewhere = [n for n in nodes if self.offers_all(n)]
@@ -282,13 +290,22 @@ class _Diagnosis:
                 f"offering {plist}; the {_plural(len(elsewhere), 'node')} that do "
                 f"{'is' if len(elsewhere) == 1 else 'are'} excluded ({_mismatch_breakdown(why)})",
             )
-        return self.classify(offering)
+        if NodeClass.FITS in by_class:
+            return self.node_resources([n for n, _ in by_class[NodeClass.FITS]])
+        if NodeClass.FRAGMENTED in by_class:
+            return self.fragmented(by_class[NodeClass.FRAGMENTED])
+        if NodeClass.FULL in by_class:
+            return self.full(by_class[NodeClass.FULL], offering)
+        return self.unavailable(offering)
 
     def no_profile(self) -> Pending | None:
         ctx = self.ctx
         offered: set[str] = set()
+        wanted = len(ctx.profiles)
         for n in self.snapshot.nodes:
             offered |= self.offered(n)
+            if len(offered) == wanted:
+                return None
         parts = []
         for p in ctx.profiles:
             if p in offered:
@@ -310,19 +327,7 @@ class _Diagnosis:
                 parts.append(f"no GPU model in the cluster offers {p} (no catalog model has it)")
         return Pending(PendingReason.NO_PROFILE, "; ".join(parts)) if parts else None
 
-    # --- per-node classes ------------------------------------------------------------
-    def classify(self, offering: list[NodeState]) -> Pending:
-        by_class: dict[int, list[NodeState]] = {}
-        for n in offering:
-            by_class.setdefault(self.verdict(n).klass, []).append(n)
-        if NodeClass.FITS in by_class:
-            return self.node_resources(by_class[NodeClass.FITS])
-        if NodeClass.FRAGMENTED in by_class:
-            return self.fragmented(by_class[NodeClass.FRAGMENTED])
-        if NodeClass.FULL in by_class:
-            return self.full(by_class[NodeClass.FULL], offering)
-        return self.unavailable(offering)
-
+    # --- messages per class ----------------------------------------------------------
     def profile_shape(self, profile: str) -> str:
         for n in self.snapshot.nodes:
             for g in n.gpus:
@@ -337,10 +342,10 @@ class _Diagnosis:
                     return f"{profile} needs {slots} at {_starts_text(starts)}"
         return profile
 
-    def fragmented(self, nodes: list[NodeState]) -> Pending:
+    def fragmented(self, nodes: list[tuple[NodeState, Verdict]]) -> Pending:
         gpus: list[tuple[int, int, str]] = []
-        for order, n in enumerate(nodes):
-            for pos, free in self.verdict(n).gpu_free:
+        for order, (n, v) in enumerate(nodes):
+            for pos, free in v.gpu_free:
                 if free:
                     slots = [i for i in range(free.bit_length()) if free >> i & 1]
                     text = f"{n.name} gpu{n.gpus[pos].index} {{{_runs(slots)}}}"
@@ -356,11 +361,11 @@ class _Diagnosis:
             f"{shapes}; free slots{pod} are fragmented: {', '.join(listed)}{tail}",
         )
 
-    def full(self, nodes: list[NodeState], offering: list[NodeState]) -> Pending:
+    def full(self, nodes: list[tuple[NodeState, Verdict]], offering: list[NodeState]) -> Pending:
         ctx = self.ctx
-        by_model: Counter[str] = Counter()
-        for n in nodes:
-            by_model.update(self.verdict(n).models)
+        by_model = Counter(chain.from_iterable(v.models for _, v in nodes))
+        best_free = max(v.free for _, v in nodes)
+        need = max(v.needed for _, v in nodes)
         total = sum(by_model.values())
         if len(by_model) == 1:
             what = f"{total} {next(iter(by_model))} GPUs"
@@ -369,8 +374,6 @@ class _Diagnosis:
             what = f"{total} GPUs ({models})"
         what = f"the only {next(iter(by_model))} GPU" if total == 1 else f"all {what}"
         plist = _join(list(ctx.profiles))
-        best_free = max(self.verdict(n).free for n in nodes)
-        need = max(self.verdict(n).needed for n in nodes)
         slot_word = "slot" if best_free == 1 else "slots"
         offer, be = ("offers", "is") if total == 1 else ("offer", "are")
         if ctx.counts == (1,):

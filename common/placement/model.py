@@ -32,6 +32,15 @@ _GPU_SEP, _FIELD_SEP, _OCC_SEP, _SUB_SEP = "\x1d", "\x1e", "\x1f", "\x1c"
 GpuKeyParts = tuple[str, bool, tuple[tuple[int, int, str], ...]]
 
 
+def parse_hw_key(key: str) -> tuple[tuple[str, bool], ...]:
+    """`NodeState.hw_key` back to (model, usable) per GPU."""
+    if not key:
+        return ()
+    return tuple(
+        (model, flag == "u") for model, flag in (g.split(_FIELD_SEP) for g in key.split(_GPU_SEP))
+    )
+
+
 def parse_node_key(key: str) -> tuple[GpuKeyParts, ...]:
     """`NodeState.gpu_key` back to (model, usable, ((start, size, profile), ...)) per GPU."""
     if not key:
@@ -119,11 +128,15 @@ class NodeState:
     memory_bytes_free: int = 0
     pods_free: int = 0
     gpus: tuple[Gpu, ...] = ()
-    # Derived: the multiset of GPU states in index order (node-level grouping key).
+    # Derived: the GPU states in index order (node-level grouping key), and the hardware
+    # alone — models and usability, no occupancy (what a node can ever offer).
     gpu_key: str = field(init=False, repr=False, compare=False)
+    hw_key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_key", _GPU_SEP.join(g.key for g in self.gpus))
+        hw = _GPU_SEP.join(f"{g.model}{_FIELD_SEP}{'u' if g.usable else 'x'}" for g in self.gpus)
+        object.__setattr__(self, "hw_key", hw)
 
 
 @dataclass(frozen=True, slots=True)
