@@ -391,7 +391,6 @@ async def test_release_on_deletion_and_on_completion(env: AllocatorEnv) -> None:
     await env.wait_allocations(lambda items: not items, what="both released")
     assert pod["metadata"]["uid"]
     assert alloc.metrics.count("released") >= 1  # completion; deletion may be GC's
-    assert set(env.agent.finalized) >= {podlib.claim(pod)}
 
 
 async def test_failed_allocation_is_placed_again_elsewhere(env: AllocatorEnv) -> None:

@@ -87,6 +87,19 @@ class RecordingKube:
         return {}
 
 
+class SlowCreates(RecordingKube):
+    """Creates wait until the test lets them through (an overloaded API server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def create(self, path: str, body: Obj, **query: Any) -> Obj:
+        if "sliceallocations" in path:
+            await self.gate.wait()
+        return await super().create(path, body, **query)
+
+
 class Leader:
     def __init__(self) -> None:
         self.leading = True
@@ -320,6 +333,52 @@ async def test_a_step_refused_for_a_lapsed_lease_is_retried() -> None:
         await clock.advance(1.0)
         await settle()
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
+
+
+async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
+    """Lease lost and won back while a create is still queued at the API server: the next
+    term must not promise those slots to another pod."""
+    kube, clock = SlowCreates(), FakeClock()
+    c = controller(kube, clock)
+    first = make_pod("first", uid="u1", slices={"main": {"7g.80gb": 1}})
+    second = make_pod("second", uid="u2", slices={"main": {"7g.80gb": 1}})
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", first)
+        await settle()
+    c.step_down()  # the term ends with the create still in flight
+    (held,) = c.state.allocations.values()
+    assert held.assumed and held.pod_uid == "u1"
+    async with leading(c):  # won back at once
+        await c._on_pod("ADDED", second)
+        await settle()
+        assert c.parked == {"u2": 0}  # the GPU is still promised to "first"
+        kube.gate.set()  # the old request lands after all
+        await settle()
+    (confirmed,) = c.state.allocations.values()
+    assert not confirmed.assumed and confirmed.pod_uid == "u1"
+    creates = [w for w in kube.writes("create") if "sliceallocations" in w[1]]
+    assert len(creates) == 1
+
+
+async def test_a_failed_create_frees_the_slots_even_after_its_term() -> None:
+    kube, clock = SlowCreates(), FakeClock()
+    c = controller(kube, clock)
+
+    async def refuse(path: str, body: Obj, **query: Any) -> Obj:
+        await kube.gate.wait()
+        raise ApiError(500, "InternalError", "etcd timeout")
+
+    kube.create = refuse  # type: ignore[method-assign]
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", make_pod("p", uid="u1", slices={"main": {"7g.80gb": 1}}))
+        await settle()
+    c.step_down()
+    assert len(c.state.allocations) == 1
+    kube.gate.set()
+    await settle()
+    assert c.state.allocations == {}
 
 
 # --- a failing term does not take the process down -----------------------------------------

@@ -150,5 +150,6 @@ async def run_controller(controller: Controller, settings: AllocatorSettings) ->
                     await elector.release()
                     await settings.clock.sleep(settings.lease_duration_s)
         finally:
+            controller.close()
             if settings.release_on_exit:
                 await elector.release()

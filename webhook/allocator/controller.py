@@ -22,6 +22,7 @@ What it deliberately does not do: talk to GPUs (the node agent does), retry on a
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine
 from typing import Any, Literal
 
@@ -90,6 +91,8 @@ class Controller:
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._retouch: set[str] = set()
         self._unstick_due: set[str] = set()
+        self._inflight: dict[str, asyncio.Future[Obj]] = {}  # allocation key -> its create
+        self._pinned: set[str] = set()  # pod uids this replica ungated
         self._seen_epoch = 0
         self._tg: asyncio.TaskGroup | None = None
         self._wake_reconcile = asyncio.Event()
@@ -219,7 +222,7 @@ class Controller:
         self._backoff.clear()
         self.queue.clear()
         self.parked.clear()
-        self.state.drop_assumed()
+        self.state.drop_assumed(keep=self._inflight)
         self.metrics.leader.set(0)
 
     async def _merge_allocations(self) -> None:
@@ -360,10 +363,11 @@ class Controller:
             return
         self.queue.remove(uid)
         ready = [a for a in allocs if a.ready and not a.assumed and a.name == pod.claim]
-        if ready:
+        if ready and uid not in self._pinned:  # pinned already: the watch has not caught up
             self._spawn(uid, self._pin(pod, ready[0]))
 
     def _forget_pod(self, uid: str) -> None:
+        self._pinned.discard(uid)
         self.queue.remove(uid)
         self.parked.pop(uid, None)
         self.pending.clear(uid)
@@ -403,7 +407,7 @@ class Controller:
         ):
             return
         try:
-            request = podlib.pod_request(pod.obj)
+            request = podlib.pod_request(pod.obj, pod.resources)
         except SliceRequestError as exc:
             self._park(pod, INVALID_REQUEST, f"cannot read the pod's slice requests: {exc}")
             return
@@ -443,11 +447,16 @@ class Controller:
 
     async def _create(self, pod: PodView, body: Obj) -> None:
         key = f"{pod.namespace}/{body['metadata']['name']}"
+        # The write is not a child of this term: a term that ends (Lease lost, then perhaps
+        # won back at once) must not cut a create whose outcome it then could not know, or
+        # the next term could promise the same slots while the request still lands. The
+        # assumed record stays until the write's own outcome settles it (`_created`).
+        write = asyncio.ensure_future(self.writes.create_allocation(body))
+        self._inflight[key] = write
+        write.add_done_callback(functools.partial(self._created, key))
         try:
-            written = await self.writes.create_allocation(body)
+            await asyncio.shield(write)
         except (ApiError, NotLeader) as exc:
-            self.state.forget(key)
-            self._after_change()
             if isinstance(exc, ApiError) and exc.conflict:
                 return  # it exists (another replica's, or ours before a restart): watch shows it
             if isinstance(exc, ApiError) and not exc.retryable:
@@ -456,15 +465,29 @@ class Controller:
                 self._park(pod, WRITE_ERROR, f"the SliceAllocation was refused: {exc.message}")
                 return
             raise
-        self.state.confirm(written)
         self.metrics.outcome("allocated")
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
         self._event(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the pod's critical path
 
+    def _created(self, key: str, write: asyncio.Future[Obj]) -> None:
+        """Settle an assumed allocation by its create's outcome, whatever term it is now."""
+        self._inflight.pop(key, None)
+        if not write.cancelled() and write.exception() is None:
+            self.state.confirm(write.result())
+            return
+        self.state.forget(key)
+        self._after_change()
+
+    def close(self) -> None:
+        """Shutting down: stop creates still in flight (their outcome no longer matters)."""
+        for write in list(self._inflight.values()):
+            write.cancel()
+
     async def _pin(self, pod: PodView, alloc: AllocView) -> None:
         if not await self.writes.pin(pod.obj, alloc.node):
             return
+        self._pinned.add(pod.uid)  # gates cannot come back: never pin this pod again
         start = self.ungate_start.pop(pod.uid, None)
         if start is not None:
             self.metrics.time_to_ungate.observe(max(0.0, self.clock.monotonic() - start))

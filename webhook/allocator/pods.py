@@ -210,6 +210,24 @@ def pod_resources(pod: Obj) -> Resources:
     return total + Resources(pods=1)
 
 
+def same_requests(a: Obj, b: Obj) -> bool:
+    """Whether two versions of a pod request the same cpu/memory (`pod_resources` of one
+    serves for the other)."""
+    sa, sb = a.get("spec", {}), b.get("spec", {})
+
+    def parts(spec: Obj) -> list[Any]:
+        return [
+            spec.get("overhead"),
+            [c.get("resources") for c in spec.get("containers") or []],
+            [
+                (c.get("resources"), c.get("restartPolicy"))
+                for c in spec.get("initContainers") or []
+            ],
+        ]
+
+    return parts(sa) == parts(sb)
+
+
 def _requirements(items: list[Any], *, fields: bool) -> list[NodeSelectorRequirement]:
     out = []
     for r in items or []:
@@ -232,10 +250,11 @@ def uses_name_field(pod: Obj) -> bool:
     return any(t.get("matchFields") for t in required_terms(pod))
 
 
-def pod_request(pod: Obj) -> PodRequest:
-    """The placement engine's view of a gated pod. Raises SliceRequestError (podspec)."""
+def pod_request(pod: Obj, resources: Resources | None = None) -> PodRequest:
+    """The placement engine's view of a gated pod (`resources`: its `pod_resources`, when
+    already known). Raises SliceRequestError (podspec)."""
     spec = pod.get("spec", {})
-    res = pod_resources(pod)
+    res = resources if resources is not None else pod_resources(pod)
     asks = slice_requests(pod)
     terms = tuple(
         tuple(

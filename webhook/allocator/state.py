@@ -61,7 +61,7 @@ class PodView:
     obj: Obj
 
     @classmethod
-    def of(cls, obj: Obj) -> PodView:
+    def of(cls, obj: Obj, *, resources: Resources | None = None) -> PodView:
         meta = obj.get("metadata", {})
         return cls(
             uid=podlib.uid(obj),
@@ -77,7 +77,7 @@ class PodView:
             bound=podlib.bound_node(obj),
             pinned=podlib.pinned_node(obj),
             unschedulable=podlib.is_unschedulable(obj),
-            resources=podlib.pod_resources(obj),
+            resources=resources if resources is not None else podlib.pod_resources(obj),
             obj=obj,
         )
 
@@ -242,8 +242,11 @@ class ClusterState:
     # --- pods ---------------------------------------------------------------------------
 
     def upsert_pod(self, obj: Obj) -> PodView:
-        view = PodView.of(obj)
-        old = self.pods.get(view.uid)
+        old = self.pods.get(podlib.uid(obj))
+        # Most pod updates are status changes: keep the parsed requests when they cannot
+        # have changed (quantity parsing is the costly part of reading a pod).
+        same = old is not None and podlib.same_requests(old.obj, obj)
+        view = PodView.of(obj, resources=old.resources if old is not None and same else None)
         if old is not None:
             self._unindex_pod(old)
         self.pods[view.uid] = view
@@ -299,8 +302,9 @@ class ClusterState:
         if current is not None and current.assumed:
             self._drop_alloc(key)
 
-    def drop_assumed(self) -> None:
-        for k in [k for k, a in self.allocations.items() if a.assumed]:
+    def drop_assumed(self, keep: Collection[str] = ()) -> None:
+        """Forget assumed allocations, except `keep` (creates whose outcome is not known)."""
+        for k in [k for k, a in self.allocations.items() if a.assumed and k not in keep]:
             self._drop_alloc(k)
 
     def remove_allocation(self, obj: Obj) -> AllocView | None:
@@ -431,17 +435,21 @@ class ClusterState:
 
     # --- snapshots ----------------------------------------------------------------------
 
-    def occupied(self, node: str, gpu: GpuView) -> tuple[Occupied, ...]:
-        """Union of live allocations' slices on `gpu` and unclaimed MigNode instances."""
-        slots: set[Occupied] = set()
-        for alloc in self.allocations_on(node):
-            for s in alloc.slices:
-                if s.gpu_uuid == gpu.uuid:
-                    slots.add(Occupied(s.start, s.size, s.profile))
-        for start, size, profile, claim in gpu.instances:
-            if not claim or claim not in self._live_claims:
-                slots.add(Occupied(start, size, profile))
-        return tuple(sorted(slots, key=lambda o: (o.start, o.size, o.profile)))
+    def occupied(self, node: str) -> dict[str, tuple[Occupied, ...]]:
+        """Per GPU uuid of `node`: the union of live allocations' slices on it and the
+        MigNode's instances that no live allocation claims."""
+        slots: dict[str, set[Occupied]] = {}
+        for key in self._allocs_by_node.get(node, ()):
+            for s in self.allocations[key].slices:
+                slots.setdefault(s.gpu_uuid, set()).add(Occupied(s.start, s.size, s.profile))
+        for gpu in self.gpus.get(node, ()):
+            for start, size, profile, claim in gpu.instances:
+                if not claim or claim not in self._live_claims:
+                    slots.setdefault(gpu.uuid, set()).add(Occupied(start, size, profile))
+        return {
+            uuid: tuple(sorted(occ, key=lambda o: (o.start, o.size, o.profile)))
+            for uuid, occ in slots.items()
+        }
 
     def _node_state(self, name: str) -> NodeState | None:
         view = self.nodes.get(name)
@@ -449,6 +457,7 @@ class ClusterState:
         if view is None or gpus is None:
             return None
         free = self.free(name)
+        occupied = self.occupied(name)
         return NodeState(
             name=name,
             labels=view.labels,
@@ -463,7 +472,7 @@ class ClusterState:
                     model=g.model,
                     mig_enabled=g.mig_enabled,
                     healthy=g.healthy,
-                    occupied=self.occupied(name, g),
+                    occupied=occupied.get(g.uuid, ()),
                 )
                 for g in gpus
             ),
