@@ -6,7 +6,8 @@ memory and one pod slot free. Policies differ only in which legal placement they
 
 - `instaslice`: fragmentation-aware best fit. Every candidate (node, GPUs, starts) is scored
   by the *loss of potential* it causes — the drop in the size²-weighted number of future
-  placements of every shape (tables.py) — and the smallest loss wins; ties go to the fuller
+  placements of every shape, plus a term for slots left stranded (tables.py) — and the
+  smallest loss wins; ties go to the fuller
   GPU, then the fuller node, then snapshot order. Breaking an intact GPU costs its 7g and
   4g/3g windows, so the policy packs into already-broken GPUs and keeps whole ones whole.
 - `first-fit`: nodes in order, GPUs in order, lowest start (NVIDIA's DRA driver, the old

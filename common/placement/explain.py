@@ -147,7 +147,7 @@ def _models_offer(
     return frozenset(offered), unusable
 
 
-@lru_cache(maxsize=1 << 15)
+@lru_cache(maxsize=1 << 14)
 def verdict(
     ct: CatalogTables, node_key: str, hw_key: str, demand: Demand, policy: Policy
 ) -> Verdict:

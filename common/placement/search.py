@@ -119,7 +119,7 @@ class NodeFit:
     rank: tuple[int, int] = (0, 0)  # (cost, node potential): smaller is better (packs)
 
 
-@lru_cache(maxsize=1 << 15)
+@lru_cache(maxsize=1 << 14)
 def node_info(ct: CatalogTables, node_key: str) -> NodeInfo:
     gpus = []
     potential = 0
@@ -161,7 +161,7 @@ def node_single(ct: CatalogTables, node_key: str, profile: str, policy: Policy) 
     return best
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 15)
 def node_bound(ct: CatalogTables, node_key: str, profiles: tuple[str, ...]) -> int | None:
     """A lower bound on the instaslice loss of placing all of `profiles` (and more) on the
     node — placing more slices never raises the potential, so it is at least the loss of
@@ -175,7 +175,7 @@ def node_bound(ct: CatalogTables, node_key: str, profiles: tuple[str, ...]) -> i
     return bound
 
 
-@lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=1 << 13)
 def node_multi(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> NodeFit | None:
     """The policy's way to host several slices on the node, or None."""
     info = node_info(ct, node_key)
@@ -218,7 +218,7 @@ def _radix(counts: tuple[int, ...]) -> _Radix:
 Share = tuple[int, int, tuple[str, ...], tuple[int, ...]]  # sub index, cost, demand, starts
 
 
-@lru_cache(maxsize=1 << 15)
+@lru_cache(maxsize=1 << 14)
 def gpu_options(
     tables: ModelTables,
     state: GpuState,

@@ -5,9 +5,9 @@ starts and slot masks, engine vector and count limit; for every occupancy mask o
 (256 on 8-slot parts, 4096 on the 12-unit RTX PRO) the *potential* — how many instances of
 each placement shape could still be created, weighted by shape size squared. The potential
 is what the `instaslice` policy protects: a candidate's loss is the drop in potential it
-causes, so a 1g goes where it breaks the fewest 2-, 4- and 8-slot windows (slot 6 on an
-empty GPU, which only the 1g(2xmem), the second 3g and the 7g can use) and a GPU that is
-already broken is preferred to an intact one.
+causes, so a 1g goes where it breaks the fewest 2-, 4- and 8-slot windows without stranding
+a slot (slot 5 on an empty 8-slot GPU: the 4g start survives, and slot 7 stays usable by
+the 1g(2xmem) at 6), and a GPU that is already broken is preferred to an intact one.
 
 `gpu_fit(tables, state, demand, mode)` packs a small multiset of profiles onto one GPU in
 a given state — exhaustively, with memoisation over (depth, mask) — and is LRU-cached, so
@@ -94,6 +94,7 @@ class GpuFit:
     starts: tuple[int, ...]  # aligned with the demand tuple
 
 
+# Weight of each free slot that is still usable; chosen on the benchmark (docs/placement.md).
 _STRAND = 8
 
 
@@ -272,7 +273,7 @@ def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[i
     return [i for i in range(len(t.starts)) if can_add(tables, state, t, i)]
 
 
-@lru_cache(maxsize=1 << 17)
+@lru_cache(maxsize=1 << 16)
 def gpu_fit(
     tables: ModelTables, state: GpuState, demand: tuple[str, ...], mode: FitMode
 ) -> GpuFit | None:
