@@ -22,7 +22,8 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
   may not remove the gate or change the claim either;
 - the pod security settings of the manifests: non-root, read-only, no privilege escalation
   and all capabilities dropped for the webhook; privileged (NVML needs it) only for the
-  node agent, with no host network/PID/IPC and only the three host paths it needs.
+  node agent, with no host network/PID/IPC and only the host paths it needs (two of them
+  read-only).
 
 Leaves out what test_admission_policy.py already proves (device names, ephemeral
 containers, CDI annotations, gate on create, gate/claim by cluster-admin and by users, the
@@ -638,8 +639,12 @@ def test_node_agent_is_privileged_only_as_nvml_needs() -> None:
     sc = ds["containers"][0]["securityContext"]
     assert sc["privileged"] is True  # NVML's mig/config capability and the GPUs' device nodes
     assert sc["readOnlyRootFilesystem"] is True
-    host = {v["name"]: v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
-    assert sorted(host.values()) == ["/etc/cdi", "/var/lib/instaslice", "/var/run/cdi"]
+    host = {v["hostPath"]["path"]: v["name"] for v in ds["volumes"] if "hostPath" in v}
+    # CDI specs it writes, the toolkit's spec it reads, its checkpoint; the kubelet's
+    # device-plugin sockets and PodResources API (device-plugin binding mode)
+    read_only = {"/etc/cdi", "/var/lib/kubelet/pod-resources"}
+    writable = {"/var/run/cdi", "/var/lib/instaslice", "/var/lib/kubelet/device-plugins"}
+    assert set(host) == read_only | writable
     mounts = {m["name"]: m for m in ds["containers"][0]["volumeMounts"]}
-    etc_cdi = next(n for n, p in host.items() if p == "/etc/cdi")
-    assert mounts[etc_cdi].get("readOnly") is True
+    for path in read_only:
+        assert mounts[host[path]].get("readOnly") is True, path
