@@ -1,11 +1,15 @@
 """One node's GPUs for asyncio code: NVML off the event loop, health events pushed in.
 
-`NodeGpus` owns the node's `NvmlSession` and a single-thread executor: every NVML call of
-the node runs there, in order (calls on one device stay serialized; different nodes of one
-process run in parallel). `HealthHub` waits in nvmlEventSetWait on its own thread and
-hands each event to the loop with `call_soon_threadsafe`; health is event-driven, the
-timeout only bounds how long shutdown waits. `HealthHub` is that thread, shared by every
-node of the process.
+`NodeGpus` owns the node's `NvmlSession`; every NVML call of the node runs off the loop, one
+at a time and in order (calls on one device stay serialized; different nodes of one process
+run in parallel). A real node has its own single-thread executor. A process serving many
+emulated nodes passes one shared, bounded pool instead: a thread per node (1000 of them)
+spent their time fighting over the GIL (load average in the hundreds, no node started in
+minutes; docs/benchmarks.md), so there the order per node is kept by chaining each call
+after the node's previous one, which a cancelled caller cannot break. `HealthHub` waits in
+nvmlEventSetWait on its own thread and hands each event to the loop with
+`call_soon_threadsafe`; health is event-driven, the timeout only bounds how long shutdown
+waits. `HealthHub` is that thread, shared by every node of the process.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import structlog
 
@@ -32,16 +36,35 @@ log = structlog.get_logger("device")
 class NodeGpus:
     """`async with NodeGpus(nv, catalog, node) as gpus: await gpus.call(gpus.s.inventory)`."""
 
-    def __init__(self, nv: NvmlModule, catalog: Catalog, node: str) -> None:
+    def __init__(
+        self,
+        nv: NvmlModule,
+        catalog: Catalog,
+        node: str,
+        *,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.nv = nv
         self.node = node
         self.s = NvmlSession(nv, catalog)
         self._catalog = catalog
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvml-{node}")
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvml-{node}")
+        self._serial = asyncio.Lock()  # shared pool: one call of this node at a time, FIFO
+        self._last: asyncio.Future[Any] | None = None  # the node's latest call
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        if self._own_pool:  # one thread: the executor itself keeps the order
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        async with self._serial:
+            last = self._last
+            if last is not None and not last.done():
+                await asyncio.wait({last})  # a cancelled caller's call may still be running
+            fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+            self._last = fut
+            fut.add_done_callback(_consume)
+            return await asyncio.shield(fut)
 
     async def __aenter__(self) -> NodeGpus:
         await self.call(self.s.open)
@@ -54,11 +77,20 @@ class NodeGpus:
             log.warning("nvml shutdown failed", node=self.node, error=str(e))
         finally:
             # waits for a call still running (a create must not be cut in half by exit)
-            await asyncio.to_thread(self._pool.shutdown, wait=True)
+            if self._own_pool:
+                await asyncio.to_thread(self._pool.shutdown, wait=True)
+            elif self._last is not None and not self._last.done():
+                await asyncio.wait({self._last})
 
     def event_session(self) -> NvmlSession:
         """A second session for the health thread (NVML init is reference-counted)."""
         return NvmlSession(self.nv, self._catalog)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a call whose caller was cancelled (no 'never retrieved')."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 @dataclass

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
 
 log = structlog.get_logger("nodeagent")
 MAX_IN_SELECTOR = 100
+# Threads for the NVML calls of a process serving many emulated nodes: enough that emulated
+# create/destroy latencies (sleeps) on different nodes overlap, few enough not to thrash the GIL.
+SHARED_NVML_THREADS = 32
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
@@ -263,6 +267,12 @@ async def serve(
             agent.on_event(etype, obj)
 
     hub = HealthHub(timeout_ms=settings.health_timeout_ms)
+    # many emulated nodes share a bounded pool (NodeGpus); a real node keeps its own thread
+    shared = (
+        ThreadPoolExecutor(max_workers=SHARED_NVML_THREADS, thread_name_prefix="nvml")
+        if len(settings.nodes) > 1
+        else None
+    )
     try:
         async with connected(settings.kubeconfig) as kube, contextlib.AsyncExitStack() as stack:
             informer = Informer(
@@ -285,7 +295,9 @@ async def serve(
                 )
                 binding = plugin
             for node in settings.nodes:
-                gpus = await stack.enter_async_context(NodeGpus(nvml_for(node), catalog, node))
+                gpus = await stack.enter_async_context(
+                    NodeGpus(nvml_for(node), catalog, node, pool=shared)
+                )
                 driver = await gpus.call(gpus.s.call, "nvmlSystemGetDriverVersion")
                 count = await gpus.call(gpus.s.call, "nvmlDeviceGetCount")
                 numbers, base = await asyncio.to_thread(
@@ -327,6 +339,8 @@ async def serve(
                     started(agents)
     finally:
         await hub.stop()
+        if shared is not None:
+            await asyncio.to_thread(shared.shutdown, wait=True)
 
 
 async def _serve_until_signal(settings: Settings) -> None:
