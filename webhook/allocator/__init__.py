@@ -3,8 +3,8 @@
 `run_allocator(kube, settings, metrics)` runs forever in the webhook process: its informers
 keep a warm cache on every replica; only the holder of the `instaslice-allocator` Lease acts.
 Layers, outermost first: this entry point (leadership terms) → `controller` (informers,
-reconciler, placer, timer; all writes) → `state`, `queue`, `pods` (pure) and the placement
-engine (`common.placement`, pure).
+reconciler, placer, timer) → `writes` (every API write, Lease-checked) and `leader` →
+`state`, `queue`, `pods` (pure) and the placement engine (`common.placement`, pure).
 """
 
 from __future__ import annotations
