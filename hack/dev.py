@@ -67,7 +67,8 @@ class DevSystem:
     cp: ControlPlane
     nodes: list[str]
     webhook_port: int
-    metrics_port: int
+    metrics_port: int  # the webhook's /metrics, /healthz, /readyz
+    agent_metrics_port: int = 0  # the node agent's
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
@@ -120,6 +121,7 @@ class DevSystem:
             dir,
             cp,
             spec.node_names(),
+            free_port(),
             free_port(),
             free_port(),
             agent_args=tuple(agent_args),
@@ -190,16 +192,18 @@ class DevSystem:
             f"--nodes={','.join(self.nodes)}",
             f"--cdi-root={self.dir / 'nodes'}",
             f"--namespace={NAMESPACE}",
+            f"--metrics-port={self.agent_metrics_port}",
             *self.agent_args,
         ]
         self._spawn("nodeagent", argv, die_with_parent)
 
     def _spawn(self, name: str, argv: list[str], die_with_parent: bool) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        _, rec = spawn(
+        popen, rec = spawn(
             name, argv, self.logs / f"{name}.log", env=env, die_with_parent=die_with_parent
         )
         self.processes[name] = rec
+        self._popens[name] = popen
 
     def stop(self, name: str) -> None:
         rec = self.processes.pop(name, None)
@@ -272,6 +276,7 @@ class DevSystem:
             "nodes": self.nodes,
             "webhook_port": self.webhook_port,
             "metrics_port": self.metrics_port,
+            "agent_metrics_port": self.agent_metrics_port,
             "processes": {k: v.to_json() for k, v in self.processes.items()},
             "agent_args": list(self.agent_args),
             "webhook_args": list(self.webhook_args),
@@ -294,6 +299,7 @@ class DevSystem:
             st["nodes"],
             st["webhook_port"],
             st["metrics_port"],
+            st.get("agent_metrics_port", 0),
             {k: ProcessRecord.from_json(v) for k, v in st["processes"].items()},
             tuple(st.get("agent_args", ())),
             tuple(st.get("webhook_args", ())),
