@@ -17,7 +17,9 @@ _NAME = re.compile(
     r"^(?:(?P<c>[1-9][0-9]*)c\.)?(?P<g>[1-9][0-9]*)g\.(?P<gb>[1-9][0-9]*)gb"
     r"(?P<attr>\+me\.all|\+me|\+gfx|-me)?$"
 )
-_RESOURCE_SUFFIX = re.compile(r"^(?P<base>[1-9][0-9]*g\.[1-9][0-9]*gb)(?P<attr>\.me\.all|\.me|\.gfx|-me)?$")
+_RESOURCE_SUFFIX = re.compile(
+    r"^(?P<base>[1-9][0-9]*g\.[1-9][0-9]*gb)(?P<attr>\.me\.all|\.me|\.gfx|-me)?$"
+)
 
 
 class ProfileNameError(ValueError):
