@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import quote
 
+import aiohttp
 import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
@@ -141,8 +142,19 @@ class Kube:
         content_type: str = "application/json",
         request_timeout: float | None = 30.0,
     ) -> Any:
-        """One request; returns the raw aiohttp response (caller reads it)."""
+        """One request; returns the raw aiohttp response (caller reads it).
+
+        `request_timeout` bounds connecting and each wait for the server's bytes, not the
+        wait for a free pooled connection: in a burst hundreds of requests queue for the
+        pool, and a total deadline timed them out there and had them retried, a storm that
+        kept 1000 emulated nodes from publishing for minutes (docs/benchmarks.md).
+        """
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
+        timeout = (
+            None
+            if request_timeout is None
+            else aiohttp.ClientTimeout(sock_connect=request_timeout, sock_read=request_timeout)
+        )
         try:
             return await self._api.call_api(
                 path,
@@ -152,7 +164,7 @@ class Kube:
                 body=body,
                 auth_settings=["BearerToken"],
                 _preload_content=False,
-                _request_timeout=request_timeout,
+                _request_timeout=timeout,
             )
         except ApiException as exc:  # raised by the auth/refresh layers
             raise ApiError(exc.status or 0, exc.reason or "", str(exc)) from exc
