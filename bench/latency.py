@@ -30,6 +30,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -38,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from kubernetes_asyncio import config as k8s_config
 
 from bench.latency_profile import Profiler
 from bench.latency_track import (
@@ -51,8 +54,8 @@ from bench.latency_track import (
     writes_summary,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path
-from hack.cluster.controlplane import ClusterSettings
-from hack.cluster.nodes import parse_spec
+from hack.cluster.controlplane import ClusterSettings, ControlPlane
+from hack.cluster.nodes import create_nodes, parse_spec, wait_nodes_ready
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 
@@ -290,80 +293,124 @@ async def opt_in(kube: Kube) -> None:
         await asyncio.sleep(0.1)
 
 
-def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, float]:
+class BenchSystem(DevSystem):
+    """DevSystem with a readiness wait that grows with the fleet (its default, 120 s, is
+    for dev-sized clusters; 2000 nodes publish 2000 MigNodes on a shared 2-core machine)."""
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        super().wait_ready(max(timeout_s, 0.5 * len(self.nodes)))
+
+
+async def _nodes_ready(kubeconfig: Path, nodes: int) -> None:
+    async with await k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api:
+        names = await create_nodes(api, spec(nodes))
+        await wait_nodes_ready(api, names, timeout_s=max(180.0, 0.5 * nodes))
+
+
+def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
+    """Control plane, then the KWOK nodes (Ready, untainted), then InstaSlice (DevSystem.up
+    attaches to the running control plane); seconds per phase."""
     old = DevSystem.attach(run_dir)
     if old is not None:
         old.down()
     shutil.rmtree(run_dir, ignore_errors=True)
+    phases: dict[str, float] = {}
     t0 = time.monotonic()
-    with warnings.catch_warnings():
-        # DevSystem hands its children to ProcessRecords and drops the Popen objects, whose
-        # destructors warn that the (deliberately detached) child still runs; only that
-        # warning is silenced (as tests/e2e/helpers.py does), so `-W error` runs pass
-        warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
-        system = DevSystem.up(
-            run_dir,
-            spec(nodes),
-            die_with_parent=True,
-            cluster_settings=cluster_settings(nodes),
-            agent_args=agent_args(nodes),
-        )
-    return system, time.monotonic() - t0
+    cp = ControlPlane.start(
+        run_dir / "cluster",
+        kubeconfig=run_dir / "kubeconfig",
+        logs_dir=run_dir / "logs",
+        settings=cluster_settings(nodes),
+        die_with_parent=True,
+    )
+    try:
+        phases["control_plane_s"] = r3(time.monotonic() - t0)
+        t1 = time.monotonic()
+        asyncio.run(_nodes_ready(cp.kubeconfig, nodes))
+        phases["nodes_ready_s"] = r3(time.monotonic() - t1)
+        t2 = time.monotonic()
+        with warnings.catch_warnings():
+            # DevSystem hands its children to ProcessRecords and drops the Popen objects,
+            # whose destructors warn that the (deliberately detached) child still runs; only
+            # that warning is silenced (as tests/e2e/helpers.py does), so `-W error` passes
+            warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
+            system = BenchSystem.up(
+                run_dir,
+                spec(nodes),
+                die_with_parent=True,
+                cluster_settings=cluster_settings(nodes),
+                agent_args=agent_args(nodes),
+            )
+        phases["instaslice_ready_s"] = r3(time.monotonic() - t2)
+    except BaseException:
+        started = DevSystem.attach(run_dir)
+        if started is not None:
+            started.down()
+        else:
+            cp.stop()
+        raise
+    phases["startup_s"] = r3(time.monotonic() - t0)
+    return system, phases
 
 
-async def with_fleet(
-    run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any
-) -> dict[str, Any]:
-    """Bring a fleet up, run `body(fleet, fleet_record)`, always tear it down."""
+def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any) -> dict[str, Any]:
+    """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
+    down. Startup runs on the main thread, so the children die with this process
+    (PR_SET_PDEATHSIG) even if it is killed."""
     log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
-    system, up_s = await asyncio.to_thread(bring_up, run_dir, nodes)
+    system, phases = bring_up(run_dir, nodes)
     cs = cluster_settings(nodes)
     rec: dict[str, Any] = {
         "nodes": nodes,
         "gpus": nodes * GPUS_PER_NODE,
-        "startup_s": r3(up_s),
+        **phases,
         "settings": {
             "kwok_node_lease_s": cs.node_lease_duration_s,
             "kcm_node_monitor_grace_s": cs.node_monitor_grace_s,
             "agent_args": agent_args(nodes),
         },
     }
-    log(f"  up in {up_s:.1f}s")
+    steps = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
+    log(f"  up in {phases['startup_s']:.1f}s ({steps})")
     try:
-        async with await Kube.connect(str(system.kubeconfig)) as kube:
-            tr = Tracker()
-            fleet = Fleet(system, kube, tr)
-            rec["after_startup"] = {
-                k: {"peak_rss_mb": round(mem_mb(p)[1], 1)} for k, p in fleet.pids.items()
-            }
-            await opt_in(kube)
-            informers = [
-                Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
-                Informer(
-                    kube, instaslice_path("sliceallocations", NS), tr.on_alloc, name="bench-allocs"
-                ),
-            ]
-            tasks = [asyncio.create_task(i.run()) for i in informers]
-            try:
-                for i in informers:
-                    await i.synced.wait()
-                rec["idle"] = await idle(fleet, idle_s)
-                log(
-                    f"  idle: agent {rec['idle']['agent']['cpu_share']:.0%} CPU, "
-                    f"allocator {rec['idle']['allocator']['cpu_share']:.0%} CPU"
-                )
-                await body(fleet, rec)
-            finally:
-                # cancel until done: Python 3.11's wait_for (in Kube.watch) can swallow a
-                # cancellation (gh-86296), and a still-running watch leaks its connection
-                while pending := [t for t in tasks if not t.done()]:
-                    for t in pending:
-                        t.cancel()
-                    await asyncio.wait(pending, timeout=1.0)
+        asyncio.run(_session(system, rec, idle_s, body, log))
     finally:
-        await asyncio.to_thread(system.down)
+        system.down()
         log(f"  torn down (load {load()})")
     return rec
+
+
+async def _session(system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any) -> None:
+    async with await Kube.connect(str(system.kubeconfig)) as kube:
+        tr = Tracker()
+        fleet = Fleet(system, kube, tr)
+        rec["after_startup"] = {
+            k: {"peak_rss_mb": round(mem_mb(p)[1], 1)} for k, p in fleet.pids.items()
+        }
+        await opt_in(kube)
+        informers = [
+            Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
+            Informer(
+                kube, instaslice_path("sliceallocations", NS), tr.on_alloc, name="bench-allocs"
+            ),
+        ]
+        tasks = [asyncio.create_task(i.run()) for i in informers]
+        try:
+            for i in informers:
+                await i.synced.wait()
+            rec["idle"] = await idle(fleet, idle_s)
+            log(
+                f"  idle: agent {rec['idle']['agent']['cpu_share']:.0%} CPU, "
+                f"allocator {rec['idle']['allocator']['cpu_share']:.0%} CPU"
+            )
+            await body(fleet, rec)
+        finally:
+            # cancel until done: Python 3.11's wait_for (in Kube.watch) can swallow a
+            # cancellation (gh-86296), and a still-running watch leaks its connection
+            while pending := [t for t in tasks if not t.done()]:
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=1.0)
 
 
 async def idle(fleet: Fleet, seconds: float) -> dict[str, Any]:
@@ -518,28 +565,28 @@ class Bench:
         p = self.plan
         return {"sequential": p.seq_nodes, "burst": p.burst_nodes, "churn": p.churn_nodes}[sc]
 
-    async def run(self) -> dict[str, Any]:
+    def run(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"machine": machine(), "plan": _plan_json(self.plan),
                                "scenarios": {}, "fleets": {}}  # fmt: skip
         simple = [sc for sc in self.scenarios if sc != "scale"]
         if self.plan.shared_fleet and simple:
             # --quick: one fleet (the largest asked for) serves every small scenario
             t0 = time.monotonic()
-            await self._fleet(doc, simple, max(self._simple_nodes(sc) for sc in simple))
+            self._fleet(doc, simple, max(self._simple_nodes(sc) for sc in simple))
             self.log(f"{','.join(simple)}: done in {time.monotonic() - t0:.0f}s")
         else:
             for sc in simple:
                 t0 = time.monotonic()
-                await self._fleet(doc, [sc], self._simple_nodes(sc))
+                self._fleet(doc, [sc], self._simple_nodes(sc))
                 self.log(f"{sc}: done in {time.monotonic() - t0:.0f}s")
         if "scale" in self.scenarios:
             t0 = time.monotonic()
-            await self._scale(doc)
+            self._scale(doc)
             self.log(f"scale: done in {time.monotonic() - t0:.0f}s")
         doc["machine"]["load_at_end"] = load()
         return doc
 
-    async def _fleet(self, doc: Obj, scenarios: list[str], nodes: int) -> None:
+    def _fleet(self, doc: Obj, scenarios: list[str], nodes: int) -> None:
         fns = {"sequential": self._sequential, "burst": self._burst, "churn": self._churn}
 
         async def body(fleet: Fleet, rec: Obj) -> None:
@@ -556,7 +603,7 @@ class Bench:
                             prof.stop()
                     self.log("  " + line(key, res))
 
-        doc["fleets"][str(nodes)] = await with_fleet(
+        doc["fleets"][str(nodes)] = with_fleet(
             self.run_dir, nodes, self.plan.idle_s, body, self.log
         )
 
@@ -570,7 +617,7 @@ class Bench:
         p = self.plan
         return await churn(fleet, p.churn_s, p.churn_rate, p.churn_life_s, cms)
 
-    async def _scale(self, doc: Obj) -> Obj:
+    def _scale(self, doc: Obj) -> Obj:
         p = self.plan
         best: Obj = {}
         for nodes in p.scale_nodes:
@@ -591,7 +638,7 @@ class Bench:
                 doc["scenarios"][key] = out
 
             try:
-                rec = await with_fleet(self.run_dir, nodes, p.idle_s, body, self.log)
+                rec = with_fleet(self.run_dir, nodes, p.idle_s, body, self.log)
             except Exception as exc:  # the largest fleet may not fit: record why, keep going
                 self.log(f"  {key}: FAILED: {exc!r}")
                 doc["scenarios"][key] = {"nodes": nodes, "error": repr(exc)}
@@ -634,6 +681,10 @@ def _plan_json(p: Plan) -> Obj:
     d = dict(p.__dict__)
     d["scale_nodes"] = list(p.scale_nodes)
     return d
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -685,7 +736,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     bench = Bench(plan, args.dir, scenarios, realistic=not args.no_realistic, profile=args.profile)
-    doc = asyncio.run(bench.run())
+    # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
+    # so the fleet is torn down; children die with this process anyway (PDEATHSIG)
+    before = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        doc = bench.run()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
