@@ -286,7 +286,10 @@ class Controller:
             self._wake_reconcile.clear()
             batch, self._dirty = self._dirty, set()
             for uid in sorted(batch):
-                self._reconcile(uid)
+                try:
+                    self._reconcile(uid)
+                except Exception:  # as in the placer: one pod's bug must not stop all pods
+                    log.exception("reconcile failed; retried on the pod's next change", pod_uid=uid)
             self._update_gauges()
             await asyncio.sleep(0)
 
