@@ -52,7 +52,7 @@ from common.placement.search import (
     resources_fit,
 )
 from common.placement.selectors import Mismatch, mismatch
-from common.placement.tables import ModelTables
+from common.placement.tables import GpuState, ModelTables
 from common.quantity import format_bytes, format_cpu_millis
 
 _MAX_LISTED = 4
@@ -132,19 +132,47 @@ class Verdict:
 @lru_cache(maxsize=1 << 12)
 def _models_offer(
     ct: CatalogTables, hw_key: str, demand: Demand, policy: Policy
-) -> tuple[frozenset[str], int]:
-    """Requested profiles the node's models offer, and how many of its GPUs that offer one
-    are unusable. Depends on the node's hardware only (`NodeState.hw_key`), so it is shared
-    by all nodes of a kind."""
+) -> tuple[frozenset[str], int, int]:
+    """Requested profiles the node's models offer, how many of its GPUs that offer one are
+    unusable, and the fewest slots the demand needs there. Depends on the node's hardware
+    only (`NodeState.hw_key`), so it is shared by all nodes of a kind."""
     offered: set[str] = set()
     unusable = 0
+    size: dict[str, int] = {}
     for model, ok in parse_hw_key(hw_key):
         t = ct.tables(model)
         mine = [p for p, _ in demand if _offers(t, p, policy)]
         offered.update(mine)
         if mine and not ok:
             unusable += 1
-    return frozenset(offered), unusable
+        if t is not None:
+            for p, _ in demand:
+                if p in t.profiles:
+                    size[p] = min(size.get(p, t.profiles[p].size), t.profiles[p].size)
+    needed = sum(c * size.get(p, 0) for p, c in demand)
+    return frozenset(offered), unusable, needed
+
+
+@lru_cache(maxsize=1 << 15)
+def _gpu_room(
+    tables: ModelTables, state: GpuState, profile: str, policy: Policy
+) -> tuple[int, int]:
+    """How many more `profile` instances the count and engine limits allow on this GPU, and
+    the slots such an instance could ever use there."""
+    pt = tables.profiles[profile]
+    fits = pt.max_count - state.counts[pt.index]
+    for have, use, limit in zip(state.engines, pt.engines, tables.full_engines, strict=True):
+        if use:
+            fits = min(fits, (limit - have) // use)
+    if fits <= 0:
+        return 0, 0
+    if policy is Policy.STATIC_BALANCED:
+        reach = 0
+        for name, s in tables.layout:
+            if name == profile:
+                reach |= pt.masks[pt.starts.index(s)]
+        return fits, reach
+    return fits, (1 << tables.slots) - 1
 
 
 @lru_cache(maxsize=1 << 14)
@@ -152,7 +180,7 @@ def verdict(
     ct: CatalogTables, node_key: str, hw_key: str, demand: Demand, policy: Policy
 ) -> Verdict:
     info = node_info(ct, node_key)
-    offered, unusable = _models_offer(ct, hw_key, demand, policy)
+    offered, unusable, needed = _models_offer(ct, hw_key, demand, policy)
     gpu_free = []
     models = []
     usable_offered: set[str] = set()
@@ -165,30 +193,12 @@ def verdict(
                 continue
             mine = True
             usable_offered.add(p)
-            pt = u.tables.profiles[p]
-            fits = pt.max_count - u.state.counts[pt.index]
-            limits = zip(u.state.engines, pt.engines, u.tables.full_engines, strict=True)
-            for have, use, limit in limits:
-                if use:
-                    fits = min(fits, (limit - have) // use)
-            if fits <= 0:
-                continue
+            fits, where = _gpu_room(u.tables, u.state, p, policy)
             room[p] += fits
-            if policy is Policy.STATIC_BALANCED:
-                for name, s in u.tables.layout:
-                    if name == p:
-                        reach |= pt.masks[pt.starts.index(s)]
-            else:
-                reach |= (1 << u.tables.slots) - 1
+            reach |= where
         if mine:
             gpu_free.append((u.pos, reach & ~u.state.mask))
             models.append(u.tables.name)
-    needed = 0
-    for p, c in demand:
-        sizes = [
-            t.profiles[p].size for m in set(info.models) if (t := ct.tables(m)) and p in t.profiles
-        ]
-        needed += c * min(sizes, default=0)
     free = sum(bin(m).count("1") for _, m in gpu_free)
     if len(usable_offered) < len(demand):
         klass = NodeClass.UNAVAILABLE
@@ -213,16 +223,7 @@ class _Diagnosis:
         self.snapshot = snapshot
         self.request = request
         self.ctx = ctx
-        self._verdicts: dict[str, Verdict] = {}
         self._offered: dict[str, frozenset[str]] = {}
-
-    def verdict(self, node: NodeState) -> Verdict:
-        key = node.gpu_key
-        v = self._verdicts.get(key)
-        if v is None:
-            v = verdict(self.ctx.ct, key, node.hw_key, self.ctx.demand, self.ctx.policy)
-            self._verdicts[key] = v
-        return v
 
     def offered(self, node: NodeState) -> frozenset[str]:
         """The requested profiles the node's GPU models offer (hardware only: cheap)."""
@@ -263,13 +264,25 @@ class _Diagnosis:
             )
         if not ctx.profiles:
             return self.node_resources(matching)
-        offering = []
+        # The hot loop of a Pending decision: flat, two memoised lookups per node.
+        offering: list[tuple[NodeState, Verdict]] = []
         by_class: dict[int, list[tuple[NodeState, Verdict]]] = {}
+        ct, demand, policy, wanted = ctx.ct, ctx.demand, ctx.policy, len(ctx.profiles)
+        offered_by_hw = self._offered
         for n in matching:
-            if self.offers_all(n):
-                offering.append(n)
-                v = self.verdict(n)
-                by_class.setdefault(v.klass, []).append((n, v))
+            hw = n.hw_key
+            off = offered_by_hw.get(hw)
+            if off is None:
+                off = offered_by_hw[hw] = _models_offer(ct, hw, demand, policy)[0]
+            if len(off) != wanted:
+                continue
+            v = verdict(ct, n.gpu_key, hw, demand, policy)
+            offering.append((n, v))
+            group = by_class.get(v.klass)
+            if group is None:
+                by_class[v.klass] = [(n, v)]
+            else:
+                group.append((n, v))
         if not offering:
             plist = _join(list(ctx.profiles))
             elsewhere = [n for n in nodes if self.offers_all(n)]
@@ -361,7 +374,9 @@ class _Diagnosis:
             f"{shapes}; free slots{pod} are fragmented: {', '.join(listed)}{tail}",
         )
 
-    def full(self, nodes: list[tuple[NodeState, Verdict]], offering: list[NodeState]) -> Pending:
+    def full(
+        self, nodes: list[tuple[NodeState, Verdict]], offering: list[tuple[NodeState, Verdict]]
+    ) -> Pending:
         ctx = self.ctx
         by_model = Counter(chain.from_iterable(v.models for _, v in nodes))
         best_free = max(v.free for _, v in nodes)
@@ -387,12 +402,12 @@ class _Diagnosis:
             f"{head} (at most {best_free} free {slot_word} on a node; needs {need}){note}",
         )
 
-    def unavailable_counts(self, nodes: list[NodeState]) -> tuple[int, int]:
+    def unavailable_counts(self, nodes: list[tuple[NodeState, Verdict]]) -> tuple[int, int]:
         """Unhealthy and MIG-disabled GPUs that offer a requested profile."""
         unhealthy = disabled = 0
         profiles = self.ctx.profiles
-        for n in nodes:
-            if not self.verdict(n).unusable:
+        for n, v in nodes:
+            if not v.unusable:
                 continue
             for g in n.gpus:
                 if g.usable:
@@ -415,13 +430,13 @@ class _Diagnosis:
             parts.append(f"{disabled} {noun}in MIG-disabled mode")
         return ", ".join(parts)
 
-    def unavailable_note(self, nodes: list[NodeState]) -> str:
+    def unavailable_note(self, nodes: list[tuple[NodeState, Verdict]]) -> str:
         unhealthy, disabled = self.unavailable_counts(nodes)
         if not unhealthy and not disabled:
             return ""
         return f"; besides, {self.unavailable_text(unhealthy, disabled)}"
 
-    def unavailable(self, nodes: list[NodeState]) -> Pending:
+    def unavailable(self, nodes: list[tuple[NodeState, Verdict]]) -> Pending:
         unhealthy, disabled = self.unavailable_counts(nodes)
         plist = _join(list(self.ctx.profiles))
         where = _plural(len(nodes), "matching node")
