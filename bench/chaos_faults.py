@@ -189,6 +189,8 @@ class Faults:
             # recovery gave up after its retries; the invariants at the end still judge
             self.skipped.append(f"{kind}: {exc}")
             log.warning("fault not injected", kind=kind, error=str(exc))
+            if self._first_round is not None and not any(r.kind == kind for r in self.records):
+                self._first_round.insert(0, kind)  # every kind still comes up
 
     def finish(self) -> None:
         """End every held fault now (its recovery runs); `run_one` calls still in flight
