@@ -37,7 +37,16 @@ from common.placement.model import (
     Policy,
     Snapshot,
 )
-from common.placement.search import Context, NodeFit, node_bound, node_single
+from common.placement.search import (
+    RANK_SCALE,
+    RANK_TABLE_LIMIT,
+    Context,
+    NodeFit,
+    bound_table,
+    node_bound,
+    node_single,
+    rank_table,
+)
 from common.placement.selectors import mismatch
 from common.placement.tables import COST_SCALE
 
@@ -97,23 +106,42 @@ def _choose(
     best: tuple[NodeState, NodeFit] | None = None
     if ctx.single is not None:
         profile = ctx.single
-        rank = (-1, -1)
+        ranks = rank_table(ct, profile, policy)
+        if len(ranks) > RANK_TABLE_LIMIT:
+            ranks.clear()
+        best_rank = -1
+        best_node: NodeState | None = None
         for node in snapshot.nodes:
             if node.pods_free < 1 or node.cpu_millis_free < cpu or node.memory_bytes_free < mem:
                 continue
             if (filtered or node.taints or node.unschedulable) and mismatch(node, request):
                 continue
-            fit = node_single(ct, node.gpu_key, profile, policy)
-            if fit is not None and (best is None or fit.rank < rank):
-                best, rank = (node, fit), fit.rank
-        return best
+            key = node.gpu_key
+            r = ranks.get(key)
+            if r is None:
+                fit = node_single(ct, key, profile, policy)
+                r = ranks[key] = -1 if fit is None else fit.rank[0] * RANK_SCALE + fit.rank[1]
+            if r >= 0 and (best_node is None or r < best_rank):
+                best_rank, best_node = r, node
+        if best_node is None:
+            return None
+        fit = node_single(ct, best_node.gpu_key, profile, policy)
+        assert fit is not None
+        return best_node, fit
     if not ctx.profiles:
         return next(((node, NodeFit(0, 0, ())) for node in candidates()), None)
     bounded = []
     profiles = ctx.profiles
+    bounds = bound_table(ct, profiles)
+    if len(bounds) > RANK_TABLE_LIMIT:
+        bounds.clear()
     for order, node in enumerate(candidates()):
-        bound = node_bound(ct, node.gpu_key, profiles)
-        if bound is not None:
+        key = node.gpu_key
+        bound = bounds.get(key)
+        if bound is None:
+            found = node_bound(ct, key, profiles)
+            bound = bounds[key] = -1 if found is None else found
+        if bound >= 0:
             bounded.append((bound, order, node))
     heapify(bounded)  # (bound, snapshot order): popped in ascending order
     budget = MULTI_NODE_BUDGET

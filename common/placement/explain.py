@@ -43,6 +43,7 @@ from common.placement.model import (
     parse_hw_key,
 )
 from common.placement.search import (
+    RANK_TABLE_LIMIT,
     CatalogTables,
     Context,
     Demand,
@@ -218,6 +219,13 @@ def verdict(
     return Verdict(offered, klass, free, needed, tuple(gpu_free), tuple(models), unusable)
 
 
+@lru_cache(maxsize=256)
+def _verdict_table(ct: CatalogTables, demand: Demand, policy: Policy) -> dict[str, Verdict]:
+    """Memo of node key -> verdict for one demand: a plain dict probe in the hot loop (the
+    key of a node fixes its hardware too, so hw_key need not be part of it)."""
+    return {}
+
+
 class _Diagnosis:
     def __init__(self, snapshot: Snapshot, request: PodRequest, ctx: Context) -> None:
         self.snapshot = snapshot
@@ -269,6 +277,9 @@ class _Diagnosis:
         by_class: dict[int, list[tuple[NodeState, Verdict]]] = {}
         ct, demand, policy, wanted = ctx.ct, ctx.demand, ctx.policy, len(ctx.profiles)
         offered_by_hw = self._offered
+        verdicts = _verdict_table(ct, demand, policy)
+        if len(verdicts) > RANK_TABLE_LIMIT:
+            verdicts.clear()
         for n in matching:
             hw = n.hw_key
             off = offered_by_hw.get(hw)
@@ -276,7 +287,10 @@ class _Diagnosis:
                 off = offered_by_hw[hw] = _models_offer(ct, hw, demand, policy)[0]
             if len(off) != wanted:
                 continue
-            v = verdict(ct, n.gpu_key, hw, demand, policy)
+            key = n.gpu_key
+            v = verdicts.get(key)
+            if v is None:
+                v = verdicts[key] = verdict(ct, key, hw, demand, policy)
             offering.append((n, v))
             group = by_class.get(v.klass)
             if group is None:

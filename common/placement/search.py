@@ -161,6 +161,26 @@ def node_single(ct: CatalogTables, node_key: str, profile: str, policy: Policy) 
     return best
 
 
+# A node's single-slice rank as one int, cost * RANK_SCALE + node potential (potentials of
+# all GPUs of a node stay far below it), so the hot loop compares plain ints.
+RANK_SCALE = 1 << 24
+RANK_TABLE_LIMIT = 1 << 16
+
+
+@lru_cache(maxsize=256)
+def rank_table(ct: CatalogTables, profile: str, policy: Policy) -> dict[str, int]:
+    """Memo of node key -> single-slice rank (-1: does not fit) for one (profile, policy):
+    a plain dict, so the per-node lookup in `place` is one dictionary probe. The caller
+    fills it from `node_single` and clears it past RANK_TABLE_LIMIT entries."""
+    return {}
+
+
+@lru_cache(maxsize=256)
+def bound_table(ct: CatalogTables, profiles: tuple[str, ...]) -> dict[str, int]:
+    """Memo of node key -> `node_bound` (-1: some profile fits nowhere), like rank_table."""
+    return {}
+
+
 @lru_cache(maxsize=1 << 15)
 def node_bound(ct: CatalogTables, node_key: str, profiles: tuple[str, ...]) -> int | None:
     """A lower bound on the instaslice loss of placing all of `profiles` (and more) on the
