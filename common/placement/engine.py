@@ -71,7 +71,7 @@ def place(
 # A multi-slice pod is scored exactly on the nodes in ascending order of a lower bound on
 # its loss; after the first node that fits, at most this many more are scored (bounded work
 # on a cold cache; the bound usually stops the scan much earlier).
-MULTI_NODE_BUDGET = 8
+MULTI_NODE_BUDGET = 4
 
 
 def _choose(
@@ -135,7 +135,11 @@ def _choose(
     bounds = bound_table(ct, profiles)
     if len(bounds) > RANK_TABLE_LIMIT:
         bounds.clear()
-    for order, node in enumerate(candidates()):
+    for order, node in enumerate(snapshot.nodes):
+        if node.pods_free < 1 or node.cpu_millis_free < cpu or node.memory_bytes_free < mem:
+            continue
+        if (filtered or node.taints or node.unschedulable) and mismatch(node, request):
+            continue
         key = node.gpu_key
         bound = bounds.get(key)
         if bound is None:
