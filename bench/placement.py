@@ -420,6 +420,7 @@ def decision_timing(
     pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
     cpu: list[float] = []
     wall: list[float] = []
+    kinds: dict[str, list[float]] = {"single slice": [], "several slices": [], "pending": []}
     placed = pending = 0
     cold = 0.0
     for i in range(warmup + samples):
@@ -437,8 +438,11 @@ def decision_timing(
             wall.append((w1 - w0) * 1000)
             if isinstance(result, Placement):
                 placed += 1
+                several = sum(x.count for x in ev.request.slices) > 1
+                kinds["several slices" if several else "single slice"].append(cpu[-1])
             else:
                 pending += 1
+                kinds["pending"].append(cpu[-1])
         if isinstance(result, Placement):
             cluster.assume(ev.request, result)
             held.append(ev.request.name)
@@ -454,6 +458,15 @@ def decision_timing(
         "wall_p99": round(_percentile(wall, 0.99), 3),
         "cold_ms": round(cold, 1),
         "clock": "process CPU time (wall_* : wall clock on a shared machine)",
+        "by_kind": {
+            kind: {
+                "count": len(ts),
+                "p50": round(_percentile(ts, 0.5), 3),
+                "p99": round(_percentile(ts, 0.99), 3),
+            }
+            for kind, ts in kinds.items()
+            if ts
+        },
         "samples": samples,
         "warmup": warmup,
         "placed": placed,
@@ -499,6 +512,13 @@ def table(results: dict[str, Any]) -> str:
         f"{100 * d['occupancy']:.0f} %): CPU p50 {d['p50']} ms, p99 {d['p99']} ms, "
         f"max {d['max']} ms; wall p50 {d['wall_p50']} ms, p99 {d['wall_p99']} ms; "
         f"first (cold) decision {d['cold_ms']} ms"
+    )
+    lines.append(
+        "  CPU by kind: "
+        + "; ".join(
+            f"{kind} ({k['count']}): p50 {k['p50']} ms, p99 {k['p99']} ms"
+            for kind, k in d["by_kind"].items()
+        )
     )
     for w in results["baseline_wins"]:
         lines.append(
