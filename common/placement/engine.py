@@ -44,6 +44,7 @@ from common.placement.search import (
     NodeFit,
     bound_table,
     node_bound,
+    node_may_fit,
     node_single,
     rank_table,
 )
@@ -131,8 +132,7 @@ def _choose(
     if not ctx.profiles:
         return next(((node, NodeFit(0, 0, ())) for node in candidates()), None)
     bounded = []
-    profiles = ctx.profiles
-    bounds = bound_table(ct, profiles)
+    bounds = bound_table(ct, ctx.profiles)
     if len(bounds) > RANK_TABLE_LIMIT:
         bounds.clear()
     for order, node in enumerate(snapshot.nodes):
@@ -143,7 +143,7 @@ def _choose(
         key = node.gpu_key
         bound = bounds.get(key)
         if bound is None:
-            found = node_bound(ct, key, profiles)
+            found = node_bound(ct, key, ctx.profiles)
             bound = bounds[key] = -1 if found is None else found
         if bound >= 0:
             bounded.append((bound, order, node))
@@ -153,6 +153,8 @@ def _choose(
         bound, _, node = heappop(bounded)
         if best is not None and (bound * COST_SCALE > best[1].cost or budget <= 0):
             break
+        if not node_may_fit(ct, node.gpu_key, ctx.demand):
+            continue
         fit = ctx.node_fit(node)
         if fit is None:
             continue

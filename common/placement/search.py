@@ -195,6 +195,29 @@ def node_bound(ct: CatalogTables, node_key: str, profiles: tuple[str, ...]) -> i
     return bound
 
 
+@lru_cache(maxsize=1 << 15)
+def node_may_fit(ct: CatalogTables, node_key: str, demand: Demand) -> bool:
+    """A quick necessary condition for the demand on the node: its GPUs can hold `count`
+    instances of each profile (each profile on its own) and the free slots add up. Checked
+    before the exact split, which then runs only where it may succeed."""
+    info = node_info(ct, node_key)
+    need = 0
+    for p, count in demand:
+        room = 0
+        size = 0
+        for u in info.gpus:
+            t = u.tables.profiles.get(p)
+            if t is None or not u.addable >> t.index & 1:
+                continue
+            free = sum(1 for m in t.masks if not u.state.mask & m)
+            room += min(free, t.max_count - u.state.counts[t.index])
+            size = t.size if not size else min(size, t.size)
+        if room < count:
+            return False
+        need += count * size
+    return need <= sum(u.free for u in info.gpus)
+
+
 @lru_cache(maxsize=1 << 13)
 def node_multi(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy) -> NodeFit | None:
     """The policy's way to host several slices on the node, or None."""
