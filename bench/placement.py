@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from common.catalog import GpuModel, load_catalog
-from common.placement.engine import place
+from common.placement.engine import clear_caches, place
 from common.placement.model import PendingReason, PlacedSlice, Placement, PodRequest, Policy
 from common.placement.optimum import Objective, optimum
 from common.placement.replay import AddEvent, Cluster, Trace, parse_trace
@@ -416,6 +416,7 @@ def decision_timing(
     (the very first one is reported as `cold_ms`). Times are process CPU time (what the
     decision costs, whatever else the machine runs) and wall time."""
     rng = random.Random(seed)
+    clear_caches()  # as a fresh allocator process serving this one cluster
     cluster, held = timing_cluster(rng, nodes, gpus)
     pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
     cpu: list[float] = []

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from heapq import heapify, heappop
 
 from common.catalog import Catalog
+from common.placement import explain as explain_module
+from common.placement import search
 from common.placement.explain import explain
 from common.placement.model import (
     NodeState,
@@ -39,19 +41,25 @@ from common.placement.model import (
 )
 from common.placement.search import (
     RANK_SCALE,
-    RANK_TABLE_LIMIT,
     Context,
     NodeFit,
     bound_table,
     node_bound,
     node_may_fit,
     node_single,
+    prune,
     rank_table,
 )
 from common.placement.selectors import mismatch
 from common.placement.tables import COST_SCALE
 
-__all__ = ["Policy", "place"]
+__all__ = ["Policy", "clear_caches", "place"]
+
+
+def clear_caches() -> None:
+    """Forget every memoised answer, as a fresh process would (benchmarks, tests)."""
+    search.clear_caches()
+    explain_module.clear_caches()
 
 
 def place(
@@ -108,8 +116,7 @@ def _choose(
     if ctx.single is not None:
         profile = ctx.single
         ranks = rank_table(ct, profile, policy)
-        if len(ranks) > RANK_TABLE_LIMIT:
-            ranks.clear()
+        prune(ranks, snapshot.nodes)
         best_rank = -1
         best_node: NodeState | None = None
         for node in snapshot.nodes:
@@ -133,8 +140,7 @@ def _choose(
         return next(((node, NodeFit(0, 0, ())) for node in candidates()), None)
     bounded = []
     bounds = bound_table(ct, ctx.profiles)
-    if len(bounds) > RANK_TABLE_LIMIT:
-        bounds.clear()
+    prune(bounds, snapshot.nodes)
     for order, node in enumerate(snapshot.nodes):
         if node.pods_free < 1 or node.cpu_millis_free < cpu or node.memory_bytes_free < mem:
             continue

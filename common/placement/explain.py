@@ -43,13 +43,13 @@ from common.placement.model import (
     parse_hw_key,
 )
 from common.placement.search import (
-    RANK_TABLE_LIMIT,
     CatalogTables,
     Context,
     Demand,
     node_info,
     node_multi,
     node_single,
+    prune,
     resources_fit,
 )
 from common.placement.selectors import Mismatch, mismatch
@@ -226,6 +226,11 @@ def _verdict_table(ct: CatalogTables, demand: Demand, policy: Policy) -> dict[st
     return {}
 
 
+def clear_caches() -> None:
+    for f in (_models_offer, _gpu_room, verdict, _verdict_table):
+        f.cache_clear()
+
+
 class _Diagnosis:
     def __init__(self, snapshot: Snapshot, request: PodRequest, ctx: Context) -> None:
         self.snapshot = snapshot
@@ -278,8 +283,7 @@ class _Diagnosis:
         ct, demand, policy, wanted = ctx.ct, ctx.demand, ctx.policy, len(ctx.profiles)
         offered_by_hw = self._offered
         verdicts = _verdict_table(ct, demand, policy)
-        if len(verdicts) > RANK_TABLE_LIMIT:
-            verdicts.clear()
+        prune(verdicts, self.snapshot.nodes)
         for n in matching:
             hw = n.hw_key
             off = offered_by_hw.get(hw)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import product
+from typing import Any
 
 from common.catalog import Catalog, load_catalog
 from common.placement.model import NodeState, PodRequest, Policy, parse_node_key
@@ -164,14 +165,46 @@ def node_single(ct: CatalogTables, node_key: str, profile: str, policy: Policy) 
 # A node's single-slice rank as one int, cost * RANK_SCALE + node potential (potentials of
 # all GPUs of a node stay far below it), so the hot loop compares plain ints.
 RANK_SCALE = 1 << 24
-RANK_TABLE_LIMIT = 1 << 16
+RANK_TABLE_LIMIT = 1 << 15
+
+
+def prune(table: dict[str, Any], nodes: tuple[NodeState, ...]) -> None:
+    """Keep a memo table bounded: past RANK_TABLE_LIMIT entries, drop those of node states
+    no longer in the snapshot (once in thousands of decisions; the live ones stay warm)."""
+    if len(table) <= RANK_TABLE_LIMIT:
+        return
+    live = {n.gpu_key for n in nodes}
+    for key in [k for k in table if k not in live]:
+        del table[key]
+    if len(table) > RANK_TABLE_LIMIT:  # a snapshot bigger than the limit: start over
+        table.clear()
+
+
+def clear_caches() -> None:
+    """Forget every memoised answer (a fresh process). For benchmarks and tests."""
+    for f in (
+        node_info,
+        node_single,
+        node_bound,
+        node_may_fit,
+        node_multi,
+        gpu_options,
+        rank_table,
+        bound_table,
+        _builtin_tables,
+        _custom_tables,
+        gpu_fit,
+        single_table,
+        model_tables,
+    ):
+        f.cache_clear()
 
 
 @lru_cache(maxsize=256)
 def rank_table(ct: CatalogTables, profile: str, policy: Policy) -> dict[str, int]:
     """Memo of node key -> single-slice rank (-1: does not fit) for one (profile, policy):
     a plain dict, so the per-node lookup in `place` is one dictionary probe. The caller
-    fills it from `node_single` and clears it past RANK_TABLE_LIMIT entries."""
+    fills it from `node_single` and prunes it with `prune`."""
     return {}
 
 
