@@ -199,7 +199,12 @@ class Lifecycle:
             and rec.boot_id == self.st.boot_id
             and all(s.done for s in rec.slices)
         ):
-            # made already (a stale event, or a crash before the Ready write): say so again
+            if uid in self._announced:
+                # this process wrote Ready already; the event is our own Creating write
+                # arriving late (its watch event trails the Ready response), not news.
+                # Writing Ready again cost one status patch per allocation (docs/benchmarks.md)
+                return
+            # made already (a crash before the Ready write): say so again
             await self.ready(alloc, rec, t0)
             return
         fresh = plan(alloc, self.st.inv, self.st.health)
