@@ -54,6 +54,8 @@ class Profiler:
                 proc.wait()
             if path.exists():
                 done.append(path)
+                top_file = path.with_name(path.name.removesuffix(".txt") + ".top.txt")
+                top_file.write_text(summary(path))
         self.running = []
         return done
 
@@ -98,15 +100,22 @@ def _short(frame: str) -> str:
     return f"{fn} ({'/'.join(parts[-2:])})"
 
 
+def summary(path: Path, n: int = 20) -> str:
+    """The top functions by inclusive and by self samples, as text."""
+    lines = []
+    for by in ("incl", "self"):
+        total, rows = top(path, n, by)
+        lines.append(f"== {path.name}: {total} samples, by {by}")
+        for f, i, e in rows:
+            pi, pe = 100 * i / max(1, total), 100 * e / max(1, total)
+            lines.append(f"  {pi:5.1f}% incl {pe:5.1f}% self  {f}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.latency_profile FILE...`: print the top functions of each file."""
     for name in argv if argv is not None else sys.argv[1:]:
-        for by in ("incl", "self"):
-            total, rows = top(Path(name), 20, by)
-            print(f"== {name}: {total} samples, by {by}")
-            for f, i, e in rows:
-                pi, pe = 100 * i / max(1, total), 100 * e / max(1, total)
-                print(f"  {pi:5.1f}% incl {pe:5.1f}% self  {f}")
+        print(summary(Path(name)), end="")
     return 0
 
 

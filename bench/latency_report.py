@@ -131,11 +131,81 @@ def _peak(doc: Obj, nodes: int, proc: str) -> float:
     return best
 
 
+def _f(x: Any, fmt: str = ".2f") -> str:
+    if isinstance(x, (int, float)) and math.isfinite(x):
+        return format(x, fmt)
+    return "-"
+
+
+def table(doc: Obj) -> str:
+    """The numbers as Markdown: one row per scenario, then one per fleet."""
+    rows = [
+        "| scenario | nodes | pods | NVML create ms | ungate p50 s | ungate p99 s "
+        "| Running p50 s | Running p99 s | all ungated s | pods/s | API writes/pod "
+        "| system CPU s/pod | cores obtained | load start → end |",
+        "|" + "---|" * 14,
+    ]
+    order = sorted(doc["scenarios"], key=_scenario_order)
+    for key in order:
+        sc = doc["scenarios"][key]
+        parts = [(key, sc)] if "probe" not in sc else [
+            (f"{key} probe", sc["probe"]), (f"{key} burst", sc["burst"])
+        ]  # fmt: skip
+        if key == "scale":
+            continue  # the summary of the largest scale-N; its rows are listed already
+        for name, r in parts:
+            if "error" in r:
+                rows.append(f"| {name} | {r.get('nodes')} | failed: {r['error'][:80]} |")
+                continue
+            api = r.get("api", {})
+            load = f"{_f(r.get('load_start', [None])[0], '.1f')} → "
+            load += _f(r.get("load_end", [None])[0], ".1f")
+            rows.append(
+                f"| {name} | {r['nodes']} | {r['pods']} | {r['emulated_create_ms']} "
+                f"| {_f(r.get('ungate_p50_s'))} | {_f(r.get('ungate_p99_s'))} "
+                f"| {_f(r.get('running_p50_s'))} | {_f(r.get('running_p99_s'))} "
+                f"| {_f(r.get('all_ungated_s'), '.1f')} | {_f(r.get('pods_per_s'), '.1f')} "
+                f"| {_f(api.get('writes_per_pod'), '.1f')} "
+                f"| {_f(r.get('system_cpu_s_per_pod'), '.3f')} "
+                f"| {_f(r.get('system_cores_used'))} | {load} |"
+            )
+    rows += [
+        "",
+        "| fleet (nodes x 8 GPUs) | startup s (control plane / nodes Ready / InstaSlice) "
+        "| idle CPU % agent | idle CPU % allocator | idle CPU % apiserver "
+        "| peak RSS MiB agent | peak RSS MiB allocator |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in sorted(doc.get("fleets", {}).values(), key=lambda f: f["nodes"]):
+        idle = f.get("idle", {})
+        phases = " / ".join(
+            _f(f.get(k), ".0f") for k in ("control_plane_s", "nodes_ready_s", "instaslice_ready_s")
+        )
+        rows.append(
+            f"| {f['nodes']} | {_f(f.get('startup_s'), '.0f')} ({phases}) "
+            f"| {_f(100 * idle.get('agent', {}).get('cpu_share', math.nan), '.1f')} "
+            f"| {_f(100 * idle.get('allocator', {}).get('cpu_share', math.nan), '.1f')} "
+            f"| {_f(100 * idle.get('kube-apiserver', {}).get('cpu_share', math.nan), '.1f')} "
+            f"| {_f(_peak(doc, f['nodes'], 'agent'), '.0f')} "
+            f"| {_f(_peak(doc, f['nodes'], 'allocator'), '.0f')} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _scenario_order(key: str) -> tuple[int, str]:
+    base = key.split("-")[0]
+    rank = {"sequential": 0, "burst": 1, "churn": 2, "scale": 3}.get(base, 9)
+    return rank, key
+
+
 def plots(doc: Obj, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "latency-table.md"
+    md.write_text(table(doc))
     return [
         latency_cdf(doc, out_dir / "latency-cdf.png"),
         fleet_cost(doc, out_dir / "fleet-cost.png"),
+        md,
     ]
 
 

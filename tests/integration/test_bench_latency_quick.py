@@ -56,6 +56,10 @@ def test_quick_run_writes_json_with_every_pod_ungated(tmp_path: Path) -> None:
     fleets = doc["fleets"]
     assert list(fleets) == [str(max(plan.seq_nodes, plan.burst_nodes))]
     assert "idle" in next(iter(fleets.values()))
-    assert {p.name for p in plots.iterdir()} == {"latency-cdf.png", "fleet-cost.png"}
+    assert {p.name for p in plots.iterdir()} == {
+        "latency-cdf.png",
+        "fleet-cost.png",
+        "latency-table.md",
+    }
     # torn down: nothing of the system is left running
     assert DevSystem.attach(run_dir) is None
