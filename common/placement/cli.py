@@ -5,13 +5,15 @@ engine under the chosen policy and prints, per event,
 `{"op": "add", "pod": …, "placed": true, "node": …, "slices": [{container, profile, gpu,
 start, size}]}`, `{"op": "add", "pod": …, "placed": false, "reason": <sentence>, "code":
 <PendingReason>}` or `{"op": "remove", "pod": …, "removed": true|false}`. Exit status 0 on a
-replayed trace, 2 on an unreadable or malformed one (message on stderr).
+replayed trace, 2 on an unreadable or malformed one (message on stderr), 1 when the reader
+of stdout goes away.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,10 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ev in trace.events:
             result = cluster.add(ev.request) if isinstance(ev, AddEvent) else cluster.remove(ev.pod)
             print(json.dumps(result_line(ev, result), separators=(", ", ": ")), flush=False)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as the docs of `signal` advise.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (OSError, json.JSONDecodeError, TraceError) as e:
         print(f"instaslice-place: {e}", file=sys.stderr)
         return 2
-    sys.stdout.flush()
     return 0
 
 
