@@ -197,6 +197,13 @@ def _event(raw: Any, i: int) -> Event:
 
 def parse_trace(doc: Any) -> Trace:
     """A `Trace` from decoded JSON; raises TraceError naming the first bad field."""
+    try:
+        return _parse_trace(doc)
+    except (AttributeError, TypeError, KeyError) as e:  # a value of the wrong JSON type
+        raise TraceError(f"malformed trace: {e}") from None
+
+
+def _parse_trace(doc: Any) -> Trace:
     nodes_raw = _field(doc, "nodes", "trace")
     events_raw = _field(doc, "events", "trace")
     if not isinstance(nodes_raw, list) or not isinstance(events_raw, list):
