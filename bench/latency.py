@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -307,13 +308,25 @@ async def _nodes_ready(kubeconfig: Path, nodes: int) -> None:
         await wait_nodes_ready(api, names, timeout_s=max(180.0, 0.5 * nodes))
 
 
+def _leftovers(run_dir: Path) -> None:
+    """Stop whatever an interrupted run left in `run_dir` (its control plane may be dead,
+    which DevSystem.down does not expect), then remove the directory."""
+    old = DevSystem.attach(run_dir)
+    if old is not None:
+        for name in list(old.processes):
+            with contextlib.suppress(Exception):
+                old.stop(name)
+    cp = ControlPlane.attach(run_dir.absolute() / "cluster", require_alive=False)
+    if cp is not None:
+        with contextlib.suppress(Exception):
+            cp.stop()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
     """Control plane, then the KWOK nodes (Ready, untainted), then InstaSlice (DevSystem.up
     attaches to the running control plane); seconds per phase."""
-    old = DevSystem.attach(run_dir)
-    if old is not None:
-        old.down()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    _leftovers(run_dir)
     phases: dict[str, float] = {}
     t0 = time.monotonic()
     cp = ControlPlane.start(

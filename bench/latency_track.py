@@ -154,11 +154,11 @@ def r3(x: float) -> float:
     return round(x, 3) if math.isfinite(x) else x
 
 
-def summary(tr: Tracker, names: list[str]) -> dict[str, float]:
+def summary(tr: Tracker, names: list[str]) -> dict[str, Any]:
     """p50/p99 of each step for `names`; the breakdown medians explain where time goes."""
     ung = tr.durations(names, "ungated")
     run = tr.durations(names, "running")
-    out = {
+    out: dict[str, Any] = {
         "ungated": len(ung),
         "ungate_p50_s": r3(pct(ung, 0.5)),
         "ungate_p99_s": r3(pct(ung, 0.99)),
@@ -166,6 +166,10 @@ def summary(tr: Tracker, names: list[str]) -> dict[str, float]:
         "running_p50_s": r3(pct(run, 0.5)),
         "running_p99_s": r3(pct(run, 0.99)),
     }
+    per_node: Counter[str] = Counter(tr.pods[n].node for n in names if tr.pods[n].node)
+    if per_node:  # placement packs: pods per node bound a node's serialized NVML work
+        out["nodes_used"] = len(per_node)
+        out["max_pods_per_node"] = max(per_node.values())
     steps = {
         "admit": ("sent", "admitted"),
         "place": ("admitted", "allocated"),
