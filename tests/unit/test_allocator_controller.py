@@ -429,3 +429,37 @@ async def test_a_failed_term_hands_the_lease_back_and_stands_again() -> None:
     assert (c.terms, elector.acquired) == (2, 2)
     await cancel_until_done([task])
     assert elector.released == 2  # and once more on the way out
+
+
+# --- state gauges ----------------------------------------------------------------------------
+
+
+async def test_state_gauges_are_read_from_the_model_when_scraped_and_only_by_the_leader() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    reg = c.metrics.registry
+    await node(c, "n1", gpus=2)
+    pod = make_pod("p", uid="p")
+    await c._on_allocation(
+        "ADDED", make_allocation(pod, "n1", [("main", "3g.40gb", 0, 4, 4)], phase=Phase.READY)
+    )
+    used = "instaslice_gpu_slots_used"
+    assert reg.get_sample_value(used, {"node": "n1", "gpu": "0", "model": "H100-80GB"}) is None
+    c.metrics.state_gauges.source = c._gauge_view  # what lead() installs
+    assert reg.get_sample_value(used, {"node": "n1", "gpu": "0", "model": "H100-80GB"}) == 4
+    assert reg.get_sample_value(used, {"node": "n1", "gpu": "1", "model": "H100-80GB"}) == 0
+    assert (
+        reg.get_sample_value(
+            "instaslice_gpu_slots", {"node": "n1", "gpu": "1", "model": "H100-80GB"}
+        )
+        == 8
+    )
+    slices = {"profile": "3g.40gb", "model": "H100-80GB"}
+    assert reg.get_sample_value("instaslice_slices", slices) == 1
+    assert reg.get_sample_value("instaslice_pending_pods", {"reason": "Full"}) == 0
+    assert reg.get_sample_value("instaslice_allocator_queue_depth") == 0
+    await c._on_allocation("DELETED", make_allocation(pod, "n1", [("main", "3g.40gb", 0, 4, 4)]))
+    assert reg.get_sample_value(used, {"node": "n1", "gpu": "0", "model": "H100-80GB"}) == 0
+    assert reg.get_sample_value("instaslice_slices", slices) is None
+    c.step_down()
+    assert reg.get_sample_value("instaslice_allocator_queue_depth") is None

@@ -72,3 +72,20 @@ async def test_non_json_answer_is_an_api_error(kube_for) -> None:
     with pytest.raises(ApiError) as exc:
         await kube.get("/api/v1/pods")
     assert exc.value.status == 502 and exc.value.retryable
+
+
+async def test_a_netrc_entry_for_the_api_server_is_ignored(
+    kube_for, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials come from the kubeconfig only. With aiohttp's trust_env (the library's
+    default) a ~/.netrc entry for the API server's host was looked up in a worker thread
+    before every request and, next to the kubeconfig's bearer token, made every request fail
+    with "Cannot combine AUTHORIZATION header with AUTH argument"."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    body = b'{"kind": "PodList", "items": []}'
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    kube = await kube_for(head.encode() + b"\r\n\r\n" + body)
+    assert await kube.get("/api/v1/pods") == {"kind": "PodList", "items": []}

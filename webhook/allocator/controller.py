@@ -43,7 +43,7 @@ from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
 from webhook.allocator.clock import Clock, cancel_until_done, parse_time, wait_or_sleep
 from webhook.allocator.leader import LeaderElector, NotLeader
-from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
 from webhook.allocator.state import SUMMARY_ANNOTATION, AllocView, ClusterState, PodView
 from webhook.allocator.writes import Writes
@@ -206,6 +206,7 @@ class Controller:
         self._dirty.update(a.pod_uid for a in self.state.allocations.values())
         self._wake_reconcile.set()
         self.metrics.leader.set(1)
+        self.metrics.state_gauges.source = self._gauge_view
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -225,6 +226,7 @@ class Controller:
         self.parked.clear()
         self.state.drop_assumed(keep=self._inflight)
         self.metrics.leader.set(0)
+        self.metrics.state_gauges.source = lambda: None
 
     async def _merge_allocations(self) -> None:
         """Add allocations a previous leader may have written that our watch has not shown
@@ -290,7 +292,6 @@ class Controller:
                     self._reconcile(uid)
                 except Exception:  # as in the placer: one pod's bug must not stop all pods
                     log.exception("reconcile failed; retried on the pod's next change", pod_uid=uid)
-            self._update_gauges()
             await asyncio.sleep(0)
 
     def _reconcile(self, uid: str) -> None:
@@ -380,10 +381,9 @@ class Controller:
         self.ungate_start.pop(uid, None)
         self._backoff.pop(uid, None)
 
-    def _update_gauges(self) -> None:
-        self.metrics.publish(
-            self.state, len(self.queue) + len(self.parked), self.pending.counts(), self.catalog
-        )
+    def _gauge_view(self) -> GaugeView:
+        depth = len(self.queue) + len(self.parked)
+        return GaugeView(self.state, depth, self.pending.counts(), self.catalog)
 
     # --- the placer ---------------------------------------------------------------------
 
@@ -400,9 +400,6 @@ class Controller:
                     if pod is not None:
                         self._park(pod, INTERNAL_ERROR, "placement failed inside the allocator")
                 await asyncio.sleep(0)  # let watch events and writes progress between pods
-            # once per drained queue, not per pod: publishing walks every GPU of the fleet
-            # (23% of the allocator's CPU in a 1000-pod burst on 100 nodes, docs/benchmarks.md)
-            self._update_gauges()
 
     def _decide(self, uid: str) -> None:
         pod = self.state.pods.get(uid)

@@ -18,16 +18,25 @@ Names follow docs/metrics.md:
 - `instaslice_gpu_slots_used{node, gpu, model}` / `instaslice_gpu_slots{...}` (gauges):
   occupied and total memory slots per GPU (occupied includes foreign instances).
 - `instaslice_allocator_leader` (gauge): 1 on the replica that holds the Lease.
+
+The gauges computed from the allocator's model (queue depth, pending pods, slices, GPU slots)
+are read from it when Prometheus scrapes (`StateCollector`), not refreshed on every change:
+keeping per-GPU series current on every decision walked the fleet and cost 12 % of the
+allocator's CPU in a 1000-pod burst (docs/benchmarks.md). Only the leader exports them: a
+standby's cache would double-count.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from common.catalog import Catalog
 from common.placement import PendingReason
@@ -39,6 +48,77 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0
 OUTCOMES = ("allocated", "pending", "failed", "released", "pinned_unschedulable", "error")
 
 
+@dataclass(frozen=True)
+class GaugeView:
+    """What the state gauges are computed from, at scrape time."""
+
+    state: ClusterState
+    queue_depth: int
+    pending: Mapping[str, int]
+    catalog: Catalog
+
+
+class StateCollector(Collector):
+    """The gauges derived from the allocator's model, computed when scraped. `source`
+    returns None while this replica does not lead (then only the names are exported)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], GaugeView | None] = lambda: None
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        queue, pending, slices, used, total = families = self._families()
+        view = self.source()
+        if view is None:
+            return iter(families)
+        queue.add_metric([], view.queue_depth)
+        for reason in sorted({r.value for r in PendingReason} | set(view.pending)):
+            pending.add_metric([reason], view.pending.get(reason, 0))
+        models: dict[str, str] = {}
+        for node in view.state.snapshot().nodes:
+            for gpu in view.state.gpus.get(node.name, ()):
+                models[gpu.uuid] = gpu.model
+            for g in node.gpus:
+                labels = [node.name, str(g.index), g.model]
+                used.add_metric(labels, g.mask.bit_count())
+                total.add_metric(labels, _slots(view.catalog, g.model))
+        by_profile: Counter[tuple[str, str]] = Counter()
+        for (profile, _, gpu_uuid), n in view.state.slice_counts.items():
+            by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
+        for (profile, model), n in sorted(by_profile.items()):
+            if n:
+                slices.add_metric([profile, model], n)
+        return iter(families)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        gpu = ["node", "gpu", "model"]
+        return (
+            GaugeMetricFamily(
+                "instaslice_allocator_queue_depth",
+                "Gated pods waiting for a placement decision (queued or pending)",
+            ),
+            GaugeMetricFamily(
+                "instaslice_pending_pods",
+                "Gated pods that cannot be placed now, by reason",
+                labels=["reason"],
+            ),
+            GaugeMetricFamily(
+                "instaslice_slices",
+                "MIG slices held by live SliceAllocations",
+                labels=["profile", "model"],
+            ),
+            GaugeMetricFamily(
+                "instaslice_gpu_slots_used",
+                "Occupied memory slots of one GPU (InstaSlice's slices and foreign instances)",
+                labels=gpu,
+            ),
+            GaugeMetricFamily("instaslice_gpu_slots", "Memory slots of one GPU", labels=gpu),
+        )
+
+
 class AllocatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -48,39 +128,10 @@ class AllocatorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.queue_depth = Gauge(
-            "instaslice_allocator_queue_depth",
-            "Gated pods waiting for a placement decision (queued or pending)",
-            registry=self.registry,
-        )
         self.allocations = PromCounter(
             "instaslice_allocations",
             "Placement decisions and releases, by outcome",
             ["outcome"],
-            registry=self.registry,
-        )
-        self.pending = Gauge(
-            "instaslice_pending_pods",
-            "Gated pods that cannot be placed now, by reason",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.slices = Gauge(
-            "instaslice_slices",
-            "MIG slices held by live SliceAllocations",
-            ["profile", "model"],
-            registry=self.registry,
-        )
-        self.gpu_slots_used = Gauge(
-            "instaslice_gpu_slots_used",
-            "Occupied memory slots of one GPU (InstaSlice's slices and foreign instances)",
-            ["node", "gpu", "model"],
-            registry=self.registry,
-        )
-        self.gpu_slots = Gauge(
-            "instaslice_gpu_slots",
-            "Memory slots of one GPU",
-            ["node", "gpu", "model"],
             registry=self.registry,
         )
         self.leader = Gauge(
@@ -90,11 +141,8 @@ class AllocatorMetrics:
         )
         for outcome in OUTCOMES:  # export zeros, so rate() works from the start
             self.allocations.labels(outcome=outcome)
-        for reason in PendingReason:
-            self.pending.labels(reason=reason.value).set(0)
-        self._pending_reasons = {r.value for r in PendingReason}
-        self._slice_keys: set[tuple[str, str]] = set()
-        self._gpu_labels: dict[str, set[tuple[str, str]]] = {}  # node -> {(gpu, model)}
+        self.state_gauges = StateCollector()
+        self.registry.register(self.state_gauges)
 
     def outcome(self, outcome: str) -> None:
         self.allocations.labels(outcome=outcome).inc()
@@ -103,58 +151,6 @@ class AllocatorMetrics:
         """The current value of one outcome counter (for tests and logs)."""
         value = self.registry.get_sample_value("instaslice_allocations_total", {"outcome": outcome})
         return value or 0.0
-
-    def set_pending(self, by_reason: Mapping[str, int]) -> None:
-        for reason in self._pending_reasons | set(by_reason):
-            self.pending.labels(reason=reason).set(by_reason.get(reason, 0))
-        self._pending_reasons |= set(by_reason)
-
-    def set_slices(self, by_profile_model: Mapping[tuple[str, str], int]) -> None:
-        for profile, model in self._slice_keys - set(by_profile_model):
-            self.slices.remove(profile, model)
-        for (profile, model), n in by_profile_model.items():
-            self.slices.labels(profile=profile, model=model).set(n)
-        self._slice_keys = set(by_profile_model)
-
-    def set_node_gpus(self, node: str, gpus: Iterable[tuple[int, str, int, int]]) -> None:
-        """One node's GPUs as (index, model, used slots, total slots); empty drops the node."""
-        fresh = {(str(i), m): (used, total) for i, m, used, total in gpus}
-        for gpu, model in self._gpu_labels.get(node, set()) - set(fresh):
-            self.gpu_slots_used.remove(node, gpu, model)
-            self.gpu_slots.remove(node, gpu, model)
-        for (gpu, model), (used, total) in fresh.items():
-            self.gpu_slots_used.labels(node=node, gpu=gpu, model=model).set(used)
-            self.gpu_slots.labels(node=node, gpu=gpu, model=model).set(total)
-        if fresh:
-            self._gpu_labels[node] = set(fresh)
-        else:
-            self._gpu_labels.pop(node, None)
-
-    def publish(
-        self,
-        state: ClusterState,
-        queue_depth: int,
-        pending: Mapping[str, int],
-        catalog: Catalog,
-    ) -> None:
-        """Refresh the gauges from the model; per-GPU series only for nodes that changed."""
-        self.queue_depth.set(queue_depth)
-        self.set_pending(pending)
-        changed = state.take_changed_nodes()
-        if not changed:
-            return
-        for name in changed:
-            node = state.node_state(name)
-            gpus = node.gpus if node is not None else ()
-            self.set_node_gpus(
-                name,
-                [(g.index, g.model, g.mask.bit_count(), _slots(catalog, g.model)) for g in gpus],
-            )
-        models = {g.uuid: g.model for gpus in state.gpus.values() for g in gpus}
-        by_profile: Counter[tuple[str, str]] = Counter()
-        for (profile, _, gpu_uuid), n in state.slice_counts.items():
-            by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
-        self.set_slices(by_profile)
 
 
 def _slots(catalog: Catalog, model: str) -> int:

@@ -234,10 +234,8 @@ class ClusterState:
         self._nodes_sorted: tuple[NodeState, ...] = ()
         self._dirty: set[str] = set()
         self.epoch = 0
-        # For metrics: slices of watched allocations by (profile, node, gpu uuid), and the
-        # nodes whose snapshot state was rebuilt since the last `take_changed_nodes`.
+        # For metrics: slices of watched allocations by (profile, node, gpu uuid).
         self.slice_counts: Counter[tuple[str, str, str]] = Counter()
-        self._changed: set[str] = set()
 
     # --- pods ---------------------------------------------------------------------------
 
@@ -478,16 +476,6 @@ class ClusterState:
             ),
         )
 
-    def take_changed_nodes(self) -> set[str]:
-        """Nodes whose snapshot state changed since the last call (refreshes the cache)."""
-        self.snapshot()
-        changed, self._changed = self._changed, set()
-        return changed
-
-    def node_state(self, name: str) -> NodeState | None:
-        """The cached snapshot state of one node (call after `snapshot`)."""
-        return self._node_cache.get(name)
-
     def snapshot(
         self,
         *,
@@ -500,7 +488,6 @@ class ClusterState:
         `name_label`: add FIELD_NAME_LABEL=<node> to each node (pods with matchFields).
         """
         if self._dirty:
-            self._changed |= self._dirty
             for name in self._dirty:
                 state = self._node_state(name)
                 if state is None:
