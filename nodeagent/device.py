@@ -1,13 +1,16 @@
 """One node's GPUs for asyncio code: NVML off the event loop, health events pushed in.
 
-`NodeGpus` owns the node's `NvmlSession`; every NVML call of the node runs off the loop, one
-at a time and in order (calls on one device stay serialized; different nodes of one process
-run in parallel). A real node has its own single-thread executor. A process serving many
-emulated nodes passes one shared, bounded pool instead: a thread per node (1000 of them)
-spent their time fighting over the GIL (load average in the hundreds, no node started in
-minutes; docs/benchmarks.md), so there the order per node is kept by chaining each call
-after the node's previous one, which a cancelled caller cannot break. `HealthHub` waits in
-nvmlEventSetWait on its own thread and hands each event to the loop with
+`NodeGpus` owns the node's `NvmlSession` and runs every NVML call off the loop. Calls on one
+GPU (`call_gpu`) run one at a time and in order; calls on different GPUs run in parallel, as
+NVML allows (it is thread-safe): with the node's slices made one at a time, a node holding 56
+pods at 600 ms per slice spent 34 s on a burst that eight GPUs in parallel finish in 4
+(docs/benchmarks.md). A whole-node call (`call`: inventory, open, close) runs alone. The
+order holds even when a caller is cancelled: its call may still be running in its thread,
+and the next call on that GPU waits for it. A real node has its own executor (a thread per
+GPU at most). A process serving many emulated nodes passes one shared, bounded pool
+instead: a thread per node (1000 of them) spent their time fighting over the GIL (load
+average in the hundreds, no node started in minutes; docs/benchmarks.md). `HealthHub`
+waits in nvmlEventSetWait on its own thread and hands each event to the loop with
 `call_soon_threadsafe`; health is event-driven, the timeout only bounds how long shutdown
 waits. `HealthHub` is that thread, shared by every node of the process.
 """
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,10 +36,12 @@ from nodeagent.nvml import EventWatcher, NvmlModule, NvmlSession
 P = ParamSpec("P")
 T = TypeVar("T")
 log = structlog.get_logger("device")
+OWN_POOL_THREADS = 8  # a node's own executor: one thread per GPU of an 8-GPU node
 
 
 class NodeGpus:
-    """`async with NodeGpus(nv, catalog, node) as gpus: await gpus.call(gpus.s.inventory)`."""
+    """`async with NodeGpus(nv, catalog, node) as gpus: await gpus.call(gpus.s.inventory)`;
+    `await gpus.call_gpu(index, gpus.s.create_gi, index, ...)` for one GPU's work."""
 
     def __init__(
         self,
@@ -49,22 +56,39 @@ class NodeGpus:
         self.s = NvmlSession(nv, catalog)
         self._catalog = catalog
         self._own_pool = pool is None
-        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvml-{node}")
-        self._serial = asyncio.Lock()  # shared pool: one call of this node at a time, FIFO
-        self._last: asyncio.Future[Any] | None = None  # the node's latest call
+        self._pool = pool or ThreadPoolExecutor(
+            max_workers=OWN_POOL_THREADS, thread_name_prefix=f"nvml-{node}"
+        )
+        self._node = asyncio.Lock()  # held by a whole-node call, briefly by a GPU call's start
+        self._gpu: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)  # FIFO per GPU
+        self._last: dict[int | None, asyncio.Future[Any]] = {}  # latest call per GPU / node
+        self._running: set[asyncio.Future[Any]] = set()
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        if self._own_pool:  # one thread: the executor itself keeps the order
-            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-        async with self._serial:
-            last = self._last
-            if last is not None and not last.done():
-                await asyncio.wait({last})  # a cancelled caller's call may still be running
-            fut = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-            self._last = fut
-            fut.add_done_callback(_consume)
+        """A whole-node call: starts once every call in flight has ended, runs alone."""
+        async with self._node:
+            await _finished(self._running)
+            fut = self._start(None, functools.partial(fn, *args, **kwargs))
             return await asyncio.shield(fut)
+
+    async def call_gpu(
+        self, index: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """A call on GPU `index`: after that GPU's previous call, beside other GPUs' calls."""
+        async with self._gpu[index]:
+            await _finished({f for f in (self._last.get(index),) if f is not None})
+            async with self._node:  # not while a whole-node call runs
+                await _finished({f for f in (self._last.get(None),) if f is not None})
+                fut = self._start(index, functools.partial(fn, *args, **kwargs))
+            return await asyncio.shield(fut)
+
+    def _start(self, lane: int | None, fn: Callable[[], T]) -> asyncio.Future[T]:
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        self._last[lane] = fut
+        self._running.add(fut)
+        fut.add_done_callback(self._running.discard)
+        fut.add_done_callback(_consume)
+        return fut
 
     async def __aenter__(self) -> NodeGpus:
         await self.call(self.s.open)
@@ -77,14 +101,20 @@ class NodeGpus:
             log.warning("nvml shutdown failed", node=self.node, error=str(e))
         finally:
             # waits for a call still running (a create must not be cut in half by exit)
+            await _finished(self._running)
             if self._own_pool:
                 await asyncio.to_thread(self._pool.shutdown, wait=True)
-            elif self._last is not None and not self._last.done():
-                await asyncio.wait({self._last})
 
     def event_session(self) -> NvmlSession:
         """A second session for the health thread (NVML init is reference-counted)."""
         return NvmlSession(self.nv, self._catalog)
+
+
+async def _finished(futures: set[asyncio.Future[Any]]) -> None:
+    """Wait until these executor calls have ended (a cancelled caller's may still run)."""
+    running = {f for f in futures if not f.done()}
+    if running:
+        await asyncio.wait(running)
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:

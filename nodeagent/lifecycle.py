@@ -140,7 +140,7 @@ class Lifecycle:
         out: list[Instance] = []
         for g in self.st.inv.gpus:
             if g.index in gpu_indexes and not self.st.is_lost(g.index):
-                out += await self.gpus.call(self.gpus.s.instances, g)
+                out += await self.gpus.call_gpu(g.index, self.gpus.s.instances, g)
         return out
 
     async def status(self, alloc: AllocView, body: cdi.Obj) -> None:
@@ -163,13 +163,14 @@ class Lifecycle:
 
     async def destroy(self, inst: Instance) -> None:
         """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
-        if self.st.is_lost(inst.gpu_index):
-            log.warning("GPU lost; its instances went with it", gpu=inst.gpu_index)
+        i = inst.gpu_index
+        if self.st.is_lost(i):
+            log.warning("GPU lost; its instances went with it", gpu=i)
             return
         try:
             for ci in inst.ci_ids:
-                await self.gpus.call(self.gpus.s.destroy_ci, inst.gpu_index, inst.gi_id, ci)
-            await self.gpus.call(self.gpus.s.destroy_gi, inst.gpu_index, inst.gi_id)
+                await self.gpus.call_gpu(i, self.gpus.s.destroy_ci, i, inst.gi_id, ci)
+            await self.gpus.call_gpu(i, self.gpus.s.destroy_gi, i, inst.gi_id)
         except NvmlFailure as exc:
             self.note_nvml(exc, inst.gpu_index)
             raise
@@ -277,9 +278,9 @@ class Lifecycle:
         assert gpu is not None
         prof = gpu.profile_by_id(s.profile_id)
         assert prof is not None
-        call, nv = self.gpus.call, self.gpus.s
+        i, call, nv = s.gpu_index, self.gpus.call_gpu, self.gpus.s
         if inst is None:
-            gi = await call(nv.create_gi, s.gpu_index, s.profile_id, s.start, s.size)
+            gi = await call(i, nv.create_gi, i, s.profile_id, s.start, s.size)
         else:
             gi = inst.gi_id
         if inst is not None and inst.ci_ids:
@@ -287,8 +288,8 @@ class Lifecycle:
         model = self.catalog.model(gpu.model)
         known = model.profile_by_id(s.profile_id) if model else None
         hint = known.default_ci if known else None
-        ci = await call(nv.create_ci, s.gpu_index, gi, prof.slice_count, hint)
-        uuid = await call(nv.mig_uuid, s.gpu_index, gi, ci)
+        ci = await call(i, nv.create_ci, i, gi, prof.slice_count, hint)
+        uuid = await call(i, nv.mig_uuid, i, gi, ci)
         return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
 
     async def ready(self, alloc: AllocView, rec: ClaimRecord, t0: float) -> None:

@@ -1,7 +1,9 @@
-"""NodeGpus on a pool shared by many nodes: calls of one node never overlap and keep their
-order, even when a caller is cancelled mid-call; different nodes do run in parallel.
+"""NodeGpus lanes: calls on one GPU never overlap and keep their order, even when a caller
+is cancelled mid-call; calls on different GPUs, and different nodes sharing a pool, run in
+parallel; a whole-node call runs alone. On a shared pool and on the node's own executor.
 
-Covers `nodeagent.device.NodeGpus.call` only (no NVML: the calls are plain functions).
+Covers `nodeagent.device.NodeGpus.call`/`call_gpu` only (no NVML: the calls are plain
+functions).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
 
 from common.catalog import load_catalog
 from nodeagent.device import NodeGpus
@@ -24,9 +29,14 @@ class Probe:
         self.order: list[tuple[str, int]] = []
 
     def work(self, node: str, i: int, seconds: float) -> int:
+        """One call in lane `node` (a node or a GPU); a whole-node call uses lane "*" and
+        must not overlap any call."""
         with self.lock:
             self.running[node] = self.running.get(node, 0) + 1
             self.overlap |= self.running[node] > 1
+            busy = sum(self.running.values())
+            self.overlap |= busy > 1 and (node == "*" or self.running.get("*", 0) > 0)
+            self.peak = max(getattr(self, "peak", 0), busy)
             self.order.append((node, i))
         time.sleep(seconds)
         with self.lock:
@@ -72,3 +82,60 @@ async def test_nodes_sharing_a_pool_run_in_parallel() -> None:
         elapsed = time.monotonic() - t0
     assert elapsed < 0.2 * 4  # not one after another
     assert not probe.overlap
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-pool", "own-executor"])
+async def test_gpus_of_one_node_run_in_parallel_each_in_order(shared: bool) -> None:
+    probe = Probe()
+    nv = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        node = NodeGpus(cast(Any, nv), load_catalog(), "a", pool=pool if shared else None)
+        async with node as g:  # exit shuts the node's own executor down
+            t0 = time.monotonic()
+            calls = [
+                g.call_gpu(gpu, probe.work, f"gpu{gpu}", i, 0.1)
+                for i in range(3)
+                for gpu in range(4)
+            ]
+            got = await asyncio.gather(*calls)
+            elapsed = time.monotonic() - t0
+    assert got == [i for i in range(3) for _ in range(4)]
+    assert not probe.overlap, "two calls on one GPU overlapped"
+    assert probe.peak > 1 and elapsed < 0.1 * 12 / 2  # GPUs did not wait for each other
+    for gpu in range(4):
+        assert [i for lane, i in probe.order if lane == f"gpu{gpu}"] == [0, 1, 2]
+
+
+async def test_a_whole_node_call_runs_alone() -> None:
+    probe = Probe()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        g = gpus("a", pool)
+        before = [
+            asyncio.create_task(g.call_gpu(i, probe.work, f"gpu{i}", 0, 0.1)) for i in range(3)
+        ]
+        await asyncio.sleep(0.02)
+        node = asyncio.create_task(g.call(probe.work, "*", 0, 0.1))
+        await asyncio.sleep(0.02)
+        after = [
+            asyncio.create_task(g.call_gpu(i, probe.work, f"gpu{i}", 1, 0.05)) for i in range(3)
+        ]
+        await asyncio.gather(*before, node, *after)
+    assert not probe.overlap, "a whole-node call overlapped a GPU call"
+    star = probe.order.index(("*", 0))
+    assert {lane for lane, i in probe.order[:star]} == {"gpu0", "gpu1", "gpu2"}
+    assert all(i == 1 for _, i in probe.order[star + 1 :])
+
+
+async def test_a_cancelled_gpu_caller_does_not_let_the_next_call_on_that_gpu_overlap() -> None:
+    probe = Probe()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        g = gpus("a", pool)
+        first = asyncio.create_task(g.call_gpu(0, probe.work, "gpu0", 0, 0.2))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the call keeps running in its thread
+        second = await g.call_gpu(0, probe.work, "gpu0", 1, 0.0)
+        node = await g.call(probe.work, "*", 2, 0.0)
+    assert (second, node) == (1, 2)
+    assert first.cancelled()
+    assert not probe.overlap
+    assert probe.order == [("gpu0", 0), ("gpu0", 1), ("*", 2)]
