@@ -64,7 +64,7 @@ bench-placement: install ## placement quality and decision speed (no cluster); .
 	$(BIN)/python -m bench.placement
 
 bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
-	$(BIN)/python -m bench.latency
+	$(BIN)/python -m bench.latency --report .dev/bench
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)

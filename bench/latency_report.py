@@ -189,7 +189,23 @@ def table(doc: Obj) -> str:
             f"| {_f(_peak(doc, f['nodes'], 'agent'), '.0f')} "
             f"| {_f(_peak(doc, f['nodes'], 'allocator'), '.0f')} |"
         )
+    scales = [(k, sc) for k, sc in doc["scenarios"].items() if "processes" in sc and "probe" in sc]
+    if scales:
+        rows += [
+            "",
+            "| scale run (probe + burst) | allocator CPU s | agent CPU s | kube-apiserver CPU s "
+            "| peak RSS MiB allocator | peak RSS MiB agent | peak RSS MiB kube-apiserver |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key, sc in sorted(scales, key=lambda kv: kv[1]["probe"]["nodes"]):
+            procs = sc["processes"]
+            cells = [_f(procs.get(p, {}).get("cpu_s"), ".1f") for p in _MAIN]
+            cells += [_f(procs.get(p, {}).get("peak_rss_mb"), ".0f") for p in _MAIN]
+            rows.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+_MAIN = ("allocator", "agent", "kube-apiserver")
 
 
 def _scenario_order(key: str) -> tuple[int, str]:
