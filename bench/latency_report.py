@@ -3,7 +3,8 @@
 - `latency-cdf.png`: time to ungate, one cumulative distribution per scenario, emulated NVML
   latency 0 on the left and the realistic setting on the right;
 - `fleet-cost.png`: against fleet size (nodes): time to ungate of single pods on an idle
-  fleet (p50/p99), idle CPU share and peak RSS of the allocator and the agent, startup time.
+  fleet (p50/p99), idle CPU share and peak RSS of the allocator and the agent, startup time,
+  and the bursts' throughput (pods/s) and CPU seconds of the whole system per pod.
 
 `python -m bench.latency_report [JSON] [DIR]` redraws them from a saved run.
 """
@@ -83,7 +84,13 @@ def fleet_cost(doc: Obj, path: Path) -> Path:
             p = sc["probe"]
             probes.append((p["nodes"], p["ungate_p50_s"], p["ungate_p99_s"]))
     probes.sort()
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    bursts = []  # (nodes, pods/s, system CPU s per pod) of the bursts without NVML latency
+    for key, sc in doc["scenarios"].items():
+        b = sc.get("burst") if key.startswith("scale-") else sc if key == "burst" else None
+        if isinstance(b, dict) and "pods_per_s" in b:
+            bursts.append((b["nodes"], b["pods_per_s"], b.get("system_cpu_s_per_pod", math.nan)))
+    bursts.sort()
+    fig, axes = plt.subplots(1, 5, figsize=(20, 4))
     ax = axes[0]
     if probes:
         ax.plot([p[0] for p in probes], [p[1] for p in probes], "o-", label="p50")
@@ -108,6 +115,12 @@ def fleet_cost(doc: Obj, path: Path) -> Path:
     if pts:
         ax.plot(*zip(*pts, strict=True), "o-", label="system up")
     ax.set_title("startup (s): control plane + nodes + InstaSlice")
+    ax = axes[4]
+    if bursts:
+        ax.plot([b[0] for b in bursts], [b[1] for b in bursts], "o-", label="burst pods/s")
+        ax.plot([b[0] for b in bursts], [100 * b[2] for b in bursts], "s--",
+                label="system CPU per pod (cs)")  # fmt: skip
+    ax.set_title("burst throughput, CPU per pod")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("nodes (x 8 GPUs)")

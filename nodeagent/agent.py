@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -218,7 +219,10 @@ class NodeAgent:
                 await self.gc()
             except (ApiError, NvmlFailure) as exc:
                 log.warning("garbage collection failed", node=self.node, error=str(exc))
-            await asyncio.sleep(self.settings.gc_period_s)
+            # jittered: agents that started together (one process serving 500 emulated nodes,
+            # or a fleet after a rollout) must not all rescan NVML in the same second; in
+            # lockstep the scans stalled creates for ~5 s (churn p99, docs/benchmarks.md)
+            await asyncio.sleep(self.settings.gc_period_s * random.uniform(0.75, 1.25))
 
     async def gc(self) -> None:
         """Destroy what orphaned records hold (after the grace period), retry failed
