@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,8 +88,20 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
         "version": VERSION,
         "node": cp.node,
         "bootID": cp.boot_id,
-        "claims": [asdict(c) for c in sorted(cp.claims.values(), key=lambda c: c.key)],
+        "claims": [_claim_json(c) for c in sorted(cp.claims.values(), key=lambda c: c.key)],
     }
+
+
+# What dataclasses.asdict gives, field by field: asdict deep-copies recursively and took half
+# of every save (2.6 of 5.3 ms CPU for a node holding 56 claims; saves run ~3 times a pod)
+_SLICE_FIELDS = tuple(f.name for f in fields(SliceRecord))
+_CLAIM_FIELDS = tuple(f.name for f in fields(ClaimRecord))
+
+
+def _claim_json(c: ClaimRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(c, name) for name in _CLAIM_FIELDS}
+    out["slices"] = [{name: getattr(s, name) for name in _SLICE_FIELDS} for s in c.slices]
+    return out
 
 
 def from_json(doc: Mapping[str, Any]) -> Checkpoint:
@@ -124,7 +136,7 @@ def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
     may be lost with the page cache: the restart then re-derives them from NVML."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    data = json.dumps(to_json(cp), indent=1).encode()
+    data = json.dumps(to_json(cp)).encode()  # compact: indent would use the slow encoder
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
