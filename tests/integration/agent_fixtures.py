@@ -323,14 +323,12 @@ def slice_allocation(
 
 
 async def create_allocation(kube: Kube, obj: Obj) -> Obj:
-    """Create it and set status Pending, as the allocator does (status is a subresource)."""
+    """Create it, as the allocator does: no status (the agent reads that as Pending). A
+    separate `Pending` status patch, as this helper once sent, could land after the agent's
+    `Ready` and leave the record Pending with its slices made (seen once the agent got
+    faster: tests/integration/test_nodeagent.py::test_one_process_serves_many_nodes)."""
     meta = obj["metadata"]
-    created = await kube.create(instaslice_path("sliceallocations", meta["namespace"]), obj)
-    await kube.patch(
-        instaslice_path("sliceallocations", meta["namespace"], meta["name"]) + "/status",
-        {"status": {"phase": "Pending"}},
-    )
-    return created
+    return await kube.create(instaslice_path("sliceallocations", meta["namespace"]), obj)
 
 
 async def get_allocation(kube: Kube, namespace: str, name: str) -> Obj | None:
