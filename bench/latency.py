@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -309,17 +308,14 @@ async def _nodes_ready(kubeconfig: Path, nodes: int) -> None:
 
 
 def _leftovers(run_dir: Path) -> None:
-    """Stop whatever an interrupted run left in `run_dir` (its control plane may be dead,
-    which DevSystem.down does not expect), then remove the directory."""
+    """Stop whatever an interrupted run left in `run_dir` (the whole system, or only the
+    control plane when it died before InstaSlice started), then remove the directory."""
     old = DevSystem.attach(run_dir)
-    if old is not None:
-        for name in list(old.processes):
-            with contextlib.suppress(Exception):
-                old.stop(name)
     cp = ControlPlane.attach(run_dir.absolute() / "cluster", require_alive=False)
-    if cp is not None:
-        with contextlib.suppress(Exception):
-            cp.stop()
+    if old is not None:
+        old.down()
+    elif cp is not None:
+        cp.stop()
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -76,9 +76,9 @@ class NodeGpus:
     ) -> T:
         """A call on GPU `index`: after that GPU's previous call, beside other GPUs' calls."""
         async with self._gpu[index]:
-            await _finished({f for f in (self._last.get(index),) if f is not None})
+            await _finished([self._last.get(index)])
             async with self._node:  # not while a whole-node call runs
-                await _finished({f for f in (self._last.get(None),) if f is not None})
+                await _finished([self._last.get(None)])
                 fut = self._start(index, functools.partial(fn, *args, **kwargs))
             return await asyncio.shield(fut)
 
@@ -110,9 +110,9 @@ class NodeGpus:
         return NvmlSession(self.nv, self._catalog)
 
 
-async def _finished(futures: set[asyncio.Future[Any]]) -> None:
+async def _finished(futures: Iterable[asyncio.Future[Any] | None]) -> None:
     """Wait until these executor calls have ended (a cancelled caller's may still run)."""
-    running = {f for f in futures if not f.done()}
+    running = {f for f in futures if f is not None and not f.done()}
     if running:
         await asyncio.wait(running)
 
