@@ -458,25 +458,27 @@ class Lifecycle:
         await self.st.persist()
         self.st.publish.set()
         await self.binding.slices_released(alloc.namespace, alloc.name)
-        if alloc.has_finalizer:
-            await writes.drop_finalizer(
-                self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
-            )
+        dropped = alloc.has_finalizer and await writes.drop_finalizer(
+            self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
+        )
         self._backoff.pop(uid, None)
         self._announced.discard(uid)
         told = uid in self._in_use_told
         self._in_use_told.discard(uid)
+        if not (dropped or rec is not None):
+            # A repeat pass from a stale view (our Releasing write's watch event arriving
+            # after the finalizer went): released and told already, by the first pass.
+            return None
         log.info("slices released", claim=alloc.key, after_in_use=told)
         self.metrics.releases.labels(self.st.node, "released").inc()
-        if alloc.has_finalizer:
-            await writes.event(
-                self.kube,
-                alloc.namespace,
-                alloc.pod_name,
-                alloc.pod_uid,
-                REASON_RELEASED,
-                f"MIG slices released on {self.st.node}",
-            )
+        await writes.event(
+            self.kube,
+            alloc.namespace,
+            alloc.pod_name,
+            alloc.pod_uid,
+            REASON_RELEASED,
+            f"MIG slices released on {self.st.node}",
+        )
         return None
 
     async def in_use(self, alloc: AllocView, exc: NvmlFailure) -> float:

@@ -36,13 +36,16 @@ async def patch_alloc_status(kube: Kube, namespace: str, name: str, body: Obj) -
         raise
 
 
-async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list[str]) -> None:
-    """Remove our finalizer, conflict-safe: `test` the list we saw, re-read on mismatch."""
+async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list[str]) -> bool:
+    """Remove our finalizer, conflict-safe: `test` the list we saw, re-read on mismatch.
+
+    True only if this call removed it; False if it was gone already (a second release pass
+    working from a stale watch view finds the object deleted, or the list without it)."""
     path = alloc_path(namespace, name)
     current = list(finalizers)
     for _ in range(10):
         if RELEASE_FINALIZER not in current:
-            return
+            return False
         body = [
             {"op": "test", "path": "/metadata/finalizers", "value": current},
             {
@@ -53,17 +56,17 @@ async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list
         ]
         try:
             await kube.patch(path, body, kind="json")
-            return
+            return True
         except ApiError as exc:
             if exc.not_found:
-                return
+                return False
             if exc.status not in (409, 422):  # 422: the test failed, someone changed the list
                 raise
         try:
             fresh = await kube.get(path)
         except ApiError as exc:
             if exc.not_found:
-                return
+                return False
             raise
         current = list(fresh.get("metadata", {}).get("finalizers") or [])
     raise ApiError(409, "Conflict", f"finalizers of {namespace}/{name} keep changing")

@@ -550,6 +550,9 @@ async def test_two_replicas_racing_never_double_book(env: AllocatorEnv) -> None:
     for i in range(10):  # more than fit: 7 on one H100
         await env.create_pod(f"p{i}")
     await env.wait_allocations(lambda items: len(items) == 7, what="seven allocated")
+    # A replica counts an allocation once its create's response is in, which can trail the
+    # record being visible to the test; stopping it before then loses the count (CI, once).
+    await wait_until(lambda: sum(r.metrics.count("allocated") for r in replicas) == 7)
     await env.stop("a")
     await env.stop("b")
     await env.delete_pod("p0")
@@ -557,6 +560,4 @@ async def test_two_replicas_racing_never_double_book(env: AllocatorEnv) -> None:
     await env.wait_allocations(lambda items: len(items) == 7 and all(
         a["spec"]["podName"] not in ("p0", "p1") for a in items), what="refilled")  # fmt: skip
     assert_no_double_booking(await env.allocations())
-    # a replica counts an allocation once its create's response is in, which can trail the
-    # record being visible to the test
     await wait_until(lambda: sum(r.metrics.count("allocated") for r in replicas) == 9)

@@ -32,6 +32,7 @@ from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent import checkpoint
 from nodeagent.emulator import EmulatedNvml
+from nodeagent.reconcile import alloc_view
 from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
@@ -207,6 +208,48 @@ async def test_allocation_ready_and_released(
         assert f'instaslice_nodeagent_releases_total{{{labels},result="released"}} 1.0' in text
         assert f'instaslice_nodeagent_gpu_healthy{{gpu="1",{labels}}} 1.0' in text
         assert "instaslice_nodeagent_create_seconds_bucket" in text
+
+
+async def test_release_repeated_from_a_stale_view_is_quiet(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """A second release pass that works from a stale view (the agent's own Releasing write
+    arriving by watch after the finalizer went) tells the pod nothing again: one
+    SliceReleased event, one release counted (CI once saw two events for one pod)."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(kube, alloc)
+        ready = await wait_phase(kube, alloc, "Ready")
+        path = instaslice_path("sliceallocations", ns, alloc["metadata"]["name"])
+        hold = "test.instaslice.io/hold"  # keeps the object after our finalizer is gone
+        await kube.patch(path, {"metadata": {"finalizers": [RELEASE_FINALIZER, hold]}})
+        await _delete(kube, alloc)
+
+        async def released() -> Obj | None:
+            obj = await get_allocation(kube, ns, alloc["metadata"]["name"])
+            return obj if obj and RELEASE_FINALIZER not in obj["metadata"]["finalizers"] else None
+
+        await eventually(released, what="our finalizer removed")
+        pod = f"pod-{alloc['metadata']['name']}"
+        await _event(kube, ns, pod, "SliceReleased")
+        stale = json.loads(json.dumps(ready))
+        stale["metadata"]["finalizers"] = [RELEASE_FINALIZER, hold]
+        stale["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        stale["status"]["phase"] = "Releasing"
+        assert await life.release(alloc_view(stale)) is None  # the list changed: 422, re-read
+        await kube.patch(path, {"metadata": {"finalizers": None}})
+        await wait_gone(kube, alloc)
+        assert await life.release(alloc_view(stale)) is None  # the object is gone: 404
+        events = [e for e in await pod_events(kube, ns, pod) if e["reason"] == "SliceReleased"]
+        assert sum(int(e.get("count") or 1) for e in events) == 1, events
+        counted = life.metrics.registry.get_sample_value(
+            "instaslice_nodeagent_releases_total", {"node": node.name, "result": "released"}
+        )
+        assert counted == 1
+        assert node.instances() == [] and node.cdi_files() == []
 
 
 async def test_nvml_failure_rolls_back_and_fails(
