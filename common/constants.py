@@ -29,6 +29,9 @@ MIG_NODE_PLURAL: Final = "mignodes"
 NODE_LABEL: Final = "instaslice.io/node"
 RELEASE_FINALIZER: Final = "instaslice.io/release"
 CDI_FILE_PREFIX: Final = "instaslice.io-"
+# The node agent's heartbeat: a Lease named after the node in InstaSlice's namespace, held
+# by "<NODEAGENT_COMPONENT>/<node>" (the allocator leaves nodes out whose Lease goes stale).
+NODEAGENT_COMPONENT: Final = "instaslice-nodeagent"
 
 # Node labels written by KWOK specs / GPU discovery.
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"

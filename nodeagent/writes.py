@@ -12,13 +12,13 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from common.constants import RELEASE_FINALIZER
+from common.constants import NODEAGENT_COMPONENT, RELEASE_FINALIZER
 from common.events import pod_event
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import mig_node
 
 Obj = dict[str, Any]
-COMPONENT = "instaslice-nodeagent"
+COMPONENT = NODEAGENT_COMPONENT
 LEASE_GV = "coordination.k8s.io/v1"
 
 

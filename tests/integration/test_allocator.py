@@ -14,6 +14,7 @@ and NVML emulator (tests/e2e) and latency (test_allocator_latency.py).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     RELEASE_FINALIZER,
 )
-from common.kubeapi import Kube, core_path
+from common.kubeapi import Kube, core_path, group_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
@@ -277,6 +278,35 @@ async def test_pending_reason_then_recovery(
     await env.wait_ungated("p")
     assert len(await env.events("p", REASON_PENDING)) == 1
     assert alloc.metrics.registry.get_sample_value(gauge, {"reason": reason}) == 0
+
+
+async def test_node_whose_agent_lease_expired_is_left_out_until_renewed(env: AllocatorEnv) -> None:
+    node = await env.add_node("n1")
+    leases = group_path("coordination.k8s.io/v1", "leases", env.namespace)
+
+    def now() -> str:
+        return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    lease = {
+        "metadata": {"name": node},
+        "spec": {
+            "holderIdentity": f"instaslice-nodeagent/{node}",
+            "leaseDurationSeconds": 2,
+            "renewTime": now(),
+        },
+    }
+    await env.kube.create(leases, lease)
+    alloc = env.start(agent_sweep_s=0.2)
+    await wait_until(lambda: alloc.state.agents_down == {node})
+    await env.create_pod("p")
+    event = await env.wait_event("p", REASON_PENDING)
+    assert "node agent is not running" in event["message"] and node in event["message"], event
+    assert alloc.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 1
+    assert await env.allocations() == []
+    await env.kube.patch(f"{leases}/{node}", {"spec": {"renewTime": now()}})
+    ungated = await env.wait_ungated("p")
+    assert podlib.pinned_node(ungated) == node
+    assert alloc.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 0
 
 
 async def wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:

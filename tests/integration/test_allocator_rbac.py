@@ -143,5 +143,5 @@ def test_rbac_manifest_grants_no_more_than_documented() -> None:
         "mignodes": {"get", "list", "watch"},
         # no update: the spec is immutable, status is the agent's, the finalizer goes by patch
         "sliceallocations": {"get", "list", "watch", "create", "patch", "delete"},
-        "leases": {"create", "get", "update"},
+        "leases": {"create", "get", "update", "list", "watch"},
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime as dt
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
@@ -126,13 +127,14 @@ def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = N
 
 @asynccontextmanager
 async def leading(c: Controller) -> AsyncIterator[None]:
-    """The three loops of a leadership term, without informers (events are fed by hand)."""
+    """The loops of a leadership term, without informers (events are fed by hand)."""
     async with asyncio.TaskGroup() as tg:
         c._tg = tg
         loops = [
             asyncio.create_task(c._reconcile_loop()),
             asyncio.create_task(c._placement_loop()),
             asyncio.create_task(c._timer_loop()),
+            asyncio.create_task(c._agents_loop()),
         ]
         try:
             yield
@@ -429,6 +431,110 @@ async def test_a_failed_term_hands_the_lease_back_and_stands_again() -> None:
     assert (c.terms, elector.acquired) == (2, 2)
     await cancel_until_done([task])
     assert elector.released == 2  # and once more on the way out
+
+
+# --- node agents that stopped ---------------------------------------------------------------
+
+
+def agent_lease(node: str, renew: str, duration: int = 40, holder: str | None = None) -> Obj:
+    return {
+        "metadata": {"name": node, "namespace": "instaslice-system"},
+        "spec": {
+            "holderIdentity": holder or f"instaslice-nodeagent/{node}",
+            "leaseDurationSeconds": duration,
+            "renewTime": renew,
+        },
+    }
+
+
+def allocated_nodes(kube: RecordingKube) -> list[str]:
+    return [w[2]["spec"]["nodeName"] for w in kube.writes("create") if "sliceallocations" in w[1]]
+
+
+def pending_messages(kube: RecordingKube) -> list[str]:
+    return [
+        c[2]["message"]
+        for c in kube.writes("create")
+        if c[1].endswith("/events") and c[2]["reason"] == REASON_PENDING
+    ]
+
+
+async def test_a_node_whose_agent_stopped_is_left_out_until_it_renews() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    async with leading(c):
+        await node(c, "n1")
+        await c._on_lease("ADDED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
+        await clock.advance(40)
+        assert c.state.agents_down == set()  # silent for exactly the duration: not yet
+        await c._on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
+        await clock.advance(5)  # the same renewTime again is no renewal: 45 s > 40 s
+        assert c.state.agents_down == {"n1"}
+        await c._on_pod("ADDED", make_pod("p", uid="p"))
+        await settle()
+        assert allocated_nodes(kube) == []
+        (message,) = pending_messages(kube)
+        assert "node agent is not running" in message and "n1" in message, message
+        assert c.metrics.registry.get_sample_value("instaslice_nodes_agent_down") is None
+        c.metrics.state_gauges.source = c._gauge_view
+        assert c.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 1
+        # A renewal seen brings the node back at once and retries the parked pod.
+        await c._on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:45.000000Z"))
+        await settle()
+        assert c.state.agents_down == set()
+        assert allocated_nodes(kube) == ["n1"]
+        assert c.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 0
+
+
+async def test_placement_avoids_a_node_whose_agent_stopped() -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    async with leading(c):
+        for n in ("n1", "n2"):
+            await node(c, n)
+            await c._on_lease("ADDED", agent_lease(n, "t0"))
+        await clock.advance(30)
+        await c._on_lease("MODIFIED", agent_lease("n2", "t1"))  # n2 renews, n1 does not
+        await clock.advance(15)
+        assert c.state.agents_down == {"n1"}
+        for i in range(3):
+            await c._on_pod("ADDED", make_pod(f"p{i}", uid=f"p{i}"))
+        await settle()
+        assert allocated_nodes(kube) == ["n2"] * 3
+        # A deleted Lease is no heartbeat at all: unknown, not down (nor is a foreign Lease).
+        await c._on_lease("ADDED", agent_lease("n2", "t9", holder="someone-else"))
+        await c._on_lease("DELETED", agent_lease("n1", "t0"))
+        await settle()
+        assert c.state.agents_down == set()
+
+
+async def test_a_lease_found_stale_at_startup_is_down_at_the_first_sweep() -> None:
+    """Before the Lease informer has synced, a renewal counts from its own renewTime (so an
+    agent that died long before this allocator started is not trusted for a whole duration);
+    afterwards from when it is seen (clock skew does not matter)."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = Controller(
+        cast(Kube, kube),
+        cast(LeaderElector, Leader()),
+        clock,
+        AllocatorMetrics(),
+        agent_namespace="instaslice-system",
+    )
+    assert c._lease_informer is not None
+    now = clock.wall()
+    old = (now - dt.timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    fresh = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    await node(c, "n1")
+    await node(c, "n2")
+    await c._on_lease("ADDED", agent_lease("n1", old))
+    await c._on_lease("ADDED", agent_lease("n2", fresh))
+    c._lease_informer.synced.set()
+    async with leading(c):
+        await settle()
+        assert c.state.agents_down == {"n1"}
+        # after the sync a renewTime far in the past (a skewed node clock) still counts now
+        await c._on_lease("MODIFIED", agent_lease("n1", old.replace("00Z", "01Z")))
+        assert c.state.agents_down == set()
 
 
 # --- state gauges ----------------------------------------------------------------------------

@@ -24,7 +24,12 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
+from webhook.allocator.queue import (
+    AgentLeases,
+    PendingTracker,
+    PlacementQueue,
+    UnschedulableTracker,
+)
 from webhook.allocator.state import ClusterState
 
 pytestmark = pytest.mark.timeout(10)
@@ -312,6 +317,45 @@ def test_snapshot_exclusions_and_name_label():
     assert [g.healthy for g in node.gpus] == [True, False]
     assert node.labels[FIELD_NAME_LABEL] == "n1"
     assert all(g.healthy for g in state.snapshot().nodes[0].gpus)  # the cache is untouched
+
+
+def test_nodes_whose_agent_is_down_are_left_out_of_placement_only():
+    state = cluster("n1", "n2")
+    epoch = state.epoch
+    assert state.set_agent_down("n1", True)
+    assert not state.set_agent_down("n1", True)  # no change
+    assert state.epoch == epoch  # less capacity: nothing to retry
+    assert [n.name for n in state.snapshot().nodes] == ["n2"]
+    assert [n.name for n in state.snapshot(name_label=True).nodes] == ["n2"]
+    assert [n.name for n in state.node_states()] == ["n1", "n2"]  # gauges still see it
+    assert state.down_agents_placeable() == ["n1"]
+    state.set_agent_down("ghost", True)  # a Lease without a Node/MigNode: not in the note
+    assert state.down_agents_placeable() == ["n1"]
+    assert state.set_agent_down("n1", False)
+    assert state.epoch > epoch  # the agent is back: parked pods are retried
+    assert [n.name for n in state.snapshot().nodes] == ["n1", "n2"]
+
+
+@pytest.mark.parametrize(
+    ("events", "now", "expired"),
+    [
+        ([("a", "r1", 40, 0.0)], 40.0, set()),  # exactly the duration: not yet
+        ([("a", "r1", 40, 0.0)], 40.1, {"a"}),
+        ([("a", "r1", 40, 0.0), ("a", "r1", 40, 30.0)], 41.0, {"a"}),  # same renewTime
+        ([("a", "r1", 40, 0.0), ("a", "r2", 40, 30.0)], 41.0, set()),  # renewed at 30
+        ([("a", "r1", 40, 0.0), ("a", "r1", 60, 30.0)], 50.0, set()),  # duration raised
+        ([("a", "r1", 40, 0.0), ("b", "r1", 10, 0.0)], 20.0, {"b"}),
+    ],
+)
+def test_agent_leases(events, now, expired):
+    leases = AgentLeases()
+    for node, renew, duration, seen in events:
+        leases.observe(node, renew, duration, seen)
+    assert leases.expired(now) == expired
+    assert {n for n in ("a", "b", "c") if leases.is_expired(n, now)} == expired
+    for node in expired:
+        leases.forget(node)
+    assert leases.expired(now) == set() and not leases.is_expired("a", now)
 
 
 def test_unhealthy_and_non_mig_gpus():

@@ -55,6 +55,8 @@ class AllocatorSettings:
       after 10 s without a renewal); release_on_exit hands the Lease back on shutdown.
     node_selector: a label selector; when set, only matching nodes are offered to placement
       (a cluster partition, or a test's own nodes). Pods are watched cluster-wide regardless.
+    agent_sweep_s: how often the leader checks the node agents' Leases (in `namespace`); a
+      node whose agent has not renewed for the Lease's duration is left out of placement.
     clock: injectable for tests.
     """
 
@@ -71,6 +73,7 @@ class AllocatorSettings:
     release_on_exit: bool = True
     max_backoff_s: float = 30.0
     node_selector: str | None = None
+    agent_sweep_s: float = 5.0
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:
@@ -104,6 +107,8 @@ def build_controller(
         pinned_unschedulable_timeout_s=settings.pinned_unschedulable_timeout_s,
         max_backoff_s=settings.max_backoff_s,
         node_selector=settings.node_selector,
+        agent_namespace=settings.namespace,
+        agent_sweep_s=settings.agent_sweep_s,
     )
 
 

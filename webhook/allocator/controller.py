@@ -11,12 +11,17 @@ checks the Lease first. Three coroutines run while leading:
 - the placer: pops gated pods in priority order and, for each, snapshot → place → assume →
   create (STYLE.md §3). Pods that do not fit are parked with their reason and requeued only
   when `ClusterState.epoch` says capacity may have grown;
-- the timer: the only timer, for pinned pods the scheduler cannot bind
-  (`pinned_unschedulable_timeout_s`, on the injected clock).
+- the timer: for pinned pods the scheduler cannot bind (`pinned_unschedulable_timeout_s`),
+  and a sweep every `agent_sweep_s` that leaves out of placement the nodes whose agent has
+  not renewed its Lease for the Lease's duration (a pod placed there would wait for an agent
+  that may never come back); a renewal seen brings the node back and retries parked pods.
+  Both on the injected clock.
 
 What it deliberately does not do: talk to GPUs (the node agent does), retry on a clock
-(write errors back off per pod; pending pods wait for a relevant change), or bind pods
-(the kube-scheduler does, once the pod is pinned and ungated).
+(write errors back off per pod; pending pods wait for a relevant change), bind pods
+(the kube-scheduler does, once the pod is pinned and ungated), or move allocations off a
+node whose agent is down (they complete when it returns; a node that is deleted releases
+them).
 """
 
 from __future__ import annotations
@@ -32,19 +37,34 @@ from common.catalog import Catalog, load_catalog
 from common.constants import (
     GATE_NAME,
     MIG_NODE_PLURAL,
+    NODEAGENT_COMPONENT,
     REASON_ALLOCATED,
     REASON_PENDING,
     REASON_PINNED_UNSCHEDULABLE,
     SLICE_ALLOCATION_PLURAL,
 )
-from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, instaslice_path
+from common.kubeapi import (
+    ApiError,
+    EventType,
+    Informer,
+    Kube,
+    Obj,
+    core_path,
+    group_path,
+    instaslice_path,
+)
 from common.placement import Pending, Policy, place
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
 from webhook.allocator.clock import Clock, cancel_until_done, parse_time, wait_or_sleep
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
-from webhook.allocator.queue import PendingTracker, PlacementQueue, UnschedulableTracker
+from webhook.allocator.queue import (
+    AgentLeases,
+    PendingTracker,
+    PlacementQueue,
+    UnschedulableTracker,
+)
 from webhook.allocator.state import SUMMARY_ANNOTATION, AllocView, ClusterState, PodView
 from webhook.allocator.writes import Writes
 
@@ -54,6 +74,8 @@ INVALID_REQUEST = "InvalidRequest"
 WRITE_ERROR = "WriteError"
 INTERNAL_ERROR = "InternalError"
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+_AGENT_HOLDER = f"{NODEAGENT_COMPONENT}/"
+_AGENT_LEASE_DEFAULT_S = 40.0  # the node agent's default --lease-duration-s
 
 
 class Controller:
@@ -69,6 +91,8 @@ class Controller:
         pinned_unschedulable_timeout_s: float = 60.0,
         max_backoff_s: float = 30.0,
         node_selector: str | None = None,
+        agent_namespace: str | None = None,
+        agent_sweep_s: float = 5.0,
     ) -> None:
         self.kube = kube
         self.elector = elector
@@ -84,6 +108,8 @@ class Controller:
         self.parked: dict[str, int] = {}  # pending pod uid -> metadata.generation parked at
         self.pending = PendingTracker()
         self.unschedulable = UnschedulableTracker()
+        self.agents = AgentLeases()
+        self.agent_sweep_s = agent_sweep_s
         self.failed_gpus: dict[str, set[tuple[str, str]]] = {}  # uid -> (node, gpu uuid)
         # When ours became the pod's only gate, on the monotonic clock (time-to-ungate metric).
         self.ungate_start: dict[str, float] = {}
@@ -118,6 +144,11 @@ class Controller:
                 name="sliceallocations",
             ),
         ]
+        self._lease_informer: Informer | None = None
+        if agent_namespace is not None:  # the node agents' Leases (and our own, skipped)
+            leases = group_path("coordination.k8s.io/v1", "leases", agent_namespace)
+            self._lease_informer = Informer(kube, leases, self._on_lease, name="leases")
+            self.informers.append(self._lease_informer)
 
     # --- informers (every replica) ------------------------------------------------------
 
@@ -138,7 +169,7 @@ class Controller:
             self.state.remove_pod(obj)
         else:
             if uid not in self.ungate_start and podlib.only_our_gate(obj):
-                self.ungate_start[uid] = self._since(obj)
+                self.ungate_start[uid] = self._since(podlib.created(obj), self.informers[0])
             self.state.upsert_pod(obj)
         self._touch(uid)
         self._after_change()
@@ -174,13 +205,45 @@ class Controller:
             self.state.upsert_mig_node(obj)
         self._after_change()
 
-    def _since(self, pod: Obj) -> float:
-        """Now, or — for pods found by the initial list — their creation, as monotonic time."""
+    async def _on_lease(self, etype: EventType, obj: Obj) -> None:
+        spec = obj.get("spec") or {}
+        if not str(spec.get("holderIdentity") or "").startswith(_AGENT_HOLDER):
+            return  # not a node agent's heartbeat (e.g. the allocator's own Lease)
+        node = str(obj.get("metadata", {}).get("name", ""))
+        if etype == "DELETED":
+            self.agents.forget(node)  # no heartbeat at all reads as unknown, not down
+        else:
+            renew = str(spec.get("renewTime") or "")
+            duration = float(spec.get("leaseDurationSeconds") or _AGENT_LEASE_DEFAULT_S)
+            self.agents.observe(node, renew, duration, self._since(renew, self._lease_informer))
         now = self.clock.monotonic()
-        created = parse_time(podlib.created(pod))
-        if self.informers[0].synced.is_set() or created is None:
+        if not self.agents.is_expired(node, now) and self.state.set_agent_down(node, False):
+            log.info("node agent back; node offered to placement again", node=node)
+            self._after_change()
+
+    def _sweep_agents(self) -> None:
+        now = self.clock.monotonic()
+        expired = self.agents.expired(now)
+        for node in sorted(expired - self.state.agents_down):
+            self.state.set_agent_down(node, True)
+            silent = self.agents.silent_s(node, now) or 0.0
+            log.warning(
+                "node agent's Lease not renewed; node left out of placement",
+                node=node,
+                silent_s=round(silent, 1),
+            )
+        for node in sorted(self.state.agents_down - expired):
+            self.state.set_agent_down(node, False)
+        self._after_change()
+
+    def _since(self, stamp: str | None, informer: Informer | None) -> float:
+        """Now, or — for objects found by `informer`'s initial list — `stamp` (a creation
+        or renewal time), as monotonic time."""
+        now = self.clock.monotonic()
+        when = parse_time(stamp)
+        if informer is None or informer.synced.is_set() or when is None:
             return now
-        return now - max(0.0, (self.clock.wall() - created).total_seconds())
+        return now - max(0.0, (self.clock.wall() - when).total_seconds())
 
     def _touch(self, uid: str) -> None:
         if uid:
@@ -213,6 +276,7 @@ class Controller:
                 tg.create_task(self._reconcile_loop(), name="reconciler")
                 tg.create_task(self._placement_loop(), name="placer")
                 tg.create_task(self._timer_loop(), name="timer")
+                tg.create_task(self._agents_loop(), name="agents")
         finally:
             self.step_down()
 
@@ -435,12 +499,22 @@ class Controller:
                 self.state.snapshot(name_label=name_label), request, self.policy, self.catalog
             )
         if isinstance(result, Pending):
-            self._park(pod, result.reason.value, result.message)
+            self._park(pod, result.reason.value, result.message + self._agents_down_note())
             return
         body = self.state.allocation_for(pod, result)
         self.state.assume(body)
         self.pending.clear(uid)
         self._spawn(uid, self._create(pod, body))
+
+    def _agents_down_note(self) -> str:
+        down = self.state.down_agents_placeable()
+        if not down:
+            return ""
+        names = ", ".join(down[:5]) + (f" and {len(down) - 5} more" if len(down) > 5 else "")
+        return (
+            f"; left out: {len(down)} node(s) whose node agent is not running "
+            f"(Lease not renewed): {names}"
+        )
 
     def _park(self, pod: PodView, reason: str, message: str) -> None:
         self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
@@ -543,6 +617,11 @@ class Controller:
             for uid in self.unschedulable.due(self.clock.monotonic(), self.timeout_s):
                 self._unstick_due.add(uid)
                 self._touch(uid)
+
+    async def _agents_loop(self) -> None:
+        while True:
+            self._sweep_agents()
+            await self.clock.sleep(self.agent_sweep_s)
 
     async def _unstick(self, pod: PodView) -> None:
         """CONTRACT.md §4 step 4: release the slices; a controller recreates its pod."""

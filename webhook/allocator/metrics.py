@@ -69,15 +69,16 @@ class StateCollector(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        queue, pending, slices, used, total = families = self._families()
+        queue, pending, slices, used, total, down = families = self._families()
         view = self.source()
         if view is None:
             return iter(families)
         queue.add_metric([], view.queue_depth)
+        down.add_metric([], len(view.state.down_agents_placeable()))
         for reason in sorted({r.value for r in PendingReason} | set(view.pending)):
             pending.add_metric([reason], view.pending.get(reason, 0))
         models: dict[str, str] = {}
-        for node in view.state.snapshot().nodes:
+        for node in view.state.node_states():
             for gpu in view.state.gpus.get(node.name, ()):
                 models[gpu.uuid] = gpu.model
             for g in node.gpus:
@@ -116,6 +117,10 @@ class StateCollector(Collector):
                 labels=gpu,
             ),
             GaugeMetricFamily("instaslice_gpu_slots", "Memory slots of one GPU", labels=gpu),
+            GaugeMetricFamily(
+                "instaslice_nodes_agent_down",
+                "MIG nodes left out of placement because their node agent's Lease went stale",
+            ),
         )
 
 

@@ -17,8 +17,13 @@ placement engine's `Snapshot`:
 decision already sees them, and are forgotten if the create fails; the watched object
 replaces the assumed one when it arrives.
 
+A node whose agent is down (its Lease went unrenewed; the controller decides, this only
+records it) is left out of `snapshot()`: a pod placed there would wait for an agent that may
+never come. Its allocations and GPUs still count, and `node_states()` still shows it.
+
 `epoch` grows whenever capacity may have grown (a slice released, a pod gone from a node, a
-node or GPU added or changed): pods parked as pending are retried on that, not on a timer.
+node or GPU added or changed, an agent back): pods parked as pending are retried on that,
+not on a timer.
 
 It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
 changed, so a decision on a large cluster does not rebuild the whole snapshot.
@@ -233,6 +238,7 @@ class ClusterState:
         self._node_cache: dict[str, NodeState] = {}
         self._nodes_sorted: tuple[NodeState, ...] = ()
         self._dirty: set[str] = set()
+        self.agents_down: set[str] = set()  # nodes whose agent's Lease went unrenewed
         self.epoch = 0
         # For metrics: slices of watched allocations by (profile, node, gpu uuid).
         self.slice_counts: Counter[tuple[str, str, str]] = Counter()
@@ -391,6 +397,23 @@ class ClusterState:
         if self.gpus.pop(name, None) is not None:
             self._dirty.add(name)
 
+    def set_agent_down(self, node: str, down: bool) -> bool:
+        """Leave `node` out of placement while its agent is down; True when that changed.
+        An agent back is capacity back (epoch)."""
+        if down == (node in self.agents_down):
+            return False
+        if down:
+            self.agents_down.add(node)
+        else:
+            self.agents_down.discard(node)
+            self.epoch += 1
+        return True
+
+    def down_agents_placeable(self) -> list[str]:
+        """Nodes left out of placement only because their agent is down, sorted."""
+        self.node_states()
+        return sorted(n for n in self.agents_down if n in self._node_cache)
+
     def gpu(self, node: str, index: int) -> GpuView | None:
         return next((g for g in self.gpus.get(node, ()) if g.index == index), None)
 
@@ -476,17 +499,8 @@ class ClusterState:
             ),
         )
 
-    def snapshot(
-        self,
-        *,
-        exclude: Collection[tuple[str, str]] = frozenset(),
-        name_label: bool = False,
-    ) -> Snapshot:
-        """The placement engine's view: every node that has both a Node and a MigNode.
-
-        `exclude`: (node, gpu uuid) pairs shown as unhealthy (GPUs that failed this pod).
-        `name_label`: add FIELD_NAME_LABEL=<node> to each node (pods with matchFields).
-        """
+    def node_states(self) -> tuple[NodeState, ...]:
+        """Every node that has both a Node and a MigNode, by name (agents down included)."""
         if self._dirty:
             for name in self._dirty:
                 state = self._node_state(name)
@@ -496,13 +510,29 @@ class ClusterState:
                     self._node_cache[name] = state
             self._dirty.clear()
             self._nodes_sorted = tuple(self._node_cache[n] for n in sorted(self._node_cache))
+        return self._nodes_sorted
+
+    def snapshot(
+        self,
+        *,
+        exclude: Collection[tuple[str, str]] = frozenset(),
+        name_label: bool = False,
+    ) -> Snapshot:
+        """The placement engine's view: `node_states()` less the nodes whose agent is down.
+
+        `exclude`: (node, gpu uuid) pairs shown as unhealthy (GPUs that failed this pod).
+        `name_label`: add FIELD_NAME_LABEL=<node> to each node (pods with matchFields).
+        """
+        placeable = self.node_states()
+        if self.agents_down:
+            placeable = tuple(n for n in placeable if n.name not in self.agents_down)
         if not exclude and not name_label:
-            return Snapshot(nodes=self._nodes_sorted)
+            return Snapshot(nodes=placeable)
         excluded: dict[str, set[str]] = {}
         for node, gpu_uuid in exclude:
             excluded.setdefault(node, set()).add(gpu_uuid)
         nodes = []
-        for state in self._nodes_sorted:
+        for state in placeable:
             name = state.name
             if name in excluded:
                 bad = {g.index for g in self.gpus.get(name, ()) if g.uuid in excluded[name]}
