@@ -10,7 +10,7 @@ CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-integration test-e2e kube-bins cluster-up cluster-down \
-        dev-up dev-down demo bench-placement bench-latency chaos clean
+        dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -62,6 +62,9 @@ demo: install kube-bins ## the main job: a heterogeneous emulated cluster runnin
 
 bench-placement: install ## placement quality and decision speed (no cluster); .dev/bench/placement.json
 	$(BIN)/python -m bench.placement
+
+bench-agent-leases: install ## the allocator's CPU for watching node-agent Leases (no cluster)
+	$(BIN)/python -m bench.agent_leases
 
 bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
 	$(BIN)/python -m bench.latency --report .dev/bench
