@@ -111,6 +111,7 @@ class Kube:
         session = api.rest_client.pool_manager
         assert hasattr(session, "_trust_env"), "aiohttp renamed ClientSession._trust_env"
         session._trust_env = False
+        _abort_closed_tls(session.connector)
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None, *, qps_pool: int = 64) -> Kube:
@@ -279,6 +280,24 @@ class Kube:
                 yield etype, obj
         finally:
             resp.release()
+
+
+def _abort_closed_tls(connector: aiohttp.BaseConnector | None) -> None:
+    """Have aiohttp abort, 2 s after closing, every TLS connection it closes.
+
+    On Python before 3.12.8 asyncio can leave the socket under a closed TLS transport open
+    when the TLS shutdown does not complete (CPython PR 118960); aiohttp's documented
+    remedy is `enable_cleanup_closed`, which kubernetes_asyncio does not set. Without it a
+    watch closed mid-stream or a pooled connection the server dropped leaked a socket,
+    found later by the garbage collector (an unclosed-socket ResourceWarning that failed
+    unrelated e2e tests, twice in CI)."""
+    needed = getattr(aiohttp.connector, "NEEDS_CLEANUP_CLOSED", False)
+    if not needed or not isinstance(connector, aiohttp.TCPConnector):
+        return
+    assert hasattr(connector, "_cleanup_closed_disabled"), "aiohttp renamed cleanup-closed"
+    if connector._cleanup_closed_disabled:
+        connector._cleanup_closed_disabled = False
+        connector._cleanup_closed()  # from now on every 2 s (aiohttp's own period)
 
 
 def _transport_error(exc: Exception) -> ApiError | None:
