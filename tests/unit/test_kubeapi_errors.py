@@ -111,14 +111,18 @@ async def test_a_tls_watch_closed_mid_stream_leaves_no_socket_open(tmp_path: Pat
     ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
     line = b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": "2"}}}\n'
 
+    done = asyncio.Event()
+    peers: list[asyncio.Transport] = []
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         writer.write(b"%x\r\n%s\r\n" % (len(line), line))
         await writer.drain()
-        # a peer that never completes the TLS shutdown
-        cast(asyncio.Transport, writer.transport).pause_reading()
-        await asyncio.sleep(10)
+        transport = cast(asyncio.Transport, writer.transport)
+        transport.pause_reading()  # a peer that never completes the TLS shutdown
+        peers.append(transport)
+        await done.wait()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
     port = server.sockets[0].getsockname()[1]
@@ -143,5 +147,9 @@ async def test_a_tls_watch_closed_mid_stream_leaves_no_socket_open(tmp_path: Pat
         while sockets[0].fileno() != -1 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
         assert sockets[0].fileno() == -1, "the socket of the closed TLS watch is still open"
+    for peer in peers:  # the server side has the same problem: end it without a shutdown
+        peer.abort()
+    done.set()
     server.close()
     await server.wait_closed()
+    await asyncio.sleep(0)
