@@ -140,7 +140,8 @@ CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     | {"delete"},
 }
 CONTROLLER_IN_NS: dict[tuple[str, str, str], set[str]] = {
-    ("coordination.k8s.io", "leases", ""): {"create"},  # get/update: only its own Lease
+    # get/update: only its own Lease; list/watch: the node agents' heartbeats
+    ("coordination.k8s.io", "leases", ""): {"create", "list", "watch"},
 }
 AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "patch"},
