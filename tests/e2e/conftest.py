@@ -14,7 +14,8 @@
 1 x A100-40GB with 1 GPU, and 3 x A30-24GB with 1 GPU for the tests that delete a node), so
 tests reach exhaustion, pick a GPU model by profile, and can lose a node without starving the
 others. The node agent destroys instances whose allocation vanished (records prove they are
-its own) after 5 s instead of 60 s, so the documented force-removal case ends within a test.
+its own) after 5 s instead of 60 s, so the documented force-removal case ends within a test,
+and its Lease lasts 10 s instead of 40 s, so a stopped agent's nodes are left out within one.
 Nodes carry `nvidia.com/mig.capable=true`, the label InstaSlice's DaemonSet selects. On a
 failing test the tail of every log is attached to the report.
 """
@@ -44,7 +45,8 @@ _SYSTEM_KEY = pytest.StashKey[DevSystem]()
 _LOG_TAIL_LINES = 30
 _MIG_CAPABLE = {"nvidia.com/mig.capable": "true"}
 _NODE = {"cpu": "8", "memory": "32Gi", "pods": 110, "labels": _MIG_CAPABLE}
-AGENT_ARGS = ("--gc-grace-s=5", "--gc-period-s=3")
+AGENT_LEASE_S = 10  # so a stopped agent's nodes are left out within a test (default 40)
+AGENT_ARGS = ("--gc-grace-s=5", "--gc-period-s=3", f"--lease-duration-s={AGENT_LEASE_S}")
 SPEC: dict[str, Any] = {
     "nodes": [
         {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},

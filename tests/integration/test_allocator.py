@@ -301,6 +301,8 @@ async def test_node_whose_agent_lease_expired_is_left_out_until_renewed(env: All
     await env.create_pod("p")
     event = await env.wait_event("p", REASON_PENDING)
     assert "node agent is not running" in event["message"] and node in event["message"], event
+    pending = {"reason": "NodeAgentDown"}
+    assert alloc.metrics.registry.get_sample_value("instaslice_pending_pods", pending) == 1
     assert alloc.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 1
     assert await env.allocations() == []
     await env.kube.patch(f"{leases}/{node}", {"spec": {"renewTime": now()}})

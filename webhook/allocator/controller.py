@@ -73,6 +73,7 @@ log = structlog.get_logger("allocator")
 INVALID_REQUEST = "InvalidRequest"
 WRITE_ERROR = "WriteError"
 INTERNAL_ERROR = "InternalError"
+AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 _AGENT_HOLDER = f"{NODEAGENT_COMPONENT}/"
 _AGENT_LEASE_DEFAULT_S = 40.0  # the node agent's default --lease-duration-s
@@ -499,22 +500,24 @@ class Controller:
                 self.state.snapshot(name_label=name_label), request, self.policy, self.catalog
             )
         if isinstance(result, Pending):
-            self._park(pod, result.reason.value, result.message + self._agents_down_note())
+            self._park(pod, *self._pending_reason(result))
             return
         body = self.state.allocation_for(pod, result)
         self.state.assume(body)
         self.pending.clear(uid)
         self._spawn(uid, self._create(pod, body))
 
-    def _agents_down_note(self) -> str:
+    def _pending_reason(self, result: Pending) -> tuple[str, str]:
+        """The placement engine's reason and message, telling which nodes were left out
+        because their agent is down; `NodeAgentDown` when that is every MIG node."""
         down = self.state.down_agents_placeable()
         if not down:
-            return ""
+            return result.reason.value, result.message
         names = ", ".join(down[:5]) + (f" and {len(down) - 5} more" if len(down) > 5 else "")
-        return (
-            f"; left out: {len(down)} node(s) whose node agent is not running "
-            f"(Lease not renewed): {names}"
-        )
+        why = f"{len(down)} node(s) whose node agent is not running (Lease not renewed): {names}"
+        if len(down) == len(self.state.node_states()):
+            return AGENT_DOWN, f"every MIG node is left out: {why}"
+        return result.reason.value, f"{result.message}; left out: {why}"
 
     def _park(self, pod: PodView, reason: str, message: str) -> None:
         self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
