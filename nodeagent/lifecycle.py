@@ -143,8 +143,12 @@ class Lifecycle:
                 out += await self.gpus.call_gpu(g.index, self.gpus.s.instances, g)
         return out
 
-    async def status(self, alloc: AllocView, body: cdi.Obj) -> None:
-        await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
+    async def status(self, alloc: AllocView, body: cdi.Obj) -> bool:
+        """False when the allocation is gone."""
+        return (
+            await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
+            is not None
+        )
 
     def conditions(self, alloc: AllocView) -> list[cdi.Obj]:
         obj = self.st.allocs.get(alloc.uid) or {}
@@ -214,8 +218,10 @@ class Lifecycle:
                 return
             await self.fail(alloc, f"{reason}; cannot re-create: {fresh}" if reason else fresh)
             return
-        if alloc.phase != Phase.CREATING or reason:
-            await self.status(alloc, status_creating(reason))
+        if (alloc.phase != Phase.CREATING or reason) and not await self.status(
+            alloc, status_creating(reason)
+        ):
+            return  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
         instances = await self.instances({s.gpu_index for s in fresh})
         if rec is None:
             # Intent first, but only for placements that are free: an instance already at

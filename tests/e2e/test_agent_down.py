@@ -1,9 +1,11 @@
 """A node agent that stops: the allocator leaves its nodes out until it is back.
 
 Covers, with the real node agent, webhook/allocator and control plane: the Leases the agent
-renews are the ones the allocator watches (holder, namespace); after a Lease duration with
-the agent killed, every node is counted down (`instaslice_nodes_agent_down`), a new pod gets
-`AllocationPending` saying why and no SliceAllocation; the agent restarted, the pod runs.
+renews are the ones the allocator watches (holder, namespace); a pod placed just after the
+agent was killed has its untouched allocation dropped once the Leases go stale; after a
+Lease duration every node is counted down (`instaslice_nodes_agent_down`), both pods get
+`AllocationPending` saying why and no SliceAllocation remains; the agent restarted, both
+run, the early one on a new allocation.
 Leaves out: a partial outage (tests/unit/test_allocator_controller.py and
 tests/integration/test_allocator.py place around a down node).
 """
@@ -20,7 +22,14 @@ from common.constants import REASON_PENDING
 from common.kubeapi import Kube
 from hack.dev import DevSystem
 from tests.e2e.conftest import AGENT_LEASE_S
-from tests.e2e.helpers import allocs_path, make_pod, pods_path, wait_event, wait_pod_running
+from tests.e2e.helpers import (
+    allocs_path,
+    make_pod,
+    pods_path,
+    wait_event,
+    wait_for,
+    wait_pod_running,
+)
 
 
 def _agents_down(system: DevSystem) -> float | None:
@@ -45,18 +54,31 @@ async def test_pods_wait_while_the_node_agent_is_down(
     kube: Kube, system: DevSystem, namespace: str
 ) -> None:
     await _wait_agents_down(system, 0, 30)  # exported by the leading replica only
+    down = (
+        f"every MIG node is left out: {len(system.nodes)} node(s) whose node agent is not "
+        "running (Lease not renewed): "
+    )
     system.kill("nodeagent")
     try:
+        # placed while the Leases are still fresh: its allocation waits for a dead agent
+        await kube.create(pods_path(namespace), make_pod("early", slices={"c": {"1g.10gb": 1}}))
+        first = await wait_for(
+            kube, allocs_path(namespace), lambda a: next(iter(a.values()), None), what="early's"
+        )
+        assert not first.get("status"), first  # no agent acted on it
         # a Lease duration, the leader's 5 s sweep, and some slack for a loaded machine
         await _wait_agents_down(system, len(system.nodes), AGENT_LEASE_S + 5 + 30)
-        await kube.create(pods_path(namespace), make_pod("waits", slices={"c": {"1g.10gb": 1}}))
-        event = await wait_event(kube, namespace, "waits", REASON_PENDING)
-        assert event["message"].startswith(
-            f"every MIG node is left out: {len(system.nodes)} node(s) whose node agent is not "
-            "running (Lease not renewed): "
-        ), event["message"]
+        await kube.create(pods_path(namespace), make_pod("late", slices={"c": {"1g.10gb": 1}}))
+        for name in ("early", "late"):  # early's allocation was dropped: it waits with late
+            event = await wait_event(kube, namespace, name, REASON_PENDING)
+            assert event["message"].startswith(down), event["message"]
         assert (await kube.list(allocs_path(namespace)))["items"] == []
     finally:
         system.start_agent(die_with_parent=True)
-    await wait_pod_running(kube, namespace, "waits")
+    for name in ("early", "late"):
+        await wait_pod_running(kube, namespace, name)
+    allocs = (await kube.list(allocs_path(namespace)))["items"]
+    assert len(allocs) == 2 and first["metadata"]["uid"] not in {
+        a["metadata"]["uid"] for a in allocs
+    }
     await _wait_agents_down(system, 0, 30)

@@ -522,6 +522,54 @@ async def test_placement_avoids_a_node_whose_agent_stopped() -> None:
         assert c.state.agents_down == set()
 
 
+@pytest.mark.parametrize("touched", [False, True], ids=["never-acted-on", "creating"])
+async def test_an_allocation_on_a_node_whose_agent_stopped(touched: bool) -> None:
+    """Never acted on (no status): moved — finalizer dropped with a resourceVersion `test`,
+    deleted, the pod placed on a node whose agent runs. Acted on (`Creating`): left for
+    that agent, which finishes or releases it when it returns."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)])
+    alloc["metadata"]["resourceVersion"] = "41"
+    if touched:
+        alloc["status"] = {"phase": "Creating"}
+    else:
+        del alloc["status"]  # as the allocator creates it
+    path = (
+        f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
+    )
+    kube.objects[path] = alloc
+    async with leading(c):
+        for n in ("n1", "n2"):
+            await node(c, n)
+            await c._on_lease("ADDED", agent_lease(n, "t0"))
+        await c._on_allocation("ADDED", alloc)
+        await c._on_pod("ADDED", pod)
+        await settle()
+        assert kube.writes() == []  # the agent is alive: its allocation, its business
+        await clock.advance(30)
+        await c._on_lease("MODIFIED", agent_lease("n2", "t1"))
+        await clock.advance(15)  # n1's agent silent 45 s > 40 s
+        await settle()
+        if touched:
+            assert kube.writes() == []
+            return
+        patch, delete = kube.writes()[:2]
+        assert patch == (
+            "patch",
+            path,
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": "41"},
+                {"op": "replace", "path": "/metadata/finalizers", "value": []},
+            ],
+        )
+        assert delete[:2] == ("delete", path)
+        await c._on_allocation("DELETED", alloc)
+        await settle()
+    assert allocated_nodes(kube) == ["n2"]
+
+
 async def test_a_lease_found_stale_at_startup_is_down_at_the_first_sweep() -> None:
     """Before the Lease informer has synced, a renewal counts from its own renewTime (so an
     agent that died long before this allocator started is not trusted for a whole duration);

@@ -20,8 +20,9 @@ checks the Lease first. Three coroutines run while leading:
 What it deliberately does not do: talk to GPUs (the node agent does), retry on a clock
 (write errors back off per pod; pending pods wait for a relevant change), bind pods
 (the kube-scheduler does, once the pod is pinned and ungated), or move allocations off a
-node whose agent is down (they complete when it returns; a node that is deleted releases
-them).
+node whose agent is down once the agent has acted on them (they complete when it returns; a
+node that is deleted releases them). One it never acted on (no status) is dropped and its
+pod placed again.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from common.kubeapi import (
     group_path,
     instaslice_path,
 )
+from common.objects import Phase
 from common.placement import Pending, Policy, place
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
@@ -227,6 +229,8 @@ class Controller:
         expired = self.agents.expired(now)
         for node in sorted(expired - self.state.agents_down):
             self.state.set_agent_down(node, True)
+            for alloc in self.state.allocations_on(node):
+                self._touch(alloc.pod_uid)  # an untouched one moves elsewhere
             silent = self.agents.silent_s(node, now) or 0.0
             log.warning(
                 "node agent's Lease not renewed; node left out of placement",
@@ -411,6 +415,8 @@ class Controller:
             return self._release(alloc, "the pod no longer carries this claim")
         if alloc.failed:
             return self._release_failed(alloc)
+        if alloc.node in self.state.agents_down and alloc.phase == Phase.PENDING.value:
+            return self._move_off_down_node(alloc)
         return None
 
     def _reconcile_gated(self, pod: PodView, allocs: list[AllocView]) -> None:
@@ -596,6 +602,18 @@ class Controller:
         )
         self.metrics.outcome("failed")
         await self._release(alloc, f"the node agent failed it: {message}")
+
+    async def _move_off_down_node(self, alloc: AllocView) -> None:
+        """The node's agent is down and never acted on this allocation, so nothing was made
+        for it: drop the record without the agent, and the pod (still gated: it is pinned
+        only once Ready) is placed again, on a node with a running agent."""
+        if not await self.writes.drop_finalizer_if_untouched(alloc):
+            return  # the agent wrote a status after all: it finishes or releases it
+        log.warning(
+            "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
+        )
+        await self.writes.delete_allocation(alloc)
+        self.metrics.outcome("released")
 
     async def _finalize(self, alloc: AllocView) -> None:
         """The node is gone, so nothing is left to destroy: finish the record ourselves."""

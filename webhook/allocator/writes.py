@@ -87,32 +87,54 @@ class Writes:
             raise
         return True
 
-    async def drop_finalizer(self, alloc: AllocView) -> Obj | None:
-        """Remove the release finalizer (nothing is left to destroy); returns the object as
-        it was read, or None when it is already gone."""
-        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+    async def _read(self, path: str) -> Obj | None:
         try:
-            current = await self.kube.get(path)
+            return await self.kube.get(path)
         except ApiError as exc:
             if exc.not_found:
                 return None
             raise
+
+    async def drop_finalizer(self, alloc: AllocView) -> Obj | None:
+        """Remove the release finalizer (nothing is left to destroy); returns the object as
+        it was read, or None when it is already gone."""
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        current = await self._read(path)
+        if current is None:
+            return None
         finalizers = current.get("metadata", {}).get("finalizers") or []
         if RELEASE_FINALIZER in finalizers:
             self.elector.check()
-            await self.kube.patch(
-                path,
-                [
-                    {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
-                    {
-                        "op": "replace",
-                        "path": "/metadata/finalizers",
-                        "value": [f for f in finalizers if f != RELEASE_FINALIZER],
-                    },
-                ],
-                kind="json",
-            )
+            test = {"op": "test", "path": "/metadata/finalizers", "value": finalizers}
+            await self.kube.patch(path, _without_ours(test, finalizers), kind="json")
         return current
+
+    async def drop_finalizer_if_untouched(self, alloc: AllocView) -> bool:
+        """Remove the release finalizer of an allocation its node agent never acted on: no
+        status at all (the agent writes `Creating` before it makes anything). The patch
+        `test`s the resourceVersion read, so a status written since makes it fail and the
+        record stays. True when the finalizer is off (or the object gone)."""
+        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        current = await self._read(path)
+        if current is None:
+            return True
+        meta = current.get("metadata", {})
+        if current.get("status") or meta.get("uid") != alloc.obj.get("metadata", {}).get("uid"):
+            return False  # the agent got to it after all, or it is another object now
+        finalizers = meta.get("finalizers") or []
+        if RELEASE_FINALIZER not in finalizers:
+            return True
+        self.elector.check()
+        test = {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}
+        try:
+            await self.kube.patch(path, _without_ours(test, finalizers), kind="json")
+        except ApiError as exc:
+            if exc.not_found:
+                return True
+            if exc.status in (409, 422):  # changed since the read: look again next time
+                return False
+            raise
+        return True
 
     async def delete_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -135,3 +157,9 @@ class Writes:
         await pod_event(
             self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
         )
+
+
+def _without_ours(test: Obj, finalizers: list[str]) -> list[Obj]:
+    """A JSON patch: the precondition `test`, then the finalizers without the release one."""
+    rest = [f for f in finalizers if f != RELEASE_FINALIZER]
+    return [test, {"op": "replace", "path": "/metadata/finalizers", "value": rest}]
