@@ -252,6 +252,25 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         assert node.instances() == [] and node.cdi_files() == []
 
 
+async def test_create_for_an_allocation_already_gone_makes_nothing(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The allocator drops an allocation this agent never acted on while the agent was down
+    (docs/allocator.md, "Node agent down"). An agent working from a view that still has it
+    finds it gone at its first write (`Creating`) and makes nothing: no instance, no record,
+    no CDI file."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        gone = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        gone["metadata"]["uid"] = "uid-never-created"
+        await life.create(alloc_view(gone))
+        assert node.instances() == [] and node.cdi_files() == []
+        assert "uid-never-created" not in life.st.cp.claims
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+
+
 async def test_nvml_failure_rolls_back_and_fails(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
