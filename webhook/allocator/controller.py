@@ -608,7 +608,7 @@ class Controller:
         for it: drop the record without the agent, and the pod (still gated: it is pinned
         only once Ready) is placed again, on a node with a running agent."""
         if not await self.writes.drop_finalizer_if_untouched(alloc):
-            return  # the agent wrote a status after all: it finishes or releases it
+            return  # the agent wrote a status after all (it finishes or releases it), or gone
         log.warning(
             "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
         )

@@ -113,11 +113,12 @@ class Writes:
         """Remove the release finalizer of an allocation its node agent never acted on: no
         status at all (the agent writes `Creating` before it makes anything). The patch
         `test`s the resourceVersion read, so a status written since makes it fail and the
-        record stays. True when the finalizer is off (or the object gone)."""
+        record stays. True when the finalizer is off and the object is still there to
+        delete; False when gone already (an earlier pass did it) or kept."""
         path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
         current = await self._read(path)
         if current is None:
-            return True
+            return False
         meta = current.get("metadata", {})
         if current.get("status") or meta.get("uid") != alloc.obj.get("metadata", {}).get("uid"):
             return False  # the agent got to it after all, or it is another object now
@@ -129,9 +130,7 @@ class Writes:
         try:
             await self.kube.patch(path, _without_ours(test, finalizers), kind="json")
         except ApiError as exc:
-            if exc.not_found:
-                return True
-            if exc.status in (409, 422):  # changed since the read: look again next time
+            if exc.not_found or exc.status in (409, 422):  # gone, or changed since the read
                 return False
             raise
         return True
