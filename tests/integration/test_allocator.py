@@ -40,6 +40,7 @@ from tests.integration.allocator_fixtures import (
     gpu_uuid,
     load_crds,
     set_gpus,
+    wait_for,
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.clock import cancel_until_done
@@ -59,6 +60,20 @@ async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
 
 @pytest.fixture
 async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
+    # The allocator watches pods cluster-wide, so gated pods in an earlier test's namespace
+    # (deleted, not yet gone) would be counted in this test's pending gauges (CI once saw
+    # instaslice_pending_pods{NoProfile} at 3 for one pod): wait them out.
+    namespaces = (await kube.list(core_path("namespaces")))["items"]
+    ending = {n["metadata"]["name"] for n in namespaces if n["status"]["phase"] == "Terminating"}
+    await wait_for(
+        kube,
+        core_path("pods"),
+        lambda pods: (
+            not any(p["metadata"]["namespace"] in ending and podlib.has_our_gate(p) for p in pods)
+        ),
+        within=60,
+        what=f"the gated pods of namespaces being deleted gone: {sorted(ending)}",
+    )
     agent = FakeAgent(kube)
     agent_task = asyncio.create_task(agent.run(), name="fake-agent")
     await agent.informer.synced.wait()
