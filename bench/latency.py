@@ -53,7 +53,7 @@ from bench.latency_track import (
     summary,
     writes_summary,
 )
-from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path
+from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, harden, instaslice_path
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import create_nodes, parse_spec, wait_nodes_ready
 from hack.dev import DevSystem
@@ -302,7 +302,7 @@ class BenchSystem(DevSystem):
 
 
 async def _nodes_ready(kubeconfig: Path, nodes: int) -> None:
-    async with await k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api:
+    async with harden(await k8s_config.new_client_from_config(config_file=str(kubeconfig))) as api:
         names = await create_nodes(api, spec(nodes))
         await wait_nodes_ready(api, names, timeout_s=max(180.0, 0.5 * nodes))
 

@@ -108,10 +108,7 @@ class Kube:
         # per API call (6 % of the allocator's CPU in a 1000-pod burst, docs/benchmarks.md).
         # Credentials come only from the kubeconfig or service account here; a proxy only
         # from the kubeconfig's proxy-url (HTTP(S)_PROXY variables are not consulted).
-        session = api.rest_client.pool_manager
-        assert hasattr(session, "_trust_env"), "aiohttp renamed ClientSession._trust_env"
-        session._trust_env = False
-        _abort_closed_tls(session.connector)
+        harden(api)
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None, *, qps_pool: int = 64) -> Kube:
@@ -280,6 +277,16 @@ class Kube:
                 yield etype, obj
         finally:
             resp.release()
+
+
+def harden(api: k8s_client.ApiClient) -> k8s_client.ApiClient:
+    """What `Kube` does to its kubernetes_asyncio client, for code that uses one directly
+    (tests, hack/): no ~/.netrc lookup per request, closed TLS connections aborted."""
+    session = api.rest_client.pool_manager
+    assert hasattr(session, "_trust_env"), "aiohttp renamed ClientSession._trust_env"
+    session._trust_env = False
+    _abort_closed_tls(session.connector)
+    return api
 
 
 def _abort_closed_tls(connector: aiohttp.BaseConnector | None) -> None:

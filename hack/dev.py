@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
+from common.kubeapi import harden
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import ClusterSpec, create_nodes, load_spec, wait_nodes_ready
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
@@ -320,7 +321,7 @@ def _link_bin(dev: Path, cp: ControlPlane) -> None:
 
 
 async def _create_nodes(kubeconfig: Path, spec: ClusterSpec) -> None:
-    async with await k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api:
+    async with harden(await k8s_config.new_client_from_config(config_file=str(kubeconfig))) as api:
         names = await create_nodes(api, spec)
         await wait_nodes_ready(api, names, timeout_s=180)
 

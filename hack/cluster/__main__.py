@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kubernetes_asyncio import config
 
+from common.kubeapi import harden
 from hack.cluster.controlplane import ControlPlane, ControlPlaneError
 from hack.cluster.nodes import create_nodes, load_spec, wait_nodes_ready
 
@@ -30,7 +31,7 @@ def _link_bin(dev: Path, cp: ControlPlane) -> None:
 
 async def _create_nodes(kubeconfig: Path, spec_path: Path) -> list[str]:
     spec = load_spec(spec_path)
-    async with await config.new_client_from_config(config_file=str(kubeconfig)) as api:
+    async with harden(await config.new_client_from_config(config_file=str(kubeconfig))) as api:
         names = await create_nodes(api, spec)
         await wait_nodes_ready(api, names, timeout_s=120)
     return names

@@ -23,6 +23,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from common.kubeapi import harden
 from hack.cluster import BinariesMissing, ControlPlane
 
 _HERE = Path(__file__).parent
@@ -73,7 +74,7 @@ def control_plane(
 
 @pytest.fixture(scope="session")
 async def kube_api(control_plane: ControlPlane) -> AsyncIterator[client.ApiClient]:
-    api = await config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    api = harden(await config.new_client_from_config(config_file=str(control_plane.kubeconfig)))
     async with api:
         yield api
 

@@ -25,6 +25,7 @@ from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from common.constants import GPU_COUNT_LABEL, GPU_MODEL_LABEL
+from common.kubeapi import harden
 from hack.cluster import ControlPlane
 from hack.cluster.bins import REPO_ROOT
 from hack.cluster.nodes import (
@@ -193,7 +194,7 @@ async def test_namespace_deletion_removes_everything(
 
 
 async def _client_for(kubeconfig: Path) -> client.ApiClient:
-    return await config.new_client_from_config(config_file=str(kubeconfig))
+    return harden(await config.new_client_from_config(config_file=str(kubeconfig)))
 
 
 async def test_rbac_is_enforced(
