@@ -32,6 +32,7 @@ CDI_FILE_PREFIX: Final = "instaslice.io-"
 # The node agent's heartbeat: a Lease named after the node in InstaSlice's namespace, held
 # by "<NODEAGENT_COMPONENT>/<node>" (the allocator leaves nodes out whose Lease goes stale).
 NODEAGENT_COMPONENT: Final = "instaslice-nodeagent"
+AGENT_LEASE_DURATION_S: Final = 40  # its default `leaseDurationSeconds`, renewed every quarter
 
 # Node labels written by KWOK specs / GPU discovery.
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from common.catalog import load_catalog
-from common.constants import NODE_LABEL
+from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         help="seconds before an unclaimed InstaSlice instance is destroyed",
     )
     p.add_argument("--gc-period-s", type=float, default=30.0)
-    p.add_argument("--lease-duration-s", type=int, default=40)
+    p.add_argument("--lease-duration-s", type=int, default=AGENT_LEASE_DURATION_S)
     p.add_argument(
         "--nvidia-cdi-spec",
         type=Path,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from common.constants import AGENT_LEASE_DURATION_S
+
 Binding = Literal["env", "device-plugin"]
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
@@ -29,7 +31,7 @@ class Settings:
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0
-    lease_duration_s: int = 40
+    lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
     nvidia_cdi_spec: Path | None = None  # None: the first of DEFAULT_NVIDIA_CDI_SPECS that exists

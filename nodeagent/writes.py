@@ -18,7 +18,6 @@ from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_pat
 from common.objects import mig_node
 
 Obj = dict[str, Any]
-COMPONENT = NODEAGENT_COMPONENT
 LEASE_GV = "coordination.k8s.io/v1"
 
 
@@ -126,7 +125,7 @@ async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) ->
         "kind": "Lease",
         "metadata": {"name": node, "namespace": namespace},
         "spec": {
-            "holderIdentity": f"{COMPONENT}/{node}",
+            "holderIdentity": f"{NODEAGENT_COMPONENT}/{node}",
             "leaseDurationSeconds": duration_s,
             "acquireTime": now,
             "renewTime": now,
@@ -153,5 +152,10 @@ async def event(
         return
     pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": pod_uid}}
     await pod_event(
-        kube, pod, reason, message, component=COMPONENT, type_="Warning" if warning else "Normal"
+        kube,
+        pod,
+        reason,
+        message,
+        component=NODEAGENT_COMPONENT,
+        type_="Warning" if warning else "Normal",
     )

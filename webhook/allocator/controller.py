@@ -36,6 +36,7 @@ import structlog
 
 from common.catalog import Catalog, load_catalog
 from common.constants import (
+    AGENT_LEASE_DURATION_S,
     GATE_NAME,
     MIG_NODE_PLURAL,
     NODEAGENT_COMPONENT,
@@ -78,7 +79,6 @@ INTERNAL_ERROR = "InternalError"
 AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 _AGENT_HOLDER = f"{NODEAGENT_COMPONENT}/"
-_AGENT_LEASE_DEFAULT_S = 40.0  # the node agent's default --lease-duration-s
 
 
 class Controller:
@@ -217,7 +217,7 @@ class Controller:
             self.agents.forget(node)  # no heartbeat at all reads as unknown, not down
         else:
             renew = str(spec.get("renewTime") or "")
-            duration = float(spec.get("leaseDurationSeconds") or _AGENT_LEASE_DEFAULT_S)
+            duration = float(spec.get("leaseDurationSeconds") or AGENT_LEASE_DURATION_S)
             self.agents.observe(node, renew, duration, self._since(renew, self._lease_informer))
         now = self.clock.monotonic()
         if not self.agents.is_expired(node, now) and self.state.set_agent_down(node, False):
@@ -237,9 +237,7 @@ class Controller:
                 node=node,
                 silent_s=round(silent, 1),
             )
-        for node in sorted(self.state.agents_down - expired):
-            self.state.set_agent_down(node, False)
-        self._after_change()
+        # no revival here: a renewal (or a deleted Lease) is seen by _on_lease at once
 
     def _since(self, stamp: str | None, informer: Informer | None) -> float:
         """Now, or — for objects found by `informer`'s initial list — `stamp` (a creation
