@@ -327,7 +327,9 @@ async def test_instance_appearing_after_the_check_is_not_rolled_back(
     and wrote its intent: NVML refuses the agent's create, and the rollback must leave the
     other GI alone although the intent record names its placement."""
     node = await gpu_node(kube, tmp_path, [H200])
-    node.emu.set_latency(create_ms=800)
+    # The agent's create sleeps 2 s before NVML looks at the slots; the intruder below skips
+    # the sleep (its own no-op `sleep`), so it wins however late the agent reads the latency.
+    node.emu.set_latency(create_ms=2000)
     async with running_agent(agent_settings([node], control_plane.kubeconfig)):
         alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 4, 1)])
         await create_allocation(kube, alloc)
@@ -336,8 +338,7 @@ async def test_instance_appearing_after_the_check_is_not_rolled_back(
             return bool(checkpoint.load(node.checkpoint, node.name).claims)
 
         await eventually(intent_written, interval=0.01, what="the intent record")
-        node.emu.set_latency(create_ms=0)
-        nv = EmulatedNvml(tmp_path / "gpus", node.name)
+        nv = EmulatedNvml(tmp_path / "gpus", node.name, sleep=lambda _s: None)
         nv.nvmlInit()
         dev = nv.nvmlDeviceGetHandleByIndex(0)
         nv.nvmlDeviceCreateGpuInstanceWithPlacement(dev, 19, nv.c_nvmlGpuInstancePlacement_t(4, 1))
