@@ -22,7 +22,10 @@ from nodeagent.device import NodeGpus
 
 
 class Probe:
-    def __init__(self) -> None:
+    def __init__(self, meet: int = 0) -> None:
+        """`meet`: calls wait (10 s at most) until that many are running at once, so a test
+        proves parallelism without timing it: serialized calls break the barrier."""
+        self.meet = threading.Barrier(meet, timeout=10) if meet else None
         self.lock = threading.Lock()
         self.running: dict[str, int] = {}
         self.overlap = False
@@ -38,6 +41,8 @@ class Probe:
             self.overlap |= busy > 1 and (node == "*" or self.running.get("*", 0) > 0)
             self.peak = max(getattr(self, "peak", 0), busy)
             self.order.append((node, i))
+        if self.meet is not None:
+            self.meet.wait()
         time.sleep(seconds)
         with self.lock:
             self.running[node] -= 1
@@ -74,34 +79,31 @@ async def test_a_cancelled_caller_does_not_let_the_next_call_overlap() -> None:
 
 
 async def test_nodes_sharing_a_pool_run_in_parallel() -> None:
-    probe = Probe()
+    probe = Probe(meet=4)  # all four calls running at once, or BrokenBarrierError
     with ThreadPoolExecutor(max_workers=8) as pool:
         nodes = [gpus(f"n{i}", pool) for i in range(4)]
-        t0 = time.monotonic()
-        await asyncio.gather(*(g.call(probe.work, g.node, 0, 0.2) for g in nodes))
-        elapsed = time.monotonic() - t0
-    assert elapsed < 0.2 * 4  # not one after another
+        await asyncio.gather(*(g.call(probe.work, g.node, 0, 0.05) for g in nodes))
+    assert probe.peak == 4
     assert not probe.overlap
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-pool", "own-executor"])
 async def test_gpus_of_one_node_run_in_parallel_each_in_order(shared: bool) -> None:
-    probe = Probe()
+    # each round's four calls, one per GPU, must run at once (a lane adds one call at a time)
+    probe = Probe(meet=4)
     nv = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None)
     with ThreadPoolExecutor(max_workers=8) as pool:
         node = NodeGpus(cast(Any, nv), load_catalog(), "a", pool=pool if shared else None)
         async with node as g:  # exit shuts the node's own executor down
-            t0 = time.monotonic()
             calls = [
-                g.call_gpu(gpu, probe.work, f"gpu{gpu}", i, 0.1)
+                g.call_gpu(gpu, probe.work, f"gpu{gpu}", i, 0.02)
                 for i in range(3)
                 for gpu in range(4)
             ]
             got = await asyncio.gather(*calls)
-            elapsed = time.monotonic() - t0
     assert got == [i for i in range(3) for _ in range(4)]
     assert not probe.overlap, "two calls on one GPU overlapped"
-    assert probe.peak > 1 and elapsed < 0.1 * 12 / 2  # GPUs did not wait for each other
+    assert probe.peak == 4  # GPUs did not wait for each other
     for gpu in range(4):
         assert [i for lane, i in probe.order if lane == f"gpu{gpu}"] == [0, 1, 2]
 
