@@ -337,6 +337,55 @@ async def test_a_step_refused_for_a_lapsed_lease_is_retried() -> None:
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
 
 
+async def test_a_pod_parked_while_the_renewal_is_late_is_told_once_it_lands() -> None:
+    """CI: the first Lease write of a term was slow, the pod was parked before the renewal
+    deadline was met again, and its AllocationPending event was skipped for good."""
+    kube, clock = RecordingKube(), FakeClock()
+    elector = Leader()
+    c = controller(kube, clock, elector)
+    async with leading(c):
+        await node(c)
+        elector.leading = False  # the renewal is late
+        await c._on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
+        await settle()
+        assert c.parked == {"p": 0}
+        await clock.advance(5.0)
+        assert event_reasons(kube) == []  # not while leadership is unconfirmed
+        elector.leading = True  # the late renewal succeeded
+        await clock.advance(1.0)
+        assert event_reasons(kube) == [REASON_PENDING]
+        await clock.advance(5.0)
+    assert event_reasons(kube) == [REASON_PENDING]  # once
+
+
+async def test_a_pending_event_cut_off_by_the_end_of_a_term_is_told_by_the_next() -> None:
+    """The pending reason was recorded with its event still waiting; the term's end forgets
+    it, so the replica that wins the Lease back tells the pod, as any other replica would."""
+    kube, clock = RecordingKube(), FakeClock()
+    elector = Leader()
+    c = controller(kube, clock, elector)
+    pod = make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}})
+
+    async def first_term() -> None:
+        async with leading(c):
+            await node(c)
+            elector.leading = False
+            await c._on_pod("ADDED", pod)
+            await asyncio.Event().wait()  # until the Lease is lost
+
+    term = asyncio.create_task(first_term())
+    await settle()
+    assert c.parked == {"p": 0}
+    await cancel_until_done([term])  # the Lease was lost with the event still waiting
+    c.step_down()  # as `lead` does when its term ends
+    assert event_reasons(kube) == []
+    elector.leading = True
+    async with leading(c):  # won back: every pod is looked at again, as `lead` does
+        await c._on_pod("MODIFIED", pod)
+        await settle()
+    assert event_reasons(kube) == [REASON_PENDING]
+
+
 async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
     """Lease lost and won back while a create is still queued at the API server: the next
     term must not promise those slots to another pod."""

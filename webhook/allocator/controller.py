@@ -291,6 +291,7 @@ class Controller:
         self._backoff.clear()
         self.queue.clear()
         self.parked.clear()
+        self.pending.clear_all()  # an event the term's end cut off is told by the next term
         self.state.drop_assumed(keep=self._inflight)
         self.metrics.leader.set(0)
         self.metrics.state_gauges.source = lambda: None
@@ -526,8 +527,7 @@ class Controller:
     def _park(self, pod: PodView, reason: str, message: str) -> None:
         self.parked[pod.uid] = int(pod.obj.get("metadata", {}).get("generation") or 0)
         self.metrics.outcome("pending")
-        # Record the reason only when the event can be written, or it would never be.
-        if self.elector.is_leader and self.pending.observe(pod.uid, reason):
+        if self.pending.observe(pod.uid, reason):  # the event waits out a late renewal
             log.info("pod pending", pod=pod.key, reason=reason, message=message)
             self._event(pod.obj, REASON_PENDING, message, "Warning")
 

@@ -76,8 +76,8 @@ class PendingTracker:
     def clear(self, uid: str) -> None:
         self._reasons.pop(uid, None)
 
-    def reason(self, uid: str) -> str | None:
-        return self._reasons.get(uid)
+    def clear_all(self) -> None:
+        self._reasons.clear()
 
     def counts(self) -> Counter[str]:
         return Counter(self._reasons.values())

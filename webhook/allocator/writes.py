@@ -22,6 +22,7 @@ from webhook.allocator.state import AllocView
 
 COMPONENT = "instaslice-allocator"
 _PIN_ATTEMPTS = 5
+_LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal looks again
 
 
 class Writes:
@@ -150,9 +151,12 @@ class Writes:
     async def event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:
-        """Best effort (common.events); skipped by a replica that is not leading."""
-        if not self.elector.is_leader:
-            return
+        """Best effort (common.events), written only while this replica's leadership is
+        confirmed. While a renewal is late it waits, for a decision made in that moment must
+        still be told (CI: a pod parked just as the term began was never told why); the end
+        of the term cancels the wait."""
+        while not self.elector.is_leader:
+            await self.clock.sleep(_LEADER_WAIT_S)
         await pod_event(
             self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
         )
