@@ -101,6 +101,7 @@ class Lifecycle:
         self._backoff: dict[str, float] = {}
         self._in_use_told: set[str] = set()
         self._announced: set[str] = set()  # SliceReady sent (once per process lifetime)
+        self._failed: set[str] = set()  # Failed written by this process: final for that uid
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -161,6 +162,7 @@ class Lifecycle:
             self.conditions(alloc), condition("Ready", False, "CreateFailed", message, _now())
         )
         await self.status(alloc, status_failed(message, conds))
+        self._failed.add(alloc.uid)
         await writes.event(
             self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
         )
@@ -197,6 +199,12 @@ class Lifecycle:
     async def create(self, alloc: AllocView, reason: str = "") -> None:
         t0 = self.clock()
         uid = alloc.uid
+        if uid in self._failed:
+            # Our own Creating write's watch event arriving after we wrote Failed: a stale
+            # view, not a new request. A Failed allocation is never made after all (the
+            # allocator deletes it and places the pod anew); creating now would write Ready
+            # over Failed while the allocator releases it (`make chaos`, seen in CI).
+            return
         rec = self.st.cp.claims.get(uid)
         if (
             rec is not None
@@ -469,6 +477,7 @@ class Lifecycle:
         )
         self._backoff.pop(uid, None)
         self._announced.discard(uid)
+        self._failed.discard(uid)
         told = uid in self._in_use_told
         self._in_use_told.discard(uid)
         if not (dropped or rec is not None):

@@ -252,6 +252,29 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         assert node.instances() == [] and node.cdi_files() == []
 
 
+async def test_a_stale_creating_view_after_failed_makes_nothing(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The agent's own Creating write arriving by watch after it wrote Failed: the agent
+    once made the slices then and wrote Ready over Failed while the allocator released the
+    record, so the pod was pinned to slots being freed (`make chaos` under load)."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    node.emu.fail_next("create_ci", 23)
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)) as agents:
+        life = agents[node.name].life
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(kube, alloc)
+        failed = await wait_phase(kube, alloc, "Failed")
+        stale = json.loads(json.dumps(failed))
+        stale["status"] = {"phase": "Creating"}
+        await life.create(alloc_view(stale))
+        assert node.instances() == []
+        got = await get_allocation(kube, ns, alloc["metadata"]["name"])
+        assert got is not None and got["status"]["phase"] == "Failed"
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+
+
 async def test_create_for_an_allocation_already_gone_makes_nothing(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:

@@ -386,6 +386,26 @@ async def test_a_pending_event_cut_off_by_the_end_of_a_term_is_told_by_the_next(
     assert event_reasons(kube) == [REASON_PENDING]
 
 
+async def test_an_allocation_it_released_is_never_pinned_to_even_if_it_turns_ready() -> None:
+    """`make chaos` under load: the node agent wrote Ready over its own Failed (a stale view)
+    just before the allocator's DELETE landed; the step after the DELETE trusted the Ready it
+    had seen and pinned the pod to slots that were being freed: double booking."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    failed = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.FAILED, uid="a")
+    ready = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY, uid="a")
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", pod)
+        await c._on_allocation("ADDED", failed)
+        await settle()
+        assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["delete"]
+        await c._on_allocation("MODIFIED", ready)  # landed before the DELETE; seen after it
+        await clock.advance(2.0)
+    assert [w for w in kube.writes() if "/pods/" in w[1]] == []  # not pinned
+
+
 async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
     """Lease lost and won back while a create is still queued at the API server: the next
     term must not promise those slots to another pod."""

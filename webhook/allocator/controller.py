@@ -584,6 +584,7 @@ class Controller:
     async def _release(self, alloc: AllocView, why: str) -> None:
         log.info("releasing allocation", allocation=alloc.key, why=why)
         await self.writes.delete_allocation(alloc)
+        self.state.mark_deleting(alloc)
         self.metrics.outcome("released")
 
     async def _release_orphan(self, alloc: AllocView) -> None:

@@ -233,6 +233,7 @@ class ClusterState:
         self.nodes: dict[str, NodeView] = {}
         self.gpus: dict[str, tuple[GpuView, ...]] = {}  # MigNode status, by node
         self._live_claims: Counter[str] = Counter()
+        self._deleted: set[str] = set()  # uids of allocations this replica deleted
         self._charges: dict[str, tuple[str, Resources]] = {}
         self._usage: dict[str, Resources] = {}
         self._node_cache: dict[str, NodeState] = {}
@@ -287,7 +288,10 @@ class ClusterState:
 
     def upsert_allocation(self, obj: Obj) -> AllocView:
         """A watched allocation (replaces an assumed one of the same name)."""
-        return self._put_alloc(AllocView.of(obj))
+        view = AllocView.of(obj)
+        if not view.deleting and _uid(view) in self._deleted:
+            view = dataclasses.replace(view, deleting=True)  # an event older than our DELETE
+        return self._put_alloc(view)
 
     def assume(self, obj: Obj) -> AllocView:
         """Record a decision before its create is sent, so the next decision sees it."""
@@ -310,6 +314,18 @@ class ClusterState:
         """Forget assumed allocations, except `keep` (creates whose outcome is not known)."""
         for k in [k for k, a in self.allocations.items() if a.assumed and k not in keep]:
             self._drop_alloc(k)
+
+    def mark_deleting(self, alloc: AllocView) -> None:
+        """Our DELETE of `alloc` went through: from now on that object counts as being
+        deleted, whatever older watch events still say, so nothing is pinned to it (a Ready
+        status that landed just before the DELETE would otherwise be trusted)."""
+        uid = _uid(alloc)
+        current = self.allocations.get(alloc.key)
+        if not uid or current is None or _uid(current) != uid:
+            return
+        self._deleted.add(uid)
+        if not current.deleting:
+            self._put_alloc(dataclasses.replace(current, deleting=True))
 
     def remove_allocation(self, obj: Obj) -> AllocView | None:
         view = AllocView.of(obj)
@@ -341,6 +357,7 @@ class ClusterState:
 
     def _drop_alloc(self, key: str) -> AllocView:
         view = self.allocations.pop(key)
+        self._deleted.discard(_uid(view))
         self._unindex(view)
         self._recharge(view.pod_uid)
         self.epoch += 1
@@ -585,3 +602,7 @@ def summary(placement: Placement) -> str:
         f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
     ]
     return ", ".join(parts)
+
+
+def _uid(alloc: AllocView) -> str:
+    return str(alloc.obj.get("metadata", {}).get("uid") or "")
