@@ -13,6 +13,7 @@ Leaves out: InstaSlice components, node failure (chaos tests), scale (docs/contr
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -216,7 +217,17 @@ async def test_rbac_is_enforced(
                 subjects=[client.RbacV1Subject(api_group=_RBAC, kind="User", name=user)],
             ),
         )
-        pods = await client.CoreV1Api(api).list_namespaced_pod(namespace)
+        # The authorizer learns of the binding through its own watch: a moment later (CI
+        # once got the 403 still). Allowed within 10 s, or the binding did not take.
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            try:
+                pods = await client.CoreV1Api(api).list_namespaced_pod(namespace)
+                break
+            except ApiException as exc:
+                if exc.status != 403 or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
         assert pods.items == []
         with pytest.raises(ApiException) as err:
             await client.CoreV1Api(api).list_pod_for_all_namespaces()
