@@ -104,8 +104,9 @@ echo "[3/5] pause (hack/kube/node/pause)" >&2
 
 echo "[4/5] nvidia-container-runtime $NVIDIA_CTK_VERSION" >&2
 src="$(module_src github.com/NVIDIA/nvidia-container-toolkit "$NVIDIA_CTK_VERSION")"
-(cd "$src" && GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" -o "$BIN.tmp/" \
-    ./cmd/nvidia-container-runtime) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+# the only cgo build here: internal/cuda dlopens libcuda (needs gcc + libc headers, not CUDA)
+(cd "$src" && CGO_ENABLED=1 GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" \
+    -o "$BIN.tmp/" ./cmd/nvidia-container-runtime) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
 
 echo "[5/5] kubelet $VERSION (warm Go cache from make kube-bins: ~2 min)" >&2
 (cd "$HERE/node" && GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "$kube_ld" \
