@@ -49,6 +49,7 @@ from hack.cluster.nodes import (
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
 from nodeagent.emulator import provision
+from nodeagent.settings import Binding
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests" / "base"
@@ -88,7 +89,7 @@ class DevSystem:
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
     real: RealNode | None = None  # the runtime: containerd group's node
-    real_binding: str = "device-plugin"
+    real_binding: Binding = "device-plugin"
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -126,7 +127,13 @@ class DevSystem:
         cluster_settings: ClusterSettings | None = None,
         agent_args: Sequence[str] = (),
         webhook_args: Sequence[str] = (),
+        real_binding: Binding = "device-plugin",
     ) -> DevSystem:
+        """Start (or restart the components of) the system of `spec` in `dir`.
+
+        `real_binding` is the real node's binding mode: `device-plugin` (containerd applies
+        the CDI device from the kubelet, runc runs it) or `env` (NVIDIA's runtime, the node's
+        default runtime, resolves the container's NVIDIA_VISIBLE_DEVICES)."""
         dir = dir.absolute()
         dir.mkdir(parents=True, exist_ok=True)
         old = cls.attach(dir)
@@ -149,6 +156,7 @@ class DevSystem:
             free_port(),
             agent_args=tuple(agent_args),
             webhook_args=tuple(webhook_args),
+            real_binding=real_binding,
         )
         system.install()
         asyncio.run(_create_nodes(cp.kubeconfig, spec))
@@ -156,7 +164,8 @@ class DevSystem:
             for name in group.names():
                 provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
         if (real := spec.real_group) is not None:
-            system.start_real_node(real, die_with_parent=die_with_parent)
+            runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
+            system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)
         system.start_webhook(die_with_parent=die_with_parent)
         if system.kwok_nodes:
             system.start_agent(die_with_parent=die_with_parent)
@@ -225,7 +234,7 @@ class DevSystem:
         self.save()
 
     def start_real_agent(
-        self, *, binding: str | None = None, die_with_parent: bool = False
+        self, *, binding: Binding | None = None, die_with_parent: bool = False
     ) -> None:
         """The real node's agent: its own process, as a DaemonSet pod would be."""
         assert self.real is not None

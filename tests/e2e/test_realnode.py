@@ -1,0 +1,235 @@
+"""Binding proven in real containers: a real kubelet + containerd + runc node (the spec's
+`runtime: containerd` group, hack/cluster/realnode.py) next to a KWOK node, its emulated GPU
+backed by real device files, its node agent in `device-plugin` binding.
+
+Covers: the node registers and is Ready beside KWOK; a pod asking `nvidia.com/mig-<p>` runs
+busybox `env; ls -l /dev /dev/nvidia-caps`, and its log (`kubectl logs`, through the real
+kubelet) shows NVIDIA_VISIBLE_DEVICES naming exactly its own MIG device and exactly its
+slice's GPU-instance and compute-instance capability nodes; a second pod on the same GPU sees
+only its own; each container of a multi-container pod sees only its own; on release the
+slices, the CDI files and the runtime's containers go.
+
+Leaves out: NVML (emulated; the device files have no driver behind them), pod networking
+(hostNetwork only), the `env` binding through NVIDIA's runtime (see docs/binding.md, "What
+runs for real"). Its own control plane (module fixture), so the shared e2e system's agent
+tests keep their node count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from common.constants import CDI_FILE_PREFIX, CLAIM_ANNOTATION, ENABLED_KEY, VISIBLE_DEVICES_ENV
+from common.kubeapi import Kube, Obj, core_path, instaslice_path
+from hack.cluster import BinariesMissing
+from hack.cluster.nodes import parse_spec
+from hack.cluster.realnode import RealNodeError
+from hack.dev import DevSystem
+from nodeagent.cdi import formula_minor
+from tests.e2e.conftest import AGENT_ARGS
+from tests.e2e.helpers import (
+    RELEASE_TIMEOUT_S,
+    allocs_path,
+    make_real_pod,
+    pods_path,
+    wait_for,
+    wait_opted_in,
+    wait_pod_running,
+)
+
+REAL = "real-0"
+SPEC: dict[str, Any] = {
+    "nodes": [
+        {"prefix": "kwok", "count": 1, "gpus": 1, "model": "H100-80GB"},
+        {"prefix": "real", "count": 1, "gpus": 1, "model": "H100-80GB", "runtime": "containerd"},
+    ]
+}
+SHOW = "env; ls -l /dev /dev/nvidia-caps; echo END-OF-LISTING; exec sleep 3600"
+
+
+@pytest.fixture(scope="module", params=["device-plugin", "env"])
+def real(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    """The system with its real node in one binding mode: `device-plugin` (the kubelet asks
+    the agent, containerd applies the CDI device, runc runs it) or `env` (the webhook's
+    NVIDIA_VISIBLE_DEVICES, resolved by NVIDIA's runtime, the node's default runtime)."""
+    try:
+        started = DevSystem.up(
+            tmp_path_factory.mktemp("realnode"),
+            parse_spec(SPEC),
+            die_with_parent=True,
+            agent_args=AGENT_ARGS,
+            real_binding=request.param,
+        )
+    except (BinariesMissing, RealNodeError) as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield started
+    finally:
+        started.down()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def rkube(real: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(real.kubeconfig)) as k:
+        yield k
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ns(rkube: Kube, real: DevSystem) -> AsyncIterator[str]:
+    created = await rkube.create(
+        core_path("namespaces"),
+        {"metadata": {"generateName": "real-", "annotations": {ENABLED_KEY: "true"}}},
+    )
+    name: str = created["metadata"]["name"]
+    await wait_for(
+        rkube, core_path("serviceaccounts", name), lambda sas: "default" in sas, what="SA"
+    )
+    await wait_opted_in(rkube, name)
+    try:
+        yield name
+    finally:
+        await rkube.delete(core_path("namespaces", name=name))
+        await wait_for(
+            rkube,
+            allocs_path(name),
+            lambda a: not a,
+            what=f"SliceAllocations of {name} gone",
+            timeout_s=RELEASE_TIMEOUT_S,
+        )
+
+
+# --- what a container saw ------------------------------------------------------------------
+
+
+async def listing(real: DevSystem, ns: str, pod: str, container: str) -> dict[str, Any]:
+    """The container's `env; ls -l /dev /dev/nvidia-caps`, through the real kubelet."""
+    deadline = time.monotonic() + 30
+    while True:
+        out = await asyncio.to_thread(
+            real.cp.kubectl, "logs", "-n", ns, pod, "-c", container, check=False
+        )
+        if "END-OF-LISTING" in out.stdout:
+            break
+        assert time.monotonic() < deadline, f"{pod}/{container}: no listing: {out}"
+        await asyncio.sleep(0.5)
+    env = [line for line in out.stdout.splitlines() if line.startswith(VISIBLE_DEVICES_ENV + "=")]
+    section = out.stdout.split("/dev/nvidia-caps:", 1)
+    caps = set(re.findall(r"\bnvidia-cap(\d+)$", section[1], re.M)) if len(section) == 2 else set()
+    dev = re.findall(r"^c\S+\s.*\s(\S+)$", section[0], re.M)
+    return {"env": env, "caps": {int(c) for c in caps}, "dev": set(dev), "raw": out.stdout}
+
+
+def expected(alloc: Obj, mig: Obj, container: str) -> tuple[set[str], set[int]]:
+    """MIG UUIDs and capability minors of `container`'s slices in the allocation."""
+    index = {g["uuid"]: g["index"] for g in mig["status"]["gpus"]}
+    uuids, caps = set(), set()
+    for want, got in zip(alloc["spec"]["slices"], alloc["status"]["slices"], strict=True):
+        if want["container"] != container:
+            continue
+        g = index[want["gpuUUID"]]
+        uuids.add(got["migUUID"])
+        caps |= {formula_minor(g, got["giID"]), formula_minor(g, got["giID"], got["ciID"])}
+    return uuids, caps
+
+
+async def alloc_of(kube: Kube, ns: str, pod: str) -> Obj:
+    p = await kube.get(pods_path(ns, pod))
+    alloc: Obj = await kube.get(allocs_path(ns, p["metadata"]["annotations"][CLAIM_ANNOTATION]))
+    return alloc
+
+
+async def assert_sees_only_its_own(
+    kube: Kube, real: DevSystem, ns: str, pod: str, containers: list[str]
+) -> set[str]:
+    alloc = await alloc_of(kube, ns, pod)
+    assert alloc["status"]["phase"] == "Ready", alloc["status"]
+    mig = await kube.get(instaslice_path("mignodes", name=REAL))
+    seen = set()
+    for c in containers:
+        uuids, caps = expected(alloc, mig, c)
+        got = await listing(real, ns, pod, c)
+        where = f"{pod}/{c}:\n{got['raw']}"
+        assert got["env"] == [f"{VISIBLE_DEVICES_ENV}={','.join(sorted(uuids))}"], where
+        assert got["caps"] == caps, f"caps {got['caps']}, slice's {caps}; {where}"
+        assert {"nvidia0", "nvidiactl", "nvidia-uvm"} <= got["dev"], where
+        seen |= uuids
+    return seen
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+async def test_the_real_node_is_ready_next_to_kwok(rkube: Kube, real: DevSystem) -> None:
+    node = await rkube.get(core_path("nodes", name=REAL))
+    assert "kwok.x-k8s.io/node" not in node["metadata"].get("annotations", {}), node["metadata"]
+    info = node["status"]["nodeInfo"]
+    assert info["containerRuntimeVersion"] == "containerd://v2.4.2", info
+    assert info["kubeletVersion"] == "v1.37.2", info
+    taints = {(t["key"], t.get("value"), t["effect"]) for t in node["spec"].get("taints", [])}
+    assert ("instaslice.io/real-node", "true", "NoSchedule") in taints, taints
+    # the node agent's device plugin registered with the real kubelet
+    await wait_for(
+        rkube,
+        core_path("nodes"),
+        lambda n: (
+            REAL in n
+            and n[REAL]["status"].get("allocatable", {}).get("instaslice.io/mig-1g.10gb") == "7"
+        ),
+        what="instaslice.io/mig-1g.10gb: 7 allocatable on the real node",
+        timeout_s=60,
+    )
+    kwok = await rkube.get(core_path("nodes", name="kwok-0"))
+    assert kwok["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
+
+
+async def test_two_pods_on_one_gpu_each_see_only_their_own_slice(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    for name in ("a", "b"):
+        await rkube.create(pods_path(ns), make_real_pod(name, REAL, {"main": {"1g.10gb": 1}}, SHOW))
+    for name in ("a", "b"):
+        await wait_pod_running(rkube, ns, name)
+    a = await assert_sees_only_its_own(rkube, real, ns, "a", ["main"])
+    b = await assert_sees_only_its_own(rkube, real, ns, "b", ["main"])
+    assert len(a) == len(b) == 1 and not a & b, (a, b)
+
+
+async def test_each_container_of_a_pod_sees_only_its_own_slice(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    pod = make_real_pod("multi", REAL, {"small": {"1g.10gb": 1}, "big": {"2g.20gb": 1}}, SHOW)
+    await rkube.create(pods_path(ns), pod)
+    await wait_pod_running(rkube, ns, "multi")
+    await assert_sees_only_its_own(rkube, real, ns, "multi", ["small", "big"])
+
+
+async def test_release_leaves_no_cdi_file_and_no_container(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    await rkube.create(pods_path(ns), make_real_pod("r", REAL, {"main": {"1g.10gb": 1}}, SHOW))
+    await wait_pod_running(rkube, ns, "r")
+    files, tasks = await asyncio.to_thread(leftovers, real)
+    assert files, "no CDI file while the pod runs"
+    assert len(tasks) >= 2, tasks  # the sandbox and the container run
+    await rkube.delete(pods_path(ns, "r"))
+    await wait_for(rkube, allocs_path(ns), lambda a: not a, what="the allocation released")
+    deadline = time.monotonic() + 60
+    while any(left := await asyncio.to_thread(leftovers, real)):
+        assert time.monotonic() < deadline, f"left over (CDI files, runtime tasks): {left}"
+        await asyncio.sleep(0.5)
+
+
+def leftovers(real: DevSystem) -> tuple[list[str], list[str]]:
+    """The real node's InstaSlice CDI files and the container runtime's live tasks."""
+    assert real.real is not None
+    files = sorted(p.name for p in real.real.cdi_dir.glob(CDI_FILE_PREFIX + "*"))
+    return files, real.real.ctr("tasks", "ls", "-q").stdout.split()
