@@ -18,6 +18,7 @@ tests keep their node count.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -233,3 +234,46 @@ def leftovers(real: DevSystem) -> tuple[list[str], list[str]]:
     assert real.real is not None
     files = sorted(p.name for p in real.real.cdi_dir.glob(CDI_FILE_PREFIX + "*"))
     return files, real.real.ctr("tasks", "ls", "-q").stdout.split()
+
+
+async def test_a_pod_level_cdi_annotation_reaches_no_container(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    """docs/webhook.md: kubelet hands pod annotations only to the sandbox and containerd
+    resolves CDI only from the container's config, so `cdi.k8s.io/*` on a pod injects
+    nothing. A probe device of another kind (admission refuses ours there) would add an env
+    variable and a device node if it did."""
+    assert real.real is not None
+    probe = {
+        "cdiVersion": "0.6.0",
+        "kind": "probe.instaslice.io/dev",
+        "devices": [
+            {
+                "name": "p",
+                "containerEdits": {
+                    "env": ["CDI_PROBE=injected"],
+                    "deviceNodes": [
+                        {
+                            "path": "/dev/probe-null",
+                            "hostPath": "/dev/null",
+                            "type": "c",
+                            "major": 1,
+                            "minor": 3,
+                        }
+                    ],
+                },
+            }
+        ],
+    }
+    path = real.real.cdi_dir / "probe.instaslice.io.json"
+    await asyncio.to_thread(path.write_text, json.dumps(probe))
+    try:
+        pod = make_real_pod("annotated", REAL, {"main": {"1g.10gb": 1}}, SHOW)
+        pod["metadata"]["annotations"] = {"cdi.k8s.io/probe": "probe.instaslice.io/dev=p"}
+        await rkube.create(pods_path(ns), pod)
+        await wait_pod_running(rkube, ns, "annotated")
+        got = await listing(real, ns, "annotated", "main")
+        assert "CDI_PROBE" not in got["raw"] and "probe-null" not in got["dev"], got["raw"]
+        await assert_sees_only_its_own(rkube, real, ns, "annotated", ["main"])
+    finally:
+        await asyncio.to_thread(path.unlink, missing_ok=True)
