@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -139,7 +140,8 @@ class DevSystem:
         old = cls.attach(dir)
         if old is not None:
             old.stop_components()
-        cp = ControlPlane.attach(dir / "cluster") or ControlPlane.start(
+        reused = ControlPlane.attach(dir / "cluster")
+        cp = reused or ControlPlane.start(
             dir / "cluster",
             kubeconfig=dir / "kubeconfig",
             logs_dir=dir / "logs",
@@ -158,21 +160,30 @@ class DevSystem:
             webhook_args=tuple(webhook_args),
             real_binding=real_binding,
         )
-        system.install()
-        asyncio.run(_create_nodes(cp.kubeconfig, spec))
-        for group in spec.groups:
-            for name in group.names():
-                provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
-        if (real := spec.real_group) is not None:
-            runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
-            system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)
-        system.start_webhook(die_with_parent=die_with_parent)
-        if system.kwok_nodes:
-            system.start_agent(die_with_parent=die_with_parent)
-        if system.real is not None:
-            system.start_real_agent(die_with_parent=die_with_parent)
-        system.save()
-        system.wait_ready()
+        try:
+            system.install()
+            asyncio.run(_create_nodes(cp.kubeconfig, spec))
+            for group in spec.groups:
+                for name in group.names():
+                    provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
+            if (real := spec.real_group) is not None:
+                runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
+                system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)
+            system.start_webhook(die_with_parent=die_with_parent)
+            if system.kwok_nodes:
+                system.start_agent(die_with_parent=die_with_parent)
+            if system.real is not None:
+                system.start_real_agent(die_with_parent=die_with_parent)
+            system.save()
+            system.wait_ready()
+        except BaseException:  # what this call started goes (a reused control plane stays)
+            with contextlib.suppress(Exception):
+                system.stop_components()
+                if system.real is not None:
+                    system.real.stop()
+                if reused is None:
+                    system.down()
+            raise
         return system
 
     def install(self) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kubernetes_asyncio import client, watch
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from hack.cluster.bins import find_node_bin_dir
 from hack.cluster.controlplane import ControlPlane
@@ -60,6 +61,9 @@ __all__ = ["DEVICE_PLUGIN_DIR", "OWNER_FILE", "RealNode", "RealNodeError", "Runt
 
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # fixed by the kubelet
 OWNER_FILE = Path("/run/instaslice-realnode.json")
+# containerd limits its shim socket dir to 42 characters, too short for a path under a test's
+# tmp dir; one real node per machine, so one fixed short dir
+SHIM_SOCKET_DIR = Path("/run/instaslice-realnode")
 RUNC = Path("/usr/sbin/runc")
 BUSYBOX = Path("/bin/busybox")
 UNINITIALIZED_TAINT = "node.cloudprovider.kubernetes.io/uninitialized"
@@ -229,7 +233,7 @@ imports = []
   [plugins.'io.containerd.nri.v1.nri']
     disable = true
   [plugins.'io.containerd.shim.v1.manager']
-    socket_dir = '{r / "run" / "s"}'
+    socket_dir = '{SHIM_SOCKET_DIR}'
 """
 
     def _nvidia_config(self) -> str:
@@ -358,33 +362,43 @@ annotation-prefixes = ['cdi.k8s.io/']
                         }
                     ],
                 )
-                node = await core.read_node(self.name)
-                taints = [
-                    t.to_dict() for t in (node.spec.taints or []) if t.key != UNINITIALIZED_TAINT
-                ]
-                await core.patch_node(
-                    self.name,
-                    [
-                        {"op": "test", "path": "/metadata/resourceVersion",
-                         "value": node.metadata.resource_version},
-                        {"op": "add", "path": "/spec/taints", "value": _wire_taints(taints)},
-                    ],
-                )  # fmt: skip
+                while True:  # the kubelet writes the node too: optimistic concurrency
+                    node = await core.read_node(self.name)
+                    taints = [
+                        t.to_dict()
+                        for t in (node.spec.taints or [])
+                        if t.key != UNINITIALIZED_TAINT
+                    ]
+                    body = {
+                        "metadata": {"resourceVersion": node.metadata.resource_version},
+                        "spec": {"taints": _wire_taints(taints)},
+                    }
+                    try:
+                        await core.patch_node(self.name, body)
+                        break
+                    except ApiException as e:
+                        if e.status != 409:
+                            raise
             await wait_nodes_ready(api, [self.name], timeout_s=timeout_s)
 
     async def _wait_registered(self, core: client.CoreV1Api) -> None:
-        listing = await core.list_node(field_selector=f"metadata.name={self.name}")
-        if listing.items:
-            return
-        async with watch.Watch() as w:
-            async for _ev in w.stream(
-                core.list_node,
-                field_selector=f"metadata.name={self.name}",
-                resource_version=listing.metadata.resource_version,
-            ):
+        """Until the kubelet has created its Node; fails fast if the kubelet exits."""
+        selector = f"metadata.name={self.name}"
+        while True:
+            listing = await core.list_node(field_selector=selector)
+            if listing.items:
                 return
-            if not self.processes["kubelet"].alive():
-                raise RealNodeError(f"the kubelet exited; see {self.logs}/kubelet.log")
+            async with watch.Watch() as w:  # short watches: check the kubelet in between
+                async for _ev in w.stream(
+                    core.list_node,
+                    field_selector=selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=2,
+                ):
+                    return
+            for name in ("kubelet", "containerd"):
+                if not self.processes[name].alive():
+                    raise RealNodeError(f"{name} exited; see {self.logs}/{name}.log")
 
     def _spawn(
         self, name: str, argv: list[str], die_with_parent: bool, env: dict[str, str] | None = None
@@ -415,13 +429,17 @@ annotation-prefixes = ['cdi.k8s.io/']
                 os.kill(pid, signal.SIGKILL)
         for mount in sorted(_mounts_under(self.root), key=len, reverse=True):
             subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
-        for sock in DEVICE_PLUGIN_DIR.glob("*.sock"):
-            sock.unlink(missing_ok=True)
+        # the plugins' and the kubelet's sockets and the kubelet's device checkpoint (stale
+        # allocations must not reach the next real node)
+        for f in DEVICE_PLUGIN_DIR.glob("*"):
+            if not f.is_dir():
+                f.unlink(missing_ok=True)
         _remove_empty_tree(DEVICE_PLUGIN_DIR.parent)
         _remove_kubepods_cgroups()
         shutil.rmtree(self.root / "kubelet", ignore_errors=True)
         shutil.rmtree(self.root / "containerd", ignore_errors=True)
         shutil.rmtree(self.root / "run", ignore_errors=True)
+        shutil.rmtree(SHIM_SOCKET_DIR, ignore_errors=True)
         (self.root / _STATE).unlink(missing_ok=True)
         with contextlib.suppress(OSError, ValueError):
             if json.loads(OWNER_FILE.read_text()).get("root") == str(self.root):

@@ -27,7 +27,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from common.constants import CDI_FILE_PREFIX, CLAIM_ANNOTATION, ENABLED_KEY, VISIBLE_DEVICES_ENV
+from common.constants import (
+    CDI_FILE_PREFIX,
+    CDI_KIND,
+    CLAIM_ANNOTATION,
+    ENABLED_KEY,
+    VISIBLE_DEVICES_ENV,
+)
 from common.kubeapi import Kube, Obj, core_path, instaslice_path
 from hack.cluster import BinariesMissing
 from hack.cluster.nodes import parse_spec
@@ -163,7 +169,31 @@ async def assert_sees_only_its_own(
         assert got["caps"] == caps, f"caps {got['caps']}, slice's {caps}; {where}"
         assert {"nvidia0", "nvidiactl", "nvidia-uvm"} <= got["dev"], where
         seen |= uuids
+    await assert_bound_by_the_mode(real, alloc, containers)
     return seen
+
+
+async def assert_bound_by_the_mode(real: DevSystem, alloc: Obj, containers: list[str]) -> None:
+    """The devices came through the mode under test, not the other: in device-plugin mode
+    the agent recorded the kubelet's device ids (DeviceBound) and no NVIDIA runtime is on
+    the node; in env mode NVIDIA's runtime injected the container's own CDI device."""
+    assert real.real is not None
+    conditions = {c["type"]: c for c in alloc["status"].get("conditions", [])}
+    ns, claim = alloc["metadata"]["namespace"], alloc["metadata"]["name"]
+    log = real.real.logs / "nvidia-container-runtime.log"
+    if real.real_binding == "device-plugin":
+        assert real.real.runtime == "runc"
+        bound = conditions.get("DeviceBound", {})
+        assert bound.get("status") == "True", alloc["status"]
+        assert all(f"{c}/" in bound["message"] for c in containers), bound
+        text = await asyncio.to_thread(log.read_text) if log.exists() else ""
+        assert "Injecting devices" not in text, "NVIDIA's runtime injected in device-plugin mode"
+    else:
+        assert "DeviceBound" not in conditions, alloc["status"]
+        text = await asyncio.to_thread(log.read_text)
+        for c in containers:
+            device = f"{CDI_KIND}={ns}_{claim}_{c}"
+            assert f"Injecting devices using CDI: [{device}]" in text, f"{device} not in {log}"
 
 
 # --- tests ---------------------------------------------------------------------------------
@@ -173,7 +203,7 @@ async def test_the_real_node_is_ready_next_to_kwok(rkube: Kube, real: DevSystem)
     node = await rkube.get(core_path("nodes", name=REAL))
     assert "kwok.x-k8s.io/node" not in node["metadata"].get("annotations", {}), node["metadata"]
     info = node["status"]["nodeInfo"]
-    assert info["containerRuntimeVersion"] == "containerd://v2.4.2", info
+    assert info["containerRuntimeVersion"] == "containerd://2.4.2", info
     assert info["kubeletVersion"] == "v1.37.2", info
     taints = {(t["key"], t.get("value"), t["effect"]) for t in node["spec"].get("taints", [])}
     assert ("instaslice.io/real-node", "true", "NoSchedule") in taints, taints
