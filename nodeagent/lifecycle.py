@@ -324,10 +324,7 @@ class Lifecycle:
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        devices = {
-            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
-        }
-        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+        await self.announce(alloc)
         self.st.publish.set()
         if alloc.uid in self._announced:
             return
@@ -389,6 +386,15 @@ class Lifecycle:
             return None
         return adopted
 
+    async def announce(self, alloc: AllocView) -> None:
+        """Tell the binding the allocation's devices are ready (idempotent). Also on verify:
+        a restarted agent must still hand a Ready slice to a kubelet that admits its pod
+        later (issue 17 #2; tests/e2e/test_realnode.py shows it on a real kubelet)."""
+        devices = {
+            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
+        }
+        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+
     # ---- verify (Ready) -----------------------------------------------------------------------
 
     async def verify(self, alloc: AllocView) -> None:
@@ -398,6 +404,7 @@ class Lifecycle:
             if not await asyncio.to_thread(path.exists):
                 log.warning("CDI file missing; rewriting", claim=alloc.key)
                 await self.write_cdi(rec)
+            await self.announce(alloc)
             await self.sync_health(alloc, rec)
             return
         fresh = plan(alloc, self.st.inv, self.st.health)
@@ -417,6 +424,7 @@ class Lifecycle:
                 self.st.put(rec)
                 await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
+                await self.announce(alloc)
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)
                 return

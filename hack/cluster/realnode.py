@@ -85,6 +85,7 @@ class RealNode:
     bin_dir: Path
     runtime: Runtime = "runc"
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)  # as launched, for restarts
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     # ---- paths ------------------------------------------------------------------------------
@@ -338,7 +339,15 @@ annotation-prefixes = ['cdi.k8s.io/']
             "--v=2",
         ]
         self._spawn("kubelet", argv, die_with_parent)
+
+    def stop_kubelet(self) -> None:
+        """Stop the kubelet only (containers keep running, as on a kubelet restart)."""
+        stop_process(self.processes.pop("kubelet"), self._popens.pop("kubelet", None))
         self._save()
+
+    def start_kubelet(self, *, die_with_parent: bool = False) -> None:
+        """Start the kubelet again with its arguments (after `stop_kubelet`)."""
+        self._spawn("kubelet", self.argv["kubelet"], die_with_parent)
 
     async def _initialize(self, kubeconfig: Path, timeout_s: float) -> None:
         """Act as the node's cloud controller once (addresses, taint), then wait for Ready."""
@@ -408,6 +417,7 @@ annotation-prefixes = ['cdi.k8s.io/']
         )
         self.processes[name] = rec
         self._popens[name] = popen
+        self.argv[name] = list(argv)
         self._save()
 
     # ---- stop -------------------------------------------------------------------------------
@@ -466,6 +476,7 @@ annotation-prefixes = ['cdi.k8s.io/']
             "bin_dir": str(self.bin_dir),
             "runtime": self.runtime,
             "processes": {k: v.to_json() for k, v in self.processes.items()},
+            "argv": self.argv,
         }
         (self.root / _STATE).write_text(json.dumps(state, indent=1))
 
@@ -477,7 +488,8 @@ annotation-prefixes = ['cdi.k8s.io/']
         except (OSError, ValueError):
             return None
         procs = {k: ProcessRecord.from_json(v) for k, v in st["processes"].items()}
-        return cls(st["name"], root, Path(st["bin_dir"]), st.get("runtime", "runc"), procs)
+        runtime = st.get("runtime", "runc")
+        return cls(st["name"], root, Path(st["bin_dir"]), runtime, procs, st.get("argv", {}))
 
 
 def make_dev_root(dev: Path, gpu_minors: Sequence[int]) -> None:

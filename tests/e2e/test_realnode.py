@@ -307,3 +307,80 @@ async def test_a_pod_level_cdi_annotation_reaches_no_container(
         await assert_sees_only_its_own(rkube, real, ns, "annotated", ["main"])
     finally:
         await asyncio.to_thread(path.unlink, missing_ok=True)
+
+
+REGISTERED = 'Got registration request from device plugin with resource" resourceName="'
+HOLD = "example.com/hold"  # a resource the scheduler waits for and InstaSlice ignores
+
+
+def registrations(real: DevSystem, profile: str = "1g.10gb") -> int:
+    """How often the real kubelet has accepted the agent's plugin for `profile`."""
+    assert real.real is not None
+    log = (real.real.logs / "kubelet.log").read_text(errors="replace")
+    return log.count(f"{REGISTERED}instaslice.io/mig-{profile}")
+
+
+async def wait_registered_again(real: DevSystem, before: int) -> None:
+    """In device-plugin mode, until the kubelet accepted the plugin once more (env: none)."""
+    deadline = time.monotonic() + 30
+    while real.real_binding == "device-plugin" and (
+        await asyncio.to_thread(registrations, real) <= before
+    ):
+        assert time.monotonic() < deadline, "the device plugin did not register again"
+        await asyncio.sleep(0.5)
+
+
+async def test_a_kubelet_restart_keeps_running_pods_and_serves_new_ones(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    """The kubelet deletes plugin sockets on restart; the agent serves and registers again.
+    A pod running across the restart keeps its container and its slice; a pod created after
+    the plugin registered again gets its own slice. (A pod the restarted kubelet admits
+    before that is rejected by the kubelet itself: docs/binding.md, "Limitations".)"""
+    assert real.real is not None
+    await rkube.create(pods_path(ns), make_real_pod("before", REAL, {"main": {"1g.10gb": 1}}, SHOW))
+    await wait_pod_running(rkube, ns, "before")
+    count = await asyncio.to_thread(registrations, real)
+    await asyncio.to_thread(real.real.stop_kubelet)
+    await asyncio.to_thread(real.real.start_kubelet, die_with_parent=True)
+    await wait_registered_again(real, count)
+    await rkube.create(pods_path(ns), make_real_pod("after", REAL, {"main": {"1g.10gb": 1}}, SHOW))
+    await wait_pod_running(rkube, ns, "after")
+    mine = await assert_sees_only_its_own(rkube, real, ns, "after", ["main"])
+    pod = await rkube.get(pods_path(ns, "before"))
+    assert pod["status"]["phase"] == "Running", pod["status"]
+    assert all(c.get("restartCount", 0) == 0 for c in pod["status"]["containerStatuses"]), pod
+    theirs = await assert_sees_only_its_own(rkube, real, ns, "before", ["main"])
+    assert not mine & theirs, (mine, theirs)
+
+
+async def test_a_pod_admitted_after_its_node_agent_restarted_gets_its_own_slice(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    """Issue 17 #2: the slice is Ready and the pod ungated, but the kubelet has not admitted
+    it yet (it waits for HOLD, which the scheduler needs and InstaSlice ignores) when the
+    node agent restarts. The restarted agent must still answer the kubelet's Allocate with
+    that pod's own slice."""
+    assert real.real is not None
+    pod = make_real_pod("held", REAL, {"main": {"1g.10gb": 1}}, SHOW)
+    pod["spec"]["containers"][0]["resources"]["limits"][HOLD] = "1"
+    await rkube.create(pods_path(ns), pod)
+
+    def ungated_unbound(pods: dict[str, Obj]) -> bool:
+        p = pods.get("held", {})
+        return bool(p) and not p["spec"].get("schedulingGates") and not p["spec"].get("nodeName")
+
+    await wait_for(rkube, pods_path(ns), ungated_unbound, what="held ungated, not bound")
+    alloc = await alloc_of(rkube, ns, "held")
+    assert alloc["status"]["phase"] == "Ready", alloc["status"]
+    count = await asyncio.to_thread(registrations, real)
+    await asyncio.to_thread(real.kill, real.real_agent)
+    await asyncio.to_thread(real.start_real_agent, die_with_parent=True)
+    await wait_registered_again(real, count)
+    status = core_path("nodes", name=REAL) + "/status"
+    await rkube.patch(status, {"status": {"capacity": {HOLD: "1"}}})
+    try:
+        await wait_pod_running(rkube, ns, "held")
+        await assert_sees_only_its_own(rkube, real, ns, "held", ["main"])
+    finally:
+        await rkube.patch(status, {"status": {"capacity": {HOLD: None}}})
