@@ -320,7 +320,8 @@ annotation-prefixes = ['cdi.k8s.io/']
             "evictionHard": {"memory.available": "100Mi"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
-            "nodeStatusUpdateFrequency": "10s",
+            # device-plugin capacity reaches the Node at the next status update: keep it short
+            "nodeStatusUpdateFrequency": "2s",
         }
         (self.root / "kubelet-config.json").write_text(json.dumps(config, indent=1))
         # the kubelet sets kubernetes.io/{hostname,os,arch} itself and refuses others there

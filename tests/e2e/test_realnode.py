@@ -40,7 +40,7 @@ from hack.cluster.nodes import parse_spec
 from hack.cluster.realnode import RealNodeError
 from hack.dev import DevSystem
 from nodeagent.cdi import formula_minor
-from tests.e2e.conftest import AGENT_ARGS
+from tests.e2e.conftest import AGENT_ARGS, attach_logs, detach_logs
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
     allocs_path,
@@ -78,9 +78,11 @@ def real(
         )
     except (BinariesMissing, RealNodeError) as e:
         pytest.fail(str(e), pytrace=False)
+    attach_logs(request.config, started)
     try:
         yield started
     finally:
+        detach_logs(request.config, started)
         started.down()
 
 
