@@ -526,19 +526,32 @@ def _check_host() -> None:
         raise RealNodeError("the real node (runtime: containerd) needs root: kubelet and runc")
 
 
-def _claim_host(root: Path) -> None:
-    """One real node per machine: the device-plugin socket dir is host-wide."""
+def _other_owner(root: Path) -> str | None:
+    """The root of another live real node on this machine, if any."""
     try:
         owner = json.loads(OWNER_FILE.read_text())
     except (OSError, ValueError):
-        owner = None
-    if owner and owner.get("root") != str(root):
-        other = RealNode.attach(Path(owner["root"]))
-        if other is not None and any(p.alive() for p in other.processes.values()):
+        return None
+    if owner.get("root") == str(root):
+        return None
+    other = RealNode.attach(Path(owner["root"]))
+    if other is not None and any(p.alive() for p in other.processes.values()):
+        return str(owner["root"])
+    return None
+
+
+def _claim_host(root: Path, wait_s: float = 240.0) -> None:
+    """One real node per machine (the device-plugin socket dir is host-wide): wait up to
+    `wait_s` for another one (e.g. a test run in another checkout) to stop. Polls: the other
+    owner is another process tree, with nothing to watch."""
+    deadline = time.monotonic() + wait_s
+    while (other := _other_owner(root)) is not None:
+        if time.monotonic() > deadline:
             raise RealNodeError(
-                f"another real node runs on this machine ({owner['root']}); "
+                f"another real node has run on this machine for {wait_s:.0f}s ({other}); "
                 "stop it first (make dev-down in its checkout)"
             )
+        time.sleep(2)
     OWNER_FILE.write_text(json.dumps({"root": str(root), "pid": os.getpid()}))
 
 
