@@ -1,18 +1,24 @@
 """Binding proven in real containers: a real kubelet + containerd + runc node (the spec's
 `runtime: containerd` group, hack/cluster/realnode.py) next to a KWOK node, its emulated GPU
-backed by real device files, its node agent in `device-plugin` binding.
+backed by real device files; every test runs twice, once per binding mode of the real node:
+`device-plugin` (the agent serves the kubelet, containerd applies the CDI device, runc runs
+it) and `env` (the webhook's NVIDIA_VISIBLE_DEVICES, resolved by NVIDIA's
+nvidia-container-runtime in CDI mode, the node's default runtime).
 
 Covers: the node registers and is Ready beside KWOK; a pod asking `nvidia.com/mig-<p>` runs
 busybox `env; ls -l /dev /dev/nvidia-caps`, and its log (`kubectl logs`, through the real
 kubelet) shows NVIDIA_VISIBLE_DEVICES naming exactly its own MIG device and exactly its
-slice's GPU-instance and compute-instance capability nodes; a second pod on the same GPU sees
-only its own; each container of a multi-container pod sees only its own; on release the
-slices, the CDI files and the runtime's containers go.
+slice's GPU-instance and compute-instance capability nodes, injected by the mode under test;
+a second pod on the same GPU sees only its own; each container of a multi-container pod sees
+only its own; on release the CDI files go and containerd keeps no task (container records
+are the kubelet's GC's, within a minute, not waited for); a pod-level `cdi.k8s.io/*`
+annotation injects nothing; a kubelet restart; a node-agent restart between "Ready" and the
+kubelet's admission.
 
 Leaves out: NVML (emulated; the device files have no driver behind them), pod networking
-(hostNetwork only), the `env` binding through NVIDIA's runtime (see docs/binding.md, "What
-runs for real"). Its own control plane (module fixture), so the shared e2e system's agent
-tests keep their node count.
+(hostNetwork only), the kubelet's own rejection of a pod admitted before a restarted kubelet
+saw the plugin again (upstream behaviour; docs/binding.md). Its own control plane per mode
+(module fixture), so the shared e2e system's agent tests keep their node count.
 """
 
 from __future__ import annotations
