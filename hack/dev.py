@@ -442,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if system is None:
             print("not running")
             return 1
-        for name, rec in system.processes.items():
+        node_procs = list(system.real.processes.items()) if system.real is not None else []
+        for name, rec in [*system.processes.items(), *node_procs]:
             print(
                 f"  {name:<10} pid {rec.pid:<8} {'running' if rec.alive() else 'DEAD'}  {rec.log}"
             )

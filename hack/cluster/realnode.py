@@ -527,7 +527,9 @@ def _check_host() -> None:
 
 
 def _other_owner(root: Path) -> str | None:
-    """The root of another live real node on this machine, if any."""
+    """The root of another live real node on this machine, if any. A dead one (its launcher
+    was killed: kubelet and containerd died with it, but runc containers, shims and mounts
+    outlive them) is cleaned up here."""
     try:
         owner = json.loads(OWNER_FILE.read_text())
     except (OSError, ValueError):
@@ -537,6 +539,9 @@ def _other_owner(root: Path) -> str | None:
     other = RealNode.attach(Path(owner["root"]))
     if other is not None and any(p.alive() for p in other.processes.values()):
         return str(owner["root"])
+    if other is not None:
+        with contextlib.suppress(Exception):
+            other.stop()
     return None
 
 
