@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -47,8 +47,18 @@ from hack.cluster.bins import find_node_bin_dir
 from hack.cluster.controlplane import ControlPlane
 from hack.cluster.kubeconfig import write_kubeconfig
 from hack.cluster.nodes import REAL_NODE_TAINT, NodeGroup, node_labels, wait_nodes_ready
-from hack.cluster.ociimage import PAUSE_IMAGE, busybox_image, pause_image
+from hack.cluster.ociimage import busybox_image, pause_image
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from hack.cluster.realnode_config import (
+    RUNC,
+    SHIM_SOCKET_DIR,
+    Layout,
+    Runtime,
+    containerd_toml,
+    kubelet_argv,
+    kubelet_configuration,
+    nvidia_runtime_toml,
+)
 from nodeagent.cdi import (
     EMULATED_CAPS_MAJOR,
     EMULATED_UVM_MAJOR,
@@ -61,16 +71,8 @@ __all__ = ["DEVICE_PLUGIN_DIR", "OWNER_FILE", "RealNode", "RealNodeError", "Runt
 
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # fixed by the kubelet
 OWNER_FILE = Path("/run/instaslice-realnode.json")
-# containerd limits its shim socket dir to 42 characters, too short for a path under a test's
-# tmp dir; one real node per machine, so one fixed short dir
-SHIM_SOCKET_DIR = Path("/run/instaslice-realnode")
-RUNC = Path("/usr/sbin/runc")
 BUSYBOX = Path("/bin/busybox")
 UNINITIALIZED_TAINT = "node.cloudprovider.kubernetes.io/uninitialized"
-NVIDIA_RUNTIME = "nvidia"
-# runc: containerd's default runtime is runc. nvidia: NVIDIA's container runtime (CDI mode)
-# in front of runc, as the GPU Operator configures it (the env binding mode needs it).
-Runtime = Literal["runc", "nvidia"]
 _STATE = "realnode.json"
 
 
@@ -90,33 +92,33 @@ class RealNode:
 
     # ---- paths ------------------------------------------------------------------------------
     @property
+    def layout(self) -> Layout:
+        return Layout(self.root)
+
+    @property
     def cdi_dir(self) -> Path:
         """containerd's `cdi_spec_dirs` (and NVIDIA's runtime's spec dir): the agent's CDI dir."""
-        return self.root / "cdi"
+        return self.layout.cdi_dir
 
     @property
     def dev_root(self) -> Path:
-        return self.root / "dev"
-
-    @property
-    def kubelet_root(self) -> Path:
-        return self.root / "kubelet"
+        return self.layout.dev_root
 
     @property
     def pod_resources_socket(self) -> Path:
-        return self.kubelet_root / "pod-resources" / "kubelet.sock"
+        return self.layout.pod_resources_socket
 
     @property
     def containerd_socket(self) -> Path:
-        return self.root / "run" / "containerd.sock"
+        return self.layout.containerd_socket
 
     @property
     def runc_root(self) -> Path:
-        return self.root / "run" / "runc"
+        return self.layout.runc_root
 
     @property
     def logs(self) -> Path:
-        return self.root / "logs"
+        return self.layout.logs
 
     # ---- start ------------------------------------------------------------------------------
     @classmethod
@@ -166,8 +168,8 @@ class RealNode:
         with contextlib.suppress(FileNotFoundError):
             (cni_bin / "loopback").unlink()
         (cni_bin / "loopback").symlink_to(self.bin_dir / "loopback")
-        (self.root / "containerd.toml").write_text(self._containerd_config())
-        (self.root / "nvidia-container-runtime.toml").write_text(self._nvidia_config())
+        (self.root / "containerd.toml").write_text(containerd_toml(self.layout, self.runtime))
+        self.layout.nvidia_config.write_text(nvidia_runtime_toml(self.layout))
         pause_image(self.root / "images" / "pause.tar", self.bin_dir / "pause")
         busybox_image(self.root / "images" / "busybox.tar", BUSYBOX)
         cert = cp.ca.issue_client(f"system:node:{self.name}", ("system:nodes",))
@@ -180,85 +182,12 @@ class RealNode:
         )
         (self.root / "ca.crt").write_bytes(cp.ca_cert_pem)
 
-    def _containerd_config(self) -> str:
-        r = self.root
-        runc_opts = f"""
-          BinaryName = '{RUNC}'
-          Root = '{self.runc_root}'
-          SystemdCgroup = false"""
-        nvidia = f"""
-        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{NVIDIA_RUNTIME}]
-          runtime_type = 'io.containerd.runc.v2'
-          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{NVIDIA_RUNTIME}.options]
-          BinaryName = '{self.root / "nvidia-container-runtime"}'
-          Root = '{self.runc_root}'
-          SystemdCgroup = false"""
-        default = NVIDIA_RUNTIME if self.runtime == "nvidia" else "runc"
-        return f"""version = 3
-root = '{r / "containerd" / "root"}'
-state = '{r / "containerd" / "state"}'
-temp = '{r / "containerd" / "tmp"}'
-imports = []
-[grpc]
-  address = '{self.containerd_socket}'
-[ttrpc]
-  address = '{self.containerd_socket}.ttrpc'
-[plugins]
-  [plugins.'io.containerd.cri.v1.images']
-    snapshotter = 'overlayfs'
-    [plugins.'io.containerd.cri.v1.images'.pinned_images]
-      sandbox = '{PAUSE_IMAGE}'
-    [plugins.'io.containerd.cri.v1.images'.registry]
-      config_path = ''
-  [plugins.'io.containerd.cri.v1.runtime']
-    cdi_spec_dirs = ['{self.cdi_dir}']
-    netns_mounts_under_state_dir = true
-    restrict_oom_score_adj = true
-    tolerate_missing_hugetlb_controller = true
-    disable_hugetlb_controller = true
-    [plugins.'io.containerd.cri.v1.runtime'.containerd]
-      default_runtime_name = '{default}'
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-        runtime_type = 'io.containerd.runc.v2'
-        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]{runc_opts}{nvidia}
-    [plugins.'io.containerd.cri.v1.runtime'.cni]
-      bin_dirs = ['{r / "cni" / "bin"}']
-      conf_dir = '{r / "cni" / "net.d"}'
-      max_conf_num = 1
-  [plugins.'io.containerd.grpc.v1.cri']
-    disable_tcp_service = true
-    stream_server_address = '127.0.0.1'
-    stream_server_port = '0'
-  [plugins.'io.containerd.internal.v1.opt']
-    path = '{r / "containerd" / "opt"}'
-  [plugins.'io.containerd.nri.v1.nri']
-    disable = true
-  [plugins.'io.containerd.shim.v1.manager']
-    socket_dir = '{SHIM_SOCKET_DIR}'
-"""
-
-    def _nvidia_config(self) -> str:
-        """NVIDIA's container runtime in CDI mode, reading our CDI dir; it accepts
-        NVIDIA_VISIBLE_DEVICES from unprivileged containers (what the env binding needs)."""
-        return f"""accept-nvidia-visible-devices-envvar-when-unprivileged = true
-accept-nvidia-visible-devices-as-volume-mounts = false
-[nvidia-container-runtime]
-debug = '{self.logs / "nvidia-container-runtime.log"}'
-log-level = 'debug'
-mode = 'cdi'
-runtimes = ['{RUNC}']
-[nvidia-container-runtime.modes.cdi]
-spec-dirs = ['{self.cdi_dir}']
-default-kind = 'nvidia.com/gpu'
-annotation-prefixes = ['cdi.k8s.io/']
-"""
-
     def _start_containerd(self, die_with_parent: bool) -> None:
         # the shim execs BinaryName with no way to pass the runtime's config file: a wrapper
-        wrapper = self.root / "nvidia-container-runtime"
+        wrapper = self.layout.nvidia_wrapper
         wrapper.write_text(
             "#!/bin/sh\n"
-            f"export NVIDIA_CTK_CONFIG_FILE_PATH='{self.root / 'nvidia-container-runtime.toml'}'\n"
+            f"export NVIDIA_CTK_CONFIG_FILE_PATH='{self.layout.nvidia_config}'\n"
             f"exec '{self.bin_dir / 'nvidia-container-runtime'}' \"$@\"\n"
         )
         wrapper.chmod(0o755)
@@ -289,56 +218,19 @@ annotation-prefixes = ['cdi.k8s.io/']
         key, value, effect = REAL_NODE_TAINT
         taints = [{"key": key, "value": value, "effect": effect}]
         taints += [{"key": t.key, "value": t.value, "effect": t.effect} for t in group.taints]
-        config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "failCgroupV1": False,
-            "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": True,
-            "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
-            "address": "127.0.0.1",
-            "port": port,
-            "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1",
-            "healthzPort": healthz,
-            "authentication": {
-                "anonymous": {"enabled": True},
-                "webhook": {"enabled": False},
-                "x509": {"clientCAFile": str(self.root / "ca.crt")},
-            },
-            "authorization": {"mode": "AlwaysAllow"},
-            "failSwapOn": False,
-            "podLogsDir": str(self.root / "pod-logs"),
-            "staticPodPath": "",
-            "clusterDNS": [],
-            "resolvConf": "/etc/resolv.conf",
-            "rotateCertificates": False,
-            "serverTLSBootstrap": False,
-            "registerNode": True,
-            "registerWithTaints": taints,
-            "maxPods": min(group.pods, 110),
-            "evictionHard": {"memory.available": "100Mi"},
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            # device-plugin capacity reaches the Node at the next status update: keep it short
-            "nodeStatusUpdateFrequency": "2s",
-        }
+        config = kubelet_configuration(
+            self.layout,
+            port=port,
+            healthz_port=healthz,
+            taints=taints,
+            max_pods=min(group.pods, 110),
+        )
         (self.root / "kubelet-config.json").write_text(json.dumps(config, indent=1))
         # the kubelet sets kubernetes.io/{hostname,os,arch} itself and refuses others there
         labels = {
             k: v for k, v in node_labels(group, self.name).items() if "kubernetes.io" not in k
         }
-        argv = [
-            str(self.bin_dir / "kubelet"),
-            f"--config={self.root / 'kubelet-config.json'}",
-            f"--kubeconfig={self.root / 'kubelet.kubeconfig'}",
-            f"--root-dir={self.kubelet_root}",
-            f"--cert-dir={self.root / 'kubelet-pki'}",
-            f"--hostname-override={self.name}",
-            "--cloud-provider=external",
-            f"--node-labels={','.join(f'{k}={v}' for k, v in sorted(labels.items()))}",
-            "--v=2",
-        ]
+        argv = kubelet_argv(self.layout, self.bin_dir / "kubelet", self.name, labels)
         self._spawn("kubelet", argv, die_with_parent)
 
     def stop_kubelet(self) -> None:
