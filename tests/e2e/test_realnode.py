@@ -38,6 +38,7 @@ from common.constants import (
     CDI_KIND,
     CLAIM_ANNOTATION,
     ENABLED_KEY,
+    REASON_PINNED_UNSCHEDULABLE,
     VISIBLE_DEVICES_ENV,
 )
 from common.kubeapi import Kube, Obj, core_path, instaslice_path
@@ -52,6 +53,7 @@ from tests.e2e.helpers import (
     allocs_path,
     make_real_pod,
     pods_path,
+    wait_event,
     wait_for,
     wait_opted_in,
     wait_pod_running,
@@ -392,3 +394,64 @@ async def test_a_pod_admitted_after_its_node_agent_restarted_gets_its_own_slice(
         await assert_sees_only_its_own(rkube, real, ns, "held", ["main"])
     finally:
         await rkube.patch(status, {"status": {"capacity": {HOLD: None}}})
+
+
+def restart_webhook(real: DevSystem, *args: str) -> None:
+    real.stop("webhook")
+    real.webhook_args = tuple(args)
+    real.start_webhook(die_with_parent=True)
+    real.wait_ready()
+
+
+async def test_a_pod_whose_slices_were_released_never_gets_another_pods_slice(
+    rkube: Kube, real: DevSystem, ns: str
+) -> None:
+    """Issue 17 #1 on a real kubelet: a bare pod stays unschedulable past the allocator's
+    pinned timeout, so its slice is released while it stays ungated and still asks for
+    `instaslice.io/mig-*`. When it becomes schedulable later, another pod's prepared slice
+    (Ready, ungated, not yet admitted) must not reach its containers; the other pod must
+    still get its own."""
+    assert real.real is not None
+    hold2 = HOLD + "2"
+    status = core_path("nodes", name=REAL) + "/status"
+    await asyncio.to_thread(restart_webhook, real, "--pinned-unschedulable-timeout=3")
+    try:
+        thief = make_real_pod("late", REAL, {"main": {"1g.10gb": 1}}, SHOW)
+        thief["spec"]["containers"][0]["resources"]["limits"][HOLD] = "1"
+        await rkube.create(pods_path(ns), thief)
+        await wait_event(rkube, ns, "late", REASON_PINNED_UNSCHEDULABLE)
+        await wait_for(rkube, allocs_path(ns), lambda a: not a, what="late's slice released")
+    finally:
+        await asyncio.to_thread(restart_webhook, real)
+    owner = make_real_pod("owner", REAL, {"main": {"1g.10gb": 1}}, SHOW)
+    owner["spec"]["containers"][0]["resources"]["limits"][hold2] = "1"
+    await rkube.create(pods_path(ns), owner)
+
+    def waiting(pods: dict[str, Obj]) -> bool:
+        p = pods.get("owner", {})
+        return bool(p) and not p["spec"].get("schedulingGates") and not p["spec"].get("nodeName")
+
+    await wait_for(rkube, pods_path(ns), waiting, what="owner ungated, not bound")
+    owners = await alloc_of(rkube, ns, "owner")
+    assert owners["status"]["phase"] == "Ready", owners["status"]
+    theirs = {s["migUUID"] for s in owners["status"]["slices"]}
+    await rkube.patch(status, {"status": {"capacity": {HOLD: "1"}}})  # late first
+    try:
+        late = await wait_for(
+            rkube,
+            pods_path(ns),
+            lambda p: (
+                p.get("late")
+                if p.get("late", {}).get("status", {}).get("phase") in ("Running", "Failed")
+                else None
+            ),
+            what="late running or refused",
+        )
+        if late["status"]["phase"] == "Running":
+            got = await listing(real, ns, "late", "main")
+            assert not any(u in got["raw"] for u in theirs), f"late got owner's slice:\n{got}"
+        await rkube.patch(status, {"status": {"capacity": {hold2: "1"}}})
+        await wait_pod_running(rkube, ns, "owner")
+        await assert_sees_only_its_own(rkube, real, ns, "owner", ["main"])
+    finally:
+        await rkube.patch(status, {"status": {"capacity": {HOLD: None, hold2: None}}})
