@@ -26,6 +26,7 @@ SLICE_ALLOCATION_KIND: Final = "SliceAllocation"
 SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"
 MIG_NODE_KIND: Final = "MigNode"
 MIG_NODE_PLURAL: Final = "mignodes"
+LEASE_API_VERSION: Final = "coordination.k8s.io/v1"  # leader election and agent heartbeats
 NODE_LABEL: Final = "instaslice.io/node"
 RELEASE_FINALIZER: Final = "instaslice.io/release"
 CDI_FILE_PREFIX: Final = "instaslice.io-"

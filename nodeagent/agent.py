@@ -16,25 +16,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 import structlog
 
+from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.clock import Clock, SystemClock
 from common.kubeapi import ApiError, EventType, Kube
+from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
-from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
+from nodeagent.reconcile import after_reboot, match, orphans
 from nodeagent.report import capacity, capacity_patch, mig_node_status
 from nodeagent.settings import Settings
-from nodeagent.state import NodeState
-from nodeagent.workqueue import KeyedQueue
+from nodeagent.state import AgentNode
 
 log = structlog.get_logger("agent")
 Obj = dict[str, Any]
@@ -57,7 +57,7 @@ class NodeAgent:
         health_hub: HealthHub,
         synced: asyncio.Event,
         metrics: AgentMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         self.node = node
         self.metrics = metrics or AgentMetrics()
@@ -66,8 +66,8 @@ class NodeAgent:
         self.settings = settings
         self.hub = health_hub
         self.synced = synced
-        self.clock = clock
-        self.st = NodeState(node, boot_id, settings.checkpoint_path(node))
+        self.clock = clock or SystemClock()
+        self.st = AgentNode(node, boot_id, settings.checkpoint_path(node))
         self.life = Lifecycle(
             state=self.st,
             gpus=gpus,
@@ -230,12 +230,14 @@ class NodeAgent:
         st = self.st
         live = set(st.allocs)
         due, self._orphan_seen = orphans(
-            st.cp, live, self._orphan_seen, self.clock(), self.settings.gc_grace_s
+            st.cp, live, self._orphan_seen, self.clock.monotonic(), self.settings.gc_grace_s
         )
         stuck = [
             uid
             for uid, rec in st.cp.claims.items()
-            if uid in live and rec.state == "releasing" and not alloc_view(st.allocs[uid]).deleting
+            if uid in live
+            and rec.state == "releasing"
+            and not SliceAllocation.parse(st.allocs[uid]).deleting
         ]
         for uid in due + stuck:
             rec = st.cp.claims.get(uid)
@@ -279,7 +281,7 @@ class NodeAgent:
         log.warning("GPU unhealthy", node=self.node, gpu=ev.gpu_index, reason=ev.message)
         self.st.publish.set()
         for uid, obj in list(self.st.allocs.items()):
-            alloc = alloc_view(obj)
+            alloc = SliceAllocation.parse(obj)
             if any(s.gpu_uuid == gpu.uuid for s in alloc.slices):
                 self.queue.kick(uid)
                 await writes.event(

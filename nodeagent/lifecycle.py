@@ -19,14 +19,14 @@ A crash anywhere leaves a record that the next start finishes (create) or repeat
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import structlog
 
+from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.clock import Clock, SystemClock, kube_time
 from common.constants import REASON_READY, REASON_RELEASED, qualified_cdi_device
 from common.kubeapi import ApiError, Kube
 from common.objects import Phase, SliceStatus
@@ -38,9 +38,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import (
     Action,
-    AllocView,
     adopt_from_status,
-    alloc_view,
     blocked,
     decide,
     match,
@@ -57,7 +55,7 @@ from nodeagent.report import (
     with_condition,
 )
 from nodeagent.settings import Settings
-from nodeagent.state import NodeState
+from nodeagent.state import AgentNode
 
 log = structlog.get_logger("lifecycle")
 
@@ -68,15 +66,11 @@ REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class Lifecycle:
     def __init__(
         self,
         *,
-        state: NodeState,
+        state: AgentNode,
         gpus: NodeGpus,
         kube: Kube,
         settings: Settings,
@@ -85,7 +79,7 @@ class Lifecycle:
         common_edits: cdi.Obj,
         binding: Binding,
         metrics: AgentMetrics,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         self.st = state
         self.metrics = metrics
@@ -96,12 +90,10 @@ class Lifecycle:
         self.numbers = numbers
         self.common_edits = common_edits
         self.binding = binding
-        self.clock = clock
+        self.clock = clock or SystemClock()
         self.cdi_dir = settings.node_cdi_dir(state.node)
         self._backoff: dict[str, float] = {}
         self._in_use_told: set[str] = set()
-        self._announced: set[str] = set()  # SliceReady sent (once per process lifetime)
-        self._failed: set[str] = set()  # Failed written by this process: final for that uid
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -109,7 +101,7 @@ class Lifecycle:
         obj = self.st.allocs.get(uid)
         if obj is None:
             return None  # gone from the API; an orphaned record is garbage collection's
-        alloc = alloc_view(obj)
+        alloc = SliceAllocation.parse(obj)
         d = decide(alloc, self.st.cp.claims.get(uid), self.st.boot_id)
         try:
             if d.action in (Action.CREATE, Action.RECREATE):
@@ -144,25 +136,28 @@ class Lifecycle:
                 out += await self.gpus.call_gpu(g.index, self.gpus.s.instances, g)
         return out
 
-    async def status(self, alloc: AllocView, body: cdi.Obj) -> bool:
+    async def status(self, alloc: SliceAllocation, body: cdi.Obj) -> bool:
         """False when the allocation is gone."""
         return (
             await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
             is not None
         )
 
-    def conditions(self, alloc: AllocView) -> list[cdi.Obj]:
+    def conditions(self, alloc: SliceAllocation) -> list[cdi.Obj]:
         obj = self.st.allocs.get(alloc.uid) or {}
         return list((obj.get("status") or {}).get("conditions") or [])
 
-    async def fail(self, alloc: AllocView, message: str) -> None:
+    async def fail(self, alloc: SliceAllocation, message: str) -> None:
         log.warning("allocation failed", claim=alloc.key, reason=message)
         self.metrics.creates.labels(self.st.node, "failed").inc()
         conds = with_condition(
-            self.conditions(alloc), condition("Ready", False, "CreateFailed", message, _now())
+            self.conditions(alloc), condition("Ready", False, "CreateFailed", message, kube_time())
         )
         await self.status(alloc, status_failed(message, conds))
-        self._failed.add(alloc.uid)
+        # final for this uid (reconcile.decide); holds no slice: the rollback came first
+        rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
+        self.st.put(replace(rec, updated=time.time()))
+        await self.st.persist()
         await writes.event(
             self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
         )
@@ -196,15 +191,9 @@ class Lifecycle:
 
     # ---- create ------------------------------------------------------------------------------
 
-    async def create(self, alloc: AllocView, reason: str = "") -> None:
-        t0 = self.clock()
+    async def create(self, alloc: SliceAllocation, reason: str = "") -> None:
+        t0 = self.clock.monotonic()
         uid = alloc.uid
-        if uid in self._failed:
-            # Our own Creating write's watch event arriving after we wrote Failed: a stale
-            # view, not a new request. A Failed allocation is never made after all (the
-            # allocator deletes it and places the pod anew); creating now would write Ready
-            # over Failed while the allocator releases it (`make chaos`, seen in CI).
-            return
         rec = self.st.cp.claims.get(uid)
         if (
             rec is not None
@@ -212,11 +201,6 @@ class Lifecycle:
             and rec.boot_id == self.st.boot_id
             and all(s.done for s in rec.slices)
         ):
-            if uid in self._announced:
-                # this process wrote Ready already; the event is our own Creating write
-                # arriving late (its watch event trails the Ready response), not news.
-                # Writing Ready again cost one status patch per allocation (docs/benchmarks.md)
-                return
             # made already (a crash before the Ready write): say so again
             await self.ready(alloc, rec, t0)
             return
@@ -246,6 +230,7 @@ class Lifecycle:
             slices=merge_plan(rec, fresh),
             boot_id=self.st.boot_id,
             updated=time.time(),
+            announced=rec.announced if rec is not None else False,  # re-made: told once
         )
         self.st.put(rec)
         await self.st.persist(durable=True)  # the intent, on disk before NVML creates
@@ -306,7 +291,7 @@ class Lifecycle:
         uuid = await call(i, nv.mig_uuid, i, gi, ci)
         return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
 
-    async def ready(self, alloc: AllocView, rec: ClaimRecord, t0: float) -> None:
+    async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
         slices: list[SliceStatus] = [
             {
                 "container": s.container,
@@ -316,7 +301,7 @@ class Lifecycle:
             }
             for s in rec.slices
         ]
-        now = _now()
+        now = kube_time()
         uuids = ", ".join(f"{s['container']}: {s['migUUID']}" for s in slices)
         conds = with_condition(
             self.conditions(alloc), condition("Ready", True, "SlicesCreated", uuids, now)
@@ -329,12 +314,12 @@ class Lifecycle:
         }
         await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
         self.st.publish.set()
-        if alloc.uid in self._announced:
+        if rec.announced:
             return
-        self._announced.add(alloc.uid)
+        self.st.put(replace(rec, announced=True))
         self.metrics.creates.labels(self.st.node, "ready").inc()
-        self.metrics.create_seconds.labels(self.st.node).observe(self.clock() - t0)
-        ms = round((self.clock() - t0) * 1000, 1)
+        self.metrics.create_seconds.labels(self.st.node).observe(self.clock.monotonic() - t0)
+        ms = round((self.clock.monotonic() - t0) * 1000, 1)
         log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
         await writes.event(
             self.kube,
@@ -373,7 +358,7 @@ class Lifecycle:
         return True
 
     def adoptable(
-        self, alloc: AllocView, fresh: list[SliceRecord], instances: list[Instance]
+        self, alloc: SliceAllocation, fresh: list[SliceRecord], instances: list[Instance]
     ) -> tuple[SliceRecord, ...] | None:
         """`adopt_from_status`, unless another record owns one of those instances: a corrupt
         or forged status naming another allocation's MIG device must never make this one
@@ -391,7 +376,7 @@ class Lifecycle:
 
     # ---- verify (Ready) -----------------------------------------------------------------------
 
-    async def verify(self, alloc: AllocView) -> None:
+    async def verify(self, alloc: SliceAllocation) -> None:
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
             path = self.cdi_dir / cdi.spec_file_name(alloc.namespace, alloc.name)
@@ -422,9 +407,9 @@ class Lifecycle:
                 return
         await self.create(alloc, "slices vanished from the GPU; re-creating")
 
-    async def sync_health(self, alloc: AllocView, rec: ClaimRecord) -> None:
+    async def sync_health(self, alloc: SliceAllocation, rec: ClaimRecord) -> None:
         """Keep the allocation's GPUHealthy condition in line with its GPUs' health."""
-        want = gpu_condition(self.st.health, [s.gpu_index for s in rec.slices], _now())
+        want = gpu_condition(self.st.health, [s.gpu_index for s in rec.slices], kube_time())
         have = next((c for c in self.conditions(alloc) if c.get("type") == "GPUHealthy"), None)
         if have is not None and (have.get("status"), have.get("message")) == (
             want["status"],
@@ -439,7 +424,7 @@ class Lifecycle:
 
     # ---- release ------------------------------------------------------------------------------
 
-    async def release(self, alloc: AllocView) -> float | None:
+    async def release(self, alloc: SliceAllocation) -> float | None:
         uid = alloc.uid
         rec = self.st.cp.claims.get(uid)
         if rec is None and alloc.status_slices:
@@ -476,8 +461,6 @@ class Lifecycle:
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
         )
         self._backoff.pop(uid, None)
-        self._announced.discard(uid)
-        self._failed.discard(uid)
         told = uid in self._in_use_told
         self._in_use_told.discard(uid)
         if not (dropped or rec is not None):
@@ -496,7 +479,7 @@ class Lifecycle:
         )
         return None
 
-    async def in_use(self, alloc: AllocView, exc: NvmlFailure) -> float:
+    async def in_use(self, alloc: SliceAllocation, exc: NvmlFailure) -> float:
         delay = self._backoff.get(alloc.uid, self.settings.release_backoff_s)
         self._backoff[alloc.uid] = min(delay * 2, self.settings.release_backoff_max_s)
         msg = f"slice still in use by a process ({exc.text}); retrying with backoff"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Any
 import grpc
 import structlog
 
+from common.allocation import SliceAllocation
+from common.clock import kube_time
 from common.constants import CDI_KIND
 from common.kubeapi import ApiError, Kube
 from common.profiles import profile_from_suffix
@@ -58,16 +59,13 @@ def alias_file(cdi_dir: Path, key: IdKey) -> Path:
     return cdi_dir / f"instaslice.io-plugin-{key[0]}.json"  # no `_`: not a claim file
 
 
-def units_of(alloc: Obj) -> list[Unit]:
-    meta, spec = alloc.get("metadata", {}), alloc.get("spec", {})
+def units_of(obj: Obj) -> list[Unit]:
+    alloc = SliceAllocation.parse(obj)
     counts: dict[tuple[str, str], int] = {}
-    for s in spec.get("slices") or []:
-        k = (s["container"], s["profile"])
+    for s in alloc.slices:
+        k = (s.container, s.profile)
         counts[k] = counts.get(k, 0) + 1
-    return [
-        Unit(meta.get("namespace", ""), meta.get("name", ""), c, p, n)
-        for (c, p), n in sorted(counts.items())
-    ]
+    return [Unit(alloc.namespace, alloc.name, c, p, n) for (c, p), n in sorted(counts.items())]
 
 
 class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
@@ -286,9 +284,8 @@ class DevicePluginBinding:
         """Bind every id key the kubelet reports to its holder's own unit; record it."""
         pods = await self.list_pod_resources()
         own: dict[tuple[str, str], str] = {}  # (namespace, pod) → claim
-        for a in self.allocs():
-            meta, spec = a.get("metadata", {}), a.get("spec", {})
-            own[(meta.get("namespace", ""), spec.get("podName", ""))] = meta.get("name", "")
+        for a in map(SliceAllocation.parse, self.allocs()):
+            own[(a.namespace, a.pod_name)] = a.name
         records: list[tuple[Unit, IdKey, str]] = []
         async with self.lock:
             for pod in pods:
@@ -327,7 +324,7 @@ class DevicePluginBinding:
         )
         if alloc is None:
             return
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = kube_time()
         conds = with_condition(
             (alloc.get("status") or {}).get("conditions") or [],
             condition("DeviceBound", True, "KubeletDevicePlugin", text, now),

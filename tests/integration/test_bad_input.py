@@ -40,6 +40,7 @@ import pytest
 
 from bench.chaos_faults import detached
 from bench.invariants import check_settled, collect
+from common.clock import cancel_until_done
 from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
@@ -56,7 +57,6 @@ from nodeagent.emulator import EmulatorControl
 from tests.integration.agent_fixtures import ROOT, eventually
 from tests.integration.allocator_fixtures import AllocatorEnv, FakeAgent, ensure_crds, load_crds
 from webhook.allocator import controller as controller_mod
-from webhook.allocator.clock import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

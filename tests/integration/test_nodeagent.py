@@ -26,13 +26,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from common.allocation import SliceAllocation
 from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent import checkpoint
 from nodeagent.emulator import EmulatedNvml
-from nodeagent.reconcile import alloc_view
 from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
@@ -239,10 +239,12 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         stale["metadata"]["finalizers"] = [RELEASE_FINALIZER, hold]
         stale["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         stale["status"]["phase"] = "Releasing"
-        assert await life.release(alloc_view(stale)) is None  # the list changed: 422, re-read
+        assert (
+            await life.release(SliceAllocation.parse(stale)) is None
+        )  # the list changed: 422, re-read
         await kube.patch(path, {"metadata": {"finalizers": None}})
         await wait_gone(kube, alloc)
-        assert await life.release(alloc_view(stale)) is None  # the object is gone: 404
+        assert await life.release(SliceAllocation.parse(stale)) is None  # the object is gone: 404
         events = [e for e in await pod_events(kube, ns, pod) if e["reason"] == "SliceReleased"]
         assert sum(int(e.get("count") or 1) for e in events) == 1, events
         counted = life.metrics.registry.get_sample_value(
@@ -267,7 +269,7 @@ async def test_a_stale_creating_view_after_failed_makes_nothing(
         failed = await wait_phase(kube, alloc, "Failed")
         stale = json.loads(json.dumps(failed))
         stale["status"] = {"phase": "Creating"}
-        await life.create(alloc_view(stale))
+        await life.create(SliceAllocation.parse(stale))
         assert node.instances() == []
         got = await get_allocation(kube, ns, alloc["metadata"]["name"])
         assert got is not None and got["status"]["phase"] == "Failed"
@@ -288,7 +290,7 @@ async def test_create_for_an_allocation_already_gone_makes_nothing(
         life = agents[node.name].life
         gone = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
         gone["metadata"]["uid"] = "uid-never-created"
-        await life.create(alloc_view(gone))
+        await life.create(SliceAllocation.parse(gone))
         assert node.instances() == [] and node.cdi_files() == []
         assert "uid-never-created" not in life.st.cp.claims
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
