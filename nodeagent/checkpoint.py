@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-# "failed": this agent wrote Failed (after rolling back whatever it made): final for that
-# uid, the record holds no slice and goes when the allocation does.
+# "failed": this process wrote Failed (after rolling back whatever it made): final for that
+# uid. Such a record holds no slice, goes when the allocation does, and is never written to
+# disk (it proves nothing about hardware; a restarted agent decides from the phase alone).
 State = Literal["creating", "ready", "releasing", "failed"]
 VERSION = 1
 
@@ -93,7 +94,11 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
         "version": VERSION,
         "node": cp.node,
         "bootID": cp.boot_id,
-        "claims": [_claim_json(c) for c in sorted(cp.claims.values(), key=lambda c: c.key)],
+        "claims": [
+            _claim_json(c)
+            for c in sorted(cp.claims.values(), key=lambda c: c.key)
+            if c.state != "failed"
+        ],
     }
 
 

@@ -156,8 +156,7 @@ class Lifecycle:
         await self.status(alloc, status_failed(message, conds))
         # final for this uid (reconcile.decide); holds no slice: the rollback came first
         rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
-        self.st.put(replace(rec, updated=time.time()))
-        await self.st.persist()
+        self.st.put(replace(rec, updated=time.time()))  # in memory only (checkpoint.State)
         await writes.event(
             self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
         )
