@@ -69,7 +69,7 @@ class NodeAgent:
         self.clock = clock or SystemClock()
         self.st = AgentNode(node, boot_id, settings.checkpoint_path(node))
         self.life = Lifecycle(
-            state=self.st,
+            st=self.st,
             gpus=gpus,
             kube=kube,
             settings=settings,
@@ -78,7 +78,7 @@ class NodeAgent:
             common_edits=cdi.common_edits(base_spec, numbers),
             binding=binding,
             metrics=self.metrics,
-            clock=clock,
+            clock=self.clock,
         )
         self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
         self.started = asyncio.Event()

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import structlog
 
@@ -66,34 +67,24 @@ REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
 
 
+@dataclass(kw_only=True, eq=False)
 class Lifecycle:
-    def __init__(
-        self,
-        *,
-        state: AgentNode,
-        gpus: NodeGpus,
-        kube: Kube,
-        settings: Settings,
-        catalog: Catalog,
-        numbers: cdi.DeviceNumbers,
-        common_edits: cdi.Obj,
-        binding: Binding,
-        metrics: AgentMetrics,
-        clock: Clock | None = None,
-    ) -> None:
-        self.st = state
-        self.metrics = metrics
-        self.gpus = gpus
-        self.kube = kube
-        self.settings = settings
-        self.catalog = catalog
-        self.numbers = numbers
-        self.common_edits = common_edits
-        self.binding = binding
-        self.clock = clock or SystemClock()
-        self.cdi_dir = settings.node_cdi_dir(state.node)
-        self._backoff: dict[str, float] = {}
-        self._in_use_told: set[str] = set()
+    st: AgentNode
+    gpus: NodeGpus
+    kube: Kube
+    settings: Settings
+    catalog: Catalog
+    numbers: cdi.DeviceNumbers
+    common_edits: cdi.Obj
+    binding: Binding
+    metrics: AgentMetrics
+    clock: Clock = field(default_factory=SystemClock)
+    cdi_dir: Path = field(init=False)
+    _backoff: dict[str, float] = field(default_factory=dict, init=False)
+    _in_use_told: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -108,6 +99,10 @@ class Lifecycle:
                 await self.create(alloc, d.reason)
             elif d.action is Action.VERIFY:
                 await self.verify(alloc)
+            elif d.action is Action.REFAIL:
+                rec = self.st.cp.claims[alloc.uid]
+                log.warning("allocation failed earlier; Failed again", claim=alloc.key)
+                await self.write_failed(alloc, rec.message)
             elif d.action is Action.RELEASE:
                 return await self.release(alloc)
         except ApiError as exc:
@@ -150,16 +145,19 @@ class Lifecycle:
     async def fail(self, alloc: SliceAllocation, message: str) -> None:
         log.warning("allocation failed", claim=alloc.key, reason=message)
         self.metrics.creates.labels(self.st.node, "failed").inc()
+        await self.write_failed(alloc, message)
+        # final for this uid (reconcile.decide); holds no slice: the rollback came first
+        rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
+        self.st.put(replace(rec, updated=time.time(), message=message))  # in memory only
+        await writes.event(
+            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
+        )
+
+    async def write_failed(self, alloc: SliceAllocation, message: str) -> None:
         conds = with_condition(
             self.conditions(alloc), condition("Ready", False, "CreateFailed", message, kube_time())
         )
         await self.status(alloc, status_failed(message, conds))
-        # final for this uid (reconcile.decide); holds no slice: the rollback came first
-        rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
-        self.st.put(replace(rec, updated=time.time()))  # in memory only (checkpoint.State)
-        await writes.event(
-            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
-        )
 
     async def destroy(self, inst: Instance) -> None:
         """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
@@ -329,20 +327,25 @@ class Lifecycle:
             f"MIG slices ready on {self.st.node}: {uuids}",
         )
 
-    async def rollback(self, rec: ClaimRecord) -> bool:
-        """Destroy what the record holds, remove its CDI file and drop it. False (record
-        kept as `releasing`, for garbage collection to retry) if NVML refused."""
+    async def destroy_held(self, rec: ClaimRecord) -> None:
+        """Mark the record `releasing` (persisted), then destroy every instance it owns."""
         if rec.state != "releasing":
             rec = replace(rec, state="releasing", updated=time.time())
+        if self.st.cp.claims.get(rec.uid) != rec:
             self.st.put(rec)
             await self.st.persist()
         instances = await self.instances({s.gpu_index for s in rec.slices})
         own = match(self.st.cp, instances)
+        for i in range(len(rec.slices)):
+            inst = own.found.get((rec.uid, i))
+            if inst is not None:
+                await self.destroy(inst)
+
+    async def rollback(self, rec: ClaimRecord) -> bool:
+        """Destroy what the record holds, remove its CDI file and drop it. False (record
+        kept as `releasing`, for garbage collection to retry) if NVML refused."""
         try:
-            for i in range(len(rec.slices)):
-                inst = own.found.get((rec.uid, i))
-                if inst is not None:
-                    await self.destroy(inst)
+            await self.destroy_held(rec)
         except NvmlFailure as exc:
             log.error(
                 "could not destroy slices; garbage collection retries",
@@ -436,17 +439,8 @@ class Lifecycle:
         if alloc.has_finalizer and alloc.phase != Phase.RELEASING:
             await self.status(alloc, status_releasing())
         if rec is not None:
-            if rec.state != "releasing":
-                rec = replace(rec, state="releasing", updated=time.time())
-            self.st.put(rec)
-            await self.st.persist()
-            instances = await self.instances({s.gpu_index for s in rec.slices})
-            own = match(self.st.cp, instances)
             try:
-                for i in range(len(rec.slices)):
-                    inst = own.found.get((uid, i))
-                    if inst is not None:
-                        await self.destroy(inst)
+                await self.destroy_held(rec)
             except NvmlFailure as exc:
                 if not exc.in_use:
                     raise

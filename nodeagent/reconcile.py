@@ -36,6 +36,7 @@ class Action(enum.StrEnum):
     RECREATE = "recreate"  # the instances are gone (reboot): make them again, then Ready
     VERIFY = "verify"  # Ready: check the record and the CDI file; adopt from status if needed
     RELEASE = "release"  # being deleted: destroy, remove CDI file, drop the finalizer
+    REFAIL = "refail"  # we wrote Failed, and a later write says otherwise: say Failed again
     NONE = "none"
 
 
@@ -50,12 +51,15 @@ def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> 
     come back as watch events, maybe late: the record says what we wrote (STYLE.md §12c)."""
     if alloc.deleting:
         return Decision(Action.RELEASE, "allocation deleted")
-    if record is not None and record.state == "failed":
-        # We wrote Failed: a Pending/Creating view is our own Creating write arriving late.
-        # Never made after all (the allocator deletes it and places the pod anew); creating
-        # now would write Ready over Failed while the allocator releases it (`make chaos`).
-        return Decision(Action.NONE, "failed by this agent: final")
     phase = alloc.phase
+    if record is not None and record.state == "failed":
+        # We wrote Failed, and it is final: never made after all (the allocator deletes it and
+        # places the pod anew); creating now would write Ready over Failed while the allocator
+        # releases it (`make chaos`). A Pending/Creating view is usually our own Creating write
+        # arriving late; whatever it is, a phase other than Failed is answered with Failed.
+        if phase == Phase.FAILED:
+            return Decision(Action.NONE, "failed by this agent: final")
+        return Decision(Action.REFAIL, "failed by this agent: final")
     if phase in (Phase.PENDING, Phase.CREATING):
         if record is not None and record.announced and _made(record, boot_id):
             # We wrote Ready already: this is our own Creating write arriving late (its watch

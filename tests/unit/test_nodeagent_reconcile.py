@@ -122,9 +122,10 @@ MADE = srec(G0, 9, 0, 1, gi=1)
 @pytest.mark.parametrize(
     ("obj", "record", "want"),
     [
-        # our own Failed is final: a late Creating echo makes nothing
-        (alloc(phase="Creating"), rec("u1", state="failed"), Action.NONE),
-        (alloc(phase="Pending"), rec("u1", state="failed"), Action.NONE),
+        # our own Failed is final: a late echo (or a forged status) is answered with Failed
+        (alloc(phase="Creating"), rec("u1", state="failed"), Action.REFAIL),
+        (alloc(phase="Ready"), rec("u1", state="failed"), Action.REFAIL),
+        (alloc(phase="Failed"), rec("u1", state="failed"), Action.NONE),
         (alloc(phase="Creating", deleting=True), rec("u1", state="failed"), Action.RELEASE),
         # our own Ready told: a late Creating echo is not news
         (alloc(phase="Creating"), replace(rec("u1", MADE), announced=True), Action.NONE),
@@ -137,7 +138,15 @@ MADE = srec(G0, 9, 0, 1, gi=1)
             Action.CREATE,
         ),
     ],
-    ids=["failed-echo", "failed-pending", "failed-deleted", "ready-echo", "untold", "old-boot"],
+    ids=[
+        "failed-echo",
+        "failed-forged-ready",
+        "failed-stays",
+        "failed-deleted",
+        "ready-echo",
+        "untold",
+        "old-boot",
+    ],
 )
 def test_decide_recognises_our_own_writes(
     obj: dict[str, Any], record: ClaimRecord, want: Action

@@ -111,7 +111,7 @@ class Controller:
             self.placer,
             metrics,
             self.clock,
-            timeout_s=settings.pinned_unschedulable_timeout_s,
+            settings.pinned_unschedulable_timeout_s,
             tell=self._event,
             after_change=self._after_change,
         )

@@ -10,6 +10,7 @@ parked with its reason and told once per reason (`AllocationPending`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -39,26 +40,16 @@ SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" pri
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
 
 
+@dataclass(eq=False)
 class Placer:
-    def __init__(
-        self,
-        state: ClusterState,
-        tracks: Tracks,
-        metrics: AllocatorMetrics,
-        policy: Policy,
-        catalog: Catalog,
-        *,
-        kick: Callable[[str], None],
-        tell: Tell,
-    ) -> None:
-        self.state = state
-        self.tracks = tracks
-        self.metrics = metrics
-        self.policy = policy
-        self.catalog = catalog
-        self.queue = PlacementQueue()
-        self._kick = kick
-        self._tell = tell
+    state: ClusterState
+    tracks: Tracks
+    metrics: AllocatorMetrics
+    policy: Policy
+    catalog: Catalog
+    kick: Callable[[str], None]  # the pod's worker carries the decision out
+    tell: Tell
+    queue: PlacementQueue = field(default_factory=PlacementQueue)
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -107,7 +98,7 @@ class Placer:
         self.state.assume(body)
         track.create = body
         track.told = None
-        self._kick(uid)
+        self.kick(uid)
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
@@ -130,7 +121,7 @@ class Placer:
         if track.told != reason:
             track.told = reason
             log.info("pod pending", pod=pod.key, reason=reason, message=message)
-            self._tell(pod.obj, REASON_PENDING, message)
+            self.tell(pod.obj, REASON_PENDING, message)
 
     def allocation_for(self, pod: PodView, placement: Placement) -> Obj:
         """The SliceAllocation to create for `placement` (GPU indexes become UUIDs)."""

@@ -199,31 +199,28 @@ class ClusterState:
     def upsert_node(self, obj: Obj) -> bool:
         """Returns True when something placement looks at changed."""
         view = NodeView.of(obj)
-        if self.nodes.get(view.name) == view:
-            return False
-        self.nodes[view.name] = view
-        self._dirty.add(view.name)
-        self.epoch += 1
-        return True
+        return self._put(self.nodes, view.name, view)
 
     def remove_node(self, obj: Obj) -> None:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        if self.nodes.pop(name, None) is not None:
-            self._dirty.add(name)
+        self._pop(self.nodes, _name(obj))
 
     def upsert_mig_node(self, obj: Obj) -> bool:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        gpus = gpus_of(obj)
-        if self.gpus.get(name) == gpus:
+        return self._put(self.gpus, _name(obj), gpus_of(obj))
+
+    def remove_mig_node(self, obj: Obj) -> None:
+        self._pop(self.gpus, _name(obj))
+
+    def _put(self, table: dict[str, Any], name: str, value: object) -> bool:
+        """Store a node's view; a change is capacity that may have grown (epoch)."""
+        if table.get(name) == value:
             return False
-        self.gpus[name] = gpus
+        table[name] = value
         self._dirty.add(name)
         self.epoch += 1
         return True
 
-    def remove_mig_node(self, obj: Obj) -> None:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        if self.gpus.pop(name, None) is not None:
+    def _pop(self, table: dict[str, Any], name: str) -> None:
+        if table.pop(name, None) is not None:
             self._dirty.add(name)
 
     def set_agent_down(self, node: str, down: bool) -> bool:
@@ -376,3 +373,7 @@ class ClusterState:
                 state = dataclasses.replace(state, labels={**state.labels, FIELD_NAME_LABEL: name})
             nodes.append(state)
         return Snapshot(nodes=tuple(nodes))
+
+
+def _name(obj: Obj) -> str:
+    return str(obj.get("metadata", {}).get("name", ""))

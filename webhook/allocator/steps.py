@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import structlog
@@ -25,18 +26,7 @@ from webhook.allocator.leader import NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import SUMMARY_ANNOTATION, WRITE_ERROR, Placer
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import (
-    Create,
-    Finalize,
-    MoveOffDownNode,
-    Pin,
-    PodTrack,
-    Release,
-    ReleaseFailed,
-    ReleaseOrphan,
-    Step,
-    UnstickPod,
-)
+from webhook.allocator.track import Act, Create, OnAllocation, Pin, PodTrack, Step, UnstickPod
 from webhook.allocator.views import PodView
 from webhook.allocator.writes import Writes
 
@@ -46,27 +36,16 @@ EventType_ = Literal["Normal", "Warning"]
 Tell = Callable[[Obj, str, str, EventType_], None]
 
 
+@dataclass(eq=False)
 class Steps:
-    def __init__(
-        self,
-        writes: Writes,
-        state: ClusterState,
-        placer: Placer,
-        metrics: AllocatorMetrics,
-        clock: Clock,
-        *,
-        timeout_s: float,
-        tell: Tell,
-        after_change: Callable[[], None],
-    ) -> None:
-        self.writes = writes
-        self.state = state
-        self.placer = placer
-        self.metrics = metrics
-        self.clock = clock
-        self.timeout_s = timeout_s
-        self._tell = tell
-        self._after_change = after_change
+    writes: Writes
+    state: ClusterState
+    placer: Placer
+    metrics: AllocatorMetrics
+    clock: Clock
+    timeout_s: float  # pinned_unschedulable_timeout_s, for the message
+    tell: Tell  # an event, in the background
+    after_change: Callable[[], None]  # capacity may have grown (a create failed)
 
     async def run(self, track: PodTrack, step: Step) -> None:
         match step:
@@ -74,16 +53,16 @@ class Steps:
                 await self.create(track, pod, body)
             case Pin(pod, alloc):
                 await self.pin(track, pod, alloc)
-            case Release(alloc, why):
+            case OnAllocation(Act.RELEASE, alloc, why):
                 await self.release(track, alloc, why)
-            case ReleaseOrphan(alloc):
+            case OnAllocation(Act.RELEASE_ORPHAN, alloc):
                 if not await self.writes.pod_alive(alloc):  # the cache may lag: ask first
                     await self.release(track, alloc, "its pod is gone")
-            case ReleaseFailed(alloc):
+            case OnAllocation(Act.RELEASE_FAILED, alloc):
                 await self.release_failed(track, alloc)
-            case MoveOffDownNode(alloc):
+            case OnAllocation(Act.MOVE_OFF, alloc):
                 await self.move_off_down_node(alloc)
-            case Finalize(alloc):
+            case OnAllocation(Act.FINALIZE, alloc):
                 await self.finalize(alloc)
             case UnstickPod(pod):
                 await self.unstick(track, pod)
@@ -117,7 +96,7 @@ class Steps:
         self.metrics.outcome("allocated")
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
-        self._tell(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the critical path
+        self.tell(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the critical path
 
     def _created(self, key: str, write: asyncio.Future[Obj]) -> None:
         """Settle an assumed allocation by its create's outcome, whatever term it is now."""
@@ -125,7 +104,7 @@ class Steps:
             self.state.confirm(write.result())
             return
         self.state.forget(key)
-        self._after_change()
+        self.after_change()
 
     async def pin(self, track: PodTrack, pod: PodView, alloc: SliceAllocation) -> None:
         written = await self.writes.pin(pod.obj, alloc.node)

@@ -94,52 +94,43 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class UnstickPod:
+    """Pinned, and unschedulable for the whole timeout: release its slices."""
+
     pod: PodView
 
 
 @dataclass(frozen=True, slots=True)
-class Finalize:
-    """The allocation's node is gone: drop the finalizer ourselves (after a GET)."""
+class Queue:
+    """Gated by ours alone, nothing held: the placer decides."""
 
-    alloc: SliceAllocation
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseOrphan:
-    """The cache never saw the pod: ask the API server before releasing."""
-
-    alloc: SliceAllocation
+    pod: PodView
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
-    alloc: SliceAllocation
-    why: str
+class Act(enum.Enum):
+    """What to do with one allocation of the pod."""
+
+    FINALIZE = "finalize"  # its node is gone: drop the finalizer ourselves (after a GET)
+    RELEASE = "release"  # delete it; `why` says why
+    RELEASE_ORPHAN = "release-orphan"  # the cache never saw the pod: ask the API server first
+    RELEASE_FAILED = "release-failed"  # the agent failed it: release, avoid its GPUs next time
+    MOVE_OFF = "move-off"  # its node's agent is down and never acted on it: drop it
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseFailed:
+class OnAllocation:
+    act: Act
     alloc: SliceAllocation
-
-
-@dataclass(frozen=True, slots=True)
-class MoveOffDownNode:
-    alloc: SliceAllocation
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Forget:
-    """The pod is gone and holds nothing: drop its record."""
+    """The pod is gone (or not InstaSlice's) and holds nothing: drop its record."""
 
 
 @dataclass(frozen=True, slots=True)
 class Dequeue:
     """Not ours to place now (another gate first, or being deleted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Queue:
-    pod: PodView
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,22 +159,7 @@ class Settled:
     waiting: bool
 
 
-Step = (
-    Wait
-    | UnstickPod
-    | Finalize
-    | ReleaseOrphan
-    | Release
-    | ReleaseFailed
-    | MoveOffDownNode
-    | Forget
-    | Dequeue
-    | Queue
-    | Kick
-    | Create
-    | Pin
-    | Settled
-)
+Step = Wait | UnstickPod | OnAllocation | Forget | Dequeue | Queue | Kick | Create | Pin | Settled
 
 
 def next_step(track: PodTrack, seen: Seen) -> Step:
@@ -209,23 +185,23 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
         return None  # its create is in flight
     if alloc.node not in seen.nodes:
         if alloc.has_finalizer or not alloc.deleting:
-            return Finalize(alloc)
+            return OnAllocation(Act.FINALIZE, alloc)
         return None
     if alloc.deleting or alloc.uid in track.released:
         return None  # the node agent destroys the slices and drops the finalizer
     pod = seen.pod
     if pod is None:
         if track.gone is not None:  # the watch said so: no need to ask again
-            return Release(alloc, track.gone)
-        return ReleaseOrphan(alloc)
+            return OnAllocation(Act.RELEASE, alloc, track.gone)
+        return OnAllocation(Act.RELEASE_ORPHAN, alloc)
     if pod.terminal:
-        return Release(alloc, "the pod finished")
+        return OnAllocation(Act.RELEASE, alloc, "the pod finished")
     if pod.claim != alloc.name:
-        return Release(alloc, "the pod no longer carries this claim")
+        return OnAllocation(Act.RELEASE, alloc, "the pod no longer carries this claim")
     if alloc.failed:
-        return ReleaseFailed(alloc)
+        return OnAllocation(Act.RELEASE_FAILED, alloc)
     if alloc.node in seen.agents_down and alloc.phase == Phase.PENDING:
-        return MoveOffDownNode(alloc)
+        return OnAllocation(Act.MOVE_OFF, alloc)
     return None
 
 
