@@ -245,7 +245,8 @@ class NodeAgent:
                 log.warning(
                     "destroying slices no allocation claims", claim=rec.key, orphan=uid in due
                 )
-                await self.life.rollback(rec)
+                if await self.life.rollback(rec) and uid in stuck:
+                    await self.life.fail_after_gc(rec)
         keys = {(r.namespace, r.name) for r in st.cp.claims.values()}
         keys |= {(a["metadata"]["namespace"], a["metadata"]["name"]) for a in st.allocs.values()}
         cdi_dir = self.life.cdi_dir

@@ -201,11 +201,13 @@ class Lifecycle:
             # made already (a crash before the Ready write): say so again
             await self.ready(alloc, rec, t0)
             return
+        if alloc.node != self.st.node:  # the node label says us; spec.nodeName does not
+            await self.fail(alloc, f"spec.nodeName {alloc.node} is not on node {self.st.node}")
+            return
         fresh = plan(alloc, self.st.inv, self.st.health)
         if isinstance(fresh, str):
-            if rec is not None and not await self.rollback(rec):
-                return
-            await self.fail(alloc, f"{reason}; cannot re-create: {fresh}" if reason else fresh)
+            cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
+            await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
             return
         if (alloc.phase != Phase.CREATING or reason) and not await self.status(
             alloc, status_creating(reason)
@@ -234,8 +236,7 @@ class Lifecycle:
         own = match(self.st.cp, instances)
         why = blocked(rec.slices, uid, instances, own)
         if why:
-            if await self.rollback(rec):
-                await self.fail(alloc, why)
+            await self.give_up(alloc, rec, why)
             return
         slices = list(rec.slices)
         for i, s in enumerate(slices):
@@ -252,16 +253,14 @@ class Lifecycle:
                     f"creating slice {i} ({s.container}: {s.profile} on GPU {s.gpu_index} "
                     f"at {s.start}:{s.size}): {exc}"
                 )
-                if await self.rollback(self.st.cp.claims[uid]):
-                    await self.fail(alloc, msg)
+                await self.give_up(alloc, self.st.cp.claims[uid], msg)
                 return
         rec = replace(rec, slices=tuple(slices))
         self.st.put(rec)
         try:
             await self.write_cdi(rec)
         except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
-            if await self.rollback(rec):
-                await self.fail(alloc, f"writing the CDI spec: {exc}")
+            await self.give_up(alloc, rec, f"writing the CDI spec: {exc}")
             return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
@@ -306,10 +305,7 @@ class Lifecycle:
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        devices = {
-            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
-        }
-        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+        await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
         self.st.publish.set()
         if rec.announced:
             return
@@ -340,6 +336,32 @@ class Lifecycle:
             inst = own.found.get((rec.uid, i))
             if inst is not None:
                 await self.destroy(inst)
+
+    @staticmethod
+    def devices(alloc: SliceAllocation) -> dict[str, str]:
+        """Each slice-asking container's qualified CDI device."""
+        return {c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()}
+
+    async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> None:
+        """Creating failed: roll back, then write Failed. When NVML refuses the rollback, the
+        record keeps the message and garbage collection, once it has destroyed what the
+        record holds, writes Failed (`fail_after_gc`): never Creating forever."""
+        if await self.rollback(rec):
+            await self.fail(alloc, message)
+            return
+        kept = self.st.cp.claims.get(rec.uid)
+        if kept is not None:
+            self.st.put(replace(kept, message=message))
+
+    async def fail_after_gc(self, rec: ClaimRecord) -> None:
+        """Garbage collection finished the rollback of `rec`, whose allocation lives on."""
+        obj = self.st.allocs.get(rec.uid)
+        if obj is None:
+            return
+        alloc = SliceAllocation.parse(obj)
+        if not alloc.deleting and alloc.phase != Phase.FAILED:
+            why = rec.message or "creating failed; its rollback was finished by garbage collection"
+            await self.fail(alloc, why)
 
     async def rollback(self, rec: ClaimRecord) -> bool:
         """Destroy what the record holds, remove its CDI file and drop it. False (record
@@ -385,6 +407,9 @@ class Lifecycle:
             if not await asyncio.to_thread(path.exists):
                 log.warning("CDI file missing; rewriting", claim=alloc.key)
                 await self.write_cdi(rec)
+            if not rec.announced:  # made by an earlier process: tell the binding again
+                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
         fresh = plan(alloc, self.st.inv, self.st.health)
@@ -404,6 +429,8 @@ class Lifecycle:
                 self.st.put(rec)
                 await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
+                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                self.st.put(replace(rec, announced=True))
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)
                 return

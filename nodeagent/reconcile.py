@@ -60,6 +60,10 @@ def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> 
         if phase == Phase.FAILED:
             return Decision(Action.NONE, "failed by this agent: final")
         return Decision(Action.REFAIL, "failed by this agent: final")
+    if record is not None and record.state == "releasing":
+        # A create that failed and whose rollback NVML refused: garbage collection finishes
+        # the rollback and then writes Failed; making it again now would race it.
+        return Decision(Action.NONE, "rollback pending; garbage collection finishes it")
     if phase in (Phase.PENDING, Phase.CREATING):
         if record is not None and record.announced and _made(record, boot_id):
             # We wrote Ready already: this is our own Creating write arriving late (its watch

@@ -254,6 +254,24 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         assert node.instances() == [] and node.cdi_files() == []
 
 
+async def test_an_allocation_for_another_node_is_failed_not_made(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Security issue, item 12: the node label brings an allocation to this agent, but its
+    spec.nodeName names another node (the allocator counts its slots there): making it here
+    would double-book this node's GPU. It is failed, and nothing is made."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        alloc["spec"]["nodeName"] = "some-other-node"  # the label still says this node
+        await create_allocation(kube, alloc)
+        failed = await wait_phase(kube, alloc, "Failed")
+        assert "spec.nodeName some-other-node is not on node" in failed["status"]["message"]
+        assert node.instances() == []
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+
+
 async def test_a_stale_creating_view_after_failed_makes_nothing(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
@@ -294,6 +312,25 @@ async def test_create_for_an_allocation_already_gone_makes_nothing(
         await life.create(SliceAllocation.parse(gone))
         assert node.instances() == [] and node.cdi_files() == []
         assert "uid-never-created" not in life.st.cp.claims
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+
+
+async def test_a_rollback_refused_twice_ends_failed_not_creating(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Security issue, item 7: the create failed and NVML refused its rollback twice (the
+    create's own rollback and garbage collection's first retry); garbage collection's next
+    retry destroyed the slice, but the allocation stayed `Creating` forever and its pod gated
+    with no event. Now it ends `Failed` with the create's message."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    node.emu.fail_next("create_ci", 999, skip=1)  # the second slice's CI fails
+    node.emu.fail_next("destroy_gi", 999, count=2)  # and the rollback of the first, twice
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+        alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 0, 1), ("b", "2g.35gb", 0, 2, 2)])
+        await create_allocation(kube, alloc)
+        failed = await wait_phase(kube, alloc, "Failed")
+        assert "slice 1" in failed["status"]["message"]
+        assert node.instances() == []
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
 
 

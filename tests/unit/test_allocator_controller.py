@@ -184,6 +184,7 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
     owner = {"kind": "ReplicaSet", "name": "rs", "uid": "rs-uid", "controller": True}
     pod = make_pod("p", uid="p", owner=owner if owned else None)
     alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = unschedulable(pod)  # still stuck when read
     async with leading(c):
         await node(c)
         await c._on_allocation("ADDED", alloc)
@@ -198,9 +199,29 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
         f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
     )
     assert deleted[0] == alloc_path
-    assert ("/api/v1/namespaces/ns/pods/p" in deleted) is owned
+    # a bare pod too (security: ungated without slices, the kubelet would hand it another's)
+    assert "/api/v1/namespaces/ns/pods/p" in deleted
     assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
     assert c.metrics.count("pinned_unschedulable") == 1
+
+
+async def test_a_pod_bound_meanwhile_is_left_alone_though_the_cache_lags() -> None:
+    """The timer fires on the cached view; a fresh read shows the pod bound: nothing is
+    released or deleted."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    bound = unschedulable(pod)
+    bound["spec"]["nodeName"] = "n1"
+    bound["status"] = {"phase": "Running"}
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = bound
+    async with leading(c):
+        await node(c)
+        await c._on_allocation("ADDED", alloc)
+        await c._on_pod("ADDED", unschedulable(pod))
+        await clock.advance(TIMEOUT + 1)
+    assert kube.writes() == []
 
 
 async def test_a_pod_that_gets_bound_in_time_is_left_alone() -> None:
@@ -701,3 +722,26 @@ async def test_state_gauges_are_read_from_the_model_when_scraped_and_only_by_the
     assert reg.get_sample_value("instaslice_slices", slices) is None
     c.step_down()
     assert reg.get_sample_value("instaslice_allocator_queue_depth") is None
+
+
+# --- a standby keeps caches, not records -----------------------------------------------------
+
+
+async def test_a_standby_keeps_no_per_pod_records() -> None:
+    """Security issue, item 8: standby replicas grew by about 200 B per pod ever seen (a
+    dirty set and ungate start times) until they led. Now records are made only while
+    leading, and a pod's DELETED event drops whatever a past term left."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    await node(c)
+    pods = [make_pod(f"p{i}", uid=f"u{i}") for i in range(200)]
+    for p in pods:
+        await c._on_pod("ADDED", p)
+    assert len(c.tracks) == 0 and c.work.pending == [] and c.work.active == 0
+    assert len(c.state.pods) == 200  # the cache is warm
+    async with leading(c):
+        await c._on_pod("MODIFIED", pods[0])
+        await settle()
+    assert len(c.tracks) == 1
+    await c._on_pod("DELETED", pods[0])
+    assert len(c.tracks) == 0

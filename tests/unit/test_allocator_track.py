@@ -153,6 +153,13 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
         Act.RELEASE,
         "the pod no longer carries this claim",
     ),
+    (
+        "other-namespace",  # a record naming our pod's uid in another namespace is not ours
+        PodTrack("p"),
+        seen(PodView.of(make_pod("p", uid="p", claim=CLAIM, namespace="x")), alloc(Phase.READY)),
+        Act.RELEASE,
+        "it is not in the pod's namespace",
+    ),
     ("failed", PodTrack("p"), seen(pod(), alloc(Phase.FAILED)), Act.RELEASE_FAILED, None),
     (
         "agent-down-untouched",

@@ -61,7 +61,7 @@ class Steps:
             case OnAllocation(Act.RELEASE_FAILED, alloc):
                 await self.release_failed(track, alloc)
             case OnAllocation(Act.MOVE_OFF, alloc):
-                await self.move_off_down_node(alloc)
+                await self.move_off_down_node(track, alloc)
             case OnAllocation(Act.FINALIZE, alloc):
                 await self.finalize(alloc)
             case UnstickPod(pod):
@@ -135,7 +135,7 @@ class Steps:
         self.metrics.outcome("failed")
         await self.release(track, alloc, f"the node agent failed it: {message}")
 
-    async def move_off_down_node(self, alloc: SliceAllocation) -> None:
+    async def move_off_down_node(self, track: PodTrack, alloc: SliceAllocation) -> None:
         """The node's agent is down and never acted on this allocation, so nothing was made
         for it: drop the record without the agent, and the pod (still gated: it is pinned
         only once Ready) is placed again, on a node with a running agent."""
@@ -144,8 +144,7 @@ class Steps:
         log.warning(
             "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
         )
-        await self.writes.delete_allocation(alloc)
-        self.metrics.outcome("released")
+        await self.release(track, alloc, "its node's agent is down and never acted on it")
 
     async def finalize(self, alloc: SliceAllocation) -> None:
         """The node is gone, so nothing is left to destroy: finish the record ourselves."""
@@ -162,10 +161,17 @@ class Steps:
     # --- pinned but unschedulable -------------------------------------------------------
 
     async def unstick(self, track: PodTrack, pod: PodView) -> None:
-        """Release the slices of a pinned pod the scheduler cannot place; a controller
-        recreates its pod (docs/allocator.md "Pinned but unschedulable")."""
+        """Release the slices of a pinned pod the scheduler cannot place, and delete the pod:
+        its controller, if any, recreates it and it is placed again (docs/allocator.md
+        "Pinned but unschedulable"). A bare pod is deleted too: gates cannot be re-added, and
+        an ungated pod still asking for `instaslice.io/mig-*` without slices would, once
+        scheduled, be handed another pod's slice by the kubelet (device-plugin mode)."""
+        current = await self.writes.read_pod(pod.obj)  # the cache may lag: still stuck?
+        if current is None or not podlib.stuck_pinned(current, pod.uid):
+            log.info("pinned pod no longer unschedulable; left alone", pod=pod.key)
+            return
         node = pod.node or "its node"
-        cause = _scheduled_message(pod.obj)
+        cause = _scheduled_message(current)
         for alloc in self.state.allocations_of(pod.uid):
             if not alloc.deleting and not self.state.is_assumed(alloc.key):
                 await self.release(track, alloc, "pinned pod stayed unschedulable")
@@ -173,18 +179,12 @@ class Steps:
         owner = podlib.controller_ref(pod.obj)
         waited = f"pinned to {node} but unschedulable for {self.timeout_s:g}s ({cause})"
         if owner is not None:
-            message = (
-                f"{waited}; released its slices and deleted it so its "
-                f"{owner.get('kind', 'controller')} recreates it and it is placed again"
-            )
-            await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
-            await self.writes.delete_pod(pod.obj)
+            then = f"its {owner.get('kind', 'controller')} recreates it and it is placed again"
         else:
-            message = (
-                f"{waited}; released its slices; it has no controller to recreate it: delete "
-                "and recreate the pod to have it placed again"
-            )
-            await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+            then = "it has no controller to recreate it: create it again to have it placed"
+        message = f"{waited}; released its slices and deleted it; {then}"
+        await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+        await self.writes.delete_pod(pod.obj)
 
 
 def _scheduled_message(pod: Obj) -> str:

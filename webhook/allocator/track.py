@@ -198,6 +198,8 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
         return OnAllocation(Act.RELEASE, alloc, "the pod finished")
     if pod.claim != alloc.name:
         return OnAllocation(Act.RELEASE, alloc, "the pod no longer carries this claim")
+    if alloc.namespace != pod.namespace:
+        return OnAllocation(Act.RELEASE, alloc, "it is not in the pod's namespace")
     if alloc.failed:
         return OnAllocation(Act.RELEASE_FAILED, alloc)
     if alloc.node in seen.agents_down and alloc.phase == Phase.PENDING:
@@ -222,7 +224,8 @@ def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
         return Wait("pinned already; the watch has not caught up")
     for alloc in seen.allocations:
         usable = alloc.key not in seen.assumed and alloc.uid not in track.released
-        if alloc.ready and usable and alloc.name == pod.claim:
+        ours = alloc.name == pod.claim and alloc.namespace == pod.namespace
+        if alloc.ready and usable and ours:
             return Pin(pod, alloc)
     return Wait("the node agent is making its slices")
 

@@ -79,6 +79,11 @@ class Writes:
             raise
         return podlib.uid(pod) == alloc.pod_uid and not podlib.is_terminal(pod)
 
+    async def read_pod(self, pod: Obj) -> Obj | None:
+        """The pod as the API server has it now; None when it is gone."""
+        meta = pod["metadata"]
+        return await self._read(core_path("pods", meta["namespace"], meta["name"]))
+
     async def node_exists(self, node: str) -> bool:
         try:
             await self.kube.get(core_path("nodes", name=node))
