@@ -565,6 +565,11 @@ async def test_instaslice_only_pins_and_ungates_gated_pods(
         with pytest.raises(ApiError) as exc:
             await me.patch(path + "/status", {"metadata": {"labels": {"x": "y"}}})
         assert "never UPDATE pods/status" in exc.value.message
+        debug = [{"op": "add", "path": "/spec/ephemeralContainers",
+                  "value": [{"name": "debug", "image": "busybox"}]}]  # fmt: skip
+        with pytest.raises(ApiError) as exc:
+            await me.patch(path + "/ephemeralcontainers", debug, "json")
+        assert "never UPDATE pods/ephemeralcontainers" in exc.value.message
 
 
 async def test_instaslice_deletes_only_pods_with_a_claim(
