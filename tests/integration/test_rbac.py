@@ -13,13 +13,18 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
   runs with: a ServiceAccount token bound to a pod scheduled on node A (the apiserver puts
   the node name into the token) may write A's allocations' status and finalizer, MigNode
   A, Node A's instaslice.io/* capacity and Lease A, and nothing of node B, no other capacity,
-  no finalizer added, no relabelling; a token bound to no pod may write nothing; the same
-  for a per-node client certificate;
+  no finalizer added, no relabelling, on its own Node's status nothing but instaslice.io/*
+  capacity (no forged condition, address, endpoint, label or annotation); a token bound to
+  no pod may write nothing, nor may another member of the group instaslice:nodeagents; the
+  same for a per-node client certificate;
 - the node agent's rules are sufficient: the real agent, under its node's certificate
   identity and nothing else, takes an allocation to Ready and releases it;
 - the pod policy of CONTRACT.md §4 holds in namespaces tests elsewhere do not use (kube-system,
-  InstaSlice's own, one that opted out), and InstaSlice's *other* identity (the node agent)
-  may not remove the gate or change the claim either;
+  InstaSlice's own even when labelled opted-in, one that opted out: no device of another
+  pod, no InstaSlice marks at all), and InstaSlice's *other* identity (the node agent) may not
+  remove the gate or change the claim either;
+- the controller's confinement is sufficient for the namespace mirror: the real mirror, as
+  the controller ServiceAccount under its RBAC and policies, mirrors both ways;
 - the pod security settings of the manifests: non-root, read-only, no privilege escalation
   and all capabilities dropped for the webhook; privileged (NVML needs it) only for the
   node agent, with no host network/PID/IPC and only the host paths it needs (two of them
