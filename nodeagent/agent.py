@@ -247,18 +247,33 @@ class NodeAgent:
                 )
                 if await self.life.rollback(rec) and uid in stuck:
                     await self.life.fail_after_gc(rec)
-        keys = {(r.namespace, r.name) for r in st.cp.claims.values()}
-        keys |= {(a["metadata"]["namespace"], a["metadata"]["name"]) for a in st.allocs.values()}
-        cdi_dir = self.life.cdi_dir
-        for ns, claim in await asyncio.to_thread(cdi.our_spec_files, cdi_dir):
-            if (ns, claim) not in keys:
-                log.info("removing stale CDI spec", claim=f"{ns}/{claim}")
-                await asyncio.to_thread(cdi.remove_spec, cdi_dir, ns, claim)
+        await self._gc_cdi()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         foreign = match(st.cp, instances).foreign
         if foreign != st.foreign:
             st.foreign = foreign
             st.publish.set()
+
+    async def _gc_cdi(self) -> None:
+        """Remove CDI files no allocation owns. A file naming its allocation's UID is kept
+        while that UID has a record or a live allocation — whatever else holds its name —
+        and removed only if it still names that UID (a newer allocation of the same name
+        may have rewritten it meanwhile); a file without a UID goes by its name."""
+        st, cdi_dir = self.st, self.life.cdi_dir
+        for ns, claim in await asyncio.to_thread(cdi.our_spec_files, cdi_dir):
+            uid = await asyncio.to_thread(cdi.spec_uid, cdi_dir, ns, claim)
+            if uid is None or (uid and (uid in st.cp.claims or uid in st.allocs)):
+                continue
+            if not uid and (ns, claim) in self._claim_keys():
+                continue
+            if await asyncio.to_thread(cdi.remove_spec, cdi_dir, ns, claim, uid):
+                log.info("removed stale CDI spec", claim=f"{ns}/{claim}", uid=uid)
+
+    def _claim_keys(self) -> set[tuple[str, str]]:
+        keys = {(r.namespace, r.name) for r in self.st.cp.claims.values()}
+        return keys | {
+            (a["metadata"]["namespace"], a["metadata"]["name"]) for a in self.st.allocs.values()
+        }
 
     # ---- health ----------------------------------------------------------------------------------
 

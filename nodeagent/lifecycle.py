@@ -183,7 +183,9 @@ class Lifecycle:
         return out
 
     async def write_cdi(self, rec: ClaimRecord) -> None:
-        spec = cdi.build_spec(rec.namespace, rec.name, self.cdi_nodes(rec), self.common_edits)
+        spec = cdi.build_spec(
+            rec.namespace, rec.name, self.cdi_nodes(rec), self.common_edits, uid=rec.uid
+        )
         await asyncio.to_thread(cdi.write_spec, self.cdi_dir, rec.namespace, rec.name, spec)
 
     # ---- create ------------------------------------------------------------------------------
@@ -375,7 +377,7 @@ class Lifecycle:
                 error=str(exc),
             )
             return False
-        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, rec.namespace, rec.name)
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, rec.namespace, rec.name, rec.uid)
         self.st.drop(rec.uid)
         await self.st.persist()
         self.st.publish.set()
@@ -403,9 +405,10 @@ class Lifecycle:
     async def verify(self, alloc: SliceAllocation) -> None:
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
-            path = self.cdi_dir / cdi.spec_file_name(alloc.namespace, alloc.name)
-            if not await asyncio.to_thread(path.exists):
-                log.warning("CDI file missing; rewriting", claim=alloc.key)
+            on_disk = await asyncio.to_thread(cdi.spec_uid, self.cdi_dir, rec.namespace, rec.name)
+            if on_disk != rec.uid:  # missing, written before specs carried UIDs, or another's
+                log.warning("CDI file missing or not this allocation's; rewriting",
+                            claim=alloc.key, found_uid=on_disk)  # fmt: skip
                 await self.write_cdi(rec)
             if not rec.announced:  # made by an earlier process: tell the binding again
                 await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
@@ -472,7 +475,7 @@ class Lifecycle:
                 if not exc.in_use:
                     raise
                 return await self.in_use(alloc, exc)
-        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name)
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name, uid)
         self.st.drop(uid)
         await self.st.persist()
         self.st.publish.set()

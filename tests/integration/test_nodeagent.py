@@ -8,8 +8,9 @@ InstaSlice did not create fails without touching it; SIGKILL during create and d
 destroy, then a restart, leaves no leak and no duplicate; IN_USE on destroy is retried until
 the emulated process exits; XID and GPU-lost events mark the GPU unhealthy (MigNode,
 capacity, the allocation's condition); a reboot re-creates Ready allocations; orphaned
-records are garbage collected after the grace period while foreign instances stay; one
-process serves several emulated nodes. Timing of Pending→Ready is recorded.
+records are garbage collected after the grace period while foreign instances stay; stale
+CDI files are collected by the UID they carry; one process serves several emulated nodes.
+Timing of Pending→Ready is recorded.
 Leaves out: least privilege (test_nodeagent_rbac.py), the allocator (its own tests), a
 real GPU (`--discover-only` on hardware is a manual check, docs/nodeagent.md).
 """
@@ -31,7 +32,7 @@ from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
-from nodeagent import checkpoint
+from nodeagent import cdi, checkpoint
 from nodeagent.emulator import EmulatedNvml
 from tests.integration.agent_fixtures import (
     AgentProcess,
@@ -647,6 +648,38 @@ async def test_orphaned_record_is_collected_after_grace(
 
         await eventually(collected, within=15, what="orphan destroyed, record dropped")
         assert time.monotonic() - t0 >= 1.0  # not before the grace period
+
+
+async def test_gc_removes_cdi_files_by_uid(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Issue 17 item 6, garbage collection: a spec file naming a UID that has neither a
+    record nor a live allocation goes — also under the name of a live allocation (an older
+    allocation of that claim left it) — while the live allocation's own file and files
+    without a UID under a live name stay."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)) as agents:
+        agent = agents[node.name]
+        live = slice_allocation(ns, node, [("a", "1g.18gb", 0, 3, 1)])
+        await create_allocation(kube, live)
+        ready = await wait_phase(kube, live, "Ready")
+        name, uid = ready["metadata"]["name"], ready["metadata"]["uid"]
+        own = cdi.spec_file_name(ns, name)
+        assert own in node.cdi_files()
+        common = cdi.common_edits(None, cdi.DeviceNumbers.emulated())
+        cdi.write_spec(node.cdi_dir, ns, "cgone", cdi.build_spec(ns, "cgone", {}, common, "dead"))
+        await agent.gc()
+        assert cdi.spec_file_name(ns, "cgone") not in node.cdi_files()
+        assert own in node.cdi_files()  # the live one's, whatever it carries
+        # a leftover of an older allocation of the live one's claim
+        older = cdi.build_spec(ns, name, {}, common, "older-uid")
+        cdi.write_spec(node.cdi_dir, ns, name, older)
+        await agent.gc()
+        assert own not in node.cdi_files()
+        # the live allocation's own file (by UID) stays
+        cdi.write_spec(node.cdi_dir, ns, name, cdi.build_spec(ns, name, {}, common, uid))
+        await agent.gc()
+        assert own in node.cdi_files()
 
 
 async def test_one_process_serves_many_nodes(
