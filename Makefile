@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CLUSTER_SPEC ?= hack/specs/dev.yaml
 CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
+FUZZ_REVIEWS ?= 100000
+FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-integration test-e2e kube-bins node-deps node-bins \
         cluster-up cluster-down \
-        dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos clean
+        dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -80,6 +82,9 @@ bench-latency: install kube-bins ## time-to-slice and throughput on the local co
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)
+
+fuzz: install ## hostile AdmissionReviews against the admission server (no cluster); .dev/bench/fuzz.json
+	$(BIN)/python -m bench.fuzz --reviews $(FUZZ_REVIEWS) --seed $(FUZZ_SEED)
 
 clean: ## remove .dev/ (state, logs, kubeconfig)
 	rm -rf .dev

@@ -18,11 +18,12 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
+from common.clock import SystemClock
 from common.kubeapi import Kube
-from webhook.allocator.clock import SystemClock
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.settings import AllocatorSettings
 
 RENEW_EVERY_S = 10.0  # the node agent's default: --lease-duration-s 40, renewed every 40/4
 
@@ -60,12 +61,10 @@ async def measure(nodes: int, events: int) -> dict[str, float]:
     controller = Controller(
         cast(Kube, None),  # never called: only the handler and the sweep run
         cast(LeaderElector, None),
-        SystemClock(),
         AllocatorMetrics(),
-        agent_namespace="instaslice-system",
+        AllocatorSettings(namespace="instaslice-system", clock=SystemClock()),
     )
-    assert controller._lease_informer is not None
-    controller._lease_informer.synced.set()  # steady state: renewals count when seen
+    controller.lease_informer.synced.set()  # steady state: renewals count when seen
     lines = [  # nodes in turn, each event a new renewTime
         watch_line(f"node-{i % nodes:05d}", f"2026-11-30T09:00:00.{i:06d}Z") for i in range(events)
     ]
@@ -85,7 +84,7 @@ async def measure(nodes: int, events: int) -> dict[str, float]:
         "line_bytes": len(lines[-1]),
         "core_share_pct": nodes / RENEW_EVERY_S * per_event * 100,
         "sweep_ms": per_sweep * 1e3,
-        "sweep_core_share_pct": per_sweep / controller.agent_sweep_s * 100,
+        "sweep_core_share_pct": per_sweep / controller.settings.agent_sweep_s * 100,
     }
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from common.allocation import SliceAllocation
 from common.constants import (
     CDI_FILE_PREFIX,
     CLAIM_ANNOTATION,
@@ -137,22 +138,13 @@ def _key(obj: Obj) -> str:
     return f"{m.get('namespace', '')}/{m.get('name', '')}"
 
 
-def slots_of(alloc: Obj) -> list[Slot]:
-    spec, status = alloc.get("spec", {}), alloc.get("status") or {}
-    done = status.get("slices") or []
+def slots_of(obj: Obj) -> list[Slot]:
+    alloc = SliceAllocation.parse(obj)
+    done = alloc.status_slices
     out = []
-    for i, s in enumerate(spec.get("slices") or []):
+    for i, s in enumerate(alloc.slices):
         mig = str(done[i].get("migUUID") or "") if i < len(done) else ""
-        out.append(
-            Slot(
-                _key(alloc),
-                str(spec.get("podUID", "")),
-                str(s.get("gpuUUID", "")),
-                int(s.get("start", 0)),
-                int(s.get("size", 1)),
-                mig,
-            )
-        )
+        out.append(Slot(alloc.key, alloc.pod_uid, s.gpu_uuid, s.start, s.size, mig))
     return out
 
 

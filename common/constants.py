@@ -33,6 +33,8 @@ CDI_FILE_PREFIX: Final = "instaslice.io-"
 # by "<NODEAGENT_COMPONENT>/<node>" (the allocator leaves nodes out whose Lease goes stale).
 NODEAGENT_COMPONENT: Final = "instaslice-nodeagent"
 AGENT_LEASE_DURATION_S: Final = 40  # its default `leaseDurationSeconds`, renewed every quarter
+# Leases (leader election, agent heartbeats) are coordination.k8s.io/v1 objects.
+LEASE_API_VERSION: Final = "coordination.k8s.io/v1"
 
 # Node labels written by KWOK specs / GPU discovery.
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"

@@ -13,6 +13,7 @@ from typing import Literal
 
 import structlog
 
+from common.clock import kube_time
 from common.kubeapi import ApiError, Kube, Obj, core_path
 
 log = structlog.get_logger("events")
@@ -30,7 +31,7 @@ async def pod_event(
 ) -> None:
     meta = pod["metadata"]
     ns = meta["namespace"]
-    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = kube_time(now)
     body: Obj = {
         "apiVersion": "v1",
         "kind": "Event",

@@ -333,12 +333,19 @@ def obj_key(obj: Obj) -> str:
     return f"{ns}/{meta.get('name')}" if ns else str(meta.get("name"))
 
 
+def _uid(obj: Obj) -> str:
+    return str(obj.get("metadata", {}).get("uid", ""))
+
+
 @dataclass
 class Informer:
     """List-then-watch one collection, keep a cache, and call `handler` on each change.
 
     After a re-list (410 Gone, reconnect) objects that vanished meanwhile are reported as
-    DELETED and changed ones as MODIFIED, so handlers never miss a transition.
+    DELETED and changed ones as MODIFIED, so handlers never miss a transition. An object
+    replaced meanwhile by a new one of the same name (another UID: a StatefulSet pod
+    recreated during the gap) is reported as DELETED(old) then ADDED(new), never as MODIFIED:
+    consumers keyed by UID would otherwise hold what the old one held forever.
     `synced` is set once the first list has been delivered.
     """
 
@@ -406,6 +413,10 @@ class Informer:
 
     async def _apply(self, etype: EventType, obj: Obj) -> None:
         key = obj_key(obj)
+        old = self.cache.get(key)
+        if etype != "DELETED" and old is not None and _uid(old) != _uid(obj):
+            await self._apply("DELETED", old)  # same name, another object: the old one is gone
+            etype = "ADDED"
         if etype == "DELETED":
             self.cache.pop(key, None)
         else:

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.allocation import SliceAllocation
 from common.kubeapi import ApiError, Kube, Obj, instaslice_path
-from common.objects import allocation_phase
 
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
 
@@ -35,13 +35,10 @@ class Holder:
 
 def _holders_by_gpu(allocations: Sequence[Obj]) -> dict[str, list[Holder]]:
     out: dict[str, list[Holder]] = {}
-    for a in allocations:
-        spec = a.get("spec", {})
-        key = f"{a['metadata'].get('namespace', '')}/{spec.get('podName', '?')}"
-        for s in spec.get("slices", []):
-            out.setdefault(s.get("gpuUUID", ""), []).append(
-                Holder(key, s["profile"], int(s["start"]), int(s["size"]), allocation_phase(a))
-            )
+    for a in map(SliceAllocation.parse, allocations):
+        key = f"{a.namespace}/{a.pod_name or '?'}"
+        for s in a.slices:
+            out.setdefault(s.gpu_uuid, []).append(Holder(key, s.profile, s.start, s.size, a.phase))
     return out
 
 
@@ -90,24 +87,24 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
 
 def render_pods(allocations: Sequence[Obj]) -> str:
     rows = [("NAMESPACE", "POD", "NODE", "GPU", "PROFILE", "PLACEMENT", "MIG UUID", "PHASE")]
-    for a in sorted(
-        allocations, key=lambda o: (o["metadata"].get("namespace", ""), o["spec"]["podName"])
-    ):
-        spec, status = a.get("spec", {}), a.get("status", {})
-        done = status.get("slices", [])
-        for i, s in enumerate(spec.get("slices", [])):
-            mig = done[i].get("migUUID", "-") if i < len(done) else "-"
-            gpu = s.get("gpuIndex", s.get("gpuUUID", "?"))
+    parsed = sorted(
+        map(SliceAllocation.parse, allocations), key=lambda a: (a.namespace, a.pod_name)
+    )
+    for a in parsed:
+        done = a.status_slices
+        for i, s in enumerate(a.slices):
+            mig = str(done[i].get("migUUID", "-")) if i < len(done) else "-"
+            gpu = s.gpu_index if s.gpu_index is not None else s.gpu_uuid or "?"
             rows.append(
                 (
-                    a["metadata"].get("namespace", ""),
-                    f"{spec.get('podName', '?')}/{s['container']}",
-                    spec.get("nodeName", "?"),
+                    a.namespace,
+                    f"{a.pod_name or '?'}/{s.container}",
+                    a.node or "?",
                     str(gpu),
-                    s["profile"],
-                    f"{s['start']}:{s['size']}",
+                    s.profile,
+                    f"{s.start}:{s.size}",
                     mig,
-                    allocation_phase(a),
+                    a.phase,
                 )
             )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

@@ -1,8 +1,7 @@
 """Wire shapes of InstaSlice's objects (CONTRACT.md §3) and small builders/readers.
 
 TypedDicts describe the JSON as it travels; the CRD schemas in manifests/base/crds are the
-validating source of truth. Builders here are the only place these objects are assembled, so
-the allocator, the node agent and the tests cannot drift apart.
+validating source of truth. The SliceAllocation model (parse and build) is common.allocation.
 """
 
 from __future__ import annotations
@@ -12,13 +11,7 @@ import secrets
 import string
 from typing import Any, NotRequired, TypedDict
 
-from common.constants import (
-    API_VERSION,
-    MIG_NODE_KIND,
-    NODE_LABEL,
-    RELEASE_FINALIZER,
-    SLICE_ALLOCATION_KIND,
-)
+from common.constants import API_VERSION, MIG_NODE_KIND
 
 Obj = dict[str, Any]
 
@@ -62,7 +55,7 @@ class AllocationStatus(TypedDict, total=False):
     conditions: list[Obj]
 
 
-class Placement(TypedDict):
+class SlotRange(TypedDict):
     start: int
     size: int
 
@@ -73,7 +66,7 @@ class MigProfileStatus(TypedDict):
     memoryMiB: int
     multiprocessors: int
     maxCount: int
-    placements: list[Placement]
+    placements: list[SlotRange]
 
 
 class MigSliceStatus(TypedDict):
@@ -106,43 +99,6 @@ _ALNUM = string.ascii_lowercase + string.digits
 def new_claim_id() -> str:
     """A fresh random DNS-1123 label (starts with a letter), unique per pod."""
     return "c" + "".join(secrets.choice(_ALNUM) for _ in range(15))
-
-
-def slice_allocation(
-    *, namespace: str, claim: str, pod: Obj, node: str, slices: list[SliceSpec]
-) -> Obj:
-    """A new SliceAllocation for `pod` (owner reference → GC deletes it with the pod)."""
-    meta = pod["metadata"]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": SLICE_ALLOCATION_KIND,
-        "metadata": {
-            "name": claim,
-            "namespace": namespace,
-            "labels": {NODE_LABEL: node},
-            "finalizers": [RELEASE_FINALIZER],
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "blockOwnerDeletion": False,
-                }
-            ],
-        },
-        "spec": {
-            "podName": meta["name"],
-            "podUID": meta["uid"],
-            "nodeName": node,
-            "slices": slices,
-        },
-        "status": {"phase": Phase.PENDING.value},
-    }
-
-
-def allocation_phase(alloc: Obj) -> str:
-    return str(alloc.get("status", {}).get("phase") or Phase.PENDING.value)
 
 
 def mig_node(node: str) -> Obj:

@@ -69,6 +69,7 @@ INSTALL = [
     "nodeagent/policy.yaml",
     "policy/validatingadmissionpolicy.yaml",
     "policy/binding.yaml",
+    "policy/instaslice-controller.yaml",
 ]
 _STATE = "system.json"
 PART_OF = {"app.kubernetes.io/part-of": "instaslice"}

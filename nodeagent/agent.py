@@ -16,25 +16,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 import structlog
 
+from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.clock import Clock, SystemClock
 from common.kubeapi import ApiError, EventType, Kube
+from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
-from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
+from nodeagent.reconcile import after_reboot, match, orphans
 from nodeagent.report import capacity, capacity_patch, mig_node_status
 from nodeagent.settings import Settings
-from nodeagent.state import NodeState
-from nodeagent.workqueue import KeyedQueue
+from nodeagent.state import AgentNode
 
 log = structlog.get_logger("agent")
 Obj = dict[str, Any]
@@ -57,7 +57,7 @@ class NodeAgent:
         health_hub: HealthHub,
         synced: asyncio.Event,
         metrics: AgentMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         self.node = node
         self.metrics = metrics or AgentMetrics()
@@ -66,10 +66,10 @@ class NodeAgent:
         self.settings = settings
         self.hub = health_hub
         self.synced = synced
-        self.clock = clock
-        self.st = NodeState(node, boot_id, settings.checkpoint_path(node))
+        self.clock = clock or SystemClock()
+        self.st = AgentNode(node, boot_id, settings.checkpoint_path(node))
         self.life = Lifecycle(
-            state=self.st,
+            st=self.st,
             gpus=gpus,
             kube=kube,
             settings=settings,
@@ -78,7 +78,7 @@ class NodeAgent:
             common_edits=cdi.common_edits(base_spec, numbers),
             binding=binding,
             metrics=self.metrics,
-            clock=clock,
+            clock=self.clock,
         )
         self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
         self.started = asyncio.Event()
@@ -235,12 +235,14 @@ class NodeAgent:
         st = self.st
         live = set(st.allocs)
         due, self._orphan_seen = orphans(
-            st.cp, live, self._orphan_seen, self.clock(), self.settings.gc_grace_s
+            st.cp, live, self._orphan_seen, self.clock.monotonic(), self.settings.gc_grace_s
         )
         stuck = [
             uid
             for uid, rec in st.cp.claims.items()
-            if uid in live and rec.state == "releasing" and not alloc_view(st.allocs[uid]).deleting
+            if uid in live
+            and rec.state == "releasing"
+            and not SliceAllocation.parse(st.allocs[uid]).deleting
         ]
         for uid in due + stuck:
             rec = st.cp.claims.get(uid)
@@ -248,19 +250,35 @@ class NodeAgent:
                 log.warning(
                     "destroying slices no allocation claims", claim=rec.key, orphan=uid in due
                 )
-                await self.life.rollback(rec)
-        keys = {(r.namespace, r.name) for r in st.cp.claims.values()}
-        keys |= {(a["metadata"]["namespace"], a["metadata"]["name"]) for a in st.allocs.values()}
-        cdi_dir = self.life.cdi_dir
-        for ns, claim in await asyncio.to_thread(cdi.our_spec_files, cdi_dir):
-            if (ns, claim) not in keys:
-                log.info("removing stale CDI spec", claim=f"{ns}/{claim}")
-                await asyncio.to_thread(cdi.remove_spec, cdi_dir, ns, claim)
+                if await self.life.rollback(rec) and uid in stuck:
+                    await self.life.fail_after_gc(rec)
+        await self._gc_cdi()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         foreign = match(st.cp, instances).foreign
         if foreign != st.foreign:
             st.foreign = foreign
             st.publish.set()
+
+    async def _gc_cdi(self) -> None:
+        """Remove CDI files no allocation owns. A file naming its allocation's UID is kept
+        while that UID has a record or a live allocation — whatever else holds its name —
+        and removed only if it still names that UID (a newer allocation of the same name
+        may have rewritten it meanwhile); a file without a UID goes by its name."""
+        st, cdi_dir = self.st, self.life.cdi_dir
+        for ns, claim in await asyncio.to_thread(cdi.our_spec_files, cdi_dir):
+            uid = await asyncio.to_thread(cdi.spec_uid, cdi_dir, ns, claim)
+            if uid is None or (uid and (uid in st.cp.claims or uid in st.allocs)):
+                continue
+            if not uid and (ns, claim) in self._claim_keys():
+                continue
+            if await asyncio.to_thread(cdi.remove_spec, cdi_dir, ns, claim, uid):
+                log.info("removed stale CDI spec", claim=f"{ns}/{claim}", uid=uid)
+
+    def _claim_keys(self) -> set[tuple[str, str]]:
+        keys = {(r.namespace, r.name) for r in self.st.cp.claims.values()}
+        return keys | {
+            (a["metadata"]["namespace"], a["metadata"]["name"]) for a in self.st.allocs.values()
+        }
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -284,7 +302,7 @@ class NodeAgent:
         log.warning("GPU unhealthy", node=self.node, gpu=ev.gpu_index, reason=ev.message)
         self.st.publish.set()
         for uid, obj in list(self.st.allocs.items()):
-            alloc = alloc_view(obj)
+            alloc = SliceAllocation.parse(obj)
             if any(s.gpu_uuid == gpu.uuid for s in alloc.slices):
                 self.queue.kick(uid)
                 await writes.event(

@@ -17,8 +17,6 @@ import asyncio
 from collections.abc import Mapping
 from typing import Protocol
 
-from nodeagent.settings import Binding as BindingMode
-
 
 class Binding(Protocol):
     async def run(self) -> None:
@@ -41,14 +39,3 @@ class EnvBinding:
 
     async def slices_released(self, namespace: str, claim: str) -> None:
         return None
-
-
-class UnsupportedBinding(Exception):
-    pass
-
-
-def make_binding(mode: BindingMode) -> Binding:
-    """The `env` binding; `device-plugin` is built per node by main.py."""
-    if mode == "env":
-        return EnvBinding()
-    raise UnsupportedBinding(f"binding mode {mode!r} is built by nodeagent.main")

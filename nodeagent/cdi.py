@@ -9,6 +9,12 @@ top-level edits (applied once per container that gets any device of the spec) ar
 edits of the node's NVIDIA CDI spec (control and UVM nodes, driver library mounts, hooks), so
 the container also gets the user-space driver.
 
+A file is named by (namespace, claim), but an allocation is one UID: a pod re-placed after
+its slices were released gets a new allocation with the same name. The spec therefore carries
+its allocation's UID (annotation `instaslice.io/uid`), and `remove_spec` given a UID unlinks
+only a file of that UID, so releasing or collecting the older allocation never deletes the
+newer one's file. A file without the annotation (written before it existed) is anyone's.
+
 Building is pure (`build_spec`); the only I/O is the atomic write/remove and reading the two
 host files it depends on: the NVIDIA base spec and `/proc/driver/nvidia-caps/mig-minors`. In
 emulation a generated base spec and the minors formula of mig.md §2.12 stand in for them.
@@ -28,7 +34,13 @@ from typing import Any
 
 import yaml
 
-from common.constants import CDI_FILE_PREFIX, CDI_KIND, VISIBLE_DEVICES_ENV, cdi_device_name
+from common.constants import (
+    CDI_FILE_PREFIX,
+    CDI_KIND,
+    CLAIM_ANNOTATION,
+    VISIBLE_DEVICES_ENV,
+    cdi_device_name,
+)
 
 CDI_VERSION = "0.6.0"
 NVIDIA_MAJOR = 195  # /dev/nvidia<N> and /dev/nvidiactl (fixed by the driver)
@@ -38,6 +50,7 @@ EMULATED_UVM_MAJOR = 510
 EMULATED_CAPS_MAJOR = 511
 DEFAULT_MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
 DEFAULT_PROC_DEVICES = Path("/proc/devices")
+UID_ANNOTATION = "instaslice.io/uid"  # the allocation a spec file belongs to
 
 Obj = dict[str, Any]
 
@@ -318,8 +331,10 @@ def build_spec(
     claim: str,
     containers: Mapping[str, Sequence[SliceNodes]],
     common: Obj,
+    uid: str = "",
 ) -> Obj:
-    """The CDI spec of one allocation: a device per container, in container order."""
+    """The CDI spec of one allocation: a device per container, in container order. `uid`,
+    the allocation's, goes into the annotations (see the module docstring)."""
     devices = []
     for container, slices in containers.items():
         nodes: list[Obj] = []
@@ -339,10 +354,13 @@ def build_spec(
                 },
             }
         )
+    annotations = {CLAIM_ANNOTATION: f"{namespace}/{claim}"}
+    if uid:
+        annotations[UID_ANNOTATION] = uid
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
-        "annotations": {"instaslice.io/claim": f"{namespace}/{claim}"},
+        "annotations": annotations,
         "devices": devices,
         "containerEdits": common,
     }
@@ -368,8 +386,27 @@ def write_spec(cdi_dir: Path, namespace: str, claim: str, spec: Obj) -> Path:
     return write_json_atomic(cdi_dir / spec_file_name(namespace, claim), spec)
 
 
-def remove_spec(cdi_dir: Path, namespace: str, claim: str) -> bool:
-    """Remove the allocation's spec file; False if it was not there."""
+def spec_uid(cdi_dir: Path, namespace: str, claim: str) -> str | None:
+    """The allocation UID in the spec file's annotations: "" when the file has none (or is
+    not a readable spec), None when there is no file."""
+    try:
+        doc = json.loads((cdi_dir / spec_file_name(namespace, claim)).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return ""
+    annotations = doc.get("annotations") if isinstance(doc, dict) else None
+    uid = annotations.get(UID_ANNOTATION) if isinstance(annotations, dict) else None
+    return uid if isinstance(uid, str) else ""
+
+
+def remove_spec(cdi_dir: Path, namespace: str, claim: str, uid: str | None = None) -> bool:
+    """Remove the allocation's spec file; False if it was not there or, given `uid`, belongs
+    to another allocation of the same name (its annotation names another UID). Read,
+    compare and unlink are not one atomic step: a rewrite landing in the microseconds between
+    them would still be lost (it is no longer the whole release or GC pass, as it was)."""
+    if uid is not None and spec_uid(cdi_dir, namespace, claim) not in ("", uid):
+        return False
     try:
         (cdi_dir / spec_file_name(namespace, claim)).unlink()
     except FileNotFoundError:

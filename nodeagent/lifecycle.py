@@ -19,14 +19,15 @@ A crash anywhere leaves a record that the next start finishes (create) or repeat
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import structlog
 
+from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.clock import Clock, SystemClock, kube_time
 from common.constants import REASON_READY, REASON_RELEASED, qualified_cdi_device
 from common.kubeapi import ApiError, Kube
 from common.objects import Phase, SliceStatus
@@ -38,9 +39,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import (
     Action,
-    AllocView,
     adopt_from_status,
-    alloc_view,
     blocked,
     decide,
     match,
@@ -57,7 +56,7 @@ from nodeagent.report import (
     with_condition,
 )
 from nodeagent.settings import Settings
-from nodeagent.state import NodeState
+from nodeagent.state import AgentNode
 
 log = structlog.get_logger("lifecycle")
 
@@ -68,40 +67,24 @@ REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
+@dataclass(kw_only=True, eq=False)
 class Lifecycle:
-    def __init__(
-        self,
-        *,
-        state: NodeState,
-        gpus: NodeGpus,
-        kube: Kube,
-        settings: Settings,
-        catalog: Catalog,
-        numbers: cdi.DeviceNumbers,
-        common_edits: cdi.Obj,
-        binding: Binding,
-        metrics: AgentMetrics,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.st = state
-        self.metrics = metrics
-        self.gpus = gpus
-        self.kube = kube
-        self.settings = settings
-        self.catalog = catalog
-        self.numbers = numbers
-        self.common_edits = common_edits
-        self.binding = binding
-        self.clock = clock
-        self.cdi_dir = settings.node_cdi_dir(state.node)
-        self._backoff: dict[str, float] = {}
-        self._in_use_told: set[str] = set()
-        self._announced: set[str] = set()  # SliceReady sent (once per process lifetime)
-        self._failed: set[str] = set()  # Failed written by this process: final for that uid
+    st: AgentNode
+    gpus: NodeGpus
+    kube: Kube
+    settings: Settings
+    catalog: Catalog
+    numbers: cdi.DeviceNumbers
+    common_edits: cdi.Obj
+    binding: Binding
+    metrics: AgentMetrics
+    clock: Clock = field(default_factory=SystemClock)
+    cdi_dir: Path = field(init=False)
+    _backoff: dict[str, float] = field(default_factory=dict, init=False)
+    _in_use_told: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -109,13 +92,17 @@ class Lifecycle:
         obj = self.st.allocs.get(uid)
         if obj is None:
             return None  # gone from the API; an orphaned record is garbage collection's
-        alloc = alloc_view(obj)
+        alloc = SliceAllocation.parse(obj)
         d = decide(alloc, self.st.cp.claims.get(uid), self.st.boot_id)
         try:
             if d.action in (Action.CREATE, Action.RECREATE):
                 await self.create(alloc, d.reason)
             elif d.action is Action.VERIFY:
                 await self.verify(alloc)
+            elif d.action is Action.REFAIL:
+                rec = self.st.cp.claims[alloc.uid]
+                log.warning("allocation failed earlier; Failed again", claim=alloc.key)
+                await self.write_failed(alloc, rec.message)
             elif d.action is Action.RELEASE:
                 return await self.release(alloc)
         except ApiError as exc:
@@ -144,28 +131,33 @@ class Lifecycle:
                 out += await self.gpus.call_gpu(g.index, self.gpus.s.instances, g)
         return out
 
-    async def status(self, alloc: AllocView, body: cdi.Obj) -> bool:
+    async def status(self, alloc: SliceAllocation, body: cdi.Obj) -> bool:
         """False when the allocation is gone."""
         return (
             await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
             is not None
         )
 
-    def conditions(self, alloc: AllocView) -> list[cdi.Obj]:
+    def conditions(self, alloc: SliceAllocation) -> list[cdi.Obj]:
         obj = self.st.allocs.get(alloc.uid) or {}
         return list((obj.get("status") or {}).get("conditions") or [])
 
-    async def fail(self, alloc: AllocView, message: str) -> None:
+    async def fail(self, alloc: SliceAllocation, message: str) -> None:
         log.warning("allocation failed", claim=alloc.key, reason=message)
         self.metrics.creates.labels(self.st.node, "failed").inc()
-        conds = with_condition(
-            self.conditions(alloc), condition("Ready", False, "CreateFailed", message, _now())
-        )
-        await self.status(alloc, status_failed(message, conds))
-        self._failed.add(alloc.uid)
+        await self.write_failed(alloc, message)
+        # final for this uid (reconcile.decide); holds no slice: the rollback came first
+        rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
+        self.st.put(replace(rec, updated=time.time(), message=message))  # in memory only
         await writes.event(
             self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
         )
+
+    async def write_failed(self, alloc: SliceAllocation, message: str) -> None:
+        conds = with_condition(
+            self.conditions(alloc), condition("Ready", False, "CreateFailed", message, kube_time())
+        )
+        await self.status(alloc, status_failed(message, conds))
 
     async def destroy(self, inst: Instance) -> None:
         """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
@@ -191,20 +183,16 @@ class Lifecycle:
         return out
 
     async def write_cdi(self, rec: ClaimRecord) -> None:
-        spec = cdi.build_spec(rec.namespace, rec.name, self.cdi_nodes(rec), self.common_edits)
+        spec = cdi.build_spec(
+            rec.namespace, rec.name, self.cdi_nodes(rec), self.common_edits, uid=rec.uid
+        )
         await asyncio.to_thread(cdi.write_spec, self.cdi_dir, rec.namespace, rec.name, spec)
 
     # ---- create ------------------------------------------------------------------------------
 
-    async def create(self, alloc: AllocView, reason: str = "") -> None:
-        t0 = self.clock()
+    async def create(self, alloc: SliceAllocation, reason: str = "") -> None:
+        t0 = self.clock.monotonic()
         uid = alloc.uid
-        if uid in self._failed:
-            # Our own Creating write's watch event arriving after we wrote Failed: a stale
-            # view, not a new request. A Failed allocation is never made after all (the
-            # allocator deletes it and places the pod anew); creating now would write Ready
-            # over Failed while the allocator releases it (`make chaos`, seen in CI).
-            return
         rec = self.st.cp.claims.get(uid)
         if (
             rec is not None
@@ -212,19 +200,16 @@ class Lifecycle:
             and rec.boot_id == self.st.boot_id
             and all(s.done for s in rec.slices)
         ):
-            if uid in self._announced:
-                # this process wrote Ready already; the event is our own Creating write
-                # arriving late (its watch event trails the Ready response), not news.
-                # Writing Ready again cost one status patch per allocation (docs/benchmarks.md)
-                return
             # made already (a crash before the Ready write): say so again
             await self.ready(alloc, rec, t0)
             return
+        if alloc.node != self.st.node:  # the node label says us; spec.nodeName does not
+            await self.fail(alloc, f"spec.nodeName {alloc.node} is not on node {self.st.node}")
+            return
         fresh = plan(alloc, self.st.inv, self.st.health)
         if isinstance(fresh, str):
-            if rec is not None and not await self.rollback(rec):
-                return
-            await self.fail(alloc, f"{reason}; cannot re-create: {fresh}" if reason else fresh)
+            cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
+            await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
             return
         if (alloc.phase != Phase.CREATING or reason) and not await self.status(
             alloc, status_creating(reason)
@@ -246,14 +231,14 @@ class Lifecycle:
             slices=merge_plan(rec, fresh),
             boot_id=self.st.boot_id,
             updated=time.time(),
+            announced=rec.announced if rec is not None else False,  # re-made: told once
         )
         self.st.put(rec)
         await self.st.persist(durable=True)  # the intent, on disk before NVML creates
         own = match(self.st.cp, instances)
         why = blocked(rec.slices, uid, instances, own)
         if why:
-            if await self.rollback(rec):
-                await self.fail(alloc, why)
+            await self.give_up(alloc, rec, why)
             return
         slices = list(rec.slices)
         for i, s in enumerate(slices):
@@ -270,16 +255,14 @@ class Lifecycle:
                     f"creating slice {i} ({s.container}: {s.profile} on GPU {s.gpu_index} "
                     f"at {s.start}:{s.size}): {exc}"
                 )
-                if await self.rollback(self.st.cp.claims[uid]):
-                    await self.fail(alloc, msg)
+                await self.give_up(alloc, self.st.cp.claims[uid], msg)
                 return
         rec = replace(rec, slices=tuple(slices))
         self.st.put(rec)
         try:
             await self.write_cdi(rec)
         except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
-            if await self.rollback(rec):
-                await self.fail(alloc, f"writing the CDI spec: {exc}")
+            await self.give_up(alloc, rec, f"writing the CDI spec: {exc}")
             return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
@@ -306,7 +289,7 @@ class Lifecycle:
         uuid = await call(i, nv.mig_uuid, i, gi, ci)
         return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
 
-    async def ready(self, alloc: AllocView, rec: ClaimRecord, t0: float) -> None:
+    async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
         slices: list[SliceStatus] = [
             {
                 "container": s.container,
@@ -316,7 +299,7 @@ class Lifecycle:
             }
             for s in rec.slices
         ]
-        now = _now()
+        now = kube_time()
         uuids = ", ".join(f"{s['container']}: {s['migUUID']}" for s in slices)
         conds = with_condition(
             self.conditions(alloc), condition("Ready", True, "SlicesCreated", uuids, now)
@@ -324,14 +307,14 @@ class Lifecycle:
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        await self.announce(alloc)
+        await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
         self.st.publish.set()
-        if alloc.uid in self._announced:
+        if rec.announced:
             return
-        self._announced.add(alloc.uid)
+        self.st.put(replace(rec, announced=True))
         self.metrics.creates.labels(self.st.node, "ready").inc()
-        self.metrics.create_seconds.labels(self.st.node).observe(self.clock() - t0)
-        ms = round((self.clock() - t0) * 1000, 1)
+        self.metrics.create_seconds.labels(self.st.node).observe(self.clock.monotonic() - t0)
+        ms = round((self.clock.monotonic() - t0) * 1000, 1)
         log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
         await writes.event(
             self.kube,
@@ -342,20 +325,51 @@ class Lifecycle:
             f"MIG slices ready on {self.st.node}: {uuids}",
         )
 
-    async def rollback(self, rec: ClaimRecord) -> bool:
-        """Destroy what the record holds, remove its CDI file and drop it. False (record
-        kept as `releasing`, for garbage collection to retry) if NVML refused."""
+    async def destroy_held(self, rec: ClaimRecord) -> None:
+        """Mark the record `releasing` (persisted), then destroy every instance it owns."""
         if rec.state != "releasing":
             rec = replace(rec, state="releasing", updated=time.time())
+        if self.st.cp.claims.get(rec.uid) != rec:
             self.st.put(rec)
             await self.st.persist()
         instances = await self.instances({s.gpu_index for s in rec.slices})
         own = match(self.st.cp, instances)
+        for i in range(len(rec.slices)):
+            inst = own.found.get((rec.uid, i))
+            if inst is not None:
+                await self.destroy(inst)
+
+    @staticmethod
+    def devices(alloc: SliceAllocation) -> dict[str, str]:
+        """Each slice-asking container's qualified CDI device."""
+        return {c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()}
+
+    async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> None:
+        """Creating failed: roll back, then write Failed. When NVML refuses the rollback, the
+        record keeps the message and garbage collection, once it has destroyed what the
+        record holds, writes Failed (`fail_after_gc`): never Creating forever."""
+        if await self.rollback(rec):
+            await self.fail(alloc, message)
+            return
+        kept = self.st.cp.claims.get(rec.uid)
+        if kept is not None:
+            self.st.put(replace(kept, message=message))
+
+    async def fail_after_gc(self, rec: ClaimRecord) -> None:
+        """Garbage collection finished the rollback of `rec`, whose allocation lives on."""
+        obj = self.st.allocs.get(rec.uid)
+        if obj is None:
+            return
+        alloc = SliceAllocation.parse(obj)
+        if not alloc.deleting and alloc.phase != Phase.FAILED:
+            why = rec.message or "creating failed; its rollback was finished by garbage collection"
+            await self.fail(alloc, why)
+
+    async def rollback(self, rec: ClaimRecord) -> bool:
+        """Destroy what the record holds, remove its CDI file and drop it. False (record
+        kept as `releasing`, for garbage collection to retry) if NVML refused."""
         try:
-            for i in range(len(rec.slices)):
-                inst = own.found.get((rec.uid, i))
-                if inst is not None:
-                    await self.destroy(inst)
+            await self.destroy_held(rec)
         except NvmlFailure as exc:
             log.error(
                 "could not destroy slices; garbage collection retries",
@@ -363,14 +377,14 @@ class Lifecycle:
                 error=str(exc),
             )
             return False
-        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, rec.namespace, rec.name)
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, rec.namespace, rec.name, rec.uid)
         self.st.drop(rec.uid)
         await self.st.persist()
         self.st.publish.set()
         return True
 
     def adoptable(
-        self, alloc: AllocView, fresh: list[SliceRecord], instances: list[Instance]
+        self, alloc: SliceAllocation, fresh: list[SliceRecord], instances: list[Instance]
     ) -> tuple[SliceRecord, ...] | None:
         """`adopt_from_status`, unless another record owns one of those instances: a corrupt
         or forged status naming another allocation's MIG device must never make this one
@@ -386,25 +400,19 @@ class Lifecycle:
             return None
         return adopted
 
-    async def announce(self, alloc: AllocView) -> None:
-        """Tell the binding the allocation's devices are ready (idempotent). Also on verify:
-        a restarted agent must still hand a Ready slice to a kubelet that admits its pod
-        later (issue 17 #2; tests/e2e/test_realnode.py shows it on a real kubelet)."""
-        devices = {
-            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
-        }
-        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
-
     # ---- verify (Ready) -----------------------------------------------------------------------
 
-    async def verify(self, alloc: AllocView) -> None:
+    async def verify(self, alloc: SliceAllocation) -> None:
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
-            path = self.cdi_dir / cdi.spec_file_name(alloc.namespace, alloc.name)
-            if not await asyncio.to_thread(path.exists):
-                log.warning("CDI file missing; rewriting", claim=alloc.key)
+            on_disk = await asyncio.to_thread(cdi.spec_uid, self.cdi_dir, rec.namespace, rec.name)
+            if on_disk != rec.uid:  # missing, written before specs carried UIDs, or another's
+                log.warning("CDI file missing or not this allocation's; rewriting",
+                            claim=alloc.key, found_uid=on_disk)  # fmt: skip
                 await self.write_cdi(rec)
-            await self.announce(alloc)
+            if not rec.announced:  # made by an earlier process: tell the binding again
+                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
         fresh = plan(alloc, self.st.inv, self.st.health)
@@ -424,15 +432,16 @@ class Lifecycle:
                 self.st.put(rec)
                 await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
-                await self.announce(alloc)
+                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                self.st.put(replace(rec, announced=True))
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)
                 return
         await self.create(alloc, "slices vanished from the GPU; re-creating")
 
-    async def sync_health(self, alloc: AllocView, rec: ClaimRecord) -> None:
+    async def sync_health(self, alloc: SliceAllocation, rec: ClaimRecord) -> None:
         """Keep the allocation's GPUHealthy condition in line with its GPUs' health."""
-        want = gpu_condition(self.st.health, [s.gpu_index for s in rec.slices], _now())
+        want = gpu_condition(self.st.health, [s.gpu_index for s in rec.slices], kube_time())
         have = next((c for c in self.conditions(alloc) if c.get("type") == "GPUHealthy"), None)
         if have is not None and (have.get("status"), have.get("message")) == (
             want["status"],
@@ -447,7 +456,7 @@ class Lifecycle:
 
     # ---- release ------------------------------------------------------------------------------
 
-    async def release(self, alloc: AllocView) -> float | None:
+    async def release(self, alloc: SliceAllocation) -> float | None:
         uid = alloc.uid
         rec = self.st.cp.claims.get(uid)
         if rec is None and alloc.status_slices:
@@ -460,22 +469,13 @@ class Lifecycle:
         if alloc.has_finalizer and alloc.phase != Phase.RELEASING:
             await self.status(alloc, status_releasing())
         if rec is not None:
-            if rec.state != "releasing":
-                rec = replace(rec, state="releasing", updated=time.time())
-            self.st.put(rec)
-            await self.st.persist()
-            instances = await self.instances({s.gpu_index for s in rec.slices})
-            own = match(self.st.cp, instances)
             try:
-                for i in range(len(rec.slices)):
-                    inst = own.found.get((uid, i))
-                    if inst is not None:
-                        await self.destroy(inst)
+                await self.destroy_held(rec)
             except NvmlFailure as exc:
                 if not exc.in_use:
                     raise
                 return await self.in_use(alloc, exc)
-        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name)
+        await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name, uid)
         self.st.drop(uid)
         await self.st.persist()
         self.st.publish.set()
@@ -484,8 +484,6 @@ class Lifecycle:
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
         )
         self._backoff.pop(uid, None)
-        self._announced.discard(uid)
-        self._failed.discard(uid)
         told = uid in self._in_use_told
         self._in_use_told.discard(uid)
         if not (dropped or rec is not None):
@@ -504,7 +502,7 @@ class Lifecycle:
         )
         return None
 
-    async def in_use(self, alloc: AllocView, exc: NvmlFailure) -> float:
+    async def in_use(self, alloc: SliceAllocation, exc: NvmlFailure) -> float:
         delay = self._backoff.get(alloc.uid, self.settings.release_backoff_s)
         self._backoff[alloc.uid] = min(delay * 2, self.settings.release_backoff_max_s)
         msg = f"slice still in use by a process ({exc.text}); retrying with backoff"

@@ -21,14 +21,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from common.catalog import load_catalog
+from common.clock import stoppable
 from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
 from nodeagent import cdi
@@ -236,23 +236,6 @@ def selector(nodes: Sequence[str]) -> str:
 
 
 # --- serving --------------------------------------------------------------------------------
-
-
-async def stoppable(coro: Coroutine[Any, Any, None], name: str) -> None:
-    """Run `coro` as a task that surely ends when this one is cancelled.
-
-    common.kubeapi's watch waits with asyncio.wait_for, which on Python 3.11 can swallow a
-    cancellation that races with arriving data (gh-86296): the informer would then keep
-    running and the TaskGroup's shutdown would wait for it forever. Cancel until done.
-    """
-    task = asyncio.create_task(coro, name=name)
-    try:
-        await asyncio.wait({task})
-        task.result()
-    finally:
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=1.0)
 
 
 async def serve(

@@ -2,8 +2,9 @@
 
 Everything here is written against the `pynvml` call surface and receives "the nvml module"
 as a dependency — the real `pynvml` (nvidia-ml-py) on a node, an `EmulatedNvml` under
-`--emulate` — so one code path runs on both. Calls block, so `NvmlSession` is synchronous and
-the agent runs it on one dedicated thread per node (calls on one device stay serialized).
+`--emulate` — so one code path runs on both. Calls block, so `NvmlSession` is synchronous;
+`nodeagent.device.NodeGpus` runs its calls off the event loop, in order per GPU and the GPUs
+of a node in parallel.
 
 What it does not do: decide anything. It reads inventories and instances, creates one GI at
 exactly a placement plus its default CI, finds the MIG UUID by walking MIG device handles
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import pynvml
@@ -104,12 +104,6 @@ def _text(value: object) -> str:
 
 def _addr(handle: Any) -> int:
     return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
-
-
-@dataclass(frozen=True, slots=True)
-class GiRef:
-    gpu_index: int
-    gi_id: int
 
 
 class NvmlSession:

@@ -20,83 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from common.constants import NODE_LABEL, RELEASE_FINALIZER
+from common.allocation import SliceAllocation
 from common.objects import Phase
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
 from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
 
 Obj = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class SpecSlice:
-    container: str
-    profile: str
-    gpu_uuid: str
-    gpu_index: int | None
-    start: int
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class AllocView:
-    """The fields of a SliceAllocation the agent decides on."""
-
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    pod_name: str
-    pod_uid: str
-    deleting: bool
-    has_finalizer: bool
-    phase: str
-    boot_id: str
-    message: str
-    slices: tuple[SpecSlice, ...]
-    status_slices: tuple[Obj, ...]
-    finalizers: tuple[str, ...]
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-    def containers(self) -> list[str]:
-        """Slice-asking containers, in spec order, each once."""
-        return list(dict.fromkeys(s.container for s in self.slices))
-
-
-def alloc_view(obj: Obj) -> AllocView:
-    meta = obj.get("metadata", {})
-    spec = obj.get("spec", {})
-    status = obj.get("status") or {}
-    finalizers = tuple(meta.get("finalizers") or ())
-    return AllocView(
-        uid=meta.get("uid", ""),
-        namespace=meta.get("namespace", ""),
-        name=meta.get("name", ""),
-        node=spec.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
-        pod_name=spec.get("podName", ""),
-        pod_uid=spec.get("podUID", ""),
-        deleting=bool(meta.get("deletionTimestamp")),
-        has_finalizer=RELEASE_FINALIZER in finalizers,
-        phase=str(status.get("phase") or Phase.PENDING.value),
-        boot_id=str(status.get("bootID") or ""),
-        message=str(status.get("message") or ""),
-        slices=tuple(
-            SpecSlice(
-                container=s["container"],
-                profile=s["profile"],
-                gpu_uuid=s["gpuUUID"],
-                gpu_index=s.get("gpuIndex"),
-                start=int(s["start"]),
-                size=int(s["size"]),
-            )
-            for s in spec.get("slices") or ()
-        ),
-        status_slices=tuple(status.get("slices") or ()),
-        finalizers=finalizers,
-    )
 
 
 # --- what to do with one allocation ------------------------------------------------------------
@@ -107,6 +36,7 @@ class Action(enum.StrEnum):
     RECREATE = "recreate"  # the instances are gone (reboot): make them again, then Ready
     VERIFY = "verify"  # Ready: check the record and the CDI file; adopt from status if needed
     RELEASE = "release"  # being deleted: destroy, remove CDI file, drop the finalizer
+    REFAIL = "refail"  # we wrote Failed, and a later write says otherwise: say Failed again
     NONE = "none"
 
 
@@ -116,11 +46,30 @@ class Decision:
     reason: str = ""
 
 
-def decide(alloc: AllocView, record: ClaimRecord | None, boot_id: str) -> Decision:
+def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> Decision:
+    """The action for one allocation, from it and this agent's record of it. Our own writes
+    come back as watch events, maybe late: the record says what we wrote (STYLE.md §12c)."""
     if alloc.deleting:
         return Decision(Action.RELEASE, "allocation deleted")
     phase = alloc.phase
+    if record is not None and record.state == "failed":
+        # We wrote Failed, and it is final: never made after all (the allocator deletes it and
+        # places the pod anew); creating now would write Ready over Failed while the allocator
+        # releases it (`make chaos`). A Pending/Creating view is usually our own Creating write
+        # arriving late; whatever it is, a phase other than Failed is answered with Failed.
+        if phase == Phase.FAILED:
+            return Decision(Action.NONE, "failed by this agent: final")
+        return Decision(Action.REFAIL, "failed by this agent: final")
+    if record is not None and record.state == "releasing":
+        # A create that failed and whose rollback NVML refused: garbage collection finishes
+        # the rollback and then writes Failed; making it again now would race it.
+        return Decision(Action.NONE, "rollback pending; garbage collection finishes it")
     if phase in (Phase.PENDING, Phase.CREATING):
+        if record is not None and record.announced and _made(record, boot_id):
+            # We wrote Ready already: this is our own Creating write arriving late (its watch
+            # event trails the Ready response). Writing Ready again would cost one status
+            # patch per allocation (docs/benchmarks.md).
+            return Decision(Action.NONE, "ready and told already")
         return Decision(Action.CREATE)
     if phase == Phase.READY:
         if alloc.boot_id and alloc.boot_id != boot_id:
@@ -130,6 +79,13 @@ def decide(alloc: AllocView, record: ClaimRecord | None, boot_id: str) -> Decisi
         # a rollback that could not finish: keep destroying what the record holds
         return Decision(Action.NONE, "failed; leftovers are retried by garbage collection")
     return Decision(Action.NONE)
+
+
+def _made(record: ClaimRecord, boot_id: str) -> bool:
+    """Every slice of `record` was made during this boot."""
+    return (
+        record.state == "ready" and record.boot_id == boot_id and all(s.done for s in record.slices)
+    )
 
 
 # --- ownership: which instances are ours --------------------------------------------------------
@@ -199,7 +155,7 @@ def blocked(
 
 
 def plan(
-    alloc: AllocView, inv: NodeInventory, health: Mapping[int, Health]
+    alloc: SliceAllocation, inv: NodeInventory, health: Mapping[int, Health]
 ) -> list[SliceRecord] | str:
     """Slice records for the allocation's spec, or the reason it cannot be made here."""
     out: list[SliceRecord] = []
@@ -257,7 +213,7 @@ def merge_plan(record: ClaimRecord | None, fresh: Sequence[SliceRecord]) -> tupl
 
 
 def adopt_from_status(
-    alloc: AllocView, fresh: Sequence[SliceRecord], instances: Sequence[Instance]
+    alloc: SliceAllocation, fresh: Sequence[SliceRecord], instances: Sequence[Instance]
 ) -> tuple[SliceRecord, ...] | None:
     """A Ready allocation without a usable record (checkpoint lost): adopt its instances when
     every status slice names a MIG UUID that NVML still shows at the spec placement. The UUID
@@ -310,7 +266,3 @@ def orphans(
     seen = {uid: first_seen.get(uid, now) for uid in cp.claims if uid not in live_uids}
     due = sorted(uid for uid, t in seen.items() if now - t >= grace_s)
     return due, seen
-
-
-def instance_of(rec: ClaimRecord, i: int, own: Ownership) -> Instance | None:
-    return own.found.get((rec.uid, i))

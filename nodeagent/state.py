@@ -20,7 +20,7 @@ Obj = dict[str, Any]
 
 
 @dataclass
-class NodeState:
+class AgentNode:
     node: str
     boot_id: str
     checkpoint_path: Path

@@ -12,13 +12,14 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from common.constants import NODEAGENT_COMPONENT, RELEASE_FINALIZER
+from common.allocation import drop_release_finalizer
+from common.clock import micro_time
+from common.constants import LEASE_API_VERSION, NODEAGENT_COMPONENT, RELEASE_FINALIZER
 from common.events import pod_event
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import mig_node
 
 Obj = dict[str, Any]
-LEASE_GV = "coordination.k8s.io/v1"
 
 
 def alloc_path(namespace: str, name: str) -> str:
@@ -45,14 +46,7 @@ async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list
     for _ in range(10):
         if RELEASE_FINALIZER not in current:
             return False
-        body = [
-            {"op": "test", "path": "/metadata/finalizers", "value": current},
-            {
-                "op": "replace",
-                "path": "/metadata/finalizers",
-                "value": [f for f in current if f != RELEASE_FINALIZER],
-            },
-        ]
+        body = drop_release_finalizer(current, test_path="/metadata/finalizers", test_value=current)
         try:
             await kube.patch(path, body, kind="json")
             return True
@@ -106,14 +100,10 @@ async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:
     await kube.patch(core_path("nodes", name=node) + "/status", body)
 
 
-def _micro(now: dt.datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) -> None:
     """Heartbeat: bump the Lease `<node>` in InstaSlice's namespace (create it if missing)."""
-    now = _micro(dt.datetime.now(dt.UTC))
-    path = group_path(LEASE_GV, "leases", namespace, node)
+    now = micro_time(dt.datetime.now(dt.UTC))
+    path = group_path(LEASE_API_VERSION, "leases", namespace, node)
     try:
         await kube.patch(path, {"spec": {"renewTime": now, "leaseDurationSeconds": duration_s}})
         return
@@ -121,7 +111,7 @@ async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) ->
         if not exc.not_found:
             raise
     body: Obj = {
-        "apiVersion": LEASE_GV,
+        "apiVersion": LEASE_API_VERSION,
         "kind": "Lease",
         "metadata": {"name": node, "namespace": namespace},
         "spec": {
@@ -132,7 +122,7 @@ async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) ->
         },
     }
     try:
-        await kube.create(group_path(LEASE_GV, "leases", namespace), body)
+        await kube.create(group_path(LEASE_API_VERSION, "leases", namespace), body)
     except ApiError as exc:
         if exc.status != 409:
             raise

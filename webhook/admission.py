@@ -140,7 +140,7 @@ class Denied:
     reason: str = "Forbidden"
 
 
-Decision = Allowed | Patched | Denied
+Verdict = Allowed | Patched | Denied
 
 
 class MalformedReview(ValueError):
@@ -190,7 +190,7 @@ def parse_review(doc: object) -> AdmissionRequest:
 GVK_KEYS: Final = ("group", "version", "kind")
 
 
-def response_for(uid: str, decision: Decision) -> AdmissionReview:
+def response_for(uid: str, decision: Verdict) -> AdmissionReview:
     """The AdmissionReview answering request `uid` with `decision`."""
     resp: AdmissionResponse = {"uid": uid, "allowed": not isinstance(decision, Denied)}
     if isinstance(decision, Patched):
@@ -213,7 +213,7 @@ def response_for(uid: str, decision: Decision) -> AdmissionReview:
 
 def review(
     request: AdmissionRequest, settings: AdmissionSettings, *, new_claim: Callable[[], str]
-) -> Decision:
+) -> Verdict:
     """Decide one review (see the module docstring)."""
     kind = request["kind"]
     if (kind["group"], kind["version"], kind["kind"]) != ("", "v1", "Pod"):
@@ -285,7 +285,7 @@ class _Rewrite:
     ops: list[PatchOp] = field(default_factory=list)
     asks: list[SliceAsk] = field(default_factory=list)
 
-    def run(self, new_claim: Callable[[], str]) -> Decision:
+    def run(self, new_claim: Callable[[], str]) -> Verdict:
         spec = self.pod.get("spec")
         assert isinstance(spec, dict)  # _asks_for_mig found containers in it
         annotations = self.meta.get("annotations")

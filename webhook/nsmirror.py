@@ -7,9 +7,10 @@ annotation is the source of truth: a label set by hand without it is removed.
 
 An Informer (list + watch) delivers every namespace change; a patch is sent only when the
 label disagrees with the annotation, so a steady cluster sees no writes. Failed patches are
-retried with backoff through a keyed queue (the latest state of the namespace is re-read from
-the informer cache at retry time), never dropped. Running it in several replicas is harmless:
-the merge patch is idempotent, at worst each replica sends it once.
+retried with backoff through a keyed queue (common.workqueue; the latest state of the
+namespace is re-read from the informer cache at retry time), never dropped. Running it in
+several replicas is harmless: the merge patch is idempotent, at worst each replica sends it
+once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 
 from common.constants import ENABLED_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path
+from common.workqueue import KeyedQueue
 
 log = structlog.get_logger("nsmirror")
 
@@ -47,41 +49,25 @@ class _Mirror:
     retry_base_s: float
     retry_max_s: float
     informer: Informer = field(init=False)
-    queue: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-    queued: set[str] = field(default_factory=set)
-    backoff: dict[str, float] = field(default_factory=dict)
-    retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    queue: KeyedQueue = field(init=False)
+    backoff: dict[str, float] = field(default_factory=dict)  # namespaces whose patch failed
 
     def __post_init__(self) -> None:
         self.informer = Informer(self.kube, core_path("namespaces"), self.on_event, name="nsmirror")
+        self.queue = KeyedQueue(self.work, name="nsmirror")
 
     async def on_event(self, etype: EventType, ns: Obj) -> None:
         if etype != "DELETED" and label_patch(ns) is not None:
-            self.enqueue(ns["metadata"]["name"])
+            self.queue.kick(ns["metadata"]["name"])
 
-    def enqueue(self, name: str) -> None:
-        pending = self.retries.pop(name, None)
-        if pending is not None:
-            pending.cancel()
-        if name not in self.queued:
-            self.queued.add(name)
-            self.queue.put_nowait(name)
-
-    async def worker(self) -> None:
-        try:
-            while True:
-                name = await self.queue.get()
-                self.queued.discard(name)
-                if await self.sync(name):
-                    self.backoff.pop(name, None)
-                else:  # retry later; other namespaces go on meanwhile
-                    delay = self.backoff.get(name, self.retry_base_s)
-                    self.backoff[name] = min(delay * 2, self.retry_max_s)
-                    loop = asyncio.get_running_loop()
-                    self.retries[name] = loop.call_later(delay, self.enqueue, name)
-        finally:
-            for handle in self.retries.values():
-                handle.cancel()
+    async def work(self, name: str) -> float | None:
+        """Sync one namespace; on failure, the delay before it is tried again (doubling)."""
+        if await self.sync(name):
+            self.backoff.pop(name, None)
+            return None
+        delay = self.backoff.get(name, self.retry_base_s)
+        self.backoff[name] = min(delay * 2, self.retry_max_s)
+        return delay
 
     async def sync(self, name: str) -> bool:
         """Patch the label of `name` if needed (latest cached state). False: retry later."""
@@ -110,8 +96,8 @@ async def run_namespace_mirror(
     """Mirror until cancelled. `synced` is set once the first namespace list was handled."""
     mirror = _Mirror(kube, retry_base_s, retry_max_s)
     async with asyncio.TaskGroup() as tg:
+        mirror.queue.start(tg)
         tg.create_task(mirror.informer.run(), name="nsmirror-informer")
-        tg.create_task(mirror.worker(), name="nsmirror-worker")
         if synced is not None:
             await mirror.informer.synced.wait()
             synced.set()

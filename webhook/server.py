@@ -37,10 +37,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from common.objects import new_claim_id
 from webhook.admission import (
     Allowed,
-    Decision,
     Denied,
     MalformedReview,
     Patched,
+    Verdict,
     malformed,
     parse_review,
     response_for,
@@ -186,7 +186,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await watcher
 
 
-def _outcome(decision: Decision) -> Outcome:
+def _outcome(decision: Verdict) -> Outcome:
     if isinstance(decision, Patched):
         return Outcome.PATCHED
     if isinstance(decision, Allowed):
@@ -227,7 +227,7 @@ async def _mutate(request: web.Request) -> web.StreamResponse:
     return web.json_response(answer)
 
 
-def _log_review(req: object, decision: Decision, outcome: Outcome, elapsed: float) -> None:
+def _log_review(req: object, decision: Verdict, outcome: Outcome, elapsed: float) -> None:
     assert isinstance(req, dict)
     pod = req.get("object") if isinstance(req.get("object"), dict) else {}
     meta = pod.get("metadata") if isinstance(pod, dict) else None

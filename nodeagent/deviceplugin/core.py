@@ -8,7 +8,9 @@ that profile and count. The kubelet's PodResources API later tells which pod hol
 `settle` then rebinds the ids to the holder's *own* unit (swapping with whichever ids held it,
 as long as those are not known to run yet). Before a container starts (PreStartContainer) its
 ids are settled, so every container runs on the slices its own SliceAllocation describes and
-release, which destroys the allocation's own slices, destroys what the pod really had.
+release, which destroys the allocation's own slices, destroys what the pod really had. A
+container whose ids are not settled on a Ready unit is refused (`refusal`), and the ids of a
+pod that has no allocation are unbound, so such a pod never gets another pod's slice.
 """
 
 from __future__ import annotations
@@ -78,6 +80,25 @@ class Bindings:
             changed.append(other)
         self.settled.add(key)
         return changed
+
+    def unbind(self, key: IdKey) -> bool:
+        """The holder of `key` has no allocation: `key` resolves to nothing (its unit is
+        free again for its owner). True when it was bound."""
+        self.settled.discard(key)
+        return self.bound.pop(key, None) is not None
+
+    def refusal(self, key: IdKey) -> str | None:
+        """Why a container holding `key` must not start, or None: its ids must be settled
+        (its holder known) on a prepared unit."""
+        unit = self.bound.get(key)
+        if unit is None or key not in self.settled:
+            return (
+                f"devices {','.join(key)} are not bound to a slice of their pod's "
+                "SliceAllocation (a pod without one gets no slice)"
+            )
+        if unit not in self.ready:
+            return f"devices {','.join(key)} resolve to a slice that is not Ready"
+        return None
 
     def add_ready(self, units: list[Unit]) -> None:
         self.ready.update(units)

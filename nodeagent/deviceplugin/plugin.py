@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
 
+from common.allocation import SliceAllocation
+from common.clock import kube_time
 from common.constants import CDI_KIND
 from common.kubeapi import ApiError, Kube
 from common.profiles import profile_from_suffix
@@ -58,16 +59,13 @@ def alias_file(cdi_dir: Path, key: IdKey) -> Path:
     return cdi_dir / f"instaslice.io-plugin-{key[0]}.json"  # no `_`: not a claim file
 
 
-def units_of(alloc: Obj) -> list[Unit]:
-    meta, spec = alloc.get("metadata", {}), alloc.get("spec", {})
+def units_of(obj: Obj) -> list[Unit]:
+    alloc = SliceAllocation.parse(obj)
     counts: dict[tuple[str, str], int] = {}
-    for s in spec.get("slices") or []:
-        k = (s["container"], s["profile"])
+    for s in alloc.slices:
+        k = (s.container, s.profile)
         counts[k] = counts.get(k, 0) + 1
-    return [
-        Unit(meta.get("namespace", ""), meta.get("name", ""), c, p, n)
-        for (c, p), n in sorted(counts.items())
-    ]
+    return [Unit(alloc.namespace, alloc.name, c, p, n) for (c, p), n in sorted(counts.items())]
 
 
 class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
@@ -121,7 +119,14 @@ class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         return dp.AllocateResponse(container_responses=answers)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
+        """The container starts only on its own pod's slice: its ids must be settled on a
+        unit of its pod's SliceAllocation (a pod without one gets none, whatever the
+        kubelet's Allocate handed it)."""
         await self.owner.settle_now()
+        why = self.owner.b.refusal(key_of(list(request.devices_ids)))
+        if why is not None:
+            log.warning("container start refused", ids=list(request.devices_ids), why=why)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         return dp.PreStartContainerResponse()
 
     # --- serving and registration ---------------------------------------------------------
@@ -206,7 +211,9 @@ class DevicePluginBinding:
                     except grpc.aio.AioRpcError as exc:
                         log.warning("kubelet registration failed; retrying", error=str(exc))
                 with contextlib.suppress(grpc.aio.AioRpcError, OSError):
-                    if self.b.bound and self.pod_resources_socket.exists():
+                    # also with nothing bound yet: after a restart the kubelet's running
+                    # containers are bound again from PodResources (and their aliases rewritten)
+                    if self.b.ready and self.pod_resources_socket.exists():
                         await self.settle_now()
                 await asyncio.sleep(self.refresh_s)
         finally:
@@ -286,30 +293,36 @@ class DevicePluginBinding:
         """Bind every id key the kubelet reports to its holder's own unit; record it."""
         pods = await self.list_pod_resources()
         own: dict[tuple[str, str], str] = {}  # (namespace, pod) → claim
-        for a in self.allocs():
-            meta, spec = a.get("metadata", {}), a.get("spec", {})
-            own[(meta.get("namespace", ""), spec.get("podName", ""))] = meta.get("name", "")
+        for a in map(SliceAllocation.parse, self.allocs()):
+            own[(a.namespace, a.pod_name)] = a.name
         records: list[tuple[Unit, IdKey, str]] = []
         async with self.lock:
-            for pod in pods:
+            for pod, container, profile, key in self._held(pods):
                 claim = own.get((pod.namespace, pod.name))
-                if claim is None:
+                if claim is None:  # no allocation: its ids resolve to nothing
+                    if self.b.unbind(key):
+                        await asyncio.to_thread(
+                            alias_file(self.cdi_dir, key).unlink, missing_ok=True
+                        )
+                        who = f"{pod.namespace}/{pod.name}"
+                        log.warning("ids of a pod without allocation unbound", pod=who, ids=key)
                     continue
-                for c in pod.containers:
-                    for d in c.devices:
-                        server = self.servers.get(d.resource_name)
-                        if server is None or not d.device_ids:
-                            continue
-                        key = key_of(list(d.device_ids))
-                        if key not in self.b.bound:
-                            continue
-                        mine = Unit(pod.namespace, claim, c.name, server.profile, len(key))
-                        for changed in self.b.settle(key, mine):
-                            await self.write_alias(changed, self.b.bound[changed])
-                        if self.b.bound.get(key) == mine:
-                            records.append((mine, key, pod.name))
+                mine = Unit(pod.namespace, claim, container, profile, len(key))
+                for changed in self.b.settle(key, mine):
+                    await self.write_alias(changed, self.b.bound[changed])
+                if self.b.bound.get(key) == mine:
+                    records.append((mine, key, pod.name))
         for unit, key, pod_name in records:
             await self.record(unit, key, pod_name)
+
+    def _held(self, pods: list[Any]) -> Iterator[tuple[Any, str, str, IdKey]]:
+        """(pod, container, profile, ids) for every id set of ours the kubelet reports."""
+        for pod in pods:
+            for c in pod.containers:
+                for d in c.devices:
+                    server = self.servers.get(d.resource_name)
+                    if server is not None and d.device_ids:
+                        yield pod, c.name, server.profile, key_of(list(d.device_ids))
 
     async def record(self, unit: Unit, key: IdKey, pod_name: str) -> None:
         msg = f"{unit.container}/{unit.profile}: kubelet devices {','.join(key)} of pod {pod_name}"
@@ -327,7 +340,7 @@ class DevicePluginBinding:
         )
         if alloc is None:
             return
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = kube_time()
         conds = with_condition(
             (alloc.get("status") or {}).get("conditions") or [],
             condition("DeviceBound", True, "KubeletDevicePlugin", text, now),

@@ -437,16 +437,16 @@ async def test_a_pod_whose_slices_were_released_never_gets_another_pods_slice(
     theirs = {s["migUUID"] for s in owners["status"]["slices"]}
     await rkube.patch(status, {"status": {"capacity": {HOLD: "1"}}})  # late first
     try:
-        late = await wait_for(
-            rkube,
-            pods_path(ns),
-            lambda p: (
-                p.get("late")
-                if p.get("late", {}).get("status", {}).get("phase") in ("Running", "Failed")
-                else None
-            ),
-            what="late running or refused",
-        )
+
+        def settled(pods: dict[str, Obj]) -> Obj | None:
+            """late: deleted (the allocator's answer to a stuck bare pod), refused, or
+            running; whichever, its containers must not hold owner's slice."""
+            if "late" not in pods:
+                return {"status": {"phase": "Deleted"}}
+            late: Obj = pods["late"]
+            return late if late.get("status", {}).get("phase") in ("Running", "Failed") else None
+
+        late = await wait_for(rkube, pods_path(ns), settled, what="late settled")
         if late["status"]["phase"] == "Running":
             got = await listing(real, ns, "late", "main")
             assert not any(u in got["raw"] for u in theirs), f"late got owner's slice:\n{got}"

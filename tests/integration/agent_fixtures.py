@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 
 import yaml
 
+from common.allocation import build_allocation
 from common.constants import NODE_LABEL
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import SliceSpec
-from common.objects import slice_allocation as build_allocation
 from hack.cluster.nodes import NodeGroup, node_manifest
 from nodeagent.agent import NodeAgent
 from nodeagent.emulator import EmulatorControl, provision

@@ -26,7 +26,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from common.allocation import build_allocation
 from common.catalog import load_catalog
+from common.clock import cancel_until_done
 from common.constants import (
     API_VERSION,
     CLAIM_ANNOTATION,
@@ -37,11 +39,10 @@ from common.constants import (
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
-from common.objects import Phase, SliceSpec, new_claim_id, slice_allocation
+from common.objects import Phase, SliceSpec, new_claim_id
 from common.profiles import instaslice_resource
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 from webhook.allocator.controller import Controller
 from webhook.allocator.metrics import AllocatorMetrics
 
@@ -249,7 +250,7 @@ def make_allocation(
         for c, p, g, s, n in slices
     ]
     claim = pod["metadata"]["annotations"][CLAIM_ANNOTATION]
-    obj = slice_allocation(
+    obj = build_allocation(
         namespace=pod["metadata"]["namespace"], claim=claim, pod=pod, node=node, slices=specs
     )
     obj["metadata"]["uid"] = uid or f"alloc-{next(_uids)}"
@@ -681,7 +682,7 @@ class AllocatorEnv:
             for a in await self.allocations()
         ]
         replicas = {
-            k: (c.elector.is_leader, len(c.queue), sorted(c.parked), sorted(c._busy))
+            k: (c.elector.is_leader, len(c.placer.queue), sorted(c.parked), c.work.active)
             for k, (c, _) in self.replicas.items()
         }
         return f"allocations={allocs} agent_errors={self.agent.errors} replicas={replicas}"

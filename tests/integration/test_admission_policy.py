@@ -1,16 +1,24 @@
-"""The cluster-wide ValidatingAdmissionPolicy of CONTRACT.md §4, enforced by the real apiserver.
+"""The cluster-wide ValidatingAdmissionPolicies of CONTRACT.md §4, enforced by the real apiserver.
 
-Installs manifests/base/policy as shipped (policy + binding, every namespace) and checks, in
-namespaces that never opted in as well as in an opted-in one (pods rewritten by the real
-webhook): a container's env may name only its own `instaslice.io/mig=<ns>_<claim>_<container>`
-device (another pod's, another container's or an ephemeral container's naming is refused);
-`cdi.k8s.io/` annotations may not name InstaSlice devices (create and update); a pod created
-with a claim or `instaslice.io/mig-*` resources must carry the gate; only InstaSlice removes
-the gate or changes the claim — InstaSlice being the ServiceAccount
-`instaslice-system/instaslice-controller` or the group `instaslice:controllers` (client
-certificates from the test CA carry both identities), while cluster-admin and an RBAC-empowered
-user are refused; ordinary pods and ordinary updates are untouched.
-Leaves out: env taken from ConfigMaps/Secrets/images (outside CEL's reach, docs/webhook.md).
+Installs manifests/base/policy as shipped (the pod policy, the policies confining InstaSlice's
+controller identity, their bindings) and checks, in namespaces that never opted in as well as
+in opted-in ones (pods rewritten by the real webhook): a container's env may name only its
+own `instaslice.io/mig=<ns>_<claim>_<container>` device (another pod's, another container's or
+an ephemeral container's naming is refused); `cdi.k8s.io/` annotations may not name InstaSlice
+devices (create and update); a pod created with a claim or `instaslice.io/*` resources must
+carry the gate; a pod created with any of InstaSlice's marks must be in an opted-in namespace;
+NVIDIA_VISIBLE_DEVICES in a spec selects nothing but the container's own device (`all`,
+indexes, UUIDs, other CDI names, valueFrom refused, in every container kind); only InstaSlice
+removes the gate or changes the claim, through the pod or its status subresource —
+InstaSlice being the ServiceAccount `instaslice-system/instaslice-controller` or the group
+`instaslice:controllers` (client certificates from the test CA carry both identities), while
+cluster-admin and an RBAC-empowered user are refused; and InstaSlice itself only pins and
+ungates gated pods (containers, tolerations, labels, annotations unchanged), deletes only pods
+with a claim, creates none, and changes only the opt-in label of a namespace, to what its
+annotation says — the real namespace mirror working under exactly that is
+test_rbac.py's. Ordinary pods and ordinary updates are untouched.
+Leaves out: env taken from ConfigMaps/Secrets/images (outside CEL's reach, docs/security.md);
+system namespaces and the node agent's identity (test_rbac.py).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV
+from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, VISIBLE_DEVICES_ENV
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.cluster import ControlPlane
 from tests.integration.webhook_fixtures import (
@@ -45,29 +53,47 @@ RBAC = "rbac.authorization.k8s.io/v1"
 ISL = "instaslice.io/mig-1g.18gb"
 POLICY = "instaslice-pods"
 POLICY_DENIED = f"ValidatingAdmissionPolicy '{POLICY}'"
+CONTROLLER_PODS = "ValidatingAdmissionPolicy 'instaslice-controller-pods'"
+CONTROLLER_NAMESPACES = "ValidatingAdmissionPolicy 'instaslice-controller-namespaces'"
+NOT_OPTED_IN = "may only be created in a namespace that opted in"
+SELF_SELECTING = "NVIDIA_VISIBLE_DEVICES may"
 
 
 def _device(ns: str, claim: str, c: str) -> str:
     return f"instaslice.io/mig={ns}_{claim}_{c}"
 
 
-def _wired_pod(ns: str, claim: str, env_container: str = "main", gate: bool = True) -> Obj:
-    """A pod as InstaSlice would leave it, built by hand (no webhook involved)."""
+def _wired_pod(
+    ns: str, claim: str, env_container: str = "main", gate: bool = True, asks: bool = True
+) -> Obj:
+    """A pod as InstaSlice would leave it, built by hand (no webhook involved). `asks=False`
+    leaves out the instaslice.io/mig-* resource, so that the webhook configuration (if a test
+    of this module installed it) never sees the pod and only the policies speak."""
     env = [{"name": VISIBLE_DEVICES_ENV, "value": _device(ns, claim, env_container)}]
     return make_pod(
-        container("main", limits={ISL: "1"}, env=env),
+        container("main", limits={ISL: "1"} if asks else None, env=env),
         annotations={CLAIM_ANNOTATION: claim},
         gates=[GATE_NAME] if gate else None,
     )
+
+
+async def _opt_in(kube: Kube, ns: str) -> str:
+    """Opt `ns` in as the namespace mirror would leave it: annotation and label at once (the
+    mirror, if running, then has nothing to change)."""
+    enabled = {ENABLED_KEY: "true"}
+    body = {"metadata": {"annotations": enabled, "labels": enabled}}
+    await kube.patch(core_path("namespaces", name=ns), body)
+    return ns
 
 
 @pytest.fixture(scope="module")
 async def policy(kube: Kube) -> AsyncIterator[None]:
     """The shipped policy and binding, installed and observed enforcing."""
     created: list[str] = []
-    for doc in load_manifest("policy/validatingadmissionpolicy.yaml") + load_manifest(
+    docs = load_manifest("policy/validatingadmissionpolicy.yaml") + load_manifest(
         "policy/binding.yaml"
-    ):
+    )
+    for doc in docs + load_manifest("policy/instaslice-controller.yaml"):
         kind = doc["kind"].lower()
         plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
         path = group_path(ADMISSIONREG, plural)
@@ -84,17 +110,18 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
 
     try:
         await eventually(enforced, timeout_s=30)
-        # the apiserver type-checks every expression against the Pod schema: no warnings
-        vap_path = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=POLICY)
-        vap: Obj = {}
+        # the apiserver type-checks every expression against the schemas: no warnings
+        for name in (POLICY, "instaslice-controller-pods", "instaslice-controller-namespaces"):
+            vap_path = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=name)
+            vap: Obj = {}
 
-        async def checked() -> bool:
-            nonlocal vap
-            vap = await kube.get(vap_path)
-            return "typeChecking" in vap.get("status", {})
+            async def checked(path: str = vap_path) -> bool:
+                nonlocal vap
+                vap = await kube.get(path)
+                return "typeChecking" in vap.get("status", {})
 
-        await eventually(checked, timeout_s=30)
-        assert not vap["status"]["typeChecking"].get("expressionWarnings"), vap["status"]
+            await eventually(checked, timeout_s=30)
+            assert not vap["status"]["typeChecking"].get("expressionWarnings"), vap["status"]
         yield
     finally:
         for path in reversed(created):
@@ -122,8 +149,10 @@ async def users(control_plane: ControlPlane, kube: Kube) -> AsyncIterator[dict[s
     role = {
         "metadata": {"name": "instaslice-it-pod-editor"},
         "rules": [
-            {"apiGroups": [""], "resources": ["pods", "pods/ephemeralcontainers"],
-             "verbs": ["get", "list", "create", "update", "patch"]},
+            {"apiGroups": [""], "resources": ["pods", "pods/ephemeralcontainers", "pods/status"],
+             "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+            {"apiGroups": [""], "resources": ["namespaces"],
+             "verbs": ["get", "list", "watch", "patch", "update"]},
         ],
     }  # fmt: skip
     await kube.create(group_path(RBAC, "clusterroles"), role)
@@ -171,15 +200,18 @@ async def _refused(call: object, *words: str) -> str:
 async def test_env_may_name_only_the_containers_own_device(
     kube: Kube, policy: None, namespace: str
 ) -> None:
+    await _opt_in(kube, namespace)  # marks are refused elsewhere (test further down)
     pods = core_path("pods", namespace)
-    ok = await kube.create(pods, _wired_pod(namespace, "cmine"))
+    ok = await kube.create(pods, _wired_pod(namespace, "cmine", asks=False))
     assert ok["spec"]["containers"][0]["env"][0]["value"] == _device(namespace, "cmine", "main")
     # another pod's device (other namespace), another container's, no claim at all
-    victim = _wired_pod(namespace, "cmine")
+    victim = _wired_pod(namespace, "cmine", asks=False)
     victim["spec"]["containers"][0]["env"][0]["value"] = _device("team-b", "cvictim", "main")
     await _refused(kube.create(pods, victim), "containers main:", "not their own")
-    await _refused(kube.create(pods, _wired_pod(namespace, "cmine", env_container="other")))
-    other_claim = _wired_pod(namespace, "cmine")
+    await _refused(
+        kube.create(pods, _wired_pod(namespace, "cmine", env_container="other", asks=False))
+    )
+    other_claim = _wired_pod(namespace, "cmine", asks=False)
     other_claim["metadata"]["annotations"][CLAIM_ANNOTATION] = "cother"
     await _refused(kube.create(pods, other_claim))
     no_claim = make_pod(
@@ -240,6 +272,8 @@ async def test_instaslice_marks_need_the_gate_on_create(
     claimed = make_pod(container("main"), annotations={CLAIM_ANNOTATION: "cabc"})
     await _refused(kube.create(pods, claimed), "gate")
     await _refused(kube.create(pods, _wired_pod(namespace, "cmine", gate=False)), "gate")
+    whole_gpu = make_pod(container("main", limits={"instaslice.io/gpu": "1"}))
+    await _refused(kube.create(pods, whole_gpu), "gate")
     # what users write outside opted-in namespaces is none of the policy's business
     plain = await kube.create(pods, make_pod(container("main", limits={MIG: "1"})))
     assert not is_rewritten(plain)
@@ -279,27 +313,46 @@ async def test_only_instaslice_removes_the_gate_or_changes_the_claim(
     await sa.patch(core_path("pods", ns, name2), ungate, "json")
 
 
-async def test_gate_and_claim_are_guarded_in_namespaces_that_never_opted_in(
+async def test_gate_and_claim_are_guarded_after_the_namespace_opted_out(
     kube: Kube, policy: None, users: dict[str, Kube], namespace: str
 ) -> None:
+    """InstaSlice's pods exist only where the namespace opted in: these two were made while
+    it was; then it opted out (annotation and label gone). The guards still hold, for the
+    pod and for its status subresource (issue 17 item 10)."""
     mallory, allocator = users["mallory"], users["allocator"]
-    pod = await kube.create(core_path("pods", namespace), _wired_pod(namespace, "cmine"))
+    await _opt_in(kube, namespace)
+    pods = core_path("pods", namespace)
+    pod = await kube.create(pods, _wired_pod(namespace, "cmine", asks=False))
+    # a device-plugin-mode pod (no env names its device): only the claim rule speaks
+    bare = _wired_pod(namespace, "cbare", asks=False)
+    del bare["spec"]["containers"][0]["env"]
+    created = await kube.create(pods, bare)
+    off = {ENABLED_KEY: None}
+    await kube.patch(
+        core_path("namespaces", name=namespace), {"metadata": {"annotations": off, "labels": off}}
+    )
     path = core_path("pods", namespace, pod["metadata"]["name"])
+    bare_path = core_path("pods", namespace, created["metadata"]["name"])
     ungate = [{"op": "remove", "path": "/spec/schedulingGates/0"}]
     await _refused(mallory.patch(path, ungate, "json"), "only InstaSlice may remove")
-    # a device-plugin-mode pod (no env names its device): only the claim rule speaks
-    bare = _wired_pod(namespace, "cbare")
-    del bare["spec"]["containers"][0]["env"]
-    created = await kube.create(core_path("pods", namespace), bare)
-    bare_path = core_path("pods", namespace, created["metadata"]["name"])
     for claim in ("cx", None):
         await _refused(
             mallory.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: claim}}}),
             "only InstaSlice may set or change it",
         )
-    await allocator.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cnew"}}})
+        await _refused(
+            mallory.patch(
+                bare_path + "/status", {"metadata": {"annotations": {CLAIM_ANNOTATION: claim}}}
+            ),
+            "only InstaSlice may set or change it",
+        )
+    await mallory.patch(bare_path + "/status", {"metadata": {"labels": {"ok": "yes"}}})
+    # InstaSlice itself never changes a claim either (instaslice-controller-pods)
+    with pytest.raises(ApiError) as exc:
+        await allocator.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cx"}}})
+    assert CONTROLLER_PODS in exc.value.message and "the claim included" in exc.value.message
     await allocator.patch(bare_path, ungate, "json")
-    plain = await mallory.create(core_path("pods", namespace), make_pod(container("main")))
+    plain = await mallory.create(pods, make_pod(container("main")))
     plain_path = core_path("pods", namespace, plain["metadata"]["name"])
     await _refused(
         mallory.patch(plain_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cmine"}}})
@@ -329,3 +382,235 @@ async def test_controller_made_pods_pass_webhook_and_policy(
 
     await eventually(both, timeout_s=30)
     assert all(is_rewritten(p) for p in pods)
+
+
+# --- opt-in (issue 17 item 3) ----------------------------------------------------------------
+
+
+async def test_instaslice_marks_only_in_opted_in_namespaces(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """The rewritten form written by hand where the webhook is never called (a namespace
+    that did not opt in) would skip the webhook's checks and the quota on opted-in
+    namespaces: refused, whichever mark it carries."""
+    pods = core_path("pods", namespace)
+    marked = {
+        "gate only": make_pod(container("main"), gates=[GATE_NAME]),
+        "gate and claim": make_pod(
+            container("main"), gates=[GATE_NAME], annotations={CLAIM_ANNOTATION: "cmine"}
+        ),
+        "gate and slice": make_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
+        "gate and whole GPU": make_pod(
+            container("main", limits={"instaslice.io/gpu": "1"}), gates=[GATE_NAME]
+        ),
+    }
+    for what, pod in marked.items():
+        message = await _refused(kube.create(pods, pod, dryRun="All"), NOT_OPTED_IN)
+        assert namespace in message, what
+    await _opt_in(kube, namespace)
+    for pod in (marked["gate only"], marked["gate and claim"]):  # (no webhook call for these)
+        await kube.create(pods, pod, dryRun="All")
+    off = {ENABLED_KEY: None}
+    await kube.patch(
+        core_path("namespaces", name=namespace), {"metadata": {"annotations": off, "labels": off}}
+    )
+    await _refused(kube.create(pods, marked["gate and claim"], dryRun="All"), NOT_OPTED_IN)
+    await kube.create(pods, make_pod(container("main")), dryRun="All")  # ordinary pods pass
+
+
+# --- env mode: NVIDIA_VISIBLE_DEVICES (issue 17 item 9) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "all",
+        "0",
+        "0,1",
+        "GPU-5f1b4c2e-8c1d-4b7a-9e3f-0a1b2c3d4e5f",
+        "MIG-7a3c9d1e-2b4f-5a6c-8d9e-0f1a2b3c4d5e",
+        "nvidia.com/gpu=all",
+        "nvidia.com/mig=0:1",
+        "vendor.example/dev=x",
+    ],
+)
+async def test_env_mode_refuses_self_selected_devices(
+    kube: Kube, policy: None, namespace: str, value: str
+) -> None:
+    """In env mode NVIDIA_VISIBLE_DEVICES selects the devices the toolkit injects, so a pod
+    naming `all`, an index, a UUID or another CDI device would get GPUs or slices InstaSlice
+    never gave it — in any namespace but the system ones, opted in or not."""
+    env = [{"name": VISIBLE_DEVICES_ENV, "value": value}]
+    pods = core_path("pods", namespace)
+    await _refused(
+        kube.create(pods, make_pod(container("main", env=env)), dryRun="All"),
+        "containers main:",
+        SELF_SELECTING,
+    )
+    init = make_pod(container("main"), init=[container("prep", env=env)])
+    await _refused(kube.create(pods, init, dryRun="All"), "containers prep:", SELF_SELECTING)
+    await kube.create(core_path("pods", "kube-system"), make_pod(container("main", env=env)),
+                      dryRun="All")  # fmt: skip
+
+
+async def test_env_mode_refuses_visible_devices_from_elsewhere_and_in_debug_containers(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    pods = core_path("pods", namespace)
+    from_cm = {"name": VISIBLE_DEVICES_ENV,
+               "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}  # fmt: skip
+    await _refused(
+        kube.create(pods, make_pod(container("main", env=[from_cm])), dryRun="All"),
+        SELF_SELECTING,
+    )
+    for harmless in ("void", "none"):
+        env = [{"name": VISIBLE_DEVICES_ENV, "value": harmless}, {"name": "X", "value": "all"}]
+        await kube.create(pods, make_pod(container("main", env=env)), dryRun="All")
+    await kube.create(pods, make_pod(container("main", env=[{"name": VISIBLE_DEVICES_ENV}])),
+                      dryRun="All")  # fmt: skip
+    await _opt_in(kube, namespace)
+    pod = await kube.create(pods, make_pod(container("main")))
+    debug = {"name": "debug", "image": "busybox",
+             "env": [{"name": VISIBLE_DEVICES_ENV, "value": "all"}]}  # fmt: skip
+    patch = [{"op": "add", "path": "/spec/ephemeralContainers", "value": [debug]}]
+    path = core_path("pods", namespace, pod["metadata"]["name"]) + "/ephemeralcontainers"
+    await _refused(kube.patch(path, patch, "json"), "containers debug:", SELF_SELECTING)
+
+
+# --- InstaSlice's own identity is confined (issue 17 item 4) ----------------------------------
+
+
+async def _controller_policies_enforced(kube: Kube, allocator: Kube, namespace: str) -> None:
+    """The controller policies reach the admission chain a moment after they are created."""
+    probe = make_pod(container("main"))
+
+    async def enforced() -> bool:
+        try:
+            await allocator.create(core_path("pods", namespace), probe, dryRun="All")
+        except ApiError as exc:
+            return CONTROLLER_PODS in exc.message
+        return False
+
+    await eventually(enforced, timeout_s=30)
+    ns_path = core_path("namespaces", name=namespace)
+
+    async def ns_enforced() -> bool:
+        try:
+            await allocator.patch(ns_path, {"metadata": {"labels": {"probe": "x"}}}, dryRun="All")
+        except ApiError as exc:
+            return CONTROLLER_NAMESPACES in exc.message
+        return False
+
+    await eventually(ns_enforced, timeout_s=30)
+
+
+def _pin(node: str) -> list[Obj]:
+    """What the allocator's one update does to a gated pod without affinity: a required
+    node-name term, and its gate removed."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [term]}}}  # fmt: skip
+    return [
+        {"op": "add", "path": "/spec/affinity", "value": affinity},
+        {"op": "remove", "path": "/spec/schedulingGates/0"},
+    ]
+
+
+async def test_instaslice_only_pins_and_ungates_gated_pods(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    await _opt_in(kube, namespace)
+    pods = core_path("pods", namespace)
+    for who in ("allocator", "serviceaccount"):
+        me = users[who]
+        await _controller_policies_enforced(kube, me, namespace)
+        gated = await kube.create(pods, _wired_pod(namespace, f"c{who[:4]}", asks=False))
+        path = core_path("pods", namespace, gated["metadata"]["name"])
+        image = [{"op": "replace", "path": "/spec/containers/0/image", "value": "evil:1"}]
+        tolerations = [*gated["spec"].get("tolerations", []), {"operator": "Exists"}]
+        tolerate = [{"op": "add", "path": "/spec/tolerations", "value": tolerations}]
+        label = [{"op": "add", "path": "/metadata/labels", "value": {"app": "frontend"}}]
+        deadline = [{"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1}]
+        for bad, words in (
+            (image, "never changes a pod's containers"),
+            (tolerate, "tolerations"),
+            (label, "never changes a pod's labels"),
+            (deadline, "deadlines"),
+            (_pin("gpu-a") + image[:1], "never changes a pod's containers"),
+        ):
+            with pytest.raises(ApiError) as exc:
+                await me.patch(path, bad, "json")
+            assert CONTROLLER_PODS in exc.value.message and words in exc.value.message, bad
+        pinned = await me.patch(path, _pin("gpu-a"), "json")
+        assert not pinned["spec"].get("schedulingGates")
+        # the pod is no longer gated: nothing more, not even its image
+        with pytest.raises(ApiError) as exc:
+            await me.patch(path, image, "json")
+        assert "only pods that carry its instaslice.io/allocation gate" in exc.value.message
+        # another controller's gate stays (Kueue's, say)
+        two = _wired_pod(namespace, f"d{who[:4]}", asks=False)
+        two["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"},
+                                          {"name": GATE_NAME}]  # fmt: skip
+        two = await kube.create(pods, two)
+        two_path = core_path("pods", namespace, two["metadata"]["name"])
+        with pytest.raises(ApiError) as exc:
+            await me.patch(two_path, [{"op": "remove", "path": "/spec/schedulingGates/0"}],
+                           "json")  # fmt: skip
+        assert "removes only its own scheduling gate" in exc.value.message
+        await me.patch(two_path, [{"op": "remove", "path": "/spec/schedulingGates/1"}], "json")
+        # never creates pods, writes status or adds debug containers
+        with pytest.raises(ApiError) as exc:
+            await me.create(pods, make_pod(container("main")), dryRun="All")
+        assert CONTROLLER_PODS in exc.value.message
+        with pytest.raises(ApiError) as exc:
+            await me.patch(path + "/status", {"metadata": {"labels": {"x": "y"}}})
+        assert "never UPDATE pods/status" in exc.value.message
+        debug = [{"op": "add", "path": "/spec/ephemeralContainers",
+                  "value": [{"name": "debug", "image": "busybox"}]}]  # fmt: skip
+        with pytest.raises(ApiError) as exc:
+            await me.patch(path + "/ephemeralcontainers", debug, "json")
+        assert "never UPDATE pods/ephemeralcontainers" in exc.value.message
+
+
+async def test_instaslice_deletes_only_pods_with_a_claim(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    await _opt_in(kube, namespace)
+    allocator = users["allocator"]
+    await _controller_policies_enforced(kube, allocator, namespace)
+    pods = core_path("pods", namespace)
+    plain = await kube.create(pods, make_pod(container("main")))
+    plain_path = core_path("pods", namespace, plain["metadata"]["name"])
+    with pytest.raises(ApiError) as exc:
+        await allocator.delete(plain_path)
+    assert "deletes only pods that carry an instaslice.io/claim" in exc.value.message
+    assert await kube.get(plain_path)
+    claimed = await kube.create(pods, _wired_pod(namespace, "cgone", asks=False))
+    await allocator.delete(core_path("pods", namespace, claimed["metadata"]["name"]))
+
+
+async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    allocator = users["allocator"]
+    await _controller_policies_enforced(kube, allocator, namespace)
+    path = core_path("namespaces", name=namespace)
+    on = {"metadata": {"labels": {ENABLED_KEY: "true"}}}
+    with pytest.raises(ApiError) as exc:  # no annotation: no label
+        await allocator.patch(path, on)
+    assert CONTROLLER_NAMESPACES in exc.value.message and "mirror" in exc.value.message
+    for bad in (
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
+        {"metadata": {"annotations": {ENABLED_KEY: "true"}}},
+        {"metadata": {"labels": {ENABLED_KEY: "yes"}}},
+        {"metadata": {"finalizers": ["x.io/keep"]}},
+    ):
+        with pytest.raises(ApiError) as exc:
+            await allocator.patch(path, bad)
+        assert CONTROLLER_NAMESPACES in exc.value.message, bad
+    await kube.patch(path, {"metadata": {"annotations": {ENABLED_KEY: "true"}}})
+    await allocator.patch(path, on)
+    await kube.patch(path, {"metadata": {"annotations": {ENABLED_KEY: None}}})
+    await allocator.patch(path, {"metadata": {"labels": {ENABLED_KEY: None}}})
+    got = await kube.get(path)
+    assert ENABLED_KEY not in got["metadata"].get("labels", {})

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from common.clock import cancel_until_done
 from common.constants import (
     GATE_NAME,
     NODE_LABEL,
@@ -43,7 +44,6 @@ from tests.integration.allocator_fixtures import (
     wait_for,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

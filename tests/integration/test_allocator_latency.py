@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from common.clock import cancel_until_done
 from common.kubeapi import ApiError, Kube, core_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
@@ -31,7 +32,6 @@ from tests.integration.allocator_fixtures import (
     load_crds,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from common.clock import cancel_until_done
 from common.constants import REASON_PENDING
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.cluster import ControlPlane
@@ -29,7 +30,6 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import build_controller, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 from webhook.allocator.metrics import AllocatorMetrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

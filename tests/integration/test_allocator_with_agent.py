@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from common.clock import cancel_until_done
 from common.constants import MIG_NODE_PLURAL, REASON_PENDING
 from common.kubeapi import Kube, Obj, instaslice_path
 from hack.cluster import ControlPlane
@@ -31,7 +32,6 @@ from tests.integration.allocator_fixtures import (
     wait_for,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -40,6 +40,7 @@ import pytest
 
 from bench.chaos_faults import detached
 from bench.invariants import check_settled, collect
+from common.clock import cancel_until_done
 from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
@@ -55,8 +56,7 @@ from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 from tests.integration.agent_fixtures import ROOT, eventually
 from tests.integration.allocator_fixtures import AllocatorEnv, FakeAgent, ensure_crds, load_crds
-from webhook.allocator import controller as controller_mod
-from webhook.allocator.clock import cancel_until_done
+from webhook.allocator import placer as placer_mod
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -433,14 +433,14 @@ async def test_a_placement_error_for_one_pod_does_not_stop_the_others(
     re-led, met the same pod and failed again every 15 s, so no pod at all was placed. Now
     the pod is parked with an InternalError AllocationPending event and the others go on.
     In-process allocator with the fake agent (tests/integration/allocator_fixtures.py)."""
-    real_place = getattr(controller_mod, "place")  # noqa: B009 (imported, not exported)
+    real_place = getattr(placer_mod, "place")  # noqa: B009 (imported, not exported)
 
     def choking(snapshot: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if any(s.container == "boom" for s in request.slices):
             raise TypeError("planted placement bug")
         return real_place(snapshot, request, *args, **kwargs)
 
-    monkeypatch.setattr(controller_mod, "place", choking)
+    monkeypatch.setattr(placer_mod, "place", choking)
     async with await Kube.connect(str(control_plane.kubeconfig)) as k:
         await ensure_crds(k, load_crds(BASE_CRDS))
         agent = FakeAgent(k)

@@ -229,3 +229,99 @@ async def test_two_pods_same_profile(
         async with ch:
             opts = await stub.GetDevicePluginOptions(dp.Empty())
             assert opts.pre_start_required
+
+
+def dp_settings(node: Any, control_plane: ControlPlane, kubelet: FakeKubelet) -> Any:
+    return agent_settings(
+        [node],
+        control_plane.kubeconfig,
+        binding="device-plugin",
+        kubelet_dir=kubelet.root,
+        pod_resources_socket=kubelet.root / "pr.sock",
+        plugin_refresh_s=0.1,
+    )
+
+
+def one_id(i: str) -> Any:
+    return dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=[i])])
+
+
+async def test_a_pod_without_allocation_never_gets_a_slice(
+    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
+) -> None:
+    """Security issue, item 1: a pod still asking for `instaslice.io/mig-*` whose slices were
+    released (or that never had any) is scheduled; the kubelet's Allocate binds its ids to
+    the only Ready unit of the profile, a waiting pod's. Its container must not start, and
+    the owner must still get its own slice."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    ns = namespace
+    async with running_agent(dp_settings(node, control_plane, kubelet)):
+        await eventually(registered(kubelet), what="registration")
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            owned = slice_allocation(ns, node, [("main", "1g.18gb", 0, 0, 1)], claim="cown")
+            await create_allocation(kube, owned)
+            await wait_phase(kube, owned, "Ready")
+            await stub.Allocate(one_id("1g.18gb-0"))  # the thief's ids take the owner's unit
+            kubelet.pods = [pod(ns, "thief", "main", ["1g.18gb-0"])]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-0"]))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert not (node.cdi_dir / "instaslice.io-plugin-1g.18gb-0.json").exists()
+            # the owner is admitted later and gets its own slice
+            r = await stub.Allocate(one_id("1g.18gb-1"))
+            name = r.container_responses[0].cdi_devices[0].name
+            kubelet.pods.append(pod(ns, "pod-cown", "main", ["1g.18gb-1"]))
+            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-1"]))
+            got = await get_allocation(kube, ns, "cown")
+            assert got is not None
+            assert alias_uuids(node.cdi_dir, name) == got["status"]["slices"][0]["migUUID"]
+
+
+async def test_an_agent_restart_keeps_device_plugin_binding(
+    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
+) -> None:
+    """Security issue, item 2: after a node-agent restart, a pod whose allocation was Ready
+    before it (not admitted yet) still gets its slice, and a container that was running
+    keeps resolving to its own slice: bindings are rebuilt from PodResources and the alias
+    files rewritten (a reboot empties /var/run/cdi)."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    ns = namespace
+    running = slice_allocation(ns, node, [("main", "1g.18gb", 0, 0, 1)], claim="crun")
+    waiting = slice_allocation(ns, node, [("main", "1g.18gb", 0, 1, 1)], claim="cwait")
+    settings = dp_settings(node, control_plane, kubelet)
+    async with running_agent(settings):
+        await eventually(registered(kubelet), what="registration")
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            for x in (running, waiting):
+                await create_allocation(kube, x)
+            ready = {
+                x["metadata"]["name"]: await wait_phase(kube, x, "Ready")
+                for x in (running, waiting)
+            }
+            r = await stub.Allocate(one_id("1g.18gb-0"))
+            alias = r.container_responses[0].cdi_devices[0].name
+            kubelet.pods = [pod(ns, "pod-crun", "main", ["1g.18gb-0"])]
+            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-0"]))
+    uuid = {k: v["status"]["slices"][0]["migUUID"] for k, v in ready.items()}
+    for f in node.cdi_dir.glob("instaslice.io-plugin-*.json"):
+        f.unlink()  # a reboot: /var/run/cdi is a tmpfs
+    kubelet.registered.clear()
+    async with running_agent(settings):
+        await eventually(registered(kubelet), what="registration after the restart")
+
+        async def rebound() -> bool:
+            try:
+                return bool(alias_uuids(node.cdi_dir, alias) == uuid["crun"])
+            except FileNotFoundError:
+                return False
+
+        await eventually(rebound, what="the running container's alias rewritten")
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            r = await stub.Allocate(one_id("1g.18gb-1"))  # refused before the fix
+            name = r.container_responses[0].cdi_devices[0].name
+            kubelet.pods.append(pod(ns, "pod-cwait", "main", ["1g.18gb-1"]))
+            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-1"]))
+            assert alias_uuids(node.cdi_dir, name) == uuid["cwait"]

@@ -8,8 +8,9 @@ InstaSlice did not create fails without touching it; SIGKILL during create and d
 destroy, then a restart, leaves no leak and no duplicate; IN_USE on destroy is retried until
 the emulated process exits; XID and GPU-lost events mark the GPU unhealthy (MigNode,
 capacity, the allocation's condition); a reboot re-creates Ready allocations; orphaned
-records are garbage collected after the grace period while foreign instances stay; one
-process serves several emulated nodes. Timing of Pending→Ready is recorded.
+records are garbage collected after the grace period while foreign instances stay; stale
+CDI files are collected by the UID they carry; one process serves several emulated nodes.
+Timing of Pending→Ready is recorded.
 Leaves out: least privilege (test_nodeagent_rbac.py), the allocator (its own tests), a
 real GPU (`--discover-only` on hardware is a manual check, docs/nodeagent.md).
 """
@@ -26,13 +27,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from common.allocation import SliceAllocation
 from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
-from nodeagent import checkpoint
+from nodeagent import cdi, checkpoint
 from nodeagent.emulator import EmulatedNvml
-from nodeagent.reconcile import alloc_view
 from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
@@ -239,10 +240,12 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         stale["metadata"]["finalizers"] = [RELEASE_FINALIZER, hold]
         stale["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         stale["status"]["phase"] = "Releasing"
-        assert await life.release(alloc_view(stale)) is None  # the list changed: 422, re-read
+        assert (
+            await life.release(SliceAllocation.parse(stale)) is None
+        )  # the list changed: 422, re-read
         await kube.patch(path, {"metadata": {"finalizers": None}})
         await wait_gone(kube, alloc)
-        assert await life.release(alloc_view(stale)) is None  # the object is gone: 404
+        assert await life.release(SliceAllocation.parse(stale)) is None  # the object is gone: 404
         events = [e for e in await pod_events(kube, ns, pod) if e["reason"] == "SliceReleased"]
         assert sum(int(e.get("count") or 1) for e in events) == 1, events
         counted = life.metrics.registry.get_sample_value(
@@ -250,6 +253,24 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         )
         assert counted == 1
         assert node.instances() == [] and node.cdi_files() == []
+
+
+async def test_an_allocation_for_another_node_is_failed_not_made(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Security issue, item 12: the node label brings an allocation to this agent, but its
+    spec.nodeName names another node (the allocator counts its slots there): making it here
+    would double-book this node's GPU. It is failed, and nothing is made."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        alloc["spec"]["nodeName"] = "some-other-node"  # the label still says this node
+        await create_allocation(kube, alloc)
+        failed = await wait_phase(kube, alloc, "Failed")
+        assert "spec.nodeName some-other-node is not on node" in failed["status"]["message"]
+        assert node.instances() == []
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
 
 
 async def test_a_stale_creating_view_after_failed_makes_nothing(
@@ -267,7 +288,8 @@ async def test_a_stale_creating_view_after_failed_makes_nothing(
         failed = await wait_phase(kube, alloc, "Failed")
         stale = json.loads(json.dumps(failed))
         stale["status"] = {"phase": "Creating"}
-        await life.create(alloc_view(stale))
+        life.st.allocs[stale["metadata"]["uid"]] = stale  # as the watch delivers it, late
+        await life.work(stale["metadata"]["uid"])
         assert node.instances() == []
         got = await get_allocation(kube, ns, alloc["metadata"]["name"])
         assert got is not None and got["status"]["phase"] == "Failed"
@@ -288,9 +310,28 @@ async def test_create_for_an_allocation_already_gone_makes_nothing(
         life = agents[node.name].life
         gone = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
         gone["metadata"]["uid"] = "uid-never-created"
-        await life.create(alloc_view(gone))
+        await life.create(SliceAllocation.parse(gone))
         assert node.instances() == [] and node.cdi_files() == []
         assert "uid-never-created" not in life.st.cp.claims
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+
+
+async def test_a_rollback_refused_twice_ends_failed_not_creating(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Security issue, item 7: the create failed and NVML refused its rollback twice (the
+    create's own rollback and garbage collection's first retry); garbage collection's next
+    retry destroyed the slice, but the allocation stayed `Creating` forever and its pod gated
+    with no event. Now it ends `Failed` with the create's message."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    node.emu.fail_next("create_ci", 999, skip=1)  # the second slice's CI fails
+    node.emu.fail_next("destroy_gi", 999, count=2)  # and the rollback of the first, twice
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+        alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 0, 1), ("b", "2g.35gb", 0, 2, 2)])
+        await create_allocation(kube, alloc)
+        failed = await wait_phase(kube, alloc, "Failed")
+        assert "slice 1" in failed["status"]["message"]
+        assert node.instances() == []
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
 
 
@@ -607,6 +648,38 @@ async def test_orphaned_record_is_collected_after_grace(
 
         await eventually(collected, within=15, what="orphan destroyed, record dropped")
         assert time.monotonic() - t0 >= 1.0  # not before the grace period
+
+
+async def test_gc_removes_cdi_files_by_uid(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Issue 17 item 6, garbage collection: a spec file naming a UID that has neither a
+    record nor a live allocation goes — also under the name of a live allocation (an older
+    allocation of that claim left it) — while the live allocation's own file and files
+    without a UID under a live name stay."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)) as agents:
+        agent = agents[node.name]
+        live = slice_allocation(ns, node, [("a", "1g.18gb", 0, 3, 1)])
+        await create_allocation(kube, live)
+        ready = await wait_phase(kube, live, "Ready")
+        name, uid = ready["metadata"]["name"], ready["metadata"]["uid"]
+        own = cdi.spec_file_name(ns, name)
+        assert own in node.cdi_files()
+        common = cdi.common_edits(None, cdi.DeviceNumbers.emulated())
+        cdi.write_spec(node.cdi_dir, ns, "cgone", cdi.build_spec(ns, "cgone", {}, common, "dead"))
+        await agent.gc()
+        assert cdi.spec_file_name(ns, "cgone") not in node.cdi_files()
+        assert own in node.cdi_files()  # the live one's, whatever it carries
+        # a leftover of an older allocation of the live one's claim
+        older = cdi.build_spec(ns, name, {}, common, "older-uid")
+        cdi.write_spec(node.cdi_dir, ns, name, older)
+        await agent.gc()
+        assert own not in node.cdi_files()
+        # the live allocation's own file (by UID) stays
+        cdi.write_spec(node.cdi_dir, ns, name, cdi.build_spec(ns, name, {}, common, uid))
+        await agent.gc()
+        assert own in node.cdi_files()
 
 
 async def test_one_process_serves_many_nodes(

@@ -89,3 +89,26 @@ def test_removed_spec_is_gone_for_the_consumer(tmp_path: Path) -> None:
     out = cdi_inject([tmp_path], ["instaslice.io/mig=team-b_c2_main"])
     assert out["unresolved"] == ["instaslice.io/mig=team-b_c2_main"]
     assert cdi_inject([tmp_path], ["instaslice.io/mig=team-a_c1_eval"])["rc"] == 0
+
+
+def test_removing_an_older_allocation_of_the_same_name_keeps_the_newer_device(
+    tmp_path: Path,
+) -> None:
+    """Issue 17 item 6, as the runtime sees it: after the newer allocation of claim c2 wrote
+    its spec, removing the older one (by its UID) leaves the newer device resolvable."""
+    numbers = cdi.DeviceNumbers.emulated()
+    common = cdi.common_edits(cdi.fake_nvidia_spec(gpu_minors=[0]), numbers)
+
+    def spec(uid: str, mig: str, gi: int) -> cdi.Obj:
+        nodes = {"main": [numbers.slice_nodes(mig, 0, gi, 0)]}
+        return cdi.build_spec("team-b", "c2", nodes, common, uid=uid)
+
+    cdi.write_spec(tmp_path, "team-b", "c2", spec("uid-1", "MIG-old", 11))
+    cdi.write_spec(tmp_path, "team-b", "c2", spec("uid-2", "MIG-new", 12))
+    assert not cdi.remove_spec(tmp_path, "team-b", "c2", "uid-1")
+    out = cdi_inject([tmp_path], ["instaslice.io/mig=team-b_c2_main"])
+    assert out["rc"] == 0 and not out["unresolved"], out
+    assert injected_env(out)["NVIDIA_VISIBLE_DEVICES"] == "MIG-new"
+    assert cdi.remove_spec(tmp_path, "team-b", "c2", "uid-2")
+    out = cdi_inject([tmp_path], ["instaslice.io/mig=team-b_c2_main"])
+    assert out["unresolved"] == ["instaslice.io/mig=team-b_c2_main"]

@@ -13,13 +13,18 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
   runs with: a ServiceAccount token bound to a pod scheduled on node A (the apiserver puts
   the node name into the token) may write A's allocations' status and finalizer, MigNode
   A, Node A's instaslice.io/* capacity and Lease A, and nothing of node B, no other capacity,
-  no finalizer added, no relabelling; a token bound to no pod may write nothing; the same
-  for a per-node client certificate;
+  no finalizer added, no relabelling, on its own Node's status nothing but instaslice.io/*
+  capacity (no forged condition, address, endpoint, label or annotation); a token bound to
+  no pod may write nothing, nor may another member of the group instaslice:nodeagents; the
+  same for a per-node client certificate;
 - the node agent's rules are sufficient: the real agent, under its node's certificate
   identity and nothing else, takes an allocation to Ready and releases it;
 - the pod policy of CONTRACT.md §4 holds in namespaces tests elsewhere do not use (kube-system,
-  InstaSlice's own, one that opted out), and InstaSlice's *other* identity (the node agent)
-  may not remove the gate or change the claim either;
+  InstaSlice's own even when labelled opted-in, one that opted out: no device of another
+  pod, no InstaSlice marks at all), and InstaSlice's *other* identity (the node agent) may not
+  remove the gate or change the claim either;
+- the controller's confinement is sufficient for the namespace mirror: the real mirror, as
+  the controller ServiceAccount under its RBAC and policies, mirrors both ways;
 - the pod security settings of the manifests: non-root, read-only, no privilege escalation
   and all capabilities dropped for the webhook; privileged (NVML needs it) only for the
   node agent, with no host network/PID/IPC and only the host paths it needs (two of them
@@ -44,7 +49,13 @@ from typing import Any
 import pytest
 import yaml
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, NODE_LABEL, RELEASE_FINALIZER
+from common.constants import (
+    CLAIM_ANNOTATION,
+    ENABLED_KEY,
+    GATE_NAME,
+    NODE_LABEL,
+    RELEASE_FINALIZER,
+)
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.nodes import NodeGroup, node_manifest
@@ -63,6 +74,7 @@ from tests.integration.agent_fixtures import (
     wait_gone,
     wait_phase,
 )
+from webhook.nsmirror import run_namespace_mirror
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -305,6 +317,9 @@ async def agents(
         "cert": control_plane.user_kubeconfig(
             f"system:instaslice:node:{nodes.a}", ("instaslice:nodeagents",)
         ),
+        # a member of the agents' group under another name: RBAC grants it what the group
+        # has; the policies must not let it write anything (issue 17 item 11)
+        "member": control_plane.user_kubeconfig("eve", ("instaslice:nodeagents",)),
     }
     clients = {k: await Kube.connect(str(v)) for k, v in configs.items()}
     probe = {"metadata": {"name": nodes.a}, "spec": {"holderIdentity": "probe"}}
@@ -482,6 +497,60 @@ async def test_agent_token_without_a_node_writes_nothing(
     await _refused(agent.create(group_path(LEASES, "leases", NS), lease), "has no node identity")
 
 
+async def test_another_member_of_the_agents_group_writes_nothing(
+    kube: Kube, agents: dict[str, Kube], nodes: Nodes, namespace: str
+) -> None:
+    """The group instaslice:nodeagents carries the agent's RBAC; a member whose name is not
+    system:instaslice:node:<node> has no node, and the policies match the group, so every
+    write is refused (before issue 17 item 11 they matched usernames only: this member wrote
+    every Node's status, every allocation, MigNode and Lease)."""
+    eve = agents["member"]
+    mine = await kube.create(
+        instaslice_path("sliceallocations", namespace), _allocation(namespace, nodes.a)
+    )
+    path = instaslice_path("sliceallocations", namespace, mine["metadata"]["name"])
+    await eve.get(path)  # reading is RBAC's, and allowed
+    no_node = "has no node identity"
+    await _refused(eve.patch(path + "/status", {"status": {"phase": "Ready"}}), no_node)
+    await _refused(eve.patch(path, {"metadata": {"finalizers": None}}), no_node)
+    await _refused(
+        eve.patch(core_path("nodes", name=nodes.a) + "/status",
+                  {"status": {"capacity": {"instaslice.io/mig-1g.10gb": "1"}}}),
+        no_node,
+    )  # fmt: skip
+    mig = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode",
+           "metadata": {"name": nodes.b}}  # fmt: skip
+    await _refused(eve.create(instaslice_path("mignodes"), mig, dryRun="All"), no_node)
+    lease = {"metadata": {"name": nodes.b}, "spec": {"holderIdentity": "eve"}}
+    await _refused(eve.create(group_path(LEASES, "leases", NS), lease, dryRun="All"), no_node)
+    await kube.patch(path, {"metadata": {"finalizers": None}})
+
+
+async def test_agent_changes_nothing_of_its_node_status_but_instaslice_capacity(
+    kube: Kube, agents: dict[str, Kube], nodes: Nodes
+) -> None:
+    """Issue 17 item 11: the Node rule also checks the status fields other than capacity
+    and allocatable (a forged Ready condition, addresses, daemon endpoints) and the labels
+    and annotations a status write can carry."""
+    agent = agents["cert"]
+    status = core_path("nodes", name=nodes.a) + "/status"
+    node = await kube.get(core_path("nodes", name=nodes.a))
+    conditions = [
+        {**c, "status": "False", "reason": "Forged"} if c["type"] == "Ready" else c
+        for c in node["status"].get("conditions", [])
+    ] or [{"type": "Ready", "status": "False", "reason": "Forged"}]
+    for bad in (
+        {"status": {"conditions": conditions}},
+        {"status": {"addresses": [{"type": "InternalIP", "address": "10.66.66.66"}]}},
+        {"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": 1}}}},
+        {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
+        {"metadata": {"annotations": {"x.io/forged": "1"}}},
+    ):
+        await _refused(agent.patch(status, bad), "node agents may change only")
+    mine = {"instaslice.io/mig-1g.10gb": "3"}
+    await agent.patch(status, {"status": {"capacity": mine, "allocatable": mine}})
+
+
 async def test_agent_runs_with_exactly_its_rbac(
     control_plane: ControlPlane, kube: Kube, namespace: str, tmp_path: Path
 ) -> None:
@@ -543,16 +612,30 @@ async def test_pod_policy_holds_in_system_and_opted_out_namespaces(
         core_path("namespaces", name=namespace),
         {"metadata": {"labels": {"instaslice.io/enabled": "false"}}},
     )
-    for ns in ("kube-system", NS, namespace):
-        stolen = _device_pod("team-b", "cvictim")  # another pod's device, other namespace
-        stolen["spec"]["containers"][0]["env"][0]["value"] = "instaslice.io/mig=team-b_cv_main"
-        await _refused(
-            kube.create(core_path("pods", ns), stolen, dryRun="All"),
-            "ValidatingAdmissionPolicy 'instaslice-pods'",
-            "not their own",
-        )
-        # its own device, as InstaSlice wires it, is fine
-        await kube.create(core_path("pods", ns), _device_pod(ns, "cmine"), dryRun="All")
+    # instaslice-system and kube-system are never opted in, whatever their labels say
+    opted = {"metadata": {"labels": {"instaslice.io/enabled": "true"}}}
+    await kube.patch(core_path("namespaces", name=NS), opted)
+    try:
+        for ns in ("kube-system", NS, namespace):
+            stolen = _device_pod("team-b", "cvictim")  # another pod's device, other namespace
+            stolen["spec"]["containers"][0]["env"][0]["value"] = "instaslice.io/mig=team-b_cv_main"
+            await _refused(
+                kube.create(core_path("pods", ns), stolen, dryRun="All"),
+                "ValidatingAdmissionPolicy 'instaslice-pods'",
+                "not their own",
+            )
+            # even its own device, as InstaSlice wires it: InstaSlice's marks only in a
+            # namespace that opted in (issue 17 item 3)
+            bare = _device_pod(ns, "cmine")
+            del bare["spec"]["containers"][0]["env"]
+            for pod in (_device_pod(ns, "cmine"), bare):
+                await _refused(
+                    kube.create(core_path("pods", ns), pod, dryRun="All"),
+                    "may only be created in a namespace that opted in",
+                )
+    finally:
+        off = {"metadata": {"labels": {"instaslice.io/enabled": None}}}
+        await kube.patch(core_path("namespaces", name=NS), off)
 
 
 async def test_node_agent_identity_may_not_ungate_or_reclaim(
@@ -573,6 +656,9 @@ async def test_node_agent_identity_may_not_ungate_or_reclaim(
                       "name": "instaslice:nodeagents"}],
     })  # fmt: skip
     try:
+        enabled = {ENABLED_KEY: "true"}  # InstaSlice's pods exist only in opted-in namespaces
+        await kube.patch(core_path("namespaces", name=namespace),
+                         {"metadata": {"annotations": enabled, "labels": enabled}})  # fmt: skip
         pod = await kube.create(core_path("pods", namespace), _device_pod(namespace, "cmine"))
         path = core_path("pods", namespace, pod["metadata"]["name"])
         bare = _device_pod(namespace, "cbare")  # device-plugin mode: no env names a device,
@@ -606,6 +692,42 @@ async def test_node_agent_identity_may_not_ungate_or_reclaim(
     finally:
         await kube.delete_ignore_missing(group_path(RBAC, "clusterrolebindings", name=role))
         await kube.delete_ignore_missing(group_path(RBAC, "clusterroles", name=role))
+
+
+async def test_namespace_mirror_runs_with_exactly_its_rights(
+    control_plane: ControlPlane, kube: Kube, namespace: str
+) -> None:
+    """Sufficiency of the confined controller identity for the namespace mirror: the real
+    mirror, as the controller ServiceAccount (its RBAC, under instaslice-controller-namespaces),
+    mirrors the annotation both ways; the same identity may not touch another label."""
+    identity = control_plane.user_kubeconfig(CONTROLLER, SA_GROUPS[:2])
+    path = core_path("namespaces", name=namespace)
+    async with await Kube.connect(str(identity)) as controller:
+        psa = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}}
+
+        async def confined() -> bool:  # the controller policies reach the admission chain
+            try:
+                await controller.patch(path, psa, dryRun="All")
+            except ApiError as exc:
+                return "instaslice-controller-namespaces" in exc.message
+            return False
+
+        await eventually(confined, within=30, what="the controller policies enforced")
+        mirror = asyncio.create_task(run_namespace_mirror(controller))
+        try:
+
+            async def label_is(value: str | None) -> bool:
+                got = await kube.get(path)
+                return (got["metadata"].get("labels") or {}).get(ENABLED_KEY) == value
+
+            await kube.patch(path, {"metadata": {"annotations": {ENABLED_KEY: "true"}}})
+            await eventually(lambda: label_is("true"), within=30, what="label mirrored")
+            await kube.patch(path, {"metadata": {"annotations": {ENABLED_KEY: None}}})
+            await eventually(lambda: label_is(None), within=30, what="label removed")
+        finally:
+            mirror.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await mirror
 
 
 # --- 4. pod security of the manifests (static) ---------------------------------------------------

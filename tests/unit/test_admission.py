@@ -28,9 +28,9 @@ from common.profiles import instaslice_resource, nvidia_resource, profile_from_r
 from webhook.admission import (
     AdmissionRequest,
     Allowed,
-    Decision,
     Denied,
     Patched,
+    Verdict,
     pod_slice_requests,
     review,
 )
@@ -107,7 +107,7 @@ def claims() -> Any:
     return lambda: f"c{next(counter):015d}"
 
 
-def decide(pod: Any, s: AdmissionSettings = ENV, **kw: Any) -> Decision:
+def decide(pod: Any, s: AdmissionSettings = ENV, **kw: Any) -> Verdict:
     return review(make_request(pod, **kw), s, new_claim=claims())
 
 

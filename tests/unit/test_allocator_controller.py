@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import pytest
 
+from common.clock import cancel_until_done
 from common.constants import (
     GATE_NAME,
     REASON_PENDING,
@@ -42,7 +43,6 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import AllocatorSettings, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import cancel_until_done
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
@@ -114,35 +114,39 @@ class Leader:
             raise NotLeader("test")
 
 
-def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = None) -> Controller:
-    return Controller(
-        cast(Kube, kube),
-        cast(LeaderElector, elector or Leader()),
-        clock,
-        AllocatorMetrics(),
+def settings(clock: FakeClock, **overrides: Any) -> AllocatorSettings:
+    return AllocatorSettings(
+        namespace="instaslice-system",
+        identity="test",
+        clock=clock,
         pinned_unschedulable_timeout_s=TIMEOUT,
         max_backoff_s=1.0,
+        **overrides,
     )
+
+
+def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = None) -> Controller:
+    """A controller whose Lease informer has synced (renewals count when seen)."""
+    c = Controller(
+        cast(Kube, kube),
+        cast(LeaderElector, elector or Leader()),
+        AllocatorMetrics(),
+        settings(clock),
+    )
+    c.lease_informer.synced.set()
+    return c
 
 
 @asynccontextmanager
 async def leading(c: Controller) -> AsyncIterator[None]:
     """The loops of a leadership term, without informers (events are fed by hand)."""
-    async with asyncio.TaskGroup() as tg:
-        c._tg = tg
-        loops = [
-            asyncio.create_task(c._reconcile_loop()),
-            asyncio.create_task(c._placement_loop()),
-            asyncio.create_task(c._timer_loop()),
-            asyncio.create_task(c._agents_loop()),
-        ]
-        try:
-            yield
-            await settle()
-        finally:
-            await cancel_until_done(loops)
-            for task in list(c._busy.values()):
-                task.cancel()
+    term = asyncio.create_task(c.term(revisit=False))
+    try:
+        await asyncio.sleep(0)  # the term starts (it leads from its first step)
+        yield
+        await settle()
+    finally:
+        await cancel_until_done([term])
 
 
 async def node(c: Controller, name: str = "n1", gpus: int = 1) -> None:
@@ -180,6 +184,7 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
     owner = {"kind": "ReplicaSet", "name": "rs", "uid": "rs-uid", "controller": True}
     pod = make_pod("p", uid="p", owner=owner if owned else None)
     alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = unschedulable(pod)  # still stuck when read
     async with leading(c):
         await node(c)
         await c._on_allocation("ADDED", alloc)
@@ -194,9 +199,29 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
         f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
     )
     assert deleted[0] == alloc_path
-    assert ("/api/v1/namespaces/ns/pods/p" in deleted) is owned
+    # a bare pod too (security: ungated without slices, the kubelet would hand it another's)
+    assert "/api/v1/namespaces/ns/pods/p" in deleted
     assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
     assert c.metrics.count("pinned_unschedulable") == 1
+
+
+async def test_a_pod_bound_meanwhile_is_left_alone_though_the_cache_lags() -> None:
+    """The timer fires on the cached view; a fresh read shows the pod bound: nothing is
+    released or deleted."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    pod = make_pod("p", uid="p")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    bound = unschedulable(pod)
+    bound["spec"]["nodeName"] = "n1"
+    bound["status"] = {"phase": "Running"}
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = bound
+    async with leading(c):
+        await node(c)
+        await c._on_allocation("ADDED", alloc)
+        await c._on_pod("ADDED", unschedulable(pod))
+        await clock.advance(TIMEOUT + 1)
+    assert kube.writes() == []
 
 
 async def test_a_pod_that_gets_bound_in_time_is_left_alone() -> None:
@@ -230,7 +255,7 @@ async def test_orphan_allocation_is_released_only_when_the_pod_is_really_gone() 
     assert kube.writes() == []
     del kube.objects["/api/v1/namespaces/ns/pods/p"]
     async with leading(c):
-        c._touch("p")
+        c.kick("p")
     assert [w[0] for w in kube.writes()] == ["delete"]
     assert kube.writes()[0][2] == {"preconditions": {"uid": alloc["metadata"]["uid"]}}
 
@@ -251,7 +276,7 @@ async def test_allocation_of_a_gone_node_is_finalized_only_when_the_node_is_real
     assert kube.writes() == []
     del kube.objects["/api/v1/nodes/gone"]
     async with leading(c):
-        c._touch("p")
+        c.kick("p")
     patch, delete = kube.writes()
     assert patch[0] == "patch" and patch[1] == path
     test_op, replace_op = patch[2]
@@ -419,7 +444,7 @@ async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
         await settle()
     c.step_down()  # the term ends with the create still in flight
     (held,) = c.state.allocations.values()
-    assert held.assumed and held.pod_uid == "u1"
+    assert c.state.is_assumed(held.key) and held.pod_uid == "u1"
     async with leading(c):  # won back at once
         await c._on_pod("ADDED", second)
         await settle()
@@ -427,7 +452,7 @@ async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
         kube.gate.set()  # the old request lands after all
         await settle()
     (confirmed,) = c.state.allocations.values()
-    assert not confirmed.assumed and confirmed.pod_uid == "u1"
+    assert not c.state.is_assumed(confirmed.key) and confirmed.pod_uid == "u1"
     creates = [w for w in kube.writes("create") if "sliceallocations" in w[1]]
     assert len(creates) == 1
 
@@ -491,8 +516,10 @@ class FlakyController(Controller):
 
 async def test_a_failed_term_hands_the_lease_back_and_stands_again() -> None:
     kube, clock, elector = RecordingKube(), FakeClock(), TermElector()
-    c = FlakyController(cast(Kube, kube), cast(LeaderElector, elector), clock, AllocatorMetrics())
     settings = AllocatorSettings(namespace="sys", identity="a", clock=clock)
+    c = FlakyController(
+        cast(Kube, kube), cast(LeaderElector, elector), AllocatorMetrics(), settings
+    )
     task = asyncio.create_task(run_controller(c, settings))
     await settle()
     assert (c.terms, elector.released, elector.acquired) == (1, 1, 1)
@@ -645,13 +672,8 @@ async def test_a_lease_found_stale_at_startup_is_down_at_the_first_sweep() -> No
     afterwards from when it is seen (clock skew does not matter)."""
     kube, clock = RecordingKube(), FakeClock()
     c = Controller(
-        cast(Kube, kube),
-        cast(LeaderElector, Leader()),
-        clock,
-        AllocatorMetrics(),
-        agent_namespace="instaslice-system",
+        cast(Kube, kube), cast(LeaderElector, Leader()), AllocatorMetrics(), settings(clock)
     )
-    assert c._lease_informer is not None
     now = clock.wall()
     old = (now - dt.timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     fresh = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -659,7 +681,7 @@ async def test_a_lease_found_stale_at_startup_is_down_at_the_first_sweep() -> No
     await node(c, "n2")
     await c._on_lease("ADDED", agent_lease("n1", old))
     await c._on_lease("ADDED", agent_lease("n2", fresh))
-    c._lease_informer.synced.set()
+    c.lease_informer.synced.set()
     async with leading(c):
         await settle()
         assert c.state.agents_down == {"n1"}
@@ -700,3 +722,26 @@ async def test_state_gauges_are_read_from_the_model_when_scraped_and_only_by_the
     assert reg.get_sample_value("instaslice_slices", slices) is None
     c.step_down()
     assert reg.get_sample_value("instaslice_allocator_queue_depth") is None
+
+
+# --- a standby keeps caches, not records -----------------------------------------------------
+
+
+async def test_a_standby_keeps_no_per_pod_records() -> None:
+    """Security issue, item 8: standby replicas grew by about 200 B per pod ever seen (a
+    dirty set and ungate start times) until they led. Now records are made only while
+    leading, and a pod's DELETED event drops whatever a past term left."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    await node(c)
+    pods = [make_pod(f"p{i}", uid=f"u{i}") for i in range(200)]
+    for p in pods:
+        await c._on_pod("ADDED", p)
+    assert len(c.tracks) == 0 and c.work.pending == [] and c.work.active == 0
+    assert len(c.state.pods) == 200  # the cache is warm
+    async with leading(c):
+        await c._on_pod("MODIFIED", pods[0])
+        await settle()
+    assert len(c.tracks) == 1
+    await c._on_pod("DELETED", pods[0])
+    assert len(c.tracks) == 0

@@ -3,7 +3,8 @@
 Covers resource accounting (init containers, sidecars, overhead, bound / pinned / allocated
 pods, terminal pods), occupancy (allocation slices united with unclaimed MigNode instances),
 assume / confirm / forget, the capacity epoch, snapshots with exclusions, gate detection,
-the pin update, queue order and the two trackers. Leaves out everything with I/O (the
+the pin update, queue order and the agents' Lease tracker (the pod records and their
+trackers: tests/unit/test_allocator_track.py). Leaves out everything with I/O (the
 controller, leader election against an API server): tests/integration/test_allocator.py.
 """
 
@@ -24,12 +25,7 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.queue import (
-    AgentLeases,
-    PendingTracker,
-    PlacementQueue,
-    UnschedulableTracker,
-)
+from webhook.allocator.queue import AgentLeases, PlacementQueue
 from webhook.allocator.state import ClusterState
 
 pytestmark = pytest.mark.timeout(10)
@@ -292,7 +288,7 @@ def test_assume_confirm_forget():
     state.upsert_pod(pod)
     body = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)])
     view = state.assume(body)
-    assert view.assumed
+    assert state.is_assumed(view.key)
     snap = state.snapshot().nodes[0]
     assert [o.start for o in snap.gpus[0].occupied] == [0]
     assert snap.cpu_millis_free == 7000  # the pod is promised to n1
@@ -302,7 +298,7 @@ def test_assume_confirm_forget():
     # confirm replaces an assumed record; forget never drops a watched one
     state.assume(body)
     state.confirm(body)
-    assert not state.allocations[view.key].assumed
+    assert not state.is_assumed(view.key)
     state.forget(view.key)
     assert view.key in state.allocations
     state.assume(make_allocation(make_pod("q", uid="q"), "n1", [("main", "1g.10gb", 0, 1, 1)]))
@@ -435,28 +431,3 @@ def test_queue_reprioritised_entry_moves():
     q.push("b", priority=0, created="t2", key="ns/b")
     q.push("b", priority=5, created="t2", key="ns/b")
     assert [q.pop(), q.pop(), q.pop()] == ["b", "a", None]
-
-
-def test_pending_tracker_reports_changes_only():
-    t = PendingTracker()
-    assert t.observe("u", "Full")
-    assert not t.observe("u", "Full")
-    assert t.observe("u", "NodeResources")
-    assert t.counts() == {"NodeResources": 1}
-    t.clear("u")
-    assert t.observe("u", "NodeResources")
-
-
-def test_unschedulable_tracker():
-    t = UnschedulableTracker()
-    t.observe("a", True, now=10.0)
-    t.observe("a", True, now=15.0)  # keeps the first time
-    t.observe("b", True, now=12.0)
-    assert t.next_deadline(5.0) == 15.0
-    assert t.due(14.9, 5.0) == []
-    assert t.due(17.0, 5.0) == ["a", "b"]
-    assert t.due(30.0, 5.0) == []  # handled once
-    assert t.next_deadline(5.0) is None
-    t.observe("a", False, now=31.0)
-    t.observe("a", True, now=32.0)
-    assert t.due(37.0, 5.0) == ["a"]

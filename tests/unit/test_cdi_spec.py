@@ -172,6 +172,33 @@ def test_file_names_round_trip_and_foreign_files_are_ignored(tmp_path: Path) -> 
     assert list(cdi.our_spec_files(tmp_path / "absent")) == []
 
 
+def test_release_of_an_older_allocation_keeps_the_newer_ones_file(tmp_path: Path) -> None:
+    """Issue 17 item 6: a pod re-placed after its slices were released gets a new
+    allocation of the same name (its claim), i.e. the same file name. Removing by the old
+    UID must leave the new allocation's file; removing by its own UID removes it."""
+    old = cdi.build_spec("ns", "c1", {"a": [_slice("MIG-old", 0, 7)]}, {}, uid="uid-old")
+    new = cdi.build_spec("ns", "c1", {"a": [_slice("MIG-new", 0, 9)]}, {}, uid="uid-new")
+    assert old["annotations"] == {"instaslice.io/claim": "ns/c1", "instaslice.io/uid": "uid-old"}
+    cdi.write_spec(tmp_path, "ns", "c1", old)
+    assert cdi.spec_uid(tmp_path, "ns", "c1") == "uid-old"
+    cdi.write_spec(tmp_path, "ns", "c1", new)  # the newer allocation, same name
+    assert not cdi.remove_spec(tmp_path, "ns", "c1", "uid-old")
+    assert json.loads((tmp_path / cdi.spec_file_name("ns", "c1")).read_text()) == new
+    assert cdi.remove_spec(tmp_path, "ns", "c1", "uid-new")
+    assert cdi.spec_uid(tmp_path, "ns", "c1") is None
+    assert not cdi.remove_spec(tmp_path, "ns", "c1", "uid-new")
+
+
+def test_a_file_without_uid_is_removed_by_any_uid(tmp_path: Path) -> None:
+    """Files written before the UID annotation existed (or unreadable ones) go by name."""
+    cdi.write_spec(tmp_path, "ns", "c1", cdi.build_spec("ns", "c1", {"a": []}, {}))
+    assert cdi.spec_uid(tmp_path, "ns", "c1") == ""
+    assert cdi.remove_spec(tmp_path, "ns", "c1", "uid-any")
+    (tmp_path / cdi.spec_file_name("ns", "c2")).write_text("{not json")
+    assert cdi.spec_uid(tmp_path, "ns", "c2") == ""
+    assert cdi.remove_spec(tmp_path, "ns", "c2", "uid-any")
+
+
 def test_load_base_spec_yaml_and_errors(tmp_path: Path) -> None:
     p = tmp_path / "nvidia.yaml"
     p.write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ncontainerEdits:\n  hooks: []\n")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from common.allocation import SliceAllocation
 from common.constants import NODE_LABEL, RELEASE_FINALIZER
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
 from nodeagent.model import Health, Instance, NodeInventory
@@ -19,7 +20,6 @@ from nodeagent.reconcile import (
     Action,
     adopt_from_status,
     after_reboot,
-    alloc_view,
     blocked,
     decide,
     match,
@@ -113,11 +113,52 @@ def inst(gpu_uuid: str, gi: int, pid: int, start: int, size: int, mig: str = "")
     ],
 )
 def test_decide(obj: dict[str, Any], want: Action) -> None:
-    assert decide(alloc_view(obj), None, "b1").action is want
+    assert decide(SliceAllocation.parse(obj), None, "b1").action is want
+
+
+MADE = srec(G0, 9, 0, 1, gi=1)
+
+
+@pytest.mark.parametrize(
+    ("obj", "record", "want"),
+    [
+        # our own Failed is final: a late echo (or a forged status) is answered with Failed
+        (alloc(phase="Creating"), rec("u1", state="failed"), Action.REFAIL),
+        (alloc(phase="Ready"), rec("u1", state="failed"), Action.REFAIL),
+        (alloc(phase="Failed"), rec("u1", state="failed"), Action.NONE),
+        # a failed create whose rollback NVML refused: garbage collection's, not made again
+        (alloc(phase="Creating"), rec("u1", MADE, state="releasing"), Action.NONE),
+        (alloc(phase="Creating", deleting=True), rec("u1", state="failed"), Action.RELEASE),
+        # our own Ready told: a late Creating echo is not news
+        (alloc(phase="Creating"), replace(rec("u1", MADE), announced=True), Action.NONE),
+        # made but not told (a crash before the Ready write): say Ready again
+        (alloc(phase="Creating"), rec("u1", MADE), Action.CREATE),
+        # told, but in an earlier boot: the slices are gone, make them again
+        (
+            alloc(phase="Creating"),
+            replace(rec("u1", MADE), announced=True, boot_id="b0"),
+            Action.CREATE,
+        ),
+    ],
+    ids=[
+        "failed-echo",
+        "failed-forged-ready",
+        "failed-stays",
+        "rollback-pending",
+        "failed-deleted",
+        "ready-echo",
+        "untold",
+        "old-boot",
+    ],
+)
+def test_decide_recognises_our_own_writes(
+    obj: dict[str, Any], record: ClaimRecord, want: Action
+) -> None:
+    assert decide(SliceAllocation.parse(obj), record, "b1").action is want
 
 
 def test_alloc_view_reads_the_wire() -> None:
-    v = alloc_view(alloc(("main", "1g.18gb", G0, 3, 1), ("side", "3g.71gb", G1, 4, 4)))
+    v = SliceAllocation.parse(alloc(("main", "1g.18gb", G0, 3, 1), ("side", "3g.71gb", G1, 4, 4)))
     assert v.key == "ns/c1" and v.node == "n1" and v.has_finalizer and not v.deleting
     assert v.containers() == ["main", "side"]
     assert v.slices[1].start == 4 and v.slices[1].gpu_uuid == G1
@@ -127,7 +168,11 @@ def test_alloc_view_reads_the_wire() -> None:
 
 
 def test_plan_resolves_profile_ids() -> None:
-    out = plan(alloc_view(alloc(("a", "1g.35gb", G0, 6, 2), ("b", "7g.141gb", G1, 0, 8))), INV, {})
+    out = plan(
+        SliceAllocation.parse(alloc(("a", "1g.35gb", G0, 6, 2), ("b", "7g.141gb", G1, 0, 8))),
+        INV,
+        {},
+    )
     assert not isinstance(out, str)
     assert [(s.profile_id, s.gpu_index, s.start, s.size) for s in out] == [
         (15, 0, 6, 2),
@@ -158,7 +203,7 @@ def test_plan_refuses(
     health: dict[int, Health],
     needle: str,
 ) -> None:
-    out = plan(alloc_view(alloc(*slices)), inv, health)
+    out = plan(SliceAllocation.parse(alloc(*slices)), inv, health)
     assert isinstance(out, str) and needle in out
 
 
@@ -213,7 +258,7 @@ def test_merge_plan_keeps_known_ids_of_unchanged_slices() -> None:
 
 
 def test_adopt_from_status_needs_every_uuid_at_its_placement() -> None:
-    a = alloc_view(
+    a = SliceAllocation.parse(
         alloc(
             ("a", "1g.18gb", G0, 3, 1),
             ("b", "1g.18gb", G0, 4, 1),

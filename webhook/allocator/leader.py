@@ -30,13 +30,13 @@ from typing import Any
 
 import structlog
 
+from common.clock import Clock, micro_time
+from common.constants import LEASE_API_VERSION
 from common.kubeapi import ApiError, Kube, Obj, group_path
-from webhook.allocator.clock import Clock, micro_time
 
 log = structlog.get_logger("allocator.leader")
 
 LEASE_NAME = "instaslice-allocator"
-_COORDINATION = "coordination.k8s.io/v1"
 
 
 class NotLeader(Exception):
@@ -73,7 +73,7 @@ class LeaderElector:
         self._kube = kube
         self._s = settings
         self._clock = clock
-        self._path = group_path(_COORDINATION, "leases", settings.namespace, settings.name)
+        self._path = group_path(LEASE_API_VERSION, "leases", settings.namespace, settings.name)
         self._leading = False
         self._last_renew = float("-inf")
         self._observed_rv: str | None = None
@@ -155,7 +155,7 @@ class LeaderElector:
         try:
             if lease is None:
                 body: Obj = {
-                    "apiVersion": _COORDINATION,
+                    "apiVersion": LEASE_API_VERSION,
                     "kind": "Lease",
                     "metadata": {"name": self._s.name, "namespace": self._s.namespace},
                     "spec": {**spec, "leaseTransitions": 0},

@@ -155,6 +155,18 @@ def is_unschedulable(pod: Obj) -> bool:
     return False
 
 
+def stuck_pinned(pod: Obj, uid_: str) -> bool:
+    """`pod` is still the pod `uid_`, ungated by us, not bound, and the scheduler says it
+    cannot place it: what the pinned-unschedulable timeout acts on."""
+    return (
+        uid(pod) == uid_
+        and not has_our_gate(pod)
+        and not bound_node(pod)
+        and not is_deleting(pod)
+        and is_unschedulable(pod)
+    )
+
+
 def controller_ref(pod: Obj) -> Obj | None:
     for ref in pod.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):

@@ -1,19 +1,14 @@
-"""Pure bookkeeping of the allocator loop: the placement queue and three small trackers.
+"""Pure bookkeeping of the allocator loop besides the pod records (webhook.allocator.track):
 
 - `PlacementQueue`: gated pods waiting for a decision, highest `spec.priority` first, then
   oldest `creationTimestamp`, then namespace/name (so the order is total and stable).
-- `PendingTracker`: the last pending reason per pod, so `AllocationPending` is emitted once
-  per reason, not once per retry.
-- `UnschedulableTracker`: since when each pinned pod has been unschedulable, on an injected
-  monotonic clock, so the pinned-unschedulable timeout needs no timer per pod.
-- `AgentLeases`: when each node agent's Lease was last seen renewed, on the same clock, so
-  nodes whose agent stopped can be left out of placement.
+- `AgentLeases`: when each node agent's Lease was last seen renewed, on the injected
+  monotonic clock, so nodes whose agent stopped can be left out of placement.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from dataclasses import dataclass
 
 
@@ -59,61 +54,6 @@ class PlacementQueue:
 
     def __len__(self) -> int:
         return len(self._live)
-
-
-class PendingTracker:
-    """Last pending reason per pod uid; `observe` says whether it changed."""
-
-    def __init__(self) -> None:
-        self._reasons: dict[str, str] = {}
-
-    def observe(self, uid: str, reason: str) -> bool:
-        if self._reasons.get(uid) == reason:
-            return False
-        self._reasons[uid] = reason
-        return True
-
-    def clear(self, uid: str) -> None:
-        self._reasons.pop(uid, None)
-
-    def clear_all(self) -> None:
-        self._reasons.clear()
-
-    def counts(self) -> Counter[str]:
-        return Counter(self._reasons.values())
-
-
-class UnschedulableTracker:
-    """Pinned pods the scheduler cannot place, and since when (monotonic seconds)."""
-
-    def __init__(self) -> None:
-        self._since: dict[str, float] = {}
-        self._handled: set[str] = set()
-
-    def observe(self, uid: str, unschedulable: bool, now: float) -> None:
-        if unschedulable:
-            self._since.setdefault(uid, now)
-        else:
-            self.forget(uid)
-
-    def forget(self, uid: str) -> None:
-        self._since.pop(uid, None)
-        self._handled.discard(uid)
-
-    def due(self, now: float, timeout: float) -> list[str]:
-        """Pods unschedulable for at least `timeout`, not yet handled; marks them handled."""
-        out = sorted(
-            u for u, t in self._since.items() if u not in self._handled and now - t >= timeout
-        )
-        self._handled.update(out)
-        return out
-
-    def next_deadline(self, timeout: float) -> float | None:
-        times = [t + timeout for u, t in self._since.items() if u not in self._handled]
-        return min(times) if times else None
-
-    def __contains__(self, uid: object) -> bool:
-        return uid in self._since
 
 
 class AgentLeases:

@@ -33,207 +33,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
-from common.constants import RELEASE_FINALIZER
-from common.objects import Phase, SliceSpec, allocation_phase, slice_allocation
-from common.placement import Gpu, NodeState, Occupied, Placement, Snapshot, Taint
-from common.quantity import parse_bytes, parse_cpu_millis
+from common.allocation import SliceAllocation
+from common.placement import Gpu, NodeState, Occupied, Snapshot
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
+from webhook.allocator.views import GpuView, NodeView, PodView, gpus_of
 
 Obj = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class PodView:
-    uid: str
-    key: str  # namespace/name
-    namespace: str
-    name: str
-    claim: str | None
-    gates: tuple[str, ...]
-    priority: int
-    created: str
-    terminal: bool
-    deleting: bool
-    bound: str
-    pinned: str | None
-    unschedulable: bool
-    resources: Resources
-    obj: Obj
-
-    @classmethod
-    def of(cls, obj: Obj, *, resources: Resources | None = None) -> PodView:
-        meta = obj.get("metadata", {})
-        return cls(
-            uid=podlib.uid(obj),
-            key=podlib.key(obj),
-            namespace=str(meta.get("namespace", "")),
-            name=str(meta.get("name", "")),
-            claim=podlib.claim(obj),
-            gates=podlib.gates(obj),
-            priority=podlib.priority(obj),
-            created=podlib.created(obj),
-            terminal=podlib.is_terminal(obj),
-            deleting=podlib.is_deleting(obj),
-            bound=podlib.bound_node(obj),
-            pinned=podlib.pinned_node(obj),
-            unschedulable=podlib.is_unschedulable(obj),
-            resources=resources if resources is not None else podlib.pod_resources(obj),
-            obj=obj,
-        )
-
-    @property
-    def node(self) -> str | None:
-        """The node the pod is bound or pinned to, if any."""
-        return self.bound or self.pinned
-
-
-@dataclass(frozen=True, slots=True)
-class SliceView:
-    container: str
-    profile: str
-    gpu_uuid: str
-    start: int
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class AllocView:
-    key: str  # namespace/name
-    namespace: str
-    name: str  # = the pod's claim id
-    pod_uid: str
-    pod_name: str
-    node: str
-    slices: tuple[SliceView, ...]
-    phase: str
-    deleting: bool
-    finalizer: bool
-    assumed: bool
-    obj: Obj
-
-    @classmethod
-    def of(cls, obj: Obj, *, assumed: bool = False) -> AllocView:
-        meta = obj.get("metadata", {})
-        spec = obj.get("spec", {})
-        ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-        return cls(
-            key=f"{ns}/{name}",
-            namespace=ns,
-            name=name,
-            pod_uid=str(spec.get("podUID", "")),
-            pod_name=str(spec.get("podName", "")),
-            node=str(spec.get("nodeName", "")),
-            slices=tuple(
-                SliceView(
-                    str(s.get("container", "")),
-                    str(s.get("profile", "")),
-                    str(s.get("gpuUUID", "")),
-                    int(s.get("start", 0)),
-                    int(s.get("size", 1)),
-                )
-                for s in spec.get("slices") or []
-            ),
-            phase=allocation_phase(obj),
-            deleting=bool(meta.get("deletionTimestamp")),
-            finalizer=RELEASE_FINALIZER in (meta.get("finalizers") or []),
-            assumed=assumed,
-            obj=obj,
-        )
-
-    @property
-    def ready(self) -> bool:
-        return self.phase == Phase.READY.value and not self.deleting
-
-    @property
-    def failed(self) -> bool:
-        return self.phase == Phase.FAILED.value
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    name: str
-    labels: Mapping[str, str]
-    taints: tuple[Taint, ...]
-    unschedulable: bool
-    allocatable: Resources
-
-    @classmethod
-    def of(cls, obj: Obj) -> NodeView:
-        meta, spec = obj.get("metadata", {}), obj.get("spec", {})
-        alloc = obj.get("status", {}).get("allocatable") or {}
-
-        def q(name: str, parse: Any) -> int:
-            try:
-                return int(parse(alloc[name])) if name in alloc else 0
-            except ValueError:
-                return 0
-
-        return cls(
-            name=str(meta.get("name", "")),
-            labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
-            taints=tuple(
-                Taint(str(t.get("key", "")), str(t.get("value") or ""), str(t.get("effect", "")))
-                for t in spec.get("taints") or []
-            ),
-            unschedulable=bool(spec.get("unschedulable")),
-            allocatable=Resources(
-                q("cpu", parse_cpu_millis), q("memory", parse_bytes), q("pods", parse_bytes)
-            ),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class GpuView:
-    index: int
-    uuid: str
-    model: str
-    mig_enabled: bool
-    healthy: bool
-    instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
-
-
-def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
-    out = []
-    for g in mig_node.get("status", {}).get("gpus") or []:
-        mode = g.get("migMode") or {}
-        out.append(
-            GpuView(
-                index=int(g.get("index", 0)),
-                uuid=str(g.get("uuid", "")),
-                model=str(g.get("model", "")),
-                mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
-                healthy=bool(g.get("healthy")),
-                instances=tuple(
-                    (
-                        int(s.get("start", 0)),
-                        int(s.get("size", 1)),
-                        str(s.get("profile", "")),
-                        str(s.get("claim") or ""),
-                    )
-                    for s in g.get("slices") or []
-                ),
-            )
-        )
-    return tuple(sorted(out, key=lambda g: g.index))
 
 
 class ClusterState:
     def __init__(self) -> None:
         self.pods: dict[str, PodView] = {}  # by uid
-        self._pod_by_key: dict[str, str] = {}
         self._pod_by_claim: dict[str, str] = {}  # namespace/claim -> uid
-        self.allocations: dict[str, AllocView] = {}  # by namespace/name
+        self.allocations: dict[str, SliceAllocation] = {}  # by namespace/name
+        self._assumed: set[str] = set()  # keys of allocations decided but not yet created
         self._allocs_by_pod: dict[str, set[str]] = {}
         self._allocs_by_node: dict[str, set[str]] = {}
         self.nodes: dict[str, NodeView] = {}
         self.gpus: dict[str, tuple[GpuView, ...]] = {}  # MigNode status, by node
         self._live_claims: Counter[str] = Counter()
-        self._deleted: set[str] = set()  # uids of allocations this replica deleted
         self._charges: dict[str, tuple[str, Resources]] = {}
         self._usage: dict[str, Resources] = {}
         self._node_cache: dict[str, NodeState] = {}
@@ -255,7 +77,6 @@ class ClusterState:
         if old is not None:
             self._unindex_pod(old)
         self.pods[view.uid] = view
-        self._pod_by_key[view.key] = view.uid
         if view.claim:
             self._pod_by_claim[f"{view.namespace}/{view.claim}"] = view.uid
         self._recharge(view.uid)
@@ -270,8 +91,6 @@ class ClusterState:
         return view
 
     def _unindex_pod(self, view: PodView) -> None:
-        if self._pod_by_key.get(view.key) == view.uid:
-            del self._pod_by_key[view.key]
         claim_key = f"{view.namespace}/{view.claim}"
         if view.claim and self._pod_by_claim.get(claim_key) == view.uid:
             del self._pod_by_claim[claim_key]
@@ -280,74 +99,66 @@ class ClusterState:
         uid = self._pod_by_claim.get(f"{namespace}/{claim}")
         return self.pods.get(uid) if uid else None
 
-    def pod_by_key(self, key: str) -> PodView | None:
-        uid = self._pod_by_key.get(key)
-        return self.pods.get(uid) if uid else None
-
     # --- allocations --------------------------------------------------------------------
 
-    def upsert_allocation(self, obj: Obj) -> AllocView:
+    def upsert_allocation(self, obj: Obj) -> SliceAllocation:
         """A watched allocation (replaces an assumed one of the same name)."""
-        view = AllocView.of(obj)
-        if not view.deleting and _uid(view) in self._deleted:
-            view = dataclasses.replace(view, deleting=True)  # an event older than our DELETE
-        return self._put_alloc(view)
+        return self._put_alloc(SliceAllocation.parse(obj), assumed=False)
 
-    def assume(self, obj: Obj) -> AllocView:
+    def assume(self, obj: Obj) -> SliceAllocation:
         """Record a decision before its create is sent, so the next decision sees it."""
-        return self._put_alloc(AllocView.of(obj, assumed=True))
+        return self._put_alloc(SliceAllocation.parse(obj), assumed=True)
+
+    def is_assumed(self, key: str) -> bool:
+        return key in self._assumed
 
     def confirm(self, obj: Obj) -> None:
         """The create succeeded: hold the written object unless the watch was faster."""
-        view = AllocView.of(obj)
-        current = self.allocations.get(view.key)
-        if current is not None and current.assumed:
-            self._put_alloc(view)
+        view = SliceAllocation.parse(obj)
+        if view.key in self._assumed:
+            self._put_alloc(view, assumed=False)
 
     def forget(self, key: str) -> None:
         """The create failed: drop the assumed allocation (a watched one is kept)."""
-        current = self.allocations.get(key)
-        if current is not None and current.assumed:
+        if key in self._assumed:
             self._drop_alloc(key)
 
     def drop_assumed(self, keep: Collection[str] = ()) -> None:
         """Forget assumed allocations, except `keep` (creates whose outcome is not known)."""
-        for k in [k for k, a in self.allocations.items() if a.assumed and k not in keep]:
+        for k in [k for k in self._assumed if k not in keep]:
             self._drop_alloc(k)
 
-    def mark_deleting(self, alloc: AllocView) -> None:
-        """Our DELETE of `alloc` went through: from now on that object counts as being
-        deleted, whatever older watch events still say, so nothing is pinned to it (a Ready
-        status that landed just before the DELETE would otherwise be trusted)."""
-        uid = _uid(alloc)
+    def mark_deleting(self, alloc: SliceAllocation) -> None:
+        """Our DELETE of `alloc` went through: count it as being deleted now, before the
+        watch says so. (That no older watch event is trusted again is the pod record's
+        job: `PodTrack.released`.)"""
         current = self.allocations.get(alloc.key)
-        if not uid or current is None or _uid(current) != uid:
-            return
-        self._deleted.add(uid)
-        if not current.deleting:
-            self._put_alloc(dataclasses.replace(current, deleting=True))
+        if alloc.uid and current is not None and current.uid == alloc.uid and not current.deleting:
+            self._put_alloc(dataclasses.replace(current, deleting=True), assumed=False)
 
-    def remove_allocation(self, obj: Obj) -> AllocView | None:
-        view = AllocView.of(obj)
-        if view.key not in self.allocations:
+    def remove_allocation(self, obj: Obj) -> SliceAllocation | None:
+        key = SliceAllocation.parse(obj).key
+        if key not in self.allocations:
             return None
-        return self._drop_alloc(view.key)
+        return self._drop_alloc(key)
 
-    def allocations_of(self, pod_uid: str) -> list[AllocView]:
+    def allocations_of(self, pod_uid: str) -> list[SliceAllocation]:
         return [self.allocations[k] for k in sorted(self._allocs_by_pod.get(pod_uid, ()))]
 
-    def allocations_on(self, node: str) -> list[AllocView]:
+    def allocations_on(self, node: str) -> list[SliceAllocation]:
         return [self.allocations[k] for k in sorted(self._allocs_by_node.get(node, ()))]
 
-    def _put_alloc(self, view: AllocView) -> AllocView:
+    def _put_alloc(self, view: SliceAllocation, *, assumed: bool) -> SliceAllocation:
         old = self.allocations.get(view.key)
         if old is not None:
             self._unindex(old)
         self.allocations[view.key] = view
+        if assumed:
+            self._assumed.add(view.key)
         self._allocs_by_pod.setdefault(view.pod_uid, set()).add(view.key)
         self._allocs_by_node.setdefault(view.node, set()).add(view.key)
         self._live_claims[view.name] += 1
-        if not view.assumed:
+        if not assumed:
             self.slice_counts.update((s.profile, view.node, s.gpu_uuid) for s in view.slices)
         self._dirty.add(view.node)
         self._recharge(view.pod_uid)
@@ -355,15 +166,14 @@ class ClusterState:
             self._recharge(old.pod_uid)
         return view
 
-    def _drop_alloc(self, key: str) -> AllocView:
+    def _drop_alloc(self, key: str) -> SliceAllocation:
         view = self.allocations.pop(key)
-        self._deleted.discard(_uid(view))
         self._unindex(view)
         self._recharge(view.pod_uid)
         self.epoch += 1
         return view
 
-    def _unindex(self, view: AllocView) -> None:
+    def _unindex(self, view: SliceAllocation) -> None:
         keys = self._allocs_by_pod.get(view.pod_uid)
         if keys is not None:
             keys.discard(view.key)
@@ -377,7 +187,9 @@ class ClusterState:
         self._live_claims[view.name] -= 1
         if self._live_claims[view.name] <= 0:
             del self._live_claims[view.name]
-        if not view.assumed:
+        if view.key in self._assumed:
+            self._assumed.discard(view.key)
+        else:
             self.slice_counts.subtract((s.profile, view.node, s.gpu_uuid) for s in view.slices)
             self.slice_counts += Counter()  # drop zero counts
         self._dirty.add(view.node)
@@ -387,31 +199,28 @@ class ClusterState:
     def upsert_node(self, obj: Obj) -> bool:
         """Returns True when something placement looks at changed."""
         view = NodeView.of(obj)
-        if self.nodes.get(view.name) == view:
-            return False
-        self.nodes[view.name] = view
-        self._dirty.add(view.name)
-        self.epoch += 1
-        return True
+        return self._put(self.nodes, view.name, view)
 
     def remove_node(self, obj: Obj) -> None:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        if self.nodes.pop(name, None) is not None:
-            self._dirty.add(name)
+        self._pop(self.nodes, _name(obj))
 
     def upsert_mig_node(self, obj: Obj) -> bool:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        gpus = gpus_of(obj)
-        if self.gpus.get(name) == gpus:
+        return self._put(self.gpus, _name(obj), gpus_of(obj))
+
+    def remove_mig_node(self, obj: Obj) -> None:
+        self._pop(self.gpus, _name(obj))
+
+    def _put(self, table: dict[str, Any], name: str, value: object) -> bool:
+        """Store a node's view; a change is capacity that may have grown (epoch)."""
+        if table.get(name) == value:
             return False
-        self.gpus[name] = gpus
+        table[name] = value
         self._dirty.add(name)
         self.epoch += 1
         return True
 
-    def remove_mig_node(self, obj: Obj) -> None:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        if self.gpus.pop(name, None) is not None:
+    def _pop(self, table: dict[str, Any], name: str) -> None:
+        if table.pop(name, None) is not None:
             self._dirty.add(name)
 
     def set_agent_down(self, node: str, down: bool) -> bool:
@@ -565,44 +374,6 @@ class ClusterState:
             nodes.append(state)
         return Snapshot(nodes=tuple(nodes))
 
-    def allocation_for(self, pod: PodView, placement: Placement) -> Obj:
-        """The SliceAllocation to create for `placement` (GPU indexes become UUIDs)."""
-        slices: list[SliceSpec] = []
-        for s in placement.slices:
-            gpu = self.gpu(placement.node, s.gpu_index)
-            assert gpu is not None, "placement named a GPU outside the snapshot"
-            slices.append(
-                {
-                    "container": s.container,
-                    "profile": s.profile,
-                    "gpuUUID": gpu.uuid,
-                    "gpuIndex": s.gpu_index,
-                    "start": s.start,
-                    "size": s.size,
-                }
-            )
-        assert pod.claim is not None
-        body = slice_allocation(
-            namespace=pod.namespace,
-            claim=pod.claim,
-            pod=pod.obj,
-            node=placement.node,
-            slices=slices,
-        )
-        body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
-        return body
 
-
-SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
-
-
-def summary(placement: Placement) -> str:
-    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
-    parts = [
-        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
-    ]
-    return ", ".join(parts)
-
-
-def _uid(alloc: AllocView) -> str:
-    return str(alloc.obj.get("metadata", {}).get("uid") or "")
+def _name(obj: Obj) -> str:
+    return str(obj.get("metadata", {}).get("name", ""))

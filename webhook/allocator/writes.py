@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+from common.allocation import SliceAllocation, drop_release_finalizer
+from common.clock import Clock
 from common.constants import RELEASE_FINALIZER, SLICE_ALLOCATION_PLURAL
 from common.events import pod_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, instaslice_path
 from webhook.allocator import pods as podlib
-from webhook.allocator.clock import Clock
 from webhook.allocator.leader import LeaderElector
-from webhook.allocator.state import AllocView
 
 COMPONENT = "instaslice-allocator"
 _PIN_ATTEMPTS = 5
@@ -36,30 +36,30 @@ class Writes:
         namespace = body["metadata"]["namespace"]
         return await self.kube.create(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace), body)
 
-    async def pin(self, pod: Obj, node: str) -> bool:
-        """Pin `pod` to `node` and lift our gate in one PUT. False when there is nothing to
-        do any more (the pod is gone, replaced, or already ungated)."""
+    async def pin(self, pod: Obj, node: str) -> Obj | None:
+        """Pin `pod` to `node` and lift our gate in one PUT; the pod as written (its
+        resourceVersion identifies the echo). None when there is nothing to do any more (the
+        pod is gone, replaced, or already ungated)."""
         meta = pod["metadata"]
         path = core_path("pods", meta["namespace"], meta["name"])
         uid, current = podlib.uid(pod), pod
         for _ in range(_PIN_ATTEMPTS):
             if podlib.uid(current) != uid or not podlib.has_our_gate(current):
-                return False
+                return None
             self.elector.check()
             try:
-                await self.kube.replace(path, podlib.pin(current, node))
-                return True
+                return await self.kube.replace(path, podlib.pin(current, node))
             except ApiError as exc:
                 if exc.not_found:
-                    return False
+                    return None
                 if not exc.conflict:
                     raise
             current = await self.kube.get(path)
         raise ApiError(409, "Conflict", f"pod {meta['name']} kept changing while being pinned")
 
-    async def delete_allocation(self, alloc: AllocView) -> None:
+    async def delete_allocation(self, alloc: SliceAllocation) -> None:
         self.elector.check()
-        uid = alloc.obj.get("metadata", {}).get("uid")
+        uid = alloc.uid
         try:
             await self.kube.delete(
                 instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name),
@@ -69,7 +69,7 @@ class Writes:
             if not (exc.not_found or exc.conflict):  # gone, or already another object
                 raise
 
-    async def pod_alive(self, alloc: AllocView) -> bool:
+    async def pod_alive(self, alloc: SliceAllocation) -> bool:
         """Whether the allocation's pod exists (same UID) and has not finished."""
         try:
             pod = await self.kube.get(core_path("pods", alloc.namespace, alloc.pod_name))
@@ -78,6 +78,11 @@ class Writes:
                 return False
             raise
         return podlib.uid(pod) == alloc.pod_uid and not podlib.is_terminal(pod)
+
+    async def read_pod(self, pod: Obj) -> Obj | None:
+        """The pod as the API server has it now; None when it is gone."""
+        meta = pod["metadata"]
+        return await self._read(core_path("pods", meta["namespace"], meta["name"]))
 
     async def node_exists(self, node: str) -> bool:
         try:
@@ -96,7 +101,7 @@ class Writes:
                 return None
             raise
 
-    async def drop_finalizer(self, alloc: AllocView) -> Obj | None:
+    async def drop_finalizer(self, alloc: SliceAllocation) -> Obj | None:
         """Remove the release finalizer (nothing is left to destroy); returns the object as
         it was read, or None when it is already gone."""
         path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
@@ -106,11 +111,13 @@ class Writes:
         finalizers = current.get("metadata", {}).get("finalizers") or []
         if RELEASE_FINALIZER in finalizers:
             self.elector.check()
-            test = {"op": "test", "path": "/metadata/finalizers", "value": finalizers}
-            await self.kube.patch(path, _without_ours(test, finalizers), kind="json")
+            patch = drop_release_finalizer(
+                finalizers, test_path="/metadata/finalizers", test_value=finalizers
+            )
+            await self.kube.patch(path, patch, kind="json")
         return current
 
-    async def drop_finalizer_if_untouched(self, alloc: AllocView) -> bool:
+    async def drop_finalizer_if_untouched(self, alloc: SliceAllocation) -> bool:
         """Remove the release finalizer of an allocation its node agent never acted on: no
         status at all (the agent writes `Creating` before it makes anything). The patch
         `test`s the resourceVersion read, so a status written since makes it fail and the
@@ -121,15 +128,17 @@ class Writes:
         if current is None:
             return False
         meta = current.get("metadata", {})
-        if current.get("status") or meta.get("uid") != alloc.obj.get("metadata", {}).get("uid"):
+        if current.get("status") or meta.get("uid") != alloc.uid:
             return False  # the agent got to it after all, or it is another object now
         finalizers = meta.get("finalizers") or []
         if RELEASE_FINALIZER not in finalizers:
             return True
         self.elector.check()
-        test = {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}
+        patch = drop_release_finalizer(
+            finalizers, test_path="/metadata/resourceVersion", test_value=meta["resourceVersion"]
+        )
         try:
-            await self.kube.patch(path, _without_ours(test, finalizers), kind="json")
+            await self.kube.patch(path, patch, kind="json")
         except ApiError as exc:
             if exc.not_found or exc.status in (409, 422):  # gone, or changed since the read
                 return False
@@ -160,9 +169,3 @@ class Writes:
         await pod_event(
             self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
         )
-
-
-def _without_ours(test: Obj, finalizers: list[str]) -> list[Obj]:
-    """A JSON patch: the precondition `test`, then the finalizers without the release one."""
-    rest = [f for f in finalizers if f != RELEASE_FINALIZER]
-    return [test, {"op": "replace", "path": "/metadata/finalizers", "value": rest}]

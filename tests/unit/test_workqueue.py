@@ -1,4 +1,4 @@
-"""KeyedQueue (nodeagent.workqueue): one worker per key, coalesced kicks, retries with a
+"""KeyedQueue (common.workqueue): one worker per key, coalesced kicks, retries with a
 delay that a kick cuts short, crash isolation, kicks before start and after shutdown."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from nodeagent import workqueue
-from nodeagent.workqueue import KeyedQueue
+from common import workqueue
+from common.workqueue import KeyedQueue
 
 
 async def test_serializes_per_key_and_coalesces_kicks() -> None:

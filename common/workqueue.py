@@ -3,17 +3,22 @@
 `kick(key)` makes sure `worker(key)` runs again after the latest kick; kicks that arrive
 while the worker runs coalesce into one more pass. The worker returns None when done or a
 delay in seconds to be retried after (a kick wakes it earlier). Worker tasks live in the
-TaskGroup given to `start`, so they end with the agent; kicks before `start` are kept.
+TaskGroup given to `start`, so they end with it; kicks before `start` are kept, and
+`stop` forgets the group (the allocator's term ended: its workers were cancelled with it).
 A worker that raises is logged and retried after CRASH_RETRY_S; it never kills the group.
+Retry delays run on the injected clock (common.clock), so tests advance them by hand.
+
+Used by the node agent (per allocation), the allocator (per pod) and the namespace mirror.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
+
+from common.clock import Clock, SystemClock, wait_or_sleep
 
 Worker = Callable[[str], Awaitable[float | None]]
 log = structlog.get_logger("workqueue")
@@ -21,9 +26,10 @@ CRASH_RETRY_S = 5.0
 
 
 class KeyedQueue:
-    def __init__(self, worker: Worker, name: str = "queue") -> None:
+    def __init__(self, worker: Worker, name: str = "queue", clock: Clock | None = None) -> None:
         self._worker = worker
         self._name = name
+        self._clock = clock or SystemClock()
         self._tg: asyncio.TaskGroup | None = None
         self._wake: dict[str, asyncio.Event] = {}
         self._pending: list[str] = []
@@ -34,9 +40,18 @@ class KeyedQueue:
         for key in dict.fromkeys(pending):
             self.kick(key)
 
+    def stop(self) -> None:
+        """Forget the task group (its tasks end with it); later kicks wait for `start`."""
+        self._tg = None
+
     @property
     def active(self) -> int:
         return len(self._wake)
+
+    @property
+    def pending(self) -> list[str]:
+        """Keys kicked before `start`, in order (each once)."""
+        return list(dict.fromkeys(self._pending))
 
     def kick(self, key: str) -> None:
         wake = self._wake.get(key)
@@ -72,9 +87,7 @@ class KeyedQueue:
                     log.exception("worker failed", queue=self._name, key=key)
                     delay = CRASH_RETRY_S
                 if delay is not None and not wake.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):  # not wait_for: gh-86296
-                            await wake.wait()
+                    await wait_or_sleep(self._clock, wake, delay)
                     wake.set()  # retry (timed out) or re-run (kicked)
         finally:
             self._forget(key, wake)  # at once, so a kick right after starts a new task

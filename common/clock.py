@@ -1,9 +1,12 @@
-"""The allocator's notion of time, injected (STYLE.md §8).
+"""Time, injected (STYLE.md §8), and the two Kubernetes timestamp formats.
 
-Two clocks matter: a monotonic one for every duration the allocator measures (lease expiry,
+Two clocks matter: a monotonic one for every duration a component measures (lease expiry,
 the pinned-unschedulable timeout, latency metrics) and the wall clock for what goes on the
 wire (Lease `renewTime`, event timestamps). Tests pass a fake whose `sleep` only returns when
 the test advances time, so timeouts are exercised without waiting for them.
+
+On the wire Kubernetes has two formats, written only here: `Time` (RFC 3339 to the second:
+`kube_time`) and `MicroTime` (with microseconds: `micro_time`), both UTC with a `Z`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -68,6 +72,22 @@ async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
         for task in pending:
             task.cancel()
         await asyncio.wait(pending, timeout=1.0)
+
+
+async def stoppable(coro: Coroutine[Any, Any, None], name: str) -> None:
+    """Run `coro` as a task that surely ends when this one is cancelled (gh-86296, as in
+    `cancel_until_done`): a TaskGroup's shutdown would otherwise wait for it forever."""
+    task = asyncio.create_task(coro, name=name)
+    try:
+        await asyncio.wait({task})
+        task.result()
+    finally:
+        await cancel_until_done([task])
+
+
+def kube_time(moment: dt.datetime | None = None) -> str:
+    """Kubernetes Time: RFC 3339 to the second, always UTC (`...Z`); now by default."""
+    return (moment or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def micro_time(moment: dt.datetime) -> str:

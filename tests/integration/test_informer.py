@@ -1,0 +1,98 @@
+"""common.kubeapi.Informer across a watch gap, on the real control plane.
+
+Covers: a re-list after a gap reports an object replaced meanwhile by a same-name object
+with another UID (a StatefulSet pod recreated while the watch was down) as DELETED(old UID)
+then ADDED(new UID) — never as MODIFIED, which would leave every consumer keyed by UID (the
+allocator's node occupancy, the agent's records) holding what the old object held; an object
+merely changed during the gap is still MODIFIED, one removed is DELETED.
+Leaves out: how the consumers use the events (their own tests); the 410 Gone path (the same
+re-list code runs there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from common.kubeapi import Informer, Kube, Obj, core_path
+from hack.cluster import ControlPlane
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="session")
+async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(control_plane.kubeconfig)) as k:
+        yield k
+
+
+def _cm(name: str, value: str) -> Obj:
+    meta = {"name": name, "labels": {"test": "informer"}}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"v": value}}
+
+
+async def _next(events: asyncio.Queue[tuple[str, str, str]]) -> tuple[str, str, str]:
+    return await asyncio.wait_for(events.get(), timeout=10)
+
+
+async def test_a_same_name_object_with_a_new_uid_is_deleted_then_added(
+    kube: Kube, namespace: str
+) -> None:
+    events: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+
+    async def handler(etype: str, obj: Obj) -> None:
+        meta = obj["metadata"]
+        await events.put((etype, meta["name"], meta["uid"]))
+
+    path = core_path("configmaps", namespace)
+    replaced = await kube.create(path, _cm("replaced", "1"))
+    changed = await kube.create(path, _cm("changed", "1"))
+    removed = await kube.create(path, _cm("removed", "1"))
+    informer = Informer(kube, path, handler, label_selector="test=informer", name="test")
+    seen: dict[str, tuple[str, str]] = {}
+
+    # First run: the list delivers all three.
+    run = asyncio.create_task(informer.run())
+    await asyncio.wait_for(informer.synced.wait(), timeout=10)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    while not events.empty():
+        etype, name, uid = events.get_nowait()
+        seen[name] = (etype, uid)
+    assert seen["replaced"] == ("ADDED", replaced["metadata"]["uid"])
+
+    # The gap: replaced (new UID), changed (same UID), removed (gone).
+    await kube.delete(core_path("configmaps", namespace, "replaced"))
+    again = await kube.create(path, _cm("replaced", "2"))
+    assert again["metadata"]["uid"] != replaced["metadata"]["uid"]
+    await kube.patch(core_path("configmaps", namespace, "changed"), {"data": {"v": "2"}})
+    await kube.delete(core_path("configmaps", namespace, "removed"))
+
+    # Reconnect with the cache kept: the re-list reports the gap; a sentinel created after
+    # the reconnect arrives by watch, after everything the re-list reported.
+    run = asyncio.create_task(informer.run())
+    got: list[tuple[str, str, str]] = []
+    try:
+        await asyncio.sleep(0)
+        await kube.create(path, _cm("sentinel", "1"))
+        while not got or got[-1][1] != "sentinel":
+            got.append(await _next(events))
+        got.pop()
+    finally:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for etype, name, uid in got:
+        by_name.setdefault(name, []).append((etype, uid))
+    assert by_name["replaced"] == [
+        ("DELETED", replaced["metadata"]["uid"]),
+        ("ADDED", again["metadata"]["uid"]),
+    ]
+    assert by_name["changed"] == [("MODIFIED", changed["metadata"]["uid"])]
+    assert by_name["removed"] == [("DELETED", removed["metadata"]["uid"])]
+    assert informer.cache[f"{namespace}/replaced"]["metadata"]["uid"] == again["metadata"]["uid"]
+    assert events.empty()

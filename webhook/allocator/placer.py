@@ -1,0 +1,159 @@
+"""The placer: one gated pod at a time, in priority order, snapshot → place → assume.
+
+Decisions are serialized on purpose (STYLE.md §3): each one sees every earlier decision in
+the model (assumed before its create is sent), so two pods are never promised the same
+slots. The placer writes nothing itself: a decision is recorded in the pod's record
+(`PodTrack.create`) and the pod's worker sends the create; a pod that does not fit is
+parked with its reason and told once per reason (`AllocationPending`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from common.allocation import build_allocation
+from common.catalog import Catalog
+from common.constants import GATE_NAME, REASON_PENDING
+from common.objects import SliceSpec
+from common.placement import Pending, Placement, Policy, place
+from common.podspec import SliceRequestError
+from webhook.allocator import pods as podlib
+from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.queue import PlacementQueue
+from webhook.allocator.state import ClusterState
+from webhook.allocator.track import Tracks
+from webhook.allocator.views import PodView
+
+Obj = dict[str, Any]
+log = structlog.get_logger("allocator")
+
+INVALID_REQUEST = "InvalidRequest"
+WRITE_ERROR = "WriteError"
+INTERNAL_ERROR = "InternalError"
+AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
+SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
+
+Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
+
+
+@dataclass(eq=False)
+class Placer:
+    state: ClusterState
+    tracks: Tracks
+    metrics: AllocatorMetrics
+    policy: Policy
+    catalog: Catalog
+    kick: Callable[[str], None]  # the pod's worker carries the decision out
+    tell: Tell
+    queue: PlacementQueue = field(default_factory=PlacementQueue)
+
+    def place_queued(self) -> None:
+        """Decide for one queued pod (the highest first); the loop calls it until empty."""
+        uid = self.queue.pop()
+        if uid is None:
+            return
+        try:
+            self.decide(uid)
+        except Exception:  # a bug met by one pod must not stop the allocator for all
+            log.exception("placement failed; pod parked", pod_uid=uid)
+            pod = self.state.pods.get(uid)
+            if pod is not None:
+                self.park(pod, INTERNAL_ERROR, "placement failed inside the allocator")
+
+    def decide(self, uid: str) -> None:
+        pod = self.state.pods.get(uid)
+        track = self.tracks.get(uid)
+        if track is None or pod is None or pod.gates != (GATE_NAME,) or pod.deleting:
+            return
+        if pod.claim is None or track.create is not None:
+            return
+        if self.state.allocations_of(uid) or f"{pod.namespace}/{pod.claim}" in (
+            self.state.allocations
+        ):
+            return
+        try:
+            request = podlib.pod_request(pod.obj, pod.resources)
+        except SliceRequestError as exc:
+            self.park(pod, INVALID_REQUEST, f"cannot read the pod's slice requests: {exc}")
+            return
+        if not request.slices:
+            return
+        name_label = podlib.uses_name_field(pod.obj)
+        excluded = track.failed_gpus
+        snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
+        result = place(snapshot, request, self.policy, self.catalog)
+        if isinstance(result, Pending) and excluded:
+            # No other GPU will do: trying the one that failed again beats waiting forever.
+            track.failed_gpus = frozenset()
+            snapshot = self.state.snapshot(name_label=name_label)
+            result = place(snapshot, request, self.policy, self.catalog)
+        if isinstance(result, Pending):
+            self.park(pod, *self.pending_reason(result))
+            return
+        body = self.allocation_for(pod, result)
+        self.state.assume(body)
+        track.create = body
+        track.told = None
+        self.kick(uid)
+
+    def pending_reason(self, result: Pending) -> tuple[str, str]:
+        """The placement engine's reason and message, telling which nodes were left out
+        because their agent is down; `NodeAgentDown` when that is every MIG node."""
+        down = self.state.down_agents_placeable()
+        if not down:
+            return result.reason.value, result.message
+        names = ", ".join(down[:5]) + (f" and {len(down) - 5} more" if len(down) > 5 else "")
+        why = f"{len(down)} node(s) whose node agent is not running (Lease not renewed): {names}"
+        if len(down) == len(self.state.node_states()):
+            return AGENT_DOWN, f"every MIG node is left out: {why}"
+        return result.reason.value, f"{result.message}; left out: {why}"
+
+    def park(self, pod: PodView, reason: str, message: str) -> None:
+        """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod
+        when the reason is new."""
+        track = self.tracks.ensure(pod.uid)
+        self.tracks.park(track, pod.generation)
+        self.metrics.outcome("pending")
+        if track.told != reason:
+            track.told = reason
+            log.info("pod pending", pod=pod.key, reason=reason, message=message)
+            self.tell(pod.obj, REASON_PENDING, message)
+
+    def allocation_for(self, pod: PodView, placement: Placement) -> Obj:
+        """The SliceAllocation to create for `placement` (GPU indexes become UUIDs)."""
+        slices: list[SliceSpec] = []
+        for s in placement.slices:
+            gpu = self.state.gpu(placement.node, s.gpu_index)
+            assert gpu is not None, "placement named a GPU outside the snapshot"
+            slices.append(
+                {
+                    "container": s.container,
+                    "profile": s.profile,
+                    "gpuUUID": gpu.uuid,
+                    "gpuIndex": s.gpu_index,
+                    "start": s.start,
+                    "size": s.size,
+                }
+            )
+        assert pod.claim is not None
+        body = build_allocation(
+            namespace=pod.namespace,
+            claim=pod.claim,
+            pod=pod.obj,
+            node=placement.node,
+            slices=slices,
+        )
+        body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
+        return body
+
+
+def summary(placement: Placement) -> str:
+    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
+    parts = [
+        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
+    ]
+    return ", ".join(parts)

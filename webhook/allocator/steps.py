@@ -1,0 +1,194 @@
+"""How each step of `next_step` is carried out: the I/O shell of one pod's record.
+
+`Steps.run(track, step)` executes one step against the API server (through `writes`, every
+write Lease-checked) and records in the pod's record what it did: the create in flight, the
+pin's resourceVersion, the allocations it deleted. Deciding is not done here
+(webhook.allocator.track); neither is retrying (the controller's worker backs off when a
+step raises).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+
+from common.allocation import SliceAllocation
+from common.clock import Clock
+from common.constants import REASON_ALLOCATED, REASON_PINNED_UNSCHEDULABLE
+from common.kubeapi import ApiError, Obj
+from webhook.allocator import pods as podlib
+from webhook.allocator.leader import NotLeader
+from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.placer import SUMMARY_ANNOTATION, WRITE_ERROR, Placer
+from webhook.allocator.state import ClusterState
+from webhook.allocator.track import Act, Create, OnAllocation, Pin, PodTrack, Step, UnstickPod
+from webhook.allocator.views import PodView
+from webhook.allocator.writes import Writes
+
+log = structlog.get_logger("allocator")
+
+EventType_ = Literal["Normal", "Warning"]
+Tell = Callable[[Obj, str, str, EventType_], None]
+
+
+@dataclass(eq=False)
+class Steps:
+    writes: Writes
+    state: ClusterState
+    placer: Placer
+    metrics: AllocatorMetrics
+    clock: Clock
+    timeout_s: float  # pinned_unschedulable_timeout_s, for the message
+    tell: Tell  # an event, in the background
+    after_change: Callable[[], None]  # capacity may have grown (a create failed)
+
+    async def run(self, track: PodTrack, step: Step) -> None:
+        match step:
+            case Create(pod, body):
+                await self.create(track, pod, body)
+            case Pin(pod, alloc):
+                await self.pin(track, pod, alloc)
+            case OnAllocation(Act.RELEASE, alloc, why):
+                await self.release(track, alloc, why)
+            case OnAllocation(Act.RELEASE_ORPHAN, alloc):
+                if not await self.writes.pod_alive(alloc):  # the cache may lag: ask first
+                    await self.release(track, alloc, "its pod is gone")
+            case OnAllocation(Act.RELEASE_FAILED, alloc):
+                await self.release_failed(track, alloc)
+            case OnAllocation(Act.MOVE_OFF, alloc):
+                await self.move_off_down_node(track, alloc)
+            case OnAllocation(Act.FINALIZE, alloc):
+                await self.finalize(alloc)
+            case UnstickPod(pod):
+                await self.unstick(track, pod)
+            case _:
+                raise AssertionError(f"not a write step: {step}")
+
+    # --- create and pin -----------------------------------------------------------------
+
+    async def create(self, track: PodTrack, pod: PodView, body: Obj) -> None:
+        key = f"{pod.namespace}/{body['metadata']['name']}"
+        track.create = None
+        # The write is not a child of this term: a term that ends (Lease lost, then perhaps
+        # won back at once) must not cut a create whose outcome it then could not know, or
+        # the next term could promise the same slots while the request still lands. The
+        # assumed record stays until the write's own outcome settles it (`_created`).
+        write = asyncio.ensure_future(self.writes.create_allocation(body))
+        track.creating, track.creating_key = write, key
+        write.add_done_callback(functools.partial(self._created, key))
+        try:
+            await asyncio.shield(write)
+        except (ApiError, NotLeader) as exc:
+            if isinstance(exc, ApiError) and exc.conflict:
+                return  # it exists (another replica's, or ours before a restart): watch shows it
+            if isinstance(exc, ApiError) and not exc.retryable:
+                self.metrics.outcome("error")
+                log.error("allocation refused", pod=pod.key, error=str(exc))
+                why = f"the SliceAllocation was refused: {exc.message}"
+                self.placer.park(pod, WRITE_ERROR, why)
+                return
+            raise
+        self.metrics.outcome("allocated")
+        annotations = body["metadata"]["annotations"]
+        message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
+        self.tell(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the critical path
+
+    def _created(self, key: str, write: asyncio.Future[Obj]) -> None:
+        """Settle an assumed allocation by its create's outcome, whatever term it is now."""
+        if not write.cancelled() and write.exception() is None:
+            self.state.confirm(write.result())
+            return
+        self.state.forget(key)
+        self.after_change()
+
+    async def pin(self, track: PodTrack, pod: PodView, alloc: SliceAllocation) -> None:
+        written = await self.writes.pin(pod.obj, alloc.node)
+        if written is None:
+            return
+        # gates cannot come back: never pin this pod again
+        track.pinned_rv = str(written.get("metadata", {}).get("resourceVersion") or "?")
+        if track.ungate_start is not None:
+            waited = max(0.0, self.clock.monotonic() - track.ungate_start)
+            self.metrics.time_to_ungate.observe(waited)
+            track.ungate_start = None
+        log.info("pod pinned", pod=pod.key, node=alloc.node, claim=alloc.name)
+
+    # --- releases -----------------------------------------------------------------------
+
+    async def release(self, track: PodTrack, alloc: SliceAllocation, why: str) -> None:
+        log.info("releasing allocation", allocation=alloc.key, why=why)
+        await self.writes.delete_allocation(alloc)
+        if alloc.uid:
+            track.released = track.released | {alloc.uid}
+        self.state.mark_deleting(alloc)
+        self.metrics.outcome("released")
+
+    async def release_failed(self, track: PodTrack, alloc: SliceAllocation) -> None:
+        message = alloc.message or "no message"
+        log.warning("allocation failed", allocation=alloc.key, node=alloc.node, message=message)
+        track.failed_gpus = track.failed_gpus | {(alloc.node, s.gpu_uuid) for s in alloc.slices}
+        self.metrics.outcome("failed")
+        await self.release(track, alloc, f"the node agent failed it: {message}")
+
+    async def move_off_down_node(self, track: PodTrack, alloc: SliceAllocation) -> None:
+        """The node's agent is down and never acted on this allocation, so nothing was made
+        for it: drop the record without the agent, and the pod (still gated: it is pinned
+        only once Ready) is placed again, on a node with a running agent."""
+        if not await self.writes.drop_finalizer_if_untouched(alloc):
+            return  # the agent wrote a status after all (it finishes or releases it), or gone
+        log.warning(
+            "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
+        )
+        await self.release(track, alloc, "its node's agent is down and never acted on it")
+
+    async def finalize(self, alloc: SliceAllocation) -> None:
+        """The node is gone, so nothing is left to destroy: finish the record ourselves."""
+        if await self.writes.node_exists(alloc.node):
+            return  # it exists after all; the node watch will say so
+        current = await self.writes.drop_finalizer(alloc)
+        if current is None:
+            return
+        log.info("finalized allocation of a deleted node", allocation=alloc.key, node=alloc.node)
+        if not current.get("metadata", {}).get("deletionTimestamp"):
+            await self.writes.delete_allocation(SliceAllocation.parse(current))
+        self.metrics.outcome("released")
+
+    # --- pinned but unschedulable -------------------------------------------------------
+
+    async def unstick(self, track: PodTrack, pod: PodView) -> None:
+        """Release the slices of a pinned pod the scheduler cannot place, and delete the pod:
+        its controller, if any, recreates it and it is placed again (docs/allocator.md
+        "Pinned but unschedulable"). A bare pod is deleted too: gates cannot be re-added, and
+        an ungated pod still asking for `instaslice.io/mig-*` without slices would, once
+        scheduled, be handed another pod's slice by the kubelet (device-plugin mode)."""
+        current = await self.writes.read_pod(pod.obj)  # the cache may lag: still stuck?
+        if current is None or not podlib.stuck_pinned(current, pod.uid):
+            log.info("pinned pod no longer unschedulable; left alone", pod=pod.key)
+            return
+        node = pod.node or "its node"
+        cause = _scheduled_message(current)
+        for alloc in self.state.allocations_of(pod.uid):
+            if not alloc.deleting and not self.state.is_assumed(alloc.key):
+                await self.release(track, alloc, "pinned pod stayed unschedulable")
+        self.metrics.outcome("pinned_unschedulable")
+        owner = podlib.controller_ref(pod.obj)
+        waited = f"pinned to {node} but unschedulable for {self.timeout_s:g}s ({cause})"
+        if owner is not None:
+            then = f"its {owner.get('kind', 'controller')} recreates it and it is placed again"
+        else:
+            then = "it has no controller to recreate it: create it again to have it placed"
+        message = f"{waited}; released its slices and deleted it; {then}"
+        await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
+        await self.writes.delete_pod(pod.obj)
+
+
+def _scheduled_message(pod: Obj) -> str:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled":
+            return str(cond.get("message") or cond.get("reason") or "unschedulable")
+    return "unschedulable"

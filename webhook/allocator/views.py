@@ -1,0 +1,133 @@
+"""The allocator's parsed views of the objects it watches: Pods, Nodes and MigNodes' GPUs.
+
+Each watched object is parsed once, when it arrives, into a frozen view holding only what
+the allocator decides on (SliceAllocations use the one model, common.allocation). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.placement import Taint
+from common.quantity import parse_bytes, parse_cpu_millis
+from webhook.allocator import pods as podlib
+from webhook.allocator.pods import Resources
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    uid: str
+    key: str  # namespace/name
+    namespace: str
+    name: str
+    claim: str | None
+    gates: tuple[str, ...]
+    priority: int
+    created: str
+    generation: int
+    terminal: bool
+    deleting: bool
+    bound: str
+    pinned: str | None
+    unschedulable: bool
+    resources: Resources
+    obj: Obj
+
+    @classmethod
+    def of(cls, obj: Obj, *, resources: Resources | None = None) -> PodView:
+        meta = obj.get("metadata", {})
+        return cls(
+            uid=podlib.uid(obj),
+            key=podlib.key(obj),
+            namespace=str(meta.get("namespace", "")),
+            name=str(meta.get("name", "")),
+            claim=podlib.claim(obj),
+            gates=podlib.gates(obj),
+            priority=podlib.priority(obj),
+            created=podlib.created(obj),
+            generation=int(meta.get("generation") or 0),
+            terminal=podlib.is_terminal(obj),
+            deleting=podlib.is_deleting(obj),
+            bound=podlib.bound_node(obj),
+            pinned=podlib.pinned_node(obj),
+            unschedulable=podlib.is_unschedulable(obj),
+            resources=resources if resources is not None else podlib.pod_resources(obj),
+            obj=obj,
+        )
+
+    @property
+    def node(self) -> str | None:
+        """The node the pod is bound or pinned to, if any."""
+        return self.bound or self.pinned
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    labels: Mapping[str, str]
+    taints: tuple[Taint, ...]
+    unschedulable: bool
+    allocatable: Resources
+
+    @classmethod
+    def of(cls, obj: Obj) -> NodeView:
+        meta, spec = obj.get("metadata", {}), obj.get("spec", {})
+        alloc = obj.get("status", {}).get("allocatable") or {}
+
+        def q(name: str, parse: Any) -> int:
+            try:
+                return int(parse(alloc[name])) if name in alloc else 0
+            except ValueError:
+                return 0
+
+        return cls(
+            name=str(meta.get("name", "")),
+            labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
+            taints=tuple(
+                Taint(str(t.get("key", "")), str(t.get("value") or ""), str(t.get("effect", "")))
+                for t in spec.get("taints") or []
+            ),
+            unschedulable=bool(spec.get("unschedulable")),
+            allocatable=Resources(
+                q("cpu", parse_cpu_millis), q("memory", parse_bytes), q("pods", parse_bytes)
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    index: int
+    uuid: str
+    model: str
+    mig_enabled: bool
+    healthy: bool
+    instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+
+
+def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
+    out = []
+    for g in mig_node.get("status", {}).get("gpus") or []:
+        mode = g.get("migMode") or {}
+        out.append(
+            GpuView(
+                index=int(g.get("index", 0)),
+                uuid=str(g.get("uuid", "")),
+                model=str(g.get("model", "")),
+                mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
+                healthy=bool(g.get("healthy")),
+                instances=tuple(
+                    (
+                        int(s.get("start", 0)),
+                        int(s.get("size", 1)),
+                        str(s.get("profile", "")),
+                        str(s.get("claim") or ""),
+                    )
+                    for s in g.get("slices") or []
+                ),
+            )
+        )
+    return tuple(sorted(out, key=lambda g: g.index))
