@@ -13,7 +13,8 @@ a second pod on the same GPU sees only its own; each container of a multi-contai
 only its own; on release the CDI files go and containerd keeps no task (container records
 are the kubelet's GC's, within a minute, not waited for); a pod-level `cdi.k8s.io/*`
 annotation injects nothing; a kubelet restart; a node-agent restart between "Ready" and the
-kubelet's admission.
+kubelet's admission (issue 17 #2); a bare pod whose slice was released never gets another
+pod's prepared slice (issue 17 #1).
 
 Leaves out: NVML (emulated; the device files have no driver behind them), pod networking
 (hostNetwork only), the kubelet's own rejection of a pod admitted before a restarted kubelet
