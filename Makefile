@@ -9,7 +9,7 @@ CLUSTER_SPEC ?= hack/specs/dev.yaml
 CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
 
-.PHONY: help install lint test test-unit test-integration test-e2e kube-bins cluster-up cluster-down \
+.PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins protos cluster-up cluster-down \
         dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos clean
 
 help: ## list targets
@@ -19,7 +19,6 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
-	PY=$(BIN)/python hack/gen-protos.sh
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP) ## create .venv/ with the project (editable) and its dev tools
@@ -35,6 +34,12 @@ kube-bins: install ## build (or verify cached) etcd, kube-*, kubectl, kwok from 
 
 test-unit: install ## pure-logic tests (milliseconds each)
 	$(BIN)/pytest -q tests/unit
+
+test-packaging: install ## the wheel, installed into a fresh virtualenv outside the tree, imports and runs
+	$(BIN)/pytest -q tests/packaging
+
+protos: install ## regenerate the committed kubelet gRPC stubs from third_party/k8s.io/kubelet
+	PY=$(BIN)/python hack/gen-protos.sh
 
 test-integration: install kube-bins ## components against the real local control plane
 	$(BIN)/pytest -q tests/integration
