@@ -38,7 +38,7 @@ AGENT_LEASE_DURATION_S: Final = 40  # its default `leaseDurationSeconds`, renewe
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"
 GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
 
-# Event reasons (CONTRACT.md §4).
+# Event reasons (docs/contract.md §4).
 REASON_ALLOCATED: Final = "SliceAllocated"
 REASON_READY: Final = "SliceReady"
 REASON_RELEASED: Final = "SliceReleased"

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -31,7 +32,7 @@ from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
-from nodeagent.report import capacity, capacity_patch, mig_node_status
+from nodeagent.report import capacity, capacity_patch, mig_node_status, stamped
 from nodeagent.settings import Settings
 from nodeagent.state import NodeState
 from nodeagent.workqueue import KeyedQueue
@@ -58,8 +59,14 @@ class NodeAgent:
         synced: asyncio.Event,
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        node_conditions: Sequence[Obj] = (),
     ) -> None:
         self.node = node
+        # findings about the node itself (e.g. BaseCdiSpecFound), fixed for the process's life;
+        # published on the MigNode, and each False one told once as a Warning event on it
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.node_conditions = stamped(node_conditions, now)
+        self._conditions_told = False
         self.metrics = metrics or AgentMetrics()
         self.kube = kube
         self.gpus = gpus
@@ -177,10 +184,17 @@ class NodeAgent:
             st.foreign,
             version=self.settings.version,
             boot_id=st.boot_id,
+            conditions=self.node_conditions,
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
             self._last_status = status
+            if not self._conditions_told:
+                self._conditions_told = True
+                for c in self.node_conditions:
+                    if c["status"] == "False":
+                        log.warning("node condition", node=self.node, **c)
+                        await writes.mig_node_event(self.kube, self.node, c)
             for g in st.inv.gpus:
                 self.metrics.gpu_healthy.labels(self.node, str(g.index)).set(st.healthy(g.index))
             ours = sum(len(r.slices) for r in st.cp.claims.values())

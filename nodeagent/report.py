@@ -1,15 +1,16 @@
 """What the agent publishes, built as data: MigNode status, Node capacity, allocation status.
 
 Pure functions of the inventory, health, records and foreign instances. The agent compares
-the result with what it last wrote and writes only on change (CONTRACT.md §3).
+the result with what it last wrote and writes only on change (docs/contract.md §3).
 
-Node capacity is the fixed upper bound of CONTRACT.md §3: for each profile, the sum of its
+Node capacity is the fixed upper bound of docs/contract.md §3: for each profile, the sum of its
 maximum instance count over the node's healthy GPUs in MIG mode, never "currently free".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from common.constants import INSTASLICE_MIG_PREFIX
@@ -89,6 +90,7 @@ def mig_node_status(
     *,
     version: str,
     boot_id: str,
+    conditions: Sequence[Obj] = (),
 ) -> Obj:
     claimed = claimed_slices(cp)
     gpus = [
@@ -100,11 +102,46 @@ def mig_node_status(
         )
         for g in inv.gpus
     ]
-    return {
+    out: Obj = {
         "gpuCount": len(gpus),
         "agent": {"version": version, "bootID": boot_id},
         "gpus": gpus,
     }
+    if conditions:
+        out["conditions"] = sorted(conditions, key=lambda c: str(c["type"]))
+    return out
+
+
+# --- MigNode conditions: node-level findings an administrator must act on --------------------
+
+BASE_CDI_SPEC = "BaseCdiSpecFound"
+
+
+def base_spec_condition(found: Path | None, tried: Sequence[Path]) -> Obj:
+    """Where the node's NVIDIA CDI spec came from, or that none of `tried` exists. Without it
+    every slice's CDI spec lacks the driver's libraries and hooks: containers start but CUDA
+    finds no driver. No timestamp here: the agent stamps it once (`stamped`)."""
+    if found is not None:
+        return {
+            "type": BASE_CDI_SPEC,
+            "status": "True",
+            "reason": "Found",
+            "message": f"driver mounts and hooks copied from {found}",
+        }
+    return {
+        "type": BASE_CDI_SPEC,
+        "status": "False",
+        "reason": "BaseCdiSpecNotFound",
+        "message": "no NVIDIA CDI spec at "
+        + ", ".join(str(t) for t in tried)
+        + ": containers get their slices' device nodes but no driver libraries or hooks."
+        " Generate one (nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml), enable"
+        " CDI in the GPU Operator (cdi.enabled=true), or pass --nvidia-cdi-spec",
+    }
+
+
+def stamped(conditions: Sequence[Obj], now: str) -> list[Obj]:
+    return [{**c, "lastTransitionTime": c.get("lastTransitionTime", now)} for c in conditions]
 
 
 def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:

@@ -13,7 +13,15 @@ Binding = Literal["env", "device-plugin"]
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
-DEFAULT_NVIDIA_CDI_SPECS = (Path("/var/run/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.yaml"))
+# Where the node's NVIDIA CDI spec is looked for, in order: what `nvidia-ctk cdi generate` (or
+# the toolkit's nvidia-cdi-refresh service) writes, then what the GPU Operator's toolkit
+# container writes (kind management.nvidia.com/gpu; its common edits are the same driver
+# mounts and hooks). docs/install.md.
+DEFAULT_NVIDIA_CDI_SPECS = (
+    Path("/var/run/cdi/nvidia.yaml"),
+    Path("/etc/cdi/nvidia.yaml"),
+    Path("/var/run/cdi/management.nvidia.com-gpu.yaml"),
+)
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -34,7 +42,8 @@ class Settings:
     lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
-    nvidia_cdi_spec: Path | None = None  # None: the first of DEFAULT_NVIDIA_CDI_SPECS that exists
+    nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists
+    cdi_specs: tuple[Path, ...] = DEFAULT_NVIDIA_CDI_SPECS
     mig_minors: Path = Path("/proc/driver/nvidia-caps/mig-minors")
     proc_devices: Path = Path("/proc/devices")
     boot_id_path: Path = BOOT_ID_PATH

@@ -13,7 +13,7 @@ import datetime as dt
 from typing import Any
 
 from common.constants import NODEAGENT_COMPONENT, RELEASE_FINALIZER
-from common.events import pod_event
+from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import mig_node
 
@@ -159,3 +159,14 @@ async def event(
         component=NODEAGENT_COMPONENT,
         type_="Warning" if warning else "Normal",
     )
+
+
+async def mig_node_event(kube: Kube, node: str, condition: Obj) -> None:
+    """A Warning event on the node's MigNode for a condition that is False (best effort);
+    the event's reason is the condition's."""
+    involved = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "name": node}
+    message = f"{condition['type']}={condition['status']}: {condition['message']}"
+    await object_event(
+        kube, involved, condition["reason"], message,
+        component=NODEAGENT_COMPONENT, type_="Warning",
+    )  # fmt: skip

@@ -25,13 +25,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
-from nodeagent import checkpoint
+from nodeagent import cdi, checkpoint
 from nodeagent.emulator import EmulatedNvml
+from nodeagent.main import find_base_spec
 from nodeagent.reconcile import alloc_view
 from tests.integration.agent_fixtures import (
     AgentProcess,
@@ -664,3 +666,47 @@ async def test_pending_to_ready_latency(
         # 50 ms on an idle machine). A loose bound, not a speed goal (`make bench-latency`):
         # it only catches a create that waits on something other than the watch (a backoff).
         assert max(times) < 2 * create_ms / 1000 + 5
+
+
+async def test_base_cdi_spec_missing_then_found_on_the_mignode(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """No NVIDIA CDI spec on the node: a False `BaseCdiSpecFound` condition on the MigNode and
+    a Warning event about it (not only a log line); with the GPU Operator's
+    management.nvidia.com-gpu.yaml present, the condition is True and names that file."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    tried = (tmp_path / "nvidia.yaml", tmp_path / "management.nvidia.com-gpu.yaml")
+
+    def facts(n: str, driver: str, minors: Any) -> Any:
+        return (cdi.DeviceNumbers.emulated(), *find_base_spec(tried))
+
+    async def condition() -> Obj | None:
+        mn = await mig_node(kube, node.name)
+        conds = (mn or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "BaseCdiSpecFound"), None)
+
+    async with running_agent(settings, cdi_facts_for=facts):
+        cond = await eventually(condition, what="BaseCdiSpecFound condition")
+        assert (cond["status"], cond["reason"]) == ("False", "BaseCdiSpecNotFound")
+        assert all(str(t) in cond["message"] for t in tried)
+        assert cond["lastTransitionTime"]
+
+        async def event() -> Obj | None:
+            got = await kube.list(
+                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
+            )
+            return next((e for e in got["items"] if e["reason"] == "BaseCdiSpecNotFound"), None)
+
+        ev = await eventually(event, what="BaseCdiSpecNotFound event")
+        assert ev["type"] == "Warning" and ev["involvedObject"]["kind"] == "MigNode"
+
+    tried[1].write_text(yaml.safe_dump(cdi.fake_nvidia_spec("580.159.04", [0])))
+    async with running_agent(settings, cdi_facts_for=facts):
+
+        async def found() -> Obj | None:
+            c = await condition()
+            return c if c and c["status"] == "True" else None
+
+        cond = await eventually(found, what="BaseCdiSpecFound=True")
+        assert str(tried[1]) in cond["message"]
