@@ -10,7 +10,7 @@ CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins protos cluster-up cluster-down \
-        dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos clean
+        dev-up dev-down demo uninstall bench-placement bench-agent-leases bench-latency chaos clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -76,6 +76,10 @@ bench-latency: install kube-bins ## time-to-slice and throughput on the local co
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)
+
+uninstall: install ## the checked uninstall of docs/upgrade.md: make uninstall OVERLAY=manifests/overlays/<platform>
+	@test -n "$(OVERLAY)" || { echo "usage: make uninstall OVERLAY=<the kustomize dir you installed>"; exit 2; }
+	$(BIN)/python -m hack.uninstall --overlay "$(OVERLAY)" $(if $(CONTEXT),--context "$(CONTEXT)")
 
 clean: ## remove .dev/ (state, logs, kubeconfig)
 	rm -rf .dev
