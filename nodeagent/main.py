@@ -39,7 +39,7 @@ from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
-from nodeagent.report import base_spec_condition, capacity
+from nodeagent.report import base_spec_condition, capacity, slice_info
 from nodeagent.settings import Settings
 
 log = structlog.get_logger("nodeagent")
@@ -235,6 +235,10 @@ def find_base_spec(candidates: Sequence[Path]) -> tuple[Obj | None, Obj]:
     return None, base_spec_condition(None, candidates)
 
 
+def _slice_info(agent: NodeAgent) -> list[tuple[str, ...]]:
+    return slice_info(agent.node, agent.st.allocs.values())
+
+
 def selector(nodes: Sequence[str]) -> str:
     if len(nodes) == 1:
         return f"{NODE_LABEL}={nodes[0]}"
@@ -340,6 +344,8 @@ async def serve(
                     metrics=metrics,
                 )
 
+            for agent in agents.values():  # read when scraped: the agent's live view
+                metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
                 plugin.attach(lambda: capacity(a.st.inv, a.st.health), lambda: a.st.allocs.values())

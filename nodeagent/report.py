@@ -9,12 +9,19 @@ maximum instance count over the node's healthy GPUs in MIG mode, never "currentl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from common.constants import INSTASLICE_MIG_PREFIX
-from common.objects import GpuStatus, MigProfileStatus, MigSliceStatus, Phase, SliceStatus
+from common.objects import (
+    GpuStatus,
+    MigProfileStatus,
+    MigSliceStatus,
+    Phase,
+    SliceStatus,
+    allocation_phase,
+)
 from common.profiles import ProfileNameError, instaslice_resource
 from nodeagent.checkpoint import Checkpoint
 from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
@@ -243,3 +250,37 @@ def gpu_condition(health: Mapping[int, Health], gpu_indexes: Sequence[int], now:
         return condition("GPUHealthy", True, "Healthy", "", now)
     msg = "; ".join(f"GPU {i}: {h.message}" for i, h in bad)
     return condition("GPUHealthy", False, "GPUUnhealthy", msg, now)
+
+
+# --- the per-slice info series ---------------------------------------------------------------
+
+SLICE_INFO_LABELS = (
+    "namespace", "pod", "container", "node", "gpu_uuid", "mig_uuid", "gi_id", "profile",
+)  # fmt: skip
+
+
+def slice_info(node: str, allocations: Iterable[Obj]) -> list[tuple[str, ...]]:
+    """Label values of `instaslice_slice_info` (value 1), one per slice of a Ready allocation
+    on `node`, in SLICE_INFO_LABELS order: what lets DCGM exporter's per-GPU-instance series
+    (which cannot name a pod for instaslice.io devices) be joined to the pod holding it."""
+    out = []
+    for a in allocations:
+        spec = a.get("spec") or {}
+        if spec.get("nodeName") != node or allocation_phase(a) != Phase.READY.value:
+            continue
+        done = (a.get("status") or {}).get("slices") or []
+        for i, s in enumerate(spec.get("slices") or []):
+            st = done[i] if i < len(done) else {}
+            out.append(
+                (
+                    str(a.get("metadata", {}).get("namespace", "")),
+                    str(spec.get("podName", "")),
+                    str(s.get("container", "")),
+                    node,
+                    str(s.get("gpuUUID", "")),
+                    str(st.get("migUUID", "")),
+                    "" if st.get("giID") is None else str(st["giID"]),
+                    str(s.get("profile", "")),
+                )
+            )
+    return sorted(out)

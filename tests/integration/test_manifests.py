@@ -3,9 +3,12 @@
 For each overlay (manifests/overlays/kubernetes, manifests/overlays/openshift): render it with
 the control plane's own `kubectl kustomize`, install for real what it depends on — the
 third-party CRDs (cert-manager's, OpenShift's SecurityContextConstraints; fetched from their
-Go modules by hack/fetch-crds.sh), InstaSlice's CRDs and the instaslice-system Namespace —
+Go modules by hack/fetch-crds.sh; the Prometheus Operator's for manifests/components/monitoring),
+InstaSlice's CRDs and the instaslice-system Namespace —
 then `kubectl apply --dry-run=server` the whole rendering with strict field validation. Also
-checks skaffold.yaml against skaffold's own JSON schema (fetched the same way).
+checks skaffold.yaml against skaffold's own JSON schema (fetched the same way). Also: the
+binding mode resolves to the same value for the webhook and the node agents in every overlay,
+with and without manifests/components/binding-env; the OpenShift agent's RuntimeClass.
 
 Leaves out: anything that needs a running cert-manager, service-CA operator, OpenShift SCC
 admission or a container engine (the certificate is never issued, the SCC never enforced,
@@ -65,10 +68,13 @@ def fetched() -> Path:
 
 @pytest.fixture(scope="module")
 def third_party_crds(control_plane: ControlPlane, fetched: Path) -> Iterator[list[str]]:
-    """cert-manager's and OpenShift's SCC CRDs, installed for real and Established."""
-    files = sorted((fetched / "cert-manager").glob("*.yaml")) + sorted(
-        (fetched / "openshift").glob("*.yaml")
-    )
+    """cert-manager's, OpenShift's SCC and the Prometheus Operator's CRDs, installed for real
+    and Established."""
+    files = [
+        f
+        for d in ("cert-manager", "openshift", "prometheus-operator")
+        for f in sorted((fetched / d).glob("*.yaml"))
+    ]
     names = [_docs(f.read_text())[0]["metadata"]["name"] for f in files]
     ours = [n for n in names if not _exists(control_plane, "crd", n)]
     args = [a for f in files for a in ("-f", str(f))]
@@ -400,3 +406,26 @@ def test_openshift_agent_runs_with_the_nvidia_runtime_class(
     (rc,) = [d for d in docs if d["kind"] == "RuntimeClass"]
     assert (rc["metadata"]["name"], rc["handler"]) == ("nvidia", "nvidia")
     assert "namespace" not in rc["metadata"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_component_passes_server_side_dry_run(
+    control_plane: ControlPlane,
+    third_party_crds: list[str],
+    instaslice_crds: None,
+    instaslice_namespace: str,
+    tmp_path: Path,
+    overlay: str,
+) -> None:
+    """The PodMonitor and PrometheusRule against the Prometheus Operator's own CRD schemas."""
+    text = _render_with(control_plane, tmp_path, overlay, ("monitoring",))
+    docs = _docs(text)
+    kinds = {d["kind"] for d in docs}
+    assert {"PodMonitor", "PrometheusRule"} <= kinds
+    mon = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
+    proc = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-",
+        stdin=yaml.safe_dump_all(mon), check=False,
+    )  # fmt: skip
+    out = _ok(proc, f"dry-run of the monitoring component ({overlay})")
+    assert out.count("(server dry run)") == 2, out

@@ -1,16 +1,21 @@
 """Finding the node's NVIDIA CDI spec (nodeagent.main.find_base_spec) and the MigNode condition
-that reports it (nodeagent.report). Files in a tmp dir; the integration test
-(test_nodeagent.py) checks the condition and event reach the API server."""
+that reports it (nodeagent.report); the per-slice info series (nodeagent.report.slice_info,
+nodeagent.metrics.SliceInfo). Files in a tmp dir; the integration test (test_nodeagent.py)
+checks the condition and event reach the API server."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent import cdi
 from nodeagent.main import find_base_spec
-from nodeagent.report import mig_node_status
+from nodeagent.metrics import AgentMetrics
+from nodeagent.report import SLICE_INFO_LABELS, mig_node_status, slice_info
 from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
 
 
@@ -56,3 +61,46 @@ def test_mig_node_status_carries_conditions_only_when_given() -> None:
     _, cond = find_base_spec(())
     with_cond = mig_node_status(inv, {}, cp, [], version="v", boot_id="b", conditions=[cond])
     assert with_cond["conditions"] == [cond]
+
+
+# --- instaslice_slice_info ------------------------------------------------------------------
+
+
+def _alloc(node: str, phase: str, mig: str = "MIG-1", gi: int | None = 3) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase, "slices": [{"container": "c", "migUUID": mig}]}
+    if gi is not None:
+        status["slices"][0]["giID"] = gi
+    return {
+        "metadata": {"namespace": "team", "name": "claim-1"},
+        "spec": {"podName": "p", "nodeName": node,
+                 "slices": [{"container": "c", "profile": "1g.18gb+me", "gpuUUID": "GPU-0",
+                             "start": 0, "size": 1}]},
+        "status": status,
+    }  # fmt: skip
+
+
+def test_slice_info_names_the_pod_of_each_ready_slice_on_the_node() -> None:
+    allocs = [_alloc("n1", "Ready"), _alloc("n1", "Creating"), _alloc("n2", "Ready")]
+    assert slice_info("n1", allocs) == [
+        ("team", "p", "c", "n1", "GPU-0", "MIG-1", "3", "1g.18gb+me")
+    ]
+    assert dict(zip(SLICE_INFO_LABELS, slice_info("n1", allocs)[0], strict=True))["gi_id"] == "3"
+
+
+def test_slice_info_is_exported_when_scraped_and_declared_when_empty() -> None:
+    m = AgentMetrics()
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+    }
+    assert "instaslice_slice_info" in families and not families["instaslice_slice_info"].samples
+    allocs = {"u": _alloc("n1", "Ready")}
+    m.slice_info.sources.append(lambda: slice_info("n1", allocs.values()))
+    text = generate_latest(m.registry).decode()
+    (sample,) = next(
+        f for f in text_string_to_metric_families(text) if f.name == "instaslice_slice_info"
+    ).samples
+    assert (
+        sample.value == 1 and sample.labels["pod"] == "p" and sample.labels["mig_uuid"] == "MIG-1"
+    )
+    allocs.clear()  # the slice is released: the series goes with it
+    assert "instaslice_slice_info{" not in generate_latest(m.registry).decode()
