@@ -32,7 +32,16 @@ from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, alloc_view, match, orphans
-from nodeagent.report import capacity, capacity_patch, mig_node_status, stamped
+from nodeagent.report import (
+    CONFLICT_KINDS,
+    capacity,
+    capacity_patch,
+    conflict_condition,
+    conflicts,
+    mig_node_status,
+    stamped,
+    with_condition,
+)
 from nodeagent.settings import Settings
 from nodeagent.state import NodeState
 from nodeagent.workqueue import KeyedQueue
@@ -66,6 +75,8 @@ class NodeAgent:
         # published on the MigNode, and each False one told once as a Warning event on it
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.node_conditions = stamped(node_conditions, now)
+        self._startup_conditions = list(self.node_conditions)
+        self._conflicts_checked: float | None = None
         self._conditions_told = False
         self.metrics = metrics or AgentMetrics()
         self.kube = kube
@@ -189,9 +200,9 @@ class NodeAgent:
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
             self._last_status = status
-            if not self._conditions_told:
+            if not self._conditions_told:  # those known at start; later ones tell themselves
                 self._conditions_told = True
-                for c in self.node_conditions:
+                for c in self._startup_conditions:
                     if c["status"] == "False":
                         log.warning("node condition", node=self.node, **c)
                         await writes.mig_node_event(self.kube, self.node, c)
@@ -270,6 +281,33 @@ class NodeAgent:
         if foreign != st.foreign:
             st.foreign = foreign
             st.publish.set()
+        if self._conflicts_checked is None or (
+            self.clock() - self._conflicts_checked >= self.settings.conflict_check_period_s
+        ):
+            self._conflicts_checked = self.clock()
+            await self.check_conflicts()
+
+    async def check_conflicts(self) -> None:
+        """Another MIG manager on this node (NVIDIA's device plugin, MIG Manager, instances we
+        did not create): the MigNode condition ConflictFree, a Warning event when it turns
+        False, and the conflicts gauge. Checked by the GC pass every conflict_check_period_s
+        (the agent may get, not watch, its Node)."""
+        labels = await writes.node_labels(self.kube, self.node)
+        if labels is None:
+            return
+        found = conflicts(labels, len(self.st.foreign))
+        for kind in CONFLICT_KINDS:
+            self.metrics.conflicts.labels(self.node, kind).set(kind in found)
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        new = conflict_condition(found, now)
+        old = next((c for c in self.node_conditions if c["type"] == new["type"]), None)
+        if old is not None and (old["status"], old["message"]) == (new["status"], new["message"]):
+            return
+        self.node_conditions = with_condition(self.node_conditions, new)
+        self.st.publish.set()
+        if new["status"] == "False":
+            log.warning("another manager on this node's GPUs", node=self.node, **new)
+            await writes.mig_node_event(self.kube, self.node, new)
 
     # ---- health ----------------------------------------------------------------------------------
 

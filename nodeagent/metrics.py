@@ -90,6 +90,13 @@ class AgentMetrics:
             ["node", "gpu"],
             registry=self.registry,
         )
+        self.conflicts = Gauge(
+            "instaslice_nodeagent_conflicts",
+            "1 while something else manages this node's GPUs too, by kind (device_plugin, "
+            "mig_manager, foreign_instances); the MigNode's ConflictFree condition says why.",
+            ["node", "kind"],
+            registry=self.registry,
+        )
         self.slices = Gauge(
             "instaslice_nodeagent_slices",
             "Slices held by InstaSlice records, and foreign instances, on the node.",

@@ -284,3 +284,52 @@ def slice_info(node: str, allocations: Iterable[Obj]) -> list[tuple[str, ...]]:
                 )
             )
     return sorted(out)
+
+
+# --- conflicts: another MIG manager on a node InstaSlice manages -------------------------------
+
+CONFLICT_FREE = "ConflictFree"
+DEPLOY_DEVICE_PLUGIN = "nvidia.com/gpu.deploy.device-plugin"
+DEPLOY_MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
+MIG_CONFIG = "nvidia.com/mig.config"
+# MIG Manager configs that only switch MIG mode (with MIG_PARTED_MODE_CHANGE_ONLY=true, or
+# because they define no instances): compatible with InstaSlice (docs/install.md)
+MODE_ONLY_MIG_CONFIGS = frozenset({"all-enabled", "all-disabled"})
+CONFLICT_KINDS = ("device_plugin", "mig_manager", "foreign_instances")
+
+
+def conflicts(labels: Mapping[str, str], foreign: int) -> dict[str, str]:
+    """`kind -> why` for each thing on this node that competes with InstaSlice for its GPUs:
+    the GPU Operator deploying NVIDIA's device plugin (it would hand the same GPUs out as
+    nvidia.com/* resources), its MIG Manager with a config that creates instances (it would
+    repartition underneath us), and instances InstaSlice did not create."""
+    out = {}
+    if DEPLOY_DEVICE_PLUGIN in labels and labels[DEPLOY_DEVICE_PLUGIN] != "false":
+        out["device_plugin"] = (
+            f"the GPU Operator deploys NVIDIA's device plugin here ({DEPLOY_DEVICE_PLUGIN}="
+            f"{labels[DEPLOY_DEVICE_PLUGIN]}); label the node {DEPLOY_DEVICE_PLUGIN}=false"
+        )
+    config = labels.get(MIG_CONFIG)
+    if (
+        config is not None
+        and config not in MODE_ONLY_MIG_CONFIGS
+        and labels.get(DEPLOY_MIG_MANAGER, "true") != "false"
+    ):
+        out["mig_manager"] = (
+            f"MIG Manager is asked to apply {MIG_CONFIG}={config}, which creates instances; "
+            "use all-enabled with MIG_PARTED_MODE_CHANGE_ONLY=true, or "
+            f"{DEPLOY_MIG_MANAGER}=false"
+        )
+    if foreign:
+        out["foreign_instances"] = (
+            f"{foreign} GPU instance(s) InstaSlice did not create hold memory slots here"
+        )
+    return out
+
+
+def conflict_condition(found: Mapping[str, str], now: str) -> Obj:
+    if not found:
+        return condition(CONFLICT_FREE, True, "NoConflict", "", now)
+    reason = {"device_plugin": "DevicePluginActive", "mig_manager": "MigManagerActive",
+              "foreign_instances": "ForeignInstances"}[next(iter(found))]  # fmt: skip
+    return condition(CONFLICT_FREE, False, reason, "; ".join(found.values()), now)

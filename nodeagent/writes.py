@@ -102,6 +102,17 @@ async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
     return dict(obj.get("status", {}).get("capacity") or {})
 
 
+async def node_labels(kube: Kube, node: str) -> dict[str, str] | None:
+    """The Node's labels; None if the Node does not exist (yet)."""
+    try:
+        obj = await kube.get(core_path("nodes", name=node))
+    except ApiError as exc:
+        if exc.not_found:
+            return None
+        raise
+    return dict(obj.get("metadata", {}).get("labels") or {})
+
+
 async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:
     await kube.patch(core_path("nodes", name=node) + "/status", body)
 

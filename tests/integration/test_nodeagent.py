@@ -710,3 +710,58 @@ async def test_base_cdi_spec_missing_then_found_on_the_mignode(
 
         cond = await eventually(found, what="BaseCdiSpecFound=True")
         assert str(tried[1]) in cond["message"]
+
+
+async def test_gpu_operator_device_plugin_on_a_managed_node_is_a_conflict(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The GPU Operator still deploying NVIDIA's device plugin on a node InstaSlice manages:
+    MigNode condition ConflictFree=False, a DevicePluginActive Warning event, the conflicts
+    gauge at 1; labelling the node off clears it."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    label = {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "true"}}}
+    await kube.patch(core_path("nodes", name=node.name), label)
+    port = free_port()
+    settings = agent_settings(
+        [node], control_plane.kubeconfig, metrics_port=port, conflict_check_period_s=0.0
+    )
+
+    async def conflict_free() -> Obj | None:
+        mn = await mig_node(kube, node.name)
+        conds = (mn or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "ConflictFree"), None)
+
+    async with running_agent(settings):
+
+        async def flagged() -> Obj | None:
+            c = await conflict_free()
+            return c if c and c["status"] == "False" else None
+
+        cond = await eventually(flagged, what="ConflictFree=False")
+        assert cond["reason"] == "DevicePluginActive"
+        assert "nvidia.com/gpu.deploy.device-plugin=false" in cond["message"]
+
+        async def event() -> Obj | None:
+            got = await kube.list(
+                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
+            )
+            return next((e for e in got["items"] if e["reason"] == "DevicePluginActive"), None)
+
+        assert (await eventually(event, what="DevicePluginActive event"))["type"] == "Warning"
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            text = await resp.text()
+        assert (
+            f'instaslice_nodeagent_conflicts{{node="{node.name}",kind="device_plugin"}} 1.0' in text
+        )
+
+        off = {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "false"}}}
+        await kube.patch(core_path("nodes", name=node.name), off)
+
+        async def cleared() -> Obj | None:
+            c = await conflict_free()
+            return c if c and c["status"] == "True" else None
+
+        await eventually(cleared, what="ConflictFree=True")

@@ -15,7 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from nodeagent import cdi
 from nodeagent.main import find_base_spec
 from nodeagent.metrics import AgentMetrics
-from nodeagent.report import SLICE_INFO_LABELS, mig_node_status, slice_info
+from nodeagent.report import (
+    SLICE_INFO_LABELS,
+    conflict_condition,
+    conflicts,
+    mig_node_status,
+    slice_info,
+)
 from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
 
 
@@ -104,3 +110,29 @@ def test_slice_info_is_exported_when_scraped_and_declared_when_empty() -> None:
     )
     allocs.clear()  # the slice is released: the series goes with it
     assert "instaslice_slice_info{" not in generate_latest(m.registry).decode()
+
+
+# --- conflicting managers on the node ---------------------------------------------------------
+
+
+def test_conflicts_from_gpu_operator_labels_and_foreign_instances() -> None:
+    assert conflicts({}, 0) == {}
+    assert conflicts({"nvidia.com/gpu.deploy.device-plugin": "false"}, 0) == {}
+    ok_mig = {"nvidia.com/mig.config": "all-enabled", "nvidia.com/gpu.deploy.mig-manager": "true"}
+    assert conflicts(ok_mig, 0) == {}
+    off = {"nvidia.com/mig.config": "all-1g.10gb", "nvidia.com/gpu.deploy.mig-manager": "false"}
+    assert conflicts(off, 0) == {}
+    found = conflicts(
+        {"nvidia.com/gpu.deploy.device-plugin": "true", "nvidia.com/mig.config": "all-balanced"},
+        2,
+    )
+    assert list(found) == ["device_plugin", "mig_manager", "foreign_instances"]
+    assert "nvidia.com/gpu.deploy.device-plugin=false" in found["device_plugin"]
+    cond = conflict_condition(found, "2026-01-01T00:00:00Z")
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        "ConflictFree",
+        "False",
+        "DevicePluginActive",
+    )
+    assert "2 GPU instance(s)" in cond["message"]
+    assert conflict_condition({}, "t")["status"] == "True"
