@@ -91,26 +91,26 @@ async def patch_mig_node_status(kube: Kube, node: str, status: Obj) -> None:
         await kube.patch(path, {"status": status})
 
 
-async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
-    """The Node's current status.capacity; None if the Node does not exist (yet)."""
+async def get_node(kube: Kube, node: str) -> Obj | None:
+    """The Node object; None if it does not exist (yet)."""
     try:
-        obj = await kube.get(core_path("nodes", name=node))
+        return await kube.get(core_path("nodes", name=node))
     except ApiError as exc:
         if exc.not_found:
             return None
         raise
-    return dict(obj.get("status", {}).get("capacity") or {})
+
+
+async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
+    """The Node's current status.capacity; None if the Node does not exist (yet)."""
+    obj = await get_node(kube, node)
+    return None if obj is None else dict(obj.get("status", {}).get("capacity") or {})
 
 
 async def node_labels(kube: Kube, node: str) -> dict[str, str] | None:
     """The Node's labels; None if the Node does not exist (yet)."""
-    try:
-        obj = await kube.get(core_path("nodes", name=node))
-    except ApiError as exc:
-        if exc.not_found:
-            return None
-        raise
-    return dict(obj.get("metadata", {}).get("labels") or {})
+    obj = await get_node(kube, node)
+    return None if obj is None else dict(obj.get("metadata", {}).get("labels") or {})
 
 
 async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:
