@@ -159,7 +159,11 @@ def test_committed_stubs_are_what_the_vendored_protos_generate(tmp_path: Path) -
 
 
 def _floor(dep: str) -> tuple[int, ...]:
-    (spec,) = [d for d in PYPROJECT["project"]["dependencies"] if re.match(rf"{dep}\b", d)]
+    deps = (
+        PYPROJECT["project"]["dependencies"]
+        + PYPROJECT["project"]["optional-dependencies"]["server"]
+    )
+    (spec,) = [d for d in deps if re.match(rf"{dep}\b", d)]
     m = re.search(r">=\s*([\d.]+)", spec)
     assert m, spec
     return tuple(int(x) for x in m.group(1).split("."))
@@ -175,3 +179,30 @@ def test_dependency_floors_satisfy_the_stubs_version_checks() -> None:
         m = re.search(r"Protobuf Python Version: ([\d.]+)", pb_file.read_text())
         assert m, pb_file
         assert _floor("protobuf") >= tuple(int(x) for x in m.group(1).split("."))
+
+
+# --- the kubectl plugin without the server's dependencies -----------------------------------------
+
+SERVER_ONLY = ("grpc", "pynvml", "prometheus_client", "jsonpatch", "cryptography", "google")
+_PLUGIN_ALONE = f"""
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {SERVER_ONLY!r}:
+            raise ModuleNotFoundError(f"{{name}} is not installed")
+sys.meta_path.insert(0, Absent())
+from common.kubectl_plugin import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kubectl_plugin_needs_only_the_base_dependencies(venv: Path, tmp_path: Path) -> None:
+    """`pip install instaslice` (krew) brings no grpcio, NVML, Prometheus or crypto library,
+    and the plugin runs without them; the images ask for instaslice[server]."""
+    base = {re.split(r"[<>=\[ ]", d)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
+    assert base.isdisjoint({"grpcio", "protobuf", "nvidia-ml-py", "prometheus-client",
+                            "jsonpatch", "cryptography"}), base  # fmt: skip
+    out = _run(venv / "bin" / "python", "-I", "-c", _PLUGIN_ALONE, "--help", cwd=tmp_path)
+    assert "gather" in out
+    for component in ("webhook", "nodeagent"):
+        assert "[server]" in (ROOT / f"Containerfile.{component}").read_text()
