@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.constants import RELEASE_FINALIZER
 from common.kubeapi import Kube, core_path, instaslice_path
@@ -753,9 +754,14 @@ async def test_gpu_operator_device_plugin_on_a_managed_node_is_a_conflict(
             http.get(f"http://127.0.0.1:{port}/metrics") as resp,
         ):
             text = await resp.text()
-        assert (
-            f'instaslice_nodeagent_conflicts{{node="{node.name}",kind="device_plugin"}} 1.0' in text
-        )
+        samples = {
+            (s.labels["node"], s.labels["kind"]): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "instaslice_nodeagent_conflicts"
+            for s in f.samples
+        }
+        assert samples[(node.name, "device_plugin")] == 1
+        assert samples[(node.name, "mig_manager")] == 0
 
         off = {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "false"}}}
         await kube.patch(core_path("nodes", name=node.name), off)

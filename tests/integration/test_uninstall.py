@@ -80,9 +80,7 @@ def test_uninstall_stops_while_slices_are_held_then_removes_everything(
     _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(crds))
     _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=rendered)
-    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice-webhook" in (
-        _ours(cp)
-    )
+    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in (_ours(cp))
 
     # a tenant namespace, a slice held there, a node advertising slices
     _kubectl(cp, "create", "namespace", "team-a")
