@@ -204,7 +204,9 @@ class NodeAgent:
                 self._conditions_told = True
                 for c in self._startup_conditions:
                     if c["status"] == "False":
-                        log.warning("node condition", node=self.node, **c)
+                        log.warning(
+                            "node condition", node=self.node, type=c["type"], reason=c["reason"]
+                        )
                         await writes.mig_node_event(self.kube, self.node, c)
             for g in st.inv.gpus:
                 self.metrics.gpu_healthy.labels(self.node, str(g.index)).set(st.healthy(g.index))
@@ -306,7 +308,7 @@ class NodeAgent:
         self.node_conditions = with_condition(self.node_conditions, new)
         self.st.publish.set()
         if new["status"] == "False":
-            log.warning("another manager on this node's GPUs", node=self.node, **new)
+            log.warning("another manager on this node's GPUs", node=self.node, reason=new["reason"])
             await writes.mig_node_event(self.kube, self.node, new)
 
     # ---- health ----------------------------------------------------------------------------------
