@@ -40,7 +40,7 @@ LEASE_API_VERSION: Final = "coordination.k8s.io/v1"
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"
 GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
 
-# Event reasons (CONTRACT.md §4).
+# Event reasons (docs/contract.md §4).
 REASON_ALLOCATED: Final = "SliceAllocated"
 REASON_READY: Final = "SliceReady"
 REASON_RELEASED: Final = "SliceReleased"

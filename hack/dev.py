@@ -1,7 +1,7 @@
 """`make dev-up` / `make dev-down`: the whole InstaSlice system on the local control plane.
 
 `DevSystem.up()` = control plane (reused when alive) + InstaSlice's CRDs, namespace, RBAC and
-admission policies + KWOK GPU nodes from a cluster spec (CONTRACT.md §5) + emulated GPUs per
+admission policies + KWOK GPU nodes from a cluster spec (docs/contract.md §5) + emulated GPUs per
 node (`<dir>/gpus/`) + the webhook/allocator process (as the instaslice-controller
 ServiceAccount, so its RBAC is the real one) + one emulated node-agent process serving every
 node (CDI dirs `<dir>/nodes/<node>/cdi/`), logs under `<dir>/logs/`. The components run as

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.clock import Clock, SystemClock
+from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, writes
@@ -32,7 +33,16 @@ from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, match, orphans
-from nodeagent.report import capacity, capacity_patch, mig_node_status
+from nodeagent.report import (
+    CONFLICT_KINDS,
+    capacity,
+    capacity_patch,
+    conflict_condition,
+    conflicts,
+    mig_node_status,
+    stamped,
+    with_condition,
+)
 from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
 
@@ -58,8 +68,16 @@ class NodeAgent:
         synced: asyncio.Event,
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
+        node_conditions: Sequence[Obj] = (),
     ) -> None:
         self.node = node
+        # findings about the node itself (e.g. BaseCdiSpecFound), fixed for the process's life;
+        # published on the MigNode, and each False one told once as a Warning event on it
+        now = kube_time()
+        self.node_conditions = stamped(node_conditions, now)
+        self._startup_conditions = list(self.node_conditions)
+        self._conflicts_checked: float | None = None
+        self._conditions_told = False
         self.metrics = metrics or AgentMetrics()
         self.kube = kube
         self.gpus = gpus
@@ -177,10 +195,19 @@ class NodeAgent:
             st.foreign,
             version=self.settings.version,
             boot_id=st.boot_id,
+            conditions=self.node_conditions,
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
             self._last_status = status
+            if not self._conditions_told:  # those known at start; later ones tell themselves
+                self._conditions_told = True
+                for c in self._startup_conditions:
+                    if c["status"] == "False":
+                        log.warning(
+                            "node condition", node=self.node, type=c["type"], reason=c["reason"]
+                        )
+                        await writes.mig_node_event(self.kube, self.node, c)
             for g in st.inv.gpus:
                 self.metrics.gpu_healthy.labels(self.node, str(g.index)).set(st.healthy(g.index))
             ours = sum(len(r.slices) for r in st.cp.claims.values())
@@ -253,6 +280,33 @@ class NodeAgent:
         if foreign != st.foreign:
             st.foreign = foreign
             st.publish.set()
+        now = self.clock.monotonic()
+        period = self.settings.conflict_check_period_s
+        if self._conflicts_checked is None or now - self._conflicts_checked >= period:
+            self._conflicts_checked = now
+            await self.check_conflicts()
+
+    async def check_conflicts(self) -> None:
+        """Another MIG manager on this node (NVIDIA's device plugin, MIG Manager, instances we
+        did not create): the MigNode condition ConflictFree, a Warning event when it turns
+        False, and the conflicts gauge. Checked by the GC pass every conflict_check_period_s
+        (the agent may get, not watch, its Node)."""
+        labels = await writes.node_labels(self.kube, self.node)
+        if labels is None:
+            return
+        found = conflicts(labels, len(self.st.foreign))
+        for kind in CONFLICT_KINDS:
+            self.metrics.conflicts.labels(self.node, kind).set(kind in found)
+        now = kube_time()
+        new = conflict_condition(found, now)
+        old = next((c for c in self.node_conditions if c["type"] == new["type"]), None)
+        if old is not None and (old["status"], old["message"]) == (new["status"], new["message"]):
+            return
+        self.node_conditions = with_condition(self.node_conditions, new)
+        self.st.publish.set()
+        if new["status"] == "False":
+            log.warning("another manager on this node's GPUs", node=self.node, reason=new["reason"])
+            await writes.mig_node_event(self.kube, self.node, new)
 
     async def _gc_cdi(self) -> None:
         """Remove CDI files no allocation owns. A file naming its allocation's UID is kept

@@ -1,4 +1,4 @@
-"""How a container gets the CDI device of its slices (CONTRACT.md §4 "Binding modes").
+"""How a container gets the CDI device of its slices (docs/contract.md §4 "Binding modes").
 
 `env`: the webhook already set the container's `NVIDIA_VISIBLE_DEVICES` to its
 fully-qualified CDI device name at admission, and the NVIDIA Container Toolkit (CDI mode)

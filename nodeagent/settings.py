@@ -13,7 +13,15 @@ Binding = Literal["env", "device-plugin"]
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
-DEFAULT_NVIDIA_CDI_SPECS = (Path("/var/run/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.yaml"))
+# Where the node's NVIDIA CDI spec is looked for, in order: what `nvidia-ctk cdi generate` (or
+# the toolkit's nvidia-cdi-refresh service) writes, then what the GPU Operator's toolkit
+# container writes (kind management.nvidia.com/gpu; its common edits are the same driver
+# mounts and hooks). docs/install.md.
+DEFAULT_NVIDIA_CDI_SPECS = (
+    Path("/var/run/cdi/nvidia.yaml"),
+    Path("/etc/cdi/nvidia.yaml"),
+    Path("/var/run/cdi/management.nvidia.com-gpu.yaml"),
+)
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -31,10 +39,14 @@ class Settings:
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0
+    # how often a GC pass also reads the Node's labels for conflicting managers (one GET per
+    # node: 2000 emulated nodes at 300 s are under 7 requests a second)
+    conflict_check_period_s: float = 300.0
     lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
-    nvidia_cdi_spec: Path | None = None  # None: the first of DEFAULT_NVIDIA_CDI_SPECS that exists
+    nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists
+    cdi_specs: tuple[Path, ...] = DEFAULT_NVIDIA_CDI_SPECS
     mig_minors: Path = Path("/proc/driver/nvidia-caps/mig-minors")
     proc_devices: Path = Path("/proc/devices")
     boot_id_path: Path = BOOT_ID_PATH

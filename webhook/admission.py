@@ -1,4 +1,4 @@
-"""The admission decision (CONTRACT.md §1-2): AdmissionReview in, JSON Patch or denial out.
+"""The admission decision (docs/contract.md §1-2): AdmissionReview in, JSON Patch or denial out.
 
 Pure: no I/O, no clock, no randomness of its own (the claim id generator is passed in), so
 table-driven tests and hypothesis cover it completely and the HTTPS server stays a thin shell.

@@ -15,7 +15,7 @@ from common.catalog import load_catalog
 
 
 class BindingMode(enum.StrEnum):
-    """How a container reaches its CDI device (CONTRACT.md §4)."""
+    """How a container reaches its CDI device (docs/contract.md §4)."""
 
     ENV = "env"  # the webhook sets NVIDIA_VISIBLE_DEVICES to the qualified CDI device name
     DEVICE_PLUGIN = "device-plugin"  # the node agent's device plugin answers Allocate

@@ -2,7 +2,7 @@
 `instaslice.io/mig-<profile>` on a unix socket in the kubelet's device-plugins dir, the
 registration with the kubelet, and the PodResources client.
 
-- Devices: `<profile>-<n>` for n below the fixed upper bound of CONTRACT.md §3 (the same
+- Devices: `<profile>-<n>` for n below the fixed upper bound of docs/contract.md §3 (the same
   number the agent writes into Node capacity); ids above a shrunken bound stay listed as
   Unhealthy, so the kubelet never loses track of an id it handed out.
 - `Allocate` binds the ids to a prepared slice (core.Bindings) and answers with a CDI alias
@@ -191,7 +191,7 @@ class DevicePluginBinding:
     def attach(
         self, capacity: Callable[[], Mapping[str, str]], allocs: Callable[[], Iterable[Obj]]
     ) -> None:
-        """The node agent's capacity (CONTRACT.md §3 upper bound) and SliceAllocations."""
+        """The node agent's capacity (docs/contract.md §3 upper bound) and SliceAllocations."""
         self.capacity, self.allocs = capacity, allocs
 
     # --- Binding protocol -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The pure admission decision (webhook.admission.review) against CONTRACT.md §1-2.
+"""The pure admission decision (webhook.admission.review) against docs/contract.md §1-2.
 
 Covers: every rewrite (resource rename with JSON Pointer escaping, gate, claim, CDI device in
 `env` mode and not in `device-plugin` mode, containers and initContainers), every denial with
