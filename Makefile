@@ -12,8 +12,8 @@ FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins protos \
-        cluster-up cluster-down dev-up dev-down demo uninstall bench-placement bench-agent-leases \
-        bench-latency chaos fuzz clean
+        node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
+        bench-agent-leases bench-latency chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -32,8 +32,16 @@ lint: install ## ruff check + ruff format --check + mypy --strict + import-linte
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-kube-bins: install ## build (or verify cached) etcd, kube-*, kubectl, kwok from Go modules
+kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, then node-bins
 	hack/kube/build.sh
+	hack/kube/build-node.sh
+
+node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get when missing)
+	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ]; then :; else \
+		apt-get install -y runc busybox-static || { apt-get update && apt-get install -y runc busybox-static; }; fi
+
+node-bins: node-deps ## build (or verify cached) kubelet, containerd, ctr, shim, CNI loopback, pause, nvidia-container-runtime
+	hack/kube/build-node.sh
 
 test-unit: install ## pure-logic tests (milliseconds each)
 	$(BIN)/pytest -q tests/unit

@@ -8,8 +8,15 @@ node (CDI dirs `<dir>/nodes/<node>/cdi/`), logs under `<dir>/logs/`. The compone
 local processes, so the MutatingWebhookConfiguration points at `https://127.0.0.1:<port>`
 with a serving certificate from the cluster CA.
 
+A `runtime: containerd` group's node is real (hack/cluster/realnode.py: kubelet + containerd
++ runc on this machine, state under `<dir>/realnode/<node>/`); its emulated GPUs get real
+device files, and its node agent runs as its own process, as in a cluster: CDI dir =
+containerd's `cdi_spec_dirs`, `--binding-mode device-plugin` against that kubelet (`env` on request,
+with NVIDIA's runtime as the node's default runtime).
+
 The same class backs the e2e tests, the demo and the benchmarks (each with its own dir).
-What it does not do: build or run container images (there is no container engine here).
+What it does not do: build container images of InstaSlice (its components run as local
+processes, also for the real node).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -32,9 +40,17 @@ from kubernetes_asyncio import config as k8s_config
 
 from common.kubeapi import harden
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
-from hack.cluster.nodes import ClusterSpec, create_nodes, load_spec, wait_nodes_ready
+from hack.cluster.nodes import (
+    ClusterSpec,
+    NodeGroup,
+    create_nodes,
+    load_spec,
+    wait_nodes_ready,
+)
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
 from nodeagent.emulator import provision
+from nodeagent.settings import Binding
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests" / "base"
@@ -74,6 +90,8 @@ class DevSystem:
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
+    real: RealNode | None = None  # the runtime: containerd group's node
+    real_binding: Binding = "device-plugin"
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -92,7 +110,13 @@ class DevSystem:
         return self.dir / "logs"
 
     def cdi_dir(self, node: str) -> Path:
+        if self.real is not None and node == self.real.name:
+            return self.real.cdi_dir
         return self.dir / "nodes" / node / "cdi"
+
+    @property
+    def kwok_nodes(self) -> list[str]:
+        return [n for n in self.nodes if self.real is None or n != self.real.name]
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -105,13 +129,20 @@ class DevSystem:
         cluster_settings: ClusterSettings | None = None,
         agent_args: Sequence[str] = (),
         webhook_args: Sequence[str] = (),
+        real_binding: Binding = "device-plugin",
     ) -> DevSystem:
+        """Start (or restart the components of) the system of `spec` in `dir`.
+
+        `real_binding` is the real node's binding mode: `device-plugin` (containerd applies
+        the CDI device from the kubelet, runc runs it) or `env` (NVIDIA's runtime, the node's
+        default runtime, resolves the container's NVIDIA_VISIBLE_DEVICES)."""
         dir = dir.absolute()
         dir.mkdir(parents=True, exist_ok=True)
         old = cls.attach(dir)
         if old is not None:
             old.stop_components()
-        cp = ControlPlane.attach(dir / "cluster") or ControlPlane.start(
+        reused = ControlPlane.attach(dir / "cluster")
+        cp = reused or ControlPlane.start(
             dir / "cluster",
             kubeconfig=dir / "kubeconfig",
             logs_dir=dir / "logs",
@@ -128,16 +159,32 @@ class DevSystem:
             free_port(),
             agent_args=tuple(agent_args),
             webhook_args=tuple(webhook_args),
+            real_binding=real_binding,
         )
-        system.install()
-        asyncio.run(_create_nodes(cp.kubeconfig, spec))
-        for group in spec.groups:
-            for name in group.names():
-                provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
-        system.start_webhook(die_with_parent=die_with_parent)
-        system.start_agent(die_with_parent=die_with_parent)
-        system.save()
-        system.wait_ready()
+        try:
+            system.install()
+            asyncio.run(_create_nodes(cp.kubeconfig, spec))
+            for group in spec.groups:
+                for name in group.names():
+                    provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
+            if (real := spec.real_group) is not None:
+                runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
+                system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)
+            system.start_webhook(die_with_parent=die_with_parent)
+            if system.kwok_nodes:
+                system.start_agent(die_with_parent=die_with_parent)
+            if system.real is not None:
+                system.start_real_agent(die_with_parent=die_with_parent)
+            system.save()
+            system.wait_ready()
+        except BaseException:  # what this call started goes (a reused control plane stays)
+            with contextlib.suppress(Exception):
+                system.stop_components()
+                if system.real is not None:
+                    system.real.stop()
+                if reused is None:
+                    system.down()
+            raise
         return system
 
     def install(self) -> None:
@@ -185,13 +232,54 @@ class DevSystem:
         self._spawn("webhook", argv, die_with_parent)
         self._register_webhook()
 
+    def start_real_node(
+        self, group: NodeGroup, *, runtime: Runtime = "runc", die_with_parent: bool = False
+    ) -> None:
+        """(Re)start the real node (kubelet + containerd) of `group`; Ready on return."""
+        self.real = RealNode.start(
+            self.dir / "realnode" / group.names()[0],
+            self.cp,
+            group,
+            runtime=runtime,
+            die_with_parent=die_with_parent,
+        )
+        self.save()
+
+    def start_real_agent(
+        self, *, binding: Binding | None = None, die_with_parent: bool = False
+    ) -> None:
+        """The real node's agent: its own process, as a DaemonSet pod would be."""
+        assert self.real is not None
+        self.real_binding = binding or self.real_binding
+        argv = [
+            _bin("instaslice-nodeagent"),
+            f"--kubeconfig={self.kubeconfig}",
+            "--emulate",
+            f"--emu-state={self.gpu_state}",
+            f"--node={self.real.name}",
+            f"--cdi-dir={self.real.cdi_dir}",
+            f"--dev-root={self.real.dev_root}",
+            f"--binding-mode={self.real_binding}",
+            f"--kubelet-dir={DEVICE_PLUGIN_DIR}",
+            f"--pod-resources-socket={self.real.pod_resources_socket}",
+            f"--namespace={NAMESPACE}",
+            *self.agent_args,
+        ]
+        self._spawn(self.real_agent, argv, die_with_parent)
+
+    @property
+    def real_agent(self) -> str:
+        """The process name of the real node's agent."""
+        assert self.real is not None
+        return f"nodeagent-{self.real.name}"
+
     def start_agent(self, *, die_with_parent: bool = False) -> None:
         argv = [
             _bin("instaslice-nodeagent"),
             f"--kubeconfig={self.kubeconfig}",
             "--emulate",
             f"--emu-state={self.gpu_state}",
-            f"--nodes={','.join(self.nodes)}",
+            f"--nodes={','.join(self.kwok_nodes)}",
             f"--cdi-root={self.dir / 'nodes'}",
             f"--namespace={NAMESPACE}",
             f"--metrics-port={self.agent_metrics_port}",
@@ -236,6 +324,8 @@ class DevSystem:
 
     def down(self) -> None:
         self.stop_components()
+        if self.real is not None:
+            self.real.stop()
         self.cp.stop()
         (self.dir / _STATE).unlink(missing_ok=True)
 
@@ -286,6 +376,8 @@ class DevSystem:
             "processes": {k: v.to_json() for k, v in self.processes.items()},
             "agent_args": list(self.agent_args),
             "webhook_args": list(self.webhook_args),
+            "real": None if self.real is None else str(self.real.root),
+            "real_binding": self.real_binding,
         }
         (self.dir / _STATE).write_text(json.dumps(state, indent=1))
 
@@ -309,6 +401,8 @@ class DevSystem:
             {k: ProcessRecord.from_json(v) for k, v in st["processes"].items()},
             tuple(st.get("agent_args", ())),
             tuple(st.get("webhook_args", ())),
+            RealNode.attach(Path(st["real"])) if st.get("real") else None,
+            st.get("real_binding", "device-plugin"),
         )
 
 
@@ -349,14 +443,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if system is None:
             print("not running")
             return 1
-        for name, rec in system.processes.items():
+        node_procs = list(system.real.processes.items()) if system.real is not None else []
+        for name, rec in [*system.processes.items(), *node_procs]:
             print(
                 f"  {name:<10} pid {rec.pid:<8} {'running' if rec.alive() else 'DEAD'}  {rec.log}"
             )
         return 0
     t0 = time.monotonic()
     system = DevSystem.up(args.dir, load_spec(args.spec))
-    print(f"InstaSlice is up in {time.monotonic() - t0:.1f}s on {len(system.nodes)} KWOK GPU nodes")
+    real = "" if system.real is None else f" + real node {system.real.name} (kubelet+containerd)"
+    print(
+        f"InstaSlice is up in {time.monotonic() - t0:.1f}s on "
+        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}"
+    )
     print(f"  kubeconfig: {system.kubeconfig}")
     print(
         f"  kubectl:    {args.dir / 'bin' / 'kubectl'} --kubeconfig {system.kubeconfig} get pods -A"

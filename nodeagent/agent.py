@@ -185,8 +185,8 @@ class NodeAgent:
                 retry = 2.0
 
     async def publish_once(self) -> float | None:
-        """Write MigNode status and Node capacity if they changed; a retry delay if the
-        Node object does not exist yet."""
+        """Write MigNode status and Node capacity (env binding only) if they changed; a retry
+        delay if the Node object does not exist yet."""
         st = self.st
         status = mig_node_status(
             st.inv,
@@ -213,6 +213,11 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
+        if self.settings.binding == "device-plugin":
+            # The kubelet advertises what the device plugin lists. A direct write would let the
+            # kubelet admit a pod before the plugin registered, and that pod's containers ran
+            # without their slice (seen on the real node, tests/e2e/test_realnode.py).
+            return None
         desired = capacity(st.inv, st.health)
         if desired == self._last_capacity:
             return None

@@ -64,9 +64,12 @@ class DevNode:
     path: str
     major: int | None = None
     minor: int | None = None
+    host_path: str | None = None  # None: the same as `path` (a real node's /dev)
 
     def to_json(self) -> Obj:
         out: Obj = {"path": self.path}
+        if self.host_path is not None:
+            out["hostPath"] = self.host_path
         if self.major is not None and self.minor is not None:
             out.update(type="c", major=self.major, minor=self.minor)
         return out
@@ -103,6 +106,19 @@ def formula_minor(gpu_minor: int, gi_id: int, ci_id: int | None = None) -> int:
     return 3 + base if ci_id is None else 4 + base + ci_id
 
 
+def formula_mig_minors(gpu_minors: Iterable[int]) -> dict[str, int]:
+    """What `/proc/driver/nvidia-caps/mig-minors` lists for these GPUs (mig.md §2.12): the
+    `config` and `monitor` caps, then every possible GPU instance (ids 0-14) and compute
+    instance (ids 0-7) of each GPU. Emulated nodes with real device files are made from it."""
+    out = {"config": 1, "monitor": 2}
+    for g in gpu_minors:
+        for gi in range(15):
+            out[gi_cap_name(g, gi)] = formula_minor(g, gi)
+            for ci in range(8):
+                out[ci_cap_name(g, gi, ci)] = formula_minor(g, gi, ci)
+    return out
+
+
 def gi_cap_name(gpu_minor: int, gi_id: int) -> str:
     return f"gpu{gpu_minor}/gi{gi_id}/access"
 
@@ -131,10 +147,21 @@ class DeviceNumbers:
     caps_major: int | None
     uvm_major: int | None
     with_numbers: bool  # write type/major/minor into the spec
+    # host directory standing in for /dev (an emulated GPU node with real device files, e.g.
+    # the real node of `make dev-up`): device nodes get hostPath = dev_root + path minus /dev
+    dev_root: str | None = None
 
     @classmethod
-    def emulated(cls) -> DeviceNumbers:
-        return cls(None, EMULATED_CAPS_MAJOR, EMULATED_UVM_MAJOR, True)
+    def emulated(cls, dev_root: Path | None = None) -> DeviceNumbers:
+        root = None if dev_root is None else str(dev_root)
+        return cls(None, EMULATED_CAPS_MAJOR, EMULATED_UVM_MAJOR, True, root)
+
+    def node(self, path: str, major: int | None, minor: int) -> DevNode:
+        """The device node `path` (under /dev) as this host names it."""
+        host = None
+        if self.dev_root is not None:
+            host = self.dev_root + path.removeprefix("/dev")
+        return DevNode(path, major if self.with_numbers else None, minor, host)
 
     @classmethod
     def from_host(
@@ -164,13 +191,12 @@ class DeviceNumbers:
         ci_minor = self.cap_minor(
             ci_cap_name(gpu_minor, gi_id, ci_id), formula_minor(gpu_minor, gi_id, ci_id)
         )
-        num = self.with_numbers
-        caps = self.caps_major if num else None
+        caps = self.caps_major
         return SliceNodes(
             mig_uuid=mig_uuid,
-            parent=DevNode(f"/dev/nvidia{gpu_minor}", NVIDIA_MAJOR if num else None, gpu_minor),
-            gi_access=DevNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps, gi_minor),
-            ci_access=DevNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps, ci_minor),
+            parent=self.node(f"/dev/nvidia{gpu_minor}", NVIDIA_MAJOR, gpu_minor),
+            gi_access=self.node(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps, gi_minor),
+            ci_access=self.node(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps, ci_minor),
         )
 
 
@@ -179,12 +205,11 @@ class DeviceNumbers:
 
 def control_nodes(numbers: DeviceNumbers) -> list[DevNode]:
     """/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools: every CUDA process opens them."""
-    num = numbers.with_numbers
-    uvm = numbers.uvm_major if num else None
+    uvm = numbers.uvm_major
     return [
-        DevNode("/dev/nvidiactl", NVIDIA_MAJOR if num else None, NVIDIACTL_MINOR),
-        DevNode("/dev/nvidia-uvm", uvm, 0),
-        DevNode("/dev/nvidia-uvm-tools", uvm, 1),
+        numbers.node("/dev/nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR),
+        numbers.node("/dev/nvidia-uvm", uvm, 0),
+        numbers.node("/dev/nvidia-uvm-tools", uvm, 1),
     ]
 
 
@@ -221,23 +246,35 @@ def load_base_spec(path: Path) -> Obj:
     return doc
 
 
-def fake_nvidia_spec(driver_version: str = "580.159.04", gpu_minors: Sequence[int] = (0,)) -> Obj:
+def fake_nvidia_spec(
+    driver_version: str = "580.159.04",
+    gpu_minors: Sequence[int] = (0,),
+    dev_root: Path | None = None,
+) -> Obj:
     """A small stand-in for `nvidia-ctk cdi generate` output, for emulated nodes: a device
-    per GPU plus `all`, and the common edits (control/UVM nodes, driver libraries, hooks)."""
+    per GPU plus `all`, and the common edits (control/UVM nodes, driver libraries, hooks).
+
+    With `dev_root` (an emulated node whose containers really start) the device nodes point
+    there, and the driver mounts and hooks are left out: this host has no NVIDIA driver, and a
+    runtime refuses a mount or hook whose host file is missing."""
     lib = "/usr/lib/x86_64-linux-gnu"
-    numbers = DeviceNumbers.emulated()
-    gpu_nodes = {m: DevNode(f"/dev/nvidia{m}", NVIDIA_MAJOR, m).to_json() for m in gpu_minors}
+    numbers = DeviceNumbers.emulated(dev_root)
+    gpu_nodes = {m: numbers.node(f"/dev/nvidia{m}", NVIDIA_MAJOR, m).to_json() for m in gpu_minors}
     devices: list[Obj] = [
         {"name": str(m), "containerEdits": {"deviceNodes": [node]}} for m, node in gpu_nodes.items()
     ]
     devices.append({"name": "all", "containerEdits": {"deviceNodes": list(gpu_nodes.values())}})
-    return {
+    spec: Obj = {
         "cdiVersion": CDI_VERSION,
         "kind": "nvidia.com/gpu",
         "devices": devices,
         "containerEdits": {
             "env": ["NVIDIA_VISIBLE_DEVICES=void"],
             "deviceNodes": [n.to_json() for n in control_nodes(numbers)],
+        },
+    }
+    if dev_root is None:
+        spec["containerEdits"] |= {
             "mounts": [
                 {
                     "hostPath": f"{lib}/{so}.{driver_version}",
@@ -270,8 +307,8 @@ def fake_nvidia_spec(driver_version: str = "580.159.04", gpu_minors: Sequence[in
                     "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", lib],
                 },
             ],
-        },
-    }
+        }
+    return spec
 
 
 # --- our spec files ---------------------------------------------------------------------------

@@ -307,7 +307,7 @@ class Lifecycle:
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+        await self.announce(alloc)
         self.st.publish.set()
         if rec.announced:
             return
@@ -338,11 +338,6 @@ class Lifecycle:
             inst = own.found.get((rec.uid, i))
             if inst is not None:
                 await self.destroy(inst)
-
-    @staticmethod
-    def devices(alloc: SliceAllocation) -> dict[str, str]:
-        """Each slice-asking container's qualified CDI device."""
-        return {c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()}
 
     async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> None:
         """Creating failed: roll back, then write Failed. When NVML refuses the rollback, the
@@ -400,6 +395,15 @@ class Lifecycle:
             return None
         return adopted
 
+    async def announce(self, alloc: SliceAllocation) -> None:
+        """Tell the binding the allocation's devices are ready (idempotent). Also on verify,
+        once per process: a restarted agent must still hand a Ready slice to a kubelet that
+        admits its pod later (issue 17 #2; tests/e2e/test_realnode.py on a real kubelet)."""
+        devices = {
+            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
+        }
+        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+
     # ---- verify (Ready) -----------------------------------------------------------------------
 
     async def verify(self, alloc: SliceAllocation) -> None:
@@ -411,7 +415,7 @@ class Lifecycle:
                             claim=alloc.key, found_uid=on_disk)  # fmt: skip
                 await self.write_cdi(rec)
             if not rec.announced:  # made by an earlier process: tell the binding again
-                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                await self.announce(alloc)
                 self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
@@ -432,7 +436,7 @@ class Lifecycle:
                 self.st.put(rec)
                 await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
-                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                await self.announce(alloc)
                 self.st.put(replace(rec, announced=True))
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mig-minors", type=Path, default=Path("/proc/driver/nvidia-caps/mig-minors"))
     p.add_argument(
+        "--dev-root",
+        type=Path,
+        help="with --emulate: real device files standing in for /dev (CDI hostPaths point "
+        "there), for an emulated node under a real kubelet and container runtime",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -138,6 +144,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         p.error("--binding-mode device-plugin serves one node's kubelet: pass one --node")
     if a.emulate and a.emu_state is None:
         p.error("--emulate needs --emu-state DIR")
+    if a.dev_root is not None and not a.emulate:
+        p.error("--dev-root needs --emulate (a real node's device files are in /dev)")
     if len(nodes) > 1 and a.cdi_root is None and not a.discover_only:
         p.error("several nodes need --cdi-root (each node gets ROOT/<node>/cdi)")
     settings = Settings(
@@ -156,6 +164,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         lease_duration_s=a.lease_duration_s,
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,
+        dev_root=a.dev_root,
         metrics_port=a.metrics_port,
         kubelet_dir=a.kubelet_dir,
         pod_resources_socket=a.pod_resources_socket,
@@ -213,9 +222,10 @@ def host_cdi_facts(
             f"{node}.nvidia-cdi.json"
         )
         if not path.exists():
-            spec = cdi.fake_nvidia_spec(driver or "580.159.04", gpu_minors)
+            spec = cdi.fake_nvidia_spec(driver or "580.159.04", gpu_minors, settings.dev_root)
             cdi.write_json_atomic(path, spec)
-        return cdi.DeviceNumbers.emulated(), cdi.load_base_spec(path), base_spec_condition(path, [])
+        numbers = cdi.DeviceNumbers.emulated(settings.dev_root)
+        return numbers, cdi.load_base_spec(path), base_spec_condition(path, [])
     numbers = cdi.DeviceNumbers.from_host(settings.mig_minors, settings.proc_devices)
     candidates = (settings.nvidia_cdi_spec,) if settings.nvidia_cdi_spec else settings.cdi_specs
     return (numbers, *find_base_spec(candidates))

@@ -48,6 +48,9 @@ class Settings:
     nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists
     cdi_specs: tuple[Path, ...] = DEFAULT_NVIDIA_CDI_SPECS
     mig_minors: Path = Path("/proc/driver/nvidia-caps/mig-minors")
+    # --emulate only: a directory of real device files standing in for /dev (CDI hostPaths
+    # point there), for an emulated node whose containers really start (docs/binding.md)
+    dev_root: Path | None = None
     proc_devices: Path = Path("/proc/devices")
     boot_id_path: Path = BOOT_ID_PATH
     health_timeout_ms: int = 500

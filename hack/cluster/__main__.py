@@ -31,6 +31,11 @@ def _link_bin(dev: Path, cp: ControlPlane) -> None:
 
 async def _create_nodes(kubeconfig: Path, spec_path: Path) -> list[str]:
     spec = load_spec(spec_path)
+    if spec.real_group is not None:
+        print(
+            f"note: group {spec.real_group.prefix!r} is runtime: containerd, a real node; "
+            "`make dev-up` starts it, this command creates only the KWOK nodes"
+        )
     async with harden(await config.new_client_from_config(config_file=str(kubeconfig))) as api:
         names = await create_nodes(api, spec)
         await wait_nodes_ready(api, names, timeout_s=120)

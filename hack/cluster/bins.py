@@ -11,10 +11,28 @@ import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["BINARIES", "REPO_ROOT", "BinariesMissing", "find_bin_dir", "stages_dir"]
+__all__ = [
+    "BINARIES",
+    "NODE_BINARIES",
+    "REPO_ROOT",
+    "BinariesMissing",
+    "find_bin_dir",
+    "find_node_bin_dir",
+    "stages_dir",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "kube" / "build.sh"
+NODE_BUILD_SCRIPT = REPO_ROOT / "hack" / "kube" / "build-node.sh"
+NODE_BINARIES = (
+    "kubelet",
+    "pause",
+    "containerd",
+    "ctr",
+    "containerd-shim-runc-v2",
+    "loopback",
+    "nvidia-container-runtime",
+)
 BINARIES = (
     "etcd",
     "kube-apiserver",
@@ -52,3 +70,23 @@ def find_bin_dir() -> Path:
 def stages_dir(bin_dir: Path) -> Path:
     """KWOK Stage YAMLs that build.sh copied next to the bin dir."""
     return bin_dir.parent / "stages"
+
+
+def find_node_bin_dir() -> Path:
+    """The real node's binaries (hack/kube/build-node.sh); INSTASLICE_NODE_BIN_DIR overrides."""
+    override = os.environ.get("INSTASLICE_NODE_BIN_DIR")
+    if override:
+        bin_dir = Path(override)
+    else:
+        proc = subprocess.run(
+            [str(NODE_BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise BinariesMissing(
+                f"real-node binaries are not built ({proc.stderr.strip()}); run `make node-bins`"
+            )
+        bin_dir = Path(proc.stdout.strip())
+    missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        raise BinariesMissing(f"{bin_dir} lacks {', '.join(missing)}; run `make node-bins`")
+    return bin_dir

@@ -28,11 +28,14 @@ from hack.cluster.controlplane import KWOK_NODE_ANNOTATION
 __all__ = [
     "KWOK_TYPE_LABEL",
     "MIG_MODE_LABEL",
+    "REAL_NODE_TAINT",
     "ClusterSpec",
     "NodeGroup",
+    "SpecError",
     "Taint",
     "create_nodes",
     "load_spec",
+    "node_labels",
     "node_manifest",
     "node_manifests",
     "parse_spec",
@@ -43,6 +46,11 @@ MIG_MODE_LABEL: Final = "instaslice.io/mig-mode"
 KWOK_TYPE_LABEL: Final = ("type", "kwok")
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 _EFFECTS: Final = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+Runtime = Literal["kwok", "containerd"]
+_RUNTIMES: Final = ("kwok", "containerd")
+# A `runtime: containerd` group's node is real (hack/cluster/realnode.py); only pods that
+# tolerate this taint land there.
+REAL_NODE_TAINT: Final = ("instaslice.io/real-node", "true", "NoSchedule")
 
 
 class SpecError(ValueError):
@@ -68,9 +76,14 @@ class NodeGroup:
     pods: int = 110
     taints: tuple[Taint, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    runtime: Runtime = "kwok"  # containerd: a real kubelet + containerd node (count 1)
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{i}" for i in range(self.count)]
+
+    @property
+    def real(self) -> bool:
+        return self.runtime == "containerd"
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,15 @@ class ClusterSpec:
 
     def node_names(self) -> list[str]:
         return [n for g in self.groups for n in g.names()]
+
+    @property
+    def kwok_groups(self) -> tuple[NodeGroup, ...]:
+        return tuple(g for g in self.groups if not g.real)
+
+    @property
+    def real_group(self) -> NodeGroup | None:
+        """The `runtime: containerd` group (at most one: its kubelet uses host-wide paths)."""
+        return next((g for g in self.groups if g.real), None)
 
 
 def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
@@ -94,6 +116,14 @@ def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
         raise SpecError(f"{where}.migMode: {mig_mode!r} is not 'enabled' or 'disabled'")
     if count < 0 or gpus < 0:
         raise SpecError(f"{where}: count and gpus must be >= 0")
+    runtime = e.get("runtime", "kwok")
+    if runtime not in _RUNTIMES:
+        raise SpecError(f"{where}.runtime: {runtime!r} is not one of {', '.join(_RUNTIMES)}")
+    if runtime == "containerd" and count != 1:
+        raise SpecError(
+            f"{where}.count: a runtime: containerd group is one real node on this machine; "
+            f"count must be 1, not {count}"
+        )
     taints = []
     for j, t in enumerate(e.get("taints") or []):
         if t.get("effect") not in _EFFECTS or not t.get("key"):
@@ -110,6 +140,7 @@ def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
         pods=int(e.get("pods", 110)),
         taints=tuple(taints),
         labels={str(k): str(v) for k, v in (e.get("labels") or {}).items()},
+        runtime=runtime,
     )
 
 
@@ -121,6 +152,12 @@ def parse_spec(doc: Mapping[str, Any]) -> ClusterSpec:
     names = spec.node_names()
     if len(set(names)) != len(names):
         raise SpecError("node names collide; give each group its own prefix")
+    real = [i for i, g in enumerate(spec.groups) if g.real]
+    if len(real) > 1:
+        raise SpecError(
+            f"nodes[{real[1]}].runtime: only one group may be runtime: containerd "
+            f"(nodes[{real[0]}] is already; a real node uses host-wide kubelet paths)"
+        )
     return spec
 
 
@@ -161,7 +198,16 @@ def node_manifest(group: NodeGroup, index: int) -> dict[str, Any]:
 
 
 def node_manifests(spec: ClusterSpec) -> list[dict[str, Any]]:
-    return [node_manifest(g, i) for g in spec.groups for i in range(g.count)]
+    """The KWOK nodes' objects; a real node registers itself (its kubelet)."""
+    return [node_manifest(g, i) for g in spec.kwok_groups for i in range(g.count)]
+
+
+def node_labels(group: NodeGroup, name: str) -> dict[str, str]:
+    """The labels a group's node carries (without KWOK's `type` label)."""
+    return {
+        k: v for k, v in node_manifest(group, 0)["metadata"]["labels"].items()
+        if k != KWOK_TYPE_LABEL[0]
+    } | {"kubernetes.io/hostname": name}  # fmt: skip
 
 
 async def create_nodes(

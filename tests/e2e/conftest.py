@@ -41,7 +41,7 @@ from tests.e2e.helpers import (
 )
 
 _HERE = Path(__file__).parent
-_SYSTEM_KEY = pytest.StashKey[DevSystem]()
+_SYSTEMS_KEY = pytest.StashKey[list[DevSystem]]()
 _LOG_TAIL_LINES = 30
 _MIG_CAPABLE = {"nvidia.com/mig.capable": "true"}
 _NODE = {"cpu": "8", "memory": "32Gi", "pods": 110, "labels": _MIG_CAPABLE}
@@ -69,14 +69,27 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    system = item.config.stash.get(_SYSTEM_KEY, None)
-    if system is not None and report.failed and _HERE in Path(str(item.path)).parents:
-        parts = [f"logs dir: {system.logs}"]
-        for log in sorted(system.logs.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-            parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
-        report.sections.append(("InstaSlice e2e logs", "\n".join(parts)))
+    systems = item.config.stash.get(_SYSTEMS_KEY, [])
+    if report.failed and _HERE in Path(str(item.path)).parents:
+        for system in systems:
+            dirs = [system.logs] + ([system.real.logs] if system.real is not None else [])
+            parts = [f"logs dirs: {', '.join(map(str, dirs))}"]
+            for log in sorted(log for d in dirs for log in d.glob("*.log")):
+                lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+                parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+            report.sections.append((f"InstaSlice e2e logs ({system.dir.name})", "\n".join(parts)))
     return report
+
+
+def attach_logs(config: pytest.Config, system: DevSystem) -> None:
+    """A failing e2e test's report carries the tail of every log of `system`."""
+    config.stash.setdefault(_SYSTEMS_KEY, []).append(system)
+
+
+def detach_logs(config: pytest.Config, system: DevSystem) -> None:
+    systems = config.stash.get(_SYSTEMS_KEY, [])
+    if system in systems:
+        systems.remove(system)
 
 
 @pytest.fixture(scope="session")
@@ -92,10 +105,11 @@ def system(
         )
     except BinariesMissing as e:
         pytest.fail(str(e), pytrace=False)
-    request.config.stash[_SYSTEM_KEY] = started
+    attach_logs(request.config, started)
     try:
         yield started
     finally:
+        detach_logs(request.config, started)
         started.down()
 
 

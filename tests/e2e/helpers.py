@@ -38,6 +38,8 @@ from common.constants import (
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from common.profiles import instaslice_resource, nvidia_resource
+from hack.cluster.nodes import REAL_NODE_TAINT
+from hack.cluster.ociimage import BUSYBOX_IMAGE
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 
@@ -139,6 +141,23 @@ def make_pod(
             node_selector=node_selector,
         ),
     }
+
+
+def make_real_pod(name: str, node: str, slices: SliceAsks, command: str) -> Obj:
+    """A bare Pod for the real node (hack/cluster/realnode.py): busybox running `command` in
+    every container, hostNetwork (the node has no pod network), tolerating the node's taint
+    and selecting it, never restarted, killed at once on delete."""
+    pod = make_pod(name, slices=slices, node_selector={"kubernetes.io/hostname": node})
+    key, value, effect = REAL_NODE_TAINT
+    pod["spec"].update(
+        hostNetwork=True,
+        restartPolicy="Never",
+        automountServiceAccountToken=False,
+        tolerations=[{"key": key, "operator": "Equal", "value": value, "effect": effect}],
+    )
+    for c in pod["spec"]["containers"]:
+        c.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", command])
+    return pod
 
 
 def make_deployment(

@@ -208,3 +208,24 @@ def test_load_base_spec_yaml_and_errors(tmp_path: Path) -> None:
         cdi.load_base_spec(p)
     with pytest.raises(cdi.CdiError, match="cannot read"):
         cdi.load_base_spec(tmp_path / "missing.yaml")
+
+
+def test_a_dev_root_points_every_device_node_there_and_drops_driver_files() -> None:
+    """An emulated node under a real runtime: hostPaths in the dev root, no driver mounts or
+    hooks (their host files do not exist), container paths unchanged."""
+    numbers = cdi.DeviceNumbers.emulated(Path("/x/dev"))
+    base = cdi.fake_nvidia_spec(gpu_minors=(0,), dev_root=Path("/x/dev"))
+    assert "mounts" not in base["containerEdits"] and "hooks" not in base["containerEdits"]
+    common = cdi.common_edits(base, numbers)
+    nodes = numbers.slice_nodes("MIG-a", 0, 1, 0)
+    spec = cdi.build_spec("ns", "c1", {"main": [nodes]}, common)
+    device = spec["devices"][0]["containerEdits"]
+    every = spec["containerEdits"]["deviceNodes"] + device["deviceNodes"]
+    assert {n["hostPath"] for n in every} == {
+        "/x/dev/nvidiactl", "/x/dev/nvidia-uvm", "/x/dev/nvidia-uvm-tools", "/x/dev/nvidia0",
+        "/x/dev/nvidia-caps/nvidia-cap12", "/x/dev/nvidia-caps/nvidia-cap13",
+    }  # fmt: skip
+    assert all(n["path"] == "/dev" + n["hostPath"].removeprefix("/x/dev") for n in every)
+    minors = cdi.formula_mig_minors([0, 1])
+    assert minors["gpu0/gi1/access"] == 12 and minors["gpu1/gi14/ci7/access"] == 4 + 135 + 126 + 7
+    assert len(minors) == 2 + 2 * 15 * 9

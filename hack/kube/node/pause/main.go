@@ -1,0 +1,26 @@
+// Command pause is the real node's sandbox ("pause") container: it holds the pod's
+// namespaces, reaps orphaned children and exits on SIGINT/SIGTERM. A static Go stand-in for
+// registry.k8s.io/pause, built locally so the node needs no registry (hack/kube/build-node.sh).
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGCHLD)
+	for s := range sigs {
+		if s != syscall.SIGCHLD {
+			os.Exit(0)
+		}
+		for {
+			var ws syscall.WaitStatus
+			if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+				break
+			}
+		}
+	}
+}

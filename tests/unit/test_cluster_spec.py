@@ -1,0 +1,45 @@
+"""The cluster spec's node groups (CONTRACT.md §5), in particular `runtime: containerd`:
+bad input is refused with an error naming the entry and field; a real group makes no KWOK
+Node object (its kubelet registers it). Leaves out starting anything (tests/e2e)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hack.cluster.nodes import SpecError, node_labels, node_manifests, parse_spec
+
+H100: dict[str, Any] = {"count": 1, "gpus": 1, "model": "H100-80GB"}
+
+
+def test_runtime_defaults_to_kwok_and_containerd_marks_the_real_group() -> None:
+    spec = parse_spec(
+        {"nodes": [{"prefix": "k", **H100}, {"prefix": "real", "runtime": "containerd", **H100}]}
+    )
+    assert [g.runtime for g in spec.groups] == ["kwok", "containerd"]
+    assert spec.real_group is spec.groups[1]
+    assert spec.node_names() == ["k-0", "real-0"]
+    assert [m["metadata"]["name"] for m in node_manifests(spec)] == ["k-0"]
+    labels = node_labels(spec.groups[1], "real-0")
+    assert labels["kubernetes.io/hostname"] == "real-0" and "type" not in labels
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        ([{"prefix": "r", "runtime": "docker", **H100}], "nodes[0].runtime: 'docker' is not one"),
+        ([{"prefix": "r", "runtime": "containerd", **H100, "count": 2}], "nodes[0].count:"),
+        (
+            [
+                {"prefix": "a", "runtime": "containerd", **H100},
+                {"prefix": "b", "runtime": "containerd", **H100},
+            ],
+            "nodes[1].runtime: only one group",
+        ),
+    ],
+)
+def test_bad_runtime_input_names_the_field(nodes: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec({"nodes": nodes})
+    assert str(err.value).startswith(message), err.value
