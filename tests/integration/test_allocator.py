@@ -78,6 +78,7 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
     agent_task = asyncio.create_task(agent.run(), name="fake-agent")
     await agent.informer.synced.wait()
     world = AllocatorEnv(kube, namespace, agent)
+    await world.opt_in()
     try:
         yield world
     finally:

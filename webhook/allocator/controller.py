@@ -33,6 +33,7 @@ from common.catalog import load_catalog
 from common.clock import cancel_until_done, parse_time, wait_or_sleep
 from common.constants import (
     AGENT_LEASE_DURATION_S,
+    ENABLED_KEY,
     GATE_NAME,
     LEASE_API_VERSION,
     MIG_NODE_PLURAL,
@@ -143,7 +144,9 @@ class Controller:
                 name="sliceallocations",
             ),
             self.lease_informer,  # the node agents' heartbeats (and our own Lease, skipped)
+            Informer(kube, core_path("namespaces"), self._on_namespace, name="namespaces"),
         ]
+        self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
 
     @property
     def parked(self) -> dict[str, int]:
@@ -215,6 +218,22 @@ class Controller:
         else:
             self.state.upsert_mig_node(obj)
         self._after_change()
+
+    async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
+        """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere
+        (the admission policy refuses to create one; this is the second line) is not placed."""
+        meta = obj.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        on = etype != "DELETED" and (meta.get("labels") or {}).get(ENABLED_KEY) == "true"
+        if on == (name in self.opted_in):
+            return
+        if on:
+            self.opted_in.add(name)
+        else:
+            self.opted_in.discard(name)
+        for pod in list(self.state.pods.values()):
+            if pod.namespace == name and pod.claim is not None:
+                self.kick(pod.uid)
 
     async def _on_lease(self, etype: EventType, obj: Obj) -> None:
         spec = obj.get("spec") or {}
@@ -354,6 +373,7 @@ class Controller:
             nodes=frozenset(a.node for a in allocs if a.node in self.state.nodes),
             agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
             name_holder=holder,
+            opted_in=pod is not None and pod.namespace in self.opted_in,
         )
 
     async def _work(self, uid: str) -> float | None:
