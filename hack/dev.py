@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
+from common.constants import BindingMode
 from common.kubeapi import harden
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (
@@ -50,7 +51,6 @@ from hack.cluster.nodes import (
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
 from nodeagent.emulator import provision
-from nodeagent.settings import Binding
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests" / "base"
@@ -91,7 +91,7 @@ class DevSystem:
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
     real: RealNode | None = None  # the runtime: containerd group's node
-    real_binding: Binding = "device-plugin"
+    real_binding: BindingMode = BindingMode.DEVICE_PLUGIN
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -129,7 +129,7 @@ class DevSystem:
         cluster_settings: ClusterSettings | None = None,
         agent_args: Sequence[str] = (),
         webhook_args: Sequence[str] = (),
-        real_binding: Binding = "device-plugin",
+        real_binding: BindingMode = BindingMode.DEVICE_PLUGIN,
     ) -> DevSystem:
         """Start (or restart the components of) the system of `spec` in `dir`.
 
@@ -246,7 +246,7 @@ class DevSystem:
         self.save()
 
     def start_real_agent(
-        self, *, binding: Binding | None = None, die_with_parent: bool = False
+        self, *, binding: BindingMode | None = None, die_with_parent: bool = False
     ) -> None:
         """The real node's agent: its own process, as a DaemonSet pod would be."""
         assert self.real is not None
@@ -402,7 +402,7 @@ class DevSystem:
             tuple(st.get("agent_args", ())),
             tuple(st.get("webhook_args", ())),
             RealNode.attach(Path(st["real"])) if st.get("real") else None,
-            st.get("real_binding", "device-plugin"),
+            BindingMode(st.get("real_binding", "device-plugin")),
         )
 
 

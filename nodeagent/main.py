@@ -30,7 +30,7 @@ import structlog
 
 from common.catalog import load_catalog
 from common.clock import stoppable
-from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL
+from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--binding-mode",
         "--binding",  # the older spelling; --binding-mode is the webhook's too
         dest="binding",
-        choices=("env", "device-plugin"),
-        default="env",
+        choices=[m.value for m in BindingMode],
+        default=BindingMode.ENV.value,
         help="how a container gets its slice (docs/binding.md); must match the webhook's "
         "--binding-mode (the manifests set both from the ConfigMap instaslice-config)",
     )
@@ -157,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         cdi_root=a.cdi_root,
         state_dir=a.state_dir,
         namespace=a.namespace,
-        binding=a.binding,
+        binding=BindingMode(a.binding),
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from common.constants import AGENT_LEASE_DURATION_S
-
-Binding = Literal["env", "device-plugin"]
+from common.constants import AGENT_LEASE_DURATION_S, BindingMode
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
@@ -35,7 +32,7 @@ class Settings:
     cdi_root: Path | None = None  # many nodes: CDI dir of node n is ROOT/n/cdi
     state_dir: Path | None = None  # default: emu_state under --emulate, else DEFAULT_STATE_DIR
     namespace: str = "instaslice-system"
-    binding: Binding = "env"
+    binding: BindingMode = BindingMode.ENV
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0

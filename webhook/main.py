@@ -20,13 +20,14 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
+from common.constants import BindingMode
 from common.kubeapi import Kube
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.server import configure_logging, serve
-from webhook.settings import AdmissionSettings, BindingMode, ServerSettings
+from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("main")
 
