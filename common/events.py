@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import secrets
-from typing import Literal
+from typing import Literal, NotRequired, TypedDict, Unpack
 
 import structlog
 
@@ -20,15 +20,14 @@ from common.kubeapi import ApiError, Kube, Obj, core_path
 log = structlog.get_logger("events")
 
 
+class EventOptions(TypedDict):
+    component: str
+    type_: NotRequired[Literal["Normal", "Warning"]]
+    now: NotRequired[dt.datetime | None]
+
+
 async def pod_event(
-    kube: Kube,
-    pod: Obj,
-    reason: str,
-    message: str,
-    *,
-    component: str,
-    type_: Literal["Normal", "Warning"] = "Normal",
-    now: dt.datetime | None = None,
+    kube: Kube, pod: Obj, reason: str, message: str, **options: Unpack[EventOptions]
 ) -> None:
     meta = pod["metadata"]
     involved = {
@@ -38,7 +37,7 @@ async def pod_event(
         "namespace": meta["namespace"],
         "uid": meta.get("uid", ""),
     }
-    await object_event(kube, involved, reason, message, component=component, type_=type_, now=now)
+    await object_event(kube, involved, reason, message, **options)
 
 
 async def object_event(

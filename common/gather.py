@@ -36,7 +36,11 @@ EVENT_REASONS = frozenset(
         "GPUUnhealthy",
         "SliceInUse",
         "SliceCreateFailed",
+        "SliceLost",
         "BaseCdiSpecNotFound",
+        "DevicePluginActive",
+        "MigManagerActive",
+        "ForeignInstances",
     }
 )
 

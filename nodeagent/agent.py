@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
-from nodeagent.reconcile import after_reboot, match, orphans
+from nodeagent.reconcile import after_reboot, match, orphans, vanished_claims
 from nodeagent.report import (
     CONFLICT_KINDS,
     capacity,
@@ -77,6 +78,7 @@ class NodeAgent:
         self.node_conditions = stamped(node_conditions, now)
         self._startup_conditions = list(self.node_conditions)
         self._conflicts_checked: float | None = None
+        self._vanished_prev: set[str] = set()
         self._conditions_told = False
         self.metrics = metrics or AgentMetrics()
         self.kube = kube
@@ -280,16 +282,31 @@ class NodeAgent:
                 if await self.life.rollback(rec) and uid in stuck:
                     await self.life.fail_after_gc(rec)
         await self._gc_cdi()
+        scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
-        foreign = match(st.cp, instances).foreign
-        if foreign != st.foreign:
-            st.foreign = foreign
+        own = match(st.cp, instances)
+        if own.foreign != st.foreign:
+            st.foreign = own.foreign
             st.publish.set()
+        self.note_vanished(vanished_claims(st.cp, own, st.is_lost, before=scan_started))
         now = self.clock.monotonic()
         period = self.settings.conflict_check_period_s
         if self._conflicts_checked is None or now - self._conflicts_checked >= period:
             self._conflicts_checked = now
             await self.check_conflicts()
+
+    def note_vanished(self, gone: set[str]) -> None:
+        """Ready records whose instances are gone in two scans in a row (the second guards
+        against a scan that raced a change) are marked: their allocation's queue is kicked
+        and lifecycle.verify sets its condition and tells the pod."""
+        st = self.st
+        confirmed = gone & self._vanished_prev
+        self._vanished_prev = gone
+        st.vanished &= set(st.cp.claims)  # released ones are done with
+        for uid in sorted(confirmed - st.vanished):
+            st.vanished.add(uid)
+            log.warning("instances vanished (driver reload or GPU reset?)", claim=uid)
+            self.queue.kick(uid)
 
     async def check_conflicts(self) -> None:
         """Another MIG manager on this node (NVIDIA's device plugin, MIG Manager, instances we

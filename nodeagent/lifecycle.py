@@ -63,6 +63,8 @@ log = structlog.get_logger("lifecycle")
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 NOT_OURS = -1  # a GI id no instance has: the slice claims nothing
 REASON_FAILED = "SliceCreateFailed"
+REASON_LOST = "SliceLost"
+SLICES_PRESENT = "SlicesPresent"
 REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
 
@@ -409,6 +411,9 @@ class Lifecycle:
     async def verify(self, alloc: SliceAllocation) -> None:
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
+            if alloc.uid in self.st.vanished:
+                await self.mark_vanished(alloc)
+                return
             on_disk = await asyncio.to_thread(cdi.spec_uid, self.cdi_dir, rec.namespace, rec.name)
             if on_disk != rec.uid:  # missing, written before specs carried UIDs, or another's
                 log.warning("CDI file missing or not this allocation's; rewriting",
@@ -442,6 +447,32 @@ class Lifecycle:
                 log.info("adopted slices from allocation status", claim=alloc.key)
                 return
         await self.create(alloc, "slices vanished from the GPU; re-creating")
+
+    async def mark_vanished(self, alloc: SliceAllocation) -> None:
+        """The allocation's instances are gone while its pod runs (agent.note_vanished): say
+        so on the allocation (condition SlicesPresent=False) and to the pod, once. Nothing is
+        re-created under a running pod (its processes lost the device; new instances would
+        have new MIG UUIDs); the reservation stays until the pod goes, and release treats the
+        missing instances as destroyed."""
+        if any(
+            c.get("type") == SLICES_PRESENT and c.get("status") == "False"
+            for c in self.conditions(alloc)
+        ):
+            return
+        msg = (
+            f"the MIG instances of this allocation vanished from node {self.st.node} "
+            "(a driver reload or GPU reset); the pod cannot use its slices: delete it "
+            "(or let its controller replace it) to get new ones"
+        )
+        cond = condition(SLICES_PRESENT, False, "InstancesVanished", msg, kube_time())
+        body: cdi.Obj = {
+            "status": {"conditions": with_condition(self.conditions(alloc), cond), "message": msg}
+        }
+        await self.status(alloc, body)
+        await writes.event(
+            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_LOST, msg,
+            warning=True,
+        )  # fmt: skip
 
     async def sync_health(self, alloc: SliceAllocation, rec: ClaimRecord) -> None:
         """Keep the allocation's GPUHealthy condition in line with its GPUs' health."""

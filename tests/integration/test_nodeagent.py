@@ -844,3 +844,41 @@ async def test_gpu_operator_device_plugin_on_a_managed_node_is_a_conflict(
             return c if c and c["status"] == "True" else None
 
         await eventually(cleared, what="ConflictFree=True")
+
+
+async def test_instances_vanishing_under_a_running_pod_are_marked_and_told(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """A driver reload (all of a GPU's instances gone, same boot) while the agent runs: the
+    Ready allocation gets SlicesPresent=False and its pod a SliceLost Warning event; nothing
+    is re-created underneath; deleting the allocation still releases it (the missing
+    instances count as destroyed)."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings):
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 2, 1)])
+        await create_allocation(kube, alloc)
+        await wait_phase(kube, alloc, "Ready")
+        assert len(node.instances()) == 1
+        node.emu.reset_gpu(0, force=True)  # what a driver reload does to every GPU
+        name = alloc["metadata"]["name"]
+
+        async def marked() -> Obj | None:
+            got = await get_allocation(kube, ns, name)
+            conds = ((got or {}).get("status") or {}).get("conditions") or []
+            return next(
+                (c for c in conds if c["type"] == "SlicesPresent" and c["status"] == "False"),
+                None,
+            )
+
+        cond = await eventually(marked, what="SlicesPresent=False")
+        assert cond["reason"] == "InstancesVanished" and "driver reload" in cond["message"]
+        event = await _event(kube, ns, alloc["spec"]["podName"], "SliceLost")
+        assert event["type"] == "Warning"
+        assert node.instances() == []  # nothing made under the running pod
+        got = await get_allocation(kube, ns, name)
+        assert got is not None and got["status"]["phase"] == "Ready"
+
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+        assert node.cdi_files() == []
