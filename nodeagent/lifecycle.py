@@ -514,7 +514,7 @@ class Lifecycle:
         self.st.drop(uid)
         await self.st.persist()
         self.st.publish.set()
-        await self.binding.slices_released(alloc.namespace, alloc.name)
+        await self.binding.slices_released(alloc.namespace, alloc.name, uid)
         dropped = alloc.has_finalizer and await writes.drop_finalizer(
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
         )
