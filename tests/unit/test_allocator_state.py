@@ -24,8 +24,9 @@ from tests.integration.allocator_fixtures import (
     make_pod,
 )
 from webhook.allocator import pods as podlib
+from webhook.allocator.agents import AgentLeases
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.queue import AgentLeases, PlacementQueue
+from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
 
 pytestmark = pytest.mark.timeout(10)

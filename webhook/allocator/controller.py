@@ -30,14 +30,12 @@ from typing import Literal
 import structlog
 
 from common.catalog import load_catalog
-from common.clock import cancel_until_done, parse_time, wait_or_sleep
+from common.clock import cancel_until_done, monotonic_at, wait_or_sleep
 from common.constants import (
-    AGENT_LEASE_DURATION_S,
     ENABLED_KEY,
     GATE_NAME,
     LEASE_API_VERSION,
     MIG_NODE_PLURAL,
-    NODEAGENT_COMPONENT,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -52,10 +50,10 @@ from common.kubeapi import (
 )
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
+from webhook.allocator.agents import AgentWatch
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
-from webhook.allocator.queue import AgentLeases
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
@@ -76,7 +74,6 @@ from webhook.allocator.writes import Writes
 log = structlog.get_logger("allocator")
 
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
-_AGENT_HOLDER = f"{NODEAGENT_COMPONENT}/"
 _FIRST_BACKOFF_S = 0.2
 
 
@@ -96,7 +93,7 @@ class Controller:
         self.catalog = settings.catalog if settings.catalog is not None else load_catalog()
         self.state = ClusterState()
         self.tracks = Tracks()
-        self.agents = AgentLeases()
+        self.agents = AgentWatch(self.state, self.clock, self.kick, self._after_change)
         self.placer = Placer(
             self.state,
             self.tracks,
@@ -236,46 +233,10 @@ class Controller:
                 self.kick(pod.uid)
 
     async def _on_lease(self, etype: EventType, obj: Obj) -> None:
-        spec = obj.get("spec") or {}
-        if not str(spec.get("holderIdentity") or "").startswith(_AGENT_HOLDER):
-            return  # not a node agent's heartbeat (e.g. the allocator's own Lease)
-        node = str(obj.get("metadata", {}).get("name", ""))
-        if etype == "DELETED":
-            self.agents.forget(node)  # no heartbeat at all reads as unknown, not down
-        else:
-            renew = str(spec.get("renewTime") or "")
-            duration = float(spec.get("leaseDurationSeconds") or AGENT_LEASE_DURATION_S)
-            initial = not self.lease_informer.synced.is_set()
-            self.agents.observe(node, renew, duration, self._since(renew, initial=initial))
-        now = self.clock.monotonic()
-        if not self.agents.is_expired(node, now) and self.state.set_agent_down(node, False):
-            log.info("node agent back; node offered to placement again", node=node)
-            self._after_change()
+        await self.agents.on_lease(etype, obj, initial=not self.lease_informer.synced.is_set())
 
     def _sweep_agents(self) -> None:
-        now = self.clock.monotonic()
-        expired = self.agents.expired(now)
-        for node in sorted(expired - self.state.agents_down):
-            self.state.set_agent_down(node, True)
-            for alloc in self.state.allocations_on(node):
-                self.kick(alloc.pod_uid)  # an untouched one moves elsewhere
-            silent = self.agents.silent_s(node, now) or 0.0
-            log.warning(
-                "node agent's Lease not renewed; node left out of placement",
-                node=node,
-                silent_s=round(silent, 1),
-            )
-        # no revival here: a renewal (or a deleted Lease) is seen by _on_lease at once
-
-    def _since(self, stamp: str | None, *, initial: bool) -> float:
-        """Now, or — for objects found before this moment (`initial`: an informer's first
-        list, or pods a new term finds) — `stamp` (a creation or renewal time), as
-        monotonic time."""
-        now = self.clock.monotonic()
-        when = parse_time(stamp)
-        if not initial or when is None:
-            return now
-        return now - max(0.0, (self.clock.wall() - when).total_seconds())
+        self.agents.sweep()
 
     def kick(self, uid: str) -> None:
         """Look at this pod again (leading only: a standby keeps caches, not records)."""
@@ -324,7 +285,7 @@ class Controller:
                 track = self.tracks.ensure(pod.uid)
                 if track.ungate_start is None and pod.gates == (GATE_NAME,):
                     # seen before this term: timed from its creation (whole seconds)
-                    track.ungate_start = self._since(pod.created, initial=True)
+                    track.ungate_start = monotonic_at(self.clock, pod.created)
         for uid in sorted(ours):
             self.kick(uid)
 
