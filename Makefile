@@ -11,9 +11,9 @@ CHAOS_SEED ?= 1
 FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
 
-.PHONY: help install lint test test-unit test-integration test-e2e kube-bins node-deps node-bins \
-        cluster-up cluster-down \
-        dev-up dev-down demo bench-placement bench-agent-leases bench-latency chaos fuzz clean
+.PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins protos \
+        node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
+        bench-agent-leases bench-latency chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -22,7 +22,6 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
-	PY=$(BIN)/python hack/gen-protos.sh
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP) ## create .venv/ with the project (editable) and its dev tools
@@ -46,6 +45,12 @@ node-bins: node-deps ## build (or verify cached) kubelet, containerd, ctr, shim,
 
 test-unit: install ## pure-logic tests (milliseconds each)
 	$(BIN)/pytest -q tests/unit
+
+test-packaging: install ## the wheel, installed into a fresh virtualenv outside the tree, imports and runs
+	$(BIN)/pytest -q tests/packaging
+
+protos: install ## regenerate the committed kubelet gRPC stubs from third_party/k8s.io/kubelet
+	PY=$(BIN)/python hack/gen-protos.sh
 
 test-integration: install kube-bins ## components against the real local control plane
 	$(BIN)/pytest -q tests/integration
@@ -85,6 +90,10 @@ chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 
 fuzz: install ## hostile AdmissionReviews against the admission server (no cluster); .dev/bench/fuzz.json
 	$(BIN)/python -m bench.fuzz --reviews $(FUZZ_REVIEWS) --seed $(FUZZ_SEED)
+
+uninstall: install ## the checked uninstall of docs/upgrade.md: make uninstall OVERLAY=manifests/overlays/<platform>
+	@test -n "$(OVERLAY)" || { echo "usage: make uninstall OVERLAY=<the kustomize dir you installed>"; exit 2; }
+	$(BIN)/python -m hack.uninstall --overlay "$(OVERLAY)" $(if $(CONTEXT),--context "$(CONTEXT)")
 
 clean: ## remove .dev/ (state, logs, kubeconfig)
 	rm -rf .dev

@@ -192,9 +192,10 @@ class Workload:
         await self.kube.delete_ignore_missing(core_path("namespaces", name=ns))
         await self.new_namespace()
 
-    async def create_pod(self, ns: str, *, why: str = "churn") -> Obj | None:
-        body = {"metadata": {"generateName": "p-", "labels": {CHAOS_LABEL: "1", "why": why}},
-                "spec": self._pod_spec()}  # fmt: skip
+    async def create_pod(self, ns: str, *, why: str = "churn", name: str = "") -> Obj | None:
+        meta: Obj = {"labels": {CHAOS_LABEL: "1", "why": why}}
+        meta.update({"name": name} if name else {"generateName": "p-"})
+        body = {"metadata": meta, "spec": self._pod_spec()}
         try:
             pod = await self.kube.create(core_path("pods", ns), body)
         except ApiError as exc:  # webhook down (failurePolicy Fail), apiserver restarting...

@@ -24,7 +24,15 @@ the soak checks the invariants. What each fault is:
 - `pod-mid-allocation`: a MIG pod is created and deleted 0-2 s later, while it is gated,
   being placed or having its slices made;
 - `namespace-deleted`: one of the churn's namespaces is deleted with everything in it; the
-  churn carries on in a fresh one.
+  churn carries on in a fresh one;
+- `rollback-fail`: on one node the next create of a compute instance fails and so do the
+  next two GPU-instance destroys: a create whose rollback NVML refuses twice (the agent's
+  own and garbage collection's first retry) must still end `Failed`, nothing leaked;
+- `same-name-gap`: a watch gap hides the replacement of a pod by a same-name one: the
+  webhook and agent processes are frozen (SIGSTOP), kube-apiserver restarts (their watches
+  break; resuming from a version the new apiserver's cache lacks means a re-list), a churn
+  pod is deleted and a pod of the same name (no MIG request, so admission, in the frozen
+  process, is not asked) created, and the processes thawed. The old UID must be released.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import os
 import random
+import signal
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
@@ -68,6 +78,8 @@ WEIGHTS: dict[str, int] = {
     "node-not-ready": 2,
     "node-deleted": 1,
     "namespace-deleted": 1,
+    "rollback-fail": 2,
+    "same-name-gap": 1,
 }
 
 
@@ -86,7 +98,7 @@ class Churn(Protocol):
 
     namespaces: list[str]
 
-    async def create_pod(self, ns: str, *, why: str) -> Obj | None: ...
+    async def create_pod(self, ns: str, *, why: str, name: str = "") -> Obj | None: ...
 
     async def replace_namespace(self, ns: str) -> None: ...
 
@@ -179,6 +191,8 @@ class Faults:
             "node-deleted": lambda: self._node_deleted(node),
             "pod-mid-allocation": self._pod_mid_allocation,
             "namespace-deleted": self._namespace_deleted,
+            "rollback-fail": lambda: self._rollback_fail(node),
+            "same-name-gap": self._same_name_gap,
         }
         try:
             await fn[kind]()
@@ -268,6 +282,14 @@ class Faults:
         rec = self._start("nvml-fail", node, f"next {count} {op} fail with NVML error {code}")
         await asyncio.to_thread(self._emu(node).fail_next, op, code, count)  # type: ignore[arg-type]
         self._end(rec)  # armed; the agent meets it on its next calls
+
+    async def _rollback_fail(self, node: str) -> None:
+        code = self.rng.choice(NVML_CODES)
+        rec = self._start("rollback-fail", node, f"next create_ci, then 2 destroy_gi: error {code}")
+        emu = self._emu(node)
+        await asyncio.to_thread(emu.fail_next, "create_ci", code, 1)
+        await asyncio.to_thread(emu.fail_next, "destroy_gi", code, 2)
+        self._end(rec)  # armed; the agent meets it on its next create
 
     async def _nvml_slow(self, node: str, hold: float) -> None:
         with self._claim("nvml-slow", f"nvml/{node}") as ok:
@@ -375,6 +397,48 @@ class Faults:
         await asyncio.sleep(delay)
         await self.kube.delete_ignore_missing(core_path("pods", ns, name))
         self._end(rec)
+
+    async def _same_name_gap(self) -> None:
+        with self._claim("same-name-gap", "processes") as ok:
+            if not ok:
+                return
+            ns = self.rng.choice(self.churn.namespaces)
+            name = f"same-{self.rng.randrange(10**6)}"
+            if await self.churn.create_pod(ns, why="same-name", name=name) is None:
+                return
+            await asyncio.sleep(self.rng.uniform(0.5, 3.0))  # being placed, or placed
+            rec = self._start("same-name-gap", f"{ns}/{name}")
+            frozen = [self.system.processes[p] for p in ("webhook", "nodeagent")]
+            for proc in frozen:
+                os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                self.system.cp.restart("kube-apiserver", wait=False)
+                deadline = time.monotonic() + 120
+                while not await asyncio.to_thread(self.system.cp.ready):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("kube-apiserver did not come back within 120 s")
+                    await asyncio.sleep(0.5)
+                await self.kube.delete_ignore_missing(
+                    core_path("pods", ns, name), gracePeriodSeconds=0
+                )
+                for _ in range(40):  # the same name again, once the old object is gone
+                    with contextlib.suppress(ApiError):
+                        await self.kube.get(core_path("pods", ns, name))
+                        await asyncio.sleep(0.25)
+                        continue
+                    break
+                # a pod with no MIG request: admission (the frozen webhook process) is not
+                # asked, and the allocator's re-list finds another UID under the old name
+                plain = {"metadata": {"name": name, "labels": {"why": "same-name"}},
+                         "spec": {"containers": [{"name": "main", "image": "busybox"}],
+                                  "terminationGracePeriodSeconds": 0}}  # fmt: skip
+                with contextlib.suppress(ApiError):
+                    await self.kube.create(core_path("pods", ns), plain)
+            finally:
+                for proc in frozen:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGCONT)
+            self._end(rec)
 
     async def _namespace_deleted(self) -> None:
         if len(self.churn.namespaces) < 2:

@@ -6,7 +6,7 @@ instances the NVML emulator really holds (its state files, `EmulatorControl`), a
 spec files on each node. `collect()` gathers it; every check is a pure function of a
 `Truth`, so the chaos soak (bench/chaos.py), its quick test and the e2e tests share them.
 
-The invariants (CONTRACT.md §3-4, docs/protocol.md "Occupancy truth"):
+The invariants (docs/contract.md §3-4, docs/protocol.md "Occupancy truth"):
 
 - double booking (at any moment): no two live SliceAllocations — in any phase, including
   ones being deleted — overlap in memory slots on one GPU, nor name the same MIG UUID; and

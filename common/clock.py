@@ -85,6 +85,17 @@ async def stoppable(coro: Coroutine[Any, Any, None], name: str) -> None:
         await cancel_until_done([task])
 
 
+def monotonic_at(clock: Clock, stamp: str | None) -> float:
+    """A wall-clock Kubernetes time (a creation or renewal time) on `clock`'s monotonic
+    scale: for objects found by an initial list, whose changes nobody saw happen. Now when
+    the stamp is absent, unreadable or in the future."""
+    now = clock.monotonic()
+    when = parse_time(stamp)
+    if when is None:
+        return now
+    return now - max(0.0, (clock.wall() - when).total_seconds())
+
+
 def kube_time(moment: dt.datetime | None = None) -> str:
     """Kubernetes Time: RFC 3339 to the second, always UTC (`...Z`); now by default."""
     return (moment or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

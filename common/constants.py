@@ -4,6 +4,7 @@ Every annotation key, label, gate, resource prefix and API coordinate that more 
 module uses lives here, so a misspelling is a NameError rather than a silent mismatch.
 """
 
+import enum
 from typing import Final
 
 GROUP: Final = "instaslice.io"
@@ -20,6 +21,15 @@ NVIDIA_MIG_PREFIX: Final = "nvidia.com/mig-"
 INSTASLICE_MIG_PREFIX: Final = "instaslice.io/mig-"
 CDI_KIND: Final = "instaslice.io/mig"
 VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"
+
+
+class BindingMode(enum.StrEnum):
+    """How a container reaches its CDI device (docs/contract.md §4); the webhook and the node
+    agents must run with the same one (`--binding-mode`)."""
+
+    ENV = "env"  # the webhook sets NVIDIA_VISIBLE_DEVICES to the qualified CDI device name
+    DEVICE_PLUGIN = "device-plugin"  # the node agent's device plugin answers Allocate
+
 
 # Objects.
 SLICE_ALLOCATION_KIND: Final = "SliceAllocation"
@@ -40,7 +50,7 @@ LEASE_API_VERSION: Final = "coordination.k8s.io/v1"
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"
 GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
 
-# Event reasons (CONTRACT.md §4).
+# Event reasons (docs/contract.md §4).
 REASON_ALLOCATED: Final = "SliceAllocated"
 REASON_READY: Final = "SliceReady"
 REASON_RELEASED: Final = "SliceReleased"

@@ -111,11 +111,16 @@ class Kube:
         harden(api)
 
     @classmethod
-    async def connect(cls, kubeconfig: str | None = None, *, qps_pool: int = 64) -> Kube:
-        """From a kubeconfig file, or the in-cluster service account when None."""
+    async def connect(
+        cls, kubeconfig: str | None = None, *, qps_pool: int = 64, context: str | None = None
+    ) -> Kube:
+        """From a kubeconfig file (its current context, or `context`), or the in-cluster
+        service account when None."""
         cfg = k8s_client.Configuration()
         if kubeconfig:
-            await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+            await k8s_config.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=cfg
+            )
         else:
             k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         cfg.connection_pool_maxsize = qps_pool

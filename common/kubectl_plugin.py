@@ -2,23 +2,31 @@
 
 `kubectl instaslice nodes` draws each GPU's memory slots and which pod holds which;
 `kubectl instaslice pods` lists allocations with node, GPU, profile, placement, MIG UUID and
-phase. Reads only MigNodes and SliceAllocations, so it works against any cluster running
-InstaSlice with read access to those. Rendering is pure (tested without a cluster); the
-shell around it fetches two lists.
+phase (`-n NS` one namespace, which is all a tenant may read; `-A` or nothing: all);
+`-o json|yaml` prints the same rows as data; `--context` picks the kubeconfig context;
+`kubectl instaslice gather` packs what a bug report needs (common/gather.py). `nodes` and
+`pods` read only MigNodes and SliceAllocations. Rendering is pure (tested without a cluster);
+the shell around it fetches two lists.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import shutil
 import string
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from common.allocation import SliceAllocation
+from common.gather import gather, kubectl_runner
 from common.kubeapi import ApiError, Kube, Obj, instaslice_path
 
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
@@ -85,38 +93,101 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     return "\n".join(lines)
 
 
-def render_pods(allocations: Sequence[Obj]) -> str:
-    rows = [("NAMESPACE", "POD", "NODE", "GPU", "PROFILE", "PLACEMENT", "MIG UUID", "PHASE")]
+def pod_rows(allocations: Sequence[Obj]) -> list[dict[str, str]]:
+    """One row per slice: what `pods` prints, as data."""
+    rows = []
     parsed = sorted(
         map(SliceAllocation.parse, allocations), key=lambda a: (a.namespace, a.pod_name)
     )
     for a in parsed:
         done = a.status_slices
         for i, s in enumerate(a.slices):
-            mig = str(done[i].get("migUUID", "-")) if i < len(done) else "-"
-            gpu = s.gpu_index if s.gpu_index is not None else s.gpu_uuid or "?"
             rows.append(
-                (
-                    a.namespace,
-                    f"{a.pod_name or '?'}/{s.container}",
-                    a.node or "?",
-                    str(gpu),
-                    s.profile,
-                    f"{s.start}:{s.size}",
-                    mig,
-                    a.phase,
-                )
+                {
+                    "namespace": a.namespace,
+                    "pod": a.pod_name or "?",
+                    "container": s.container,
+                    "node": a.node or "?",
+                    "gpu": str(s.gpu_index if s.gpu_index is not None else s.gpu_uuid or "?"),
+                    "profile": s.profile,
+                    "placement": f"{s.start}:{s.size}",
+                    "migUUID": str(done[i].get("migUUID", "-")) if i < len(done) else "-",
+                    "phase": a.phase,
+                    "claim": a.name,
+                }
             )
+    return rows
+
+
+def render_pods(allocations: Sequence[Obj]) -> str:
+    rows = [("NAMESPACE", "POD", "NODE", "GPU", "PROFILE", "PLACEMENT", "MIG UUID", "PHASE")]
+    for r in pod_rows(allocations):
+        rows.append(
+            (
+                r["namespace"],
+                f"{r['pod']}/{r['container']}",
+                r["node"],
+                r["gpu"],
+                r["profile"],
+                r["placement"],
+                r["migUUID"],
+                r["phase"],
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join(
         "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
     )
 
 
-async def _fetch(kubeconfig: str | None, namespace: str | None) -> tuple[list[Obj], list[Obj]]:
-    async with await Kube.connect(kubeconfig) as kube:
+def gpu_rows(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> list[dict[str, Any]]:
+    """One row per GPU: what `nodes` draws, as data (slices held by live allocations, and
+    instances no live allocation holds under `unclaimed`)."""
+    holders = _holders_by_gpu(allocations)
+    live = {a["metadata"].get("name") for a in allocations}
+    rows = []
+    for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
+        for gpu in mn.get("status", {}).get("gpus", []):
+            rows.append(
+                {
+                    "node": mn["metadata"]["name"],
+                    "gpu": gpu.get("index"),
+                    "uuid": gpu.get("uuid", ""),
+                    "model": gpu.get("model", ""),
+                    "migMode": gpu.get("migMode", {}),
+                    "healthy": bool(gpu.get("healthy", False)),
+                    "slices": [
+                        {
+                            "pod": h.key,
+                            "profile": h.profile,
+                            "start": h.start,
+                            "size": h.size,
+                            "phase": h.phase,
+                        }
+                        for h in holders.get(gpu.get("uuid", ""), [])
+                    ],
+                    "unclaimed": [
+                        {"profile": i.get("profile", ""), "start": i["start"], "size": i["size"]}
+                        for i in gpu.get("slices", [])
+                        if i.get("claim") not in live
+                    ],
+                }
+            )
+    return rows
+
+
+def dump(rows: Sequence[Any], output: str) -> str:
+    if output == "json":
+        return json.dumps(list(rows), indent=2)
+    return yaml.safe_dump(list(rows), sort_keys=False).rstrip()
+
+
+async def _fetch(
+    kubeconfig: str | None, context: str | None, namespace: str | None
+) -> tuple[list[Obj], list[Obj]]:
+    async with await Kube.connect(kubeconfig, context=context) as kube:
         allocs = await kube.list(instaslice_path("sliceallocations", namespace))
-        nodes = await kube.list(instaslice_path("mignodes"))
+        nodes = await kube.list(instaslice_path("mignodes")) if namespace is None else {}
     return nodes.get("items", []), allocs.get("items", [])
 
 
@@ -128,20 +199,51 @@ def _default_kubeconfig() -> str | None:
     return str(home) if home.exists() else None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubectl instaslice", description=__doc__)
+    parser.add_argument("what", choices=["nodes", "pods", "gather"])
     parser.add_argument("--kubeconfig", default=None)
-    parser.add_argument("-n", "--namespace", default=None, help="pods: only this namespace")
-    parser.add_argument("what", choices=["nodes", "pods"])
-    args = parser.parse_args(argv)
+    parser.add_argument("--context", default=None, help="kubeconfig context (default: current)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", default=None, help="pods: only this namespace")
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="pods: every namespace (default)"
+    )
+    parser.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
+    parser.add_argument("--dest", type=Path, default=None, help="gather: the archive to write")
+    parser.add_argument("--tail", type=int, default=2000, help="gather: log lines per pod")
+    parser.add_argument(
+        "--kubectl", default=None, help="gather: the kubectl to run (default: on PATH)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    kubeconfig = args.kubeconfig or _default_kubeconfig()
+    if args.what == "gather":
+        kubectl = args.kubectl or shutil.which("kubectl") or shutil.which("oc")
+        if kubectl is None:
+            print("error: gather needs kubectl (or oc) on PATH, or --kubectl", file=sys.stderr)
+            return 1
+        run = kubectl_runner(kubectl, args.kubeconfig, args.context)
+        print(gather(run, args.dest, tail=args.tail))
+        return 0
+    namespace = None if args.all_namespaces else args.namespace
+    if args.what == "nodes" and namespace is not None:
+        print("error: nodes are cluster-wide; -n applies to pods", file=sys.stderr)
+        return 2
     try:
-        mignodes, allocs = asyncio.run(
-            _fetch(args.kubeconfig or _default_kubeconfig(), args.namespace)
-        )
+        mignodes, allocs = asyncio.run(_fetch(kubeconfig, args.context, namespace))
     except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        hint = "" if namespace or exc.status != 403 else " (a tenant: try -n <namespace>)"
+        print(f"error: {exc}{hint}", file=sys.stderr)
         return 1
-    print(render_nodes(mignodes, allocs) if args.what == "nodes" else render_pods(allocs))
+    if args.output != "text":
+        rows = gpu_rows(mignodes, allocs) if args.what == "nodes" else pod_rows(allocs)
+        print(dump(rows, args.output))
+    else:
+        print(render_nodes(mignodes, allocs) if args.what == "nodes" else render_pods(allocs))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Wire shapes of InstaSlice's objects (CONTRACT.md §3) and small builders/readers.
+"""Wire shapes of InstaSlice's objects (docs/contract.md §3) and small builders/readers.
 
 TypedDicts describe the JSON as it travels; the CRD schemas in manifests/base/crds are the
 validating source of truth. The SliceAllocation model (parse and build) is common.allocation.

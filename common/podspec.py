@@ -3,7 +3,7 @@
 The webhook validates and rewrites what users write (`nvidia.com/mig-*`); everything after
 admission (allocator, node agent, kubectl plugin) reads the rewritten pod, whose slice asks
 are the `instaslice.io/mig-*` limits of its containers and initContainers. Ephemeral
-containers never get slices (CONTRACT.md §1) and are never read here.
+containers never get slices (docs/contract.md §1) and are never read here.
 
 Counts are Kubernetes quantities; only plain positive integers ("1", "2") are slice counts.
 The webhook refuses anything else at admission, so after admission `slice_requests` raising

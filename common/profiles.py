@@ -2,7 +2,7 @@
 
 Grammar (go-nvlib `mig_profile.go`): `[<C>c.]<G>g.<M>gb[+me|+me.all|+gfx|-me]`.
 Resource names cannot hold `+`, so in `nvidia.com/mig-*` / `instaslice.io/mig-*` the `+`
-becomes a dot: `1g.18gb+me` ⇄ `nvidia.com/mig-1g.18gb.me` (CONTRACT.md §1). `-me` is legal
+becomes a dot: `1g.18gb+me` ⇄ `nvidia.com/mig-1g.18gb.me` (docs/contract.md §1). `-me` is legal
 in resource names and kept as is.
 """
 

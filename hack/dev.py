@@ -1,7 +1,7 @@
 """`make dev-up` / `make dev-down`: the whole InstaSlice system on the local control plane.
 
 `DevSystem.up()` = control plane (reused when alive) + InstaSlice's CRDs, namespace, RBAC and
-admission policies + KWOK GPU nodes from a cluster spec (CONTRACT.md §5) + emulated GPUs per
+admission policies + KWOK GPU nodes from a cluster spec (docs/contract.md §5) + emulated GPUs per
 node (`<dir>/gpus/`) + the webhook/allocator process (as the instaslice-controller
 ServiceAccount, so its RBAC is the real one) + one emulated node-agent process serving every
 node (CDI dirs `<dir>/nodes/<node>/cdi/`), logs under `<dir>/logs/`. The components run as
@@ -11,7 +11,7 @@ with a serving certificate from the cluster CA.
 A `runtime: containerd` group's node is real (hack/cluster/realnode.py: kubelet + containerd
 + runc on this machine, state under `<dir>/realnode/<node>/`); its emulated GPUs get real
 device files, and its node agent runs as its own process, as in a cluster: CDI dir =
-containerd's `cdi_spec_dirs`, `--binding device-plugin` against that kubelet (`env` on request,
+containerd's `cdi_spec_dirs`, `--binding-mode device-plugin` against that kubelet (`env` on request,
 with NVIDIA's runtime as the node's default runtime).
 
 The same class backs the e2e tests, the demo and the benchmarks (each with its own dir).
@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
+from common.constants import BindingMode
 from common.kubeapi import harden
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (
@@ -50,7 +51,6 @@ from hack.cluster.nodes import (
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
 from nodeagent.emulator import provision
-from nodeagent.settings import Binding
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests" / "base"
@@ -91,7 +91,7 @@ class DevSystem:
     agent_args: tuple[str, ...] = ()
     webhook_args: tuple[str, ...] = ()
     real: RealNode | None = None  # the runtime: containerd group's node
-    real_binding: Binding = "device-plugin"
+    real_binding: BindingMode = BindingMode.DEVICE_PLUGIN
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -129,7 +129,7 @@ class DevSystem:
         cluster_settings: ClusterSettings | None = None,
         agent_args: Sequence[str] = (),
         webhook_args: Sequence[str] = (),
-        real_binding: Binding = "device-plugin",
+        real_binding: BindingMode = BindingMode.DEVICE_PLUGIN,
     ) -> DevSystem:
         """Start (or restart the components of) the system of `spec` in `dir`.
 
@@ -246,7 +246,7 @@ class DevSystem:
         self.save()
 
     def start_real_agent(
-        self, *, binding: Binding | None = None, die_with_parent: bool = False
+        self, *, binding: BindingMode | None = None, die_with_parent: bool = False
     ) -> None:
         """The real node's agent: its own process, as a DaemonSet pod would be."""
         assert self.real is not None
@@ -259,7 +259,7 @@ class DevSystem:
             f"--node={self.real.name}",
             f"--cdi-dir={self.real.cdi_dir}",
             f"--dev-root={self.real.dev_root}",
-            f"--binding={self.real_binding}",
+            f"--binding-mode={self.real_binding}",
             f"--kubelet-dir={DEVICE_PLUGIN_DIR}",
             f"--pod-resources-socket={self.real.pod_resources_socket}",
             f"--namespace={NAMESPACE}",
@@ -402,7 +402,7 @@ class DevSystem:
             tuple(st.get("agent_args", ())),
             tuple(st.get("webhook_args", ())),
             RealNode.attach(Path(st["real"])) if st.get("real") else None,
-            st.get("real_binding", "device-plugin"),
+            BindingMode(st.get("real_binding", "device-plugin")),
         )
 
 

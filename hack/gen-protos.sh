@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
-# Generate the kubelet device-plugin (v1beta1) and PodResources (v1) Python gRPC stubs from
-# the .proto files that ship in the k8s.io/kubelet Go module (the version pinned by
-# hack/kube/go.mod's Kubernetes). Output: nodeagent/deviceplugin/_gen/ (git-ignored).
+# Generate the kubelet device-plugin (v1beta1) and PodResources (v1) Python gRPC stubs from the
+# .proto files vendored in third_party/k8s.io/kubelet/ (with their license). The generated code
+# is committed (nodeagent/deviceplugin/_gen/), so builds need neither Go nor protoc; run this
+# (`make protos`) only after changing the vendored protos or the pinned grpcio-tools.
+#
+#   hack/gen-protos.sh [OUT]        # default OUT: nodeagent/deviceplugin/_gen
+#   hack/gen-protos.sh --vendor     # refresh third_party/ from the Go module k8s.io/kubelet
+#                                   # ($KUBELET_VERSION, default below), then generate
+#
 # The protos use gogoproto options, which only affect Go code: they are stripped first.
-# Idempotent: does nothing when the stubs for this version already exist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERSION="${KUBELET_VERSION:-v0.37.2}"
 PY="${PY:-.venv/bin/python}"
-OUT=nodeagent/deviceplugin/_gen
-STAMP="$OUT/.version-$VERSION"
-[[ -f "$STAMP" ]] && exit 0
+VENDOR=third_party/k8s.io/kubelet
+APIS=(deviceplugin/v1beta1 podresources/v1)
 
-DIR=$(GOFLAGS=-mod=mod GOTOOLCHAIN=local go mod download -json "k8s.io/kubelet@$VERSION" |
-  "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+if [[ "${1:-}" == "--vendor" ]]; then
+  VERSION="${KUBELET_VERSION:-v0.37.2}"
+  DIR=$(GOFLAGS=-mod=mod GOTOOLCHAIN=local go mod download -json "k8s.io/kubelet@$VERSION" |
+    "$PY" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  install -m 0644 "$DIR/LICENSE" "$VENDOR/LICENSE"
+  for p in "${APIS[@]}"; do
+    install -D -m 0644 "$DIR/pkg/apis/$p/api.proto" "$VENDOR/pkg/apis/$p/api.proto"
+  done
+  echo "vendored k8s.io/kubelet@$VERSION protos into $VENDOR (update its README.md)"
+  shift
+fi
+
+OUT="${1:-nodeagent/deviceplugin/_gen}"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-for p in deviceplugin/v1beta1 podresources/v1; do
+for p in "${APIS[@]}"; do
   mkdir -p "$TMP/$p"
   # drop the gogoproto import and every [(gogoproto.x) = y, ...] / option (gogoproto.x) = y;
   sed -E -e '/gogoproto\/gogo.proto/d' -e '/^option \(gogoproto\./d' \
-    -e 's/ *\[\(gogoproto\.[^]]*\]//g' "$DIR/pkg/apis/$p/api.proto" >"$TMP/$p/api.proto"
+    -e 's/ *\[\(gogoproto\.[^]]*\]//g' "$VENDOR/pkg/apis/$p/api.proto" >"$TMP/$p/api.proto"
 done
-rm -rf "$OUT" && mkdir -p "$OUT/deviceplugin/v1beta1" "$OUT/podresources/v1"
+rm -rf "$OUT" && mkdir -p "$OUT"
 "$PY" -m grpc_tools.protoc -I "$TMP" --python_out="$OUT" --grpc_python_out="$OUT" \
-  deviceplugin/v1beta1/api.proto podresources/v1/api.proto
+  "${APIS[@]/%//api.proto}"
 # the generated *_pb2_grpc imports `from deviceplugin.v1beta1 import api_pb2`: make it relative
-for p in deviceplugin/v1beta1 podresources/v1; do
+for p in "${APIS[@]}"; do
   sed -i -E "s/^from ${p//\//\\.} import api_pb2/from . import api_pb2/" "$OUT/$p/api_pb2_grpc.py"
   touch "$OUT/${p%%/*}/__init__.py" "$OUT/$p/__init__.py"
 done
-touch "$OUT/__init__.py" "$STAMP"
-echo "generated kubelet gRPC stubs ($VERSION) in $OUT"
+touch "$OUT/__init__.py"
+echo "generated kubelet gRPC stubs in $OUT from $VENDOR"

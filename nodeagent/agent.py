@@ -16,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.clock import Clock, SystemClock
+from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, writes
@@ -31,8 +33,17 @@ from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
-from nodeagent.reconcile import after_reboot, match, orphans
-from nodeagent.report import capacity, capacity_patch, mig_node_status
+from nodeagent.reconcile import after_reboot, match, orphans, vanished_claims
+from nodeagent.report import (
+    CONFLICT_KINDS,
+    capacity,
+    capacity_patch,
+    conflict_condition,
+    conflicts,
+    mig_node_status,
+    stamped,
+    with_condition,
+)
 from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
 
@@ -58,8 +69,17 @@ class NodeAgent:
         synced: asyncio.Event,
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
+        node_conditions: Sequence[Obj] = (),
     ) -> None:
         self.node = node
+        # findings about the node itself (e.g. BaseCdiSpecFound), fixed for the process's life;
+        # published on the MigNode, and each False one told once as a Warning event on it
+        now = kube_time()
+        self.node_conditions = stamped(node_conditions, now)
+        self._startup_conditions = list(self.node_conditions)
+        self._conflicts_checked: float | None = None
+        self._vanished_prev: set[str] = set()
+        self._conditions_told = False
         self.metrics = metrics or AgentMetrics()
         self.kube = kube
         self.gpus = gpus
@@ -177,10 +197,19 @@ class NodeAgent:
             st.foreign,
             version=self.settings.version,
             boot_id=st.boot_id,
+            conditions=self.node_conditions,
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
             self._last_status = status
+            if not self._conditions_told:  # those known at start; later ones tell themselves
+                self._conditions_told = True
+                for c in self._startup_conditions:
+                    if c["status"] == "False":
+                        log.warning(
+                            "node condition", node=self.node, type=c["type"], reason=c["reason"]
+                        )
+                        await writes.mig_node_event(self.kube, self.node, c)
             for g in st.inv.gpus:
                 self.metrics.gpu_healthy.labels(self.node, str(g.index)).set(st.healthy(g.index))
             ours = sum(len(r.slices) for r in st.cp.claims.values())
@@ -253,11 +282,53 @@ class NodeAgent:
                 if await self.life.rollback(rec) and uid in stuck:
                     await self.life.fail_after_gc(rec)
         await self._gc_cdi()
+        scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
-        foreign = match(st.cp, instances).foreign
-        if foreign != st.foreign:
-            st.foreign = foreign
+        own = match(st.cp, instances)
+        if own.foreign != st.foreign:
+            st.foreign = own.foreign
             st.publish.set()
+        self.note_vanished(vanished_claims(st.cp, own, st.is_lost, before=scan_started))
+        now = self.clock.monotonic()
+        period = self.settings.conflict_check_period_s
+        if self._conflicts_checked is None or now - self._conflicts_checked >= period:
+            self._conflicts_checked = now
+            await self.check_conflicts()
+
+    def note_vanished(self, gone: set[str]) -> None:
+        """Ready records whose instances are gone in two scans in a row (the second guards
+        against a scan that raced a change) are marked: their allocation's queue is kicked
+        and lifecycle.verify sets its condition and tells the pod."""
+        st = self.st
+        confirmed = gone & self._vanished_prev
+        self._vanished_prev = gone
+        st.vanished &= set(st.cp.claims)  # released ones are done with
+        for uid in sorted(confirmed - st.vanished):
+            st.vanished.add(uid)
+            log.warning("instances vanished (driver reload or GPU reset?)", claim=uid)
+            self.queue.kick(uid)
+
+    async def check_conflicts(self) -> None:
+        """Another MIG manager on this node (NVIDIA's device plugin, MIG Manager, instances we
+        did not create): the MigNode condition ConflictFree, a Warning event when it turns
+        False, and the conflicts gauge. Checked by the GC pass every conflict_check_period_s
+        (the agent may get, not watch, its Node)."""
+        labels = await writes.node_labels(self.kube, self.node)
+        if labels is None:
+            return
+        found = conflicts(labels, len(self.st.foreign))
+        for kind in CONFLICT_KINDS:
+            self.metrics.conflicts.labels(self.node, kind).set(kind in found)
+        now = kube_time()
+        new = conflict_condition(found, now)
+        old = next((c for c in self.node_conditions if c["type"] == new["type"]), None)
+        if old is not None and (old["status"], old["message"]) == (new["status"], new["message"]):
+            return
+        self.node_conditions = with_condition(self.node_conditions, new)
+        self.st.publish.set()
+        if new["status"] == "False":
+            log.warning("another manager on this node's GPUs", node=self.node, reason=new["reason"])
+            await writes.mig_node_event(self.kube, self.node, new)
 
     async def _gc_cdi(self) -> None:
         """Remove CDI files no allocation owns. A file naming its allocation's UID is kept

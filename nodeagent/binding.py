@@ -1,4 +1,4 @@
-"""How a container gets the CDI device of its slices (CONTRACT.md §4 "Binding modes").
+"""How a container gets the CDI device of its slices (docs/contract.md §4 "Binding modes").
 
 `env`: the webhook already set the container's `NVIDIA_VISIBLE_DEVICES` to its
 fully-qualified CDI device name at admission, and the NVIDIA Container Toolkit (CDI mode)
@@ -25,7 +25,8 @@ class Binding(Protocol):
     async def slices_ready(self, namespace: str, claim: str, devices: Mapping[str, str]) -> None:
         """`devices`: container → fully-qualified CDI device name, now in the spec dir."""
 
-    async def slices_released(self, namespace: str, claim: str) -> None: ...
+    async def slices_released(self, namespace: str, claim: str, uid: str) -> None:
+        """The allocation `uid` of that name was released (a newer one may hold the name)."""
 
 
 class EnvBinding:
@@ -37,5 +38,5 @@ class EnvBinding:
     async def slices_ready(self, namespace: str, claim: str, devices: Mapping[str, str]) -> None:
         return None
 
-    async def slices_released(self, namespace: str, claim: str) -> None:
+    async def slices_released(self, namespace: str, claim: str, uid: str) -> None:
         return None

@@ -63,6 +63,8 @@ log = structlog.get_logger("lifecycle")
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 NOT_OURS = -1  # a GI id no instance has: the slice claims nothing
 REASON_FAILED = "SliceCreateFailed"
+REASON_LOST = "SliceLost"
+SLICES_PRESENT = "SlicesPresent"
 REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
 
@@ -307,7 +309,7 @@ class Lifecycle:
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+        await self.announce(alloc)
         self.st.publish.set()
         if rec.announced:
             return
@@ -338,11 +340,6 @@ class Lifecycle:
             inst = own.found.get((rec.uid, i))
             if inst is not None:
                 await self.destroy(inst)
-
-    @staticmethod
-    def devices(alloc: SliceAllocation) -> dict[str, str]:
-        """Each slice-asking container's qualified CDI device."""
-        return {c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()}
 
     async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> None:
         """Creating failed: roll back, then write Failed. When NVML refuses the rollback, the
@@ -400,18 +397,30 @@ class Lifecycle:
             return None
         return adopted
 
+    async def announce(self, alloc: SliceAllocation) -> None:
+        """Tell the binding the allocation's devices are ready (idempotent). Also on verify,
+        once per process: a restarted agent must still hand a Ready slice to a kubelet that
+        admits its pod later (issue 17 #2; tests/e2e/test_realnode.py on a real kubelet)."""
+        devices = {
+            c: qualified_cdi_device(alloc.namespace, alloc.name, c) for c in alloc.containers()
+        }
+        await self.binding.slices_ready(alloc.namespace, alloc.name, devices)
+
     # ---- verify (Ready) -----------------------------------------------------------------------
 
     async def verify(self, alloc: SliceAllocation) -> None:
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
+            if alloc.uid in self.st.vanished:
+                await self.mark_vanished(alloc)
+                return
             on_disk = await asyncio.to_thread(cdi.spec_uid, self.cdi_dir, rec.namespace, rec.name)
             if on_disk != rec.uid:  # missing, written before specs carried UIDs, or another's
                 log.warning("CDI file missing or not this allocation's; rewriting",
                             claim=alloc.key, found_uid=on_disk)  # fmt: skip
                 await self.write_cdi(rec)
             if not rec.announced:  # made by an earlier process: tell the binding again
-                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                await self.announce(alloc)
                 self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
@@ -432,12 +441,38 @@ class Lifecycle:
                 self.st.put(rec)
                 await self.st.persist(durable=True)  # the record is now the only proof
                 await self.write_cdi(rec)
-                await self.binding.slices_ready(alloc.namespace, alloc.name, self.devices(alloc))
+                await self.announce(alloc)
                 self.st.put(replace(rec, announced=True))
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)
                 return
         await self.create(alloc, "slices vanished from the GPU; re-creating")
+
+    async def mark_vanished(self, alloc: SliceAllocation) -> None:
+        """The allocation's instances are gone while its pod runs (agent.note_vanished): say
+        so on the allocation (condition SlicesPresent=False) and to the pod, once. Nothing is
+        re-created under a running pod (its processes lost the device; new instances would
+        have new MIG UUIDs); the reservation stays until the pod goes, and release treats the
+        missing instances as destroyed."""
+        if any(
+            c.get("type") == SLICES_PRESENT and c.get("status") == "False"
+            for c in self.conditions(alloc)
+        ):
+            return
+        msg = (
+            f"the MIG instances of this allocation vanished from node {self.st.node} "
+            "(a driver reload or GPU reset); the pod cannot use its slices: delete it "
+            "(or let its controller replace it) to get new ones"
+        )
+        cond = condition(SLICES_PRESENT, False, "InstancesVanished", msg, kube_time())
+        body: cdi.Obj = {
+            "status": {"conditions": with_condition(self.conditions(alloc), cond), "message": msg}
+        }
+        await self.status(alloc, body)
+        await writes.event(
+            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_LOST, msg,
+            warning=True,
+        )  # fmt: skip
 
     async def sync_health(self, alloc: SliceAllocation, rec: ClaimRecord) -> None:
         """Keep the allocation's GPUHealthy condition in line with its GPUs' health."""
@@ -479,7 +514,7 @@ class Lifecycle:
         self.st.drop(uid)
         await self.st.persist()
         self.st.publish.set()
-        await self.binding.slices_released(alloc.namespace, alloc.name)
+        await self.binding.slices_released(alloc.namespace, alloc.name, uid)
         dropped = alloc.has_finalizer and await writes.drop_finalizer(
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
         )

@@ -1,8 +1,8 @@
-"""`instaslice-nodeagent`: the node daemon's entry point (CONTRACT.md §6).
+"""`instaslice-nodeagent`: the node daemon's entry point (docs/contract.md §6).
 
     instaslice-nodeagent [--kubeconfig PATH] (--node NAME | --nodes a,b,c)
         [--emulate --emu-state DIR] [--cdi-dir DIR | --cdi-root DIR] [--state-dir DIR]
-        [--namespace NS] [--binding env|device-plugin] [--discover-only [--output text|json]]
+        [--namespace NS] [--binding-mode env|device-plugin] [--discover-only [--output text|json]]
         [--gc-grace-s S] ...
 
 Wiring only: parse settings, pick the NVML module (real `pynvml`, or one `EmulatedNvml` per
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -29,7 +30,7 @@ import structlog
 
 from common.catalog import load_catalog
 from common.clock import stoppable
-from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL
+from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
@@ -38,17 +39,20 @@ from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
-from nodeagent.report import capacity
-from nodeagent.settings import DEFAULT_NVIDIA_CDI_SPECS, Settings
+from nodeagent.report import base_spec_condition, capacity, slice_info
+from nodeagent.settings import Settings
 
 log = structlog.get_logger("nodeagent")
 MAX_IN_SELECTOR = 100
 # Threads for the NVML calls of a process serving many emulated nodes: enough that emulated
 # create/destroy latencies (sleeps) on different nodes overlap, few enough not to thrash the GIL.
 SHARED_NVML_THREADS = 32
+# (node, driver version, GPU minors) -> device numbering, base NVIDIA CDI spec, its condition
+CdiFacts = Callable[[str, str, Sequence[int]], tuple[cdi.DeviceNumbers, Obj | None, Obj]]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; docs/configuration.md documents every flag (tests/unit/test_docs.py)."""
     p = argparse.ArgumentParser(
         prog="instaslice-nodeagent",
         description="InstaSlice node agent: creates and destroys MIG slices for the "
@@ -70,10 +74,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
     )
     p.add_argument("--namespace", default="instaslice-system", help="namespace of the Leases")
     p.add_argument(
-        "--binding",
-        choices=("env", "device-plugin"),
-        default="env",
-        help="how a container gets its slice (docs/binding.md); the DaemonSet sets device-plugin",
+        "--binding-mode",
+        "--binding",  # the older spelling; --binding-mode is the webhook's too
+        dest="binding",
+        choices=[m.value for m in BindingMode],
+        default=BindingMode.ENV.value,
+        help="how a container gets its slice (docs/binding.md); must match the webhook's "
+        "--binding-mode (the manifests set both from the ConfigMap instaslice-config)",
     )
     p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
     p.add_argument(
@@ -100,8 +107,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
     p.add_argument(
         "--nvidia-cdi-spec",
         type=Path,
-        help="the node's NVIDIA CDI spec (default /var/run/cdi/nvidia.yaml, then "
-        "/etc/cdi/nvidia.yaml; generated under --emulate)",
+        help="the node's NVIDIA CDI spec (default: the first that exists of "
+        "/var/run/cdi/nvidia.yaml, /etc/cdi/nvidia.yaml, "
+        "/var/run/cdi/management.nvidia.com-gpu.yaml; generated under --emulate)",
     )
     p.add_argument("--mig-minors", type=Path, default=Path("/proc/driver/nvidia-caps/mig-minors"))
     p.add_argument(
@@ -117,6 +125,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         help="serve /metrics, /healthz and /readyz on this port (0: off)",
     )
     p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.nodes:
         nodes = tuple(n.strip() for n in a.nodes.split(",") if n.strip())
@@ -128,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
     if len(nodes) > 1 and not a.emulate:
         p.error("--nodes with more than one node needs --emulate (one real node per process)")
     if a.binding == "device-plugin" and len(nodes) > 1:
-        p.error("--binding device-plugin serves one node's kubelet: pass one --node")
+        p.error("--binding-mode device-plugin serves one node's kubelet: pass one --node")
     if a.emulate and a.emu_state is None:
         p.error("--emulate needs --emu-state DIR")
     if a.dev_root is not None and not a.emulate:
@@ -144,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         cdi_root=a.cdi_root,
         state_dir=a.state_dir,
         namespace=a.namespace,
-        binding=a.binding,
+        binding=BindingMode(a.binding),
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
@@ -200,10 +213,10 @@ def boot_id_factory(settings: Settings) -> Callable[[str], str]:
 
 def host_cdi_facts(
     settings: Settings, node: str, driver: str, gpu_minors: Sequence[int]
-) -> tuple[cdi.DeviceNumbers, Obj | None]:
-    """Device numbering and the base NVIDIA CDI spec for one node. Under --emulate the base
-    spec is generated once into the state dir (`<node>.nvidia-cdi.json`) and read back like
-    a real one."""
+) -> tuple[cdi.DeviceNumbers, Obj | None, Obj]:
+    """Device numbering, the base NVIDIA CDI spec for one node, and the MigNode condition
+    saying where it came from (or that none was found). Under --emulate the base spec is
+    generated once into the state dir (`<node>.nvidia-cdi.json`) and read back like a real one."""
     if settings.emulate:
         path = settings.nvidia_cdi_spec or settings.checkpoint_path(node).with_name(
             f"{node}.nvidia-cdi.json"
@@ -211,20 +224,29 @@ def host_cdi_facts(
         if not path.exists():
             spec = cdi.fake_nvidia_spec(driver or "580.159.04", gpu_minors, settings.dev_root)
             cdi.write_json_atomic(path, spec)
-        return cdi.DeviceNumbers.emulated(settings.dev_root), cdi.load_base_spec(path)
+        numbers = cdi.DeviceNumbers.emulated(settings.dev_root)
+        return numbers, cdi.load_base_spec(path), base_spec_condition(path, [])
     numbers = cdi.DeviceNumbers.from_host(settings.mig_minors, settings.proc_devices)
-    candidates = (
-        [settings.nvidia_cdi_spec] if settings.nvidia_cdi_spec else DEFAULT_NVIDIA_CDI_SPECS
-    )
+    candidates = (settings.nvidia_cdi_spec,) if settings.nvidia_cdi_spec else settings.cdi_specs
+    return (numbers, *find_base_spec(candidates))
+
+
+def find_base_spec(candidates: Sequence[Path]) -> tuple[Obj | None, Obj]:
+    """The first of `candidates` that exists, read, and the MigNode condition telling which
+    (or that none did: then an error is logged too, and the agent raises an event)."""
     for path in candidates:
-        if path is not None and path.exists():
-            return numbers, cdi.load_base_spec(path)
+        if path.exists():
+            return cdi.load_base_spec(path), base_spec_condition(path, candidates)
     log.error(
         "no NVIDIA CDI spec found: slices get device nodes but no driver mounts/hooks; "
-        "run `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml`",
+        "run `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml` (docs/install.md)",
         tried=[str(c) for c in candidates],
     )
-    return numbers, None
+    return None, base_spec_condition(None, candidates)
+
+
+def _slice_info(agent: NodeAgent) -> list[tuple[str, ...]]:
+    return slice_info(agent.node, agent.st.allocs.values())
 
 
 def selector(nodes: Sequence[str]) -> str:
@@ -243,9 +265,13 @@ async def serve(
     *,
     nvml_for: Callable[[str], NvmlModule] | None = None,
     boot_id_for: Callable[[str], str] | None = None,
+    cdi_facts_for: CdiFacts | None = None,
     started: Callable[[dict[str, NodeAgent]], None] | None = None,
 ) -> None:
-    """Run the agents of `settings.nodes` until cancelled."""
+    """Run the agents of `settings.nodes` until cancelled. `nvml_for`, `boot_id_for` and
+    `cdi_facts_for` (node, driver version, GPU minors → `host_cdi_facts`' answer) replace
+    the host's for tests."""
+    cdi_facts_for = cdi_facts_for or functools.partial(host_cdi_facts, settings)
     catalog = load_catalog()
     nvml_for = nvml_for or nvml_factory(settings)
     boot_id_for = boot_id_for or boot_id_factory(settings)
@@ -292,8 +318,8 @@ async def serve(
                 )
                 driver = await gpus.call(gpus.s.call, "nvmlSystemGetDriverVersion")
                 count = await gpus.call(gpus.s.call, "nvmlDeviceGetCount")
-                numbers, base = await asyncio.to_thread(
-                    host_cdi_facts, settings, node, str(driver), range(int(count))
+                numbers, base, base_condition = await asyncio.to_thread(
+                    cdi_facts_for, node, str(driver), range(int(count))
                 )
                 agents[node] = NodeAgent(
                     node=node,
@@ -304,12 +330,15 @@ async def serve(
                     boot_id=await asyncio.to_thread(boot_id_for, node),
                     numbers=numbers,
                     base_spec=base,
+                    node_conditions=[base_condition],
                     binding=binding,
                     health_hub=hub,
                     synced=informer.synced,
                     metrics=metrics,
                 )
 
+            for agent in agents.values():  # read when scraped: the agent's live view
+                metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
                 plugin.attach(lambda: capacity(a.st.inv, a.st.health), lambda: a.st.allocs.values())

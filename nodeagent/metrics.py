@@ -8,7 +8,7 @@ SliceAllocation informer listed once). Tests build their own `AgentMetrics`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -21,9 +21,35 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from nodeagent.report import SLICE_INFO_LABELS
+
+SliceSource = Callable[[], Iterable[Sequence[str]]]
 
 # GI+CI creation: milliseconds in the emulator, around a second on hardware (mig.md §5).
 CREATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class SliceInfo(Collector):
+    """`instaslice_slice_info`, computed when scraped from each node's live view (so it never
+    outlives a slice): one series per slice of a Ready allocation, value 1."""
+
+    def __init__(self) -> None:
+        self.sources: list[SliceSource] = []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "instaslice_slice_info",
+            "One series per MIG slice of a Ready allocation (value 1): which pod and container "
+            "hold which MIG device; join DCGM exporter's series on gpu_uuid and gi_id.",
+            labels=SLICE_INFO_LABELS,
+        )
+        for source in self.sources:
+            for labels in source():
+                family.add_metric(list(labels), 1.0)
+        yield family
 
 
 @dataclass
@@ -31,6 +57,8 @@ class AgentMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
+        self.slice_info = SliceInfo()
+        self.registry.register(self.slice_info)
         self.creates = Counter(
             "instaslice_nodeagent_creates",
             "Allocations whose slices were created, by result (ready, failed).",
@@ -60,6 +88,13 @@ class AgentMetrics:
             "instaslice_nodeagent_gpu_healthy",
             "1 while the GPU is healthy, 0 after an XID or GPU-lost event.",
             ["node", "gpu"],
+            registry=self.registry,
+        )
+        self.conflicts = Gauge(
+            "instaslice_nodeagent_conflicts",
+            "1 while something else manages this node's GPUs too, by kind (device_plugin, "
+            "mig_manager, foreign_instances); the MigNode's ConflictFree condition says why.",
+            ["node", "kind"],
             registry=self.registry,
         )
         self.slices = Gauge(

@@ -16,7 +16,7 @@ The rules (docs/nodeagent.md "Checkpoint and reconcile"):
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -266,3 +266,21 @@ def orphans(
     seen = {uid: first_seen.get(uid, now) for uid in cp.claims if uid not in live_uids}
     due = sorted(uid for uid, t in seen.items() if now - t >= grace_s)
     return due, seen
+
+
+def vanished_claims(
+    cp: Checkpoint, own: Ownership, is_lost: Callable[[int], bool], *, before: float
+) -> set[str]:
+    """Uids of Ready records (last written before `before`, when the scan began) one of whose
+    made slices has no instance on a GPU that is not lost: a driver reload or GPU reset
+    removed it underneath a running pod (same boot, so after_reboot does not apply)."""
+    return {
+        rec.uid
+        for rec in cp.claims.values()
+        if rec.state == "ready"
+        and rec.updated < before
+        and any(
+            s.done and not is_lost(s.gpu_index) and (rec.uid, i) not in own.found
+            for i, s in enumerate(rec.slices)
+        )
+    }

@@ -1,19 +1,27 @@
 """What the agent publishes, built as data: MigNode status, Node capacity, allocation status.
 
 Pure functions of the inventory, health, records and foreign instances. The agent compares
-the result with what it last wrote and writes only on change (CONTRACT.md §3).
+the result with what it last wrote and writes only on change (docs/contract.md §3).
 
-Node capacity is the fixed upper bound of CONTRACT.md §3: for each profile, the sum of its
+Node capacity is the fixed upper bound of docs/contract.md §3: for each profile, the sum of its
 maximum instance count over the node's healthy GPUs in MIG mode, never "currently free".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from common.allocation import SliceAllocation
 from common.constants import INSTASLICE_MIG_PREFIX
-from common.objects import GpuStatus, MigProfileStatus, MigSliceStatus, Phase, SliceStatus
+from common.objects import (
+    GpuStatus,
+    MigProfileStatus,
+    MigSliceStatus,
+    Phase,
+    SliceStatus,
+)
 from common.profiles import ProfileNameError, instaslice_resource
 from nodeagent.checkpoint import Checkpoint
 from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
@@ -89,6 +97,7 @@ def mig_node_status(
     *,
     version: str,
     boot_id: str,
+    conditions: Sequence[Obj] = (),
 ) -> Obj:
     claimed = claimed_slices(cp)
     gpus = [
@@ -100,11 +109,46 @@ def mig_node_status(
         )
         for g in inv.gpus
     ]
-    return {
+    out: Obj = {
         "gpuCount": len(gpus),
         "agent": {"version": version, "bootID": boot_id},
         "gpus": gpus,
     }
+    if conditions:
+        out["conditions"] = sorted(conditions, key=lambda c: str(c["type"]))
+    return out
+
+
+# --- MigNode conditions: node-level findings an administrator must act on --------------------
+
+BASE_CDI_SPEC = "BaseCdiSpecFound"
+
+
+def base_spec_condition(found: Path | None, tried: Sequence[Path]) -> Obj:
+    """Where the node's NVIDIA CDI spec came from, or that none of `tried` exists. Without it
+    every slice's CDI spec lacks the driver's libraries and hooks: containers start but CUDA
+    finds no driver. No timestamp here: the agent stamps it once (`stamped`)."""
+    if found is not None:
+        return {
+            "type": BASE_CDI_SPEC,
+            "status": "True",
+            "reason": "Found",
+            "message": f"driver mounts and hooks copied from {found}",
+        }
+    return {
+        "type": BASE_CDI_SPEC,
+        "status": "False",
+        "reason": "BaseCdiSpecNotFound",
+        "message": "no NVIDIA CDI spec at "
+        + ", ".join(str(t) for t in tried)
+        + ": containers get their slices' device nodes but no driver libraries or hooks."
+        " Generate one (nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml), enable"
+        " CDI in the GPU Operator (cdi.enabled=true), or pass --nvidia-cdi-spec",
+    }
+
+
+def stamped(conditions: Sequence[Obj], now: str) -> list[Obj]:
+    return [{**c, "lastTransitionTime": c.get("lastTransitionTime", now)} for c in conditions]
 
 
 def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
@@ -206,3 +250,79 @@ def gpu_condition(health: Mapping[int, Health], gpu_indexes: Sequence[int], now:
         return condition("GPUHealthy", True, "Healthy", "", now)
     msg = "; ".join(f"GPU {i}: {h.message}" for i, h in bad)
     return condition("GPUHealthy", False, "GPUUnhealthy", msg, now)
+
+
+# --- the per-slice info series ---------------------------------------------------------------
+
+SLICE_INFO_LABELS = (
+    "namespace", "pod", "container", "node", "gpu_uuid", "mig_uuid", "gi_id", "profile",
+)  # fmt: skip
+
+
+def slice_info(node: str, allocations: Iterable[Obj]) -> list[tuple[str, ...]]:
+    """Label values of `instaslice_slice_info` (value 1), one per slice of a Ready allocation
+    on `node`, in SLICE_INFO_LABELS order: what lets DCGM exporter's per-GPU-instance series
+    (which cannot name a pod for instaslice.io devices) be joined to the pod holding it."""
+    out = []
+    for a in map(SliceAllocation.parse, allocations):
+        if a.node != node or a.phase != Phase.READY:
+            continue
+        done = a.status_slices
+        for i, s in enumerate(a.slices):
+            st = done[i] if i < len(done) else {}
+            gi = st.get("giID")
+            mig = str(st.get("migUUID", ""))
+            gi_id = "" if gi is None else str(gi)
+            out.append(
+                (a.namespace, a.pod_name, s.container, node, s.gpu_uuid, mig, gi_id, s.profile)
+            )
+    return sorted(out)
+
+
+# --- conflicts: another MIG manager on a node InstaSlice manages -------------------------------
+
+CONFLICT_FREE = "ConflictFree"
+DEPLOY_DEVICE_PLUGIN = "nvidia.com/gpu.deploy.device-plugin"
+DEPLOY_MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
+MIG_CONFIG = "nvidia.com/mig.config"
+# MIG Manager configs that only switch MIG mode (with MIG_PARTED_MODE_CHANGE_ONLY=true, or
+# because they define no instances): compatible with InstaSlice (docs/install.md)
+MODE_ONLY_MIG_CONFIGS = frozenset({"all-enabled", "all-disabled"})
+CONFLICT_KINDS = ("device_plugin", "mig_manager", "foreign_instances")
+
+
+def conflicts(labels: Mapping[str, str], foreign: int) -> dict[str, str]:
+    """`kind -> why` for each thing on this node that competes with InstaSlice for its GPUs:
+    the GPU Operator deploying NVIDIA's device plugin (it would hand the same GPUs out as
+    nvidia.com/* resources), its MIG Manager with a config that creates instances (it would
+    repartition underneath us), and instances InstaSlice did not create."""
+    out = {}
+    if DEPLOY_DEVICE_PLUGIN in labels and labels[DEPLOY_DEVICE_PLUGIN] != "false":
+        out["device_plugin"] = (
+            f"the GPU Operator deploys NVIDIA's device plugin here ({DEPLOY_DEVICE_PLUGIN}="
+            f"{labels[DEPLOY_DEVICE_PLUGIN]}); label the node {DEPLOY_DEVICE_PLUGIN}=false"
+        )
+    config = labels.get(MIG_CONFIG)
+    if (
+        config is not None
+        and config not in MODE_ONLY_MIG_CONFIGS
+        and labels.get(DEPLOY_MIG_MANAGER, "true") != "false"
+    ):
+        out["mig_manager"] = (
+            f"MIG Manager is asked to apply {MIG_CONFIG}={config}, which creates instances; "
+            "use all-enabled with MIG_PARTED_MODE_CHANGE_ONLY=true, or "
+            f"{DEPLOY_MIG_MANAGER}=false"
+        )
+    if foreign:
+        out["foreign_instances"] = (
+            f"{foreign} GPU instance(s) InstaSlice did not create hold memory slots here"
+        )
+    return out
+
+
+def conflict_condition(found: Mapping[str, str], now: str) -> Obj:
+    if not found:
+        return condition(CONFLICT_FREE, True, "NoConflict", "", now)
+    reason = {"device_plugin": "DevicePluginActive", "mig_manager": "MigManagerActive",
+              "foreign_instances": "ForeignInstances"}[next(iter(found))]  # fmt: skip
+    return condition(CONFLICT_FREE, False, reason, "; ".join(found.values()), now)

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from common.constants import AGENT_LEASE_DURATION_S
-
-Binding = Literal["env", "device-plugin"]
+from common.constants import AGENT_LEASE_DURATION_S, BindingMode
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
-DEFAULT_NVIDIA_CDI_SPECS = (Path("/var/run/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.yaml"))
+# Where the node's NVIDIA CDI spec is looked for, in order: what `nvidia-ctk cdi generate` (or
+# the toolkit's nvidia-cdi-refresh service) writes, then what the GPU Operator's toolkit
+# container writes (kind management.nvidia.com/gpu; its common edits are the same driver
+# mounts and hooks). docs/install.md.
+DEFAULT_NVIDIA_CDI_SPECS = (
+    Path("/var/run/cdi/nvidia.yaml"),
+    Path("/etc/cdi/nvidia.yaml"),
+    Path("/var/run/cdi/management.nvidia.com-gpu.yaml"),
+)
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -27,14 +32,18 @@ class Settings:
     cdi_root: Path | None = None  # many nodes: CDI dir of node n is ROOT/n/cdi
     state_dir: Path | None = None  # default: emu_state under --emulate, else DEFAULT_STATE_DIR
     namespace: str = "instaslice-system"
-    binding: Binding = "env"
+    binding: BindingMode = BindingMode.ENV
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0
+    # how often a GC pass also reads the Node's labels for conflicting managers (one GET per
+    # node: 2000 emulated nodes at 300 s are under 7 requests a second)
+    conflict_check_period_s: float = 300.0
     lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
-    nvidia_cdi_spec: Path | None = None  # None: the first of DEFAULT_NVIDIA_CDI_SPECS that exists
+    nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists
+    cdi_specs: tuple[Path, ...] = DEFAULT_NVIDIA_CDI_SPECS
     mig_minors: Path = Path("/proc/driver/nvidia-caps/mig-minors")
     # --emulate only: a directory of real device files standing in for /dev (CDI hostPaths
     # point there), for an emulated node whose containers really start (docs/binding.md)

@@ -29,6 +29,9 @@ class AgentNode:
     foreign: tuple[Instance, ...] = ()
     lost: set[int] = field(default_factory=set)  # GPUs that answered GPU_IS_LOST
     allocs: dict[str, Obj] = field(default_factory=dict)  # uid → latest SliceAllocation
+    # Ready allocations whose instances vanished while the agent ran (a driver reload or GPU
+    # reset, same boot): marked and told once, kept until released (agent.gc, lifecycle.verify)
+    vanished: set[str] = field(default_factory=set)
     cp: Checkpoint = field(init=False)
     publish: asyncio.Event = field(default_factory=asyncio.Event)
 

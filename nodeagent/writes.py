@@ -15,7 +15,7 @@ from typing import Any
 from common.allocation import drop_release_finalizer
 from common.clock import micro_time
 from common.constants import LEASE_API_VERSION, NODEAGENT_COMPONENT, RELEASE_FINALIZER
-from common.events import pod_event
+from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import mig_node
 
@@ -85,15 +85,26 @@ async def patch_mig_node_status(kube: Kube, node: str, status: Obj) -> None:
         await kube.patch(path, {"status": status})
 
 
-async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
-    """The Node's current status.capacity; None if the Node does not exist (yet)."""
+async def get_node(kube: Kube, node: str) -> Obj | None:
+    """The Node object; None if it does not exist (yet)."""
     try:
-        obj = await kube.get(core_path("nodes", name=node))
+        return await kube.get(core_path("nodes", name=node))
     except ApiError as exc:
         if exc.not_found:
             return None
         raise
-    return dict(obj.get("status", {}).get("capacity") or {})
+
+
+async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
+    """The Node's current status.capacity; None if the Node does not exist (yet)."""
+    obj = await get_node(kube, node)
+    return None if obj is None else dict(obj.get("status", {}).get("capacity") or {})
+
+
+async def node_labels(kube: Kube, node: str) -> dict[str, str] | None:
+    """The Node's labels; None if the Node does not exist (yet)."""
+    obj = await get_node(kube, node)
+    return None if obj is None else dict(obj.get("metadata", {}).get("labels") or {})
 
 
 async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:
@@ -149,3 +160,14 @@ async def event(
         component=NODEAGENT_COMPONENT,
         type_="Warning" if warning else "Normal",
     )
+
+
+async def mig_node_event(kube: Kube, node: str, condition: Obj) -> None:
+    """A Warning event on the node's MigNode for a condition that is False (best effort);
+    the event's reason is the condition's."""
+    involved = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "name": node}
+    message = f"{condition['type']}={condition['status']}: {condition['message']}"
+    await object_event(
+        kube, involved, condition["reason"], message,
+        component=NODEAGENT_COMPONENT, type_="Warning",
+    )  # fmt: skip

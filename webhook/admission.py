@@ -1,4 +1,4 @@
-"""The admission decision (CONTRACT.md §1-2): AdmissionReview in, JSON Patch or denial out.
+"""The admission decision (docs/contract.md §1-2): AdmissionReview in, JSON Patch or denial out.
 
 Pure: no I/O, no clock, no randomness of its own (the claim id generator is passed in), so
 table-driven tests and hypothesis cover it completely and the HTTPS server stays a thin shell.
@@ -36,11 +36,12 @@ from common.constants import (
     INSTASLICE_MIG_PREFIX,
     NVIDIA_MIG_PREFIX,
     VISIBLE_DEVICES_ENV,
+    BindingMode,
     qualified_cdi_device,
 )
 from common.podspec import SliceAsk, iter_containers, parse_count, slice_requests
 from common.profiles import ProfileNameError, profile_from_suffix
-from webhook.settings import AdmissionSettings, BindingMode
+from webhook.settings import AdmissionSettings
 
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
 CDI_ANNOTATION_PREFIX: Final = "cdi.k8s.io/"

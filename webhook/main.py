@@ -20,13 +20,14 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
+from common.constants import BindingMode
 from common.kubeapi import Kube
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.server import configure_logging, serve
-from webhook.settings import AdmissionSettings, BindingMode, ServerSettings
+from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("main")
 
@@ -39,16 +40,20 @@ class Settings:
     mirror_namespaces: bool
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Settings:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; docs/configuration.md documents every flag (tests/unit/test_docs.py)."""
     p = argparse.ArgumentParser(prog="instaslice-webhook", description=__doc__)
     p.add_argument("--kubeconfig", default=None, help="default: in-cluster service account")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="address both servers listen on")
     p.add_argument("--port", type=int, default=8443, help="HTTPS admission port (0: any)")
     p.add_argument("--metrics-port", type=int, default=8080, help="/metrics, /healthz, /readyz")
     p.add_argument("--cert-file", type=Path, default=Path("/etc/instaslice/tls/tls.crt"))
     p.add_argument("--key-file", type=Path, default=Path("/etc/instaslice/tls/tls.key"))
     p.add_argument(
-        "--binding-mode", choices=[m.value for m in BindingMode], default=BindingMode.ENV.value
+        "--binding-mode",
+        choices=[m.value for m in BindingMode],
+        default=BindingMode.ENV.value,
+        help="must match the node agents' (the manifests set both from one ConfigMap)",
     )
     p.add_argument("--namespace", default="instaslice-system", help="for the leader Lease")
     p.add_argument("--identity", default=None, help="leader-election identity")
@@ -59,7 +64,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    a = build_parser().parse_args(argv)
     configure_logging(a.log_level)
     server = None
     if not a.no_admission:

@@ -1,6 +1,6 @@
 """Mirror the namespace opt-in annotation into the label the webhook selects on.
 
-Users opt a namespace in with the annotation `instaslice.io/enabled: "true"` (CONTRACT.md §1);
+Users opt a namespace in with the annotation `instaslice.io/enabled: "true"` (docs/contract.md §1);
 the MutatingWebhookConfiguration's `namespaceSelector` can only match labels, so this loop
 keeps the label `instaslice.io/enabled: "true"` present exactly while the annotation is. The
 annotation is the source of truth: a label set by hand without it is removed.

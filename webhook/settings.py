@@ -7,18 +7,11 @@ pure decision needs; `ServerSettings` adds what the HTTPS shell needs.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.catalog import load_catalog
-
-
-class BindingMode(enum.StrEnum):
-    """How a container reaches its CDI device (CONTRACT.md §4)."""
-
-    ENV = "env"  # the webhook sets NVIDIA_VISIBLE_DEVICES to the qualified CDI device name
-    DEVICE_PLUGIN = "device-plugin"  # the node agent's device plugin answers Allocate
+from common.constants import BindingMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,7 +192,7 @@ class Policy(StrEnum):
 
 
 class PendingReason(StrEnum):
-    """Why a pod cannot be placed now (CONTRACT.md §4 AllocationPending)."""
+    """Why a pod cannot be placed now (docs/contract.md §4 AllocationPending)."""
 
     NO_PROFILE = "NoProfile"  # no GPU model in the cluster offers a requested profile
     FULL = "Full"  # GPUs that offer it exist but have no room

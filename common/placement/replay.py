@@ -1,6 +1,6 @@
 """Placement traces: parse them, and replay them through the engine on a simulated cluster.
 
-A trace is JSON (the format of `instaslice-place`, CONTRACT.md §6):
+A trace is JSON (the format of `instaslice-place`, docs/contract.md §6):
 
     {"nodes": [{"name": "n0", "cpu": "64", "memory": "512Gi", "pods": 110,
                 "gpus": [{"model": "H100-80GB"}, {"model": "H100-80GB"}]}],

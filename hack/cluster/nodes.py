@@ -1,4 +1,4 @@
-"""KWOK GPU nodes from a cluster spec (CONTRACT.md §5).
+"""KWOK GPU nodes from a cluster spec (docs/contract.md §5).
 
 A spec lists node groups; each group becomes Node objects `<prefix>-0 .. <prefix>-<count-1>`
 that KWOK manages (annotation `kwok.x-k8s.io/node: fake`), labelled with the GPU model, GPU

@@ -25,6 +25,7 @@ class Unit:
     container: str
     profile: str
     count: int
+    uid: str = ""  # the SliceAllocation's: one name may be held by a newer allocation
 
 
 IdKey = tuple[str, ...]  # a container's device ids for one resource, sorted
@@ -103,9 +104,14 @@ class Bindings:
     def add_ready(self, units: list[Unit]) -> None:
         self.ready.update(units)
 
-    def release(self, namespace: str, claim: str) -> list[IdKey]:
-        """Forget a released allocation's units; the keys that pointed at them."""
-        gone = {u for u in self.ready if (u.namespace, u.claim) == (namespace, claim)}
+    def release(self, namespace: str, claim: str, uid: str | None = None) -> list[IdKey]:
+        """Forget a released allocation's units (given `uid`, only that allocation's: a
+        newer one of the same name keeps its own); the keys that pointed at them."""
+        gone = {
+            u
+            for u in self.ready
+            if (u.namespace, u.claim) == (namespace, claim) and uid in (None, u.uid)
+        }
         self.ready -= gone
         keys = [k for k, u in self.bound.items() if u in gone]
         for k in keys:

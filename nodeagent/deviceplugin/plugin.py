@@ -2,7 +2,7 @@
 `instaslice.io/mig-<profile>` on a unix socket in the kubelet's device-plugins dir, the
 registration with the kubelet, and the PodResources client.
 
-- Devices: `<profile>-<n>` for n below the fixed upper bound of CONTRACT.md §3 (the same
+- Devices: `<profile>-<n>` for n below the fixed upper bound of docs/contract.md §3 (the same
   number the agent writes into Node capacity); ids above a shrunken bound stay listed as
   Unhealthy, so the kubelet never loses track of an id it handed out.
 - `Allocate` binds the ids to a prepared slice (core.Bindings) and answers with a CDI alias
@@ -65,7 +65,10 @@ def units_of(obj: Obj) -> list[Unit]:
     for s in alloc.slices:
         k = (s.container, s.profile)
         counts[k] = counts.get(k, 0) + 1
-    return [Unit(alloc.namespace, alloc.name, c, p, n) for (c, p), n in sorted(counts.items())]
+    return [
+        Unit(alloc.namespace, alloc.name, c, p, n, alloc.uid)
+        for (c, p), n in sorted(counts.items())
+    ]
 
 
 class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
@@ -191,7 +194,7 @@ class DevicePluginBinding:
     def attach(
         self, capacity: Callable[[], Mapping[str, str]], allocs: Callable[[], Iterable[Obj]]
     ) -> None:
-        """The node agent's capacity (CONTRACT.md §3 upper bound) and SliceAllocations."""
+        """The node agent's capacity (docs/contract.md §3 upper bound) and SliceAllocations."""
         self.capacity, self.allocs = capacity, allocs
 
     # --- Binding protocol -------------------------------------------------------------------
@@ -233,9 +236,9 @@ class DevicePluginBinding:
             async with self.lock:
                 self.b.add_ready(units_of(alloc))
 
-    async def slices_released(self, namespace: str, claim: str) -> None:
+    async def slices_released(self, namespace: str, claim: str, uid: str) -> None:
         async with self.lock:
-            for key in self.b.release(namespace, claim):
+            for key in self.b.release(namespace, claim, uid):
                 await asyncio.to_thread(alias_file(self.cdi_dir, key).unlink, missing_ok=True)
         self._recorded = {k: v for k, v in self._recorded.items() if k != (namespace, claim)}
 
@@ -292,14 +295,14 @@ class DevicePluginBinding:
     async def settle_now(self) -> None:
         """Bind every id key the kubelet reports to its holder's own unit; record it."""
         pods = await self.list_pod_resources()
-        own: dict[tuple[str, str], str] = {}  # (namespace, pod) → claim
+        own: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, pod) → claim, uid
         for a in map(SliceAllocation.parse, self.allocs()):
-            own[(a.namespace, a.pod_name)] = a.name
+            own[(a.namespace, a.pod_name)] = (a.name, a.uid)
         records: list[tuple[Unit, IdKey, str]] = []
         async with self.lock:
             for pod, container, profile, key in self._held(pods):
-                claim = own.get((pod.namespace, pod.name))
-                if claim is None:  # no allocation: its ids resolve to nothing
+                held = own.get((pod.namespace, pod.name))
+                if held is None:  # no allocation: its ids resolve to nothing
                     if self.b.unbind(key):
                         await asyncio.to_thread(
                             alias_file(self.cdi_dir, key).unlink, missing_ok=True
@@ -307,7 +310,8 @@ class DevicePluginBinding:
                         who = f"{pod.namespace}/{pod.name}"
                         log.warning("ids of a pod without allocation unbound", pod=who, ids=key)
                     continue
-                mine = Unit(pod.namespace, claim, container, profile, len(key))
+                claim, uid = held
+                mine = Unit(pod.namespace, claim, container, profile, len(key), uid)
                 for changed in self.b.settle(key, mine):
                     await self.write_alias(changed, self.b.bound[changed])
                 if self.b.bound.get(key) == mine:

@@ -1,4 +1,4 @@
-"""`instaslice-emu`: the emulator's own CLI, speaking like `nvidia-smi mig` (CONTRACT.md §6).
+"""`instaslice-emu`: the emulator's own CLI, speaking like `nvidia-smi mig` (docs/contract.md §6).
 
     instaslice-emu lgip  --model H200-141GB          # nvidia-smi mig -lgip of GPU 0
     instaslice-emu lgipp --model H200-141GB          # nvidia-smi mig -lgipp

@@ -1,7 +1,7 @@
 """Builders, waits and the slice invariant for the end-to-end tests.
 
 Builders (`make_pod`, `make_deployment`, `make_job`) return what a user writes: plain wire
-JSON asking for `nvidia.com/mig-<profile>` in limits (CONTRACT.md §1), never the rewritten
+JSON asking for `nvidia.com/mig-<profile>` in limits (docs/contract.md §1), never the rewritten
 form, so admission is exercised on every object.
 
 Waits are list-then-watch (`wait_for`): the predicate sees the current objects after the

@@ -70,6 +70,15 @@ async def test_documented_series_exist_and_move(
     )
     pod = await wait_pod_running(kube, namespace, "m")
     claim = pod["metadata"]["annotations"]["instaslice.io/claim"]
+    # the per-slice info series names the pod holding the slice, for DCGM joins
+    (info,) = [
+        dict(lb)
+        for (n, lb) in scrape(system.agent_metrics_port)
+        if n == "instaslice_slice_info" and dict(lb).get("pod") == "m"
+    ]
+    assert info["namespace"] == namespace and info["container"] == "main"
+    assert info["profile"] == "1g.18gb" and info["mig_uuid"].startswith("MIG-")
+    assert info["gpu_uuid"].startswith("GPU-") and info["gi_id"] and info["node"]
     await kube.delete(pods_path(namespace, "m"))
     await wait_gone(kube, allocs_path(namespace), claim)
 

@@ -210,8 +210,9 @@ def agent_settings(nodes: Sequence[GpuNode], kubeconfig: Path, **overrides: Any)
 
 
 @contextlib.asynccontextmanager
-async def running_agent(settings: Settings) -> AsyncIterator[dict[str, NodeAgent]]:
-    """The agent serving `settings.nodes` in this event loop, up and started."""
+async def running_agent(settings: Settings, **serve_kw: Any) -> AsyncIterator[dict[str, NodeAgent]]:
+    """The agent serving `settings.nodes` in this event loop, up and started (`serve_kw`:
+    `nodeagent.main.serve`'s injected host facts)."""
     agents: dict[str, NodeAgent] = {}
     up = asyncio.Event()
 
@@ -219,7 +220,9 @@ async def running_agent(settings: Settings) -> AsyncIterator[dict[str, NodeAgent
         agents.update(a)
         up.set()
 
-    task = asyncio.create_task(serve(settings, started=started), name="nodeagent-under-test")
+    task = asyncio.create_task(
+        serve(settings, started=started, **serve_kw), name="nodeagent-under-test"
+    )
     try:
         waiter = asyncio.create_task(up.wait())
         done, _ = await asyncio.wait({task, waiter}, timeout=30, return_when="FIRST_COMPLETED")

@@ -32,6 +32,7 @@ from common.clock import cancel_until_done
 from common.constants import (
     API_VERSION,
     CLAIM_ANNOTATION,
+    ENABLED_KEY,
     GATE_NAME,
     MIG_NODE_KIND,
     MIG_NODE_PLURAL,
@@ -561,6 +562,12 @@ class AllocatorEnv:
 
     def node_name(self, short: str) -> str:
         return f"{self.namespace}-{short}"
+
+    async def opt_in(self) -> None:
+        """Label the namespace opted in, as the namespace mirror does for users: the
+        allocator places pods only there."""
+        patch = {"metadata": {"labels": {ENABLED_KEY: "true"}}}
+        await self.kube.patch(core_path("namespaces", name=self.namespace), patch)
 
     async def add_node(
         self,

@@ -78,6 +78,7 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
     agent_task = asyncio.create_task(agent.run(), name="fake-agent")
     await agent.informer.synced.wait()
     world = AllocatorEnv(kube, namespace, agent)
+    await world.opt_in()
     try:
         yield world
     finally:
@@ -453,7 +454,7 @@ async def test_failed_allocation_is_placed_again_elsewhere(env: AllocatorEnv) ->
     assert {s["gpuUUID"] for s in record["spec"]["slices"]} == {gpu_uuid(node, 1)} != {first_gpu}
 
 
-# --- pinned, then the node's CPU went elsewhere (CONTRACT.md §4 step 4) ----------------------
+# --- pinned, then the node's CPU went elsewhere (docs/contract.md §4 step 4) ----------------------
 
 
 async def test_pinned_pod_that_lost_its_cpu_recovers(env: AllocatorEnv) -> None:

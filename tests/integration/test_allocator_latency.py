@@ -93,6 +93,7 @@ async def test_pod_creation_to_gate_removed(kube: Kube, namespace: str) -> None:
     agent = FakeAgent(kube)
     agent_task = asyncio.create_task(agent.run())
     env = AllocatorEnv(kube, namespace, agent)
+    await env.opt_in()
     seen = Arrivals()
     watcher = asyncio.create_task(_ungated_times(kube, namespace, seen))
     try:

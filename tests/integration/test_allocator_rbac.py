@@ -88,6 +88,7 @@ async def test_allocator_works_with_exactly_its_rbac(
     agent = FakeAgent(kube)
     agent_task = asyncio.create_task(agent.run())
     env = AllocatorEnv(kube, namespace, agent)
+    await env.opt_in()
     allocator: asyncio.Task[None] | None = None
     try:
         await agent.informer.synced.wait()

@@ -90,6 +90,7 @@ async def world(
     kube: Kube, namespace: str, control_plane: ControlPlane, tmp_path: Path
 ) -> AsyncIterator[AgentWorld]:
     env = AllocatorEnv(kube, namespace, FakeAgent(kube))  # the fake agent is never started
+    await env.opt_in()
     w = AgentWorld(env, tmp_path, str(control_plane.kubeconfig))
     try:
         yield w

@@ -447,6 +447,7 @@ async def test_a_placement_error_for_one_pod_does_not_stop_the_others(
         agent_task = asyncio.create_task(agent.run(), name="fake-agent")
         await agent.informer.synced.wait()
         env = AllocatorEnv(k, namespace, agent)
+        await env.opt_in()
         try:
             await env.add_node("n1")
             env.start()

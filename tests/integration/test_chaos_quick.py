@@ -4,7 +4,8 @@ One minute of churn on 3 KWOK GPU nodes (6 emulated GPUs) while every fault kind
 bench/chaos_faults.py is injected at least once — kill -9 of the webhook/allocator and of
 the node agents, a kube-apiserver restart, NVML create/destroy failures and slow calls, a GPU
 falling off the bus, a node NotReady, a node deleted, pods deleted mid-allocation, a
-namespace deleted — then the system must settle with every invariant of
+namespace deleted, a create whose rollback NVML refuses twice, a pod replaced by a same-name
+one during a watch gap — then the system must settle with every invariant of
 bench/invariants.py holding against ground truth (the emulated GPUs' real instances, the
 API objects, the CDI files): no leaked instance, no orphan allocation, no double booking at
 any sampled moment, no unsettled pod.
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from bench.chaos import COUNTS, run_chaos
+from bench.chaos_faults import WEIGHTS
 from bench.invariants import Instance, Slot, Truth, check_settled, double_bookings
 from common.constants import CLAIM_ANNOTATION
 from hack.cluster import BinariesMissing
@@ -40,7 +42,7 @@ def test_quick_chaos_keeps_every_invariant(tmp_path: Path) -> None:
     (tmp_path / "chaos.json").write_text(json.dumps(result, indent=1))
     shown = json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1)
     assert result["faults_injected"] >= 10, shown
-    assert len(result["faults_by_kind"]) == 10, f"not every fault kind came up:\n{shown}"
+    assert set(result["faults_by_kind"]) == set(WEIGHTS), f"not every fault kind came up:\n{shown}"
     assert result["pods_created"] >= 10, shown
     assert result["double_booking_samples"] >= 20, shown
     assert not result["fault_errors"], shown

@@ -3,9 +3,12 @@
 For each overlay (manifests/overlays/kubernetes, manifests/overlays/openshift): render it with
 the control plane's own `kubectl kustomize`, install for real what it depends on — the
 third-party CRDs (cert-manager's, OpenShift's SecurityContextConstraints; fetched from their
-Go modules by hack/fetch-crds.sh), InstaSlice's CRDs and the instaslice-system Namespace —
+Go modules by hack/fetch-crds.sh; the Prometheus Operator's for manifests/components/monitoring),
+InstaSlice's CRDs and the instaslice-system Namespace —
 then `kubectl apply --dry-run=server` the whole rendering with strict field validation. Also
-checks skaffold.yaml against skaffold's own JSON schema (fetched the same way).
+checks skaffold.yaml against skaffold's own JSON schema (fetched the same way). Also: the
+binding mode resolves to the same value for the webhook and the node agents in every overlay,
+with and without manifests/components/binding-env; the OpenShift agent's RuntimeClass.
 
 Leaves out: anything that needs a running cert-manager, service-CA operator, OpenShift SCC
 admission or a container engine (the certificate is never issued, the SCC never enforced,
@@ -16,6 +19,8 @@ unless it was there before (InstaSlice's CRDs may be, from other tests).
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,10 +68,13 @@ def fetched() -> Path:
 
 @pytest.fixture(scope="module")
 def third_party_crds(control_plane: ControlPlane, fetched: Path) -> Iterator[list[str]]:
-    """cert-manager's and OpenShift's SCC CRDs, installed for real and Established."""
-    files = sorted((fetched / "cert-manager").glob("*.yaml")) + sorted(
-        (fetched / "openshift").glob("*.yaml")
-    )
+    """cert-manager's, OpenShift's SCC and the Prometheus Operator's CRDs, installed for real
+    and Established."""
+    files = [
+        f
+        for d in ("cert-manager", "openshift", "prometheus-operator")
+        for f in sorted((fetched / d).glob("*.yaml"))
+    ]
     names = [_docs(f.read_text())[0]["metadata"]["name"] for f in files]
     ours = [n for n in names if not _exists(control_plane, "crd", n)]
     args = [a for f in files for a in ("-f", str(f))]
@@ -188,6 +196,7 @@ _CLUSTER_SCOPED = {
     "MutatingAdmissionPolicyBinding",
     "SecurityContextConstraints",
     "PriorityClass",
+    "RuntimeClass",
     "ClusterIssuer",
 }
 
@@ -303,3 +312,120 @@ def test_skaffold_config_matches_skaffolds_schema(fetched: Path) -> None:
     broken = {**config, "build": {**config["build"], "artifact": []}}
     with pytest.raises(SchemaError, match="unknown field 'artifact'"):
         _validate(broken, schema, schema["definitions"], "skaffold.yaml")
+
+
+# --- settings the components share: one value, read by both ------------------------------------
+
+COMPONENTS = {"default": (), "binding-env": ("binding-env",)}
+
+
+def _render_with(cp: ControlPlane, tmp: Path, overlay: str, components: tuple[str, ...]) -> str:
+    """An administrator's own overlay: one of ours plus some of manifests/components."""
+    rel = Path(os.path.relpath(ROOT / "manifests", tmp))
+    kust: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [str(rel / "overlays" / overlay)],
+    }
+    if components:
+        kust["components"] = [str(rel / "components" / c) for c in components]
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    return _ok(cp.kubectl("kustomize", str(tmp), check=False), f"kustomize {overlay}+{components}")
+
+
+def resolved_args(docs: list[dict[str, Any]], kind: str, name: str) -> list[str]:
+    """The container's args as the kubelet runs them: `$(VAR)` expanded from its env, whose
+    configMapKeyRef values are looked up in the rendered ConfigMaps (which must exist)."""
+    maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    (obj,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    (container,) = obj["spec"]["template"]["spec"]["containers"]
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("configMapKeyRef")
+        if ref is not None:
+            assert ref["name"] in maps, f"{kind}/{name}: env {e['name']} names a missing ConfigMap"
+            assert ref["key"] in maps[ref["name"]], f"{kind}/{name}: no key {ref['key']}"
+            env[e["name"]] = maps[ref["name"]][ref["key"]]
+        elif "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            env[e["name"]] = f"<{e['name']}>"  # from the downward API
+    out = []
+    for arg in container.get("args", []):
+        unresolved = [v for v in re.findall(r"\$\((\w+)\)", arg) if v not in env]
+        assert not unresolved, f"{kind}/{name}: {arg} names undefined {unresolved}"
+        out.append(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg))
+    return out
+
+
+def binding_modes(docs: list[dict[str, Any]]) -> tuple[str, str]:
+    """(webhook's, node agent's) binding mode, parsed by each binary's own command line."""
+    from nodeagent.main import parse_args as agent_args
+    from webhook.main import parse_args as webhook_args
+
+    webhook = webhook_args(resolved_args(docs, "Deployment", "instaslice-webhook"))
+    assert webhook.server is not None
+    agent, _ = agent_args(
+        ["--node", "n1", *resolved_args(docs, "DaemonSet", "instaslice-nodeagent")]
+    )
+    return webhook.server.admission.binding_mode.value, agent.binding
+
+
+@pytest.mark.parametrize("components", COMPONENTS, ids=str)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_webhook_and_node_agents_agree_on_the_binding_mode(
+    control_plane: ControlPlane, tmp_path: Path, overlay: str, components: str
+) -> None:
+    docs = _docs(_render_with(control_plane, tmp_path, overlay, COMPONENTS[components]))
+    webhook, agent = binding_modes(docs)
+    assert webhook == agent, f"{overlay}+{components}: webhook {webhook}, node agents {agent}"
+    assert webhook == ("env" if components == "binding-env" else "device-plugin")
+    # the one setting lives in one object
+    maps = [d for d in docs if d["kind"] == "ConfigMap" and "binding-mode" in d.get("data", {})]
+    assert len(maps) == 1, maps
+
+
+def test_binding_check_sees_a_disagreement(control_plane: ControlPlane, tmp_path: Path) -> None:
+    """The negative control: a patch that pins one side's flag is caught."""
+    docs = _docs(_render_with(control_plane, tmp_path, "kubernetes", ()))
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    ds["spec"]["template"]["spec"]["containers"][0]["args"].append("--binding=env")
+    webhook, agent = binding_modes(docs)
+    assert (webhook, agent) == ("device-plugin", "env")
+
+
+def test_openshift_agent_runs_with_the_nvidia_runtime_class(
+    control_plane: ControlPlane, tmp_path: Path, rendered: dict[str, str]
+) -> None:
+    """NVML reaches the agent through the NVIDIA runtime on OpenShift; the component creates
+    the RuntimeClass where the GPU Operator does not."""
+    for overlay, want in (("openshift", "nvidia"), ("kubernetes", None)):
+        (ds,) = [d for d in _docs(rendered[overlay]) if d["kind"] == "DaemonSet"]
+        assert ds["spec"]["template"]["spec"].get("runtimeClassName") == want, overlay
+    docs = _docs(_render_with(control_plane, tmp_path, "openshift", ("runtimeclass-nvidia",)))
+    (rc,) = [d for d in docs if d["kind"] == "RuntimeClass"]
+    assert (rc["metadata"]["name"], rc["handler"]) == ("nvidia", "nvidia")
+    assert "namespace" not in rc["metadata"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_component_passes_server_side_dry_run(
+    control_plane: ControlPlane,
+    third_party_crds: list[str],
+    instaslice_crds: None,
+    instaslice_namespace: str,
+    tmp_path: Path,
+    overlay: str,
+) -> None:
+    """The PodMonitor and PrometheusRule against the Prometheus Operator's own CRD schemas."""
+    text = _render_with(control_plane, tmp_path, overlay, ("monitoring",))
+    docs = _docs(text)
+    kinds = {d["kind"] for d in docs}
+    assert {"PodMonitor", "PrometheusRule"} <= kinds
+    mon = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
+    proc = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-",
+        stdin=yaml.safe_dump_all(mon), check=False,
+    )  # fmt: skip
+    out = _ok(proc, f"dry-run of the monitoring component ({overlay})")
+    assert out.count("(server dry run)") == 2, out

@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.allocation import SliceAllocation
 from common.constants import RELEASE_FINALIZER
@@ -34,6 +36,7 @@ from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent import cdi, checkpoint
 from nodeagent.emulator import EmulatedNvml
+from nodeagent.main import find_base_spec
 from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
@@ -737,3 +740,145 @@ async def test_pending_to_ready_latency(
         # 50 ms on an idle machine). A loose bound, not a speed goal (`make bench-latency`):
         # it only catches a create that waits on something other than the watch (a backoff).
         assert max(times) < 2 * create_ms / 1000 + 5
+
+
+async def test_base_cdi_spec_missing_then_found_on_the_mignode(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """No NVIDIA CDI spec on the node: a False `BaseCdiSpecFound` condition on the MigNode and
+    a Warning event about it (not only a log line); with the GPU Operator's
+    management.nvidia.com-gpu.yaml present, the condition is True and names that file."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    tried = (tmp_path / "nvidia.yaml", tmp_path / "management.nvidia.com-gpu.yaml")
+
+    def facts(n: str, driver: str, minors: Any) -> Any:
+        return (cdi.DeviceNumbers.emulated(), *find_base_spec(tried))
+
+    async def condition() -> Obj | None:
+        mn = await mig_node(kube, node.name)
+        conds = (mn or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "BaseCdiSpecFound"), None)
+
+    async with running_agent(settings, cdi_facts_for=facts):
+        cond = await eventually(condition, what="BaseCdiSpecFound condition")
+        assert (cond["status"], cond["reason"]) == ("False", "BaseCdiSpecNotFound")
+        assert all(str(t) in cond["message"] for t in tried)
+        assert cond["lastTransitionTime"]
+
+        async def event() -> Obj | None:
+            got = await kube.list(
+                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
+            )
+            return next((e for e in got["items"] if e["reason"] == "BaseCdiSpecNotFound"), None)
+
+        ev = await eventually(event, what="BaseCdiSpecNotFound event")
+        assert ev["type"] == "Warning" and ev["involvedObject"]["kind"] == "MigNode"
+
+    tried[1].write_text(yaml.safe_dump(cdi.fake_nvidia_spec("580.159.04", [0])))
+    async with running_agent(settings, cdi_facts_for=facts):
+
+        async def found() -> Obj | None:
+            c = await condition()
+            return c if c and c["status"] == "True" else None
+
+        cond = await eventually(found, what="BaseCdiSpecFound=True")
+        assert str(tried[1]) in cond["message"]
+
+
+async def test_gpu_operator_device_plugin_on_a_managed_node_is_a_conflict(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The GPU Operator still deploying NVIDIA's device plugin on a node InstaSlice manages:
+    MigNode condition ConflictFree=False, a DevicePluginActive Warning event, the conflicts
+    gauge at 1; labelling the node off clears it."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    label = {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "true"}}}
+    await kube.patch(core_path("nodes", name=node.name), label)
+    port = free_port()
+    settings = agent_settings(
+        [node], control_plane.kubeconfig, metrics_port=port, conflict_check_period_s=0.0
+    )
+
+    async def conflict_free() -> Obj | None:
+        mn = await mig_node(kube, node.name)
+        conds = (mn or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "ConflictFree"), None)
+
+    async with running_agent(settings):
+
+        async def flagged() -> Obj | None:
+            c = await conflict_free()
+            return c if c and c["status"] == "False" else None
+
+        cond = await eventually(flagged, what="ConflictFree=False")
+        assert cond["reason"] == "DevicePluginActive"
+        assert "nvidia.com/gpu.deploy.device-plugin=false" in cond["message"]
+
+        async def event() -> Obj | None:
+            got = await kube.list(
+                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
+            )
+            return next((e for e in got["items"] if e["reason"] == "DevicePluginActive"), None)
+
+        assert (await eventually(event, what="DevicePluginActive event"))["type"] == "Warning"
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            text = await resp.text()
+        samples = {
+            (s.labels["node"], s.labels["kind"]): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "instaslice_nodeagent_conflicts"
+            for s in f.samples
+        }
+        assert samples[(node.name, "device_plugin")] == 1
+        assert samples[(node.name, "mig_manager")] == 0
+
+        off = {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "false"}}}
+        await kube.patch(core_path("nodes", name=node.name), off)
+
+        async def cleared() -> Obj | None:
+            c = await conflict_free()
+            return c if c and c["status"] == "True" else None
+
+        await eventually(cleared, what="ConflictFree=True")
+
+
+async def test_instances_vanishing_under_a_running_pod_are_marked_and_told(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """A driver reload (all of a GPU's instances gone, same boot) while the agent runs: the
+    Ready allocation gets SlicesPresent=False and its pod a SliceLost Warning event; nothing
+    is re-created underneath; deleting the allocation still releases it (the missing
+    instances count as destroyed)."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings):
+        alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 2, 1)])
+        await create_allocation(kube, alloc)
+        await wait_phase(kube, alloc, "Ready")
+        assert len(node.instances()) == 1
+        node.emu.reset_gpu(0, force=True)  # what a driver reload does to every GPU
+        name = alloc["metadata"]["name"]
+
+        async def marked() -> Obj | None:
+            got = await get_allocation(kube, ns, name)
+            conds = ((got or {}).get("status") or {}).get("conditions") or []
+            return next(
+                (c for c in conds if c["type"] == "SlicesPresent" and c["status"] == "False"),
+                None,
+            )
+
+        cond = await eventually(marked, what="SlicesPresent=False")
+        assert cond["reason"] == "InstancesVanished" and "driver reload" in cond["message"]
+        event = await _event(kube, ns, alloc["spec"]["podName"], "SliceLost")
+        assert event["type"] == "Warning"
+        assert node.instances() == []  # nothing made under the running pod
+        got = await get_allocation(kube, ns, name)
+        assert got is not None and got["status"]["phase"] == "Ready"
+
+        await _delete(kube, alloc)
+        await wait_gone(kube, alloc)
+        assert node.cdi_files() == []

@@ -1,4 +1,4 @@
-"""The real kube-apiserver calling InstaSlice's admission webhook over TLS (CONTRACT.md §1-2).
+"""The real kube-apiserver calling InstaSlice's admission webhook over TLS (docs/contract.md §1-2).
 
 Covers, with the shipped MutatingWebhookConfiguration (only clientConfig redirected to the
 in-process server): a MIG pod in an opted-in namespace comes back rewritten, gated, claimed

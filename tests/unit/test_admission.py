@@ -1,4 +1,4 @@
-"""The pure admission decision (webhook.admission.review) against CONTRACT.md §1-2.
+"""The pure admission decision (webhook.admission.review) against docs/contract.md §1-2.
 
 Covers: every rewrite (resource rename with JSON Pointer escaping, gate, claim, CDI device in
 `env` mode and not in `device-plugin` mode, containers and initContainers), every denial with
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.catalog import load_catalog
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV
+from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV, BindingMode
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
 from webhook.admission import (
@@ -34,7 +34,7 @@ from webhook.admission import (
     pod_slice_requests,
     review,
 )
-from webhook.settings import AdmissionSettings, BindingMode
+from webhook.settings import AdmissionSettings
 
 ENV = AdmissionSettings.from_catalog()
 PLUGIN = AdmissionSettings.from_catalog(BindingMode.DEVICE_PLUGIN)

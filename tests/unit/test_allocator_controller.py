@@ -134,6 +134,7 @@ def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = N
         settings(clock),
     )
     c.lease_informer.synced.set()
+    c.opted_in.add("ns")  # the tests' pods live in namespace "ns", opted in
     return c
 
 
@@ -745,3 +746,21 @@ async def test_a_standby_keeps_no_per_pod_records() -> None:
     assert len(c.tracks) == 1
     await c._on_pod("DELETED", pods[0])
     assert len(c.tracks) == 0
+
+
+async def test_a_pod_in_a_namespace_not_opted_in_is_not_placed() -> None:
+    """Security issue, item 3: the already-rewritten form created directly in a namespace
+    that did not opt in (the admission policy refuses it; this is the second line) is not
+    placed; labelling the namespace brings it in."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    c.opted_in.clear()
+    async with leading(c):
+        await node(c)
+        await c._on_pod("ADDED", make_pod("p", uid="p"))
+        await settle()
+        assert kube.writes("create") == []
+        opted = {"metadata": {"name": "ns", "labels": {"instaslice.io/enabled": "true"}}}
+        await c._on_namespace("MODIFIED", opted)
+        await settle()
+    assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]

@@ -24,8 +24,9 @@ from tests.integration.allocator_fixtures import (
     make_pod,
 )
 from webhook.allocator import pods as podlib
+from webhook.allocator.agents import AgentLeases
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.queue import AgentLeases, PlacementQueue
+from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
 
 pytestmark = pytest.mark.timeout(10)
@@ -265,6 +266,22 @@ def test_occupancy_unites_allocations_and_unclaimed_instances():
     )
     (gpu,) = state.snapshot().nodes[0].gpus
     assert [(o.start, o.size) for o in gpu.occupied] == [(0, 1), (2, 2), (5, 1)]
+
+
+def test_an_instance_is_covered_only_by_an_allocation_on_its_own_node():
+    """Security issue, item 12: a claim name is unique per namespace, not per cluster. An
+    instance on n2 claimed "cdup" is not covered by a live allocation "cdup" (another
+    namespace's, on n1): its slots stay occupied."""
+    state = ClusterState()
+    for n in ("n1", "n2"):
+        state.upsert_node(make_node(n))
+    pod = make_pod("p", uid="p", claim="cdup", namespace="a")
+    state.upsert_allocation(make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)]))
+    held = {"profile": "1g.10gb", "start": 3, "size": 1, "migUUID": "M9", "claim": "cdup"}
+    state.upsert_mig_node(make_mig_node("n2", [GpuSpec(slices=[held])]))
+    state.upsert_mig_node(make_mig_node("n1", [GpuSpec()]))
+    n2 = next(n for n in state.snapshot().nodes if n.name == "n2")
+    assert [(o.start, o.size) for o in n2.gpus[0].occupied] == [(3, 1)]
 
 
 def test_slots_free_only_when_the_allocation_object_is_gone():

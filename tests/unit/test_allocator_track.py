@@ -195,6 +195,7 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
     ("finished-nothing-held", PodTrack("p"), seen(pod(gates=(), phase="Failed")), Wait, None),
     # 4. gated by ours
     ("foreign-gate-first", PodTrack("p"), seen(pod(gates=("kueue", GATE_NAME))), Dequeue, None),
+    ("not-opted-in", PodTrack("p"), seen(pod(), opted_in=False), Dequeue, None),
     (
         "gated-but-deleting",
         PodTrack("p"),

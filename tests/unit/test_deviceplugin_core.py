@@ -187,3 +187,19 @@ class BindingsMachine(RuleBasedStateMachine):
 
 
 TestBindingsMachine = BindingsMachine.TestCase
+
+
+def test_releasing_an_older_allocation_keeps_the_newer_ones_units() -> None:
+    """Security issue, item 6: units are the allocation's, by UID. Releasing an older
+    allocation of the same claim must not drop the newer one's unit or its bound ids."""
+    old = Unit("ns", "claim-a", "main", "1g.10gb", 1, "uid-old")
+    new = Unit("ns", "claim-a", "main", "1g.10gb", 1, "uid-new")
+    b = Bindings()
+    b.add_ready([new])
+    key = key_of(["id-0"])
+    assert b.allocate("1g.10gb", ["id-0"]) == new
+    assert b.release("ns", "claim-a", "uid-old") == []
+    assert b.ready == {new} and b.bound == {key: new}
+    assert old not in b.ready
+    assert b.release("ns", "claim-a", "uid-new") == [key]
+    assert b.ready == set() and b.bound == {}

@@ -1,11 +1,18 @@
 """kubectl-instaslice rendering: slot maps and pod listing from MigNode/SliceAllocation JSON.
 
-Covers the pure renderers only; fetching from a live cluster is exercised by the e2e tests.
+Covers the pure renderers, the `-o json|yaml` rows, the flags and gather's filters; fetching
+from a live cluster, --context, a tenant's view and gather's archive are in
+tests/integration/test_kubectl_plugin.py.
 """
 
+import json
 from typing import Any
 
-from common.kubectl_plugin import render_nodes, render_pods
+import pytest
+import yaml
+
+from common.gather import gated_pods, instaslice_events
+from common.kubectl_plugin import build_parser, dump, gpu_rows, pod_rows, render_nodes, render_pods
 
 
 def _mignode(name: str, slices: list[dict[str, object]], healthy: bool = True) -> dict[str, Any]:
@@ -88,3 +95,67 @@ def test_pods_list_has_every_column() -> None:
         "PHASE",
     ]
     assert row.split() == ["team", "train/c", "n0", "0", "3g.40gb", "4:4", "MIG-abc", "Creating"]
+
+
+# --- -o json|yaml rows, flags, gather's pure parts ------------------------------------------
+
+
+def test_pod_rows_are_the_text_columns_as_data() -> None:
+    (row,) = pod_rows([_alloc("team", "train", "GPU-n0-0", 4, 4, phase="Creating")])
+    assert row == {
+        "namespace": "team",
+        "pod": "train",
+        "container": "c",
+        "node": "n0",
+        "gpu": "0",
+        "profile": "3g.40gb",
+        "placement": "4:4",
+        "migUUID": "MIG-abc",
+        "phase": "Creating",
+        "claim": "claim-train",
+    }
+    assert json.loads(dump([row], "json")) == [row]
+    assert yaml.safe_load(dump([row], "yaml")) == [row]
+
+
+def test_gpu_rows_separate_held_and_unclaimed_instances() -> None:
+    node = _mignode("n0", [{"profile": "1g.10gb", "start": 6, "size": 1, "migUUID": "MIG-x"}])
+    (gpu,) = gpu_rows([node], [_alloc("team", "train", "GPU-n0-0", 0, 4)])
+    assert gpu["node"] == "n0" and gpu["healthy"] is True
+    assert gpu["slices"] == [
+        {"pod": "team/train", "profile": "3g.40gb", "start": 0, "size": 4, "phase": "Ready"}
+    ]
+    assert gpu["unclaimed"] == [{"profile": "1g.10gb", "start": 6, "size": 1}]
+
+
+def test_namespace_and_all_namespaces_exclude_each_other() -> None:
+    p = build_parser()
+    assert p.parse_args(["pods", "-A", "-o", "json"]).all_namespaces
+    assert p.parse_args(["pods", "--context", "c", "-n", "x"]).namespace == "x"
+    with pytest.raises(SystemExit):
+        p.parse_args(["pods", "-A", "-n", "x"])
+
+
+def test_gather_keeps_only_instaslice_events_and_gated_pods() -> None:
+    events = {
+        "items": [
+            {"reason": "Scheduled", "involvedObject": {"namespace": "a"}},
+            {"reason": "SliceReady", "lastTimestamp": "2026-01-01T00:00:02Z"},
+            {"reason": "Pulled", "involvedObject": {"namespace": "instaslice-system"}},
+            {"reason": "Other", "source": {"component": "instaslice-nodeagent"},
+             "lastTimestamp": "2026-01-01T00:00:01Z"},
+        ]
+    }  # fmt: skip
+    assert [e["reason"] for e in instaslice_events(json.dumps(events))] == [
+        "Pulled",
+        "Other",
+        "SliceReady",
+    ]
+    pods = {
+        "items": [
+            {"metadata": {"namespace": "a", "name": "p"},
+             "spec": {"schedulingGates": [{"name": "instaslice.io/allocation"}]}},
+            {"metadata": {"namespace": "a", "name": "q"}, "spec": {}},
+        ]
+    }  # fmt: skip
+    assert gated_pods(json.dumps(pods)) == ["a/p"]

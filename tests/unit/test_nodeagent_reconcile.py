@@ -26,6 +26,7 @@ from nodeagent.reconcile import (
     merge_plan,
     orphans,
     plan,
+    vanished_claims,
 )
 from tests.unit.test_nodeagent_builders import G0, G1, gpu
 
@@ -157,7 +158,7 @@ def test_decide_recognises_our_own_writes(
     assert decide(SliceAllocation.parse(obj), record, "b1").action is want
 
 
-def test_alloc_view_reads_the_wire() -> None:
+def test_the_allocation_model_reads_the_wire() -> None:
     v = SliceAllocation.parse(alloc(("main", "1g.18gb", G0, 3, 1), ("side", "3g.71gb", G1, 4, 4)))
     assert v.key == "ns/c1" and v.node == "n1" and v.has_finalizer and not v.deleting
     assert v.containers() == ["main", "side"]
@@ -311,3 +312,20 @@ def test_orphans_wait_for_the_grace_period() -> None:
     assert due == [] and seen == {}
     due, _ = orphans(replace(cp, claims={}), set(), {"u9": 0.0}, now=1e9, grace_s=0)
     assert due == []
+
+
+def test_vanished_claims_are_ready_records_missing_an_instance() -> None:
+    cp = Checkpoint(
+        "n1",
+        "b1",
+        {
+            "kept": replace(rec("kept", srec(G0, 15, 4, 2, gi=5)), updated=10.0),
+            "gone": replace(rec("gone", srec(G0, 19, 0, 1, gi=7)), updated=10.0),
+            "lost": replace(rec("lost", srec(G1, 9, 0, 4, gi=1)), updated=10.0),  # GPU lost
+            "new": replace(rec("new", srec(G0, 19, 1, 1, gi=8)), updated=99.0),  # after scan
+            "making": replace(rec("making", srec(G0, 19, 2, 1), state="creating"), updated=1.0),
+        },
+    )
+    own = match(cp, [inst(G0, 5, 15, 4, 2)])
+    assert vanished_claims(cp, own, lambda i: i == 1, before=50.0) == {"gone"}
+    assert vanished_claims(cp, own, lambda i: False, before=50.0) == {"gone", "lost"}

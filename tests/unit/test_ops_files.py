@@ -305,3 +305,46 @@ def test_krew_manifest_describes_the_console_script() -> None:
         }
         assert oses <= {"linux", "darwin", "windows"} and oses
     assert (ROOT / "plugins" / "krew" / "kubectl-instaslice").stat().st_mode & 0o111
+
+
+# --- monitoring component ----------------------------------------------------------------------
+
+MONITORING = MANIFESTS / "components" / "monitoring"
+PROMETHEUS_BUILTINS = {"up"}
+
+
+def _rules() -> list[dict[str, Any]]:
+    rule = _yaml(MONITORING / "prometheusrule.yaml")
+    return [r for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def test_every_alert_names_documented_metrics_and_says_what_to_do() -> None:
+    documented = documented_metrics()
+    rules = _rules()
+    assert {r["alert"] for r in rules} >= {
+        "InstaSliceNodeAgentDown",
+        "InstaSliceAllocationStuck",
+        "InstaSliceForeignInstances",  # leaked or foreign instances, a partitioner in conflict
+        "InstaSliceNoAllocatorLeader",
+    }
+    for r in rules:
+        names = promql_metrics(r["expr"])
+        assert names, r["alert"]
+        unknown = {
+            n for n in names if _base_metric(n, documented) not in documented
+        } - PROMETHEUS_BUILTINS
+        assert not unknown, f"{r['alert']}: {unknown} not in docs/metrics.md"
+        assert r["labels"]["severity"] in {"info", "warning", "critical"}
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+    assert len({r["alert"] for r in rules}) == len(rules)
+
+
+def test_pod_monitor_selects_both_components_on_their_metrics_port() -> None:
+    mon = _yaml(MONITORING / "podmonitor.yaml")
+    (expr,) = mon["spec"]["selector"]["matchExpressions"]
+    (endpoint,) = mon["spec"]["podMetricsEndpoints"]
+    for path in ("webhook/deployment.yaml", "nodeagent/daemonset.yaml"):
+        tmpl = _yaml(MANIFESTS / "base" / path)["spec"]["template"]
+        assert tmpl["metadata"]["labels"][expr["key"]] in expr["values"], path
+        ports = {p["name"] for c in tmpl["spec"]["containers"] for p in c.get("ports", [])}
+        assert endpoint["port"] in ports, path

@@ -30,13 +30,12 @@ from typing import Literal
 import structlog
 
 from common.catalog import load_catalog
-from common.clock import cancel_until_done, parse_time, wait_or_sleep
+from common.clock import cancel_until_done, monotonic_at, wait_or_sleep
 from common.constants import (
-    AGENT_LEASE_DURATION_S,
+    ENABLED_KEY,
     GATE_NAME,
     LEASE_API_VERSION,
     MIG_NODE_PLURAL,
-    NODEAGENT_COMPONENT,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -51,10 +50,10 @@ from common.kubeapi import (
 )
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
+from webhook.allocator.agents import AgentWatch
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
-from webhook.allocator.queue import AgentLeases
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
@@ -75,7 +74,6 @@ from webhook.allocator.writes import Writes
 log = structlog.get_logger("allocator")
 
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
-_AGENT_HOLDER = f"{NODEAGENT_COMPONENT}/"
 _FIRST_BACKOFF_S = 0.2
 
 
@@ -95,7 +93,7 @@ class Controller:
         self.catalog = settings.catalog if settings.catalog is not None else load_catalog()
         self.state = ClusterState()
         self.tracks = Tracks()
-        self.agents = AgentLeases()
+        self.agents = AgentWatch(self.state, self.clock, self.kick, self._after_change)
         self.placer = Placer(
             self.state,
             self.tracks,
@@ -143,7 +141,9 @@ class Controller:
                 name="sliceallocations",
             ),
             self.lease_informer,  # the node agents' heartbeats (and our own Lease, skipped)
+            Informer(kube, core_path("namespaces"), self._on_namespace, name="namespaces"),
         ]
+        self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
 
     @property
     def parked(self) -> dict[str, int]:
@@ -216,47 +216,27 @@ class Controller:
             self.state.upsert_mig_node(obj)
         self._after_change()
 
-    async def _on_lease(self, etype: EventType, obj: Obj) -> None:
-        spec = obj.get("spec") or {}
-        if not str(spec.get("holderIdentity") or "").startswith(_AGENT_HOLDER):
-            return  # not a node agent's heartbeat (e.g. the allocator's own Lease)
-        node = str(obj.get("metadata", {}).get("name", ""))
-        if etype == "DELETED":
-            self.agents.forget(node)  # no heartbeat at all reads as unknown, not down
+    async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
+        """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere
+        (the admission policy refuses to create one; this is the second line) is not placed."""
+        meta = obj.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        on = etype != "DELETED" and (meta.get("labels") or {}).get(ENABLED_KEY) == "true"
+        if on == (name in self.opted_in):
+            return
+        if on:
+            self.opted_in.add(name)
         else:
-            renew = str(spec.get("renewTime") or "")
-            duration = float(spec.get("leaseDurationSeconds") or AGENT_LEASE_DURATION_S)
-            initial = not self.lease_informer.synced.is_set()
-            self.agents.observe(node, renew, duration, self._since(renew, initial=initial))
-        now = self.clock.monotonic()
-        if not self.agents.is_expired(node, now) and self.state.set_agent_down(node, False):
-            log.info("node agent back; node offered to placement again", node=node)
-            self._after_change()
+            self.opted_in.discard(name)
+        for pod in list(self.state.pods.values()):
+            if pod.namespace == name and pod.claim is not None:
+                self.kick(pod.uid)
+
+    async def _on_lease(self, etype: EventType, obj: Obj) -> None:
+        await self.agents.on_lease(etype, obj, initial=not self.lease_informer.synced.is_set())
 
     def _sweep_agents(self) -> None:
-        now = self.clock.monotonic()
-        expired = self.agents.expired(now)
-        for node in sorted(expired - self.state.agents_down):
-            self.state.set_agent_down(node, True)
-            for alloc in self.state.allocations_on(node):
-                self.kick(alloc.pod_uid)  # an untouched one moves elsewhere
-            silent = self.agents.silent_s(node, now) or 0.0
-            log.warning(
-                "node agent's Lease not renewed; node left out of placement",
-                node=node,
-                silent_s=round(silent, 1),
-            )
-        # no revival here: a renewal (or a deleted Lease) is seen by _on_lease at once
-
-    def _since(self, stamp: str | None, *, initial: bool) -> float:
-        """Now, or — for objects found before this moment (`initial`: an informer's first
-        list, or pods a new term finds) — `stamp` (a creation or renewal time), as
-        monotonic time."""
-        now = self.clock.monotonic()
-        when = parse_time(stamp)
-        if not initial or when is None:
-            return now
-        return now - max(0.0, (self.clock.wall() - when).total_seconds())
+        self.agents.sweep()
 
     def kick(self, uid: str) -> None:
         """Look at this pod again (leading only: a standby keeps caches, not records)."""
@@ -305,7 +285,7 @@ class Controller:
                 track = self.tracks.ensure(pod.uid)
                 if track.ungate_start is None and pod.gates == (GATE_NAME,):
                     # seen before this term: timed from its creation (whole seconds)
-                    track.ungate_start = self._since(pod.created, initial=True)
+                    track.ungate_start = monotonic_at(self.clock, pod.created)
         for uid in sorted(ours):
             self.kick(uid)
 
@@ -354,6 +334,7 @@ class Controller:
             nodes=frozenset(a.node for a in allocs if a.node in self.state.nodes),
             agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
             name_holder=holder,
+            opted_in=pod is not None and pod.namespace in self.opted_in,
         )
 
     async def _work(self, uid: str) -> float | None:

@@ -1,9 +1,6 @@
-"""Pure bookkeeping of the allocator loop besides the pod records (webhook.allocator.track):
-
-- `PlacementQueue`: gated pods waiting for a decision, highest `spec.priority` first, then
-  oldest `creationTimestamp`, then namespace/name (so the order is total and stable).
-- `AgentLeases`: when each node agent's Lease was last seen renewed, on the injected
-  monotonic clock, so nodes whose agent stopped can be left out of placement.
+"""The placement queue (pure): gated pods waiting for a decision, highest `spec.priority`
+first, then oldest `creationTimestamp`, then namespace/name (so the order is total and
+stable). What is known about each pod lives in its record (webhook.allocator.track).
 """
 
 from __future__ import annotations
@@ -54,36 +51,3 @@ class PlacementQueue:
 
     def __len__(self) -> int:
         return len(self._live)
-
-
-class AgentLeases:
-    """Node agents' heartbeats, timed as the node lifecycle controller times kubelets': a
-    renewal counts when it is seen (a new `renewTime`), on the allocator's own monotonic
-    clock, so clock skew between a node and the allocator does not matter."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[str, float, float]] = {}  # node -> renewTime, seen, duration
-
-    def observe(self, node: str, renew_time: str, duration_s: float, seen: float) -> None:
-        """A Lease as watched; `seen` counts only when `renew_time` is new."""
-        prev = self._seen.get(node)
-        if prev is not None and prev[0] == renew_time:
-            seen = prev[1]
-        self._seen[node] = (renew_time, seen, duration_s)
-
-    def forget(self, node: str) -> None:
-        self._seen.pop(node, None)
-
-    def expired(self, now: float) -> set[str]:
-        """Nodes whose agent has not renewed its Lease for longer than the Lease's duration.
-        A node without a Lease is not among them (unknown is not down)."""
-        return {n for n, (_, seen, duration) in self._seen.items() if now - seen > duration}
-
-    def is_expired(self, node: str, now: float) -> bool:
-        """`node in expired(now)`, for one node (a Lease event must not scan them all)."""
-        entry = self._seen.get(node)
-        return entry is not None and now - entry[1] > entry[2]
-
-    def silent_s(self, node: str, now: float) -> float | None:
-        entry = self._seen.get(node)
-        return None if entry is None else now - entry[1]

@@ -55,7 +55,9 @@ class ClusterState:
         self._allocs_by_node: dict[str, set[str]] = {}
         self.nodes: dict[str, NodeView] = {}
         self.gpus: dict[str, tuple[GpuView, ...]] = {}  # MigNode status, by node
-        self._live_claims: Counter[str] = Counter()
+        # (node, claim) of every live allocation: a MigNode instance is covered by an
+        # allocation only on its own node (claim names alone may repeat across namespaces)
+        self._live_claims: Counter[tuple[str, str]] = Counter()
         self._charges: dict[str, tuple[str, Resources]] = {}
         self._usage: dict[str, Resources] = {}
         self._node_cache: dict[str, NodeState] = {}
@@ -157,7 +159,7 @@ class ClusterState:
             self._assumed.add(view.key)
         self._allocs_by_pod.setdefault(view.pod_uid, set()).add(view.key)
         self._allocs_by_node.setdefault(view.node, set()).add(view.key)
-        self._live_claims[view.name] += 1
+        self._live_claims[(view.node, view.name)] += 1
         if not assumed:
             self.slice_counts.update((s.profile, view.node, s.gpu_uuid) for s in view.slices)
         self._dirty.add(view.node)
@@ -184,9 +186,10 @@ class ClusterState:
             keys.discard(view.key)
             if not keys:
                 del self._allocs_by_node[view.node]
-        self._live_claims[view.name] -= 1
-        if self._live_claims[view.name] <= 0:
-            del self._live_claims[view.name]
+        live = (view.node, view.name)
+        self._live_claims[live] -= 1
+        if self._live_claims[live] <= 0:
+            del self._live_claims[live]
         if view.key in self._assumed:
             self._assumed.discard(view.key)
         else:
@@ -291,7 +294,7 @@ class ClusterState:
                 slots.setdefault(s.gpu_uuid, set()).add(Occupied(s.start, s.size, s.profile))
         for gpu in self.gpus.get(node, ()):
             for start, size, profile, claim in gpu.instances:
-                if not claim or claim not in self._live_claims:
+                if not claim or (node, claim) not in self._live_claims:
                     slots.setdefault(gpu.uuid, set()).add(Occupied(start, size, profile))
         return {
             uuid: tuple(sorted(occ, key=lambda o: (o.start, o.size, o.profile)))

@@ -80,6 +80,7 @@ class Seen:
     nodes: frozenset[str] = frozenset()  # of the allocations' nodes, those with a Node
     agents_down: frozenset[str] = frozenset()
     name_holder: str | None = None  # uid of another pod whose record holds our claim name
+    opted_in: bool = True  # the pod's namespace is labelled instaslice.io/enabled=true
 
 
 # --- steps ---------------------------------------------------------------------------------
@@ -130,7 +131,8 @@ class Forget:
 
 @dataclass(frozen=True, slots=True)
 class Dequeue:
-    """Not ours to place now (another gate first, or being deleted)."""
+    """Not ours to place now (another gate first, being deleted, or its namespace did not
+    opt in)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +210,7 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
 
 
 def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
-    if pod.gates != (GATE_NAME,) or pod.deleting:
+    if pod.gates != (GATE_NAME,) or pod.deleting or not seen.opted_in:
         return Dequeue()
     if track.create is not None:
         return Create(pod, track.create)

@@ -1,0 +1,193 @@
+"""`kubectl instaslice` against the real control plane, as an admin and as a tenant.
+
+Covers: `pods -o json|yaml` and `nodes -o json` rows from real MigNode and SliceAllocation
+objects; `--context` picks a context other than the kubeconfig's current one (which points
+nowhere); a real user (client certificate, no admin groups) bound to the default `view` or
+`edit` role in one namespace reads that namespace's allocations through the aggregated
+`instaslice-view` ClusterRole, is told to use `-n` when asking for all namespaces, and may not
+change or delete an allocation; `gather` writes an archive with InstaSlice's objects and
+events and records what it could not read.
+Leaves out: pod logs in the archive (no InstaSlice pods run on the local control plane).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.kubectl_plugin import main
+from hack.cluster import ControlPlane
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parents[2]
+NS = "plugin-team"
+NODE = "plugin-gpu-0"
+
+
+def _k(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
+    proc = cp.kubectl(*args, check=False, stdin=stdin)
+    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def objects(control_plane: ControlPlane) -> Iterator[ControlPlane]:
+    cp = control_plane
+    crds = ROOT / "manifests" / "base" / "crds"
+    for f in ("sliceallocations.yaml", "mignodes.yaml"):
+        _k(cp, "apply", "--server-side", "--force-conflicts", "-f", str(crds / f))
+    _k(cp, "wait", "--for=condition=Established", "--timeout=60s",
+       "crd/sliceallocations.instaslice.io", "crd/mignodes.instaslice.io")  # fmt: skip
+    role = ROOT / "manifests" / "base" / "common" / "rbac-aggregate.yaml"
+    _k(cp, "apply", "-f", str(role))
+    _k(cp, "create", "namespace", NS)
+    alloc = {
+        "apiVersion": "instaslice.io/v1alpha1",
+        "kind": "SliceAllocation",
+        "metadata": {"name": "claim-p1", "namespace": NS},
+        "spec": {"podName": "trainer", "podUID": "u1", "nodeName": NODE,
+                 "slices": [{"container": "main", "profile": "1g.18gb", "gpuUUID": "GPU-p0",
+                             "start": 2, "size": 1}]},
+    }  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    mignode = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode",
+               "metadata": {"name": NODE}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(mignode))
+    gpu = {"index": 0, "uuid": "GPU-p0", "model": "H200-141GB", "healthy": True,
+           "migMode": {"current": "enabled", "pending": "enabled"},
+           "profiles": [{"name": "1g.18gb", "id": 19, "placements": [{"start": 2, "size": 1}]}],
+           "slices": [{"profile": "1g.18gb", "start": 2, "size": 1,
+                       "claim": "claim-p1"}]}  # fmt: skip
+    _k(cp, "patch", "mignode", NODE, "--subresource=status", "--type=merge",
+       "-p", json.dumps({"status": {"gpuCount": 1, "gpus": [gpu]}}))  # fmt: skip
+    yield cp
+    _k(cp, "delete", "namespace", NS, "--wait=false")
+    _k(cp, "delete", "mignode", NODE, "--ignore-not-found")
+    _k(cp, "delete", "-f", str(role), "--ignore-not-found")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _two_contexts(cp: ControlPlane, tmp: Path) -> Path:
+    """The admin kubeconfig with its context renamed `real`, and a current context that
+    points at nothing listening."""
+    cfg = yaml.safe_load(cp.kubeconfig.read_text())
+    ctx = cfg["contexts"][0]
+    cluster = cfg["clusters"][0]
+    cfg["contexts"] = [
+        {"name": "real", "context": ctx["context"]},
+        {"name": "nowhere", "context": {**ctx["context"], "cluster": "nowhere"}},
+    ]
+    cfg["clusters"].append(
+        {"name": "nowhere", "cluster": {**cluster["cluster"], "server": "https://127.0.0.1:1"}}
+    )
+    cfg["current-context"] = "nowhere"
+    path = tmp / "two-contexts.kubeconfig"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_pods_and_nodes_as_data_with_a_chosen_context(
+    objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kc = str(_two_contexts(objects, tmp_path))
+    rc, _, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc)
+    assert rc == 1 and "error" in err  # the current context reaches nothing
+    rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "--context", "real",
+                        "-o", "json")  # fmt: skip
+    assert rc == 0, err
+    (row,) = json.loads(out)
+    assert row == {"namespace": NS, "pod": "trainer", "container": "main", "node": NODE,
+                   "gpu": "GPU-p0", "profile": "1g.18gb", "placement": "2:1", "migUUID": "-",
+                   "phase": "Pending", "claim": "claim-p1"}  # fmt: skip
+    rc, out, _ = _run(capsys, "pods", "-A", "--kubeconfig", kc, "--context", "real", "-o", "yaml")
+    assert (
+        rc == 0
+        and {"pod": "trainer"}.items()
+        <= next(r for r in yaml.safe_load(out) if r["namespace"] == NS).items()
+    )
+    rc, out, _ = _run(capsys, "nodes", "--kubeconfig", kc, "--context", "real", "-o", "json")
+    gpu = next(r for r in json.loads(out) if r["node"] == NODE)
+    assert gpu["slices"] == [{"pod": f"{NS}/trainer", "profile": "1g.18gb", "start": 2,
+                              "size": 1, "phase": "Pending"}]  # fmt: skip
+    assert gpu["unclaimed"] == []
+
+
+@pytest.mark.parametrize("role", ["view", "edit"])
+def test_a_tenant_reads_only_their_own_allocations(
+    objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str
+) -> None:
+    cp = objects
+    user = f"tenant-{role}"
+    _k(cp, "-n", NS, "create", "rolebinding", user, f"--clusterrole={role}", f"--user={user}")
+    kc = str(cp.user_kubeconfig(user))
+
+    def can(verb: str) -> bool:
+        proc = cp.kubectl("auth", "can-i", verb, "sliceallocations.instaslice.io", "-n", NS,
+                          "--as", user, check=False)  # fmt: skip
+        return proc.stdout.strip() == "yes"
+
+    deadline = time.monotonic() + 20  # the aggregation controller and the authorizer catch up
+    while not can("list") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert can("list") and can("watch") and can("get")
+    assert not can("delete") and not can("patch") and not can("create") and not can("update")
+
+    rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "-o", "json")
+    assert rc == 0, err
+    assert [r["pod"] for r in json.loads(out)] == ["trainer"]
+    rc, _, err = _run(capsys, "pods", "--kubeconfig", kc)
+    assert rc == 1 and "403" in err and "-n <namespace>" in err
+    proc = subprocess.run(
+        [str(cp.kubectl_path), "--kubeconfig", kc, "-n", NS, "get", "slicealloc"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "claim-p1" in proc.stdout, proc.stderr
+
+
+def test_gather_packs_objects_and_events(
+    objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cp = objects
+    event = {"apiVersion": "v1", "kind": "Event",
+             "metadata": {"name": "trainer.gather", "namespace": NS},
+             "involvedObject": {"kind": "Pod", "name": "trainer", "namespace": NS},
+             "reason": "AllocationPending", "message": "no node offers 1g.18gb",
+             "type": "Normal", "source": {"component": "instaslice-allocator"}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(event))
+    dest = tmp_path / "bug.tar.gz"
+    rc, out, err = _run(capsys, "gather", "--dest", str(dest), "--kubectl", str(cp.kubectl_path),
+                        "--kubeconfig", str(cp.kubeconfig))  # fmt: skip
+    assert rc == 0, err
+    assert out.strip() == str(dest)
+    with tarfile.open(dest) as tar:
+        files = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
+
+        def text(name: str) -> str:
+            f = tar.extractfile(files[name])
+            assert f is not None
+            return f.read().decode()
+
+        assert NODE in text("instaslice/mignodes.yaml")
+        assert "claim-p1" in text("instaslice/sliceallocations.yaml")
+        reasons = {e["reason"] for e in json.loads(text("instaslice/events.json"))}
+        assert "AllocationPending" in reasons
+        assert "cluster/pods.json" not in files  # every pod of the cluster is not shared
+        assert "errors.txt" in files
+        assert not any("secret" in name for name in files)

@@ -1,0 +1,125 @@
+"""`make uninstall` (hack/uninstall.py) against a real control plane of its own.
+
+Installs the Kubernetes overlay for real (cert-manager's CRDs first, fetched by
+hack/fetch-crds.sh), opts a namespace in, leaves a SliceAllocation holding a slice (with the
+release finalizer, as a node agent would) and a Node advertising `instaslice.io/mig-*`. Then:
+the uninstall takes the namespace out but stops at its check, deleting nothing; once the
+allocation is released (the finalizer dropped, as the agent does), it runs to the end: no
+object of InstaSlice's is left (CRDs, hooks, policies, namespace) and the Node's capacity is
+clean.
+
+Uses a private control plane (not the session's): it deletes InstaSlice's CRDs, which the
+other integration tests share. Leaves out: node-side files (no host), running webhook pods
+(no container runtime: the Deployment's pods never start, which the uninstall must not need).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hack.cluster import BinariesMissing, ControlPlane
+from tests.integration.test_manifests import _fetch_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAY = ROOT / "manifests" / "overlays" / "kubernetes"
+NODE = "gpu-uninstall-0"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    try:
+        started = ControlPlane.start(tmp_path_factory.mktemp("uninstall-cp"))
+    except BinariesMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    with started as cp:
+        yield cp
+
+
+def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
+    proc = cp.kubectl(*args, check=False, stdin=stdin)
+    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+def _uninstall(cp: ControlPlane) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hack.uninstall", "--overlay", str(OVERLAY),
+         "--kubectl", str(cp.kubectl_path), "--kubeconfig", str(cp.kubeconfig),
+         "--timeout", "60s"],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=200,
+    )  # fmt: skip
+
+
+def _ours(cp: ControlPlane) -> list[str]:
+    """Everything still labelled part-of=instaslice, and InstaSlice's CRDs by name."""
+    kinds = "crd,mutatingwebhookconfigurations,validatingadmissionpolicies,clusterroles,namespaces"
+    out = _kubectl(cp, "get", kinds, "-l", "app.kubernetes.io/part-of=instaslice", "-o", "name")
+    crds = _kubectl(cp, "get", "crd", "-o", "name")
+    return sorted(set(out.split()) | {c for c in crds.split() if c.endswith(".instaslice.io")})
+
+
+def test_uninstall_stops_while_slices_are_held_then_removes_everything(
+    cluster: ControlPlane,
+) -> None:
+    cp = cluster
+    fetched = _fetch_dir()
+    for f in sorted((fetched / "cert-manager").glob("*.yaml")):
+        _kubectl(cp, "apply", "--server-side", "-f", str(f))
+    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    rendered = _kubectl(cp, "kustomize", str(OVERLAY))
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(crds))
+    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=rendered)
+    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in (_ours(cp))
+
+    # a tenant namespace, a slice held there, a node advertising slices
+    _kubectl(cp, "create", "namespace", "team-a")
+    _kubectl(cp, "annotate", "namespace", "team-a", "instaslice.io/enabled=true")
+    _kubectl(cp, "label", "namespace", "team-a", "instaslice.io/enabled=true")
+    alloc = {
+        "apiVersion": "instaslice.io/v1alpha1",
+        "kind": "SliceAllocation",
+        "metadata": {"name": "claim-1", "namespace": "team-a",
+                     "finalizers": ["instaslice.io/release"]},
+        "spec": {"podName": "trainer", "podUID": "u1", "nodeName": NODE,
+                 "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-1",
+                             "start": 0, "size": 1}]},
+    }  # fmt: skip
+    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
+    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(node))
+    cap = {"status": {"capacity": {"instaslice.io/mig-1g.18gb": "7", "example.com/other": "1"}}}
+    _kubectl(cp, "patch", "node", NODE, "--subresource=status", "--type=merge",
+             "-p", json.dumps(cap))  # fmt: skip
+
+    first = _uninstall(cp)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "holds slices: team-a/trainer" in first.stderr
+    ns = json.loads(_kubectl(cp, "get", "namespace", "team-a", "-o", "json"))["metadata"]
+    assert "instaslice.io/enabled" not in (ns.get("annotations") or {})
+    assert "instaslice.io/enabled" not in (ns.get("labels") or {})
+    left = _ours(cp)
+    assert "customresourcedefinition.apiextensions.k8s.io/sliceallocations.instaslice.io" in left
+    assert "namespace/instaslice-system" in left  # nothing was deleted
+
+    # the node agent releases the slice: its finalizer goes, the allocation with it
+    _kubectl(cp, "-n", "team-a", "delete", "sliceallocation", "claim-1", "--wait=false")
+    _kubectl(cp, "-n", "team-a", "patch", "sliceallocation", "claim-1", "--type=merge",
+             "-p", '{"metadata":{"finalizers":null}}')  # fmt: skip
+
+    second = _uninstall(cp)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert _ours(cp) == []
+    status = json.loads(_kubectl(cp, "get", "node", NODE, "-o", "json"))["status"]
+    assert not [r for r in status.get("capacity", {}) if r.startswith("instaslice.io/")]
+    assert status["capacity"].get("example.com/other") == "1"  # others' resources untouched
