@@ -135,9 +135,10 @@ UPGRADE_KEYS = {
 }
 UPGRADE_NOT_RUN = {
     "nvidia-smi mig -lgi": "node-side checks; done on the emulated GPUs instead",
-    # a preview of pods the NVIDIA_VISIBLE_DEVICES rule would refuse when recreated: needs
-    # jq, which CI machines lack; the rule itself: tests/integration/test_admission_policy.py
-    '.name == "NVIDIA_VISIBLE_DEV': "jq preview of the env rule; the rule is tested directly",
+    # a read-only preview of pods the NVIDIA_VISIBLE_DEVICES rule would refuse when
+    # recreated; it needs jq, which the project does not install. The rule itself is tested
+    # in tests/integration/test_admission_policy.py
+    '.name == "NVIDIA_VISIBLE_DEV': "a jq preview; the rule is tested directly",
 }
 
 
