@@ -262,13 +262,17 @@ class Faults:
             if not ok:
                 return
             rec = self._start("restart-apiserver", "kube-apiserver")
-            self.system.cp.restart("kube-apiserver", wait=False)
-            deadline = time.monotonic() + 120
-            while not await asyncio.to_thread(self.system.cp.ready):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("kube-apiserver did not come back within 120 s")
-                await asyncio.sleep(0.5)
+            await self._restart_apiserver()
             self._end(rec)
+
+    async def _restart_apiserver(self) -> None:
+        """kill -9 of kube-apiserver, relaunched at once; returns once it is ready."""
+        self.system.cp.restart("kube-apiserver", wait=False)
+        deadline = time.monotonic() + 120
+        while not await asyncio.to_thread(self.system.cp.ready):
+            if time.monotonic() > deadline:
+                raise RuntimeError("kube-apiserver did not come back within 120 s")
+            await asyncio.sleep(0.5)
 
     # ---- NVML ----------------------------------------------------------------------------
 
@@ -412,12 +416,7 @@ class Faults:
             for proc in frozen:
                 os.kill(proc.pid, signal.SIGSTOP)
             try:
-                self.system.cp.restart("kube-apiserver", wait=False)
-                deadline = time.monotonic() + 120
-                while not await asyncio.to_thread(self.system.cp.ready):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("kube-apiserver did not come back within 120 s")
-                    await asyncio.sleep(0.5)
+                await self._restart_apiserver()
                 await self.kube.delete_ignore_missing(
                     core_path("pods", ns, name), gracePeriodSeconds=0
                 )

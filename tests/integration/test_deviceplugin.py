@@ -140,11 +140,8 @@ def alias_uuids(cdi_dir: Path, name: str) -> str:
     return str(env.split("=", 1)[1])
 
 
-async def test_two_pods_same_profile(
-    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
-) -> None:
-    node = await gpu_node(kube, tmp_path, [H200])
-    settings = agent_settings(
+def dp_settings(node: Any, control_plane: ControlPlane, kubelet: FakeKubelet) -> Any:
+    return agent_settings(
         [node],
         control_plane.kubeconfig,
         binding="device-plugin",
@@ -152,8 +149,14 @@ async def test_two_pods_same_profile(
         pod_resources_socket=kubelet.root / "pr.sock",
         plugin_refresh_s=0.1,
     )
+
+
+async def test_two_pods_same_profile(
+    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
+) -> None:
+    node = await gpu_node(kube, tmp_path, [H200])
     ns = namespace
-    async with running_agent(settings):
+    async with running_agent(dp_settings(node, control_plane, kubelet)):
         await eventually(registered(kubelet), what="registration")
         reg = next(r for r in kubelet.registered if r.resource_name == RES)
         assert reg.version == "v1beta1" and reg.options.pre_start_required
@@ -229,17 +232,6 @@ async def test_two_pods_same_profile(
         async with ch:
             opts = await stub.GetDevicePluginOptions(dp.Empty())
             assert opts.pre_start_required
-
-
-def dp_settings(node: Any, control_plane: ControlPlane, kubelet: FakeKubelet) -> Any:
-    return agent_settings(
-        [node],
-        control_plane.kubeconfig,
-        binding="device-plugin",
-        kubelet_dir=kubelet.root,
-        pod_resources_socket=kubelet.root / "pr.sock",
-        plugin_refresh_s=0.1,
-    )
 
 
 def one_id(i: str) -> Any:
