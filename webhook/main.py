@@ -38,6 +38,7 @@ class Settings:
     server: ServerSettings | None  # None: no admission server
     allocator: AllocatorSettings | None  # None: no allocator
     mirror_namespaces: bool
+    log_level: str = "info"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    """The settings the command line asks for; no side effects (main configures logging)."""
     a = build_parser().parse_args(argv)
-    configure_logging(a.log_level)
     server = None
     if not a.no_admission:
         server = ServerSettings(
@@ -89,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             policy=Policy(a.policy),
             node_selector=a.node_selector,
         )
-    return Settings(a.kubeconfig, server, allocator, not a.no_namespace_mirror)
+    return Settings(a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level)
 
 
 async def run(settings: Settings) -> None:
@@ -109,6 +110,7 @@ async def run(settings: Settings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
+    configure_logging(settings.log_level)
 
     async def _main() -> None:
         task = asyncio.current_task()
