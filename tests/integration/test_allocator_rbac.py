@@ -140,6 +140,7 @@ def test_rbac_manifest_grants_no_more_than_documented() -> None:
     assert rules == {
         "pods": {"get", "list", "watch", "update", "delete"},
         "nodes": {"get", "list", "watch"},
+        "namespaces": {"get", "list", "watch"},  # only opted-in namespaces are served
         "events": {"create"},
         "mignodes": {"get", "list", "watch"},
         # no update: the spec is immutable, status is the agent's, the finalizer goes by patch
