@@ -64,11 +64,15 @@ class ClaimRecord:
     slices: tuple[SliceRecord, ...]
     boot_id: str = ""
     updated: float = 0.0
-    # Not persisted (_RUNTIME_FIELDS): what this process wrote. `announced`: Ready, and the pod
-    # was told (SliceReady); a restarted agent says Ready again, which is how a crash between
-    # the two writes is repaired. `message`: a "failed" record's Failed message.
+    # Not persisted (_RUNTIME_FIELDS): what this process wrote and told. `announced`: Ready,
+    # and the pod was told (SliceReady); a restarted agent says Ready again, which is how a
+    # crash between the two writes is repaired. `message`: a "failed" record's Failed
+    # message. `retry_s`: the next delay of a release NVML refused as IN_USE (doubling);
+    # `in_use_told`: the pod was told so (SliceInUse, once).
     announced: bool = False
     message: str = ""
+    retry_s: float = 0.0
+    in_use_told: bool = False
 
     @property
     def key(self) -> str:
@@ -107,7 +111,7 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
 # What dataclasses.asdict gives, field by field: asdict deep-copies recursively and took half
 # of every save (2.6 of 5.3 ms CPU for a node holding 56 claims; saves run ~3 times a pod)
 _SLICE_FIELDS = tuple(f.name for f in fields(SliceRecord))
-_RUNTIME_FIELDS = frozenset({"announced", "message"})
+_RUNTIME_FIELDS = frozenset({"announced", "message", "retry_s", "in_use_told"})
 _CLAIM_FIELDS = tuple(f.name for f in fields(ClaimRecord) if f.name not in _RUNTIME_FIELDS)
 
 

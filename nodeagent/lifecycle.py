@@ -82,8 +82,6 @@ class Lifecycle:
     metrics: AgentMetrics
     clock: Clock = field(default_factory=SystemClock)
     cdi_dir: Path = field(init=False)
-    _backoff: dict[str, float] = field(default_factory=dict, init=False)
-    _in_use_told: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
@@ -510,6 +508,7 @@ class Lifecycle:
                 if not exc.in_use:
                     raise
                 return await self.in_use(alloc, exc)
+            rec = self.st.cp.claims.get(uid, rec)  # as destroy_held and in_use left it
         await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, alloc.namespace, alloc.name, uid)
         self.st.drop(uid)
         await self.st.persist()
@@ -518,9 +517,7 @@ class Lifecycle:
         dropped = alloc.has_finalizer and await writes.drop_finalizer(
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)
         )
-        self._backoff.pop(uid, None)
-        told = uid in self._in_use_told
-        self._in_use_told.discard(uid)
+        told = rec is not None and rec.in_use_told
         if not (dropped or rec is not None):
             # A repeat pass from a stale view (our Releasing write's watch event arriving
             # after the finalizer went): released and told already, by the first pass.
@@ -538,12 +535,16 @@ class Lifecycle:
         return None
 
     async def in_use(self, alloc: SliceAllocation, exc: NvmlFailure) -> float:
-        delay = self._backoff.get(alloc.uid, self.settings.release_backoff_s)
-        self._backoff[alloc.uid] = min(delay * 2, self.settings.release_backoff_max_s)
+        """A process still holds the slice: retry the release later (doubling), tell once.
+        The delay and the telling live in the record (`destroy_held` put it there)."""
+        rec = self.st.cp.claims[alloc.uid]
+        delay = rec.retry_s or self.settings.release_backoff_s
+        told = rec.in_use_told
+        doubled = min(delay * 2, self.settings.release_backoff_max_s)
+        self.st.put(replace(rec, retry_s=doubled, in_use_told=True))
         msg = f"slice still in use by a process ({exc.text}); retrying with backoff"
         await self.status(alloc, status_releasing(msg))
-        if alloc.uid not in self._in_use_told:
-            self._in_use_told.add(alloc.uid)
+        if not told:
             await writes.event(
                 self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_IN_USE, msg, True
             )
