@@ -32,6 +32,7 @@ from common.catalog import load_catalog
 from common.clock import stoppable
 from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
 from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
+from common.metricsauth import MetricsAuth
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
@@ -124,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="serve /metrics, /healthz and /readyz on this port (0: off)",
     )
+    p.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
+        "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -166,6 +173,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         mig_minors=a.mig_minors,
         dev_root=a.dev_root,
         metrics_port=a.metrics_port,
+        metrics_auth=a.metrics_auth,
         kubelet_dir=a.kubelet_dir,
         pod_resources_socket=a.pod_resources_socket,
     )
@@ -349,7 +357,12 @@ async def serve(
 
             if settings.metrics_port:
                 await stack.enter_async_context(
-                    health_server(settings.metrics_port, metrics, ready)
+                    health_server(
+                        settings.metrics_port,
+                        metrics,
+                        ready,
+                        auth=MetricsAuth(kube) if settings.metrics_auth else None,
+                    )
                 )
             async with asyncio.TaskGroup() as tg:
                 for agent in agents.values():

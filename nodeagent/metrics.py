@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.metricsauth import OK, MetricsAuth
 from nodeagent.report import SLICE_INFO_LABELS
 
 SliceSource = Callable[[], Iterable[Sequence[str]]]
@@ -107,7 +108,11 @@ class AgentMetrics:
 
 @asynccontextmanager
 async def health_server(
-    port: int, metrics: AgentMetrics, ready: Callable[[], bool], host: str = "0.0.0.0"
+    port: int,
+    metrics: AgentMetrics,
+    ready: Callable[[], bool],
+    host: str = "0.0.0.0",
+    auth: MetricsAuth | None = None,
 ) -> AsyncIterator[web.AppRunner]:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -116,7 +121,11 @@ async def health_server(
         ok = ready()
         return web.Response(text="ok\n" if ok else "starting\n", status=200 if ok else 503)
 
-    async def prom(_: web.Request) -> web.Response:
+    async def prom(request: web.Request) -> web.Response:
+        if auth is not None:
+            code = await auth.check(request.headers.get("Authorization"), request.path)
+            if code != OK:
+                return web.Response(status=code, text="metrics need an authorized bearer token\n")
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

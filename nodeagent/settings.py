@@ -52,6 +52,7 @@ class Settings:
     boot_id_path: Path = BOOT_ID_PATH
     health_timeout_ms: int = 500
     metrics_port: int = 0  # 0: no /metrics, /healthz, /readyz server
+    metrics_auth: bool = False  # /metrics needs an authorized bearer token (common.metricsauth)
     kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")  # device-plugin binding
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     plugin_refresh_s: float = 1.0

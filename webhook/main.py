@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from common.constants import BindingMode
 from common.kubeapi import Kube
+from common.metricsauth import MetricsAuth
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
@@ -39,6 +40,7 @@ class Settings:
     allocator: AllocatorSettings | None  # None: no allocator
     mirror_namespaces: bool
     log_level: str = "info"
+    metrics_auth: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
+        "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
+    )
     return p
 
 
@@ -90,7 +98,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             policy=Policy(a.policy),
             node_selector=a.node_selector,
         )
-    return Settings(a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level)
+    return Settings(
+        a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth
+    )
 
 
 async def run(settings: Settings) -> None:
@@ -99,7 +109,11 @@ async def run(settings: Settings) -> None:
     allocator_metrics = AllocatorMetrics(registry)
     async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:
         if settings.server is not None:
-            tg.create_task(serve(settings.server, metrics=webhook_metrics), name="admission")
+            auth = MetricsAuth(kube) if settings.metrics_auth else None
+            tg.create_task(
+                serve(settings.server, metrics=webhook_metrics, metrics_auth=auth),
+                name="admission",
+            )
         if settings.mirror_namespaces:
             tg.create_task(run_namespace_mirror(kube), name="namespace-mirror")
         if settings.allocator is not None:

@@ -34,6 +34,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.metricsauth import OK, MetricsAuth
 from common.objects import new_claim_id
 from webhook.admission import (
     Allowed,
@@ -128,6 +129,7 @@ class _State:
     new_claim: Callable[[], str]
     timer: Callable[[], float]
     tls: CertReloader | None
+    metrics_auth: MetricsAuth | None = None  # None: /metrics open (plain Kubernetes default)
     ready: bool = False
 
 
@@ -140,6 +142,7 @@ def build_app(
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
     timer: Callable[[], float] = time.perf_counter,
+    metrics_auth: MetricsAuth | None = None,
 ) -> web.Application:
     """The admission app. With `settings.cert_file` None it has no TLS (unit tests only)."""
     metrics = metrics or WebhookMetrics()
@@ -147,7 +150,7 @@ def build_app(
     if settings.cert_file is not None and settings.key_file is not None:
         tls = CertReloader(settings.cert_file, settings.key_file, metrics)
     app = web.Application(client_max_size=settings.max_body_bytes)
-    app[STATE] = _State(settings, metrics, new_claim, timer, tls)
+    app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth)
     app.router.add_post("/mutate", _mutate)
     _add_ops_routes(app)
     app.cleanup_ctx.append(_lifecycle)
@@ -262,7 +265,12 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[STATE].metrics.registry)
+    state = request.app[STATE]
+    if state.metrics_auth is not None:
+        code = await state.metrics_auth.check(request.headers.get("Authorization"), request.path)
+        if code != OK:
+            return web.Response(status=code, text="metrics need an authorized bearer token\n")
+    body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -283,9 +291,10 @@ async def running(
     *,
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
+    metrics_auth: MetricsAuth | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Serve until the block exits (port 0 in the settings picks a free port)."""
-    app = build_app(settings, metrics=metrics, new_claim=new_claim)
+    app = build_app(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth)
     tls = app[STATE].tls
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s
@@ -321,9 +330,10 @@ async def serve(
     *,
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
+    metrics_auth: MetricsAuth | None = None,
 ) -> None:
     """Serve until cancelled (the entry point's TaskGroup cancels it on SIGTERM)."""
-    async with running(settings, metrics=metrics, new_claim=new_claim):
+    async with running(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth):
         await asyncio.Event().wait()
 
 
