@@ -351,7 +351,8 @@ class Informer:
     replaced meanwhile by a new one of the same name (another UID: a StatefulSet pod
     recreated during the gap) is reported as DELETED(old) then ADDED(new), never as MODIFIED:
     consumers keyed by UID would otherwise hold what the old one held forever.
-    `synced` is set once the first list has been delivered.
+    `synced` is set once the first list has been delivered. `transform` (idempotent) is
+    applied to every object before it is cached or handed on, e.g. `lean`.
     """
 
     kube: Kube
@@ -360,6 +361,7 @@ class Informer:
     label_selector: str | None = None
     field_selector: str | None = None
     name: str = "informer"
+    transform: Callable[[Obj], Obj] | None = None
 
     def __post_init__(self) -> None:
         self.cache: dict[str, Obj] = {}
@@ -417,6 +419,8 @@ class Informer:
         return str(listing.get("metadata", {}).get("resourceVersion", ""))
 
     async def _apply(self, etype: EventType, obj: Obj) -> None:
+        if self.transform is not None:
+            obj = self.transform(obj)
         key = obj_key(obj)
         old = self.cache.get(key)
         if etype != "DELETED" and old is not None and _uid(old) != _uid(obj):
@@ -430,6 +434,25 @@ class Informer:
             await self.handler(etype, obj)
         except Exception:  # a handler bug must not kill the watch; it is logged loudly
             log.exception("informer handler failed", informer=self.name, key=key)
+
+
+def lean(obj: Obj) -> Obj:
+    """`obj` without what no InstaSlice component reads and what can be most of its size:
+    `metadata.managedFields` (server-side apply's bookkeeping; an update that leaves it out
+    keeps it as it is, so a cached pod can still be PUT back) and a Node's `status.images`.
+    For informers whose caches hold every pod and node of the cluster (the allocator's)."""
+    meta = obj.get("metadata")
+    status = obj.get("status")
+    if not (isinstance(meta, dict) and "managedFields" in meta) and not (
+        isinstance(status, dict) and "images" in status
+    ):
+        return obj
+    out = dict(obj)
+    if isinstance(meta, dict) and "managedFields" in meta:
+        out["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    if isinstance(status, dict) and "images" in status:
+        out["status"] = {k: v for k, v in status.items() if k != "images"}
+    return out
 
 
 @contextlib.asynccontextmanager

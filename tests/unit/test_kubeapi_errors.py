@@ -153,3 +153,48 @@ async def test_a_tls_watch_closed_mid_stream_leaves_no_socket_open(tmp_path: Pat
     server.close()
     await server.wait_closed()
     await asyncio.sleep(0)
+
+
+# --- lean: what the allocator's caches leave out --------------------------------------------
+
+
+def test_lean_drops_managed_fields_and_node_images_only() -> None:
+
+    from common.kubeapi import lean
+
+    pod: dict[str, Any] = {
+        "metadata": {"name": "p", "uid": "u", "managedFields": [{"manager": "kubectl"}] * 50},
+        "spec": {"containers": [{"name": "c"}]},
+        "status": {"phase": "Running"},
+    }
+    node = {"metadata": {"name": "n"}, "status": {"images": [{"names": ["x"]}] * 80,
+                                                  "allocatable": {"cpu": "8"}}}  # fmt: skip
+    slim_pod, slim_node = lean(pod), lean(node)
+    assert slim_pod == {"metadata": {"name": "p", "uid": "u"}, "spec": pod["spec"],
+                        "status": pod["status"]}  # fmt: skip
+    assert slim_node == {"metadata": {"name": "n"}, "status": {"allocatable": {"cpu": "8"}}}
+    assert "managedFields" in pod["metadata"]  # the input is left as it was
+    assert lean(slim_pod) is slim_pod  # idempotent, and no copy when there is nothing to drop
+
+
+async def test_an_informer_caches_and_hands_on_the_transformed_object() -> None:
+
+    from common.kubeapi import Informer, lean
+
+    bulky = {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "resourceVersion": "1",
+                          "managedFields": [{"manager": "m"}]}}  # fmt: skip
+
+    class Api:
+        async def list(self, path: str, **_: Any) -> dict[str, Any]:
+            return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                    "items": [bulky]}  # fmt: skip
+
+    seen: list[dict[str, Any]] = []
+
+    async def handler(etype: str, obj: dict[str, Any]) -> None:
+        seen.append(obj)
+
+    inf = Informer(Api(), "/api/v1/pods", handler, transform=lean)  # type: ignore[arg-type]
+    await inf._relist()
+    assert "managedFields" not in seen[0]["metadata"]
+    assert all("managedFields" not in o["metadata"] for o in inf.cache.values())

@@ -47,6 +47,7 @@ from common.kubeapi import (
     core_path,
     group_path,
     instaslice_path,
+    lean,
 )
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
@@ -120,7 +121,12 @@ class Controller:
         self._wake_placer = asyncio.Event()
         self._wake_timer = asyncio.Event()
         self.pods_informer = Informer(
-            kube, core_path("pods"), self._on_pod, field_selector=_ACTIVE_POD_SELECTOR, name="pods"
+            kube,
+            core_path("pods"),
+            self._on_pod,
+            field_selector=_ACTIVE_POD_SELECTOR,
+            name="pods",
+            transform=lean,  # every pod of the cluster is cached: not its managedFields
         )
         leases = group_path(LEASE_API_VERSION, "leases", settings.namespace)
         self.lease_informer = Informer(kube, leases, self._on_lease, name="leases")
@@ -132,6 +138,7 @@ class Controller:
                 self._on_node,
                 label_selector=settings.node_selector,
                 name="nodes",
+                transform=lean,  # nor a node's image list
             ),
             Informer(kube, instaslice_path(MIG_NODE_PLURAL), self._on_mig_node, name="mignodes"),
             Informer(
