@@ -164,9 +164,19 @@ class DevSystem:
         try:
             system.install()
             asyncio.run(_create_nodes(cp.kubeconfig, spec))
+            outcome: dict[str, list[str]] = {}
             for group in spec.groups:
                 for name in group.names():
-                    provision(system.gpu_state, name, [group.model] * group.gpus, group.mig_mode)
+                    models = [group.model] * group.gpus
+                    done = provision(system.gpu_state, name, models, group.mig_mode)
+                    outcome.setdefault(done, []).append(name)
+            if outcome.get("kept") or outcome.get("replaced"):  # a restart: say what stayed
+                kept, anew = outcome.get("kept", []), outcome.get("replaced", [])
+                print(
+                    f"emulated GPUs: {len(kept)} node(s) kept their state (spec unchanged), "
+                    f"{len(anew)} provisioned anew (spec changed){': ' if anew else ''}"
+                    + ", ".join(anew)
+                )
             if (real := spec.real_group) is not None:
                 runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
                 system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)

@@ -36,15 +36,21 @@ class InstanceRow(NamedTuple):
     mig_uuid: str | None
 
 
+Provisioned = Literal["created", "kept", "replaced"]
+
+
 def provision(
     state_dir: Path,
     node: str,
     models: Sequence[str],
     mig_mode: Literal["enabled", "disabled"] = "enabled",
-) -> None:
-    """Create the node's GPUs (one catalog model name per GPU) unless the node exists.
+) -> Provisioned:
+    """Give the node the GPUs asked for (one catalog model name per GPU, all in `mig_mode`).
 
-    Idempotent: an existing node keeps its state (GPU UUIDs derive from node and index).
+    A node that already has exactly those (same models, same MIG mode, in order) keeps its
+    state, instances included ("kept": a restart with an unchanged spec); one that has other
+    GPUs or modes is provisioned anew ("replaced": the spec changed); else "created". GPU
+    UUIDs derive from node and index.
     """
     catalog = load_catalog()
     unknown = sorted({m for m in models if catalog.model(m) is None})
@@ -54,7 +60,21 @@ def provision(
     if mig_mode not in ("enabled", "disabled"):
         raise EmulatorError(f"mig_mode must be enabled or disabled, not {mig_mode!r}")
     state = node_ops.new_node(node, list(models), mig_mode == "enabled", str(uuid.uuid4()))
-    NodeStore(Path(state_dir), node).create(state)
+    store = NodeStore(Path(state_dir), node)
+    if store.create(state):
+        return "created"
+    try:
+        have: EmulatorState | None = store.read()
+    except StateError:
+        have = None  # unreadable: provisioned anew
+    if have is not None and _shape(have) == _shape(state):
+        return "kept"
+    store.overwrite(state)
+    return "replaced"
+
+
+def _shape(state: EmulatorState) -> list[tuple[str, int]]:
+    return [(g.model, g.mig_current) for g in state.gpus]
 
 
 class EmulatorControl:

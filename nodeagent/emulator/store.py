@@ -149,6 +149,11 @@ class NodeStore:
             self._write(state)
             return True
 
+    def overwrite(self, state: EmulatorState) -> None:
+        """Write `state` whatever the node had (its GPUs provisioned anew)."""
+        with self._locked():
+            self._write(state)
+
 
 # ---- JSON codec ----------------------------------------------------------------------------
 

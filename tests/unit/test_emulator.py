@@ -595,7 +595,7 @@ def test_init_and_provision(tmp_path: Path) -> None:
     nv.nvmlInit()
     nv.nvmlShutdown()
     uuids = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]
-    provision(tmp_path, "a", ["A30-24GB"])  # exists: unchanged
+    assert provision(tmp_path, "a", ["B200-180GB"] * 2) == "kept"  # the same spec again
     assert nv.nvmlDeviceGetCount() == 2
     provision(tmp_path / "elsewhere", "a", ["B200-180GB"] * 2)  # same node: same UUIDs
     other = EmulatedNvml(tmp_path / "elsewhere", "a")
@@ -852,3 +852,23 @@ def test_events_from_another_process_are_delivered(tmp_path: Path) -> None:
     cmd += "C(sys.argv[1], 'n0').emit_xid(0, 94)"
     subprocess.run([sys.executable, "-c", cmd, str(tmp_path)], cwd=REPO, check=True)
     assert nv.nvmlEventSetWait(events, 5000).eventData == 94
+
+
+def test_provision_gives_what_the_spec_says(tmp_path: Path) -> None:
+    """Issue 24: a spec that changed a node's model, GPU count or MIG mode is provisioned
+    anew (it once kept the old GPUs: `migMode: disabled` came up enabled); an unchanged
+    spec keeps the state, instances included (a restart)."""
+    assert provision(tmp_path, "a", ["H100-80GB"] * 2) == "created"
+    ctl = EmulatorControl(tmp_path, "a")
+    nv = EmulatedNvml(tmp_path, "a")
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    info = nv.nvmlDeviceGetGpuInstanceProfileInfo(h, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    nv.nvmlDeviceCreateGpuInstance(h, info.id)
+    assert len(ctl.instances()) == 1
+    assert provision(tmp_path, "a", ["H100-80GB"] * 2) == "kept"
+    assert len(ctl.instances()) == 1  # a restart keeps what was made
+    assert provision(tmp_path, "a", ["H100-80GB"] * 2, "disabled") == "replaced"
+    assert [g.mig_current for g in ctl.state().gpus] == [0, 0] and ctl.instances() == []
+    assert provision(tmp_path, "a", ["A30-24GB"], "disabled") == "replaced"
+    assert [g.model for g in ctl.state().gpus] == ["A30-24GB"]
