@@ -764,3 +764,19 @@ async def test_a_pod_in_a_namespace_not_opted_in_is_not_placed() -> None:
         await c._on_namespace("MODIFIED", opted)
         await settle()
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
+
+
+async def test_a_decision_whose_pod_left_before_its_create_frees_the_slots() -> None:
+    """The placer records a decision (slots assumed) and the pod's worker sends it; a pod
+    deleted in between must not leave the assumed slots held in the model."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    await node(c)
+    pod = make_pod("p", uid="p")
+    body = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)])
+    c.state.assume(body)
+    c.tracks.ensure("p").create = body
+    assert c.state.allocations  # promised
+    await c._work("p")  # the pod is not in the cache any more
+    assert c.state.allocations == {} and c.tracks.get("p") is None
+    assert kube.writes() == []

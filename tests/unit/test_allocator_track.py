@@ -205,6 +205,14 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
     ),
     ("decided", PodTrack("p", create=BODY), seen(pod(), alloc()), Create, None),
     (
+        "decided-then-deleting",  # the assumed slots are never left unsent
+        PodTrack("p", create=BODY),
+        seen(dataclasses.replace(pod(), deleting=True), alloc()),
+        Create,
+        None,
+    ),
+    ("decided-pod-gone", PodTrack("p", create=BODY), seen(None), Forget, None),
+    (
         "create-in-flight",
         PodTrack("p", creating=pending_future()),
         seen(pod()),

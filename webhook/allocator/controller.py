@@ -355,6 +355,10 @@ class Controller:
             case Wait():
                 return None
             case Forget():
+                if track.create is not None:  # decided, but the pod left before the create
+                    meta = track.create["metadata"]
+                    self.state.forget(f"{meta['namespace']}/{meta['name']}")
+                    self._after_change()
                 self.tracks.forget(uid)
                 self.placer.queue.remove(uid)
                 return None

@@ -12,6 +12,7 @@ deleted (so an older watch event of one is never trusted), and its retry backoff
 branch has a row in tests/unit/test_allocator_track.py. The order of the checks is the
 order of precedence:
 
+0. a decision the placer recorded: `Create` (its slots are assumed; it is always sent);
 1. a pinned pod unschedulable past the timeout (the timer marked it): `Unstick`;
 2. per allocation of the pod: finalize one on a gone node, release one whose pod is gone,
    finished or no longer claims it, release a failed one, move one the agent never touched
@@ -166,6 +167,10 @@ Step = Wait | UnstickPod | OnAllocation | Forget | Dequeue | Queue | Kick | Crea
 
 def next_step(track: PodTrack, seen: Seen) -> Step:
     pod = seen.pod
+    if track.create is not None and pod is not None:
+        # decided and assumed: send it whatever happened since (a pod being deleted now gets
+        # its allocation released as usual); never leave the assumed slots unsent
+        return Create(pod, track.create)
     due = track.unstick is Unstick.DUE
     if due and pod is not None and not pod.bound and GATE_NAME not in pod.gates:
         return UnstickPod(pod)
@@ -212,8 +217,6 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
 def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
     if pod.gates != (GATE_NAME,) or pod.deleting or not seen.opted_in:
         return Dequeue()
-    if track.create is not None:
-        return Create(pod, track.create)
     if track.creating is not None and not track.creating.done():
         return Wait("its create is in flight")
     if not seen.allocations:
