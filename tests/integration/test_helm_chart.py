@@ -8,7 +8,8 @@
 - Its renderings pass `kubectl apply --dry-run=server --validate=strict` against the local
   control plane, with the same third-party CRDs as tests/integration/test_manifests.py (whose
   fixtures this module reuses), with no warnings.
-- values.schema.json refuses a binding mode that does not exist and a single webhook replica.
+- values.schema.json refuses a binding mode that does not exist and a single webhook replica;
+  `helm lint --strict` passes.
 
 Leaves out: `helm install`/`upgrade` for real (the MutatingWebhookConfiguration would
 intercept every pod of the shared control plane, and no cert-manager runs to issue its
@@ -143,6 +144,15 @@ def test_chart_values_reach_the_objects(helm: Path) -> None:
         manifests._docs(helm_template(helm, "bindingMode=env").stdout)
     )
     assert (webhook_mode, agent_mode) == ("env", "env")
+
+
+@pytest.mark.parametrize("sets", [(), ("bindingMode=env", "monitoring.enabled=true")])
+def test_helm_lint_strict(helm: Path, sets: tuple[str, ...]) -> None:
+    args = [str(helm), "lint", "--strict", str(CHART_DIR)]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.run(args, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"helm lint --strict {sets}:\n{proc.stdout}{proc.stderr}"
 
 
 @pytest.mark.parametrize(
