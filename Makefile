@@ -11,7 +11,7 @@ CHAOS_SEED ?= 1
 FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
 
-.PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins protos \
+.PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency chaos fuzz clean
 
@@ -32,9 +32,10 @@ lint: install ## ruff check + ruff format --check + mypy --strict + import-linte
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, then node-bins
+kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins and helm
 	hack/kube/build.sh
 	hack/kube/build-node.sh
+	hack/helm/build.sh
 
 node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get when missing)
 	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ]; then :; else \
@@ -48,6 +49,9 @@ test-unit: install ## pure-logic tests (milliseconds each)
 
 test-packaging: install ## the wheel, installed into a fresh virtualenv outside the tree, imports and runs
 	$(BIN)/pytest -q tests/packaging
+
+chart: install ## regenerate the Helm chart charts/instaslice from manifests/ (needs kube-bins' kubectl)
+	$(BIN)/python -m hack.gen_chart
 
 protos: install ## regenerate the committed kubelet gRPC stubs from third_party/k8s.io/kubelet
 	PY=$(BIN)/python hack/gen-protos.sh

@@ -17,6 +17,7 @@ __all__ = [
     "REPO_ROOT",
     "BinariesMissing",
     "find_bin_dir",
+    "find_helm",
     "find_node_bin_dir",
     "stages_dir",
 ]
@@ -24,6 +25,7 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "kube" / "build.sh"
 NODE_BUILD_SCRIPT = REPO_ROOT / "hack" / "kube" / "build-node.sh"
+HELM_BUILD_SCRIPT = REPO_ROOT / "hack" / "helm" / "build.sh"
 NODE_BINARIES = (
     "kubelet",
     "pause",
@@ -90,3 +92,22 @@ def find_node_bin_dir() -> Path:
     if missing:
         raise BinariesMissing(f"{bin_dir} lacks {', '.join(missing)}; run `make node-bins`")
     return bin_dir
+
+
+def find_helm() -> Path:
+    """The helm binary (hack/helm/build.sh, run by `make kube-bins`); INSTASLICE_HELM overrides."""
+    override = os.environ.get("INSTASLICE_HELM")
+    if override:
+        helm = Path(override)
+    else:
+        proc = subprocess.run(
+            [str(HELM_BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise BinariesMissing(
+                f"{proc.stderr.strip()} (hack/helm/build.sh: ~70 s with a warm Go cache)"
+            )
+        helm = Path(proc.stdout.strip()) / "helm"
+    if not helm.is_file():
+        raise BinariesMissing(f"{helm} does not exist; run `make kube-bins`")
+    return helm

@@ -1,0 +1,111 @@
+"""hack/gen_chart.py's pure part: from kustomize renderings to chart files.
+
+The real renderings (kubectl kustomize) and the drift check of the committed chart are in
+tests/integration/test_helm_chart.py; here small synthetic renderings check what the generator
+parameterises, that it escapes Go-template braces in the manifests' own text, and that it
+refuses a component that changes something it does not parameterise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from hack.gen_chart import build_chart, check_variants
+
+NS = "instaslice-system"
+
+
+def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
+    container = {
+        "name": name,
+        "image": image,
+        "env": [
+            {"name": "M", "valueFrom": {"configMapKeyRef": {"name": cm, "key": "binding-mode"}}}
+        ],
+        "resources": {"limits": {"memory": "512Mi"}},
+    }
+    spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
+    if kind == "Deployment":
+        spec["replicas"] = 2
+    return {"apiVersion": "apps/v1", "kind": kind,
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
+
+
+def _rendering(mode: str = "device-plugin", cm: str = "instaslice-config-aaaa") -> list[Any]:
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "data": {"binding-mode": mode},
+            "metadata": {"name": cm, "namespace": NS},
+        },
+        _workload("Deployment", "instaslice-webhook", "quay.io/x/instaslice-webhook:v1", cm),
+        _workload("DaemonSet", "instaslice-nodeagent", "quay.io/x/instaslice-nodeagent:v1", cm),
+    ]
+
+
+RULE = {
+    "apiVersion": "monitoring.coreos.com/v1",
+    "kind": "PrometheusRule",
+    "metadata": {"name": "instaslice", "namespace": NS},
+    "spec": {"summary": "pod {{ $labels.pod }} down"},
+}
+
+
+def _variants() -> dict[str, list[Any]]:
+    return {
+        "default": _rendering(),
+        "binding-env": _rendering("env", "instaslice-config-bbbb"),
+        "monitoring": [*_rendering(), RULE],
+    }
+
+
+def test_parameterises_what_users_set() -> None:
+    files = build_chart(_variants(), "1.2.3")
+    values = yaml.safe_load(files["values.yaml"])
+    assert values["images"]["webhook"] == {
+        "repository": "quay.io/x/instaslice-webhook",
+        "tag": "v1",
+    }
+    assert values["bindingMode"] == "device-plugin"
+    assert values["webhook"]["replicas"] == 2
+    assert values["monitoring"] == {"enabled": False}
+    chart = yaml.safe_load(files["Chart.yaml"])
+    assert (chart["version"], chart["appVersion"]) == ("1.2.3", "v1")
+    deploy = files["templates/deployment-instaslice-webhook.yaml"]
+    assert "replicas: {{ .Values.webhook.replicas }}" in deploy
+    assert '{{ include "instaslice.configName" . }}' in deploy
+    assert "resources:\n{{- toYaml .Values.webhook.resources | nindent 10 }}" in deploy
+    assert "instaslice-config-aaaa" not in deploy
+    helpers = files["templates/_helpers.tpl"]
+    assert '"device-plugin" -}}\ninstaslice-config-aaaa' in helpers
+    assert '"env" -}}\ninstaslice-config-bbbb' in helpers
+    cm = files["templates/configmap-instaslice-config.yaml"]
+    assert "binding-mode: {{ .Values.bindingMode | quote }}" in cm
+
+
+def test_monitoring_objects_are_optional_and_braces_escaped() -> None:
+    rule = build_chart(_variants(), "1")["templates/monitoring/prometheusrule-instaslice.yaml"]
+    assert rule.startswith("{{- if .Values.monitoring.enabled }}\n")
+    assert rule.endswith("{{- end }}\n")
+    assert 'pod {{ "{{" }} $labels.pod }} down' in rule
+
+
+def test_refuses_a_component_that_changes_more() -> None:
+    v = _variants()
+    env = copy.deepcopy(v["binding-env"])
+    env[2]["spec"]["replicas"] = 3  # binding-env touching the Deployment
+    with pytest.raises(SystemExit, match="binding-env changes more"):
+        check_variants({**v, "binding-env": env})
+    mon = copy.deepcopy(v["monitoring"])
+    mon[0]["metadata"]["labels"] = {"x": "y"}  # monitoring touching the Namespace
+    with pytest.raises(SystemExit, match="monitoring changes existing objects"):
+        check_variants({**v, "monitoring": mon})
+    wrong = _rendering("env")  # the default rendering must be device-plugin
+    with pytest.raises(SystemExit, match="expected device-plugin"):
+        check_variants({**v, "default": wrong})
