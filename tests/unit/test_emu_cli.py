@@ -69,7 +69,8 @@ def test_every_model_renders(model: GpuModel, capsys: pytest.CaptureFixture[str]
 def test_lgi_lists_gpu_instances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     state = str(tmp_path)
     assert main(["provision", "--state", state, "--node", "w1", "--model", "H200-141GB"]) == 0
-    assert main(["provision", "--state", state, "--node", "w1", "--model", "A30-24GB"]) == 0
+    # the same spec again keeps the node (another model would provision it anew)
+    assert main(["provision", "--state", state, "--node", "w1", "--model", "H200-141GB"]) == 0
     assert main(["lgi", "--state", state, "--node", "w1"]) == 0
     assert capsys.readouterr().out == ""
     nv = EmulatedNvml(tmp_path, "w1")
