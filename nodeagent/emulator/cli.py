@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="catalog model name, e.g. H200-141GB")
         _node_args(p, required=False)
     _node_args(sub.add_parser("lgi", help="list the GPU instances of an emulated node"))
-    p = sub.add_parser("provision", help="give an emulated node these GPUs (kept if it has exactly them, else anew)")
+    p = sub.add_parser(
+        "provision", help="give an emulated node these GPUs (kept if it has exactly them)"
+    )
     _node_args(p)
     p.add_argument("--model", required=True)
     p.add_argument("--gpus", type=int, default=1)
