@@ -259,8 +259,9 @@ class NodeAgent:
             await asyncio.sleep(self.settings.gc_period_s * random.uniform(0.75, 1.25))
 
     async def gc(self) -> None:
-        """Destroy what orphaned records hold (after the grace period), retry failed
-        rollbacks, remove CDI files nobody claims, and rescan NVML for foreign instances."""
+        """Destroy what orphaned records hold (after the grace period), have refused rollbacks
+        retried (by their allocation's worker, never beside it), remove CDI files nobody
+        claims, and rescan NVML for foreign instances."""
         st = self.st
         live = set(st.allocs)
         due, self._orphan_seen = orphans(
@@ -273,14 +274,13 @@ class NodeAgent:
             and rec.state == "releasing"
             and not SliceAllocation.parse(st.allocs[uid]).deleting
         ]
-        for uid in due + stuck:
+        for uid in stuck:  # a refused rollback: its allocation's worker retries it, in turn
+            self.queue.kick(uid)
+        for uid in due:
             rec = st.cp.claims.get(uid)
             if rec is not None:
-                log.warning(
-                    "destroying slices no allocation claims", claim=rec.key, orphan=uid in due
-                )
-                if await self.life.rollback(rec) and uid in stuck:
-                    await self.life.fail_after_gc(rec)
+                log.warning("destroying slices no allocation claims", claim=rec.key)
+                await self.life.rollback(rec)
         await self._gc_cdi()
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})

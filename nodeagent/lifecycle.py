@@ -99,6 +99,11 @@ class Lifecycle:
                 await self.create(alloc, d.reason)
             elif d.action is Action.VERIFY:
                 await self.verify(alloc)
+            elif d.action is Action.ROLLBACK:
+                rec = self.st.cp.claims[alloc.uid]
+                why = rec.message or "creating failed; its slices were destroyed on a retry"
+                if not await self.give_up(alloc, rec, why):
+                    return self.settings.gc_period_s  # NVML refused again: later
             elif d.action is Action.REFAIL:
                 rec = self.st.cp.claims[alloc.uid]
                 log.warning("allocation failed earlier; Failed again", claim=alloc.key)
@@ -339,26 +344,18 @@ class Lifecycle:
             if inst is not None:
                 await self.destroy(inst)
 
-    async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> None:
+    async def give_up(self, alloc: SliceAllocation, rec: ClaimRecord, message: str) -> bool:
         """Creating failed: roll back, then write Failed. When NVML refuses the rollback, the
-        record keeps the message and garbage collection, once it has destroyed what the
-        record holds, writes Failed (`fail_after_gc`): never Creating forever."""
+        record stays `releasing` with the message, and this allocation's worker retries the
+        rollback (decide: ROLLBACK; garbage collection kicks it too) until it goes and
+        Failed is written: never Creating forever. True when done."""
         if await self.rollback(rec):
             await self.fail(alloc, message)
-            return
+            return True
         kept = self.st.cp.claims.get(rec.uid)
         if kept is not None:
             self.st.put(replace(kept, message=message))
-
-    async def fail_after_gc(self, rec: ClaimRecord) -> None:
-        """Garbage collection finished the rollback of `rec`, whose allocation lives on."""
-        obj = self.st.allocs.get(rec.uid)
-        if obj is None:
-            return
-        alloc = SliceAllocation.parse(obj)
-        if not alloc.deleting and alloc.phase != Phase.FAILED:
-            why = rec.message or "creating failed; its rollback was finished by garbage collection"
-            await self.fail(alloc, why)
+        return False
 
     async def rollback(self, rec: ClaimRecord) -> bool:
         """Destroy what the record holds, remove its CDI file and drop it. False (record

@@ -37,6 +37,7 @@ class Action(enum.StrEnum):
     VERIFY = "verify"  # Ready: check the record and the CDI file; adopt from status if needed
     RELEASE = "release"  # being deleted: destroy, remove CDI file, drop the finalizer
     REFAIL = "refail"  # we wrote Failed, and a later write says otherwise: say Failed again
+    ROLLBACK = "rollback"  # a failed create's rollback NVML refused: retry it, then Failed
     NONE = "none"
 
 
@@ -61,9 +62,9 @@ def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> 
             return Decision(Action.NONE, "failed by this agent: final")
         return Decision(Action.REFAIL, "failed by this agent: final")
     if record is not None and record.state == "releasing":
-        # A create that failed and whose rollback NVML refused: garbage collection finishes
-        # the rollback and then writes Failed; making it again now would race it.
-        return Decision(Action.NONE, "rollback pending; garbage collection finishes it")
+        # A create that failed and whose rollback NVML refused (or a process that stopped in
+        # the middle of one): retry the rollback, then write Failed; never make it again.
+        return Decision(Action.ROLLBACK, "a failed create's rollback is pending")
     if phase in (Phase.PENDING, Phase.CREATING):
         if record is not None and record.announced and _made(record, boot_id):
             # We wrote Ready already: this is our own Creating write arriving late (its watch

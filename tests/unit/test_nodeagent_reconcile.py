@@ -127,8 +127,8 @@ MADE = srec(G0, 9, 0, 1, gi=1)
         (alloc(phase="Creating"), rec("u1", state="failed"), Action.REFAIL),
         (alloc(phase="Ready"), rec("u1", state="failed"), Action.REFAIL),
         (alloc(phase="Failed"), rec("u1", state="failed"), Action.NONE),
-        # a failed create whose rollback NVML refused: garbage collection's, not made again
-        (alloc(phase="Creating"), rec("u1", MADE, state="releasing"), Action.NONE),
+        # a failed create whose rollback NVML refused: retried, not made again
+        (alloc(phase="Creating"), rec("u1", MADE, state="releasing"), Action.ROLLBACK),
         (alloc(phase="Creating", deleting=True), rec("u1", state="failed"), Action.RELEASE),
         # our own Ready told: a late Creating echo is not news
         (alloc(phase="Creating"), replace(rec("u1", MADE), announced=True), Action.NONE),
