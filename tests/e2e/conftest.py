@@ -22,6 +22,7 @@ failing test the tail of every log is attached to the report.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from common.constants import ENABLED_KEY
 from common.kubeapi import ApiError, Kube, core_path
 from hack.cluster import BinariesMissing
 from hack.cluster.nodes import parse_spec
+from hack.cluster.realnode import RealNodeError
 from hack.dev import DevSystem
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
@@ -96,20 +98,27 @@ def detach_logs(config: pytest.Config, system: DevSystem) -> None:
 def system(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DevSystem]:
+    with running_system(request.config, tmp_path_factory.mktemp("e2e"), SPEC) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running_system(
+    config: pytest.Config, where: Path, spec: dict[str, Any], **up: Any
+) -> Iterator[DevSystem]:
+    """`DevSystem.up` of `spec` with the e2e agents' settings (`up`: more of its keywords);
+    its logs go into a failing test's report; always torn down."""
     try:
         started = DevSystem.up(
-            tmp_path_factory.mktemp("e2e"),
-            parse_spec(SPEC),
-            die_with_parent=True,
-            agent_args=AGENT_ARGS,
+            where, parse_spec(spec), die_with_parent=True, agent_args=AGENT_ARGS, **up
         )
-    except BinariesMissing as e:
+    except (BinariesMissing, RealNodeError) as e:
         pytest.fail(str(e), pytrace=False)
-    attach_logs(request.config, started)
+    attach_logs(config, started)
     try:
         yield started
     finally:
-        detach_logs(request.config, started)
+        detach_logs(config, started)
         started.down()
 
 

@@ -43,12 +43,9 @@ from common.constants import (
     VISIBLE_DEVICES_ENV,
 )
 from common.kubeapi import Kube, Obj, core_path, instaslice_path
-from hack.cluster import BinariesMissing
-from hack.cluster.nodes import parse_spec
-from hack.cluster.realnode import RealNodeError
 from hack.dev import DevSystem
 from nodeagent.cdi import formula_minor
-from tests.e2e.conftest import AGENT_ARGS, attach_logs, detach_logs
+from tests.e2e.conftest import running_system
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
     allocs_path,
@@ -77,22 +74,9 @@ def real(
     """The system with its real node in one binding mode: `device-plugin` (the kubelet asks
     the agent, containerd applies the CDI device, runc runs it) or `env` (the webhook's
     NVIDIA_VISIBLE_DEVICES, resolved by NVIDIA's runtime, the node's default runtime)."""
-    try:
-        started = DevSystem.up(
-            tmp_path_factory.mktemp("realnode"),
-            parse_spec(SPEC),
-            die_with_parent=True,
-            agent_args=AGENT_ARGS,
-            real_binding=request.param,
-        )
-    except (BinariesMissing, RealNodeError) as e:
-        pytest.fail(str(e), pytrace=False)
-    attach_logs(request.config, started)
-    try:
+    where = tmp_path_factory.mktemp("realnode")
+    with running_system(request.config, where, SPEC, real_binding=request.param) as started:
         yield started
-    finally:
-        detach_logs(request.config, started)
-        started.down()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

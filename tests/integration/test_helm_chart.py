@@ -196,16 +196,4 @@ def test_chart_passes_server_side_dry_run(
     sets: tuple[str, ...],
 ) -> None:
     text = helm_template(helm, *sets).stdout
-    docs = manifests._docs(text)
-    proc = control_plane.kubectl(
-        "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=text, check=False
-    )
-    out = manifests._ok(proc, f"kubectl apply --dry-run=server (helm template {sets})")
-    applied = [line for line in out.splitlines() if line.endswith("(server dry run)")]
-    assert len(applied) == len(docs), out
-    warnings = [
-        line
-        for line in proc.stderr.splitlines()
-        if line.startswith("Warning:") and "last-applied-configuration" not in line
-    ]
-    assert not warnings, "\n".join(warnings)
+    manifests.dry_run_server(control_plane, text, f"helm template {sets}")

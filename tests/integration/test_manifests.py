@@ -55,6 +55,24 @@ def _docs(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
+def dry_run_server(cp: ControlPlane, text: str, what: str) -> None:
+    """`kubectl apply --dry-run=server --validate=strict` of every object in `text`: each is
+    accepted, and no warning is printed (deprecated APIs, Pod Security, duplicate ports) but
+    kubectl's note about objects created without client-side apply."""
+    proc = cp.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=text, check=False
+    )
+    out = _ok(proc, f"kubectl apply --dry-run=server ({what})")
+    applied = [line for line in out.splitlines() if line.endswith("(server dry run)")]
+    assert len(applied) == len(_docs(text)), out
+    warnings = [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("Warning:") and "last-applied-configuration" not in line
+    ]
+    assert not warnings, "\n".join(warnings)
+
+
 def _exists(cp: ControlPlane, kind: str, name: str) -> bool:
     return (
         cp.kubectl("get", kind, name, "--ignore-not-found", "-o", "name", check=False).stdout != ""
@@ -210,22 +228,7 @@ def test_overlay_passes_server_side_dry_run(
     rendered: dict[str, str],
     overlay: str,
 ) -> None:
-    docs = _docs(rendered[overlay])
-    proc = control_plane.kubectl(
-        "apply", "--dry-run=server", "--validate=strict", "-f", "-",
-        stdin=rendered[overlay], check=False,
-    )  # fmt: skip
-    out = _ok(proc, f"kubectl apply --dry-run=server (overlay {overlay})")
-    applied = [line for line in out.splitlines() if line.endswith("(server dry run)")]
-    assert len(applied) == len(docs), out
-    # Warnings are findings (deprecated APIs, Pod Security, duplicate ports), except kubectl's
-    # note about objects this test (or another) created without client-side apply.
-    warnings = [
-        line
-        for line in proc.stderr.splitlines()
-        if line.startswith("Warning:") and "last-applied-configuration" not in line
-    ]
-    assert not warnings, "\n".join(warnings)
+    dry_run_server(control_plane, rendered[overlay], f"overlay {overlay}")
 
 
 def test_dry_run_really_checks_third_party_schemas(
