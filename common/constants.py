@@ -21,6 +21,12 @@ NVIDIA_MIG_PREFIX: Final = "nvidia.com/mig-"
 INSTASLICE_MIG_PREFIX: Final = "instaslice.io/mig-"
 CDI_KIND: Final = "instaslice.io/mig"
 VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"
+# Cross-profile quota (docs/kueue.md): the memory slots a pod's slices take, added to its
+# containers by the webhook with --slot-accounting and advertised by node agents. Outside the
+# `instaslice.io/mig-` prefix on purpose: that prefix names profiles only.
+MEMORY_SLOTS_RESOURCE: Final = "instaslice.io/memory-slots"
+# Size-based requests (docs/contract.md §1): `instaslice.io/mig-size.<container>` annotations.
+SIZE_ANNOTATION_PREFIX: Final = "instaslice.io/mig-size."
 
 
 class BindingMode(enum.StrEnum):

@@ -41,6 +41,7 @@ from nodeagent.report import (
     conflict_condition,
     conflicts,
     mig_node_status,
+    slot_capacity,
     stamped,
     with_condition,
 )
@@ -215,12 +216,13 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
-        if self.settings.binding == "device-plugin":
+        desired = slot_capacity(st.inv, st.health)
+        if self.settings.binding != "device-plugin":
             # The kubelet advertises what the device plugin lists. A direct write would let the
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
-            # without their slice (seen on the real node, tests/e2e/test_realnode.py).
-            return None
-        desired = capacity(st.inv, st.health)
+            # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
+            # slots are no device: written directly in both modes.
+            desired |= capacity(st.inv, st.health)
         if desired == self._last_capacity:
             return None
         current = await writes.node_capacity(self.kube, self.node)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.constants import INSTASLICE_MIG_PREFIX
+from common.constants import INSTASLICE_MIG_PREFIX, MEMORY_SLOTS_RESOURCE
 from common.objects import (
     GpuStatus,
     MigProfileStatus,
@@ -163,6 +163,16 @@ def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]
                 continue  # a name NVML reports that the resource grammar cannot spell
             total[res] = total.get(res, 0) + (p.instance_count if counted else 0)
     return {k: str(v) for k, v in sorted(total.items())}
+
+
+def slot_capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
+    """`instaslice.io/memory-slots`: the memory slots of the node's healthy MIG GPUs (a fixed
+    upper bound, like `capacity`), so pods charged in slots (--slot-accounting) fit."""
+    total = 0
+    for g in inv.gpus:
+        if g.mig_enabled and health.get(g.index, Health()).healthy:
+            total += max((s + n for p in g.profiles for s, n in p.placements), default=0)
+    return {MEMORY_SLOTS_RESOURCE: str(total)}
 
 
 def capacity_patch(desired: Mapping[str, str], current: Mapping[str, Any]) -> Obj | None:

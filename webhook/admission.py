@@ -12,6 +12,12 @@ namespaceSelector and matchConditions already filtered out everything else):
   `env` binding mode, sets each slice-asking container's NVIDIA_VISIBLE_DEVICES to its CDI
   device `instaslice.io/mig=<namespace>_<claim>_<container>`.
 
+Size-based asks (`instaslice.io/mig-size.<container>` annotations, common/sizing.py) are
+validated here and left on the pod for the allocator, which resolves them per GPU model; the
+container gets its CDI device like any other. With `slot_accounting`, every slice-asking
+container is given `instaslice.io/memory-slots` (common/quota.py: its profiles' smallest slot
+counts; a size ask is charged at the fewest slots any model's fitting profile takes).
+
 Only CREATE is mutated: a pod's resources and env cannot change afterwards, and gate and
 claim changes on UPDATE are the cluster-wide ValidatingAdmissionPolicy's business. A CREATE
 that already carries InstaSlice's marks (a replayed `--dry-run=server` output, a copy of a
@@ -34,13 +40,17 @@ from common.constants import (
     CLAIM_ANNOTATION,
     GATE_NAME,
     INSTASLICE_MIG_PREFIX,
+    MEMORY_SLOTS_RESOURCE,
     NVIDIA_MIG_PREFIX,
+    SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
     BindingMode,
     qualified_cdi_device,
 )
 from common.podspec import SliceAsk, iter_containers, parse_count, slice_requests
 from common.profiles import ProfileNameError, profile_from_suffix
+from common.quota import min_slots
+from common.sizing import Size, SizeError, parse_size, resolve, unsatisfiable
 from webhook.settings import AdmissionSettings
 
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
@@ -249,6 +259,12 @@ def _is_mig_key(key: object) -> bool:
 
 
 def _asks_for_mig(pod: Obj) -> bool:
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    if isinstance(annotations, dict) and any(
+        isinstance(k, str) and k.startswith(SIZE_ANNOTATION_PREFIX) for k in annotations
+    ):
+        return True
     for _, _, c in iter_containers(pod):
         resources = c.get("resources") if isinstance(c, dict) else None
         if not isinstance(resources, dict):
@@ -267,6 +283,28 @@ def _show(value: object, limit: int = 64) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
+    """Set `instaslice.io/memory-slots` in one container's limits (requests default to them)."""
+    base = f"/spec/{fld}/{i}/resources"
+    value = str(slots)
+    resources = c.get("resources")
+    if not isinstance(resources, dict):
+        return [{"op": "add", "path": base, "value": {"limits": {MEMORY_SLOTS_RESOURCE: value}}}]
+    ops: list[PatchOp] = []
+    if not isinstance(resources.get("limits"), dict):
+        ops.append({"op": "add", "path": f"{base}/limits", "value": {}})
+    ops.append(
+        {"op": "add", "path": f"{base}/limits/{_esc(MEMORY_SLOTS_RESOURCE)}", "value": value}
+    )
+    if (
+        isinstance(resources.get("requests"), dict)
+        and MEMORY_SLOTS_RESOURCE in resources["requests"]
+    ):
+        path = f"{base}/requests/{_esc(MEMORY_SLOTS_RESOURCE)}"
+        ops.append({"op": "add", "path": path, "value": value})
+    return ops
 
 
 def _esc(token: str) -> str:
@@ -312,9 +350,11 @@ class _Rewrite:
                     "InstaSlice assigns devices per container, never by pod annotation"
                 )
 
+        sizes = self._sizes(annotations)
         claim = new_claim()
         devices: list[str] = []
         names: set[str] = set()
+        charges: list[tuple[str, int, Obj, int]] = []  # (field, index, container, slots)
         for fld, i, c in iter_containers(self.pod):
             where = f"spec.{fld}[{i}]"
             if not isinstance(c, dict):
@@ -328,13 +368,21 @@ class _Rewrite:
                 self.problems.append(f"{where}: container name {_show(name)} is used twice")
                 continue
             names.add(name)
-            asks = self._resources(c, fld, i, name)
+            before = len(self.asks)
+            asks = self._resources(c, fld, i, name) or name in sizes
+            if asks and self.settings.slot_accounting:
+                charges.append((fld, i, c, self._slots(self.asks[before:], sizes.get(name))))
             own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
             device = qualified_cdi_device(self.namespace, claim, name)
             bind = bool(asks) and self.settings.binding_mode is BindingMode.ENV
             if self._env(c, fld, i, name, own, device if bind else None) and bind:
                 devices.append(device)
 
+        for name in sorted(set(sizes) - names):
+            self.problems.append(
+                f"metadata.annotations[{SIZE_ANNOTATION_PREFIX}{name}]: the pod has no "
+                f"container or initContainer named {_show(name)}"
+            )
         if self.problems:
             shown = self.problems[:_MAX_PROBLEMS]
             if len(self.problems) > _MAX_PROBLEMS:
@@ -364,7 +412,44 @@ class _Rewrite:
                 f"the pod already carried InstaSlice's claim or gate, so it gets the fresh claim "
                 f"{claim} (claims are never reused)"
             )
-        return Patched(head + self.ops, claim, tuple(self.asks), tuple(devices), tuple(warnings))
+        slot_ops = [op for fld, i, c, n in charges for op in _slot_ops(fld, i, c, n)]
+        return Patched(
+            head + self.ops + slot_ops, claim, tuple(self.asks), tuple(devices), tuple(warnings)
+        )
+
+    def _sizes(self, annotations: Obj) -> dict[str, Size]:
+        """The size asks by container name; each bad one is a problem naming its annotation."""
+        sizes: dict[str, Size] = {}
+        for key, value in annotations.items():
+            if not (isinstance(key, str) and key.startswith(SIZE_ANNOTATION_PREFIX)):
+                continue
+            where = f"metadata.annotations[{key}]"
+            try:
+                size = parse_size(value, max_count=self.settings.max_count)
+            except SizeError as exc:
+                self.problems.append(f"{where}: {_show(value)} {exc}")
+                continue
+            models = self.settings.catalog.models
+            if all(resolve(m, size) is None for m in models):
+                self.problems.append(f"{where}: {unsatisfiable(size, models, 'the catalog')}")
+                continue
+            if self.settings.binding_mode is not BindingMode.ENV:
+                self.problems.append(
+                    f"{where}: size-based requests need the env binding mode (this webhook runs "
+                    f"with {self.settings.binding_mode}); ask for nvidia.com/mig-<profile> instead"
+                )
+                continue
+            sizes[key[len(SIZE_ANNOTATION_PREFIX) :]] = size
+        return sizes
+
+    def _slots(self, asks: list[SliceAsk], size: Size | None) -> int:
+        """The memory slots one container is charged (common/quota.py: lower bounds)."""
+        catalog = self.settings.catalog
+        total = sum((min_slots(catalog, a.profile) or 0) * a.count for a in asks)
+        if size is not None:
+            fits = [p.memory_slots for m in catalog.models if (p := resolve(m, size))]
+            total += min(fits) * size.count
+        return total
 
     def _resources(self, c: Obj, fld: str, i: int, name: str) -> bool:
         """Validate one container's MIG resources and queue their renames; True if it asks."""

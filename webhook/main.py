@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
     p.add_argument("--no-admission", action="store_true", help="run without the server")
+    p.add_argument(
+        "--slot-accounting",
+        action="store_true",
+        help="add instaslice.io/memory-slots to slice-asking containers, for cross-profile "
+        "quotas (docs/kueue.md); node agents advertise it",
+    )
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info")
@@ -84,7 +90,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         server = ServerSettings(
             cert_file=a.cert_file,
             key_file=a.key_file,
-            admission=AdmissionSettings.from_catalog(BindingMode(a.binding_mode)),
+            admission=AdmissionSettings.from_catalog(
+                BindingMode(a.binding_mode), slot_accounting=a.slot_accounting
+            ),
             host=a.host,
             port=a.port,
             metrics_port=a.metrics_port,

@@ -16,6 +16,7 @@ from nodeagent.report import (
     condition,
     gpu_condition,
     mig_node_status,
+    slot_capacity,
     with_condition,
 )
 from tests.unit.test_nodeagent_builders import G0, G1, gpu
@@ -41,6 +42,17 @@ def test_capacity_is_the_sum_of_max_counts_over_healthy_mig_gpus() -> None:
     assert sick["instaslice.io/mig-3g.71gb"] == "2"  # the unhealthy GPU counts 0
     off = NodeInventory(gpus=(gpu(0, G0, mig="disabled"),))
     assert set(capacity(off, {}).values()) == {"0"}
+
+
+def test_memory_slots_are_the_slots_of_healthy_mig_gpus() -> None:
+    two = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))  # two H200s: 8 slots each
+    assert slot_capacity(two, {}) == {"instaslice.io/memory-slots": "16"}
+    assert slot_capacity(two, {1: Health(False, "XID 48")}) == {"instaslice.io/memory-slots": "8"}
+    off = NodeInventory(gpus=(gpu(0, G0, mig="disabled"),))
+    assert slot_capacity(off, {}) == {"instaslice.io/memory-slots": "0"}
+    # the patch writes it like the profiles' bounds
+    body = capacity_patch(slot_capacity(two, {}), {"cpu": "64"})
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
 
 
 def test_capacity_patch_touches_only_our_resources_and_only_on_change() -> None:

@@ -20,7 +20,9 @@ from common.catalog import Catalog
 from common.constants import GATE_NAME, REASON_PENDING
 from common.objects import SliceSpec
 from common.placement import Pending, Placement, Policy, place
+from common.placement.model import PodRequest, Snapshot
 from common.podspec import SliceRequestError
+from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.queue import PlacementQueue
@@ -77,20 +79,21 @@ class Placer:
             return
         try:
             request = podlib.pod_request(pod.obj, pod.resources)
-        except SliceRequestError as exc:
+            sized = size_asks(pod.obj)
+        except (SliceRequestError, SizeError) as exc:
             self.park(pod, INVALID_REQUEST, f"cannot read the pod's slice requests: {exc}")
             return
-        if not request.slices:
+        if not request.slices and not sized:
             return
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = place(snapshot, request, self.policy, self.catalog)
+        result = self._place(snapshot, request, sized)
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
             snapshot = self.state.snapshot(name_label=name_label)
-            result = place(snapshot, request, self.policy, self.catalog)
+            result = self._place(snapshot, request, sized)
         if isinstance(result, Pending):
             self.park(pod, *self.pending_reason(result))
             return
@@ -99,6 +102,14 @@ class Placer:
         track.create = body
         track.told = None
         self.kick(uid)
+
+    def _place(
+        self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
+    ) -> Placement | Pending:
+        """The engine's decision; size-based asks are resolved per GPU model (common/sizing)."""
+        if sized:
+            return place_sized(snapshot, request, sized, self.policy, self.catalog)
+        return place(snapshot, request, self.policy, self.catalog)
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
