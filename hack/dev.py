@@ -261,6 +261,7 @@ class DevSystem:
         issued = self.cp.issue_serving_cert(("127.0.0.1", "localhost"))
         (certs / "tls.crt").write_bytes(issued.cert_pem)
         (certs / "tls.key").write_bytes(issued.key_pem)
+        kueue.ensure_metrics_cert(issued.cert_pem, issued.key_pem)
         self.kueue_port, health = free_port(), free_port()
         config = self.dir / "kueue-config.yaml"
         config.write_text(

@@ -95,6 +95,8 @@ def kueue_config(
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
         "integrations": {"frameworks": ["batch/job", "pod"]},
+        # the visibility API server needs serving certificates at /visibility and an APIService
+        "featureGates": {"VisibilityOnDemand": False},
         "managedJobsNamespaceSelector": {
             "matchExpressions": [
                 {
@@ -115,6 +117,27 @@ def kueue_config(
         },
         "resources": kueue_resources(load_catalog(), slot_accounting=settings.slot_accounting),
     }
+
+
+# Kueue v0.17 without its internal certificate manager reads a metrics serving certificate from
+# this fixed path at start and exits without it (cmd/kueue/main.go), even with metrics off.
+METRICS_CERTS: Final = Path("/etc/kueue/metrics/certs")
+
+
+def ensure_metrics_cert(cert_pem: bytes, key_pem: bytes, where: Path = METRICS_CERTS) -> None:
+    """Write a certificate there if there is none (never replaced: metrics are off here, any
+    valid pair will do, and another dev cluster on this machine may be using the one there)."""
+    if (where / "tls.crt").is_file() and (where / "tls.key").is_file():
+        return
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "tls.key").write_bytes(key_pem)
+        (where / "tls.crt").write_bytes(cert_pem)
+    except OSError as exc:
+        raise RuntimeError(
+            f"Kueue needs a certificate at {where}/tls.{{crt,key}} to start and this user cannot "
+            f"write one ({exc}); create it once as root (any valid pair)"
+        ) from None
 
 
 def install_crds(cp: ControlPlane, kueue_dir: Path, timeout_s: float = 60.0) -> None:

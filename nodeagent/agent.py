@@ -40,6 +40,8 @@ from nodeagent.report import (
     capacity_patch,
     conflict_condition,
     conflicts,
+    gpu_labels,
+    label_patch,
     mig_node_status,
     slot_capacity,
     stamped,
@@ -107,6 +109,7 @@ class NodeAgent:
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
         self._last_capacity: dict[str, str] | None = None
+        self._last_labels: dict[str, str | None] | None = None
 
     # ---- informer → agent --------------------------------------------------------------------
 
@@ -223,16 +226,21 @@ class NodeAgent:
             # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
             # slots are no device: written directly in both modes.
             desired |= capacity(st.inv, st.health)
-        if desired == self._last_capacity:
+        labels = gpu_labels(st.inv)
+        if desired == self._last_capacity and labels == self._last_labels:
             return None
-        current = await writes.node_capacity(self.kube, self.node)
-        if current is None:
+        node = await writes.get_node(self.kube, self.node)
+        if node is None:
             log.info("Node object not found; capacity waits", node=self.node)
             return 5.0
-        body = capacity_patch(desired, current)
+        body = capacity_patch(desired, node.get("status", {}).get("capacity") or {})
         if body is not None:
             await writes.patch_node_status(self.kube, self.node, body)
         self._last_capacity = desired
+        body = label_patch(labels, node.get("metadata", {}).get("labels") or {})
+        if body is not None:  # instaslice.io/gpu-model for Kueue flavors (docs/kueue.md)
+            await writes.patch_node(self.kube, self.node, body)
+        self._last_labels = labels
         return None
 
     async def _lease(self) -> None:

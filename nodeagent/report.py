@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.constants import INSTASLICE_MIG_PREFIX, MEMORY_SLOTS_RESOURCE
+from common.constants import (
+    GPU_COUNT_LABEL,
+    GPU_MODEL_LABEL,
+    INSTASLICE_MIG_PREFIX,
+    MEMORY_SLOTS_RESOURCE,
+)
 from common.objects import (
     GpuStatus,
     MigProfileStatus,
@@ -173,6 +178,20 @@ def slot_capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str,
         if g.mig_enabled and health.get(g.index, Health()).healthy:
             total += max((s + n for p in g.profiles for s, n in p.placements), default=0)
     return {MEMORY_SLOTS_RESOURCE: str(total)}
+
+
+def gpu_labels(inv: NodeInventory) -> dict[str, str | None]:
+    """The Node labels the agent keeps: `instaslice.io/gpu-model` (the catalog model when all
+    GPUs share one, else removed: a flavor selects one model) and `instaslice.io/gpu-count`."""
+    models = {g.model for g in inv.gpus}
+    model = next(iter(models)) if len(models) == 1 else None
+    return {GPU_MODEL_LABEL: model, GPU_COUNT_LABEL: str(len(inv.gpus))}
+
+
+def label_patch(desired: Mapping[str, str | None], current: Mapping[str, str]) -> Obj | None:
+    """A merge patch setting (or, for None, removing) the labels that differ; None if none."""
+    changes = {k: v for k, v in desired.items() if current.get(k) != v}
+    return {"metadata": {"labels": changes}} if changes else None
 
 
 def capacity_patch(desired: Mapping[str, str], current: Mapping[str, Any]) -> Obj | None:

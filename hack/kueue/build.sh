@@ -58,8 +58,6 @@ KEY="$(cat "$HERE/go.sum" "$HERE/build.sh" | sha256sum | cut -c1-12)"  # this sc
 OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/kueue/$VERSION-$KEY"
 BIN="$OUT/bin"
 STAMP="$OUT/.stamp"
-# What dev-up applies: Kueue's CRDs and its webhook configurations (kubebuilder output).
-CONFIG_FILES=(crd/bases/*.yaml webhook/manifests.yaml)
 
 verify() {  # the cached copy is whole: the binary answers with the pinned version, config unchanged
     [[ -f "$STAMP" && -x "$BIN/kueue" ]] || return 1
@@ -100,15 +98,15 @@ ldflags+=" -X sigs.k8s.io/kueue/pkg/version.GitCommit=module-$VERSION -X sigs.k8
 
 src="$(cd "$HERE" && GOFLAGS=-mod=mod "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kueue)/config/components"
 (
-    cd "$src"
-    for f in "${CONFIG_FILES[@]}"; do install -D -m 0644 "$f" "$OUT/config.tmp/$f"; done
+    cd "$src"  # what dev-up applies: the CRDs and the webhook configurations (kubebuilder output)
+    for f in crd/bases/*.yaml webhook/manifests.yaml; do install -D -m 0644 "$f" "$OUT/config.tmp/$f"; done
 )
 (cd "$OUT/config.tmp" && find . -type f -name '*.yaml' | sort | xargs sha256sum) >"$OUT/.config.sha256"
 
 # Smoke check: the manager parses its flags and exits (it has no --version flag; --help is enough
 # to prove the binary runs on this machine) and carries the pinned version string.
 "$BIN.tmp/kueue" --help >"$OUT/.help-kueue" 2>&1 || true
-grep -q -- "--config" "$OUT/.help-kueue" || { echo "smoke check failed: kueue --help" >&2; cat "$OUT/.help-kueue" >&2; exit 1; }
+grep -q -- "-config string" "$OUT/.help-kueue" || { echo "smoke check failed: kueue --help" >&2; cat "$OUT/.help-kueue" >&2; exit 1; }
 grep -aq "$VERSION" "$BIN.tmp/kueue" || { echo "kueue binary does not carry $VERSION" >&2; exit 1; }
 
 rm -rf "$BIN" "$OUT/config" && mv "$BIN.tmp" "$BIN" && mv "$OUT/config.tmp" "$OUT/config"

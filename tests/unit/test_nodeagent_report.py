@@ -15,6 +15,8 @@ from nodeagent.report import (
     capacity_patch,
     condition,
     gpu_condition,
+    gpu_labels,
+    label_patch,
     mig_node_status,
     slot_capacity,
     with_condition,
@@ -53,6 +55,26 @@ def test_memory_slots_are_the_slots_of_healthy_mig_gpus() -> None:
     # the patch writes it like the profiles' bounds
     body = capacity_patch(slot_capacity(two, {}), {"cpu": "64"})
     assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+
+
+def test_gpu_model_label_only_when_every_gpu_is_one_model() -> None:
+    one = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))
+    assert gpu_labels(one) == {
+        "instaslice.io/gpu-model": "H200-141GB",
+        "instaslice.io/gpu-count": "2",
+    }
+    assert gpu_labels(INV)["instaslice.io/gpu-model"] is None  # H200 + A30: no single flavor
+    current = {"instaslice.io/gpu-model": "A30-24GB", "kubernetes.io/hostname": "n"}
+    assert label_patch(gpu_labels(one), current) == {
+        "metadata": {
+            "labels": {"instaslice.io/gpu-model": "H200-141GB", "instaslice.io/gpu-count": "2"}
+        }
+    }
+    assert label_patch(gpu_labels(INV), current) == {
+        "metadata": {"labels": {"instaslice.io/gpu-model": None, "instaslice.io/gpu-count": "2"}}
+    }
+    assert label_patch(gpu_labels(one), {"instaslice.io/gpu-model": "H200-141GB",
+                                         "instaslice.io/gpu-count": "2"}) is None  # fmt: skip
 
 
 def test_capacity_patch_touches_only_our_resources_and_only_on_change() -> None:
