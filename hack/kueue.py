@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import yaml
 
 from common.catalog import load_catalog
 from common.quota import kueue_resources
-from hack.cluster.bins import REPO_ROOT, BinariesMissing
+from hack.cluster.bins import REPO_ROOT, ask_build_script
 from hack.cluster.controlplane import ControlPlane
 
 __all__ = [
@@ -70,15 +69,9 @@ class KueueSettings:
 
 def find_kueue_dir() -> Path:
     """The built Kueue (bin/kueue, config/); `make kube-bins` builds it."""
-    proc = subprocess.run(
-        [str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True, check=False
+    return ask_build_script(
+        BUILD_SCRIPT, "--print-dir", "hack/kueue/build.sh: cold ~15 min on 2 cores"
     )
-    if proc.returncode != 0:
-        raise BinariesMissing(
-            f"Kueue is not built ({proc.stderr.strip()}); run `make kube-bins` "
-            "(hack/kueue/build.sh; cold: ~15 min on 2 cores)"
-        )
-    return Path(proc.stdout.strip())
 
 
 def kueue_config(

@@ -159,3 +159,21 @@ def test_gather_keeps_only_instaslice_events_and_gated_pods() -> None:
         ]
     }  # fmt: skip
     assert gated_pods(json.dumps(pods)) == ["a/p"]
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_kueue_config_prints_the_generated_transformations_and_flavors(
+    slots: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.catalog import load_catalog
+    from common.kubectl_plugin import main
+    from common.quota import kueue_resources
+
+    assert main(["kueue-config", *(["--slot-accounting"] if slots else [])]) == 0
+    config, *flavors = yaml.safe_load_all(capsys.readouterr().out)
+    catalog = load_catalog()
+    assert config == {"resources": kueue_resources(catalog, slot_accounting=slots)}
+    assert {f["spec"]["nodeLabels"]["instaslice.io/gpu-model"] for f in flavors} == {
+        m.name for m in catalog.models
+    }
+    assert all(f["kind"] == "ResourceFlavor" for f in flavors)
