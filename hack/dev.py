@@ -518,6 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  logs:       {system.logs}/   GPUs: {system.gpu_state}/   CDI: {system.dir / 'nodes'}/"
     )
     print("  opt a namespace in: kubectl annotate ns NS instaslice.io/enabled=true")
+    if system.kueue_port:
+        config = system.dir / "kueue-config.yaml"
+        print(f"  Kueue:      {system.logs}/kueue.log, configuration {config} (docs/kueue.md)")
     return 0
 
 

@@ -269,3 +269,17 @@ def test_size_requests_need_the_env_binding_mode() -> None:
         make_pod(container("main"), annotations={"instaslice.io/mig-size.main": "memory>=1Gi"}), s
     )
     assert isinstance(d, Denied) and "env binding mode" in d.message
+
+
+def test_the_dev_kueue_configuration_matches_the_dev_webhook() -> None:
+    from pathlib import Path
+
+    from hack.kueue import KueueSettings, kueue_config
+
+    cfg = kueue_config(KueueSettings(), webhook_port=1, health_port=2, certs=Path("/c"))
+    assert cfg["integrations"]["frameworks"] == ["batch/job", "pod"]
+    assert cfg["webhook"] == {"port": 1, "host": "127.0.0.1", "certDir": "/c"}
+    assert cfg["waitForPodsReady"]["timeout"] == "30s"
+    # dev-up runs the webhook with --slot-accounting: Kueue must not add slots to rewritten pods
+    assert cfg["resources"] == kueue_resources(CAT, slot_accounting=True)
+    assert cfg["featureGates"] == {"VisibilityOnDemand": False}
