@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 from common.catalog import load_catalog
 from common.constants import MEMORY_SLOTS_RESOURCE
 from common.placement import Pending, Placement, Policy
-from common.placement.model import Gpu, NodeState, Occupied, PendingReason, PodRequest, Snapshot
+from common.placement.model import (
+    Gpu,
+    NodeState,
+    Occupied,
+    PendingReason,
+    PodRequest,
+    SliceRequest,
+    Snapshot,
+)
 from common.quota import flavor_name, kueue_resources, min_slots, profile_slots, resource_flavors
 from common.sizing import Size, SizeAsk, SizeError, parse_size, place_sized, resolve, size_asks
 from tests.unit.test_admission import NS, claims, container, make_pod, make_request
@@ -283,3 +291,49 @@ def test_the_dev_kueue_configuration_matches_the_dev_webhook() -> None:
     # dev-up runs the webhook with --slot-accounting: Kueue must not add slots to rewritten pods
     assert cfg["resources"] == kueue_resources(CAT, slot_accounting=True)
     assert cfg["featureGates"] == {"VisibilityOnDemand": False}
+
+
+_MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "A30-24GB"]
+
+
+@given(
+    models=st.lists(st.sampled_from(_MODELS), min_size=1, max_size=3),
+    full=st.lists(st.booleans(), min_size=3, max_size=3),
+    gib=st.integers(1, 80),
+)
+def test_place_sized_takes_the_least_memory_any_model_can_place(
+    models: list[str], full: list[bool], gib: int
+) -> None:
+    """Oracle: resolve on every node's model alone and place there with the engine; the
+    answer is a placement of the smallest resolved memory among those that fit."""
+    from common.placement import place
+
+    nodes = tuple(
+        node(f"n{i}", m, occupied=(Occupied(0, model(m).memory_slots, "x"),) if full[i] else ())
+        for i, m in enumerate(models)
+    )
+    size = Size(gib * GIB)
+    got = place_sized(
+        Snapshot(nodes), PodRequest("ns/p"), [SizeAsk("main", size)], Policy.INSTASLICE, CAT
+    )
+    feasible = []
+    for n in nodes:
+        p = resolve(model(n.gpus[0].model), size)
+        if p is None:
+            continue
+        r = place(
+            Snapshot((n,)),
+            PodRequest("ns/p", slices=(SliceRequest("main", p.name),)),
+            Policy.INSTASLICE,
+            CAT,
+        )
+        if isinstance(r, Placement):
+            feasible.append(p.memory_mib)
+    if not feasible:
+        assert isinstance(got, Pending)
+        return
+    assert isinstance(got, Placement)
+    chosen_model = next(n.gpus[0].model for n in nodes if n.name == got.node)
+    chosen = resolve(model(chosen_model), size)
+    assert chosen is not None and got.slices[0].profile == chosen.name
+    assert chosen.memory_mib == min(feasible)
