@@ -326,7 +326,8 @@ class _Rewrite:
 
     def run(self, new_claim: Callable[[], str]) -> Verdict:
         spec = self.pod.get("spec")
-        assert isinstance(spec, dict)  # _asks_for_mig found containers in it
+        if not isinstance(spec, dict):  # a size annotation on a pod without a spec
+            return malformed("object.spec is not an object")
         annotations = self.meta.get("annotations")
         if annotations is not None and not isinstance(annotations, dict):
             return malformed("object.metadata.annotations is not an object")

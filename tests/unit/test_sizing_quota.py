@@ -337,3 +337,14 @@ def test_place_sized_takes_the_least_memory_any_model_can_place(
     chosen = resolve(model(chosen_model), size)
     assert chosen is not None and got.slices[0].profile == chosen.name
     assert chosen.memory_mib == min(feasible)
+
+
+@pytest.mark.parametrize("spec", [None, [], "x"])
+def test_a_size_annotation_on_a_pod_without_a_spec_is_malformed_not_a_crash(spec: Any) -> None:
+    pod: dict[str, Any] = {
+        "metadata": {"annotations": {"instaslice.io/mig-size.main": "memory>=1Gi"}}
+    }
+    if spec is not None:
+        pod["spec"] = spec
+    d = admit(pod, ENV)
+    assert isinstance(d, Denied) and d.code == 400 and "object.spec" in d.message
