@@ -23,6 +23,7 @@ let a copy name another pod's device.
 from __future__ import annotations
 
 import base64
+import difflib
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -260,6 +261,27 @@ def _asks_for_mig(pod: Obj) -> bool:
     return False
 
 
+_MAX_LISTED = 40
+
+
+def _unknown(profile: str, settings: AdmissionSettings) -> str:
+    """Why `profile` is refused, and what could be asked instead (closest first)."""
+    cluster = settings.cluster_profiles
+    offered = sorted(cluster or settings.known_profiles)
+    close = difflib.get_close_matches(profile, offered, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    listed = ", ".join(offered[:_MAX_LISTED]) + (", …" if len(offered) > _MAX_LISTED else "")
+    where = (
+        "the cluster's GPUs offer"
+        if cluster
+        else "no node has published its GPUs; the catalog offers"
+    )
+    return (
+        f"unknown MIG profile {profile}: no GPU in the cluster and no model in the catalog "
+        f"offers it{hint}; {where}: {listed}"
+    )
+
+
 def _show(value: object, limit: int = 64) -> str:
     """A value for a message: JSON, truncated (hostile input must not bloat the answer)."""
     try:
@@ -405,10 +427,7 @@ class _Rewrite:
                 )
                 continue
             if profile not in self.settings.known_profiles:
-                self.problems.append(
-                    f"{where}: {field_}: unknown MIG profile {profile}: "
-                    "no GPU model in the catalog offers it"
-                )
+                self.problems.append(f"{where}: {field_}: {_unknown(profile, self.settings)}")
                 continue
             if profile in seen:
                 self.problems.append(
