@@ -90,7 +90,7 @@ def learn(name: str, rows: Sequence[_Row]) -> GpuModel | None:
         nvml_arch=0,
         pci_device_ids=(),
         product_names=(name,),
-        memory_total_mib=sum(p.memory_mib for p in profiles if p.max_count == 1) or 0,
+        memory_total_mib=max(p.memory_mib for p in profiles),  # the full profile's
         memory_slots=max(s + p.memory_slots for p in profiles for s in p.starts),
         compute_slices=max(p.compute_slices for p in profiles),
         profiles=tuple(profiles),

@@ -42,8 +42,3 @@ def token(model: GpuModel) -> str:
 def lookup(name: str) -> GpuModel | None:
     """The table a token names (None for a catalog model name or an unknown token)."""
     return _BY_TOKEN.get(name)
-
-
-def display(name: str) -> str:
-    """A token shown to people: the model name alone."""
-    return name.partition("@")[0]
