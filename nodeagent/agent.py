@@ -121,6 +121,23 @@ class NodeAgent:
             self.st.allocs[uid] = obj
         self.queue.kick(uid)
 
+    def on_node(self, etype: EventType, obj: Obj) -> None:
+        """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
+        (the Node was deleted and registered again, or another writer reset it), forget what
+        we wrote so the publisher writes it again."""
+        if self._last_labels is not None:  # the instaslice.io/gpu-* labels, likewise
+            labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+            if label_patch(self._last_labels, labels) is not None:
+                self._last_labels = None
+                self.st.publish.set()
+        if self._last_capacity is None:
+            return
+        current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
+        if capacity_patch(self._last_capacity, current, prune=self._prune) is not None:
+            log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
+            self._last_capacity = None
+            self.st.publish.set()
+
     # ---- run ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -190,6 +207,12 @@ class NodeAgent:
                 log.warning("publish failed", node=self.node, error=str(exc))
                 retry = 2.0
 
+    @property
+    def _prune(self) -> bool:
+        """Whether the agent owns the `instaslice.io/mig-*` capacity (not in device-plugin
+        mode, where the kubelet advertises what the plugin lists)."""
+        return self.settings.binding != "device-plugin"
+
     async def publish_once(self) -> float | None:
         """Write MigNode status and Node capacity (env binding only) if they changed; a retry
         delay if the Node object does not exist yet."""
@@ -220,7 +243,7 @@ class NodeAgent:
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
         desired = slot_capacity(st.inv, st.health)
-        if self.settings.binding != "device-plugin":
+        if self._prune:
             # The kubelet advertises what the device plugin lists. A direct write would let the
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
             # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
@@ -233,7 +256,8 @@ class NodeAgent:
         if node is None:
             log.info("Node object not found; capacity waits", node=self.node)
             return 5.0
-        body = capacity_patch(desired, node.get("status", {}).get("capacity") or {})
+        current = node.get("status", {}).get("capacity") or {}
+        body = capacity_patch(desired, current, prune=self._prune)
         if body is not None:
             await writes.patch_node_status(self.kube, self.node, body)
         self._last_capacity = desired

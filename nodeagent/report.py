@@ -45,6 +45,14 @@ def gpu_status(
             "multiprocessors": p.multiprocessors,
             "maxCount": p.instance_count,
             "placements": [{"start": s, "size": z} for s, z in p.placements],
+            "computeSlices": p.slice_count,
+            "engines": {
+                "ce": p.engines[0],
+                "dec": p.engines[1],
+                "enc": p.engines[2],
+                "jpeg": p.engines[3],
+                "ofa": p.engines[4],
+            },
         }
         for p in gpu.profiles
     ]
@@ -194,15 +202,18 @@ def label_patch(desired: Mapping[str, str | None], current: Mapping[str, str]) -
     return {"metadata": {"labels": changes}} if changes else None
 
 
-def capacity_patch(desired: Mapping[str, str], current: Mapping[str, Any]) -> Obj | None:
-    """A merge patch for Node status that sets our resources and removes stale ones (null);
-    None when nothing changes. Other resources are never touched."""
+def capacity_patch(
+    desired: Mapping[str, str], current: Mapping[str, Any], *, prune: bool = True
+) -> Obj | None:
+    """A merge patch for Node status that sets our resources and (`prune`) removes stale
+    `instaslice.io/mig-*` ones (null); None when nothing changes. Other resources are never
+    touched. `prune=False` in the device-plugin binding: the kubelet owns those entries."""
     changes: dict[str, str | None] = {}
     for res, val in desired.items():
         if str(current.get(res)) != val:
             changes[res] = val
     for res in current:
-        if res.startswith(INSTASLICE_MIG_PREFIX) and res not in desired:
+        if prune and res.startswith(INSTASLICE_MIG_PREFIX) and res not in desired:
             changes[res] = None
     if not changes:
         return None

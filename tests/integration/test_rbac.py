@@ -161,7 +161,7 @@ AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", "status"): {"patch"},
     ("instaslice.io", "mignodes", ""): {"create"},
     ("instaslice.io", "mignodes", "status"): {"patch"},
-    ("", "nodes", ""): {"get", "patch"},
+    ("", "nodes", ""): {"get", "list", "watch", "patch"},
     ("", "nodes", "status"): {"patch"},
     ("", "events", ""): {"create"},
 }

@@ -55,6 +55,12 @@ def test_memory_slots_are_the_slots_of_healthy_mig_gpus() -> None:
     # the patch writes it like the profiles' bounds
     body = capacity_patch(slot_capacity(two, {}), {"cpu": "64"})
     assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+    # in device-plugin mode the kubelet's instaslice.io/mig-* entries are left alone
+    kubelet = {"instaslice.io/mig-1g.18gb": "14"}
+    body = capacity_patch(slot_capacity(two, {}), kubelet, prune=False)
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+    slots = {"instaslice.io/memory-slots": "16"}
+    assert capacity_patch(slots, {**kubelet, **slots}, prune=False) is None
 
 
 def test_gpu_model_label_only_when_every_gpu_is_one_model() -> None:
