@@ -51,3 +51,14 @@ def test_kueue_is_a_top_level_boolean() -> None:
     assert parse_spec({"kueue": True, "nodes": [group]}).kueue is True
     with pytest.raises(SpecError, match="kueue: 'yes' is not true or false"):
         parse_spec({"kueue": "yes", "nodes": [group]})
+
+
+def test_every_shipped_spec_parses() -> None:
+    from pathlib import Path
+
+    from hack.cluster.nodes import load_spec
+
+    specs = sorted((Path(__file__).parents[2] / "hack" / "specs").glob("*.yaml"))
+    assert specs
+    parsed = {p.name: load_spec(p) for p in specs}
+    assert parsed["kueue.yaml"].kueue and not parsed["dev.yaml"].kueue
