@@ -1,6 +1,6 @@
 """The preemption planner (common/placement/preempt.py): table cases for each cost term and
 rule, and a hypothesis property against a brute force over every victim subset on small
-clusters (≤ 2 nodes × 2 GPUs). Not covered here: how the allocator evicts (integration)."""
+clusters (≤ 2 nodes x 2 GPUs). Not covered here: how the allocator evicts (integration)."""
 
 from __future__ import annotations
 
