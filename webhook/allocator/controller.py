@@ -62,6 +62,7 @@ from webhook.allocator.steps import Steps
 from webhook.allocator.track import (
     AwaitVictims,
     Dequeue,
+    Evict,
     Forget,
     GiveUp,
     Kick,
@@ -434,6 +435,8 @@ class Controller:
             log.exception("allocator step failed", pod_uid=uid)
         else:
             track.backoff_s = 0.0
+            if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
+                return 0.0
             return None  # what comes next is told by the watch events the write causes
         track.backoff_s = min(
             max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.settings.max_backoff_s

@@ -193,6 +193,7 @@ class Steps:
             self.tell(pod.obj, REASON_PREEMPTING, message, "Normal")
             p.told = True
         for v in victims:
+            victim = self.state.pods.get(v.uid)  # read first: the eviction may remove it
             if not await self.writes.evict(v.namespace, v.name, v.uid):
                 log.warning("eviction refused", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
                 p.refused = v.uid
@@ -200,7 +201,6 @@ class Steps:
             p.evicted = p.evicted | {v.uid}
             self.metrics.outcome("preempted")
             log.info("victim evicted", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
-            victim = self.state.pods.get(v.uid)
             if victim is not None:
                 message = (
                     f"preempted by {pod.key} (priority {pod.priority}) to free {p.summary} "
