@@ -155,6 +155,7 @@ class _Search:
         self.confirms = CONFIRM_BUDGET
 
     def node(self, order: int, node: NodeState, holders: list[Holder]) -> None:
+        self.tried: set[frozenset[str]] = set()  # victim sets confirmed on this node
         freed, owner_of, blocked = _free_doomed(node, holders)
         victims = {h.uid: h for h in holders if h.preemptible and not h.doomed}
         request_slots = 0
@@ -232,16 +233,20 @@ class _Search:
         owners: frozenset[str],
         request_slots: int,
     ) -> None:
-        if self.confirms <= 0:
+        if self.confirms <= 0 or owners in self.tried:
             return
-        self.confirms -= 1
+        self.tried.add(owners)
         chosen = [victims[u] for u in sorted(owners)]
+        terms = victim_cost(chosen, request_slots, self.allowed)
+        if self.best_key is not None and terms > self.best_key[0][:5]:
+            return  # dearer whatever the placement: no need to ask the engine
+        self.confirms -= 1
         after = _without(freed, chosen)
         result = place(Snapshot((after,)), self.request, self.policy, self.catalog)
         if not isinstance(result, Placement):
             return
         quality = -self._potential(after, result)
-        cost: Cost = (*victim_cost(chosen, request_slots, self.allowed), quality)
+        cost: Cost = (*terms, quality)
         key = (cost, order)
         if self.best_key is not None and key >= self.best_key:
             return
