@@ -6,13 +6,14 @@ runs it alone. Pure simulation of the allocator's decisions (the engine and
 `plan_preemption`, no API server):
 
 - **wait**: a fleet of H100 nodes kept full by low-priority pods (Poisson arrivals above
-  capacity, exponential lifetimes, the placement benchmark's size mix; a low pod that does
-  not fit on arrival is dropped); high-priority 4g and 7g pods arrive among them and, when
-  pending, are retried in priority order whenever something leaves. With preemption `off` a high pod waits for departures; with `gpu` it reserves its
-  planned slots at once and starts once its victims are gone (`GRACE_S`: the default 30 s
-  termination grace plus a few seconds of slice release). Reported per profile: wait p50 /
-  p95 / max / mean and the victims per preemption. Simplification: the victims' slots
-  outside the reserved window are freed at the decision, `GRACE_S` early.
+  capacity, exponential lifetimes, the placement benchmark's size mix; a low pod that does not
+  fit on arrival is dropped); high-priority 4g and 7g pods arrive among them and, when
+  pending, are retried in priority order whenever something leaves. With preemption `off` a
+  high pod waits for departures; with `gpu` it reserves its planned slots at once and starts
+  once its victims are gone (`GRACE_S`: the default 30 s termination grace plus a few seconds
+  of slice release). Reported per profile: wait p50 / p95 / max / mean and the victims per
+  preemption. Simplification: the victims' slots outside the reserved window are freed at the
+  decision, `GRACE_S` early.
 - **minimal**: seeded small clusters (≤ 2 nodes x 2 H100, random fills and priorities) where
   every subset of possible victims is tried: the planner's victim count against the
   brute-force minimum cost set's, and against the fewest victims that free any placement
