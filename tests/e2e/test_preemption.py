@@ -5,8 +5,10 @@ Covers the issue's Done-when: every H100 GPU (the only model offering 1g.10gb an
 full of low-priority 1g pods, then a high-priority 7g pod → it runs, and exactly the seven
 pods of one GPU are evicted (Preempting/Preempted events), their instances destroyed and the
 7g's made; with a PodDisruptionBudget guarding the pods of every other GPU, the unguarded
-GPU is chosen; a `preemptionPolicy: Never` pod preempts nothing and says so.
-Leaves out the fault cases (tests/integration/test_allocator_preemption.py) and real
+GPU is chosen; a `preemptionPolicy: Never` pod preempts nothing and says so; the node agent
+killed (-9) while it destroys the victims' instances and restarted: the 7g still runs, no
+instance leaks and no slot is promised twice.
+Leaves out the other fault cases (tests/integration/test_allocator_preemption.py) and real
 containers (KWOK runs none).
 """
 
@@ -21,9 +23,11 @@ import pytest
 from common.constants import REASON_PENDING, REASON_PREEMPTED, REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.dev import DevSystem
+from nodeagent.emulator import EmulatorControl
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
+    assert_node_matches,
     make_pod,
     pods_path,
     wait_event,
@@ -34,6 +38,7 @@ from tests.e2e.helpers import (
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 H100_GPUS = 4  # SPEC: 2 nodes x 2 H100-80GB
+H100_NODES = ("h100-0", "h100-1")
 LOW, HIGH, NEVER = "e2e-low", "e2e-high", "e2e-high-never"
 
 
@@ -144,3 +149,40 @@ async def test_preemption_policy_never_preempts_nothing(kube: Kube, namespace: s
         core_path("events", namespace), fieldSelector="involvedObject.name=polite"
     )
     assert REASON_PREEMPTING not in {e["reason"] for e in events["items"]}
+
+
+@pytest.mark.usefixtures("priority_classes")
+async def test_agent_restarted_while_the_victims_slices_are_released(
+    kube: Kube, system: DevSystem, namespace: str
+) -> None:
+    where = await fill_h100s(kube, namespace)
+    controls = [EmulatorControl(system.gpu_state, n) for n in H100_NODES]
+    for c in controls:
+        c.set_latency(destroy_ms=1500)
+    try:
+        await create(kube, namespace, "big", HIGH, "7g.80gb")
+        await wait_event(kube, namespace, "big", REASON_PREEMPTING)
+
+        def releasing(allocs: dict[str, Obj]) -> bool:
+            return any(a.get("status", {}).get("phase") == "Releasing" for a in allocs.values())
+
+        await wait_for(kube, allocs_path(namespace), releasing, what="a victim's release")
+        system.kill("nodeagent")
+    finally:
+        for c in controls:
+            c.set_latency(destroy_ms=0)
+    system.start_agent(die_with_parent=True)
+    await wait_pod_running(kube, namespace, "big")
+    await assert_holds_slices(kube, system, namespace, "big")
+    gpu = await big_gpu(kube, namespace)
+    evicted = {n for n, g in where.items() if g == gpu}
+    assert await live(kube, namespace) == {"big"} | (set(where) - evicted)
+    allocs = (await kube.list(allocs_path(namespace)))["items"]
+    held: dict[str, int] = {}
+    for a in allocs:
+        for sl in a["spec"]["slices"]:
+            mask = ((1 << sl["size"]) - 1) << sl["start"]
+            assert not held.get(sl["gpuUUID"], 0) & mask, f"slots promised twice: {sl}"
+            held[sl["gpuUUID"]] = held.get(sl["gpuUUID"], 0) | mask
+    for node in H100_NODES:
+        await assert_node_matches(kube, system, node)
