@@ -335,7 +335,7 @@ def speed(nodes: int = 100, repeats: int = 5) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    nodes, horizon = (4, 6000.0) if quick else (16, 20000.0)
+    nodes, horizon = (4, 6000.0) if quick else (8, 10000.0)
     wait = {
         mode: wait_experiment(1, nodes=nodes, gpus=8, horizon=horizon, preemption=mode == "gpu")
         for mode in ("off", "gpu")

@@ -102,10 +102,12 @@ async def all_pods(env: AllocatorEnv) -> list[str]:  # noqa: F811
     return [p["metadata"]["name"] for p in pods]
 
 
-async def pdb(env: AllocatorEnv, selector: dict[str, str]) -> None:  # noqa: F811
+async def pdb(env: AllocatorEnv, selector: dict[str, str], pods: int) -> None:  # noqa: F811
+    """A PDB keeping all `pods` it selects (bare pods: minAvailable; maxUnavailable needs a
+    controller to count expected pods)."""
     body = {
         "metadata": {"name": "guard"},
-        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector}},
+        "spec": {"minAvailable": pods, "selector": {"matchLabels": selector}},
     }
     path = group_path("policy/v1", "poddisruptionbudgets", env.namespace)
     await env.kube.create(path, body)
@@ -157,7 +159,7 @@ async def test_a_pdb_guarding_one_gpu_sends_the_pod_to_the_other(env: AllocatorE
     await asyncio.sleep(1.1)  # the guarded pods start later: without the PDB they would go
     guarded = await fill(env, "guarded", 7, labels={"app": "guarded"})
     assert len(set(plain.values())) == 1 and set(plain.values()).isdisjoint(guarded.values())
-    await pdb(env, {"app": "guarded"})
+    await pdb(env, {"app": "guarded"}, 7)
     await create(env, "big", HIGH, "7g.80gb")
     await env.wait_bound("big", within=60)
     assert await alive(env) == {"big"} | set(guarded)
@@ -169,7 +171,7 @@ async def test_a_pdb_guarding_every_candidate_leaves_the_pod_pending(env: Alloca
     await env.add_node("n1")
     alloc = env.start(preemption=True)
     guarded = await fill(env, "guarded", 7, labels={"app": "guarded"})
-    await pdb(env, {"app": "guarded"})
+    await pdb(env, {"app": "guarded"}, 7)
     await create(env, "big", HIGH, "7g.80gb")
     event = await env.wait_event("big", REASON_PENDING, within=30)
     assert "no set of lower-priority pods" in event["message"]
