@@ -127,10 +127,13 @@ def plan_preemption(
         return None
     search = _Search(request, slices, allowed, policy, catalog)
     for order, node in enumerate(snapshot.nodes):
+        mine = by_node.get(node.name, [])
+        if not any(h.preemptible or h.doomed for h in mine):
+            continue  # nothing to free here (and `place` found no room as it is)
         filtered = request.node_selector or request.required_affinity
         if (filtered or node.taints or node.unschedulable) and mismatch(node, request):
             continue
-        search.node(order, node, by_node.get(node.name, []))
+        search.node(order, node, mine)
     return search.best
 
 

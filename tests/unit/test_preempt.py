@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from itertools import combinations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from common.catalog import load_catalog
@@ -47,7 +47,7 @@ def cluster(
     nodes = []
     for name, count in gpus.items():
         gs = tuple(Gpu(i, H100, occupied=tuple(occ.get((name, i), ()))) for i in range(count))
-        nodes.append(NodeState(name, cpu_millis_free=0, memory_bytes_free=0, gpus=gs))
+        nodes.append(NodeState(name, cpu_millis_free=0, memory_bytes_free=0, pods_free=10, gpus=gs))
     return Snapshot(tuple(nodes))
 
 
@@ -263,12 +263,13 @@ def remove(node: NodeState, gone: list[Holder]) -> NodeState:
     return NodeState(node.name, pods_free=1, gpus=gpus)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_the_chosen_victims_cost_the_brute_force_minimum(
     case: tuple[Snapshot, list[Holder], PodRequest, dict[str, int]],
 ) -> None:
     snapshot, holders, request, allowed = case
+    assume(not isinstance(place(snapshot, replace_cpu(request)), Placement))  # as it is called
     expected = brute_force(snapshot, holders, request, allowed)
     got = plan_preemption(snapshot, request, holders, pdb_allowed=allowed)
     if expected is None:

@@ -61,6 +61,7 @@ from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
 from webhook.allocator.track import (
     AwaitVictims,
+    Create,
     Dequeue,
     Evict,
     Forget,
@@ -422,6 +423,8 @@ class Controller:
                 if waiting:
                     self._wake_timer.set()
                 return None
+        if isinstance(step, Create) and track.preempt is not None:
+            self.tracks.end_preempt(track)  # the reservation is sent: an ordinary create now
         try:
             await self.steps.run(track, step)
         except NotLeader:
