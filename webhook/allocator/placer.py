@@ -37,7 +37,6 @@ INVALID_REQUEST = "InvalidRequest"
 WRITE_ERROR = "WriteError"
 INTERNAL_ERROR = "InternalError"
 AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
-NO_VICTIMS = "NoPreemptionVictims"  # full, and no lower-priority pods' eviction frees a place
 SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
 
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
@@ -150,9 +149,9 @@ class Placer:
             policy=self.policy,
             catalog=self.catalog,
         )
-        if found is None:
-            why = "no set of lower-priority pods frees a placement for it by preemption"
-            return NO_VICTIMS, f"{message}; {why}"
+        if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            why = "preemption: no set of lower-priority pods frees a placement for it"
+            return reason, f"{message}; {why}"
         body = self.allocation_for(pod, found.placement)
         self.state.assume(body)  # reserved: nobody else is given these slots
         victims = tuple(
