@@ -160,6 +160,7 @@ class _Search:
     def node(self, order: int, node: NodeState, holders: list[Holder]) -> None:
         self.tried: set[frozenset[str]] = set()  # victim sets confirmed on this node
         freed, owner_of, blocked = _free_doomed(node, holders)
+        self.owner_of = owner_of
         victims = {h.uid: h for h in holders if h.preemptible and not h.doomed}
         request_slots = 0
         windows: list[list[_Window]] = []
@@ -244,7 +245,7 @@ class _Search:
         if self.best_key is not None and terms > self.best_key[0][:5]:
             return  # dearer whatever the placement: no need to ask the engine
         self.confirms -= 1
-        after = _without(freed, chosen)
+        after = _without(freed, chosen, self.owner_of)
         result = place(Snapshot((after,)), self.request, self.policy, self.catalog)
         if not isinstance(result, Placement):
             return
@@ -276,42 +277,53 @@ class _Search:
 def _free_doomed(
     node: NodeState, holders: list[Holder]
 ) -> tuple[NodeState, dict[tuple[int, int, int], str], dict[int, int]]:
-    """The node with doomed holders' slots free; which holder owns each remaining preemptible
-    instance; and per GPU position the slots nothing may take (blockers)."""
+    """The node with the slots only doomed holders hold made free; which preemptible holder
+    owns each remaining instance; and per GPU position the slots nothing may take.
+
+    One instance may be held by several holders (a reservation overlaps the pods it waits
+    for): it is freed only if every holder of it is doomed, owned only if its one live
+    holder is preemptible, and blocked otherwise."""
     pos_of = {g.index: pos for pos, g in enumerate(node.gpus)}
     doomed: set[tuple[int, int, int]] = set()
-    owner_of: dict[tuple[int, int, int], str] = {}
+    owners: dict[tuple[int, int, int], set[str]] = {}
+    fixed: set[tuple[int, int, int]] = set()  # held by a holder that is never a victim
     for h in holders:
         for index, start, size in h.slices:
             pos = pos_of.get(index)
             if pos is None:
                 continue
+            entry = (pos, start, size)
             if h.doomed:
-                doomed.add((pos, start, size))
+                doomed.add(entry)
             elif h.preemptible:
-                owner_of[(pos, start, size)] = h.uid
+                owners.setdefault(entry, set()).add(h.uid)
+            else:
+                fixed.add(entry)
+    owner_of = {e: next(iter(u)) for e, u in owners.items() if len(u) == 1 and e not in fixed}
     gpus = []
     blocked: dict[int, int] = {}
     for pos, g in enumerate(node.gpus):
-        occ = tuple(o for o in g.occupied if (pos, o.start, o.size) not in doomed)
-        for o in occ:
-            if (pos, o.start, o.size) not in owner_of:
+        occ = []
+        for o in g.occupied:
+            entry = (pos, o.start, o.size)
+            if entry in doomed and entry not in owners and entry not in fixed:
+                continue  # free once the doomed holders are gone
+            occ.append(o)
+            if entry not in owner_of:
                 blocked[pos] = blocked.get(pos, 0) | o.mask
-        gpus.append(replace(g, occupied=occ) if len(occ) != len(g.occupied) else g)
+        gpus.append(replace(g, occupied=tuple(occ)) if len(occ) != len(g.occupied) else g)
     return replace(node, gpus=tuple(gpus), pods_free=max(1, node.pods_free)), owner_of, blocked
 
 
-def _without(node: NodeState, victims: list[Holder]) -> NodeState:
-    gone: dict[int, set[tuple[int, int]]] = {}
-    for v in victims:
-        for index, start, size in v.slices:
-            gone.setdefault(index, set()).add((start, size))
+def _without(
+    node: NodeState, victims: list[Holder], owner_of: dict[tuple[int, int, int], str]
+) -> NodeState:
+    """The node with the instances the victims alone hold removed."""
+    chosen = {v.uid for v in victims}
     gpus: list[Gpu] = []
-    for g in node.gpus:
-        drop = gone.get(g.index)
-        if drop:
-            g = replace(g, occupied=tuple(o for o in g.occupied if (o.start, o.size) not in drop))
-        gpus.append(g)
+    for pos, g in enumerate(node.gpus):
+        keep = tuple(o for o in g.occupied if owner_of.get((pos, o.start, o.size)) not in chosen)
+        gpus.append(replace(g, occupied=keep) if len(keep) != len(g.occupied) else g)
     return replace(node, gpus=tuple(gpus))
 
 

@@ -175,6 +175,19 @@ def test_terminating_holders_cost_nothing_and_are_waited_for() -> None:
     assert p.waits_for == tuple(sorted(f"n-g0-{s}" for s in range(7)))
 
 
+def test_a_reservation_over_a_terminating_pod_is_not_taken_twice() -> None:
+    """Chaos found it: a second preemptor planned onto a slot a first one had reserved over
+    a terminating pod (one instance, two holders; the doomed one made it look free)."""
+    going = pod("going", "n", (0, "1g.10gb", 3), doomed=True)
+    reserved = pod("first", "n", (0, "1g.10gb", 3), preemptible=False)
+    others = [pod(f"o{s}", "n", (0, "1g.10gb", s), preemptible=False) for s in (0, 1, 2, 4, 5, 6)]
+    holders = [going, reserved, *others]
+    assert plan_preemption(cluster(holders, {"n": 1}), ask("1g.10gb"), holders) is None
+    victim = pod("v", "n", (0, "1g.10gb", 3))  # a victim of the first preemptor, not yet gone
+    holders = [victim, reserved, *others]
+    assert plan_preemption(cluster(holders, {"n": 1}), ask("1g.10gb"), holders) is None
+
+
 def test_node_selector_is_respected() -> None:
     holders = full_of_1g("a", 0) + full_of_1g("b", 0, prio=3)
     snapshot = cluster(holders, {"a": 1, "b": 1})
