@@ -6,8 +6,9 @@ Covers: a 7g evicts exactly the pods of one GPU (events on both sides); a PDB se
 the other GPU; a PDB guarding every candidate refuses the eviction and the pod stays pending
 with a reason; `preemptionPolicy: Never` preempts nothing; victims that do not terminate are
 given up for others; the allocator killed mid-preemption (a new leader keeps the reserved
-slots from a lower-priority pod and evicts nobody else); a preemptor deleted mid-way leaves
-no reservation behind. The real node agent releasing victims' slices: tests/e2e.
+slots from a lower-priority pod and evicts nobody else); a pod arriving while the victims
+terminate, of higher priority than they, does not get the reserved slots; a preemptor deleted
+mid-way leaves no reservation behind. The real node agent releasing victims' slices: tests/e2e.
 """
 
 from __future__ import annotations
@@ -248,6 +249,37 @@ async def test_killed_mid_preemption_the_new_leader_keeps_the_reservation(
         assert podlib.has_our_gate(await env.pod("same"))
         assert not await env.events("same", REASON_PREEMPTING)
         assert second.metrics.count("preempted") == 0  # the new leader evicted nobody
+        assert_no_double_booking(await env.allocations())
+    finally:
+        await release_holds(env)
+
+
+@pytest.mark.usefixtures("priority_classes")
+async def test_reserved_slots_are_not_given_to_a_pod_arriving_while_victims_terminate(
+    env: AllocatorEnv,  # noqa: F811
+) -> None:
+    """The reservation has the victim's exact shape (a 3g over a 3g): the soak once saw a
+    second preemptor take such a slot, the terminating victim making it look free."""
+    await env.add_node("n1")
+    env.start(preemption=True)
+    await create(env, "a", HIGH, "3g.40gb")  # no one's victim
+    await env.wait_bound("a")
+    await create(env, "b", LOW, "3g.40gb", hold=True)  # stays terminating until released
+    await env.wait_bound("b")
+    try:
+        await create(env, "big", HIGH, "3g.40gb")
+        await env.wait_event("big", REASON_PREEMPTING)
+        await env.wait_pod(
+            "b", lambda p: bool(p["metadata"].get("deletionTimestamp")), what="terminating"
+        )
+        # higher than b, lower than big: b's slot looks free soon, but it is big's
+        await create(env, "mid", MID, "3g.40gb")
+        event = await env.wait_event("mid", REASON_PENDING)
+        assert "no set of lower-priority pods" in event["message"], event["message"]
+        assert {a["spec"]["podName"] for a in await env.allocations()} == {"a", "b"}
+        await release_holds(env)
+        await env.wait_bound("big", within=60)
+        assert podlib.has_our_gate(await env.pod("mid"))
         assert_no_double_booking(await env.allocations())
     finally:
         await release_holds(env)
