@@ -9,6 +9,8 @@ then for M minutes runs three things at once:
 - churn (`Workload`): MIG pods created in opted-in namespaces — bare pods (deleted again
   at random), Jobs (KWOK completes them after a run time) and a Deployment per namespace
   (scaled up and down) — around a target number of live pods, so some wait for capacity;
+  mixed priorities: a quarter of the bare and Job pods are `chaos-high` (half of those ask
+  for a 4g/7g), the rest and the Deployments `chaos-low`, so the allocator preempts;
 - faults (bench/chaos_faults.py), drawn from the seed: every kind once, then by weight,
   up to three at a time;
 - a sampler: every second one list of SliceAllocations is checked for double bookings
@@ -22,7 +24,12 @@ fault log and per-kind counts ride along for diagnosis. Exit status 1 if any cou
 
 Component settings for the soak (documented, not hidden): the node agent collects orphaned
 records after 10 s (`--gc-grace-s`, default 60) and the allocator releases pinned-but-
-unschedulable pods after 20 s (default 60), so recoveries finish within the settle time.
+unschedulable pods after 20 s (default 60) and gives a preemption up after 30 s of waiting
+for its victims (`--preemption-wait-timeout`, default 180), so recoveries finish within the
+settle time.
+
+Preemption is judged too: every `Preempted` event's victim must have had a lower priority
+than its preemptor (`preemption_priority_violations`, counted with the double bookings).
 """
 
 from __future__ import annotations
@@ -82,7 +89,9 @@ QUICK_SPEC = {
 }
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
 AGENT_ARGS = ("--gc-grace-s=10", "--gc-period-s=5")
-WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20",)
+WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20", "--preemption-wait-timeout=30")
+PRIORITY_CLASSES = {"chaos-low": 100, "chaos-high": 1000}
+LARGE_PROFILES = ("4g.40gb", "7g.80gb", "4g.20gb", "7g.40gb")  # H100 and A100-40GB
 
 
 @dataclass(frozen=True)
@@ -128,10 +137,12 @@ class Workload:
     ran: set[str] = field(default_factory=set)  # uids of those ever seen Running
     refused: int = 0
     deleted: int = 0
+    priority: dict[str, int] = field(default_factory=dict)  # uid -> spec.priority
 
     async def on_pod(self, etype: EventType, pod: Obj) -> None:
         uid = pod["metadata"]["uid"]
         self.seen.add(uid)
+        self.priority[uid] = int(pod.get("spec", {}).get("priority") or 0)
         if pod.get("status", {}).get("phase") == "Running":
             self.ran.add(uid)
         if etype == "DELETED":
@@ -151,11 +162,19 @@ class Workload:
     def _profile(self) -> str:
         return self.rng.choice(PROFILES)
 
-    def _pod_spec(self) -> Obj:
-        containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
-        if self.rng.random() < 0.15:
-            containers.append(_container("side", self._profile()))
-        return {"containers": containers, "terminationGracePeriodSeconds": 0}
+    def _pod_spec(self, *, mixed: bool = True) -> Obj:
+        high = mixed and self.rng.random() < 0.25
+        if high and self.rng.random() < 0.5:
+            containers = [_container("main", self.rng.choice(LARGE_PROFILES))]
+        else:
+            containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
+            if self.rng.random() < 0.15:
+                containers.append(_container("side", self._profile()))
+        return {
+            "containers": containers,
+            "terminationGracePeriodSeconds": 0,
+            "priorityClassName": "chaos-high" if high else "chaos-low",
+        }
 
     async def new_namespace(self) -> None:
         ns = await self.kube.create(
@@ -184,7 +203,8 @@ class Workload:
         body = {
             "metadata": {"name": "svc"},
             "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": self._pod_spec()}},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": self._pod_spec(mixed=False)}},
         }  # fmt: skip
         with contextlib.suppress(ApiError):
             await self.kube.create(group_path("apps/v1", "deployments", ns), body)
@@ -415,6 +435,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         background.append(asyncio.create_task(_supervise(system, restarts), name="supervisor"))
         errors: list[str] = []
         try:
+            await _priority_classes(kube)
             for _ in range(mode.namespaces):
                 await work.new_namespace()
             until = time.monotonic() + minutes * 60
@@ -441,6 +462,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
                   flush=True)  # fmt: skip
             report, settle_s, held = await _settle(system, kube, mode.settle_timeout_s)
             await sampler.once()  # one last sample, after settling
+            preempted, wrong = await _preemptions(kube, work)
             for name, rec in system.processes.items():
                 if not rec.alive():  # a component that crashed (nothing restarts it here)
                     errors.append(f"{name} exited; see {rec.log}")
@@ -457,7 +479,8 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "leaked_instances": len(report.leaked_instances),
         "orphan_allocations": len(report.orphan_allocations),
         "double_booked": len(sampler.violations)
-        + len([v for v in report.double_booked if v.key not in sampler.violations]),
+        + len([v for v in report.double_booked if v.key not in sampler.violations])
+        + len(wrong),
         "unsettled_pods": len(report.unsettled_pods),
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
@@ -468,12 +491,42 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "faults_by_kind": faults.by_kind(),
         "double_booking_samples": sampler.samples,
         "pods_refused": work.refused,
+        "preempted": preempted,
+        "preemption_priority_violations": wrong,
         "fault_errors": errors,
         "faults_not_injected": faults.skipped,
         "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
         "faults": [r.to_json() for r in faults.records],
     }
     return result
+
+
+async def _priority_classes(kube: Kube) -> None:
+    for name, value in PRIORITY_CLASSES.items():
+        body = {"metadata": {"name": name}, "value": value}
+        try:
+            await kube.create(group_path("scheduling.k8s.io/v1", "priorityclasses"), body)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+
+
+async def _preemptions(kube: Kube, work: Workload) -> tuple[int, list[str]]:
+    """How many `Preempted` events were written, and those whose victim's priority was not
+    below the preemptor's (from the event message, "... (priority N) ...")."""
+    events = await kube.list(core_path("events"), fieldSelector="reason=Preempted")
+    wrong = []
+    for e in events.get("items", []):
+        message = str(e.get("message") or "")
+        victim = work.priority.get(str(e.get("involvedObject", {}).get("uid")))
+        try:
+            preemptor = int(message.split("(priority ", 1)[1].split(")", 1)[0])
+        except (IndexError, ValueError):
+            wrong.append(f"unreadable Preempted event: {message[:120]}")
+            continue
+        if victim is None or victim >= preemptor:
+            wrong.append(f"victim priority {victim} >= preemptor {preemptor}: {message[:120]}")
+    return len(events.get("items", [])), wrong
 
 
 def _progress(t0: float, faults: Faults, work: Workload, sampler: Sampler) -> None:

@@ -62,6 +62,8 @@ REASON_READY: Final = "SliceReady"
 REASON_RELEASED: Final = "SliceReleased"
 REASON_PENDING: Final = "AllocationPending"
 REASON_PINNED_UNSCHEDULABLE: Final = "PinnedUnschedulable"
+REASON_PREEMPTING: Final = "Preempting"  # on a preemptor: the victims it evicts
+REASON_PREEMPTED: Final = "Preempted"  # on each victim: the preemptor it made room for
 
 
 def cdi_device_name(namespace: str, claim: str, container: str) -> str:

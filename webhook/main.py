@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.INSTASLICE.value)
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
+    p.add_argument(
+        "--preemption",
+        choices=["gpu", "off"],
+        default="gpu",
+        help="gpu: evict lower-priority pods holding MIG slots for a pod that does not fit",
+    )
+    p.add_argument(
+        "--preempt-kueue-pods",
+        action="store_true",
+        help="Kueue-managed pods may be preemption victims (default: never)",
+    )
+    p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument("--no-admission", action="store_true", help="run without the server")
     p.add_argument(
         "--slot-accounting",
@@ -106,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
             policy=Policy(a.policy),
             node_selector=a.node_selector,
+            preemption=a.preemption == "gpu",
+            preempt_kueue_pods=a.preempt_kueue_pods,
+            preemption_wait_s=a.preemption_wait_timeout,
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

@@ -119,6 +119,7 @@ UNIVERSE: tuple[Res, ...] = (
     ("apps", "deployments", "", NS),
     ("apps", "daemonsets", "", NS),
     ("batch", "jobs", "", "team-a"),
+    ("policy", "poddisruptionbudgets", "", "team-a"),
     ("instaslice.io", "sliceallocations", "", "team-a"),
     ("instaslice.io", "sliceallocations", "status", "team-a"),
     ("instaslice.io", "mignodes", "", ""),
@@ -145,6 +146,8 @@ SPECIAL: tuple[tuple[str, str, str], ...] = (
 
 CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     ("", "pods", ""): {"get", "list", "watch", "update", "delete"},  # pin+ungate; unstick
+    ("", "pods", "eviction"): {"create"},  # preemption (the Eviction API keeps PDBs)
+    ("policy", "poddisruptionbudgets", ""): {"list", "watch"},  # which victims a PDB guards
     ("", "nodes", ""): {"get", "list", "watch"},
     ("", "namespaces", ""): {"get", "list", "watch", "patch"},  # the opt-in label mirror
     ("", "events", ""): {"create"},

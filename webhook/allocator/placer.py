@@ -19,15 +19,16 @@ from common.allocation import build_allocation
 from common.catalog import Catalog
 from common.constants import GATE_NAME, REASON_PENDING
 from common.objects import SliceSpec
-from common.placement import Pending, Placement, Policy, place
-from common.placement.model import PodRequest, Snapshot
+from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot, place
+from common.placement.preempt import plan_preemption
 from common.podspec import SliceRequestError
 from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.preemption import Budgets, Preemption, Victim, holders, never_preempts
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import Tracks
+from webhook.allocator.track import PodTrack, Tracks
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
@@ -42,6 +43,14 @@ SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" pri
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
 
 
+@dataclass(frozen=True)
+class PreemptionSettings:
+    budgets: Budgets  # the PodDisruptionBudgets, kept by a watch
+    kueue_ok: bool  # Kueue-managed pods may be victims
+    wait_s: float  # how long victims may take to release their slices
+    now: Callable[[], float]  # monotonic
+
+
 @dataclass(eq=False)
 class Placer:
     state: ClusterState
@@ -52,6 +61,7 @@ class Placer:
     kick: Callable[[str], None]  # the pod's worker carries the decision out
     tell: Tell
     queue: PlacementQueue = field(default_factory=PlacementQueue)
+    preemption: PreemptionSettings | None = None  # None: preemption off
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -95,7 +105,14 @@ class Placer:
             snapshot = self.state.snapshot(name_label=name_label)
             result = self._place(snapshot, request, sized)
         if isinstance(result, Pending):
-            self.park(pod, *self.pending_reason(result))
+            # size-based asks are not planned for preemption: they wait (docs/allocator.md)
+            told = (
+                self.pending_reason(result)
+                if sized
+                else self.preempt(pod, track, request, snapshot, result)
+            )
+            if told is not None:
+                self.park(pod, *told)
             return
         body = self.allocation_for(pod, result)
         self.state.assume(body)
@@ -122,6 +139,62 @@ class Placer:
         if len(down) == len(self.state.node_states()):
             return AGENT_DOWN, f"every MIG node is left out: {why}"
         return result.reason.value, f"{result.message}; left out: {why}"
+
+    def preempt(
+        self,
+        pod: PodView,
+        track: PodTrack,
+        request: PodRequest,
+        snapshot: Snapshot,
+        pending: Pending,
+    ) -> tuple[str, str] | None:
+        """Plan a preemption for a pod that does not fit (docs/allocator.md "Preemption"):
+        None when one is planned (its slots reserved at once), else the pending reason."""
+        reason, message = self.pending_reason(pending)
+        p = self.preemption
+        if p is None or pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+            return reason, message
+        if never_preempts(pod.obj):
+            return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
+        found = plan_preemption(
+            snapshot,
+            request,
+            holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid),
+            pdb_allowed=p.budgets.allowed(),
+            policy=self.policy,
+            catalog=self.catalog,
+        )
+        if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            why = "preemption: no set of lower-priority pods frees a placement for it"
+            return reason, f"{message}; {why}"
+        body = self.allocation_for(pod, found.placement)
+        self.state.assume(body)  # reserved: nobody else is given these slots
+        victims = tuple(
+            Victim(v.uid, v.namespace, v.name)
+            for v in (self.state.pods.get(u) for u in found.victims)
+            if v is not None
+        )
+        record = Preemption(
+            body=body,
+            key=f"{pod.namespace}/{body['metadata']['name']}",
+            node=found.placement.node,
+            victims=victims,
+            waits_for=frozenset(found.victims) | frozenset(found.waits_for),
+            deadline=p.now() + p.wait_s,
+            summary=summary(found.placement),
+        )
+        self.tracks.begin_preempt(track, record)
+        track.told = None
+        self.metrics.outcome("preempting")
+        log.info(
+            "preempting",
+            pod=pod.key,
+            node=found.placement.node,
+            victims=[f"{v.namespace}/{v.name}" for v in victims],
+            waits_for=len(found.waits_for),
+        )
+        self.kick(pod.uid)
+        return None
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod
