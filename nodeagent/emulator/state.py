@@ -123,6 +123,13 @@ class Settings:
     # documents NOT_SUPPORTED; True copies the hardware.
     capacity_without_mig: bool = True
     fail: tuple[FailRule, ...] = ()
+    mode_ms: int = 0  # added to every MIG mode change that takes effect (SetMigMode, reset)
+    # A pass-through VM guest [INF, from nvml.h and gpu-operator#1606]: SetMigMode only records
+    # the pending mode (RESET_REQUIRED) on every architecture, and `reset_gpu` is refused.
+    vm: bool = False
+    # Hopper+ SetMigMode(DISABLE) while GPU instances exist [INF, unverified (design R1.1)]:
+    # "in_use" refuses it (mig-parted always destroys them first); "destroy" drops them.
+    disable_with_instances: Literal["in_use", "destroy"] = "in_use"
 
 
 @dataclass(frozen=True, slots=True)

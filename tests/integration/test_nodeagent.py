@@ -585,7 +585,7 @@ async def test_reboot_recreates_ready_allocations(
     async with running_agent(settings):
         await create_allocation(kube, alloc)
         before = await wait_phase(kube, alloc, "Ready")
-    new_boot = node.emu.reboot()
+    new_boot = node.emu.reboot(keep_mig_mode=True)
     assert node.instances() == []
     async with running_agent(settings):
 
