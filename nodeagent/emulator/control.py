@@ -47,8 +47,9 @@ def provision(
 ) -> Provisioned:
     """Give the node the GPUs asked for (one catalog model name per GPU, all in `mig_mode`).
 
-    A node that already has exactly those (same models, same MIG mode, in order) keeps its
-    state, instances included ("kept": a restart with an unchanged spec); one that has other
+    A node that already has exactly those (same models, provisioned with the same MIG mode,
+    in order) keeps its state, instances and on-demand mode changes included ("kept": a
+    restart with an unchanged spec); one that has other
     GPUs or modes is provisioned anew ("replaced": the spec changed); else "created". GPU
     UUIDs derive from node and index.
     """
@@ -74,7 +75,12 @@ def provision(
 
 
 def _shape(state: EmulatorState) -> list[tuple[str, int]]:
-    return [(g.model, g.mig_current) for g in state.gpus]
+    """Models and the provisioned MIG mode: the agent may have changed the current mode on
+    demand since, which is no change of the spec (an older file: its current mode)."""
+    return [
+        (g.model, state.provisioned_mode if state.provisioned_mode >= 0 else g.mig_current)
+        for g in state.gpus
+    ]
 
 
 class EmulatorControl:

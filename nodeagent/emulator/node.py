@@ -49,7 +49,7 @@ def new_node(node: str, models: list[str], mig_enabled: bool, boot_id: str) -> E
         Gpu(index=i, model=m, uuid=gpu_uuid(node, i), mig_current=mode, mig_pending=mode)
         for i, m in enumerate(models)
     )
-    return EmulatorState(node=node, boot_id=boot_id, gpus=gpus)
+    return EmulatorState(node=node, boot_id=boot_id, gpus=gpus, provisioned_mode=mode)
 
 
 # ---- injected failures ---------------------------------------------------------------------

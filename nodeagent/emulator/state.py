@@ -154,6 +154,10 @@ class EmulatorState:
     next_serial: int = 1
     next_event: int = 1
     next_pid: int = 4000
+    # The MIG mode the node was provisioned with (MIG_ENABLE/MIG_DISABLE; -1: unknown, an
+    # older state file). `provision` compares the spec with it, not with the current mode,
+    # which the agent may have changed on demand since.
+    provisioned_mode: int = -1
 
     def gpu(self, index: int) -> Gpu | None:
         return self.gpus[index] if 0 <= index < len(self.gpus) else None

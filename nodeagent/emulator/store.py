@@ -254,4 +254,5 @@ def decode(raw: dict[str, Any]) -> EmulatorState:
         next_serial=raw["next_serial"],
         next_event=raw["next_event"],
         next_pid=raw["next_pid"],
+        provisioned_mode=raw.get("provisioned_mode", -1),
     )

@@ -876,5 +876,8 @@ def test_provision_gives_what_the_spec_says(tmp_path: Path) -> None:
     assert len(ctl.instances()) == 1  # a restart keeps what was made
     assert provision(tmp_path, "a", ["H100-80GB"] * 2, "disabled") == "replaced"
     assert [g.mig_current for g in ctl.state().gpus] == [0, 0] and ctl.instances() == []
+    nv.nvmlDeviceSetMigMode(h, 1)  # MIG on demand: no change of the spec
+    assert provision(tmp_path, "a", ["H100-80GB"] * 2, "disabled") == "kept"
+    assert [g.mig_current for g in ctl.state().gpus] == [1, 0]
     assert provision(tmp_path, "a", ["A30-24GB"], "disabled") == "replaced"
     assert [g.model for g in ctl.state().gpus] == ["A30-24GB"]
