@@ -82,6 +82,17 @@ class MigMode(TypedDict):
     pending: str
 
 
+class ModeChangeStatus(TypedDict):
+    phase: str  # Changing | Failed
+    target: NotRequired[str]
+    message: NotRequired[str]
+    time: NotRequired[str]
+
+
+# "from" is a Python keyword: the functional form
+LastModeChangeStatus = TypedDict("LastModeChangeStatus", {"from": str, "to": str, "time": str})
+
+
 class GpuStatus(TypedDict):
     index: int
     uuid: str
@@ -91,6 +102,12 @@ class GpuStatus(TypedDict):
     message: NotRequired[str]
     profiles: list[MigProfileStatus]
     slices: list[MigSliceStatus]
+    # MIG mode on demand (all optional: older agents do not write them)
+    architecture: NotRequired[str]
+    modeToggle: NotRequired[str]  # resetless | reset | none
+    computeProcesses: NotRequired[int]
+    modeChange: NotRequired[ModeChangeStatus]
+    lastModeChange: NotRequired[LastModeChangeStatus]
 
 
 _ALNUM = string.ascii_lowercase + string.digits

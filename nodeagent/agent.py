@@ -146,6 +146,7 @@ class NodeAgent:
             log.warning("node rebooted: recorded instances are gone", records=len(cp.claims))
         st.set_checkpoint(after_reboot(cp, st.boot_id))
         await st.persist()
+        await self.life.modes.resolve_intents()  # a crash between intent and SetMigMode
         own = match(st.cp, st.inv.instances)
         st.foreign = own.foreign
         log.info(
@@ -198,6 +199,7 @@ class NodeAgent:
             version=self.settings.version,
             boot_id=st.boot_id,
             conditions=self.node_conditions,
+            modes=self.life.modes.status(),
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
@@ -220,7 +222,7 @@ class NodeAgent:
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
             # without their slice (seen on the real node, tests/e2e/test_realnode.py).
             return None
-        desired = capacity(st.inv, st.health)
+        desired = capacity(st.inv, st.health, self.life.modes.can_enable)
         if desired == self._last_capacity:
             return None
         current = await writes.node_capacity(self.kube, self.node)

@@ -5,10 +5,11 @@
 first (STYLE.md §6):
 
 create   plan (pure) → status Creating → check the placements are free → write the intent
-         record → per slice: GI at exactly the placement (or adopt the one the record
-         claims), its default CI, MIG UUID by walking MIG handles → CDI file → record
-         `ready` → status Ready + pod event. On an NVML error: destroy what the record
-         holds, drop it, status Failed with the NVML error.
+         record → bring each GPU to the MIG mode its slices need (`modechange`) → per
+         slice: GI at exactly the placement (or adopt the one the record claims), its
+         default CI, MIG UUID by walking MIG handles → CDI file → record `ready` → status
+         Ready + pod event. On an NVML error: destroy what the record holds, drop it,
+         status Failed with the NVML error.
 release  record `releasing` → destroy CI then GI (IN_USE: status says so, pod event once,
          retry with backoff) → remove the CDI file → drop the record → drop the finalizer.
 
@@ -36,6 +37,7 @@ from nodeagent.binding import Binding
 from nodeagent.checkpoint import ClaimRecord, SliceRecord
 from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
+from nodeagent.modechange import ModeChanger
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import (
     Action,
@@ -82,9 +84,11 @@ class Lifecycle:
     metrics: AgentMetrics
     clock: Clock = field(default_factory=SystemClock)
     cdi_dir: Path = field(init=False)
+    modes: ModeChanger = field(init=False)
 
     def __post_init__(self) -> None:
         self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
+        self.modes = ModeChanger(st=self.st, gpus=self.gpus, metrics=self.metrics, clock=self.clock)
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -211,7 +215,7 @@ class Lifecycle:
         if alloc.node != self.st.node:  # the node label says us; spec.nodeName does not
             await self.fail(alloc, f"spec.nodeName {alloc.node} is not on node {self.st.node}")
             return
-        fresh = plan(alloc, self.st.inv, self.st.health)
+        fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if isinstance(fresh, str):
             cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
             await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
@@ -244,6 +248,10 @@ class Lifecycle:
         why = blocked(rec.slices, uid, instances, own)
         if why:
             await self.give_up(alloc, rec, why)
+            return
+        why = await self.modes.ensure(uid, rec.slices)  # MIG mode on demand, lazily
+        if why:
+            await self.give_up(alloc, rec, f"{reason}; cannot re-create: {why}" if reason else why)
             return
         slices = list(rec.slices)
         for i, s in enumerate(slices):
@@ -419,7 +427,7 @@ class Lifecycle:
                 self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
-        fresh = plan(alloc, self.st.inv, self.st.health)
+        fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if not isinstance(fresh, str):
             instances = await self.instances({s.gpu_index for s in fresh})
             adopted = self.adoptable(alloc, fresh, instances)
@@ -490,7 +498,7 @@ class Lifecycle:
         uid = alloc.uid
         rec = self.st.cp.claims.get(uid)
         if rec is None and alloc.status_slices:
-            fresh = plan(alloc, self.st.inv, self.st.health)
+            fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
             if not isinstance(fresh, str):
                 instances = await self.instances({s.gpu_index for s in fresh})
                 adopted = self.adoptable(alloc, fresh, instances)

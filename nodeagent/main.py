@@ -349,7 +349,10 @@ async def serve(
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
-                plugin.attach(lambda: capacity(a.st.inv, a.st.health), lambda: a.st.allocs.values())
+                plugin.attach(
+                    lambda: capacity(a.st.inv, a.st.health, a.life.modes.can_enable),
+                    lambda: a.st.allocs.values(),
+                )
 
             def ready() -> bool:
                 started = all(a.started.is_set() for a in agents.values())

@@ -23,7 +23,7 @@ from typing import Any
 from common.allocation import SliceAllocation
 from common.objects import Phase
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
-from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
+from nodeagent.model import MIG_ENABLED, GpuInfo, Health, Instance, NodeInventory
 
 Obj = dict[str, Any]
 
@@ -156,9 +156,14 @@ def blocked(
 
 
 def plan(
-    alloc: SliceAllocation, inv: NodeInventory, health: Mapping[int, Health]
+    alloc: SliceAllocation,
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    mode_problem: Callable[[GpuInfo, str], str | None] | None = None,
 ) -> list[SliceRecord] | str:
-    """Slice records for the allocation's spec, or the reason it cannot be made here."""
+    """Slice records for the allocation's spec, or the reason it cannot be made here.
+    A GPU with MIG disabled is planned for when `mode_problem` (GPU, target mode) says the
+    agent can enable it (MIG mode on demand); without one, MIG must be on already."""
     out: list[SliceRecord] = []
     for i, s in enumerate(alloc.slices):
         gpu: GpuInfo | None = inv.gpu_by_uuid(s.gpu_uuid)
@@ -166,7 +171,9 @@ def plan(
         if gpu is None:
             return f"{where}: GPU {s.gpu_uuid} is not on node {alloc.node}"
         if not gpu.mig_enabled:
-            return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}"
+            why = mode_problem(gpu, MIG_ENABLED) if mode_problem else "it is not changed here"
+            if why:
+                return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}: {why}"
         h = health.get(gpu.index, Health())
         if not h.healthy:
             return f"{where}: GPU {gpu.index} is unhealthy ({h.message})"

@@ -9,7 +9,7 @@ maximum instance count over the node's healthy GPUs in MIG mode, never "currentl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,10 @@ def gpu_status(
         "healthy": health.healthy,
         "profiles": profiles,
         "slices": slices,
+        "computeProcesses": gpu.compute_processes,
     }
+    if gpu.architecture:
+        out["architecture"] = gpu.architecture
     if health.message:
         out["message"] = health.message
     elif gpu.warnings:
@@ -98,7 +101,9 @@ def mig_node_status(
     version: str,
     boot_id: str,
     conditions: Sequence[Obj] = (),
+    modes: Mapping[str, Obj] | None = None,
 ) -> Obj:
+    """`modes`: GPU UUID → its MIG mode-change fields (`nodeagent.modes.mode_status`)."""
     claimed = claimed_slices(cp)
     gpus = [
         gpu_status(
@@ -109,6 +114,8 @@ def mig_node_status(
         )
         for g in inv.gpus
     ]
+    for entry, g in zip(gpus, inv.gpus, strict=True):
+        entry.update((modes or {}).get(g.uuid, {}))  # type: ignore[typeddict-item]
     out: Obj = {
         "gpuCount": len(gpus),
         "agent": {"version": version, "bootID": boot_id},
@@ -151,11 +158,18 @@ def stamped(conditions: Sequence[Obj], now: str) -> list[Obj]:
     return [{**c, "lastTransitionTime": c.get("lastTransitionTime", now)} for c in conditions]
 
 
-def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
-    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings."""
+def capacity(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    can_enable: Callable[[GpuInfo], bool] | None = None,
+) -> dict[str, str]:
+    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings.
+    A GPU with MIG off counts when `can_enable` says the agent may turn MIG on for a slice
+    (MIG mode on demand: Hopper and newer)."""
     total: dict[str, int] = {}
     for g in inv.gpus:
-        counted = g.mig_enabled and health.get(g.index, Health()).healthy
+        mig = g.mig_enabled or (can_enable is not None and can_enable(g))
+        counted = mig and health.get(g.index, Health()).healthy
         for p in g.profiles:
             try:
                 res = instaslice_resource(p.name)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pynvml
 
+from nodeagent.emulator import node as node_ops
 from nodeagent.emulator import rules
 from nodeagent.emulator.handles import Kind
 from nodeagent.emulator.nvml_base import EventSet, NvmlBase, fail
@@ -160,6 +161,9 @@ class DeviceCalls(NvmlBase):
 
         def change(state: EmulatorState) -> tuple[EmulatorState, int | Rejected]:
             gpu = self._device(state, handle)
+            state, failed = node_ops.take_failure(state, "set_mig_mode")
+            if failed is not None:
+                return state, failed
             s = state.settings
             destroy = s.disable_with_instances == "destroy"
             res = rules.set_mig_mode(gpu, mode, vm=s.vm, destroy_instances=destroy)

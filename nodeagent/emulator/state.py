@@ -40,8 +40,8 @@ EVENT_XID: Final = 0x8  # nvmlEventTypeXidCriticalError
 XID_FELL_OFF_BUS: Final = 79
 EVENT_HISTORY: Final = 256  # events kept in the state file for event sets to read
 
-Op = Literal["create_gi", "create_ci", "destroy_ci", "destroy_gi"]
-OPS: Final[tuple[Op, ...]] = ("create_gi", "create_ci", "destroy_ci", "destroy_gi")
+Op = Literal["create_gi", "create_ci", "destroy_ci", "destroy_gi", "set_mig_mode"]
+OPS: Final[tuple[Op, ...]] = ("create_gi", "create_ci", "destroy_ci", "destroy_gi", "set_mig_mode")
 
 
 @dataclass(frozen=True, slots=True)

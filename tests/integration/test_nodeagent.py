@@ -585,8 +585,9 @@ async def test_reboot_recreates_ready_allocations(
     async with running_agent(settings):
         await create_allocation(kube, alloc)
         before = await wait_phase(kube, alloc, "Ready")
-    new_boot = node.emu.reboot(keep_mig_mode=True)
+    new_boot = node.emu.reboot()  # a Hopper GPU comes back with MIG off [INF]
     assert node.instances() == []
+    assert node.emu.state().gpus[0].mig_current == 0
     async with running_agent(settings):
 
         async def recreated() -> Obj | None:
@@ -595,6 +596,7 @@ async def test_reboot_recreates_ready_allocations(
             return got if st.get("phase") == "Ready" and st.get("bootID") == new_boot else None
 
         after = await eventually(recreated, what="Ready again after the reboot")
+        assert node.emu.state().gpus[0].mig_current == 1  # the agent turned MIG on first
         assert node.instances() == [(0, "4g.71gb", 0, 4, 0)]
         old_uuid = before["status"]["slices"][0]["migUUID"]
         new_uuid = after["status"]["slices"][0]["migUUID"]
@@ -615,11 +617,13 @@ async def test_reboot_that_cannot_be_recreated_fails_explicitly(
     async with running_agent(settings):
         await create_allocation(kube, alloc)
         await wait_phase(kube, alloc, "Ready")
-    node.emu.reboot(keep_mig_mode=False)  # a VM whose MIG mode went with it (mig.md §1)
+    node.emu.set_vm(True)  # a VM guest: MIG mode went with the reboot, and no reset helps
+    node.emu.reboot(keep_mig_mode=False)
     async with running_agent(settings):
         failed = await wait_phase(kube, alloc, "Failed")
         msg = failed["status"]["message"]
-        assert "rebooted" in msg and "MIG mode is disabled" in msg, msg
+        assert "rebooted" in msg and "RESET_REQUIRED" in msg, msg
+        assert node.emu.state().gpus[0].mig_pending == 0  # the pending change taken back
         await _delete(kube, alloc)
         await wait_gone(kube, alloc)
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
