@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ from tests.integration.agent_fixtures import (
     gpu_node,
     injected_devices,
     injected_env,
-    install_instaslice,
     mig_node,
     pod_events,
     process_args,
@@ -64,20 +62,14 @@ Obj = dict[str, Any]
 
 
 @pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(control_plane.kubeconfig)) as k:
-        await install_instaslice(k)
-        yield k
+def kube(agent_kube: Kube) -> Kube:
+    return agent_kube
 
 
 @pytest.fixture
-async def ns(kube: Kube, namespace: str) -> AsyncIterator[str]:
+def ns(alloc_ns: str) -> str:
     """The test namespace; leftover allocations lose their finalizer so it can go."""
-    yield namespace
-    path = instaslice_path("sliceallocations", namespace)
-    for a in (await kube.list(path)).get("items", []):
-        if a["metadata"].get("finalizers"):
-            await kube.patch(f"{path}/{a['metadata']['name']}", {"metadata": {"finalizers": None}})
+    return alloc_ns
 
 
 def _delete(kube: Kube, alloc: Obj) -> Any:
