@@ -19,7 +19,8 @@ from common.allocation import build_allocation
 from common.catalog import Catalog
 from common.constants import GATE_NAME, REASON_PENDING
 from common.objects import SliceSpec
-from common.placement import Pending, Placement, Policy, place
+from common.placement import Pending, Placement, PodRequest, Policy
+from common.placement.modes import place_with_modes
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
@@ -84,13 +85,11 @@ class Placer:
             return
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
-        snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = place(snapshot, request, self.policy, self.catalog)
+        result = self.place(request, excluded, name_label)
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
-            snapshot = self.state.snapshot(name_label=name_label)
-            result = place(snapshot, request, self.policy, self.catalog)
+            result = self.place(request, frozenset(), name_label)
         if isinstance(result, Pending):
             self.park(pod, *self.pending_reason(result))
             return
@@ -99,6 +98,15 @@ class Placer:
         track.create = body
         track.told = None
         self.kick(uid)
+
+    def place(
+        self, request: PodRequest, excluded: frozenset[tuple[str, str]], name_label: bool
+    ) -> Placement | Pending:
+        """GPUs in MIG mode first; GPUs whose MIG mode the agent would change only when
+        nothing else fits (common/placement/modes.py)."""
+        snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
+        modes = self.state.mode_view(snapshot)
+        return place_with_modes(snapshot, request, modes, self.policy, self.catalog).result
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out

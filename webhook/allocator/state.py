@@ -38,6 +38,7 @@ from typing import Any
 
 from common.allocation import SliceAllocation
 from common.placement import Gpu, NodeState, Occupied, Snapshot
+from common.placement.modes import ModeView
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
 from webhook.allocator.views import GpuView, NodeView, PodView, gpus_of
@@ -376,6 +377,20 @@ class ClusterState:
                 state = dataclasses.replace(state, labels={**state.labels, FIELD_NAME_LABEL: name})
             nodes.append(state)
         return Snapshot(nodes=tuple(nodes))
+
+    def mode_view(self, snapshot: Snapshot) -> ModeView:
+        """The snapshot's GPUs with MIG off, by class (common/placement/modes.py); GPUs the
+        snapshot shows unhealthy (failed for this pod) are left out."""
+        flex: set[tuple[str, int]] = set()
+        reset: set[tuple[str, int]] = set()
+        for node in snapshot.nodes:
+            healthy = {g.index for g in node.gpus if g.healthy}
+            for g in self.gpus.get(node.name, ()):
+                if g.index in healthy and g.flex:
+                    flex.add((node.name, g.index))
+                elif g.index in healthy and g.needs_reset:
+                    reset.add((node.name, g.index))
+        return ModeView(frozenset(flex), frozenset(reset))
 
 
 def _name(obj: Obj) -> str:

@@ -106,12 +106,28 @@ class GpuView:
     mig_enabled: bool
     healthy: bool
     instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+    # MIG off (common/placement/modes.py): `flex`, its agent enables MIG without a reset and
+    # it is idle; `needs_reset`, only a GPU reset would (Ampere)
+    flex: bool = False
+    needs_reset: bool = False
+
+
+def mode_class(g: Obj) -> tuple[bool, bool]:
+    """(flex, needs_reset) of one MigNode GPU entry (docs/contract.md §3). A GPU whose last
+    mode change failed (within the agent's back-off) or is changing is neither."""
+    mode = g.get("migMode") or {}
+    off = mode.get("current") == "disabled" and mode.get("pending") == "disabled"
+    settled = "modeChange" not in g and bool(g.get("healthy"))
+    toggle = g.get("modeToggle")
+    flex = off and settled and toggle == "resetless" and not g.get("computeProcesses")
+    return flex, off and settled and toggle == "reset"
 
 
 def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
     out = []
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
+        flex, needs_reset = mode_class(g)
         out.append(
             GpuView(
                 index=int(g.get("index", 0)),
@@ -128,6 +144,8 @@ def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
                     )
                     for s in g.get("slices") or []
                 ),
+                flex=flex,
+                needs_reset=needs_reset,
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))
