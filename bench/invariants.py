@@ -16,6 +16,9 @@ The invariants (docs/contract.md §3-4, docs/protocol.md "Occupancy truth"):
   allocation with exactly that GPU, start and size;
 - orphan allocation (once settled): every allocation belongs to a live, non-terminal pod
   and is Ready with all its instances (MIG UUIDs as its status says) on the GPUs;
+- mode mismatch (once settled): no Ready allocation has a slice on a GPU whose MIG mode is
+  off (the agent enables MIG on demand before creating, and after a reboot before
+  re-creating);
 - unsettled pod (once settled): every InstaSlice pod is Running on slices it alone owns
   (Ready allocation of its UID on its node, instances present, CDI file present), or
   Pending with a reason (gated with an AllocationPending/PinnedUnschedulable event, or a
@@ -47,7 +50,9 @@ from common.kubeapi import Kube, core_path, instaslice_path
 from nodeagent.emulator import EmulatorControl
 
 Obj = dict[str, Any]
-Kind = Literal["leaked_instance", "orphan_allocation", "double_booked", "unsettled_pod"]
+Kind = Literal[
+    "leaked_instance", "orphan_allocation", "double_booked", "unsettled_pod", "mode_mismatch"
+]
 PENDING_REASONS = (REASON_PENDING, REASON_PINNED_UNSCHEDULABLE)
 
 
@@ -102,6 +107,7 @@ class Truth:
     instances: list[Instance]
     cdi_claims: dict[str, set[tuple[str, str]]]  # node -> {(namespace, claim)}
     pending_reasons: dict[str, str] = field(default_factory=dict)  # pod uid -> event reason
+    mig_off: set[str] = field(default_factory=set)  # UUIDs of GPUs whose MIG mode is off
 
 
 @dataclass
@@ -110,6 +116,7 @@ class Report:
     orphan_allocations: list[Violation] = field(default_factory=list)
     double_booked: list[Violation] = field(default_factory=list)
     unsettled_pods: list[Violation] = field(default_factory=list)
+    mode_mismatch: list[Violation] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -118,7 +125,7 @@ class Report:
     def all(self) -> list[Violation]:
         return (
             self.leaked_instances + self.orphan_allocations + self.double_booked
-            + self.unsettled_pods
+            + self.unsettled_pods + self.mode_mismatch
         )  # fmt: skip
 
     def counts(self) -> dict[str, int]:
@@ -127,6 +134,7 @@ class Report:
             "orphan_allocations": len(self.orphan_allocations),
             "double_booked": len(self.double_booked),
             "unsettled_pods": len(self.unsettled_pods),
+            "mode_mismatch": len(self.mode_mismatch),
         }
 
 
@@ -306,12 +314,32 @@ def _pod_problem(
     return "Pending, ungated, with no scheduler verdict"
 
 
+def mode_mismatches(truth: Truth) -> list[Violation]:
+    """No Ready MIG slice on a GPU whose MIG mode is off (MIG mode on demand: the agent
+    enables it before creating, and restores it after a reboot before re-creating)."""
+    out = []
+    for a in truth.allocs:
+        if (a.get("status") or {}).get("phase") != "Ready":
+            continue
+        for s in slots_of(a):
+            if s.gpu_uuid in truth.mig_off:
+                out.append(
+                    Violation(
+                        "mode_mismatch",
+                        f"{_key(a)}@{s.gpu_uuid}",
+                        f"Ready slice [{s.start}:{s.size}] on a GPU whose MIG mode is off",
+                    )
+                )
+    return out
+
+
 def check_settled(truth: Truth) -> Report:
     return Report(
         leaked_instances=leaked_instances(truth),
         orphan_allocations=orphan_allocations(truth),
         double_booked=double_bookings(truth.allocs),
         unsettled_pods=unsettled_pods(truth),
+        mode_mismatch=mode_mismatches(truth),
     )
 
 
@@ -353,4 +381,14 @@ async def collect(kube: Kube, gpu_state: Path, cdi_root: Path, nodes: Sequence[s
             reasons[str(e.get("involvedObject", {}).get("uid", ""))] = reason
     instances = await asyncio.to_thread(gpu_instances, gpu_state, nodes)
     files = await asyncio.to_thread(cdi_claims, cdi_root, nodes)
-    return Truth(pods, allocs, instances, files, reasons)
+    off = await asyncio.to_thread(gpus_with_mig_off, gpu_state, nodes)
+    return Truth(pods, allocs, instances, files, reasons, off)
+
+
+def gpus_with_mig_off(gpu_state: Path, nodes: Iterable[str]) -> set[str]:
+    return {
+        g.uuid
+        for node in nodes
+        for g in EmulatorControl(gpu_state, node).state().gpus
+        if g.mig_current == 0
+    }

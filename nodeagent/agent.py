@@ -284,6 +284,7 @@ class NodeAgent:
                 log.warning("destroying slices no allocation claims", claim=rec.key)
                 await self.life.rollback(rec)
         await self._gc_cdi()
+        await self.life.modes.refresh()  # MIG modes and processes changed underneath us
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

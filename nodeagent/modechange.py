@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import structlog
@@ -55,6 +56,18 @@ def toggle_now(s: NvmlSession, index: int, target: str) -> GpuInfo:
             with contextlib.suppress(NvmlFailure):
                 s.set_mig_mode(index, s.mig_mode(index)[0])
         raise
+
+
+def _fresh(s: NvmlSession, gpu: GpuInfo) -> GpuInfo | None:
+    """`gpu` with its current MIG mode and process count; read whole again when the mode
+    changed (profiles and the minor number may have). None when nothing changed."""
+    mode = s.mig_mode(gpu.index)
+    processes = s.compute_processes(gpu.index)
+    if mode != (gpu.mig_current, gpu.mig_pending):
+        return s.gpu_info(gpu.index)
+    if processes != gpu.compute_processes:
+        return dataclasses.replace(gpu, compute_processes=processes)
+    return None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -151,6 +164,33 @@ class ModeChanger:
             "MIG mode change failed; GPU avoided", gpu=gpu.index, mode=target, error=message
         )
         return f"changing MIG mode of GPU {gpu.index} to {target}: {message}"
+
+    async def refresh(self) -> None:
+        """Re-read each GPU's MIG mode and compute processes (garbage collection's rescan):
+        a mode changed underneath the agent (an admin, a reset) is read afresh, with its
+        profiles and minor number, and published. GPUs with a change in flight are skipped."""
+        st = self.st
+        for g in st.inv.gpus:
+            if st.is_lost(g.index) or g.uuid in st.cp.mode_changes:
+                continue
+            fresh = await self.gpus.call_gpu(g.index, _fresh, self.gpus.s, g)
+            current = st.inv.gpu_by_index(g.index)
+            if fresh is None or current is None or current.uuid in st.cp.mode_changes:
+                continue
+            if (fresh.mig_current, fresh.mig_pending, fresh.compute_processes) != (
+                current.mig_current,
+                current.mig_pending,
+                current.compute_processes,
+            ):
+                if fresh.mig_current != current.mig_current:
+                    log.warning(
+                        "MIG mode changed outside InstaSlice",
+                        gpu=g.index,
+                        mode=fresh.mig_current,
+                        pending=fresh.mig_pending,
+                    )
+                st.replace_gpu(fresh)
+                st.publish.set()
 
     async def resolve_intents(self) -> None:
         """At start: intents a crash left behind. The mode is whatever GetMigMode says now

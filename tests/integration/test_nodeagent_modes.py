@@ -22,6 +22,7 @@ import pytest
 
 from common.kubeapi import Kube, core_path
 from hack.cluster import ControlPlane
+from nodeagent.emulator import EmulatedNvml
 from tests.integration.agent_fixtures import (
     AgentProcess,
     agent_settings,
@@ -188,3 +189,28 @@ async def test_crash_between_intent_record_and_mode_change(
         assert node.emu.state().gpus[0].mig_current == 1
         assert node.instances() == [(0, "2g.20gb", 2, 2, 0)]
         assert json.loads(node.checkpoint.read_text())["modeChanges"] == []
+
+
+async def test_mode_and_processes_changed_underneath_are_read_again(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """An admin turns MIG off on an idle GPU and a process starts on another: the agent's
+    rescan publishes both, and the next slice there turns MIG on again."""
+    node = await gpu_node(agent_kube, tmp_path, [H100, H100])  # MIG on
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings):
+        await _gpus(agent_kube, node.name)
+        nv = EmulatedNvml(node.root / "gpus", node.name)
+        nv.nvmlInit()
+        nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(0), 0)
+        node.emu.add_process(node.gpu_uuid(1))
+        gpus = await _gpus(
+            agent_kube,
+            node.name,
+            lambda g: g[0]["migMode"]["current"] == "disabled" and g[1]["computeProcesses"] == 1,
+        )
+        assert "lastModeChange" not in gpus[0]  # not InstaSlice's change
+        alloc = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 0, 6, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+        assert node.emu.state().gpus[0].mig_current == 1

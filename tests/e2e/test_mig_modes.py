@@ -1,0 +1,137 @@
+"""MIG mode on demand, end to end: `make dev-up` with GPUs that start with MIG off.
+
+Covers: on an H100 node whose two GPUs start `migMode: disabled`, a MIG pod is admitted,
+placed, its GPU's MIG mode enabled by the node agent on demand, and it runs with its CDI
+binding (the full invariant of `assert_holds_slices`); MigNode shows each GPU's current mode
+(one enabled, one still disabled: no needless toggle) with architecture and modeToggle; a
+second MIG pod goes to the GPU already in MIG mode; a pod whose profile only an Ampere GPU
+with MIG off offers stays Pending with an AllocationPending event naming the GPU
+(NeedsMigModeChange); `kubectl instaslice nodes` shows the modes.
+Leaves out: whole-GPU pods (not built yet), the agent's failure paths
+(tests/integration/test_nodeagent_modes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from common.constants import ENABLED_KEY, REASON_PENDING
+from common.kubeapi import Kube, instaslice_path
+from hack.dev import DevSystem
+from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace, running_system
+from tests.e2e.helpers import (
+    assert_holds_slices,
+    make_pod,
+    pods_path,
+    wait_event,
+    wait_opted_in,
+    wait_pod_running,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+SPEC: dict[str, Any] = {
+    "nodes": [
+        {
+            "prefix": "off",
+            "count": 1,
+            "gpus": 2,
+            "model": "H100-80GB",
+            "migMode": "disabled",
+            **_NODE,
+        },
+        {
+            "prefix": "amp",
+            "count": 1,
+            "gpus": 1,
+            "model": "A100-40GB",
+            "migMode": "disabled",
+            **_NODE,
+        },
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def modes_system(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    with running_system(request.config, tmp_path_factory.mktemp("modes"), SPEC) as started:
+        yield started
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def mkube(modes_system: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(modes_system.kubeconfig)) as k:
+        yield k
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def mns(mkube: Kube) -> AsyncIterator[str]:
+    name = await _new_namespace(mkube, "modes-", {ENABLED_KEY: "true"})
+    await wait_opted_in(mkube, name)
+    try:
+        yield name
+    finally:
+        await _delete_namespace(mkube, name, wait_released=True)
+
+
+async def _gpus(kube: Kube, node: str) -> list[dict[str, Any]]:
+    mn = await kube.get(instaslice_path("mignodes", name=node))
+    gpus: list[dict[str, Any]] = mn["status"]["gpus"]
+    return gpus
+
+
+async def test_mig_pods_on_gpus_that_start_with_mig_off(
+    mkube: Kube, mns: str, modes_system: DevSystem
+) -> None:
+    before = await _gpus(mkube, "off-0")
+    assert [g["migMode"]["current"] for g in before] == ["disabled", "disabled"]
+    assert {(g["architecture"], g["modeToggle"]) for g in before} == {("hopper", "resetless")}
+
+    await mkube.create(pods_path(mns), make_pod("first", slices={"main": {"3g.40gb": 1}}))
+    await wait_pod_running(mkube, mns, "first")
+    alloc = await assert_holds_slices(mkube, modes_system, mns, "first")
+    gpu = alloc["spec"]["slices"][0]["gpuIndex"]
+    after = await _gpus(mkube, "off-0")
+    assert after[gpu]["migMode"] == {"current": "enabled", "pending": "enabled"}
+    assert after[gpu]["lastModeChange"]["to"] == "enabled"
+    assert after[1 - gpu]["migMode"]["current"] == "disabled"  # no needless toggle
+
+    await mkube.create(pods_path(mns), make_pod("second", slices={"main": {"2g.20gb": 1}}))
+    await wait_pod_running(mkube, mns, "second")
+    second = await assert_holds_slices(mkube, modes_system, mns, "second")
+    assert second["spec"]["slices"][0]["gpuIndex"] == gpu  # the GPU already in MIG mode
+    assert (await _gpus(mkube, "off-0"))[1 - gpu]["migMode"]["current"] == "disabled"
+
+    plugin = Path(sys.executable).parent / "kubectl-instaslice"
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [str(plugin), "nodes", f"--kubeconfig={modes_system.kubeconfig}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    rows = [ln.split() for ln in shown.stdout.splitlines() if ln.startswith("off-0")]
+    assert sorted(r[3:5] for r in rows) == [
+        ["disabled", "resetless"],
+        ["enabled", "resetless"],
+    ], shown.stdout
+
+
+async def test_ampere_gpu_with_mig_off_is_named_in_the_pending_reason(
+    mkube: Kube, mns: str
+) -> None:
+    await mkube.create(pods_path(mns), make_pod("amp", slices={"main": {"1g.5gb": 1}}))
+    event = await wait_event(mkube, mns, "amp", REASON_PENDING)
+    assert "amp-0/GPU 0" in event["message"] and "needs a GPU reset" in event["message"], event
+    pod = await mkube.get(pods_path(mns, "amp"))
+    assert pod["status"].get("phase") == "Pending" and not pod["spec"].get("nodeName")
