@@ -68,16 +68,20 @@ CHAOS_LABEL = "instaslice.io/chaos"
 IMAGE = "registry.k8s.io/pause:3.10"
 _NODE = {"cpu": "16", "memory": "64Gi", "pods": 110,
          "labels": {"nvidia.com/mig.capable": "true"}}  # fmt: skip
+_OFF = {**_NODE, "migMode": "disabled"}
 FULL_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 3, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 2, "gpus": 2, "model": "A100-40GB", **_NODE},
+        # MIG mode on demand: GPUs that start with MIG off
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 QUICK_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 1, "gpus": 2, "model": "A100-40GB", **_NODE},
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
@@ -97,7 +101,7 @@ class Mode:
     settle_timeout_s: float
 
 
-QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 3.0, 3, (3.0, 10.0), 180.0)
+QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 2.2, 3, (3.0, 10.0), 180.0)  # 13 kinds in a minute
 FULL = Mode(FULL_SPEC, 3, 24, 0.7, 5.0, 3, (5.0, 25.0), 300.0)
 
 
@@ -429,6 +433,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "double_booked": len(sampler.violations)
         + len([v for v in report.double_booked if v.key not in sampler.violations]),
         "unsettled_pods": len(report.unsettled_pods),
+        "mode_mismatch": len(report.mode_mismatch),
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
@@ -476,7 +481,13 @@ def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> O
         system.down()
 
 
-COUNTS = ("leaked_instances", "orphan_allocations", "double_booked", "unsettled_pods")
+COUNTS = (
+    "leaked_instances",
+    "orphan_allocations",
+    "double_booked",
+    "unsettled_pods",
+    "mode_mismatch",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

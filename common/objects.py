@@ -31,13 +31,15 @@ class SliceSpec(TypedDict):
     gpuIndex: NotRequired[int]
     start: int
     size: int
+    kind: NotRequired[str]  # mig (default) | gpu
 
 
 class SliceStatus(TypedDict):
     container: str
-    migUUID: NotRequired[str]
+    migUUID: NotRequired[str]  # a whole GPU: its GPU UUID (what NVIDIA_VISIBLE_DEVICES names)
     giID: NotRequired[int]
     ciID: NotRequired[int]
+    gpuUUID: NotRequired[str]  # whole GPUs only
 
 
 class AllocationSpec(TypedDict):

@@ -222,7 +222,8 @@ class NodeAgent:
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
             # without their slice (seen on the real node, tests/e2e/test_realnode.py).
             return None
-        desired = capacity(st.inv, st.health, self.life.modes.can_enable)
+        modes = self.life.modes
+        desired = capacity(st.inv, st.health, modes.can_enable, modes.can_be_whole)
         if desired == self._last_capacity:
             return None
         current = await writes.node_capacity(self.kube, self.node)

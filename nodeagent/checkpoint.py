@@ -45,10 +45,17 @@ class SliceRecord:
     size: int
     gi_id: int | None = None
     ci_id: int | None = None
-    mig_uuid: str | None = None
+    mig_uuid: str | None = None  # for a whole GPU: its GPU UUID, once MIG is off on it
+    kind: str = "mig"  # mig | gpu (a whole GPU; no instance, nothing to create or destroy)
+
+    @property
+    def whole(self) -> bool:
+        return self.kind == "gpu"
 
     @property
     def done(self) -> bool:
+        if self.whole:
+            return self.mig_uuid is not None
         return self.gi_id is not None and self.ci_id is not None and self.mig_uuid is not None
 
     def cleared(self) -> SliceRecord:

@@ -186,8 +186,12 @@ class Lifecycle:
         out: dict[str, list[cdi.SliceNodes]] = {}
         for s in rec.slices:
             gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
-            assert gpu is not None and s.done and s.gi_id is not None and s.ci_id is not None
-            nodes = self.numbers.slice_nodes(str(s.mig_uuid), gpu.minor, s.gi_id, s.ci_id)
+            assert gpu is not None and s.done
+            if s.whole:
+                nodes = self.numbers.gpu_nodes(gpu.uuid, gpu.minor)
+            else:
+                assert s.gi_id is not None and s.ci_id is not None
+                nodes = self.numbers.slice_nodes(str(s.mig_uuid), gpu.minor, s.gi_id, s.ci_id)
             out.setdefault(s.container, []).append(nodes)
         return out
 
@@ -286,6 +290,8 @@ class Lifecycle:
         """One slice: adopt what the record already claims, create only what is missing."""
         gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
         assert gpu is not None
+        if s.whole:  # nothing to create: MIG is off on it (ModeChanger.ensure)
+            return replace(s, mig_uuid=gpu.uuid)
         prof = gpu.profile_by_id(s.profile_id)
         assert prof is not None
         i, call, nv = s.gpu_index, self.gpus.call_gpu, self.gpus.s
@@ -304,7 +310,9 @@ class Lifecycle:
 
     async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
         slices: list[SliceStatus] = [
-            {
+            {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
+            if s.whole  # the device the container sees is the GPU itself
+            else {
                 "container": s.container,
                 "migUUID": str(s.mig_uuid),
                 "giID": int(s.gi_id or 0),

@@ -26,7 +26,13 @@ from nodeagent import modes
 from nodeagent.checkpoint import ModeIntent, SliceRecord
 from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
-from nodeagent.model import MIG_ENABLED, NVML_RESET_REQUIRED, GpuInfo, NvmlFailure
+from nodeagent.model import (
+    MIG_DISABLED,
+    MIG_ENABLED,
+    NVML_RESET_REQUIRED,
+    GpuInfo,
+    NvmlFailure,
+)
 from nodeagent.nvml import NvmlSession
 from nodeagent.state import AgentNode
 
@@ -86,6 +92,11 @@ class ModeChanger:
         return gpu.mig_enabled or (
             gpu.mig_current == gpu.mig_pending and self.toggle_of(gpu) == "resetless"
         )
+
+    def can_be_whole(self, gpu: GpuInfo) -> bool:
+        """May this GPU serve as a whole GPU (MIG off now, or turned off by this agent)?"""
+        off = gpu.mig_current == gpu.mig_pending == MIG_DISABLED
+        return off or (gpu.mig_current == gpu.mig_pending and self.toggle_of(gpu) == "resetless")
 
     def status(self) -> dict[str, modes.Obj]:
         """GPU UUID → the mode fields of its MigNode entry (`modes.mode_status`)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nodeagent.checkpoint import SliceRecord
-from nodeagent.model import MIG_ENABLED, GpuInfo, Instance
+from nodeagent.model import MIG_DISABLED, MIG_ENABLED, GpuInfo, Instance
 
 Obj = dict[str, Any]
 Toggle = Literal["resetless", "reset", "none"]
@@ -65,8 +65,9 @@ def in_mode(gpu: GpuInfo, target: str) -> bool:
 
 
 def needed_modes(slices: Iterable[SliceRecord]) -> dict[str, str]:
-    """GPU UUID → the MIG mode the slices need there (MIG slices: enabled)."""
-    return {s.gpu_uuid: MIG_ENABLED for s in slices}
+    """GPU UUID → the MIG mode the slices need there (MIG slices: enabled; a whole GPU:
+    disabled, since a GPU in MIG mode without instances runs no CUDA work, mig.md §3.1)."""
+    return {s.gpu_uuid: MIG_DISABLED if s.whole else MIG_ENABLED for s in slices}
 
 
 def mode_problem(

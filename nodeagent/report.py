@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.constants import INSTASLICE_MIG_PREFIX
+from common.constants import INSTASLICE_GPU, INSTASLICE_MIG_PREFIX
 from common.objects import (
     GpuStatus,
     MigProfileStatus,
@@ -78,7 +78,7 @@ def claimed_slices(cp: Checkpoint) -> dict[str, list[MigSliceStatus]]:
     out: dict[str, list[MigSliceStatus]] = {}
     for rec in cp.claims.values():
         for s in rec.slices:
-            if s.gi_id is None and rec.state == "ready":
+            if s.gi_id is None and rec.state == "ready" and not s.whole:
                 continue  # cleared by a reboot and not yet re-created
             out.setdefault(s.gpu_uuid, []).append(
                 {
@@ -162,11 +162,17 @@ def capacity(
     inv: NodeInventory,
     health: Mapping[int, Health],
     can_enable: Callable[[GpuInfo], bool] | None = None,
+    can_be_whole: Callable[[GpuInfo], bool] | None = None,
 ) -> dict[str, str]:
     """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings.
     A GPU with MIG off counts when `can_enable` says the agent may turn MIG on for a slice
-    (MIG mode on demand: Hopper and newer)."""
+    (MIG mode on demand: Hopper and newer). With `can_be_whole`, `instaslice.io/gpu` counts
+    the healthy GPUs that can serve as whole GPUs (MIG off, or turned off on demand)."""
     total: dict[str, int] = {}
+    if can_be_whole is not None:
+        total[INSTASLICE_GPU] = sum(
+            1 for g in inv.gpus if health.get(g.index, Health()).healthy and can_be_whole(g)
+        )
     for g in inv.gpus:
         mig = g.mig_enabled or (can_enable is not None and can_enable(g))
         counted = mig and health.get(g.index, Health()).healthy

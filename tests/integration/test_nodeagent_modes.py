@@ -20,19 +20,23 @@ from typing import Any
 
 import pytest
 
-from common.kubeapi import Kube, core_path
+from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent.emulator import EmulatedNvml
 from tests.integration.agent_fixtures import (
     AgentProcess,
     agent_settings,
+    cdi_inject,
     create_allocation,
     eventually,
     gpu_node,
+    injected_devices,
+    injected_env,
     mig_node,
     process_args,
     running_agent,
     slice_allocation,
+    wait_gone,
     wait_phase,
 )
 
@@ -214,3 +218,73 @@ async def test_mode_and_processes_changed_underneath_are_read_again(
         await create_allocation(agent_kube, alloc)
         await wait_phase(agent_kube, alloc, "Ready")
         assert node.emu.state().gpus[0].mig_current == 1
+
+
+def _whole(alloc: Obj) -> Obj:
+    """`slice_allocation`'s object with every slice a whole GPU (kind gpu)."""
+    for s in alloc["spec"]["slices"]:
+        s["kind"] = "gpu"
+    return alloc
+
+
+async def test_whole_gpu_turns_mig_off_and_binds_the_gpu_by_cdi(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await gpu_node(agent_kube, tmp_path, [H100, H100])  # MIG on
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings):
+
+        async def capacity() -> dict[str, str] | None:
+            cap = (await agent_kube.get(core_path("nodes", name=node.name)))["status"].get(
+                "capacity"
+            )
+            return cap if cap and "instaslice.io/gpu" in cap else None
+
+        assert (await eventually(capacity, what="capacity"))["instaslice.io/gpu"] == "2"
+        alloc = _whole(slice_allocation(alloc_ns, node, [("train", "gpu", 1, 0, 8)]))
+        await create_allocation(agent_kube, alloc)
+        ready = await wait_phase(agent_kube, alloc, "Ready")
+        gpu = node.gpu_uuid(1)
+        assert ready["status"]["slices"] == [{"container": "train", "migUUID": gpu, "gpuUUID": gpu}]
+        assert [g.mig_current for g in node.emu.state().gpus] == [1, 0]
+        claim = alloc["metadata"]["name"]
+        got = cdi_inject([node.cdi_dir], [f"instaslice.io/mig={alloc_ns}_{claim}_train"])
+        assert got["rc"] == 0 and got["errors"] == {}
+        assert injected_env(got)["NVIDIA_VISIBLE_DEVICES"] == gpu
+        assert set(injected_devices(got)) == {
+            "/dev/nvidia1",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+        }  # the GPU's node, no capability nodes
+        gpus = await _gpus(agent_kube, node.name, lambda g: g[1]["slices"])
+        assert gpus[1]["migMode"]["current"] == "disabled"
+        assert gpus[1]["slices"] == [
+            {"profile": "gpu", "start": 0, "size": 8, "migUUID": gpu, "claim": claim}
+        ]
+        await agent_kube.delete(
+            instaslice_path("sliceallocations", alloc_ns, alloc["metadata"]["name"])
+        )
+        await wait_gone(agent_kube, alloc)
+        assert node.cdi_files() == []
+        assert node.emu.state().gpus[1].mig_current == 0  # left as it is (lazy)
+        again = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 1, 6, 1)])
+        await create_allocation(agent_kube, again)
+        await wait_phase(agent_kube, again, "Ready")
+        assert node.emu.state().gpus[1].mig_current == 1
+
+
+async def test_whole_gpu_on_a_gpu_with_foreign_instances_fails_untouched(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await gpu_node(agent_kube, tmp_path, [H100])
+    nv = EmulatedNvml(node.root / "gpus", node.name)
+    nv.nvmlInit()
+    nv.nvmlDeviceCreateGpuInstance(nv.nvmlDeviceGetHandleByIndex(0), 19)  # not InstaSlice's
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings):
+        alloc = _whole(slice_allocation(alloc_ns, node, [("a", "gpu", 0, 0, 8)]))
+        await create_allocation(agent_kube, alloc)
+        failed = await wait_phase(agent_kube, alloc, "Failed")
+        assert "InstaSlice did not create" in failed["status"]["message"]
+        assert node.emu.state().gpus[0].mig_current == 1 and len(node.instances()) == 1
