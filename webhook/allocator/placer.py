@@ -17,10 +17,11 @@ import structlog
 
 from common.allocation import build_allocation
 from common.catalog import Catalog
-from common.constants import GATE_NAME, REASON_PENDING
+from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
 from common.placement import Pending, Placement, PodRequest, Policy
 from common.placement.modes import place_with_modes
+from common.placement.whole import is_whole, place_whole
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
@@ -105,6 +106,9 @@ class Placer:
         """GPUs in MIG mode first; GPUs whose MIG mode the agent would change only when
         nothing else fits (common/placement/modes.py)."""
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
+        if is_whole(request):
+            view = self.state.whole_view(snapshot)
+            return place_whole(snapshot, request, view, self.catalog).result
         modes = self.state.mode_view(snapshot)
         return place_with_modes(snapshot, request, modes, self.policy, self.catalog).result
 
@@ -137,16 +141,17 @@ class Placer:
         for s in placement.slices:
             gpu = self.state.gpu(placement.node, s.gpu_index)
             assert gpu is not None, "placement named a GPU outside the snapshot"
-            slices.append(
-                {
-                    "container": s.container,
-                    "profile": s.profile,
-                    "gpuUUID": gpu.uuid,
-                    "gpuIndex": s.gpu_index,
-                    "start": s.start,
-                    "size": s.size,
-                }
-            )
+            spec: SliceSpec = {
+                "container": s.container,
+                "profile": s.profile,
+                "gpuUUID": gpu.uuid,
+                "gpuIndex": s.gpu_index,
+                "start": s.start,
+                "size": s.size,
+            }
+            if s.profile == WHOLE_GPU_PROFILE:
+                spec["kind"] = KIND_GPU
+            slices.append(spec)
         assert pod.claim is not None
         body = build_allocation(
             namespace=pod.namespace,

@@ -110,6 +110,11 @@ class GpuView:
     # it is idle; `needs_reset`, only a GPU reset would (Ampere)
     flex: bool = False
     needs_reset: bool = False
+    # for whole GPUs (common/placement/whole.py), if nothing is on it: MIG off and idle; MIG
+    # on and idle, turned off without a reset; MIG on and idle, only a reset turns it off
+    whole_now: bool = False
+    whole_toggle: bool = False
+    whole_needs_reset: bool = False
 
 
 def mode_class(g: Obj) -> tuple[bool, bool]:
@@ -123,11 +128,24 @@ def mode_class(g: Obj) -> tuple[bool, bool]:
     return flex, off and settled and toggle == "reset"
 
 
+def whole_class(g: Obj) -> tuple[bool, bool, bool]:
+    """(now, after a reset-less toggle, after a reset) of one MigNode GPU entry, for whole
+    GPUs; whether anything occupies it is the caller's question."""
+    mode = g.get("migMode") or {}
+    cur, pend = mode.get("current"), mode.get("pending")
+    settled = "modeChange" not in g and bool(g.get("healthy")) and not g.get("computeProcesses")
+    toggle = g.get("modeToggle")
+    off = cur == pend == "disabled" and settled
+    on = cur == pend == "enabled" and settled
+    return off, on and toggle == "resetless", on and toggle == "reset"
+
+
 def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
     out = []
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
         flex, needs_reset = mode_class(g)
+        whole_now, whole_toggle, whole_reset = whole_class(g)
         out.append(
             GpuView(
                 index=int(g.get("index", 0)),
@@ -146,6 +164,9 @@ def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
                 ),
                 flex=flex,
                 needs_reset=needs_reset,
+                whole_now=whole_now,
+                whole_toggle=whole_toggle,
+                whole_needs_reset=whole_reset,
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))
