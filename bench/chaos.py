@@ -6,7 +6,8 @@ Brings up InstaSlice on the local control plane with KWOK GPU nodes backed by th
 emulator (`hack.dev.DevSystem`, in its own dir `.dev/bench/chaos-run/`, always torn down),
 then for M minutes runs three things at once:
 
-- churn (`Workload`): MIG pods created in opted-in namespaces — bare pods (deleted again
+- churn (`Workload`): MIG pods, and some whole-GPU pods (`nvidia.com/gpu: 1`; the
+  namespaces opt in to whole GPUs too), created in opted-in namespaces — bare pods (deleted again
   at random), Jobs (KWOK completes them after a run time) and a Deployment per namespace
   (scaled up and down) — around a target number of live pods, so some wait for capacity;
 - faults (bench/chaos_faults.py), drawn from the seed: every kind once, then by weight,
@@ -56,7 +57,7 @@ from bench.invariants import (
     is_instaslice_pod,
     slots_of,
 )
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
 from common.kubeapi import instaslice_path as isl_path
 from hack.cluster.nodes import ClusterSpec, parse_spec
@@ -86,6 +87,7 @@ QUICK_SPEC = {
 }
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
 AGENT_ARGS = ("--gc-grace-s=10", "--gc-period-s=5")
+WHOLE_GPU_SHARE = 0.12  # of churn pods, asking one whole GPU (nvidia.com/gpu: 1)
 WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20",)
 
 
@@ -114,6 +116,18 @@ def _container(name: str, profile: str, count: int = 1) -> Obj:
         "image": IMAGE,
         "resources": {
             "limits": {f"nvidia.com/mig-{profile}": str(count)},
+            "requests": {"cpu": "100m", "memory": "64Mi"},
+        },
+    }
+
+
+def _whole(name: str) -> Obj:
+    """A container asking one whole GPU (the namespaces opt in to whole GPUs too)."""
+    return {
+        "name": name,
+        "image": IMAGE,
+        "resources": {
+            "limits": {NVIDIA_GPU: "1"},
             "requests": {"cpu": "100m", "memory": "64Mi"},
         },
     }
@@ -153,6 +167,8 @@ class Workload:
         return self.rng.choice(PROFILES)
 
     def _pod_spec(self) -> Obj:
+        if self.rng.random() < WHOLE_GPU_SHARE:
+            return {"containers": [_whole("main")], "terminationGracePeriodSeconds": 0}
         containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
         if self.rng.random() < 0.15:
             containers.append(_container("side", self._profile()))
@@ -161,7 +177,8 @@ class Workload:
     async def new_namespace(self) -> None:
         ns = await self.kube.create(
             core_path("namespaces"),
-            {"metadata": {"generateName": "chaos-", "annotations": {ENABLED_KEY: "true"},
+            {"metadata": {"generateName": "chaos-",
+                          "annotations": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"},
                           "labels": {CHAOS_LABEL: "1"}}},
         )  # fmt: skip
         name = ns["metadata"]["name"]
@@ -172,7 +189,8 @@ class Workload:
             with contextlib.suppress(ApiError):
                 got = await self.kube.get(core_path("namespaces", name=name))
                 sa = await self.kube.list(core_path("serviceaccounts", name))
-                labelled = (got["metadata"].get("labels") or {}).get(ENABLED_KEY) == "true"
+                labels = got["metadata"].get("labels") or {}
+                labelled = labels.get(ENABLED_KEY) == labels.get(WHOLE_GPU_KEY) == "true"
                 if labelled and sa["items"]:
                     self.namespaces.append(name)
                     await self._deployment(name)
@@ -434,6 +452,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         + len([v for v in report.double_booked if v.key not in sampler.violations]),
         "unsettled_pods": len(report.unsettled_pods),
         "mode_mismatch": len(report.mode_mismatch),
+        "whole_gpu_shared": len(report.whole_gpu_shared),
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
@@ -487,6 +506,7 @@ COUNTS = (
     "double_booked",
     "unsettled_pods",
     "mode_mismatch",
+    "whole_gpu_shared",
 )
 
 

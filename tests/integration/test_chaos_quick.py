@@ -101,3 +101,14 @@ def test_checker_sees_each_kind_of_violation() -> None:
     assert check_settled(truth).mode_mismatch == []
     truth.mig_off = {"GPU-0"}  # a's Ready slice sits on a GPU whose MIG mode is off
     assert [v.key for v in check_settled(truth).mode_mismatch] == ["ns/ca@GPU-0"]
+
+    whole = _alloc("cw", "uw", "GPU-0", 0, 8, "GPU-0")
+    whole["spec"]["slices"][0].update(profile="gpu", kind="gpu")
+    truth = Truth([_running("pw", "uw", "cw")], [whole], inst, {"n": {("ns", "cw")}}, {}, {"GPU-0"})
+    report = check_settled(truth)
+    assert report.orphan_allocations == [] and report.unsettled_pods == []  # no instance needed
+    assert [v.key for v in report.whole_gpu_shared] == ["ns/cw@GPU-0"]  # but the GPU holds two
+    truth.instances, truth.mig_off = [], set()
+    assert [v.detail for v in check_settled(truth).mode_mismatch] == [
+        "Ready whole GPU on a GPU whose MIG mode is on"
+    ]
