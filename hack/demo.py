@@ -207,6 +207,12 @@ def _modes(mignodes: list[Obj], changed_only: bool = False) -> str:
     return ", ".join(out) or "(none)"
 
 
+def on_node(body: Obj, node: str) -> Obj:
+    """A Job pinned to one node (a team's own node), by nodeSelector."""
+    body["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return body
+
+
 def whole_gpu_job(name: str, *, completions: int, runtime_s: int) -> Obj:
     """Pods each asking one whole GPU, as NVIDIA's device plugin names it."""
     body = job(name, "1g.10gb", parallelism=1, completions=completions, runtime_s=runtime_s)
@@ -226,6 +232,9 @@ async def _submit(
         job("notebook-a100-1g", "1g.5gb", parallelism=7, completions=10, runtime_s=7),
         job("pretrain-7g", "7g.80gb", parallelism=1, completions=2, runtime_s=10),
         whole_gpu_job("whole-gpu-bench", completions=2, runtime_s=10),
+        on_node(
+            job("team-off-1g", "1g.10gb", parallelism=4, completions=6, runtime_s=8), "h100off-0"
+        ),
     ]
     for j in jobs:
         await kube.create(group_path("batch/v1", "jobs", NS), j)
