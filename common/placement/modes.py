@@ -76,8 +76,12 @@ def place_with_modes(
     modes: ModeView,
     policy: Policy = Policy.INSTASLICE,
     catalog: Catalog | None = None,
+    first: Placement | Pending | None = None,
 ) -> ModePlacement:
-    first = place(snapshot, request, policy, catalog)
+    """`first`: the plain `place` of this snapshot and request, when the caller has it (it
+    derives `modes` only after a Pending, to keep the common case one engine call)."""
+    if first is None:
+        first = place(snapshot, request, policy, catalog)
     if isinstance(first, Placement):
         return ModePlacement(first)
     if modes.flex:

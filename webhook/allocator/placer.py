@@ -19,7 +19,7 @@ from common.allocation import build_allocation
 from common.catalog import Catalog
 from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
-from common.placement import Pending, Placement, PodRequest, Policy
+from common.placement import Pending, Placement, PodRequest, Policy, place
 from common.placement.modes import place_with_modes
 from common.placement.whole import is_whole, place_whole
 from common.podspec import SliceRequestError
@@ -109,8 +109,13 @@ class Placer:
         if is_whole(request):
             view = self.state.whole_view(snapshot)
             return place_whole(snapshot, request, view, self.catalog).result
+        first = place(snapshot, request, self.policy, self.catalog)
+        if isinstance(first, Placement):
+            return first  # a GPU in MIG mode fits: the common case, no mode classes needed
         modes = self.state.mode_view(snapshot)
-        return place_with_modes(snapshot, request, modes, self.policy, self.catalog).result
+        return place_with_modes(
+            snapshot, request, modes, self.policy, self.catalog, first=first
+        ).result
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
