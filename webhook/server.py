@@ -28,7 +28,7 @@ import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -49,7 +49,8 @@ from webhook.admission import (
     review,
 )
 from webhook.metrics import Outcome, WebhookMetrics
-from webhook.settings import ServerSettings
+from webhook.offered import OfferedProfiles
+from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("webhook")
 WHOLE_GPU_PATH = "/mutate-whole-gpu"  # the webhook entry of namespaces also opted in to whole GPUs
@@ -132,6 +133,7 @@ class _State:
     timer: Callable[[], float]
     tls: CertReloader | None
     metrics_auth: MetricsAuth | None = None  # None: /metrics open (plain Kubernetes default)
+    offered: OfferedProfiles | None = None  # None: the catalog's profiles alone
     ready: bool = False
 
 
@@ -145,14 +147,17 @@ def build_app(
     new_claim: Callable[[], str] = new_claim_id,
     timer: Callable[[], float] = time.perf_counter,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> web.Application:
-    """The admission app. With `settings.cert_file` None it has no TLS (unit tests only)."""
+    """The admission app. With `settings.cert_file` None it has no TLS (unit tests only).
+    `offered`: the profiles nodes published (webhook/offered.py), accepted on top of the
+    catalog's."""
     metrics = metrics or WebhookMetrics()
     tls = None
     if settings.cert_file is not None and settings.key_file is not None:
         tls = CertReloader(settings.cert_file, settings.key_file, metrics)
     app = web.Application(client_max_size=settings.max_body_bytes)
-    app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth)
+    app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth, offered)
     app.router.add_post("/mutate", _mutate)
     app.router.add_post(WHOLE_GPU_PATH, _mutate)  # namespaces opted in to whole GPUs too
     _add_ops_routes(app)
@@ -200,6 +205,14 @@ def _outcome(decision: Verdict) -> Outcome:
     return Outcome.MALFORMED if decision.code == 400 else Outcome.DENIED
 
 
+def _admission(state: _State) -> AdmissionSettings:
+    settings = state.settings.admission
+    offered = state.offered
+    if offered is None or not offered.cluster:
+        return settings
+    return replace(settings, known_profiles=offered.known, cluster_profiles=offered.cluster)
+
+
 async def _mutate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     started = state.timer()
@@ -222,7 +235,7 @@ async def _mutate(request: web.Request) -> web.StreamResponse:
     try:
         decision = review(
             req,
-            state.settings.admission,
+            _admission(state),
             new_claim=state.new_claim,
             whole_gpu=request.path == WHOLE_GPU_PATH,
         )
@@ -300,9 +313,12 @@ async def running(
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Serve until the block exits (port 0 in the settings picks a free port)."""
-    app = build_app(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth)
+    app = build_app(
+        settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth, offered=offered
+    )
     tls = app[STATE].tls
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s
@@ -339,9 +355,12 @@ async def serve(
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> None:
     """Serve until cancelled (the entry point's TaskGroup cancels it on SIGTERM)."""
-    async with running(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth):
+    async with running(
+        settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth, offered=offered
+    ):
         await asyncio.Event().wait()
 
 

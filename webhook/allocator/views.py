@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.catalog import GpuModel
+from common.catalog.learned import Geometries
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
@@ -115,6 +117,7 @@ class GpuView:
     whole_now: bool = False
     whole_toggle: bool = False
     whole_needs_reset: bool = False
+    geometry: GpuModel | None = None  # the published table, when not the catalog's (learned.py)
 
 
 def mode_class(g: Obj) -> tuple[bool, bool]:
@@ -140,17 +143,18 @@ def whole_class(g: Obj) -> tuple[bool, bool, bool]:
     return off, on and toggle == "resetless", on and toggle == "reset"
 
 
-def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
+def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
     out = []
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
         flex, needs_reset = mode_class(g)
         whole_now, whole_toggle, whole_reset = whole_class(g)
+        model = str(g.get("model", ""))
         out.append(
             GpuView(
                 index=int(g.get("index", 0)),
                 uuid=str(g.get("uuid", "")),
-                model=str(g.get("model", "")),
+                model=model,
                 mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
                 healthy=bool(g.get("healthy")),
                 instances=tuple(
@@ -167,6 +171,7 @@ def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
                 whole_now=whole_now,
                 whole_toggle=whole_toggle,
                 whole_needs_reset=whole_reset,
+                geometry=geometries.of(model, g.get("profiles") or []),
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))
