@@ -103,7 +103,7 @@ class Mode:
     settle_timeout_s: float
 
 
-QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 2.2, 3, (3.0, 10.0), 180.0)  # 13 kinds in a minute
+QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 2.0, 4, (3.0, 10.0), 180.0)  # 13 kinds in a minute
 FULL = Mode(FULL_SPEC, 3, 24, 0.7, 5.0, 3, (5.0, 25.0), 300.0)
 
 

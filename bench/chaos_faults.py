@@ -199,7 +199,7 @@ class Faults:
             "namespace-deleted": self._namespace_deleted,
             "rollback-fail": lambda: self._rollback_fail(node),
             "same-name-gap": self._same_name_gap,
-            "mode-flip": lambda: self._mode_flip(node),
+            "mode-flip": self._mode_flip,
         }
         try:
             await fn[kind]()
@@ -302,20 +302,27 @@ class Faults:
         await asyncio.to_thread(emu.fail_next, "destroy_gi", code, 2)
         self._end(rec)  # armed; the agent meets it on its next create
 
-    async def _mode_flip(self, node: str) -> None:
+    async def _mode_flip(self) -> None:
         """An admin flips the MIG mode of an idle Hopper GPU (no instance, no process) behind
-        InstaSlice's back; the agent must read it again and still enable MIG on demand."""
-        state = await asyncio.to_thread(self._emu(node).state)
-        idle = [
-            g
-            for g in state.gpus
-            if not g.spec.resets_for_mig_mode and not g.gis and not g.all_processes()
-            and not g.lost
-        ]  # fmt: skip
+        InstaSlice's back, on any node that has one; the agent must read it again and still
+        change the mode on demand. A GPU any allocation names is left alone: a pod on it
+        (whole GPU included) would hold a process there on real hardware, and SetMigMode
+        would answer IN_USE; emulated pods run none."""
+        allocs = (await self.kube.list(instaslice_path("sliceallocations")))["items"]
+        used = {s.get("gpuUUID") for a in allocs for s in a.get("spec", {}).get("slices") or []}
+        idle = []
+        for n in self._nodes():
+            state = await asyncio.to_thread(self._emu(n).state)
+            idle += [
+                (n, g)
+                for g in state.gpus
+                if not g.spec.resets_for_mig_mode and not g.gis and not g.all_processes()
+                and not g.lost and g.uuid not in used
+            ]  # fmt: skip
         if not idle:
-            self._end(self._start("mode-flip", node, "no idle Hopper GPU; nothing flipped"))
+            self._end(self._start("mode-flip", "-", "no idle Hopper GPU; nothing flipped"))
             return
-        gpu = self.rng.choice(idle)
+        node, gpu = self.rng.choice(idle)
         target = 1 - gpu.mig_current
         rec = self._start("mode-flip", node, f"GPU {gpu.index}: MIG mode set to {target}")
 
