@@ -343,7 +343,8 @@ class Lifecycle:
             alloc.pod_name,
             alloc.pod_uid,
             REASON_READY,
-            f"MIG slices ready on {self.st.node}: {uuids}",
+            f"{'whole GPUs' if all(s.whole for s in rec.slices) else 'MIG slices'} ready on "
+            f"{self.st.node}: {uuids}",
         )
 
     async def destroy_held(self, rec: ClaimRecord) -> None:

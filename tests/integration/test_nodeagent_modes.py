@@ -33,6 +33,7 @@ from tests.integration.agent_fixtures import (
     injected_devices,
     injected_env,
     mig_node,
+    pod_events,
     process_args,
     running_agent,
     slice_allocation,
@@ -248,6 +249,14 @@ async def test_whole_gpu_turns_mig_off_and_binds_the_gpu_by_cdi(
         assert ready["status"]["slices"] == [{"container": "train", "migUUID": gpu, "gpuUUID": gpu}]
         assert [g.mig_current for g in node.emu.state().gpus] == [1, 0]
         claim = alloc["metadata"]["name"]
+
+        async def told() -> list[Obj] | None:
+            events = await pod_events(agent_kube, alloc_ns, f"pod-{claim}")
+            found = [e for e in events if e["reason"] == "SliceReady"]
+            return found or None
+
+        (ready_event,) = await eventually(told, what="SliceReady")
+        assert ready_event["message"] == f"whole GPUs ready on {node.name}: train: {gpu}"
         got = cdi_inject([node.cdi_dir], [f"instaslice.io/mig={alloc_ns}_{claim}_train"])
         assert got["rc"] == 0 and got["errors"] == {}
         assert injected_env(got)["NVIDIA_VISIBLE_DEVICES"] == gpu
