@@ -6,7 +6,8 @@ Brings up InstaSlice on the local control plane with KWOK GPU nodes backed by th
 emulator (`hack.dev.DevSystem`, in its own dir `.dev/bench/chaos-run/`, always torn down),
 then for M minutes runs three things at once:
 
-- churn (`Workload`): MIG pods created in opted-in namespaces — bare pods (deleted again
+- churn (`Workload`): MIG pods, and some whole-GPU pods (`nvidia.com/gpu: 1`; the
+  namespaces opt in to whole GPUs too), created in opted-in namespaces — bare pods (deleted again
   at random), Jobs (KWOK completes them after a run time) and a Deployment per namespace
   (scaled up and down) — around a target number of live pods, so some wait for capacity;
   mixed priorities: a quarter of the bare and Job pods are `chaos-high` (half of those ask
@@ -63,7 +64,7 @@ from bench.invariants import (
     is_instaslice_pod,
     slots_of,
 )
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
 from common.kubeapi import instaslice_path as isl_path
 from hack.cluster.nodes import ClusterSpec, parse_spec
@@ -75,20 +76,25 @@ CHAOS_LABEL = "instaslice.io/chaos"
 IMAGE = "registry.k8s.io/pause:3.10"
 _NODE = {"cpu": "16", "memory": "64Gi", "pods": 110,
          "labels": {"nvidia.com/mig.capable": "true"}}  # fmt: skip
+_OFF = {**_NODE, "migMode": "disabled"}
 FULL_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 3, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 2, "gpus": 2, "model": "A100-40GB", **_NODE},
+        # MIG mode on demand: GPUs that start with MIG off
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 QUICK_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 1, "gpus": 2, "model": "A100-40GB", **_NODE},
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
 AGENT_ARGS = ("--gc-grace-s=10", "--gc-period-s=5")
+WHOLE_GPU_SHARE = 0.12  # of churn pods, asking one whole GPU (nvidia.com/gpu: 1)
 WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20", "--preemption-wait-timeout=30")
 PRIORITY_CLASSES = {"chaos-low": 100, "chaos-high": 1000}
 LARGE_PROFILES = ("4g.40gb", "7g.80gb", "4g.20gb", "7g.40gb")  # H100 and A100-40GB
@@ -106,7 +112,8 @@ class Mode:
     settle_timeout_s: float
 
 
-QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 3.0, 3, (3.0, 10.0), 180.0)
+# up to 4 faults at once: the 13 kinds all come up in test_chaos_quick.py's 75 s
+QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 2.0, 4, (3.0, 10.0), 180.0)
 FULL = Mode(FULL_SPEC, 3, 24, 0.7, 5.0, 3, (5.0, 25.0), 300.0)
 
 
@@ -119,6 +126,18 @@ def _container(name: str, profile: str, count: int = 1) -> Obj:
         "image": IMAGE,
         "resources": {
             "limits": {f"nvidia.com/mig-{profile}": str(count)},
+            "requests": {"cpu": "100m", "memory": "64Mi"},
+        },
+    }
+
+
+def _whole(name: str) -> Obj:
+    """A container asking one whole GPU (the namespaces opt in to whole GPUs too)."""
+    return {
+        "name": name,
+        "image": IMAGE,
+        "resources": {
+            "limits": {NVIDIA_GPU: "1"},
             "requests": {"cpu": "100m", "memory": "64Mi"},
         },
     }
@@ -164,7 +183,9 @@ class Workload:
 
     def _pod_spec(self, *, mixed: bool = True) -> Obj:
         high = mixed and self.rng.random() < 0.25
-        if high and self.rng.random() < 0.5:
+        if self.rng.random() < WHOLE_GPU_SHARE:
+            containers = [_whole("main")]
+        elif high and self.rng.random() < 0.5:
             containers = [_container("main", self.rng.choice(LARGE_PROFILES))]
         else:
             containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
@@ -179,7 +200,8 @@ class Workload:
     async def new_namespace(self) -> None:
         ns = await self.kube.create(
             core_path("namespaces"),
-            {"metadata": {"generateName": "chaos-", "annotations": {ENABLED_KEY: "true"},
+            {"metadata": {"generateName": "chaos-",
+                          "annotations": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"},
                           "labels": {CHAOS_LABEL: "1"}}},
         )  # fmt: skip
         name = ns["metadata"]["name"]
@@ -190,7 +212,8 @@ class Workload:
             with contextlib.suppress(ApiError):
                 got = await self.kube.get(core_path("namespaces", name=name))
                 sa = await self.kube.list(core_path("serviceaccounts", name))
-                labelled = (got["metadata"].get("labels") or {}).get(ENABLED_KEY) == "true"
+                labels = got["metadata"].get("labels") or {}
+                labelled = labels.get(ENABLED_KEY) == labels.get(WHOLE_GPU_KEY) == "true"
                 if labelled and sa["items"]:
                     self.namespaces.append(name)
                     await self._deployment(name)
@@ -482,6 +505,8 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         + len([v for v in report.double_booked if v.key not in sampler.violations])
         + len(wrong),
         "unsettled_pods": len(report.unsettled_pods),
+        "mode_mismatch": len(report.mode_mismatch),
+        "whole_gpu_shared": len(report.whole_gpu_shared),
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
@@ -561,7 +586,14 @@ def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> O
         system.down()
 
 
-COUNTS = ("leaked_instances", "orphan_allocations", "double_booked", "unsettled_pods")
+COUNTS = (
+    "leaked_instances",
+    "orphan_allocations",
+    "double_booked",
+    "unsettled_pods",
+    "mode_mismatch",
+    "whole_gpu_shared",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

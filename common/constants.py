@@ -19,6 +19,14 @@ GATE_NAME: Final = "instaslice.io/allocation"
 CLAIM_ANNOTATION: Final = "instaslice.io/claim"
 NVIDIA_MIG_PREFIX: Final = "nvidia.com/mig-"
 INSTASLICE_MIG_PREFIX: Final = "instaslice.io/mig-"
+# Whole GPUs (docs/contract.md §1): asked as NVIDIA's name in namespaces that also carry
+# WHOLE_GPU_KEY, rewritten to InstaSlice's resource; a whole GPU's "profile" in objects.
+NVIDIA_GPU: Final = "nvidia.com/gpu"
+INSTASLICE_GPU: Final = "instaslice.io/gpu"
+WHOLE_GPU_KEY: Final = "instaslice.io/whole-gpu"
+WHOLE_GPU_PROFILE: Final = "gpu"
+KIND_MIG: Final = "mig"
+KIND_GPU: Final = "gpu"
 CDI_KIND: Final = "instaslice.io/mig"
 VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"
 # Cross-profile quota (docs/kueue.md): the memory slots a pod's slices take, added to its

@@ -60,7 +60,10 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     holders = _holders_by_gpu(allocations)
     live = {a["metadata"].get("name") for a in allocations}
     legend: dict[str, str] = {}
-    lines = [f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'HEALTH':<9} SLOTS"]
+    lines = [
+        f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'MODE CHANGE':<11} {'HEALTH':<9} SLOTS"
+    ]
+    notes: list[str] = []
     for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
         for gpu in mn.get("status", {}).get("gpus", []):
             slots = max(
@@ -86,15 +89,38 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
             if mode.get("pending") and mode.get("pending") != mode.get("current"):
                 mig += "*"
             health = "ok" if gpu.get("healthy", False) else "UNHEALTHY"
+            change = _mode_change(gpu)
             lines.append(
                 f"{mn['metadata']['name']:<20} {gpu.get('index', '?'):>3}  "
-                f"{gpu.get('model', '?'):<13} {mig:<9} {health:<9} |{''.join(cells)}|"
+                f"{gpu.get('model', '?'):<13} {mig:<9} {change:<11} {health:<9} "
+                f"|{''.join(cells)}|"
             )
+            failed = gpu.get("modeChange") or {}
+            if failed.get("phase") == "Failed":
+                notes.append(
+                    f"  {mn['metadata']['name']} GPU {gpu.get('index', '?')}: MIG mode change "
+                    f"failed, avoided for a back-off: {failed.get('message', '')}"
+                )
     if legend:
         lines.append("")
         lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
     lines.append("  . = free   # = instance held by no live allocation (foreign, or awaiting GC)")
+    lines.append(
+        "  MODE CHANGE: resetless = the agent changes MIG mode on demand; reset = only a GPU "
+        "reset does (Ampere: pods wait with NeedsMigModeChange); none = cannot (VM guest)"
+    )
+    lines.extend(notes)
     return "\n".join(lines)
+
+
+def _mode_change(gpu: Obj) -> str:
+    """The MODE CHANGE column: how the GPU's MIG mode can change, or what a change is doing."""
+    phase = (gpu.get("modeChange") or {}).get("phase")
+    if phase == "Failed":
+        return "FAILED"
+    if phase == "Changing":
+        return "changing"
+    return str(gpu.get("modeToggle") or "-")
 
 
 def pod_rows(allocations: Sequence[Obj]) -> list[dict[str, str]]:

@@ -391,8 +391,9 @@ class DevSystem:
         mwc["metadata"]["name"] = "instaslice-dev"
         ca = base64.b64encode(self.cp.ca_cert_pem).decode()
         for hook in mwc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]  # /mutate, /mutate-whole-gpu
             hook["clientConfig"] = {
-                "url": f"https://127.0.0.1:{self.webhook_port}/mutate",
+                "url": f"https://127.0.0.1:{self.webhook_port}{path}",
                 "caBundle": ca,
             }
         self.cp.kubectl("apply", "-f", "-", stdin=json.dumps(mwc))

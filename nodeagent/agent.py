@@ -167,6 +167,7 @@ class NodeAgent:
             log.warning("node rebooted: recorded instances are gone", records=len(cp.claims))
         st.set_checkpoint(after_reboot(cp, st.boot_id))
         await st.persist()
+        await self.life.modes.resolve_intents()  # a crash between intent and SetMigMode
         own = match(st.cp, st.inv.instances)
         st.foreign = own.foreign
         log.info(
@@ -225,6 +226,7 @@ class NodeAgent:
             version=self.settings.version,
             boot_id=st.boot_id,
             conditions=self.node_conditions,
+            modes=self.life.modes.status(),
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
@@ -242,13 +244,14 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
-        desired = slot_capacity(st.inv, st.health)
+        modes = self.life.modes
+        desired = slot_capacity(st.inv, st.health, modes.can_enable)
         if self._prune:
             # The kubelet advertises what the device plugin lists. A direct write would let the
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
             # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
             # slots are no device: written directly in both modes.
-            desired |= capacity(st.inv, st.health)
+            desired |= capacity(st.inv, st.health, modes.can_enable, modes.can_be_whole)
         labels = gpu_labels(st.inv)
         if desired == self._last_capacity and labels == self._last_labels:
             return None
@@ -316,6 +319,7 @@ class NodeAgent:
                 log.warning("destroying slices no allocation claims", claim=rec.key)
                 await self.life.rollback(rec)
         await self._gc_cdi()
+        await self.life.modes.refresh()  # MIG modes and processes changed underneath us
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

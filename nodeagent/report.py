@@ -9,7 +9,7 @@ maximum instance count over the node's healthy GPUs in MIG mode, never "currentl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from common.allocation import SliceAllocation
 from common.constants import (
     GPU_COUNT_LABEL,
     GPU_MODEL_LABEL,
+    INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
     MEMORY_SLOTS_RESOURCE,
 )
@@ -75,7 +76,10 @@ def gpu_status(
         "healthy": health.healthy,
         "profiles": profiles,
         "slices": slices,
+        "computeProcesses": gpu.compute_processes,
     }
+    if gpu.architecture:
+        out["architecture"] = gpu.architecture
     if health.message:
         out["message"] = health.message
     elif gpu.warnings:
@@ -88,7 +92,7 @@ def claimed_slices(cp: Checkpoint) -> dict[str, list[MigSliceStatus]]:
     out: dict[str, list[MigSliceStatus]] = {}
     for rec in cp.claims.values():
         for s in rec.slices:
-            if s.gi_id is None and rec.state == "ready":
+            if s.gi_id is None and rec.state == "ready" and not s.whole:
                 continue  # cleared by a reboot and not yet re-created
             out.setdefault(s.gpu_uuid, []).append(
                 {
@@ -111,7 +115,9 @@ def mig_node_status(
     version: str,
     boot_id: str,
     conditions: Sequence[Obj] = (),
+    modes: Mapping[str, Obj] | None = None,
 ) -> Obj:
+    """`modes`: GPU UUID → its MIG mode-change fields (`nodeagent.modes.mode_status`)."""
     claimed = claimed_slices(cp)
     gpus = [
         gpu_status(
@@ -122,6 +128,8 @@ def mig_node_status(
         )
         for g in inv.gpus
     ]
+    for entry, g in zip(gpus, inv.gpus, strict=True):
+        entry.update((modes or {}).get(g.uuid, {}))  # type: ignore[typeddict-item]
     out: Obj = {
         "gpuCount": len(gpus),
         "agent": {"version": version, "bootID": boot_id},
@@ -164,11 +172,24 @@ def stamped(conditions: Sequence[Obj], now: str) -> list[Obj]:
     return [{**c, "lastTransitionTime": c.get("lastTransitionTime", now)} for c in conditions]
 
 
-def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
-    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings."""
+def capacity(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    can_enable: Callable[[GpuInfo], bool] | None = None,
+    can_be_whole: Callable[[GpuInfo], bool] | None = None,
+) -> dict[str, str]:
+    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings.
+    A GPU with MIG off counts when `can_enable` says the agent may turn MIG on for a slice
+    (MIG mode on demand: Hopper and newer). With `can_be_whole`, `instaslice.io/gpu` counts
+    the healthy GPUs that can serve as whole GPUs (MIG off, or turned off on demand)."""
     total: dict[str, int] = {}
+    if can_be_whole is not None:
+        total[INSTASLICE_GPU] = sum(
+            1 for g in inv.gpus if health.get(g.index, Health()).healthy and can_be_whole(g)
+        )
     for g in inv.gpus:
-        counted = g.mig_enabled and health.get(g.index, Health()).healthy
+        mig = g.mig_enabled or (can_enable is not None and can_enable(g))
+        counted = mig and health.get(g.index, Health()).healthy
         for p in g.profiles:
             try:
                 res = instaslice_resource(p.name)
@@ -178,12 +199,18 @@ def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]
     return {k: str(v) for k, v in sorted(total.items())}
 
 
-def slot_capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
-    """`instaslice.io/memory-slots`: the memory slots of the node's healthy MIG GPUs (a fixed
-    upper bound, like `capacity`), so pods charged in slots (--slot-accounting) fit."""
+def slot_capacity(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    can_enable: Callable[[GpuInfo], bool] | None = None,
+) -> dict[str, str]:
+    """`instaslice.io/memory-slots`: the memory slots of the node's healthy MIG GPUs, those
+    the agent may turn MIG on for included (a fixed upper bound, like `capacity`), so pods
+    charged in slots (--slot-accounting) fit."""
     total = 0
     for g in inv.gpus:
-        if g.mig_enabled and health.get(g.index, Health()).healthy:
+        mig = g.mig_enabled or (can_enable is not None and can_enable(g))
+        if mig and health.get(g.index, Health()).healthy:
             total += max((s + n for p in g.profiles for s, n in p.placements), default=0)
     return {MEMORY_SLOTS_RESOURCE: str(total)}
 

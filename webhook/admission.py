@@ -10,7 +10,11 @@ namespaceSelector and matchConditions already filtered out everything else):
   the field and the reason; with none, the patch renames the resources to
   `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
   `env` binding mode, sets each slice-asking container's NVIDIA_VISIBLE_DEVICES to its CDI
-  device `instaslice.io/mig=<namespace>_<claim>_<container>`.
+  device `instaslice.io/mig=<namespace>_<claim>_<container>`;
+- in a namespace that also opted in to whole GPUs (`whole_gpu`), `nvidia.com/gpu: N` is
+  validated and rewritten the same way, to `instaslice.io/gpu: N` (the CDI device of such a
+  container binds its whole GPUs); a pod asking whole GPUs and MIG slices together is
+  refused (not supported).
 
 Size-based asks (`instaslice.io/mig-size.<container>` annotations, common/sizing.py) are
 validated here and left on the pod for the allocator, which resolves them per GPU model; the
@@ -40,11 +44,14 @@ from common.constants import (
     CDI_KIND,
     CLAIM_ANNOTATION,
     GATE_NAME,
+    INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
     MEMORY_SLOTS_RESOURCE,
+    NVIDIA_GPU,
     NVIDIA_MIG_PREFIX,
     SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_PROFILE,
     BindingMode,
     qualified_cdi_device,
 )
@@ -224,9 +231,15 @@ def response_for(uid: str, decision: Verdict) -> AdmissionReview:
 
 
 def review(
-    request: AdmissionRequest, settings: AdmissionSettings, *, new_claim: Callable[[], str]
+    request: AdmissionRequest,
+    settings: AdmissionSettings,
+    *,
+    new_claim: Callable[[], str],
+    whole_gpu: bool = False,
 ) -> Verdict:
-    """Decide one review (see the module docstring)."""
+    """Decide one review (see the module docstring). `whole_gpu`: the pod's namespace also
+    carries `instaslice.io/whole-gpu: "true"` (the webhook configuration sends such
+    namespaces' pods to their own path), so `nvidia.com/gpu` asks are whole GPUs too."""
     kind = request["kind"]
     if (kind["group"], kind["version"], kind["kind"]) != ("", "v1", "Pod"):
         return Allowed("not a v1 Pod")
@@ -237,7 +250,7 @@ def review(
     pod = request.get("object")
     if not isinstance(pod, dict):
         return malformed("request.object is missing")
-    if not _asks_for_mig(pod):
+    if not _asks_for_mig(pod, whole_gpu):
         return Allowed("no MIG request")
     meta = pod.get("metadata")
     if meta is None:
@@ -247,7 +260,7 @@ def review(
     namespace = request.get("namespace") or meta.get("namespace")
     if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):
         return malformed(f"namespace {_show(namespace)} is not a DNS-1123 label")
-    return _Rewrite(pod, meta, namespace, settings).run(new_claim)
+    return _Rewrite(pod, meta, namespace, settings, whole_gpu).run(new_claim)
 
 
 def pod_slice_requests(pod: Mapping[str, Any]) -> list[tuple[str, str, int]]:
@@ -259,7 +272,13 @@ def _is_mig_key(key: object) -> bool:
     return isinstance(key, str) and key.startswith((NVIDIA_MIG_PREFIX, INSTASLICE_MIG_PREFIX))
 
 
-def _asks_for_mig(pod: Obj) -> bool:
+def _is_gpu_key(key: object) -> bool:
+    return key in (NVIDIA_GPU, INSTASLICE_GPU)
+
+
+def _asks_for_mig(pod: Obj, whole_gpu: bool = False) -> bool:
+    """Any MIG ask (a size annotation, or a key in limits or requests) or, with `whole_gpu`,
+    any whole-GPU ask."""
     meta = pod.get("metadata")
     annotations = meta.get("annotations") if isinstance(meta, dict) else None
     if isinstance(annotations, dict) and any(
@@ -272,7 +291,9 @@ def _asks_for_mig(pod: Obj) -> bool:
             continue
         for section in ("limits", "requests"):
             entries = resources.get(section)
-            if isinstance(entries, dict) and any(_is_mig_key(k) for k in entries):
+            if isinstance(entries, dict) and any(
+                _is_mig_key(k) or (whole_gpu and _is_gpu_key(k)) for k in entries
+            ):
                 return True
     return False
 
@@ -342,6 +363,7 @@ class _Rewrite:
     meta: Obj
     namespace: str
     settings: AdmissionSettings
+    whole_gpu: bool = False
     problems: list[str] = field(default_factory=list)
     ops: list[PatchOp] = field(default_factory=list)
     asks: list[SliceAsk] = field(default_factory=list)
@@ -405,6 +427,15 @@ class _Rewrite:
             self.problems.append(
                 f"metadata.annotations[{SIZE_ANNOTATION_PREFIX}{name}]: the pod has no "
                 f"container or initContainer named {_show(name)}"
+            )
+        profiles = {a.profile for a in self.asks}
+        if WHOLE_GPU_PROFILE in profiles and (len(profiles) > 1 or sizes):
+            mig = sorted(profiles - {WHOLE_GPU_PROFILE}) + [
+                f"by size for {n}" for n in sorted(sizes)
+            ]
+            self.problems.append(
+                f"resources: the pod asks for whole GPUs ({NVIDIA_GPU}) and MIG slices "
+                f"({', '.join(mig)}) together; a pod gets either, not both (not supported)"
             )
         if self.problems:
             shown = self.problems[:_MAX_PROBLEMS]
@@ -542,6 +573,8 @@ class _Rewrite:
                             {"op": "add", "path": f"{base}/{section}/{_esc(new_key)}",
                              "value": entries[key]}
                         )  # fmt: skip
+        if self.whole_gpu:
+            asked = self._whole(where, name, fld, base, limits, requests) or asked
         for key in requests:
             if _is_mig_key(key) and key not in limits:
                 asked = True
@@ -550,6 +583,46 @@ class _Rewrite:
                     "also be in limits, with the same count"
                 )
         return asked
+
+    def _whole(
+        self, where: str, name: str, fld: str, base: str, limits: Obj, requests: Obj
+    ) -> bool:
+        """Whole-GPU asks (`nvidia.com/gpu`, or `instaslice.io/gpu` already): validate, queue
+        the rename; True if the container asks."""
+        keys = [k for k in (NVIDIA_GPU, INSTASLICE_GPU) if k in limits or k in requests]
+        if not keys:
+            return False
+        if len(keys) > 1:
+            self.problems.append(f"{where}: asks for whole GPUs as both {NVIDIA_GPU} and "
+                                 f"{INSTASLICE_GPU}")  # fmt: skip
+            return True
+        key = keys[0]
+        if key not in limits:
+            self.problems.append(
+                f"{where}: resources.requests[{key}]: a GPU request must also be in limits, "
+                "with the same count"
+            )
+            return True
+        value = limits[key]
+        count = self._count(where, f"resources.limits[{key}]", value)
+        if key in requests and requests[key] != value:
+            self.problems.append(
+                f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from the "
+                f"limit {_show(value)} (requests, if given, must equal limits)"
+            )
+            return True
+        if count is None:
+            return True
+        self.asks.append(SliceAsk(name, WHOLE_GPU_PROFILE, count, init=fld == "initContainers"))
+        if key == NVIDIA_GPU:
+            new_key = _esc(INSTASLICE_GPU)
+            for section, entries in (("limits", limits), ("requests", requests)):
+                if key in entries:
+                    self.ops.append({"op": "remove", "path": f"{base}/{section}/{_esc(key)}"})
+                    self.ops.append(
+                        {"op": "add", "path": f"{base}/{section}/{new_key}", "value": entries[key]}
+                    )
+        return True
 
     def _count(self, where: str, field_: str, value: object) -> int | None:
         count = parse_count(value)

@@ -17,10 +17,12 @@ import structlog
 
 from common.allocation import build_allocation
 from common.catalog import Catalog
-from common.constants import GATE_NAME, REASON_PENDING
+from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot, place
+from common.placement.modes import place_with_modes
 from common.placement.preempt import plan_preemption
+from common.placement.whole import is_whole, place_whole
 from common.podspec import SliceRequestError
 from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
@@ -105,10 +107,11 @@ class Placer:
             snapshot = self.state.snapshot(name_label=name_label)
             result = self._place(snapshot, request, sized)
         if isinstance(result, Pending):
-            # size-based asks are not planned for preemption: they wait (docs/allocator.md)
+            # size-based and whole-GPU asks are not planned for preemption: they wait
+            # (docs/allocator.md)
             told = (
                 self.pending_reason(result)
-                if sized
+                if sized or is_whole(request)
                 else self.preempt(pod, track, request, snapshot, result)
             )
             if told is not None:
@@ -123,10 +126,22 @@ class Placer:
     def _place(
         self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
     ) -> Placement | Pending:
-        """The engine's decision; size-based asks are resolved per GPU model (common/sizing)."""
+        """The decision: whole GPUs on GPUs of their own (common/placement/whole.py); size-based
+        asks resolved per GPU model (common/sizing.py); slices on GPUs in MIG mode first, on
+        GPUs whose MIG mode the agent would change only when nothing else fits
+        (common/placement/modes.py)."""
+        if is_whole(request):
+            view = self.state.whole_view(snapshot)
+            return place_whole(snapshot, request, view, self.catalog).result
         if sized:
             return place_sized(snapshot, request, sized, self.policy, self.catalog)
-        return place(snapshot, request, self.policy, self.catalog)
+        first = place(snapshot, request, self.policy, self.catalog)
+        if isinstance(first, Placement):
+            return first  # a GPU in MIG mode fits: the common case, no mode classes needed
+        modes = self.state.mode_view(snapshot)
+        return place_with_modes(
+            snapshot, request, modes, self.policy, self.catalog, first=first
+        ).result
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
@@ -213,16 +228,17 @@ class Placer:
         for s in placement.slices:
             gpu = self.state.gpu(placement.node, s.gpu_index)
             assert gpu is not None, "placement named a GPU outside the snapshot"
-            slices.append(
-                {
-                    "container": s.container,
-                    "profile": s.profile,
-                    "gpuUUID": gpu.uuid,
-                    "gpuIndex": s.gpu_index,
-                    "start": s.start,
-                    "size": s.size,
-                }
-            )
+            spec: SliceSpec = {
+                "container": s.container,
+                "profile": s.profile,
+                "gpuUUID": gpu.uuid,
+                "gpuIndex": s.gpu_index,
+                "start": s.start,
+                "size": s.size,
+            }
+            if s.profile == WHOLE_GPU_PROFILE:
+                spec["kind"] = KIND_GPU
+            slices.append(spec)
         assert pod.claim is not None
         body = build_allocation(
             namespace=pod.namespace,
