@@ -149,6 +149,9 @@ class Faults:
     def injected(self) -> int:
         return len(self.records)
 
+    def every_kind_came_up(self) -> bool:
+        return set(self.by_kind()) == set(WEIGHTS)
+
     def by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.records:

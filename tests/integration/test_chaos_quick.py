@@ -1,7 +1,8 @@
 """The chaos soak, short and seeded, as part of `make test` (bench/chaos.py --quick).
 
-75 seconds of churn on 4 KWOK GPU nodes (8 emulated GPUs, 2 starting with MIG off) while
-every fault kind of bench/chaos_faults.py is injected at least once — kill -9 of the
+75 seconds of churn on 4 KWOK GPU nodes (8 emulated GPUs, 2 starting with MIG off) — longer
+on a loaded machine, until every fault kind of bench/chaos_faults.py has been injected at
+least once (the quick mode goes on for at most 4 x 75 s) — kill -9 of the
 webhook/allocator and of the node agents, a kube-apiserver restart, NVML create/destroy
 failures and slow calls, a GPU falling off the bus, a node NotReady, a node deleted, pods
 deleted mid-allocation, a namespace deleted, a create whose rollback NVML refuses twice, a
