@@ -31,7 +31,8 @@ from bench.invariants import Instance, Slot, Truth, check_settled, double_bookin
 from common.constants import CLAIM_ANNOTATION
 from hack.cluster import BinariesMissing
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# at most 5 minutes of faults (quick mode), then settling
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SEED = 7
 
 
