@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from common.constants import (
     WHOLE_GPU_KEY,
     qualified_cdi_device,
 )
-from common.kubeapi import Kube, core_path, instaslice_path
+from common.kubeapi import Kube, Obj, core_path, instaslice_path
 from hack.dev import DevSystem
 from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace, running_system
 from tests.e2e.helpers import (
@@ -99,10 +99,23 @@ async def mns(mkube: Kube) -> AsyncIterator[str]:
         await _delete_namespace(mkube, name, wait_released=True)
 
 
-async def _gpus(kube: Kube, node: str) -> list[dict[str, Any]]:
-    mn = await kube.get(instaslice_path("mignodes", name=node))
-    gpus: list[dict[str, Any]] = mn["status"]["gpus"]
-    return gpus
+async def _gpus(
+    kube: Kube, node: str, until: Callable[[list[dict[str, Any]]], bool] | None = None
+) -> list[dict[str, Any]]:
+    """The node's MigNode GPUs; with `until`, once they pass it (the agent publishes MigNode
+    status on its own beat, a moment after a pod runs)."""
+
+    def check(objs: dict[str, Obj]) -> list[dict[str, Any]] | None:
+        gpus: list[dict[str, Any]] = (objs.get(node) or {}).get("status", {}).get("gpus") or []
+        return gpus if gpus and (until is None or until(gpus)) else None
+
+    return await wait_for(
+        kube,
+        instaslice_path("mignodes"),
+        check,
+        what=f"{node}'s MigNode GPUs",
+        fieldSelector=f"metadata.name={node}",
+    )
 
 
 async def test_mig_pods_on_gpus_that_start_with_mig_off(
@@ -116,7 +129,7 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
     await wait_pod_running(mkube, mns, "first")
     alloc = await assert_holds_slices(mkube, modes_system, mns, "first")
     gpu = alloc["spec"]["slices"][0]["gpuIndex"]
-    after = await _gpus(mkube, "off-0")
+    after = await _gpus(mkube, "off-0", lambda g: "lastModeChange" in g[gpu])
     assert after[gpu]["migMode"] == {"current": "enabled", "pending": "enabled"}
     assert after[gpu]["lastModeChange"]["to"] == "enabled"
     assert after[1 - gpu]["migMode"]["current"] == "disabled"  # no needless toggle
@@ -214,9 +227,12 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
             assert [n["path"] for n in edits["deviceNodes"]] == [f"/dev/nvidia{index}"]
             env = {e["name"]: e.get("value") for e in running["spec"]["containers"][0]["env"]}
             assert env[VISIBLE_DEVICES_ENV] == qualified_cdi_device(ns, claim, "main")
-            gpus = await _gpus(mkube, "off-0")
+
+            def whole_shown(gpus: list[dict[str, Any]], i: int = index) -> bool:
+                return [s["profile"] for s in gpus[i].get("slices") or []] == ["gpu"]
+
+            gpus = await _gpus(mkube, "off-0", whole_shown)
             assert gpus[index]["migMode"] == {"current": "disabled", "pending": "disabled"}
-            assert [s["profile"] for s in gpus[index]["slices"]] == ["gpu"]
         assert len(seen) == 2  # a GPU each
     finally:
         await _delete_namespace(mkube, ns, wait_released=True)
