@@ -593,7 +593,13 @@ def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> O
     print(f"InstaSlice up in {time.monotonic() - t0:.0f}s on {len(system.nodes)} nodes; "
           f"soaking {minutes:g} min, seed {seed}; logs in {system.logs}", flush=True)  # fmt: skip
     try:
-        return asyncio.run(soak(system, spec, mode, minutes, seed))
+        result = asyncio.run(soak(system, spec, mode, minutes, seed))
+        if any(result[k] for k in COUNTS) or result["fault_errors"]:
+            kept = dir.parent / f"{dir.name}-logs-seed{seed}"  # for diagnosis, past teardown
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(system.logs, kept)
+            result["logs_kept"] = str(kept)
+        return result
     finally:
         system.down()
 
