@@ -5,7 +5,9 @@ table-driven tests and hypothesis cover it completely and the HTTPS server stays
 
 What it decides, for a Pod CREATE in an opted-in namespace (the webhook configuration's
 namespaceSelector and matchConditions already filtered out everything else):
-- a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged;
+- a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged, and
+  so is an autoscaler placeholder (label `instaslice.io/scale-up-for`; the admission policy
+  lets only InstaSlice create one);
 - otherwise every MIG request is validated and each problem is reported with the container,
   the field and the reason; with none, the patch renames the resources to
   `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
@@ -34,6 +36,7 @@ from common.constants import (
     CLAIM_ANNOTATION,
     GATE_NAME,
     INSTASLICE_MIG_PREFIX,
+    SCALE_UP_LABEL,
     NVIDIA_MIG_PREFIX,
     VISIBLE_DEVICES_ENV,
     BindingMode,
@@ -233,6 +236,9 @@ def review(
         meta = {}
     if not isinstance(meta, dict):
         return malformed("object.metadata is not an object")
+    if SCALE_UP_LABEL in (meta.get("labels") or {}):
+        # The admission policy lets only InstaSlice create one, and it gets no device.
+        return Allowed("an autoscaler placeholder (docs/autoscaling.md)")
     namespace = request.get("namespace") or meta.get("namespace")
     if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):
         return malformed(f"namespace {_show(namespace)} is not a DNS-1123 label")

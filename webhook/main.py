@@ -24,6 +24,12 @@ from common.constants import BindingMode
 from common.kubeapi import Kube
 from common.metricsauth import MetricsAuth
 from common.placement import Policy
+from webhook.allocator.autoscale import (
+    DEFAULT_PROVREQ_CLASS,
+    PLACEHOLDER_IMAGE,
+    ScaleUpSettings,
+    SignalMode,
+)
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
@@ -63,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.INSTASLICE.value)
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
+    p.add_argument(
+        "--autoscaler-signal",
+        choices=[m.value for m in SignalMode],
+        default=SignalMode.OFF.value,
+        help="how pods no node can serve ask for a new node (docs/autoscaling.md)",
+    )
+    p.add_argument("--scale-up-delay", type=float, default=30.0, metavar="S")
+    p.add_argument(
+        "--provisioning-class",
+        default=DEFAULT_PROVREQ_CLASS,
+        help="ProvisioningRequest class (--autoscaler-signal=provisioning-request)",
+    )
+    p.add_argument("--placeholder-image", default=PLACEHOLDER_IMAGE)
     p.add_argument("--no-admission", action="store_true", help="run without the server")
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
@@ -97,6 +116,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
             policy=Policy(a.policy),
             node_selector=a.node_selector,
+            scale_up=ScaleUpSettings(
+                mode=SignalMode(a.autoscaler_signal),
+                delay_s=a.scale_up_delay,
+                provisioning_class=a.provisioning_class,
+                image=a.placeholder_image,
+            ),
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

@@ -52,9 +52,11 @@ from common.kubeapi import (
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
+from webhook.allocator.autoscale import SCALE_UP_LABEL
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
+from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
@@ -104,6 +106,18 @@ class Controller:
             kick=self.kick,
             tell=lambda pod, reason, message: self._event(pod, reason, message, "Warning"),
         )
+        self.scale_up = ScaleUp(
+            kube,
+            elector,
+            self.state,
+            settings.scale_up,
+            settings.policy,
+            self.catalog,
+            self.clock,
+            tell=self._event,
+        )
+        if self.scale_up.on:
+            self.placer.pendings = self.scale_up
         self.steps = Steps(
             Writes(kube, elector, self.clock),
             self.state,
@@ -171,6 +185,8 @@ class Controller:
             await informer.synced.wait()
 
     async def _on_pod(self, etype: EventType, obj: Obj) -> None:
+        if SCALE_UP_LABEL in (obj.get("metadata", {}).get("labels") or {}):
+            return  # a placeholder stands for demand: it must not hold a node's cpu in our model
         uid = podlib.uid(obj)
         if etype == "DELETED":
             self.state.remove_pod(obj)
@@ -281,6 +297,7 @@ class Controller:
                 tg.create_task(self._placement_loop(), name="placer")
                 tg.create_task(self._timer_loop(), name="timer")
                 tg.create_task(self._agents_loop(), name="agents")
+                tg.create_task(self.scale_up.run(), name="scale-up")
         finally:
             self.step_down()
 

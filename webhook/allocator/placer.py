@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -19,7 +19,7 @@ from common.allocation import build_allocation
 from common.catalog import Catalog
 from common.constants import GATE_NAME, REASON_PENDING
 from common.objects import SliceSpec
-from common.placement import Pending, Placement, Policy, place
+from common.placement import Pending, Placement, PodRequest, Policy, place
 from common.podspec import SliceRequestError
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
@@ -40,6 +40,15 @@ SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" pri
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
 
 
+class Pendings(Protocol):
+    """Told of each pending verdict and each decision (webhook.allocator.scaleup)."""
+
+    def pending(self, pod: PodView, request: PodRequest, result: Pending, name_label: bool) -> None:
+        ...
+
+    def placed(self, uid: str) -> None: ...
+
+
 @dataclass(eq=False)
 class Placer:
     state: ClusterState
@@ -50,6 +59,7 @@ class Placer:
     kick: Callable[[str], None]  # the pod's worker carries the decision out
     tell: Tell
     queue: PlacementQueue = field(default_factory=PlacementQueue)
+    pendings: Pendings | None = None  # the autoscaler signal, when on
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -92,8 +102,12 @@ class Placer:
             snapshot = self.state.snapshot(name_label=name_label)
             result = place(snapshot, request, self.policy, self.catalog)
         if isinstance(result, Pending):
+            if self.pendings is not None:
+                self.pendings.pending(pod, request, result, name_label)
             self.park(pod, *self.pending_reason(result))
             return
+        if self.pendings is not None:
+            self.pendings.placed(uid)
         body = self.allocation_for(pod, result)
         self.state.assume(body)
         track.create = body
