@@ -37,7 +37,7 @@ SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"
 MIG_NODE_KIND: Final = "MigNode"
 MIG_NODE_PLURAL: Final = "mignodes"
 NODE_LABEL: Final = "instaslice.io/node"
-# On an autoscaler placeholder pod (and ProvisioningRequest): the uid of the gated pod it stands for.
+# On an autoscaler placeholder pod or ProvisioningRequest: the uid of the gated pod it stands for.
 SCALE_UP_LABEL: Final = "instaslice.io/scale-up-for"
 RELEASE_FINALIZER: Final = "instaslice.io/release"
 CDI_FILE_PREFIX: Final = "instaslice.io-"

@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
+from common.catalog import load_catalog
 from common.constants import BindingMode
 from common.kubeapi import harden
-from common.catalog import load_catalog
 from hack.cluster import karpenter
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (

@@ -24,13 +24,13 @@ from common.constants import BindingMode
 from common.kubeapi import Kube
 from common.metricsauth import MetricsAuth
 from common.placement import Policy
+from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.allocator.autoscale import (
     DEFAULT_PROVREQ_CLASS,
     PLACEHOLDER_IMAGE,
     ScaleUpSettings,
     SignalMode,
 )
-from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.server import configure_logging, serve

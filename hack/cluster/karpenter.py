@@ -7,7 +7,7 @@ This module turns the groups into what Karpenter reads:
 - one instance type per group (`instance_types`: the JSON file the KWOK provider takes in
   INSTANCE_TYPES_FILE_PATH) whose capacity is the group's cpu/memory/pods plus the
   `instaslice.io/mig-*` upper bound its GPUs will advertise (the node agent's
-  `nodeagent.report.capacity` rule: each profile's max count × GPUs, MIG mode on), so
+  `nodeagent.report.capacity` rule: each profile's max count times GPUs, MIG mode on), so
   Karpenter's bin packing of placeholder pods sees what a new node offers;
 - one NodePool per group (`karpenter_objects`), restricted to that instance type, labelling
   its nodes with the group (`GROUP_LABEL`), GPU model, count and MIG mode, capped at

@@ -88,9 +88,7 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
 
 def start(env: AllocatorEnv) -> None:
     env.start(
-        scale_up=ScaleUpSettings(
-            mode=SignalMode.PROVISIONING_REQUEST, delay_s=0.5, interval_s=0.2
-        )
+        scale_up=ScaleUpSettings(mode=SignalMode.PROVISIONING_REQUEST, delay_s=0.5, interval_s=0.2)
     )
 
 

@@ -138,7 +138,9 @@ def test_after_releases_frees_exactly_the_named_slots(
     occupied: set[tuple[int, int, int]], freed: set[tuple[int, int, int]]
 ) -> None:
     gpus = tuple(
-        Gpu(i, "H100-80GB", True, True, tuple(Occupied(s, n, "x") for g, s, n in occupied if g == i))
+        Gpu(
+            i, "H100-80GB", True, True, tuple(Occupied(s, n, "x") for g, s, n in occupied if g == i)
+        )
         for i in range(2)
     )
     snap = Snapshot((NodeState("n1", gpus=gpus), NodeState("n2", gpus=gpus)))
@@ -196,9 +198,11 @@ def test_placeholder_asks_for_what_the_new_node_must_offer() -> None:
     keep_off = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]}
     assert [t["matchExpressions"][-1] for t in terms] == [keep_off, keep_off]
     assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"]]
-    assert pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"
-    ][0]["matchExpressions"] == [{"key": "zone", "operator": "In", "values": ["a"]}]
+    assert pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "zone", "operator": "In", "values": ["a"]}
+    ]
 
 
 def test_placeholder_without_nodes_to_avoid_has_no_affinity() -> None:
@@ -220,10 +224,14 @@ def test_provisioning_request_names_its_template() -> None:
 
 
 def test_condition_reads_only_true_conditions() -> None:
-    obj = {"status": {"conditions": [{"type": "Failed", "status": "False"},
-                                      {"type": "Provisioned", "status": "True", "message": "ok"}]}}  # fmt: skip
+    provisioned = {"type": "Provisioned", "status": "True", "message": "ok"}
+    obj = {"status": {"conditions": [{"type": "Failed", "status": "False"}, provisioned]}}
     assert condition(obj, "Failed") is None
-    assert condition(obj, "Provisioned") == {"type": "Provisioned", "status": "True", "message": "ok"}
+    assert condition(obj, "Provisioned") == {
+        "type": "Provisioned",
+        "status": "True",
+        "message": "ok",
+    }
     assert condition({}, "Failed") is None
 
 
@@ -318,7 +326,7 @@ def test_signals_of_pods_still_gated_survive_a_new_term() -> None:
 def test_off_does_nothing() -> None:
     state, pod = _full_cluster()
     s = _scale_up(state, FakeClock())
-    s.settings = ScaleUpSettings(mode=SignalMode.OFF)  # type: ignore[misc]
+    s.settings = ScaleUpSettings(mode=SignalMode.OFF)
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     assert s.needs == {} and s.waits == set()
     asyncio.run(s.run())  # returns at once
@@ -327,25 +335,46 @@ def test_off_does_nothing() -> None:
 # --- dev-up: the spec and what Karpenter reads ----------------------------------------------
 
 
+def group(**kw: object) -> dict[str, object]:
+    return {"prefix": "auto", "count": 0, "gpus": 8, "model": "H100-80GB", **kw}
+
+
 def test_autoscaled_group_parses_and_needs_count_zero() -> None:
     spec = parse_spec(
-        {"nodes": [{"prefix": "auto", "count": 0, "gpus": 8, "model": "H100-80GB",
-                    "autoscaled": {"max": 4}}]}  # fmt: skip
+        {
+            "nodes": [
+                {
+                    "prefix": "auto",
+                    "count": 0,
+                    "gpus": 8,
+                    "model": "H100-80GB",
+                    "autoscaled": {"max": 4},
+                }
+            ]
+        }
     )
     (g,) = spec.autoscaled_groups
     assert g.autoscaled_max == 4 and spec.node_names() == []
     with pytest.raises(SpecError, match=r"nodes\[0\]\.count"):
-        parse_spec({"nodes": [{"prefix": "a", "count": 1, "gpus": 1, "model": "H100-80GB",
-                               "autoscaled": {"max": 2}}]})  # fmt: skip
+        parse_spec({"nodes": [group(count=1, autoscaled={"max": 2})]})
     with pytest.raises(SpecError, match=r"nodes\[0\]\.autoscaled"):
-        parse_spec({"nodes": [{"prefix": "a", "count": 0, "gpus": 1, "model": "H100-80GB",
-                               "autoscaled": {"max": 0}}]})  # fmt: skip
+        parse_spec({"nodes": [group(autoscaled={"max": 0})]})
 
 
 def test_instance_type_offers_what_the_agent_will_advertise() -> None:
     spec = parse_spec(
-        {"nodes": [{"prefix": "auto", "count": 0, "gpus": 8, "model": "H100-80GB", "cpu": "32",
-                    "autoscaled": {"max": 3}}]}  # fmt: skip
+        {
+            "nodes": [
+                {
+                    "prefix": "auto",
+                    "count": 0,
+                    "gpus": 8,
+                    "model": "H100-80GB",
+                    "cpu": "32",
+                    "autoscaled": {"max": 3},
+                }
+            ]
+        }
     )
     (g,) = spec.autoscaled_groups
     assert mig_capacity(g, CATALOG) == agent_capacity("H100-80GB", 8)

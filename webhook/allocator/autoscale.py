@@ -110,9 +110,7 @@ def after_releases(
             gpus = tuple(
                 dataclasses.replace(
                     g,
-                    occupied=tuple(
-                        o for o in g.occupied if (g.index, o.start, o.size) not in gone
-                    ),
+                    occupied=tuple(o for o in g.occupied if (g.index, o.start, o.size) not in gone),
                 )
                 for g in n.gpus
             )
@@ -170,7 +168,7 @@ def _affinity(pod: Obj, avoid: Sequence[str]) -> Obj | None:
     """The pod's required node affinity, each term also keeping off the nodes in `avoid`.
     InstaSlice's own pin (matchFields metadata.name) is never there: the pod is gated."""
     spec = pod.get("spec") or {}
-    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})).get(
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
         "requiredDuringSchedulingIgnoredDuringExecution"
     ) or {}
     terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]

@@ -36,6 +36,7 @@ from common.constants import (
     GATE_NAME,
     LEASE_API_VERSION,
     MIG_NODE_PLURAL,
+    SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -52,7 +53,6 @@ from common.kubeapi import (
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
-from webhook.allocator.autoscale import SCALE_UP_LABEL
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer

@@ -43,8 +43,9 @@ Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning even
 class Pendings(Protocol):
     """Told of each pending verdict and each decision (webhook.allocator.scaleup)."""
 
-    def pending(self, pod: PodView, request: PodRequest, result: Pending, name_label: bool) -> None:
-        ...
+    def pending(
+        self, pod: PodView, request: PodRequest, result: Pending, name_label: bool
+    ) -> None: ...
 
     def placed(self, uid: str) -> None: ...
 

@@ -22,6 +22,7 @@ of pods that are still gated are kept across terms, so a leader change does not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,7 +31,7 @@ import structlog
 
 from common.catalog import Catalog
 from common.clock import Clock, cancel_until_done
-from common.constants import GATE_NAME
+from common.constants import GATE_NAME, SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path, lean
 from common.placement import Pending, PodRequest, Policy
 from webhook.allocator.autoscale import (
@@ -38,7 +39,6 @@ from webhook.allocator.autoscale import (
     REASON_FAILED,
     REASON_PROVISIONED,
     REASON_REQUESTED,
-    SCALE_UP_LABEL,
     ScaleUpSettings,
     SignalMode,
     after_releases,
@@ -124,10 +124,8 @@ class ScaleUp:
                     await self.reconcile()
                 except ApiError as exc:
                     log.warning("scale-up signal write failed", error=str(exc))
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
-                except TimeoutError:
-                    pass
                 self._wake.clear()
         finally:
             await cancel_until_done(tasks)
@@ -214,7 +212,11 @@ class ScaleUp:
                 what = f"placeholder pod {body['metadata']['name']} for Karpenter"
             else:
                 template, provreq = provisioning_request(
-                    pod.obj, need.request, avoid, self.settings.provisioning_class, self.settings.image
+                    pod.obj,
+                    need.request,
+                    avoid,
+                    self.settings.provisioning_class,
+                    self.settings.image,
                 )
                 await self.kube.create(core_path("podtemplates", ns), template)
                 made = await self.kube.create(
@@ -263,16 +265,25 @@ class ScaleUp:
             self.signals.pop(uid, None)
             return
         self.signals[uid] = obj
-        if obj.get("kind") == "ProvisioningRequest" or "spec" in obj and "podSets" in obj["spec"]:
+        if obj.get("kind") == "ProvisioningRequest" or ("spec" in obj and "podSets" in obj["spec"]):
             for type_ in _PROVREQ_FAILURES:
                 c = condition(obj, type_)
                 if c is not None:
-                    self._tell_once(uid, REASON_FAILED, f"ProvisioningRequest {type_}: "
-                                    f"{c.get('reason', '')}: {c.get('message', '')}", "Warning")
+                    self._tell_once(
+                        uid,
+                        REASON_FAILED,
+                        f"ProvisioningRequest {type_}: "
+                        f"{c.get('reason', '')}: {c.get('message', '')}",
+                        "Warning",
+                    )
             c = condition(obj, "Provisioned")
             if c is not None:
-                self._tell_once(uid, REASON_PROVISIONED, f"ProvisioningRequest Provisioned: "
-                                f"{c.get('message', '')}", "Normal")
+                self._tell_once(
+                    uid,
+                    REASON_PROVISIONED,
+                    f"ProvisioningRequest Provisioned: {c.get('message', '')}",
+                    "Normal",
+                )
 
     async def _on_karpenter_event(self, etype: str, obj: Obj) -> None:
         if etype == "DELETED":
