@@ -13,7 +13,7 @@ FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
-        bench-agent-leases bench-latency chaos fuzz clean
+        bench-agent-leases bench-latency bench-autoscale chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -86,6 +86,9 @@ bench-placement: install ## placement quality and decision speed (no cluster); .
 
 bench-agent-leases: install ## the allocator's CPU for watching node-agent Leases (no cluster)
 	$(BIN)/python -m bench.agent_leases
+
+bench-autoscale: install kube-bins ## Karpenter: nodes created for a MIG burst vs the minimum, and scale-down
+	$(BIN)/python -m bench.autoscale
 
 bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
 	$(BIN)/python -m bench.latency --report .dev/bench

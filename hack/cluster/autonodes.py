@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,8 +117,9 @@ class AutoNodes:
         lease = group_path("coordination.k8s.io/v1", "leases", self.args.namespace, node)
         await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))
         await self.kube.delete_ignore_missing(lease)
-        for suffix in (".json", ".lock"):
-            (Path(self.args.emu_state) / f"{node}{suffix}").unlink(missing_ok=True)
+        for f in Path(self.args.emu_state).glob(f"{node}.*"):  # GPUs, agent checkpoint, CDI base
+            f.unlink(missing_ok=True)
+        shutil.rmtree(Path(self.args.cdi_root) / node, ignore_errors=True)
         log.info("node gone: its agent, MigNode, Lease and emulated GPUs removed", node=node)
 
     async def run(self) -> None:

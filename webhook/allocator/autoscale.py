@@ -200,7 +200,6 @@ def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], image: str) -
                 },
             }
         ],
-        "preemptionPolicy": "Never",  # it stands for demand; it never displaces a real pod
         "terminationGracePeriodSeconds": 0,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

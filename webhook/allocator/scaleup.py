@@ -35,6 +35,7 @@ from common.constants import GATE_NAME, SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path, lean
 from common.placement import Pending, PodRequest, Policy
 from webhook.allocator.autoscale import (
+    HOSTNAME_LABEL,
     PROVREQ_API_VERSION,
     REASON_FAILED,
     REASON_PROVISIONED,
@@ -49,7 +50,7 @@ from webhook.allocator.autoscale import (
     releasing,
     signal_name,
 )
-from webhook.allocator.leader import LeaderElector
+from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.state import ClusterState
 from webhook.allocator.views import PodView
 
@@ -122,8 +123,10 @@ class ScaleUp:
             while True:
                 try:
                     await self.reconcile()
-                except ApiError as exc:
-                    log.warning("scale-up signal write failed", error=str(exc))
+                except NotLeader:
+                    pass  # lost for good: the term is about to end; else next round
+                except Exception:  # a bug here must not end the allocator's term
+                    log.exception("scale-up signal round failed")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
                 self._wake.clear()
@@ -192,11 +195,18 @@ class ScaleUp:
     async def reconcile(self) -> None:
         raise_, withdraw = self.wanted(self.clock.monotonic())
         for uid in sorted(withdraw):
-            await self._withdraw(uid)
+            try:
+                await self._withdraw(uid)
+            except ApiError as exc:  # the others go on; this one is tried next round
+                log.warning("scale-up signal delete failed", pod_uid=uid, error=str(exc))
         if raise_:
-            avoid = sorted(n.name for n in self.state.node_states())
+            # Karpenter's nodes are named apart from their hostname label (the NodeClaim's)
+            avoid = sorted(n.labels.get(HOSTNAME_LABEL, n.name) for n in self.state.node_states())
             for uid in sorted(raise_):
-                await self._raise(uid, avoid)
+                try:
+                    await self._raise(uid, avoid)
+                except ApiError as exc:
+                    log.warning("scale-up signal write failed", pod_uid=uid, error=str(exc))
 
     async def _raise(self, uid: str, avoid: list[str]) -> None:
         pod = self.state.pods.get(uid)
