@@ -100,9 +100,10 @@ async def run_burst(
     for i in range(pods):
         await kube.delete_ignore_missing(core_path("pods", namespace, f"burst-{i}"))
     async with asyncio.timeout(timeout_s):
-        while await _names(kube, core_path("nodes"), labelSelector=GROUP_LABEL) or await _names(
-            kube, NODECLAIMS
-        ):
+        while True:  # polled: two collections, and a node may come and go between watches
+            nodes_left = await _names(kube, core_path("nodes"), labelSelector=GROUP_LABEL)
+            if not nodes_left and not await _names(kube, NODECLAIMS):
+                break
             await asyncio.sleep(0.5)
     gone_s = time.monotonic() - t1
     deadline = time.monotonic() + 60  # the last node's cleanup may trail its deletion a little
