@@ -236,7 +236,8 @@ def review(
         meta = {}
     if not isinstance(meta, dict):
         return malformed("object.metadata is not an object")
-    if SCALE_UP_LABEL in (meta.get("labels") or {}):
+    labels = meta.get("labels")
+    if isinstance(labels, dict) and SCALE_UP_LABEL in labels:
         # The admission policy lets only InstaSlice create one, and it gets no device.
         return Allowed("an autoscaler placeholder (docs/autoscaling.md)")
     namespace = request.get("namespace") or meta.get("namespace")
