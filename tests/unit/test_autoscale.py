@@ -12,6 +12,7 @@ tests/e2e/test_autoscaling.py).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
 
@@ -32,6 +33,7 @@ from common.placement import (
     Policy,
     Snapshot,
 )
+from hack.cluster.autonodes import Group
 from hack.cluster.karpenter import instance_types, karpenter_objects, mig_capacity
 from hack.cluster.nodes import SpecError, parse_spec
 from tests.integration.allocator_fixtures import (
@@ -305,6 +307,14 @@ def test_a_pod_that_now_waits_for_releases_has_its_signal_withdrawn() -> None:
     assert s.wanted(clock.monotonic()) == (set(), {"want"})
 
 
+def test_a_pod_preemption_can_serve_waits() -> None:
+    state, pod = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    s.fits_by_preemption = lambda view, req: view.uid == "want"
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    assert s.needs == {} and s.waits == {"want"}
+
+
 def test_a_deleted_pod_loses_its_need_and_signal() -> None:
     state, pod = _full_cluster()
     clock = FakeClock()
@@ -386,3 +396,11 @@ def test_instance_type_offers_what_the_agent_will_advertise() -> None:
     assert pool["spec"]["template"]["metadata"]["labels"]["instaslice.io/node-group"] == "auto"
     requirement = pool["spec"]["template"]["spec"]["requirements"][0]
     assert requirement["values"] == [it["name"]]
+
+
+def test_autonodes_group_argument() -> None:
+    g = Group.parse("auto-h100=H100-80GB:8:enabled")
+    assert (g.prefix, g.model, g.gpus, g.mig_mode) == ("auto-h100", "H100-80GB", 8, "enabled")
+    for bad in ("auto", "auto=H100-80GB:8", "auto=H100-80GB:8:on"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--group"):
+            Group.parse(bad)
