@@ -184,7 +184,7 @@ def _placement(node: NodeState, fit: NodeFit, request: PodRequest, ctx: Context)
             gpu = node.gpus[pos]
             slices.append(
                 PlacedSlice(
-                    s.container, s.profile, gpu.index, start, ctx.size(gpu.model, s.profile)
+                    s.container, s.profile, gpu.index, start, ctx.size(gpu.tables_key, s.profile)
                 )
             )
     return Placement(node.name, tuple(slices))
