@@ -65,23 +65,9 @@ async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list
     raise ApiError(409, "Conflict", f"finalizers of {namespace}/{name} keep changing")
 
 
-async def node_owner(kube: Kube, node: str) -> list[Obj]:
-    """An owner reference to the Node (none while it does not exist): the garbage collector
-    then deletes the node's MigNode and agent Lease with it, as the kubelet's own Lease in
-    kube-node-lease goes — an autoscaler's removed node leaves nothing of InstaSlice behind."""
-    obj = await get_node(kube, node)
-    if obj is None:
-        return []
-    meta = obj["metadata"]
-    return [{"apiVersion": "v1", "kind": "Node", "name": meta["name"], "uid": meta["uid"]}]
-
-
 async def ensure_mig_node(kube: Kube, node: str) -> None:
-    body = mig_node(node)
-    if owners := await node_owner(kube, node):
-        body["metadata"]["ownerReferences"] = owners
     try:
-        await kube.create(instaslice_path("mignodes"), body)
+        await kube.create(instaslice_path("mignodes"), mig_node(node))
     except ApiError as exc:
         if exc.status != 409:
             raise
@@ -146,8 +132,6 @@ async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) ->
             "renewTime": now,
         },
     }
-    if owners := await node_owner(kube, node):
-        body["metadata"]["ownerReferences"] = owners
     try:
         await kube.create(group_path(LEASE_API_VERSION, "leases", namespace), body)
     except ApiError as exc:

@@ -9,10 +9,10 @@ DaemonSet for the autoscaled groups: it watches Nodes labelled `instaslice.io/no
   (`nodeagent.emulator.provision`, state under `--emu-state`) and starts an emulated node
   agent for it (`instaslice-nodeagent --emulate --node N`), which creates its MigNode and
   advertises its `instaslice.io/mig-*` capacity;
-- when it is deleted: stops that agent (in a cluster the DaemonSet pod goes with the node)
-  and removes the emulated GPUs' state and CDI directory. The node's MigNode and agent Lease
-  are owned by the Node (the agent sets the owner reference), so the garbage collector
-  deletes them, here as in a cluster.
+- when it is deleted: stops that agent (in a cluster the DaemonSet pod goes with the node),
+  deletes the node's MigNode and the agent's heartbeat Lease, and removes the emulated GPUs'
+  state and CDI directory, so nothing of InstaSlice is left of the node. In a cluster nothing
+  deletes those two objects yet (docs/autoscaling.md, "Scale-down").
 
     python -m hack.cluster.autonodes --kubeconfig K --emu-state DIR --cdi-root DIR \\
         --logs DIR --namespace NS --group PREFIX=MODEL:GPUS:MIGMODE [--group ...] [-- AGENT ARGS]
@@ -35,7 +35,7 @@ from typing import Literal
 
 import structlog
 
-from common.kubeapi import Informer, Kube, Obj, connected, core_path
+from common.kubeapi import Informer, Kube, Obj, connected, core_path, group_path, instaslice_path
 from hack.cluster.karpenter import GROUP_LABEL
 from hack.cluster.procs import ProcessRecord, spawn, stop_process
 from nodeagent.emulator import provision
@@ -115,8 +115,11 @@ class AutoNodes:
         served = self.served.pop(node, None)
         if served is not None:
             await asyncio.to_thread(stop_process, served.record, served.popen)
+        lease = group_path("coordination.k8s.io/v1", "leases", self.args.namespace, node)
+        await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))
+        await self.kube.delete_ignore_missing(lease)
         await asyncio.to_thread(self._remove_files, node)
-        log.info("node gone: its agent and emulated GPUs removed", node=node)
+        log.info("node gone: its agent, MigNode, Lease and emulated GPUs removed", node=node)
 
     def _remove_files(self, node: str) -> None:
         for f in Path(self.args.emu_state).glob(f"{node}.*"):  # GPUs, agent checkpoint, CDI base

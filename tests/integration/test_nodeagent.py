@@ -31,14 +31,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.allocation import SliceAllocation
 from common.constants import RELEASE_FINALIZER
-from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
+from common.kubeapi import ApiError, Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent import cdi, checkpoint
 from nodeagent.emulator import EmulatedNvml
 from nodeagent.main import find_base_spec
 from tests.integration.agent_fixtures import (
-    NAMESPACE,
     AgentProcess,
     GpuNode,
     agent_settings,
@@ -919,28 +918,3 @@ async def test_instances_vanishing_under_a_running_pod_are_marked_and_told(
         await _delete(kube, alloc)
         await wait_gone(kube, alloc)
         assert node.cdi_files() == []
-
-
-async def test_mig_node_and_lease_go_with_the_node(
-    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
-) -> None:
-    """The agent makes its MigNode and heartbeat Lease owned by the Node, so the garbage
-    collector removes both when the node goes (an autoscaler's scale-down leaves nothing)."""
-    node = await gpu_node(kube, tmp_path, [H200])
-    lease_path = group_path("coordination.k8s.io/v1", "leases", NAMESPACE, node.name)
-    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
-        created = await eventually(lambda: mig_node(kube, node.name), what="MigNode")
-        lease = await kube.get(lease_path)
-    uid = (await kube.get(core_path("nodes", name=node.name)))["metadata"]["uid"]
-    for obj in (created, lease):
-        (owner,) = obj["metadata"]["ownerReferences"]
-        assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", node.name, uid)
-    await kube.delete(core_path("nodes", name=node.name))
-
-    leases = group_path("coordination.k8s.io/v1", "leases", NAMESPACE)
-
-    async def both_gone() -> bool:
-        names = {i["metadata"]["name"] for i in (await kube.list(leases))["items"]}
-        return await mig_node(kube, node.name) is None and node.name not in names
-
-    assert await eventually(both_gone, within=30, what="MigNode and Lease collected")
