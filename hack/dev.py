@@ -499,11 +499,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return 0
     t0 = time.monotonic()
-    system = DevSystem.up(args.dir, load_spec(args.spec))
+    spec = load_spec(args.spec)
+    system = DevSystem.up(args.dir, spec)
     real = "" if system.real is None else f" + real node {system.real.name} (kubelet+containerd)"
+    auto = "".join(
+        f" + autoscaled {g.prefix} (0..{g.autoscaled_max} nodes, Karpenter)"
+        for g in spec.autoscaled_groups
+    )
     print(
         f"InstaSlice is up in {time.monotonic() - t0:.1f}s on "
-        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}"
+        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}{auto}"
     )
     print(f"  kubeconfig: {system.kubeconfig}")
     print(
