@@ -66,6 +66,7 @@ INSTALL = [
     "webhook/serviceaccount.yaml",
     "webhook/rbac.yaml",
     "allocator/rbac.yaml",
+    "allocator/priorityclass.yaml",
     "nodeagent/serviceaccount.yaml",
     "nodeagent/rbac.yaml",
     "nodeagent/policy.yaml",

@@ -606,6 +606,14 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
     allocator, mallory = users["allocator"], users["mallory"]
     await _controller_policies_enforced(kube, allocator, namespace)
     pods = core_path("pods", namespace)
+    classes = group_path("scheduling.k8s.io/v1", "priorityclasses")
+    higher = {"metadata": {"name": "it-high"}, "value": 1000}
+    for doc in [*load_manifest("allocator/priorityclass.yaml"), higher]:
+        try:
+            await kube.create(classes, doc)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
     owner = await kube.create(pods, _wired_pod(namespace, "cowner", asks=False))
 
     def placeholder(**spec: object) -> Obj:
@@ -624,6 +632,7 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
         ("host network", placeholder(hostNetwork=True)),
         ("a token", placeholder(automountServiceAccountToken=True)),
         ("two containers", placeholder(containers=[bad_container, {**bad_container, "name": "b"}])),
+        ("a higher priority", placeholder(priorityClassName="it-high")),
     ):
         body["metadata"]["name"] = f"bad-{secrets.token_hex(3)}"
         with pytest.raises(ApiError) as exc:

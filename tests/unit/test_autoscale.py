@@ -193,6 +193,7 @@ def test_placeholder_asks_for_what_the_new_node_must_offer() -> None:
     assert spec["nodeSelector"] == {"instaslice.io/gpu-model": "H100-80GB"}
     assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert "preemptionPolicy" not in spec  # the Priority admission plugin sets it (the class's)
+    assert spec["priorityClassName"] == "instaslice-placeholder"
     assert spec["automountServiceAccountToken"] is False
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"

@@ -36,6 +36,9 @@ from common.profiles import instaslice_resource
 Obj = dict[str, Any]
 
 PLACEHOLDER_IMAGE: Final = "registry.k8s.io/pause:3.10"
+# Lowest priority, preemptionPolicy Never (manifests/base/allocator/priorityclass.yaml): a real
+# pod pinned where a placeholder holds room preempts it; a placeholder never preempts.
+PLACEHOLDER_PRIORITY_CLASS: Final = "instaslice-placeholder"
 PROVREQ_API_VERSION: Final = "autoscaling.x-k8s.io/v1"
 DEFAULT_PROVREQ_CLASS: Final = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
 HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
@@ -200,6 +203,7 @@ def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], image: str) -
                 },
             }
         ],
+        "priorityClassName": PLACEHOLDER_PRIORITY_CLASS,
         "terminationGracePeriodSeconds": 0,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
