@@ -11,7 +11,7 @@ This module turns the groups into what Karpenter reads:
   Karpenter's bin packing of placeholder pods sees what a new node offers;
 - one NodePool per group (`karpenter_objects`), restricted to that instance type, labelling
   its nodes with the group (`GROUP_LABEL`), GPU model, count and MIG mode, capped at
-  `max` nodes through a cpu limit, consolidating empty nodes after `consolidate_after`;
+  `max` nodes (`limits.nodes` and `limits.cpu`), consolidating empty nodes after `consolidate_after`;
 - a KWOKNodeClass `default`.
 
 The provider creates a Node object per NodeClaim (annotated for KWOK, which then runs it);
@@ -152,8 +152,6 @@ def karpenter_objects(
             template_spec["taints"] = [
                 {"key": t.key, "value": t.value, "effect": t.effect} for t in g.taints
             ]
-        # "at most max nodes": the pool's cpu limit admits exactly max nodes of this type
-        limit = f"{_cpu_millis(g.cpu) * g.autoscaled_max}m"
         objs.append(
             {
                 "apiVersion": "karpenter.sh/v1",
@@ -161,7 +159,13 @@ def karpenter_objects(
                 "metadata": {"name": g.prefix},
                 "spec": {
                     "template": {"metadata": {"labels": labels}, "spec": template_spec},
-                    "limits": {"cpu": limit},
+                    # Both, measured: `nodes` alone let one batch launch past it; `cpu` alone
+                    # let later batches past it (a KWOK node's capacity is the requests it
+                    # was made for, so the pool's cpu usage undercounts)
+                    "limits": {
+                        "nodes": str(g.autoscaled_max),
+                        "cpu": f"{_cpu_millis(g.cpu) * g.autoscaled_max}m",
+                    },
                     "disruption": {
                         "consolidationPolicy": "WhenEmptyOrUnderutilized",
                         "consolidateAfter": consolidate_after,

@@ -611,8 +611,8 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
     for doc in [*load_manifest("allocator/priorityclass.yaml"), higher]:
         try:
             await kube.create(classes, doc)
-        except ApiError as exc:
-            if exc.status != 409:
+        except ApiError as err:
+            if err.status != 409:
                 raise
     owner = await kube.create(pods, _wired_pod(namespace, "cowner", asks=False))
 

@@ -393,7 +393,7 @@ def test_instance_type_offers_what_the_agent_will_advertise() -> None:
     assert it["resources"]["instaslice.io/mig-3g.40gb"] == "16"
     assert it["resources"]["cpu"] == "32"
     pool = karpenter_objects([g])[1]
-    assert pool["spec"]["limits"] == {"cpu": "96000m"}  # exactly max nodes of this type
+    assert pool["spec"]["limits"] == {"nodes": "3", "cpu": "96000m"}
     assert pool["spec"]["template"]["metadata"]["labels"]["instaslice.io/node-group"] == "auto"
     requirement = pool["spec"]["template"]["spec"]["requirements"][0]
     assert requirement["values"] == [it["name"]]

@@ -223,7 +223,10 @@ class ScaleUp:
         self.elector.check()
         try:
             if self.settings.mode is SignalMode.PLACEHOLDER:
-                body = placeholder_pod(pod.obj, need.request, avoid, self.settings.image)
+                # Karpenter refuses a pod naming kubernetes.io/hostname ("might interfere
+                # with the internal provisioning logic"): no NotIn list for it (measured)
+                body = placeholder_pod(pod.obj, need.request, [], self.settings.image)
+                kept_off = ""
                 made = await self.kube.create(core_path("pods", ns), body)
                 what = f"placeholder pod {body['metadata']['name']} for Karpenter"
             else:
@@ -239,6 +242,7 @@ class ScaleUp:
                     group_path(PROVREQ_API_VERSION, "provisioningrequests", ns), provreq
                 )
                 what = f"ProvisioningRequest {provreq['metadata']['name']}"
+                kept_off = f" (kept off the {len(avoid)} node(s) that cannot serve it)"
         except ApiError as exc:
             if exc.status != 409:
                 raise
@@ -248,8 +252,7 @@ class ScaleUp:
         self.tell(
             pod.obj,
             REASON_REQUESTED,
-            f"asked the cluster autoscaler for a new node: {need.why}; {what} "
-            f"(kept off the {len(avoid)} node(s) that cannot serve it)",
+            f"asked the cluster autoscaler for a new node: {need.why}; {what}{kept_off}",
             "Normal",
         )
 
