@@ -316,6 +316,26 @@ def test_a_pod_preemption_can_serve_waits() -> None:
     assert s.needs == {} and s.waits == {"want"}
 
 
+def test_a_preempted_placeholder_is_raised_again_only_after_a_backoff() -> None:
+    state, pod = _full_cluster()
+    clock = FakeClock()
+    s = _scale_up(state, clock, delay=2)
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    clock.t += 2
+    placeholder = {"metadata": {"namespace": "ns", "labels": {SCALE_UP_LABEL: "want"}}}
+    asyncio.run(s._on_signal("ADDED", placeholder))
+    asyncio.run(s._on_signal("DELETED", placeholder))  # the kube-scheduler preempted it
+    assert s.wanted(clock.monotonic()) == (set(), set())  # not at once: the room is a pod's
+    clock.t += 32  # 30 s, then the delay
+    assert s.wanted(clock.monotonic()) == ({"want"}, set())
+    asyncio.run(s._on_signal("ADDED", placeholder))
+    asyncio.run(s._on_signal("DELETED", placeholder))
+    clock.t += 32
+    assert s.wanted(clock.monotonic()) == (set(), set())  # the wait doubles
+    clock.t += 30
+    assert s.wanted(clock.monotonic()) == ({"want"}, set())
+
+
 def test_a_deleted_pod_loses_its_need_and_signal() -> None:
     state, pod = _full_cluster()
     clock = FakeClock()

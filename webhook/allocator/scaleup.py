@@ -59,13 +59,15 @@ log = structlog.get_logger("allocator")
 
 Tell = Callable[[Obj, str, str, Literal["Normal", "Warning"]], None]
 _PROVREQ_FAILURES = ("Failed", "BookingExpired", "CapacityRevoked")
+LOST_BACKOFF_S = 30.0
 
 
 @dataclass
 class Need:
-    since: float  # monotonic: when it was first found to need a node
+    since: float  # monotonic: when it was first found to need a node (or may ask again)
     request: PodRequest
     why: str
+    lost: int = 0  # signals of it deleted by someone else (a placeholder preempted)
 
 
 @dataclass(eq=False)
@@ -110,6 +112,17 @@ class ScaleUp:
         else:
             self.needs.pop(pod.uid, None)
             self.waits.add(pod.uid)
+
+    def lost(self, uid: str) -> None:
+        """A signal went that we did not withdraw: the kube-scheduler preempted a placeholder
+        for a real pod pinned where it stood (its node is full). Raised again at once, it
+        would take that room back before the real pod binds (seen: the pinned pod timed out
+        unschedulable); so it waits, LOST_BACKOFF_S doubling per loss."""
+        need = self.needs.get(uid)
+        if need is not None:
+            need.lost += 1
+            wait = min(LOST_BACKOFF_S * 2 ** (need.lost - 1), 600.0)
+            need.since = self.clock.monotonic() + wait
 
     def placed(self, uid: str) -> None:
         if self.needs.pop(uid, None) is not None or uid in self.signals:
@@ -281,7 +294,8 @@ class ScaleUp:
         if not uid:
             return
         if etype == "DELETED":
-            self.signals.pop(uid, None)
+            if self.signals.pop(uid, None) is not None:
+                self.lost(uid)
             return
         self.signals[uid] = obj
         if obj.get("kind") == "ProvisioningRequest" or ("spec" in obj and "podSets" in obj["spec"]):
