@@ -156,7 +156,12 @@ class DevSystem:
         if spec.autoscaled_groups and not any(
             a.startswith("--autoscaler-signal") for a in webhook_args
         ):  # Karpenter acts on placeholder pods (docs/autoscaling.md)
-            webhook_args = [*webhook_args, "--autoscaler-signal=placeholder", "--scale-up-delay=2"]
+            webhook_args = [
+                *webhook_args,
+                "--autoscaler-signal=placeholder",
+                "--scale-up-delay=2",
+                "--karpenter-do-not-disrupt",
+            ]
         system = cls(
             dir,
             cp,

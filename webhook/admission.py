@@ -58,6 +58,9 @@ _MAX_PROBLEMS = 20
 Obj = dict[str, Any]
 Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
 
+# Karpenter leaves alone the node of a running pod carrying it (--karpenter-do-not-disrupt).
+DO_NOT_DISRUPT: Final = "karpenter.sh/do-not-disrupt"
+
 
 class GroupVersionKind(TypedDict):
     group: str
@@ -372,15 +375,17 @@ class _Rewrite:
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []
+        ours = {CLAIM_ANNOTATION: claim}
+        if self.settings.do_not_disrupt:
+            ours[DO_NOT_DISRUPT] = "true"
         if isinstance(self.meta.get("annotations"), dict):
-            path = f"/metadata/annotations/{_esc(CLAIM_ANNOTATION)}"
-            head.append({"op": "add", "path": path, "value": claim})
+            for key, value in ours.items():
+                path = f"/metadata/annotations/{_esc(key)}"
+                head.append({"op": "add", "path": path, "value": value})
         else:
             if not isinstance(self.pod.get("metadata"), dict):
                 head.append({"op": "add", "path": "/metadata", "value": {}})
-            head.append(
-                {"op": "add", "path": "/metadata/annotations", "value": {CLAIM_ANNOTATION: claim}}
-            )
+            head.append({"op": "add", "path": "/metadata/annotations", "value": ours})
         if not gated:
             gate = {"name": GATE_NAME}
             if gates is None:

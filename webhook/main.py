@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ProvisioningRequest class (--autoscaler-signal=provisioning-request)",
     )
     p.add_argument("--placeholder-image", default=PLACEHOLDER_IMAGE)
+    p.add_argument(
+        "--karpenter-do-not-disrupt",
+        action="store_true",
+        help="annotate rewritten pods karpenter.sh/do-not-disrupt=true (docs/autoscaling.md)",
+    )
     p.add_argument("--no-admission", action="store_true", help="run without the server")
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
@@ -104,7 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         server = ServerSettings(
             cert_file=a.cert_file,
             key_file=a.key_file,
-            admission=AdmissionSettings.from_catalog(BindingMode(a.binding_mode)),
+            admission=AdmissionSettings.from_catalog(
+                BindingMode(a.binding_mode), do_not_disrupt=a.karpenter_do_not_disrupt
+            ),
             host=a.host,
             port=a.port,
             metrics_port=a.metrics_port,

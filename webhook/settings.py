@@ -23,17 +23,26 @@ class AdmissionSettings:
     refused as an unknown profile, with the list of `cluster_profiles` (what the nodes
     published; the catalog's when none did). `max_count`: the largest count accepted for one
     resource of one container — far above any real node (8 GPUs x 7 slices), it only keeps
-    absurd numbers out of the allocator.
+    absurd numbers out of the allocator. `do_not_disrupt`: also annotate every rewritten pod
+    `karpenter.sh/do-not-disrupt: "true"`: a pod holding a slice cannot move with it, so
+    Karpenter must not consolidate its node while it runs (docs/autoscaling.md).
     """
 
     known_profiles: frozenset[str]
     binding_mode: BindingMode = BindingMode.ENV
     max_count: int = 1024
     cluster_profiles: frozenset[str] = frozenset()
+    do_not_disrupt: bool = False
 
     @classmethod
-    def from_catalog(cls, binding_mode: BindingMode = BindingMode.ENV) -> AdmissionSettings:
-        return cls(known_profiles=load_catalog().profile_names(), binding_mode=binding_mode)
+    def from_catalog(
+        cls, binding_mode: BindingMode = BindingMode.ENV, *, do_not_disrupt: bool = False
+    ) -> AdmissionSettings:
+        return cls(
+            known_profiles=load_catalog().profile_names(),
+            binding_mode=binding_mode,
+            do_not_disrupt=do_not_disrupt,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ This module turns the groups into what Karpenter reads:
   Karpenter's bin packing of placeholder pods sees what a new node offers;
 - one NodePool per group (`karpenter_objects`), restricted to that instance type, labelling
   its nodes with the group (`GROUP_LABEL`), GPU model, count and MIG mode, capped at
-  `max` nodes (`limits.nodes` and `limits.cpu`), consolidating empty nodes after `consolidate_after`;
+  `max` nodes (`limits.nodes` and `limits.cpu`), consolidating empty nodes after
+  `consolidate_after`;
 - a KWOKNodeClass `default`.
 
 The provider creates a Node object per NodeClaim (annotated for KWOK, which then runs it);

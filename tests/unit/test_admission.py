@@ -306,6 +306,19 @@ def test_pod_without_mig_is_allowed_even_if_otherwise_odd() -> None:
     assert decide(pod) == Allowed("no MIG request")
 
 
+def test_do_not_disrupt_annotation_when_asked() -> None:
+    pod = make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"}))
+    s = AdmissionSettings.from_catalog(BindingMode.ENV, do_not_disrupt=True)
+    _, out = patched(pod, s)
+    assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    pod["metadata"]["annotations"] = {"team": "a"}
+    _, out = patched(pod, s)
+    assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    assert out["metadata"]["annotations"]["team"] == "a"
+    _, plain = patched(make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"})))
+    assert "karpenter.sh/do-not-disrupt" not in plain["metadata"]["annotations"]
+
+
 def test_an_autoscaler_placeholder_passes_unchanged() -> None:
     """Its instaslice.io/mig-* asks stand for a gated pod's demand (docs/autoscaling.md); the
     admission policy lets only InstaSlice create one. A label on a malformed labels field
