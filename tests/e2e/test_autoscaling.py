@@ -3,7 +3,8 @@ of no nodes (`count: 0`, `autoscaled: {max: 3}`), Karpenter's KWOK provider
 (hack/karpenter/build.sh) and the emulated agents that serve its nodes as they come
 (hack.cluster.autonodes). Own system (module fixture): the shared one's nodes are fixed.
 
-Covers: one pod asking `nvidia.com/mig-3g.40gb` gets a new node, a slice on it and runs, its
+Covers: one pod asking `nvidia.com/mig-3g.40gb` gets a new node, a slice on it and runs
+(annotated `karpenter.sh/do-not-disrupt`, so Karpenter does not consolidate it away), its
 placeholder goes, and the empty node is removed with nothing of InstaSlice left; a burst
 larger than one node gets exactly the fewest nodes that serve it (bench.autoscale.run_burst,
 nodes created == minimum) and they all go afterwards; a pod no instance type can serve is
@@ -92,6 +93,8 @@ async def test_one_pod_gets_a_new_node_a_slice_and_runs(akube: Kube, ns: str) ->
         akube, core_path("pods", ns), running("one"), what="pod one Running", timeout_s=180
     )
     node = ran["spec"]["nodeName"]
+    # dev-up runs the webhook with --karpenter-do-not-disrupt: Karpenter leaves the node be
+    assert ran["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     assert await group_nodes(akube) == [node]  # the node Karpenter made for it
     (alloc,) = (await akube.list(instaslice_path("sliceallocations", ns)))["items"]
     assert alloc["metadata"]["labels"][NODE_LABEL] == node
