@@ -88,7 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="annotate rewritten pods karpenter.sh/do-not-disrupt=true (docs/autoscaling.md)",
     )
+    p.add_argument(
+        "--preemption",
+        choices=["gpu", "off"],
+        default="gpu",
+        help="gpu: evict lower-priority pods holding MIG slots for a pod that does not fit",
+    )
+    p.add_argument(
+        "--preempt-kueue-pods",
+        action="store_true",
+        help="Kueue-managed pods may be preemption victims (default: never)",
+    )
+    p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument("--no-admission", action="store_true", help="run without the server")
+    p.add_argument(
+        "--slot-accounting",
+        action="store_true",
+        help="add instaslice.io/memory-slots to slice-asking containers, for cross-profile "
+        "quotas (docs/kueue.md); node agents advertise it",
+    )
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info")
@@ -110,7 +128,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             cert_file=a.cert_file,
             key_file=a.key_file,
             admission=AdmissionSettings.from_catalog(
-                BindingMode(a.binding_mode), do_not_disrupt=a.karpenter_do_not_disrupt
+                BindingMode(a.binding_mode),
+                do_not_disrupt=a.karpenter_do_not_disrupt,
+                slot_accounting=a.slot_accounting,
             ),
             host=a.host,
             port=a.port,
@@ -130,6 +150,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                 provisioning_class=a.provisioning_class,
                 image=a.placeholder_image,
             ),
+            preemption=a.preemption == "gpu",
+            preempt_kueue_pods=a.preempt_kueue_pods,
+            preemption_wait_s=a.preemption_wait_timeout,
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.catalog import load_catalog
+from common.catalog import Catalog, load_catalog
 from common.constants import BindingMode
 
 
@@ -33,15 +33,26 @@ class AdmissionSettings:
     max_count: int = 1024
     cluster_profiles: frozenset[str] = frozenset()
     do_not_disrupt: bool = False
+    # --slot-accounting: add instaslice.io/memory-slots to slice-asking containers (docs/kueue.md)
+    slot_accounting: bool = False
+    # what size-based asks and slot charges are resolved against
+    catalog: Catalog = field(default_factory=load_catalog)
 
     @classmethod
     def from_catalog(
-        cls, binding_mode: BindingMode = BindingMode.ENV, *, do_not_disrupt: bool = False
+        cls,
+        binding_mode: BindingMode = BindingMode.ENV,
+        *,
+        do_not_disrupt: bool = False,
+        slot_accounting: bool = False,
     ) -> AdmissionSettings:
+        catalog = load_catalog()
         return cls(
-            known_profiles=load_catalog().profile_names(),
+            known_profiles=catalog.profile_names(),
             binding_mode=binding_mode,
             do_not_disrupt=do_not_disrupt,
+            slot_accounting=slot_accounting,
+            catalog=catalog,
         )
 
 

@@ -34,6 +34,7 @@ from common.constants import (
     GATE_NAME,
     SCALE_UP_LABEL,
     VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_KEY,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.cluster import ControlPlane
@@ -159,6 +160,8 @@ async def users(control_plane: ControlPlane, kube: Kube) -> AsyncIterator[dict[s
         "rules": [
             {"apiGroups": [""], "resources": ["pods", "pods/ephemeralcontainers", "pods/status"],
              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+            {"apiGroups": [""], "resources": ["pods/eviction", "pods/binding"],
+             "verbs": ["create"]},
             {"apiGroups": [""], "resources": ["namespaces"],
              "verbs": ["get", "list", "watch", "patch", "update"]},
         ],
@@ -652,6 +655,39 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
     await allocator.delete(core_path("pods", namespace, made["metadata"]["name"]))
 
 
+async def test_instaslice_evicts_pods_and_creates_no_other_subresource(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """Preemption evicts through pods/eviction (docs/allocator.md "Preemption"); the same
+    CREATE rule that lets placeholders through refuses every other pod subresource."""
+    allocator = users["allocator"]
+    await _controller_policies_enforced(kube, allocator, namespace)
+    pods = core_path("pods", namespace)
+    victim = await kube.create(pods, _wired_pod(namespace, "cvictim", gate=False, asks=False))
+    name = victim["metadata"]["name"]
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"},
+    }
+    with pytest.raises(ApiError) as exc:
+        await allocator.create(core_path("pods", namespace, name) + "/binding", binding)
+    assert CONTROLLER_PODS in exc.value.message and "pods/binding" in exc.value.message
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    await allocator.create(core_path("pods", namespace, name) + "/eviction", eviction)
+    try:
+        got = await kube.get(core_path("pods", namespace, name))
+    except ApiError as err:
+        assert err.status == 404
+    else:
+        assert got["metadata"].get("deletionTimestamp")
+
+
 async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(
     kube: Kube, policy: None, users: dict[str, Kube], namespace: str
 ) -> None:
@@ -677,3 +713,11 @@ async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(
     await allocator.patch(path, {"metadata": {"labels": {ENABLED_KEY: None}}})
     got = await kube.get(path)
     assert ENABLED_KEY not in got["metadata"].get("labels", {})
+    # the second opt-in (whole GPUs) is mirrored under the same rule
+    whole = {"metadata": {"labels": {WHOLE_GPU_KEY: "true"}}}
+    with pytest.raises(ApiError) as exc:  # no annotation: no label
+        await allocator.patch(path, whole)
+    assert "instaslice.io/whole-gpu only" in exc.value.message
+    await kube.patch(path, {"metadata": {"annotations": {WHOLE_GPU_KEY: "true"}}})
+    await allocator.patch(path, whole)
+    assert (await kube.get(path))["metadata"]["labels"][WHOLE_GPU_KEY] == "true"

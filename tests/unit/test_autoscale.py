@@ -58,8 +58,12 @@ from webhook.allocator.autoscale import (
     releasing,
     signal_name,
 )
-from webhook.allocator.scaleup import ScaleUp
+from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.placer import Placer, PreemptionSettings
+from webhook.allocator.preemption import Budgets
+from webhook.allocator.scaleup import Need, ScaleUp
 from webhook.allocator.state import ClusterState
+from webhook.allocator.track import Tracks
 
 pytestmark = pytest.mark.timeout(20)
 CATALOG = load_catalog()
@@ -308,12 +312,76 @@ def test_a_pod_that_now_waits_for_releases_has_its_signal_withdrawn() -> None:
     assert s.wanted(clock.monotonic()) == (set(), {"want"})
 
 
-def test_a_pod_preemption_can_serve_waits() -> None:
-    state, pod = _full_cluster()
+def _placer(state: ClusterState, scale_up: ScaleUp, preemption: bool) -> Placer:
+    placer = Placer(
+        state,
+        Tracks(),
+        AllocatorMetrics(),
+        Policy.INSTASLICE,
+        CATALOG,
+        kick=lambda uid: None,
+        tell=lambda pod, reason, message: None,
+        pendings=scale_up,
+    )
+    if preemption:
+        placer.preemption = PreemptionSettings(Budgets(), kueue_ok=False, wait_s=60, now=lambda: 0)
+    return placer
+
+
+@pytest.mark.parametrize(
+    ("want_priority", "preemption", "needs"),
+    [
+        (10, True, set()),  # a preemption is planned: room on n1, no new node
+        (10, False, {"want"}),  # preemption off: only a new node serves it
+        (0, True, {"want"}),  # nobody of lower priority to evict: a new node
+    ],
+)
+def test_a_pod_with_a_planned_preemption_asks_for_no_node(
+    want_priority: int, preemption: bool, needs: set[str]
+) -> None:
+    state = ClusterState()
+    state.upsert_node(make_node("n1", gpus=1))
+    state.upsert_mig_node(make_mig_node("n1", ["H100-80GB"]))
+    holder = make_pod(
+        "holder",
+        slices={"main": {"3g.40gb": 2}},
+        uid="holder",
+        priority=0,
+        gates=(),
+        node_name="n1",
+        phase="Running",
+    )
+    state.upsert_pod(holder)
+    state.upsert_allocation(
+        make_allocation(holder, "n1", [("main", "3g.40gb", 0, 0, 4), ("main", "3g.40gb", 0, 4, 4)],
+                        phase=Phase.READY)
+    )  # fmt: skip
+    state.upsert_pod(make_pod("want", slices={"main": {"3g.40gb": 1}}, uid="want",
+                              priority=want_priority))  # fmt: skip
     s = _scale_up(state, FakeClock(), delay=0)
-    s.fits_by_preemption = lambda view, req: view.uid == "want"
-    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
-    assert s.needs == {} and s.waits == {"want"}
+    placer = _placer(state, s, preemption)
+    placer.tracks.ensure("want")
+    placer.decide("want")
+    assert set(s.needs) == needs
+    assert placer.tracks.get("want") is not None
+    preempting = placer.tracks.get("want").preempt is not None  # type: ignore[union-attr]
+    assert preempting == (needs == set())
+
+
+def test_a_preemption_planned_later_withdraws_the_need() -> None:
+    state, _ = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    s.needs["want"] = Need(0.0, podlib.pod_request(state.pods["want"].obj), "full")
+    s.signals["want"] = {"metadata": {"namespace": "ns"}}
+    holder = state.pods["holder"].obj
+    state.upsert_pod({**holder, "spec": {**holder["spec"], "priority": -5}})
+    state.upsert_pod({**state.pods["want"].obj, "spec": {**state.pods["want"].obj["spec"],
+                                                         "priority": 5}})  # fmt: skip
+    placer = _placer(state, s, preemption=True)
+    placer.tracks.ensure("want")
+    placer.decide("want")
+    assert s.needs == {}
+    assert s.wanted(0.0) == (set(), {"want"})
 
 
 def test_a_preempted_placeholder_is_raised_again_only_after_a_backoff() -> None:

@@ -48,6 +48,8 @@ REASON_PROVISIONED: Final = "ScaleUpProvisioned"  # Normal: ProvisioningRequest 
 
 # The engine's reasons a new node can cure. NoMatchingNode qualifies: with no node of a
 # group yet (count 0), nothing matches the pod's selector until the autoscaler makes one.
+# NeedsMigModeChange qualifies: it fits today only on a GPU needing a reset InstaSlice never
+# does, so a new node (its GPUs in MIG mode, or switchable) is what serves it.
 CAPACITY_REASONS: Final = frozenset(
     {
         PendingReason.FULL,
@@ -56,6 +58,7 @@ CAPACITY_REASONS: Final = frozenset(
         PendingReason.NO_PROFILE,
         PendingReason.GPU_UNAVAILABLE,
         PendingReason.NO_MATCHING_NODE,
+        PendingReason.NEEDS_MIG_MODE_CHANGE,
     }
 )
 

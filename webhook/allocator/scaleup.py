@@ -42,7 +42,6 @@ from webhook.allocator.autoscale import (
     REASON_REQUESTED,
     ScaleUpSettings,
     SignalMode,
-    Verdict,
     after_releases,
     classify,
     condition,
@@ -84,9 +83,6 @@ class ScaleUp:
     waits: set[str] = field(default_factory=set)  # classified: no new node needed
     told: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) → message
     signals: dict[str, Obj] = field(default_factory=dict)  # pod uid → its signal object
-    # Preemption (issue 19) plugs in here: True when a preemption plan would free room for
-    # the pod on an existing node, which then waits instead of asking for a node.
-    fits_by_preemption: Callable[[PodView, PodRequest], bool] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -102,8 +98,6 @@ class ScaleUp:
         freed = releasing(self.state.allocations.values(), live)
         snapshot = after_releases(self.state.snapshot(name_label=name_label), freed)
         verdict = classify(request, result, snapshot, self.policy, self.catalog)
-        if verdict.needs_node and self.fits_by_preemption and self.fits_by_preemption(pod, request):
-            verdict = Verdict(False, "fits on an existing node by preemption")
         if verdict.needs_node:
             self.waits.discard(pod.uid)
             if pod.uid not in self.needs:

@@ -37,6 +37,12 @@ class AllocatorSettings:
     agent_sweep_s: how often the leader checks the node agents' Leases (in `namespace`); a
       node whose agent has not renewed for the Lease's duration is left out of placement.
     scale_up: the autoscaler signal for pods no node can serve (docs/autoscaling.md).
+    preemption: evict lower-priority pods holding MIG slots for a pod that does not fit
+      (docs/allocator.md "Preemption"); off by default.
+    preempt_kueue_pods: Kueue-managed pods may be preemption victims (off: Kueue preempts
+      its own workloads).
+    preemption_wait_s: how long a preemptor waits for its victims' slices to be released
+      before it gives up and plans again without them.
     clock: injectable for tests.
     """
 
@@ -55,6 +61,9 @@ class AllocatorSettings:
     node_selector: str | None = None
     agent_sweep_s: float = 5.0
     scale_up: ScaleUpSettings = field(default_factory=ScaleUpSettings)
+    preemption: bool = False
+    preempt_kueue_pods: bool = False
+    preemption_wait_s: float = 180.0
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:
