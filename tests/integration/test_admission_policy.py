@@ -663,7 +663,7 @@ async def test_instaslice_evicts_pods_and_creates_no_other_subresource(
     allocator = users["allocator"]
     await _controller_policies_enforced(kube, allocator, namespace)
     pods = core_path("pods", namespace)
-    victim = await kube.create(pods, _wired_pod(namespace, "cvictim", gate=False, asks=False))
+    victim = await kube.create(pods, make_pod(container("main")))
     name = victim["metadata"]["name"]
     binding = {
         "apiVersion": "v1",

@@ -140,6 +140,8 @@ def test_rbac_manifest_grants_no_more_than_documented() -> None:
     assert rules == {
         # create: autoscaler placeholders (docs/autoscaling.md)
         "pods": {"get", "list", "watch", "update", "delete", "create"},
+        "pods/eviction": {"create"},  # preemption (the Eviction API keeps PDBs)
+        "poddisruptionbudgets": {"list", "watch"},  # which victims a PDB guards
         "nodes": {"get", "list", "watch"},
         "namespaces": {"get", "list", "watch"},  # only opted-in namespaces are served
         "events": {"create", "list", "watch"},  # list/watch: Karpenter's answers
