@@ -9,8 +9,9 @@ Covers: one ProvisioningRequest + PodTemplate per pod no node can serve, in the 
 namespace, owned by it, kept off the nodes that cannot serve it; the `ScaleUpRequested`,
 `ScaleUpFailed` (Failed condition) and `ScaleUpProvisioned` events; both objects deleted when
 the pod is placed on the new node, and when the pod is deleted while pending; no signal for a
-pod that fits. Leaves out: Karpenter (tests/e2e/test_autoscaling.py), the classification table
-(tests/unit/test_autoscale.py).
+pod that fits; no signal for a pod a preemption serves, one for a pod it cannot (the
+preemption/autoscaling interaction, docs/autoscaling.md). Leaves out: Karpenter
+(tests/e2e/test_autoscaling.py), the classification table (tests/unit/test_autoscale.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from common.clock import cancel_until_done
+from common.constants import REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, core_path, group_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
@@ -33,6 +35,13 @@ from tests.integration.allocator_fixtures import (
     ensure_crds,
     load_crds,
     wait_for,
+)
+from tests.integration.test_allocator_preemption import (
+    HIGH,
+    LOW,
+    create,
+    priority_classes,  # noqa: F401  (fixture)
+    release_holds,
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
@@ -186,3 +195,28 @@ async def test_no_signal_for_a_pod_that_fits(env: AllocatorEnv) -> None:
     await asyncio.sleep(1.5)  # three reconcile rounds past the delay
     assert await provreqs(env) == []
     assert await env.events("p", REASON_REQUESTED) == []
+
+
+@pytest.mark.usefixtures("priority_classes")
+async def test_no_signal_for_a_pod_a_preemption_serves(env: AllocatorEnv) -> None:
+    await env.add_node("n1")  # one H100: one 7g
+    env.start(
+        scale_up=ScaleUpSettings(mode=SignalMode.PROVISIONING_REQUEST, delay_s=0.5, interval_s=0.2),
+        preemption=True,
+    )
+    try:
+        await create(env, "low", LOW, "7g.80gb", hold=True)  # held: stays terminating
+        await env.wait_bound("low")
+        await create(env, "high", HIGH, "7g.80gb")
+        await env.wait_event("high", REASON_PREEMPTING)
+        await asyncio.sleep(1.5)  # three reconcile rounds past the delay; "low" still going
+        assert await provreqs(env) == []
+        assert await env.events("high", REASON_REQUESTED) == []
+        # the same ask at the lowest priority: nobody to evict, so it asks for a node
+        other = await create(env, "other", LOW, "7g.80gb")
+        (provreq,) = await wait_provreqs(env, 1, "a ProvisioningRequest for the pod")
+        assert provreq["metadata"]["ownerReferences"][0]["uid"] == other["metadata"]["uid"]
+        await release_holds(env)
+        await env.wait_bound("high")
+    finally:
+        await release_holds(env)
