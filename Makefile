@@ -13,7 +13,7 @@ FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
-        bench-agent-leases bench-latency chaos fuzz clean
+        bench-agent-leases bench-latency bench-autoscale chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -32,11 +32,12 @@ lint: install ## ruff check + ruff format --check + mypy --strict + import-linte
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins, helm and kueue
+kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins, helm, kueue and karpenter
 	hack/kube/build.sh
 	hack/kube/build-node.sh
 	hack/helm/build.sh
 	hack/kueue/build.sh
+	hack/karpenter/build.sh
 
 node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get when missing)
 	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ]; then :; else \
@@ -86,6 +87,9 @@ bench-placement: install ## placement quality and decision speed (no cluster); .
 
 bench-agent-leases: install ## the allocator's CPU for watching node-agent Leases (no cluster)
 	$(BIN)/python -m bench.agent_leases
+
+bench-autoscale: install kube-bins ## Karpenter: nodes created for a MIG burst vs the minimum, and scale-down
+	$(BIN)/python -m bench.autoscale
 
 bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
 	$(BIN)/python -m bench.latency --report .dev/bench

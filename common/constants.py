@@ -51,6 +51,8 @@ SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"
 MIG_NODE_KIND: Final = "MigNode"
 MIG_NODE_PLURAL: Final = "mignodes"
 NODE_LABEL: Final = "instaslice.io/node"
+# On an autoscaler placeholder pod or ProvisioningRequest: the uid of the gated pod it stands for.
+SCALE_UP_LABEL: Final = "instaslice.io/scale-up-for"
 RELEASE_FINALIZER: Final = "instaslice.io/release"
 CDI_FILE_PREFIX: Final = "instaslice.io-"
 # The node agent's heartbeat: a Lease named after the node in InstaSlice's namespace, held

@@ -41,10 +41,11 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
-from common.catalog import load_model_file
+from common.catalog import load_catalog, load_model_file
 from common.constants import BindingMode
 from common.kubeapi import harden
 from hack import kueue
+from hack.cluster import karpenter
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (
     ClusterSpec,
@@ -70,6 +71,7 @@ INSTALL = [
     "webhook/serviceaccount.yaml",
     "webhook/rbac.yaml",
     "allocator/rbac.yaml",
+    "allocator/priorityclass.yaml",
     "nodeagent/serviceaccount.yaml",
     "nodeagent/rbac.yaml",
     "nodeagent/policy.yaml",
@@ -157,6 +159,15 @@ class DevSystem:
             die_with_parent=die_with_parent,
         )
         _link_bin(dir, cp)
+        if spec.autoscaled_groups and not any(
+            a.startswith("--autoscaler-signal") for a in webhook_args
+        ):  # Karpenter acts on placeholder pods (docs/autoscaling.md)
+            webhook_args = [
+                *webhook_args,
+                "--autoscaler-signal=placeholder",
+                "--scale-up-delay=2",
+                "--karpenter-do-not-disrupt",
+            ]
         system = cls(
             dir,
             cp,
@@ -199,6 +210,8 @@ class DevSystem:
                 system.start_agent(die_with_parent=die_with_parent)
             if system.real is not None:
                 system.start_real_agent(die_with_parent=die_with_parent)
+            if spec.autoscaled_groups:
+                system.start_autoscaling(spec.autoscaled_groups, die_with_parent=die_with_parent)
             system.save()
             system.wait_ready()
         except BaseException:  # what this call started goes (a reused control plane stays)
@@ -220,8 +233,11 @@ class DevSystem:
                     docs.append(doc)
         body = yaml.safe_dump_all(docs)
         self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=body)
+        self._wait_crds(("sliceallocations.instaslice.io", "mignodes.instaslice.io"))
+
+    def _wait_crds(self, names: Sequence[str]) -> None:
         deadline = time.monotonic() + 60
-        for crd in ("sliceallocations.instaslice.io", "mignodes.instaslice.io"):
+        for crd in names:
             # `kubectl wait --for=condition=Established` fails outright while a new CRD has
             # no conditions yet, so read the condition until it is True
             jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
@@ -340,8 +356,33 @@ class DevSystem:
         ]
         self._spawn("nodeagent", argv, die_with_parent)
 
-    def _spawn(self, name: str, argv: list[str], die_with_parent: bool) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start_autoscaling(
+        self, groups: Sequence[NodeGroup], *, die_with_parent: bool = False
+    ) -> None:
+        """Karpenter's KWOK provider for the autoscaled `groups` (hack.cluster.karpenter) and
+        the process that serves their nodes as they come and go (hack.cluster.autonodes)."""
+        built = karpenter.karpenter_dir()
+        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(built / "crds"))
+        self._wait_crds(karpenter.CRD_NAMES)
+        types = self.dir / "karpenter-instance-types.json"
+        types.write_text(json.dumps(karpenter.instance_types(groups, load_catalog()), indent=1))
+        objs = yaml.safe_dump_all(karpenter.karpenter_objects(groups))
+        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=objs)
+        env = karpenter.karpenter_env(self.kubeconfig, types, free_port(), free_port())
+        self._spawn("karpenter", [str(built / "bin" / "karpenter-kwok")], die_with_parent, env)
+        argv = [
+            sys.executable, "-m", "hack.cluster.autonodes",
+            f"--kubeconfig={self.kubeconfig}", f"--emu-state={self.gpu_state}",
+            f"--cdi-root={self.dir / 'nodes'}", f"--logs={self.logs}", f"--namespace={NAMESPACE}",
+            *(f"--group={g.prefix}={g.model}:{g.gpus}:{g.mig_mode}" for g in groups),
+            "--", *self.agent_args,
+        ]  # fmt: skip
+        self._spawn("autonodes", argv, die_with_parent)
+
+    def _spawn(
+        self, name: str, argv: list[str], die_with_parent: bool, env: dict[str, str] | None = None
+    ) -> None:
+        env = dict(env or os.environ, PYTHONUNBUFFERED="1")
         popen, rec = spawn(
             name, argv, self.logs / f"{name}.log", env=env, die_with_parent=die_with_parent
         )
@@ -508,11 +549,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return 0
     t0 = time.monotonic()
-    system = DevSystem.up(args.dir, load_spec(args.spec))
+    spec = load_spec(args.spec)
+    system = DevSystem.up(args.dir, spec)
     real = "" if system.real is None else f" + real node {system.real.name} (kubelet+containerd)"
+    auto = "".join(
+        f" + autoscaled {g.prefix} (0..{g.autoscaled_max} nodes, Karpenter)"
+        for g in spec.autoscaled_groups
+    )
     print(
         f"InstaSlice is up in {time.monotonic() - t0:.1f}s on "
-        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}"
+        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}{auto}"
     )
     print(f"  kubeconfig: {system.kubeconfig}")
     print(

@@ -5,7 +5,9 @@ table-driven tests and hypothesis cover it completely and the HTTPS server stays
 
 What it decides, for a Pod CREATE in an opted-in namespace (the webhook configuration's
 namespaceSelector and matchConditions already filtered out everything else):
-- a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged;
+- a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged, and
+  so is an autoscaler placeholder (label `instaslice.io/scale-up-for`; the admission policy
+  lets only InstaSlice create one);
 - otherwise every MIG request is validated and each problem is reported with the container,
   the field and the reason; with none, the patch renames the resources to
   `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
@@ -49,6 +51,7 @@ from common.constants import (
     MEMORY_SLOTS_RESOURCE,
     NVIDIA_GPU,
     NVIDIA_MIG_PREFIX,
+    SCALE_UP_LABEL,
     SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
     WHOLE_GPU_PROFILE,
@@ -71,6 +74,9 @@ _MAX_PROBLEMS = 20
 
 Obj = dict[str, Any]
 Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
+
+# Karpenter leaves alone the node of a running pod carrying it (--karpenter-do-not-disrupt).
+DO_NOT_DISRUPT: Final = "karpenter.sh/do-not-disrupt"
 
 
 class GroupVersionKind(TypedDict):
@@ -257,6 +263,10 @@ def review(
         meta = {}
     if not isinstance(meta, dict):
         return malformed("object.metadata is not an object")
+    labels = meta.get("labels")
+    if isinstance(labels, dict) and SCALE_UP_LABEL in labels:
+        # The admission policy lets only InstaSlice create one, and it gets no device.
+        return Allowed("an autoscaler placeholder (docs/autoscaling.md)")
     namespace = request.get("namespace") or meta.get("namespace")
     if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):
         return malformed(f"namespace {_show(namespace)} is not a DNS-1123 label")
@@ -445,15 +455,17 @@ class _Rewrite:
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []
+        ours = {CLAIM_ANNOTATION: claim}
+        if self.settings.do_not_disrupt:
+            ours[DO_NOT_DISRUPT] = "true"
         if isinstance(self.meta.get("annotations"), dict):
-            path = f"/metadata/annotations/{_esc(CLAIM_ANNOTATION)}"
-            head.append({"op": "add", "path": path, "value": claim})
+            for key, value in ours.items():
+                path = f"/metadata/annotations/{_esc(key)}"
+                head.append({"op": "add", "path": path, "value": value})
         else:
             if not isinstance(self.pod.get("metadata"), dict):
                 head.append({"op": "add", "path": "/metadata", "value": {}})
-            head.append(
-                {"op": "add", "path": "/metadata/annotations", "value": {CLAIM_ANNOTATION: claim}}
-            )
+            head.append({"op": "add", "path": "/metadata/annotations", "value": ours})
         if not gated:
             gate = {"name": GATE_NAME}
             if gates is None:

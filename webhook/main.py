@@ -25,6 +25,12 @@ from common.kubeapi import Kube
 from common.metricsauth import MetricsAuth
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
+from webhook.allocator.autoscale import (
+    DEFAULT_PROVREQ_CLASS,
+    PLACEHOLDER_IMAGE,
+    ScaleUpSettings,
+    SignalMode,
+)
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.offered import OfferedProfiles, watch_mig_nodes
@@ -65,6 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
     p.add_argument(
+        "--autoscaler-signal",
+        choices=[m.value for m in SignalMode],
+        default=SignalMode.OFF.value,
+        help="how pods no node can serve ask for a new node (docs/autoscaling.md)",
+    )
+    p.add_argument("--scale-up-delay", type=float, default=30.0, metavar="S")
+    p.add_argument(
+        "--provisioning-class",
+        default=DEFAULT_PROVREQ_CLASS,
+        help="ProvisioningRequest class (--autoscaler-signal=provisioning-request)",
+    )
+    p.add_argument("--placeholder-image", default=PLACEHOLDER_IMAGE)
+    p.add_argument(
+        "--karpenter-do-not-disrupt",
+        action="store_true",
+        help="annotate rewritten pods karpenter.sh/do-not-disrupt=true (docs/autoscaling.md)",
+    )
+    p.add_argument(
         "--preemption",
         choices=["gpu", "off"],
         default="gpu",
@@ -104,7 +128,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             cert_file=a.cert_file,
             key_file=a.key_file,
             admission=AdmissionSettings.from_catalog(
-                BindingMode(a.binding_mode), slot_accounting=a.slot_accounting
+                BindingMode(a.binding_mode),
+                do_not_disrupt=a.karpenter_do_not_disrupt,
+                slot_accounting=a.slot_accounting,
             ),
             host=a.host,
             port=a.port,
@@ -118,6 +144,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
             policy=Policy(a.policy),
             node_selector=a.node_selector,
+            scale_up=ScaleUpSettings(
+                mode=SignalMode(a.autoscaler_signal),
+                delay_s=a.scale_up_delay,
+                provisioning_class=a.provisioning_class,
+                image=a.placeholder_image,
+            ),
             preemption=a.preemption == "gpu",
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,

@@ -23,13 +23,16 @@ class AdmissionSettings:
     refused as an unknown profile, with the list of `cluster_profiles` (what the nodes
     published; the catalog's when none did). `max_count`: the largest count accepted for one
     resource of one container — far above any real node (8 GPUs x 7 slices), it only keeps
-    absurd numbers out of the allocator.
+    absurd numbers out of the allocator. `do_not_disrupt`: also annotate every rewritten pod
+    `karpenter.sh/do-not-disrupt: "true"`: a pod holding a slice cannot move with it, so
+    Karpenter must not consolidate its node while it runs (docs/autoscaling.md).
     """
 
     known_profiles: frozenset[str]
     binding_mode: BindingMode = BindingMode.ENV
     max_count: int = 1024
     cluster_profiles: frozenset[str] = frozenset()
+    do_not_disrupt: bool = False
     # --slot-accounting: add instaslice.io/memory-slots to slice-asking containers (docs/kueue.md)
     slot_accounting: bool = False
     # what size-based asks and slot charges are resolved against
@@ -37,12 +40,17 @@ class AdmissionSettings:
 
     @classmethod
     def from_catalog(
-        cls, binding_mode: BindingMode = BindingMode.ENV, *, slot_accounting: bool = False
+        cls,
+        binding_mode: BindingMode = BindingMode.ENV,
+        *,
+        do_not_disrupt: bool = False,
+        slot_accounting: bool = False,
     ) -> AdmissionSettings:
         catalog = load_catalog()
         return cls(
             known_profiles=catalog.profile_names(),
             binding_mode=binding_mode,
+            do_not_disrupt=do_not_disrupt,
             slot_accounting=slot_accounting,
             catalog=catalog,
         )

@@ -78,6 +78,7 @@ class NodeGroup:
     taints: tuple[Taint, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     runtime: Runtime = "kwok"  # containerd: a real kubelet + containerd node (count 1)
+    autoscaled_max: int | None = None  # `autoscaled: {max: N}`: the autoscaler makes its nodes
     # A GPU model defined by a table file (in no catalog); `model` is then its name.
     model_file: Path | None = None
 
@@ -100,6 +101,10 @@ class ClusterSpec:
     @property
     def kwok_groups(self) -> tuple[NodeGroup, ...]:
         return tuple(g for g in self.groups if not g.real)
+
+    @property
+    def autoscaled_groups(self) -> tuple[NodeGroup, ...]:
+        return tuple(g for g in self.groups if g.autoscaled_max is not None)
 
     @property
     def real_group(self) -> NodeGroup | None:
@@ -140,6 +145,16 @@ def _group(i: int, e: Mapping[str, Any], base: Path | None = None) -> NodeGroup:
             f"{where}.count: a runtime: containerd group is one real node on this machine; "
             f"count must be 1, not {count}"
         )
+    autoscaled_max = None
+    if (auto := e.get("autoscaled")) is not None:
+        if not isinstance(auto, Mapping) or not isinstance(auto.get("max"), int) or auto["max"] < 1:
+            raise SpecError(f"{where}.autoscaled: must be {{max: N}} with an integer N >= 1")
+        if count != 0 or runtime != "kwok":
+            raise SpecError(
+                f"{where}.count: an autoscaled group starts with no nodes (count: 0, KWOK); "
+                f"the autoscaler creates them"
+            )
+        autoscaled_max = int(auto["max"])
     taints = []
     for j, t in enumerate(e.get("taints") or []):
         if t.get("effect") not in _EFFECTS or not t.get("key"):
@@ -157,6 +172,7 @@ def _group(i: int, e: Mapping[str, Any], base: Path | None = None) -> NodeGroup:
         taints=tuple(taints),
         labels={str(k): str(v) for k, v in (e.get("labels") or {}).items()},
         runtime=runtime,
+        autoscaled_max=autoscaled_max,
         model_file=model_file,
     )
 

@@ -32,6 +32,7 @@ from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
     GATE_NAME,
+    SCALE_UP_LABEL,
     VISIBLE_DEVICES_ENV,
     WHOLE_GPU_KEY,
 )
@@ -51,6 +52,8 @@ from tests.integration.webhook_fixtures import (
     opted_in_namespace,
     webhook,
 )
+from webhook.allocator import pods as podlib
+from webhook.allocator.autoscale import placeholder_pod
 
 __all__ = ["kube", "webhook"]  # fixtures, imported for pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -157,6 +160,8 @@ async def users(control_plane: ControlPlane, kube: Kube) -> AsyncIterator[dict[s
         "rules": [
             {"apiGroups": [""], "resources": ["pods", "pods/ephemeralcontainers", "pods/status"],
              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+            {"apiGroups": [""], "resources": ["pods/eviction", "pods/binding"],
+             "verbs": ["create"]},
             {"apiGroups": [""], "resources": ["namespaces"],
              "verbs": ["get", "list", "watch", "patch", "update"]},
         ],
@@ -593,6 +598,94 @@ async def test_instaslice_deletes_only_pods_with_a_claim(
     assert await kube.get(plain_path)
     claimed = await kube.create(pods, _wired_pod(namespace, "cgone", asks=False))
     await allocator.delete(core_path("pods", namespace, claimed["metadata"]["name"]))
+
+
+async def test_placeholder_is_the_only_pod_instaslice_creates(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """An autoscaler placeholder (docs/autoscaling.md) asks for instaslice.io/mig-* without
+    the gate; InstaSlice may create exactly that shape, nobody else may create it at all."""
+    await _opt_in(kube, namespace)
+    allocator, mallory = users["allocator"], users["mallory"]
+    await _controller_policies_enforced(kube, allocator, namespace)
+    pods = core_path("pods", namespace)
+    classes = group_path("scheduling.k8s.io/v1", "priorityclasses")
+    higher = {"metadata": {"name": "it-high"}, "value": 1000}
+    for doc in [*load_manifest("allocator/priorityclass.yaml"), higher]:
+        try:
+            await kube.create(classes, doc)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+    owner = await kube.create(pods, _wired_pod(namespace, "cowner", asks=False))
+
+    def placeholder(**spec: object) -> Obj:
+        body = placeholder_pod(owner, podlib.pod_request(owner), ["n1"], image="busybox")
+        body["spec"]["containers"][0]["resources"] = {"limits": {ISL: "1"}}
+        body["spec"].update(spec)
+        return body
+
+    made = await allocator.create(pods, placeholder())
+    assert not made["spec"].get("schedulingGates")
+    bad_container = {"name": "placeholder", "image": "busybox", "resources": {"limits": {ISL: "1"}}}
+    for why, body in (
+        ("a command", placeholder(containers=[{**bad_container, "command": ["sh"]}])),
+        ("env", placeholder(containers=[{**bad_container, "env": [{"name": "A", "value": "1"}]}])),
+        ("a volume", placeholder(volumes=[{"name": "v", "emptyDir": {}}])),
+        ("host network", placeholder(hostNetwork=True)),
+        ("a token", placeholder(automountServiceAccountToken=True)),
+        ("two containers", placeholder(containers=[bad_container, {**bad_container, "name": "b"}])),
+        ("a higher priority", placeholder(priorityClassName="it-high")),
+    ):
+        body["metadata"]["name"] = f"bad-{secrets.token_hex(3)}"
+        with pytest.raises(ApiError) as exc:
+            await allocator.create(pods, body, dryRun="All")
+        assert CONTROLLER_PODS in exc.value.message, why
+    unlabelled = placeholder()
+    del unlabelled["metadata"]["labels"][SCALE_UP_LABEL]
+    unlabelled["metadata"]["name"] = "unlabelled"
+    with pytest.raises(ApiError) as exc:  # both policies refuse it
+        await allocator.create(pods, unlabelled, dryRun="All")
+    assert CONTROLLER_PODS in exc.value.message or POLICY_DENIED in exc.value.message
+    forged = placeholder()
+    forged["metadata"]["name"] = "forged"
+    with pytest.raises(ApiError) as exc:  # a user cannot skip the gate with the label
+        await mallory.create(pods, forged, dryRun="All")
+    assert POLICY_DENIED in exc.value.message and "must carry" in exc.value.message
+    await allocator.delete(core_path("pods", namespace, made["metadata"]["name"]))
+
+
+async def test_instaslice_evicts_pods_and_creates_no_other_subresource(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """Preemption evicts through pods/eviction (docs/allocator.md "Preemption"); the same
+    CREATE rule that lets placeholders through refuses every other pod subresource."""
+    allocator = users["allocator"]
+    await _controller_policies_enforced(kube, allocator, namespace)
+    pods = core_path("pods", namespace)
+    victim = await kube.create(pods, make_pod(container("main")))
+    name = victim["metadata"]["name"]
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"},
+    }
+    with pytest.raises(ApiError) as exc:
+        await allocator.create(core_path("pods", namespace, name) + "/binding", binding)
+    assert CONTROLLER_PODS in exc.value.message and "pods/binding" in exc.value.message
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    await allocator.create(core_path("pods", namespace, name) + "/eviction", eviction)
+    try:
+        got = await kube.get(core_path("pods", namespace, name))
+    except ApiError as err:
+        assert err.status == 404
+    else:
+        assert got["metadata"].get("deletionTimestamp")
 
 
 async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(

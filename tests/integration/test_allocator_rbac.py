@@ -138,10 +138,15 @@ def test_rbac_manifest_grants_no_more_than_documented() -> None:
             for resource in rule["resources"]:
                 rules.setdefault(resource, set()).update(rule["verbs"])
     assert rules == {
-        "pods": {"get", "list", "watch", "update", "delete"},
+        # create: autoscaler placeholders (docs/autoscaling.md)
+        "pods": {"get", "list", "watch", "update", "delete", "create"},
+        "pods/eviction": {"create"},  # preemption (the Eviction API keeps PDBs)
+        "poddisruptionbudgets": {"list", "watch"},  # which victims a PDB guards
         "nodes": {"get", "list", "watch"},
         "namespaces": {"get", "list", "watch"},  # only opted-in namespaces are served
-        "events": {"create"},
+        "events": {"create", "list", "watch"},  # list/watch: Karpenter's answers
+        "podtemplates": {"create", "delete"},  # --autoscaler-signal=provisioning-request
+        "provisioningrequests": {"get", "list", "watch", "create", "delete"},
         "mignodes": {"get", "list", "watch"},
         # no update: the spec is immutable, status is the agent's, the finalizer goes by patch
         "sliceallocations": {"get", "list", "watch", "create", "patch", "delete"},

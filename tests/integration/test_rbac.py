@@ -113,6 +113,8 @@ UNIVERSE: tuple[Res, ...] = (
     ("", "serviceaccounts", "token", NS),
     ("", "services", "", NS),
     ("", "persistentvolumes", "", ""),
+    ("", "podtemplates", "", "team-a"),
+    ("autoscaling.x-k8s.io", "provisioningrequests", "", "team-a"),
     ("events.k8s.io", "events", "", "team-a"),
     ("coordination.k8s.io", "leases", "", NS),
     ("coordination.k8s.io", "leases", "", "kube-node-lease"),
@@ -145,12 +147,16 @@ SPECIAL: tuple[tuple[str, str, str], ...] = (
 )
 
 CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
-    ("", "pods", ""): {"get", "list", "watch", "update", "delete"},  # pin+ungate; unstick
+    # pin+ungate; unstick; create: autoscaler placeholders (the controller policy confines it)
+    ("", "pods", ""): {"get", "list", "watch", "update", "delete", "create"},
     ("", "pods", "eviction"): {"create"},  # preemption (the Eviction API keeps PDBs)
     ("policy", "poddisruptionbudgets", ""): {"list", "watch"},  # which victims a PDB guards
     ("", "nodes", ""): {"get", "list", "watch"},
     ("", "namespaces", ""): {"get", "list", "watch", "patch"},  # the opt-in label mirror
-    ("", "events", ""): {"create"},
+    ("", "events", ""): {"create", "list", "watch"},  # list/watch: Karpenter's answers
+    ("", "podtemplates", ""): {"create", "delete"},  # --autoscaler-signal=provisioning-request
+    ("autoscaling.x-k8s.io", "provisioningrequests", ""): {"get", "list", "watch", "create"}
+    | {"delete"},
     ("instaslice.io", "mignodes", ""): {"get", "list", "watch"},
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "create", "patch"}
     | {"delete"},

@@ -22,7 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.catalog import load_catalog
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV, BindingMode
+from common.constants import (
+    CLAIM_ANNOTATION,
+    GATE_NAME,
+    SCALE_UP_LABEL,
+    VISIBLE_DEVICES_ENV,
+    BindingMode,
+)
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
 from webhook.admission import (
@@ -298,6 +304,30 @@ def test_subresource_is_allowed() -> None:
 def test_pod_without_mig_is_allowed_even_if_otherwise_odd() -> None:
     pod = make_pod(container(env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}]), node_name="n1")
     assert decide(pod) == Allowed("no MIG request")
+
+
+def test_do_not_disrupt_annotation_when_asked() -> None:
+    pod = make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"}))
+    s = AdmissionSettings.from_catalog(BindingMode.ENV, do_not_disrupt=True)
+    _, out = patched(pod, s)
+    assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    pod["metadata"]["annotations"] = {"team": "a"}
+    _, out = patched(pod, s)
+    assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    assert out["metadata"]["annotations"]["team"] == "a"
+    _, plain = patched(make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"})))
+    assert "karpenter.sh/do-not-disrupt" not in plain["metadata"]["annotations"]
+
+
+def test_an_autoscaler_placeholder_passes_unchanged() -> None:
+    """Its instaslice.io/mig-* asks stand for a gated pod's demand (docs/autoscaling.md); the
+    admission policy lets only InstaSlice create one. A label on a malformed labels field
+    is not read as one."""
+    pod = make_pod(container(limits={"instaslice.io/mig-3g.40gb": "1"}))
+    pod["metadata"]["labels"] = {SCALE_UP_LABEL: "uid-1"}
+    assert decide(pod) == Allowed("an autoscaler placeholder (docs/autoscaling.md)")
+    pod["metadata"]["labels"] = [SCALE_UP_LABEL]
+    assert decide(pod) != Allowed("an autoscaler placeholder (docs/autoscaling.md)")
 
 
 # --- denials -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from common.constants import (
     GATE_NAME,
     LEASE_API_VERSION,
     MIG_NODE_PLURAL,
+    SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -56,6 +57,7 @@ from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer, PreemptionSettings
 from webhook.allocator.preemption import Budgets
+from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
@@ -118,6 +120,18 @@ class Controller:
                 wait_s=settings.preemption_wait_s,
                 now=self.clock.monotonic,
             )
+        self.scale_up = ScaleUp(
+            kube,
+            elector,
+            self.state,
+            settings.scale_up,
+            settings.policy,
+            self.catalog,
+            self.clock,
+            tell=self._event,
+        )
+        if self.scale_up.on:
+            self.placer.pendings = self.scale_up
         self.steps = Steps(
             Writes(kube, elector, self.clock),
             self.state,
@@ -188,6 +202,8 @@ class Controller:
             await informer.synced.wait()
 
     async def _on_pod(self, etype: EventType, obj: Obj) -> None:
+        if SCALE_UP_LABEL in (obj.get("metadata", {}).get("labels") or {}):
+            return  # a placeholder stands for demand: it must not hold a node's cpu in our model
         uid = podlib.uid(obj)
         if etype == "DELETED":
             self.state.remove_pod(obj)
@@ -306,6 +322,7 @@ class Controller:
                 tg.create_task(self._placement_loop(), name="placer")
                 tg.create_task(self._timer_loop(), name="timer")
                 tg.create_task(self._agents_loop(), name="agents")
+                tg.create_task(self.scale_up.run(), name="scale-up")
         finally:
             self.step_down()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -45,6 +45,16 @@ SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" pri
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
 
 
+class Pendings(Protocol):
+    """Told of each pending verdict and each decision (webhook.allocator.scaleup)."""
+
+    def pending(
+        self, pod: PodView, request: PodRequest, result: Pending, name_label: bool
+    ) -> None: ...
+
+    def placed(self, uid: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class PreemptionSettings:
     budgets: Budgets  # the PodDisruptionBudgets, kept by a watch
@@ -63,6 +73,7 @@ class Placer:
     kick: Callable[[str], None]  # the pod's worker carries the decision out
     tell: Tell
     queue: PlacementQueue = field(default_factory=PlacementQueue)
+    pendings: Pendings | None = None  # the autoscaler signal, when on
     preemption: PreemptionSettings | None = None  # None: preemption off
 
     def place_queued(self) -> None:
@@ -114,9 +125,18 @@ class Placer:
                 if sized or is_whole(request)
                 else self.preempt(pod, track, request, snapshot, result)
             )
-            if told is not None:
-                self.park(pod, *told)
+            if told is None:  # a preemption is planned: room on an existing node, no new one
+                if self.pendings is not None:
+                    self.pendings.placed(uid)
+                return
+            # Only what preemption cannot serve asks the autoscaler for a node; size-based and
+            # whole-GPU asks do not (docs/autoscaling.md "Preemption, sizes, whole GPUs").
+            if self.pendings is not None and not sized and not is_whole(request):
+                self.pendings.pending(pod, request, result, name_label)
+            self.park(pod, *told)
             return
+        if self.pendings is not None:
+            self.pendings.placed(uid)
         body = self.allocation_for(pod, result)
         self.state.assume(body)
         track.create = body

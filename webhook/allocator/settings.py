@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock
 from common.placement import Policy
+from webhook.allocator.autoscale import ScaleUpSettings
 from webhook.allocator.leader import LEASE_NAME, LeaseSettings
 
 
@@ -35,6 +36,7 @@ class AllocatorSettings:
       (a cluster partition, or a test's own nodes). Pods are watched cluster-wide regardless.
     agent_sweep_s: how often the leader checks the node agents' Leases (in `namespace`); a
       node whose agent has not renewed for the Lease's duration is left out of placement.
+    scale_up: the autoscaler signal for pods no node can serve (docs/autoscaling.md).
     preemption: evict lower-priority pods holding MIG slots for a pod that does not fit
       (docs/allocator.md "Preemption"); off by default.
     preempt_kueue_pods: Kueue-managed pods may be preemption victims (off: Kueue preempts
@@ -58,6 +60,7 @@ class AllocatorSettings:
     max_backoff_s: float = 30.0
     node_selector: str | None = None
     agent_sweep_s: float = 5.0
+    scale_up: ScaleUpSettings = field(default_factory=ScaleUpSettings)
     preemption: bool = False
     preempt_kueue_pods: bool = False
     preemption_wait_s: float = 180.0

@@ -1,0 +1,158 @@
+"""Autoscaling with Karpenter, for real: the whole system with one autoscaled H100-80GB group
+of no nodes (`count: 0`, `autoscaled: {max: 3}`), Karpenter's KWOK provider
+(hack/karpenter/build.sh) and the emulated agents that serve its nodes as they come
+(hack.cluster.autonodes). Own system (module fixture): the shared one's nodes are fixed.
+
+Covers: one pod asking `nvidia.com/mig-3g.40gb` gets a new node, a slice on it and runs
+(annotated `karpenter.sh/do-not-disrupt`, so Karpenter does not consolidate it away), its
+placeholder goes, and the empty node is removed with nothing of InstaSlice left; a burst
+larger than one node gets exactly the fewest nodes that serve it (bench.autoscale.run_burst,
+nodes created == minimum) and they all go afterwards; a pod no instance type can serve is
+told `ScaleUpFailed` with Karpenter's reason. Leaves out cluster-autoscaler
+(tests/integration/test_provisioning_request.py) and the number at scale (bench/autoscale.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bench.autoscale import leftovers, pod, run_burst, spec
+from common.constants import ENABLED_KEY, NODE_LABEL
+from common.kubeapi import Kube, core_path, instaslice_path
+from hack.cluster.karpenter import GROUP_LABEL
+from hack.dev import DevSystem
+from tests.e2e.conftest import running_system
+from tests.e2e.helpers import wait_for, wait_opted_in
+from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+GPUS = 2  # a node serves 2 x GPUS 3g.40gb pods
+
+
+@pytest.fixture(scope="module")
+def auto(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    where = tmp_path_factory.mktemp("autoscaling")
+    with running_system(request.config, where, spec(GPUS, 3)) as started:
+        yield started
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def akube(auto: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(auto.kubeconfig)) as k:
+        yield k
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ns(akube: Kube) -> AsyncIterator[str]:
+    created = await akube.create(
+        core_path("namespaces"),
+        {"metadata": {"generateName": "auto-", "annotations": {ENABLED_KEY: "true"}}},
+    )
+    name: str = created["metadata"]["name"]
+    await wait_for(akube, core_path("serviceaccounts", name), lambda s: "default" in s, what="SA")
+    await wait_opted_in(akube, name)
+    try:
+        yield name
+    finally:
+        await akube.delete_ignore_missing(core_path("namespaces", name=name))
+
+
+async def events(kube: Kube, ns: str, pod_name: str) -> list[dict[str, Any]]:
+    listing = await kube.list(
+        core_path("events", ns), fieldSelector=f"involvedObject.name={pod_name}"
+    )
+    return list(listing["items"])
+
+
+async def group_nodes(kube: Kube) -> list[str]:
+    listing = await kube.list(core_path("nodes"), labelSelector=GROUP_LABEL)
+    return [n["metadata"]["name"] for n in listing["items"]]
+
+
+def running(name: str) -> Any:
+    def check(pods: dict[str, Any]) -> Any:
+        p = pods.get(name)
+        return p if p is not None and p.get("status", {}).get("phase") == "Running" else None
+
+    return check
+
+
+async def test_one_pod_gets_a_new_node_a_slice_and_runs(akube: Kube, ns: str) -> None:
+    assert await group_nodes(akube) == []  # the group starts with no node
+    await akube.create(core_path("pods", ns), pod("one"))
+    ran = await wait_for(
+        akube, core_path("pods", ns), running("one"), what="pod one Running", timeout_s=180
+    )
+    node = ran["spec"]["nodeName"]
+    # dev-up runs the webhook with --karpenter-do-not-disrupt: Karpenter leaves the node be
+    assert ran["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    assert await group_nodes(akube) == [node]  # the node Karpenter made for it
+    (alloc,) = (await akube.list(instaslice_path("sliceallocations", ns)))["items"]
+    assert alloc["metadata"]["labels"][NODE_LABEL] == node
+    assert alloc["status"]["phase"] == "Ready"
+    assert [s["profile"] for s in alloc["spec"]["slices"]] == ["3g.40gb"]
+    assert REASON_REQUESTED in [e["reason"] for e in await events(akube, ns, "one")]
+    await wait_for(
+        akube,
+        core_path("pods", ns),
+        lambda pods: sorted(pods) == ["one"],
+        what="the placeholder deleted once the pod is placed",
+    )
+    await akube.delete_ignore_missing(core_path("pods", ns, "one"))
+    await wait_for(
+        akube,
+        core_path("nodes"),
+        lambda nodes: node not in nodes,
+        what=f"empty node {node} removed by Karpenter",
+        timeout_s=180,
+    )
+    left = await leftovers(akube, ns, {node})
+    deadline = time.monotonic() + 30  # the node's agent, MigNode and Lease go just after it
+    while any(left.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        left = await leftovers(akube, ns, {node})
+    assert not any(left.values()), left
+
+
+async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(akube: Kube, ns: str) -> None:
+    result = await run_burst(akube, ns, pods=2 * GPUS + 1, per_node=2 * GPUS, timeout_s=240)
+    assert result["nodes_created"] == result["nodes_minimum"] == 2, result
+    assert not any(result["left_behind"].values()), result
+
+
+def told_failed(pod_name: str) -> Any:
+    def check(evs: dict[str, Any]) -> Any:
+        return next(
+            (
+                e
+                for e in evs.values()
+                if e["reason"] == REASON_FAILED and e["involvedObject"]["name"] == pod_name
+            ),
+            None,
+        )
+
+    return check
+
+
+async def test_a_pod_no_instance_type_serves_is_told_why(akube: Kube, ns: str) -> None:
+    body = pod("a100-only")  # 1g.5gb: only A100-40GB offers it; the group is H100-80GB
+    body["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/mig-1g.5gb": 1}
+    await akube.create(core_path("pods", ns), body)
+    failed = await wait_for(
+        akube,
+        core_path("events", ns),
+        told_failed("a100-only"),
+        what="ScaleUpFailed",
+        timeout_s=120,
+    )
+    assert failed["type"] == "Warning" and failed["message"].startswith("Karpenter: ")
+    assert await group_nodes(akube) == []

@@ -1,0 +1,283 @@
+"""Autoscaler signal, the pure part: which pending pods need a new node, and what to ask for.
+
+A gated pod is invisible to cluster-autoscaler and Karpenter: both act only on pods the
+kube-scheduler marked `Unschedulable`, and InstaSlice's gate keeps its pods away from the
+scheduler until a slice exists (docs/autoscaling.md). So the allocator tells them itself:
+
+- `classify` sorts a pod the placement engine left pending into *waits* (it would fit on an
+  existing node once the slices being released are gone, or it is pending for a reason no
+  node can cure: an invalid request, agents down) and *needs a node* (no existing node can
+  serve it now: capacity, whatever the engine's capacity reason — Full, Fragmented,
+  NodeResources, NoProfile, GpuUnavailable, NoMatchingNode);
+- `placeholder_pod` renders the Karpenter signal: an ungated pod asking for what the new node
+  must offer (the pod's cpu/memory and `instaslice.io/mig-*` counts, its node selector,
+  affinity and tolerations) and kept off every node the allocator already tried
+  (`kubernetes.io/hostname NotIn`), owned by the real pod;
+- `provisioning_request` renders the cluster-autoscaler signal: a PodTemplate of the same
+  shape and a ProvisioningRequest (`autoscaling.x-k8s.io/v1`) naming it.
+
+No I/O and no clock: `webhook.allocator.scaleup` keeps the records, writes and withdraws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from common.allocation import SliceAllocation
+from common.catalog import Catalog
+from common.constants import SCALE_UP_LABEL
+from common.placement import Pending, PendingReason, PodRequest, Policy, Snapshot, place
+from common.profiles import instaslice_resource
+
+Obj = dict[str, Any]
+
+PLACEHOLDER_IMAGE: Final = "registry.k8s.io/pause:3.10"
+# Lowest priority, preemptionPolicy Never (manifests/base/allocator/priorityclass.yaml): a real
+# pod pinned where a placeholder holds room preempts it; a placeholder never preempts.
+PLACEHOLDER_PRIORITY_CLASS: Final = "instaslice-placeholder"
+PROVREQ_API_VERSION: Final = "autoscaling.x-k8s.io/v1"
+DEFAULT_PROVREQ_CLASS: Final = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
+HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
+REASON_REQUESTED: Final = "ScaleUpRequested"  # Normal: a signal was raised for this pod
+REASON_FAILED: Final = "ScaleUpFailed"  # Warning: the autoscaler said it cannot
+REASON_PROVISIONED: Final = "ScaleUpProvisioned"  # Normal: ProvisioningRequest Provisioned
+
+# The engine's reasons a new node can cure. NoMatchingNode qualifies: with no node of a
+# group yet (count 0), nothing matches the pod's selector until the autoscaler makes one.
+# NeedsMigModeChange qualifies: it fits today only on a GPU needing a reset InstaSlice never
+# does, so a new node (its GPUs in MIG mode, or switchable) is what serves it.
+CAPACITY_REASONS: Final = frozenset(
+    {
+        PendingReason.FULL,
+        PendingReason.FRAGMENTED,
+        PendingReason.NODE_RESOURCES,
+        PendingReason.NO_PROFILE,
+        PendingReason.GPU_UNAVAILABLE,
+        PendingReason.NO_MATCHING_NODE,
+        PendingReason.NEEDS_MIG_MODE_CHANGE,
+    }
+)
+
+
+class SignalMode(StrEnum):
+    OFF = "off"
+    PLACEHOLDER = "placeholder"  # Karpenter (and cluster-autoscaler without ProvisioningRequest)
+    PROVISIONING_REQUEST = "provisioning-request"  # cluster-autoscaler
+
+
+@dataclass(frozen=True)
+class ScaleUpSettings:
+    """mode: which signal (off: none). delay_s: how long a pod must need a node before the
+    signal is raised. interval_s: how often signals are reconciled. provisioning_class: the
+    ProvisioningRequest class. image: the placeholder's (never run on a real node: it is
+    deleted when the real pod is placed, and asks for no device)."""
+
+    mode: SignalMode = SignalMode.OFF
+    delay_s: float = 30.0
+    interval_s: float = 1.0
+    provisioning_class: str = DEFAULT_PROVREQ_CLASS
+    image: str = PLACEHOLDER_IMAGE
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    needs_node: bool
+    why: str
+
+
+def releasing(
+    allocations: Iterable[SliceAllocation], live_pod: Mapping[str, bool]
+) -> dict[str, set[tuple[int, int, int]]]:
+    """node → {(gpu index, start, size)} of the slices whose release is under way: the
+    allocation is being deleted, or its pod finished or is gone (`live_pod[uid]` False/absent)."""
+    out: dict[str, set[tuple[int, int, int]]] = {}
+    for a in allocations:
+        if a.deleting or not live_pod.get(a.pod_uid, False):
+            for s in a.slices:
+                if s.gpu_index is not None:
+                    out.setdefault(a.node, set()).add((s.gpu_index, s.start, s.size))
+    return out
+
+
+def after_releases(
+    snapshot: Snapshot, freed: Mapping[str, Collection[tuple[int, int, int]]]
+) -> Snapshot:
+    """`snapshot` with the slots of `freed` (see `releasing`) shown free."""
+    if not freed:
+        return snapshot
+    nodes = []
+    for n in snapshot.nodes:
+        gone = freed.get(n.name)
+        if gone:
+            gpus = tuple(
+                dataclasses.replace(
+                    g,
+                    occupied=tuple(o for o in g.occupied if (g.index, o.start, o.size) not in gone),
+                )
+                for g in n.gpus
+            )
+            n = dataclasses.replace(n, gpus=gpus)
+        nodes.append(n)
+    return Snapshot(nodes=tuple(nodes))
+
+
+def classify(
+    request: PodRequest,
+    result: Pending,
+    freed_snapshot: Snapshot,
+    policy: Policy,
+    catalog: Catalog,
+) -> Verdict:
+    """Does this pending pod need a new node? `freed_snapshot`: the snapshot it was refused
+    on, with the slices being released shown free (`after_releases`)."""
+    if result.reason not in CAPACITY_REASONS:
+        return Verdict(False, f"pending for {result.reason.value}, which a new node does not cure")
+    if not isinstance(place(freed_snapshot, request, policy, catalog), Pending):
+        return Verdict(False, "fits on an existing node once the slices being released are gone")
+    return Verdict(True, f"no existing node can serve it now ({result.reason.value})")
+
+
+def signal_name(pod_uid: str) -> str:
+    """One signal per pod, named after its uid: a create that raced is a 409, not a twin."""
+    return f"instaslice-scale-up-{pod_uid}"
+
+
+def _owner(pod: Obj) -> Obj:
+    meta = pod["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "blockOwnerDeletion": False,
+    }
+
+
+def _requests(request: PodRequest) -> dict[str, str]:
+    out: dict[str, int] = {}
+    for s in request.slices:
+        res = instaslice_resource(s.profile)
+        out[res] = out.get(res, 0) + s.count
+    asks = {k: str(v) for k, v in sorted(out.items())}
+    if request.cpu_millis:
+        asks["cpu"] = f"{request.cpu_millis}m"
+    if request.memory_bytes:
+        asks["memory"] = str(request.memory_bytes)
+    return asks
+
+
+def _affinity(pod: Obj, avoid: Sequence[str]) -> Obj | None:
+    """The pod's required node affinity, each term also keeping off the nodes in `avoid`.
+    InstaSlice's own pin (matchFields metadata.name) is never there: the pod is gated."""
+    spec = pod.get("spec") or {}
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]
+    if avoid:
+        keep_off = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(avoid)}
+        for t in terms:
+            t["matchExpressions"] = [*(t.get("matchExpressions") or []), keep_off]
+    terms = [t for t in terms if t]
+    if not terms:
+        return None
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
+        }
+    }
+
+
+def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], image: str) -> Obj:
+    spec = pod.get("spec") or {}
+    asks = _requests(request)
+    out: Obj = {
+        "containers": [
+            {
+                "name": "placeholder",
+                "image": image,
+                "resources": {
+                    "requests": asks,
+                    "limits": {k: v for k, v in asks.items() if k.startswith("instaslice.io/")},
+                },
+            }
+        ],
+        "priorityClassName": PLACEHOLDER_PRIORITY_CLASS,
+        "terminationGracePeriodSeconds": 0,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if spec.get("nodeSelector"):
+        out["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        out["tolerations"] = list(spec["tolerations"])
+    affinity = _affinity(pod, avoid)
+    if affinity is not None:
+        out["affinity"] = affinity
+    return out
+
+
+def _meta(pod: Obj, kind: str) -> Obj:
+    meta = pod["metadata"]
+    return {
+        "name": signal_name(meta["uid"]),
+        "namespace": meta["namespace"],
+        "labels": {SCALE_UP_LABEL: meta["uid"], "app.kubernetes.io/managed-by": "instaslice"},
+        "annotations": {"instaslice.io/scale-up-pod": meta["name"], "instaslice.io/kind": kind},
+        "ownerReferences": [_owner(pod)],
+    }
+
+
+def placeholder_pod(
+    pod: Obj, request: PodRequest, avoid: Sequence[str], image: str = PLACEHOLDER_IMAGE
+) -> Obj:
+    """The Karpenter signal for gated `pod`: see the module docstring."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(pod, "placeholder"),
+        "spec": _pod_spec(pod, request, avoid, image),
+    }
+
+
+def provisioning_request(
+    pod: Obj,
+    request: PodRequest,
+    avoid: Sequence[str],
+    provisioning_class: str = DEFAULT_PROVREQ_CLASS,
+    image: str = PLACEHOLDER_IMAGE,
+) -> tuple[Obj, Obj]:
+    """(PodTemplate, ProvisioningRequest) asking cluster-autoscaler for one new node's worth
+    of what `pod` needs; both owned by the pod, both named `signal_name(uid)`."""
+    name = signal_name(pod["metadata"]["uid"])
+    template = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": _meta(pod, "provisioning-request"),
+        "template": {
+            "metadata": {"labels": {SCALE_UP_LABEL: pod["metadata"]["uid"]}},
+            "spec": _pod_spec(pod, request, avoid, image),
+        },
+    }
+    provreq = {
+        "apiVersion": PROVREQ_API_VERSION,
+        "kind": "ProvisioningRequest",
+        "metadata": _meta(pod, "provisioning-request"),
+        "spec": {
+            "provisioningClassName": provisioning_class,
+            "podSets": [{"podTemplateRef": {"name": name}, "count": 1}],
+        },
+    }
+    return template, provreq
+
+
+def condition(obj: Obj, type_: str) -> Obj | None:
+    """The status condition of `type_` that is True, if any (ProvisioningRequest)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return dict(c)
+    return None
