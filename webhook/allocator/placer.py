@@ -84,8 +84,11 @@ class Placer:
             return
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
-        snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = place(snapshot, request, self.policy, self.catalog)
+        if excluded or name_label:  # a snapshot of its own: the scan
+            snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
+            result = place(snapshot, request, self.policy, self.catalog)
+        else:
+            result = self.state.decide(request, self.policy, self.catalog)
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
