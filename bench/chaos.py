@@ -125,12 +125,15 @@ class Workload:
     namespaces: list[str] = field(default_factory=list)
     pods: dict[str, Obj] = field(default_factory=dict)  # uid -> latest pod
     seen: set[str] = field(default_factory=set)  # uids of every chaos pod ever seen
+    ran: set[str] = field(default_factory=set)  # uids of those ever seen Running
     refused: int = 0
     deleted: int = 0
 
     async def on_pod(self, etype: EventType, pod: Obj) -> None:
         uid = pod["metadata"]["uid"]
         self.seen.add(uid)
+        if pod.get("status", {}).get("phase") == "Running":
+            self.ran.add(uid)
         if etype == "DELETED":
             self.pods.pop(uid, None)
         else:
@@ -319,6 +322,31 @@ class Sampler:
 # --- the soak ---------------------------------------------------------------------------------
 
 
+async def _supervise(system: DevSystem, restarts: Counter[str], period_s: float = 2.0) -> None:
+    """The kubelet's part for the control plane: a component that exits on its own (not one
+    a fault killed: those are restarted by the fault) is launched again and counted, with the
+    last line of its log, so a soak goes on as a cluster would and the result says so."""
+    while True:
+        await asyncio.sleep(period_s)
+        with detached():
+            for name in system.cp.restart_exited():
+                restarts[name] += 1
+                rec = next(p for p in system.cp.processes if p.name == name)
+                last = _last_error(Path(rec.log))
+                print(f"{name} exited on its own; restarted ({last})", flush=True)
+                log.warning("control-plane component exited; restarted", name=name, last=last)
+
+
+def _last_error(path: Path) -> str:
+    """The last error-level line of a Go component's log (klog `E…`), shortened."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if ln.startswith(("E", "F"))]
+    return (errors[-1] if errors else lines[-1] if lines else "empty log")[:300]
+
+
 async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
     """Cancel until done (an informer's watch can swallow one cancellation on 3.11)."""
     while pending := [t for t in tasks if not t.done()]:
@@ -383,6 +411,8 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
             asyncio.create_task(informer.run(), name="pod-informer"),
             asyncio.create_task(sampler.run(), name="sampler"),
         ]
+        restarts: Counter[str] = Counter()
+        background.append(asyncio.create_task(_supervise(system, restarts), name="supervisor"))
         errors: list[str] = []
         try:
             for _ in range(mode.namespaces):
@@ -432,7 +462,9 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
+        "pods_ran": len(work.ran),
         "settled": held,
+        "control_plane_restarts": dict(restarts),
         "faults_by_kind": faults.by_kind(),
         "double_booking_samples": sampler.samples,
         "pods_refused": work.refused,

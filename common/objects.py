@@ -67,6 +67,18 @@ class MigProfileStatus(TypedDict):
     multiprocessors: int
     maxCount: int
     placements: list[SlotRange]
+    computeSlices: NotRequired[int]
+    engines: NotRequired[Engines]
+
+
+class Engines(TypedDict):
+    """Engines of one GPU instance of a profile, as NVML's profile info counts them."""
+
+    ce: int
+    dec: int
+    enc: int
+    jpeg: int
+    ofa: int
 
 
 class MigSliceStatus(TypedDict):

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 from kubernetes_asyncio import config as k8s_config
 
+from common.catalog import load_model_file
 from common.constants import BindingMode
 from common.kubeapi import harden
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
@@ -168,7 +169,10 @@ class DevSystem:
             for group in spec.groups:
                 for name in group.names():
                     models = [group.model] * group.gpus
-                    done = provision(system.gpu_state, name, models, group.mig_mode)
+                    tables = (
+                        () if group.model_file is None else (load_model_file(group.model_file),)
+                    )
+                    done = provision(system.gpu_state, name, models, group.mig_mode, tables)
                     outcome.setdefault(done, []).append(name)
             if outcome.get("kept") or outcome.get("replaced"):  # a restart: say what stayed
                 kept, anew = outcome.get("kept", []), outcome.get("replaced", [])

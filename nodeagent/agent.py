@@ -117,6 +117,18 @@ class NodeAgent:
             self.st.allocs[uid] = obj
         self.queue.kick(uid)
 
+    def on_node(self, etype: EventType, obj: Obj) -> None:
+        """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
+        (the Node was deleted and registered again, or another writer reset it), forget what
+        we wrote so the publisher writes it again."""
+        if self._last_capacity is None:
+            return
+        current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
+        if capacity_patch(self._last_capacity, current) is not None:
+            log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
+            self._last_capacity = None
+            self.st.publish.set()
+
     # ---- run ---------------------------------------------------------------------------------
 
     async def run(self) -> None:

@@ -31,7 +31,7 @@ import structlog
 from common.catalog import load_catalog
 from common.clock import stoppable
 from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
-from common.kubeapi import EventType, Informer, Obj, connected, instaslice_path
+from common.kubeapi import EventType, Informer, Obj, connected, core_path, instaslice_path, lean
 from common.metricsauth import MetricsAuth
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
@@ -345,6 +345,23 @@ async def serve(
                     metrics=metrics,
                 )
 
+            async def on_node(etype: EventType, obj: Obj) -> None:
+                agent = agents.get(obj.get("metadata", {}).get("name", ""))
+                if agent is not None:
+                    agent.on_node(etype, obj)
+
+            # env binding writes the Node's capacity itself: watch it, so a Node deleted and
+            # registered again (or reset by another writer) gets it back at once
+            nodes_informer = Informer(
+                kube,
+                core_path("nodes"),
+                on_node,
+                field_selector=(
+                    f"metadata.name={settings.nodes[0]}" if len(settings.nodes) == 1 else None
+                ),
+                name="nodes",
+                transform=lean,
+            )
             for agent in agents.values():  # read when scraped: the agent's live view
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
@@ -369,6 +386,8 @@ async def serve(
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
+                if settings.binding == "env":
+                    tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
                 if started is not None:
                     started(agents)
     finally:

@@ -63,6 +63,7 @@ class ProfileInfo:
     memory_mib: int
     multiprocessors: int
     placements: tuple[tuple[int, int], ...]  # (start, size) in memory slots
+    engines: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # ce, dec, enc, jpeg, ofa
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,6 +229,13 @@ class NvmlSession:
                     memory_mib=int(info.memorySizeMB),
                     multiprocessors=int(info.multiprocessorCount),
                     placements=placements,
+                    engines=(
+                        int(info.copyEngineCount),
+                        int(info.decoderCount),
+                        int(info.encoderCount),
+                        int(info.jpegCount),
+                        int(info.ofaCount),
+                    ),
                 )
             )
         return tuple(out), warnings

@@ -40,6 +40,14 @@ def gpu_status(
             "multiprocessors": p.multiprocessors,
             "maxCount": p.instance_count,
             "placements": [{"start": s, "size": z} for s, z in p.placements],
+            "computeSlices": p.slice_count,
+            "engines": {
+                "ce": p.engines[0],
+                "dec": p.engines[1],
+                "enc": p.engines[2],
+                "jpeg": p.engines[3],
+                "ofa": p.engines[4],
+            },
         }
         for p in gpu.profiles
     ]

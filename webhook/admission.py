@@ -23,6 +23,7 @@ let a copy name another pod's device.
 from __future__ import annotations
 
 import base64
+import difflib
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -260,6 +261,27 @@ def _asks_for_mig(pod: Obj) -> bool:
     return False
 
 
+_MAX_LISTED = 40
+
+
+def _unknown(profile: str, settings: AdmissionSettings, *, listing: bool) -> str:
+    """Why `profile` is refused, the closest offered names, and (`listing`: once per review,
+    so many typos do not repeat it) every profile that may be asked for."""
+    cluster = settings.cluster_profiles
+    offered = sorted(cluster or settings.known_profiles)
+    close = difflib.get_close_matches(profile, offered, n=3, cutoff=0.6)
+    text = (
+        f"unknown MIG profile {profile}: no GPU model in the catalog offers it and no node "
+        "published it" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+    )
+    if not listing:
+        return text
+    listed = ", ".join(offered[:_MAX_LISTED]) + (", …" if len(offered) > _MAX_LISTED else "")
+    if cluster:
+        return f"{text}. The cluster's GPUs offer: {listed}"
+    return f"{text}. No node has published its GPUs yet, the catalog offers: {listed}"
+
+
 def _show(value: object, limit: int = 64) -> str:
     """A value for a message: JSON, truncated (hostile input must not bloat the answer)."""
     try:
@@ -405,10 +427,9 @@ class _Rewrite:
                 )
                 continue
             if profile not in self.settings.known_profiles:
-                self.problems.append(
-                    f"{where}: {field_}: unknown MIG profile {profile}: "
-                    "no GPU model in the catalog offers it"
-                )
+                listing = not any("unknown MIG profile" in p for p in self.problems)
+                text = _unknown(profile, self.settings, listing=listing)
+                self.problems.append(f"{where}: {field_}: {text}")
                 continue
             if profile in seen:
                 self.problems.append(

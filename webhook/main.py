@@ -27,6 +27,7 @@ from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
+from webhook.offered import OfferedProfiles, watch_mig_nodes
 from webhook.server import configure_logging, serve
 from webhook.settings import AdmissionSettings, ServerSettings
 
@@ -110,8 +111,10 @@ async def run(settings: Settings) -> None:
     async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:
         if settings.server is not None:
             auth = MetricsAuth(kube) if settings.metrics_auth else None
+            offered = OfferedProfiles(settings.server.admission.known_profiles)
+            tg.create_task(watch_mig_nodes(kube, offered), name="offered-profiles")
             tg.create_task(
-                serve(settings.server, metrics=webhook_metrics, metrics_auth=auth),
+                serve(settings.server, metrics=webhook_metrics, metrics_auth=auth, offered=offered),
                 name="admission",
             )
         if settings.mirror_namespaces:

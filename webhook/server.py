@@ -27,7 +27,7 @@ import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -48,7 +48,8 @@ from webhook.admission import (
     review,
 )
 from webhook.metrics import Outcome, WebhookMetrics
-from webhook.settings import ServerSettings
+from webhook.offered import OfferedProfiles
+from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("webhook")
 
@@ -130,6 +131,7 @@ class _State:
     timer: Callable[[], float]
     tls: CertReloader | None
     metrics_auth: MetricsAuth | None = None  # None: /metrics open (plain Kubernetes default)
+    offered: OfferedProfiles | None = None  # None: the catalog's profiles alone
     ready: bool = False
 
 
@@ -143,14 +145,17 @@ def build_app(
     new_claim: Callable[[], str] = new_claim_id,
     timer: Callable[[], float] = time.perf_counter,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> web.Application:
-    """The admission app. With `settings.cert_file` None it has no TLS (unit tests only)."""
+    """The admission app. With `settings.cert_file` None it has no TLS (unit tests only).
+    `offered`: the profiles nodes published (webhook/offered.py), accepted on top of the
+    catalog's."""
     metrics = metrics or WebhookMetrics()
     tls = None
     if settings.cert_file is not None and settings.key_file is not None:
         tls = CertReloader(settings.cert_file, settings.key_file, metrics)
     app = web.Application(client_max_size=settings.max_body_bytes)
-    app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth)
+    app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth, offered)
     app.router.add_post("/mutate", _mutate)
     _add_ops_routes(app)
     app.cleanup_ctx.append(_lifecycle)
@@ -197,6 +202,14 @@ def _outcome(decision: Verdict) -> Outcome:
     return Outcome.MALFORMED if decision.code == 400 else Outcome.DENIED
 
 
+def _admission(state: _State) -> AdmissionSettings:
+    settings = state.settings.admission
+    offered = state.offered
+    if offered is None or not offered.cluster:
+        return settings
+    return replace(settings, known_profiles=offered.known, cluster_profiles=offered.cluster)
+
+
 async def _mutate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     started = state.timer()
@@ -217,7 +230,7 @@ async def _mutate(request: web.Request) -> web.StreamResponse:
         return web.json_response(response_for(uid, malformed(message)))
 
     try:
-        decision = review(req, state.settings.admission, new_claim=state.new_claim)
+        decision = review(req, _admission(state), new_claim=state.new_claim)
     except Exception:  # a bug: refuse this pod, keep serving, make noise
         log.exception("admission decision failed", uid=req["uid"])
         decision = Denied("internal error in the InstaSlice webhook", 500, "InternalError")
@@ -292,9 +305,12 @@ async def running(
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Serve until the block exits (port 0 in the settings picks a free port)."""
-    app = build_app(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth)
+    app = build_app(
+        settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth, offered=offered
+    )
     tls = app[STATE].tls
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s
@@ -331,9 +347,12 @@ async def serve(
     metrics: WebhookMetrics | None = None,
     new_claim: Callable[[], str] = new_claim_id,
     metrics_auth: MetricsAuth | None = None,
+    offered: OfferedProfiles | None = None,
 ) -> None:
     """Serve until cancelled (the entry point's TaskGroup cancels it on SIGTERM)."""
-    async with running(settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth):
+    async with running(
+        settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth, offered=offered
+    ):
         await asyncio.Event().wait()
 
 

@@ -18,8 +18,10 @@ from common.constants import BindingMode
 class AdmissionSettings:
     """What `webhook.admission.review` decides with.
 
-    `known_profiles`: the MIG profile names (NVIDIA spelling) some GPU model offers; anything
-    else is refused as an unknown profile. `max_count`: the largest count accepted for one
+    `known_profiles`: the MIG profile names (NVIDIA spelling) some GPU model offers — a
+    catalog model, or a GPU whose node published them (webhook/offered.py); anything else is
+    refused as an unknown profile, with the list of `cluster_profiles` (what the nodes
+    published; the catalog's when none did). `max_count`: the largest count accepted for one
     resource of one container — far above any real node (8 GPUs x 7 slices), it only keeps
     absurd numbers out of the allocator.
     """
@@ -27,6 +29,7 @@ class AdmissionSettings:
     known_profiles: frozenset[str]
     binding_mode: BindingMode = BindingMode.ENV
     max_count: int = 1024
+    cluster_profiles: frozenset[str] = frozenset()
 
     @classmethod
     def from_catalog(cls, binding_mode: BindingMode = BindingMode.ENV) -> AdmissionSettings:

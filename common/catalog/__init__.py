@@ -16,7 +16,10 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 ENGINE_NAMES = ("ce", "dec", "enc", "jpeg", "ofa")
 
@@ -125,42 +128,125 @@ class Catalog:
         return frozenset(p.name for m in self.models for p in m.profiles)
 
 
-def _profile(raw: dict[str, Any]) -> Profile:
+class CatalogError(ValueError):
+    """A model table that cannot be understood; the message names the entry and field."""
+
+
+def _field(raw: Any, key: str, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{where}: not an object")
+    if key not in raw:
+        raise CatalogError(f"{where}: missing field {key!r}")
+    return raw[key]
+
+
+def _int(raw: Any, key: str, where: str, minimum: int = 0) -> int:
+    value = _field(raw, key, where)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CatalogError(f"{where}.{key}: {value!r} is not an integer >= {minimum}")
+    return value
+
+
+def _profile(raw: dict[str, Any], where: str = "profile") -> Profile:
+    engines = _field(raw, "engines", where)
+    if not isinstance(engines, dict) or not set(engines) <= set(ENGINE_NAMES):
+        raise CatalogError(f"{where}.engines: an object with keys among {ENGINE_NAMES}")
+    starts = _field(raw, "starts", where)
+    if not isinstance(starts, list) or not all(isinstance(s, int) and s >= 0 for s in starts):
+        raise CatalogError(f"{where}.starts: a list of slot numbers >= 0")
     return Profile(
-        name=raw["name"],
-        enum=raw["enum"],
-        id=raw["id"],
-        compute_slices=raw["computeSlices"],
-        memory_slots=raw["memorySlots"],
-        max_count=raw["maxCount"],
-        starts=tuple(raw["starts"]),
-        memory_mib=raw["memoryMiB"],
-        multiprocessors=raw["multiprocessors"],
-        engines=Engines(**raw["engines"]),
-        default_ci=raw["defaultCi"],
+        name=str(_field(raw, "name", where)),
+        enum=_int(raw, "enum", where),
+        id=_int(raw, "id", where),
+        compute_slices=_int(raw, "computeSlices", where, 1),
+        memory_slots=_int(raw, "memorySlots", where, 1),
+        max_count=_int(raw, "maxCount", where, 1),
+        starts=tuple(starts),
+        memory_mib=_int(raw, "memoryMiB", where),
+        multiprocessors=_int(raw, "multiprocessors", where),
+        engines=Engines(**{k: _int(engines, k, f"{where}.engines") for k in engines}),
+        default_ci=_int(raw, "defaultCi", where),
         inferred=frozenset(raw.get("inferred", ())),
     )
 
 
-def parse_catalog(doc: dict[str, Any]) -> Catalog:
-    models = []
-    for raw in doc["models"]:
-        models.append(
-            GpuModel(
-                name=raw["name"],
-                architecture=raw["architecture"],
-                nvml_arch=raw["nvmlArch"],
-                pci_device_ids=tuple(int(x, 16) for x in raw["pciDeviceIds"]),
-                product_names=tuple(raw["productNames"]),
-                memory_total_mib=raw["memoryTotalMiB"],
-                memory_slots=raw["memorySlots"],
-                compute_slices=raw["computeSlices"],
-                profiles=tuple(_profile(p) for p in raw["profiles"]),
-                source=raw["source"],
-                inferred=frozenset(raw.get("inferred", ())),
+def parse_model(raw: dict[str, Any], where: str = "model") -> GpuModel:
+    """One model entry (the schema of `models.json`); CatalogError names a bad field."""
+    profiles = _field(raw, "profiles", where)
+    if not isinstance(profiles, list) or not profiles:
+        raise CatalogError(f"{where}.profiles: a non-empty list")
+    model = GpuModel(
+        name=str(_field(raw, "name", where)),
+        architecture=str(_field(raw, "architecture", where)),
+        nvml_arch=_int(raw, "nvmlArch", where),
+        pci_device_ids=tuple(int(x, 16) for x in _field(raw, "pciDeviceIds", where)),
+        product_names=tuple(str(x) for x in _field(raw, "productNames", where)),
+        memory_total_mib=_int(raw, "memoryTotalMiB", where, 1),
+        memory_slots=_int(raw, "memorySlots", where, 1),
+        compute_slices=_int(raw, "computeSlices", where, 1),
+        profiles=tuple(_profile(p, f"{where}.profiles[{i}]") for i, p in enumerate(profiles)),
+        source=str(raw.get("source", "")),
+        inferred=frozenset(raw.get("inferred", ())),
+    )
+    for i, p in enumerate(model.profiles):
+        bad = [s for s in p.starts if s + p.memory_slots > model.memory_slots]
+        if bad:
+            raise CatalogError(
+                f"{where}.profiles[{i}].starts: {bad} + size {p.memory_slots} run past the "
+                f"{model.memory_slots} memory slots"
             )
-        )
-    return Catalog(models=tuple(models))
+    return model
+
+
+def model_to_json(model: GpuModel) -> dict[str, Any]:
+    """The inverse of `parse_model` (what an emulator state file keeps of a table model)."""
+    return {
+        "name": model.name,
+        "architecture": model.architecture,
+        "nvmlArch": model.nvml_arch,
+        "pciDeviceIds": [f"{x:#010X}".replace("0X", "0x") for x in model.pci_device_ids],
+        "productNames": list(model.product_names),
+        "memoryTotalMiB": model.memory_total_mib,
+        "memorySlots": model.memory_slots,
+        "computeSlices": model.compute_slices,
+        "source": model.source,
+        "inferred": sorted(model.inferred),
+        "profiles": [
+            {
+                "name": p.name,
+                "enum": p.enum,
+                "id": p.id,
+                "computeSlices": p.compute_slices,
+                "memorySlots": p.memory_slots,
+                "maxCount": p.max_count,
+                "starts": list(p.starts),
+                "memoryMiB": p.memory_mib,
+                "multiprocessors": p.multiprocessors,
+                "engines": dict(zip(ENGINE_NAMES, p.engines.as_tuple(), strict=True)),
+                "defaultCi": p.default_ci,
+                "inferred": sorted(p.inferred),
+            }
+            for p in model.profiles
+        ],
+    }
+
+
+def load_model_file(path: Path) -> GpuModel:
+    """A GPU model defined by a table file alone (JSON or YAML, one `models.json` entry):
+    how the emulator and `make dev-up` learn a model that is in no catalog."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CatalogError(f"{path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CatalogError(f"{path}: not a model table (an object)")
+    return parse_model(doc, where=str(path))
+
+
+def parse_catalog(doc: dict[str, Any]) -> Catalog:
+    return Catalog(
+        models=tuple(parse_model(raw, f"models[{i}]") for i, raw in enumerate(doc["models"]))
+    )
 
 
 @cache

@@ -198,7 +198,7 @@ def placement_of(node: NodeState, fit: NodeFit, request: PodRequest, ctx: Contex
             gpu = node.gpus[pos]
             slices.append(
                 PlacedSlice(
-                    s.container, s.profile, gpu.index, start, ctx.size(gpu.model, s.profile)
+                    s.container, s.profile, gpu.index, start, ctx.size(gpu.tables_key, s.profile)
                 )
             )
     return Placement(node.name, tuple(slices))

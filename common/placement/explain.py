@@ -341,7 +341,7 @@ class _Diagnosis:
         for p in ctx.profiles:
             if p in offered:
                 continue
-            models = {g.model for n in self.snapshot.nodes for g in n.gpus}
+            models = {g.tables_key for n in self.snapshot.nodes for g in n.gpus}
             if ctx.policy is Policy.STATIC_BALANCED and any(
                 (t := ctx.tables(m)) is not None and p in t.profiles for m in models
             ):
@@ -362,7 +362,7 @@ class _Diagnosis:
     def profile_shape(self, profile: str) -> str:
         for n in self.snapshot.nodes:
             for g in n.gpus:
-                t = self.ctx.tables(g.model)
+                t = self.ctx.tables(g.tables_key)
                 if t is not None and profile in t.profiles:
                     pt = t.profiles[profile]
                     if self.ctx.policy is Policy.STATIC_BALANCED:
@@ -430,7 +430,7 @@ class _Diagnosis:
             for g in n.gpus:
                 if g.usable:
                     continue
-                t = self.ctx.tables(g.model)
+                t = self.ctx.tables(g.tables_key)
                 if any(_offers(t, p, self.ctx.policy) for p in profiles):
                     if not g.healthy:
                         unhealthy += 1

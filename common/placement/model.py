@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from common.catalog import GpuModel
+from common.placement import geometry as geometry_module
+
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
 
@@ -100,22 +103,29 @@ class Occupied:
 @dataclass(frozen=True, slots=True)
 class Gpu:
     index: int  # the GPU's index on its node (what PlacedSlice.gpu_index names)
-    model: str  # a catalog model name, e.g. "H100-80GB"
+    model: str  # the model's name, e.g. "H100-80GB" (a catalog name unless `geometry` is set)
     mig_enabled: bool = True
     healthy: bool = True
     occupied: tuple[Occupied, ...] = ()
-    # Derived at construction: the GPU's state as a string, equal for interchangeable GPUs.
+    # The GPU's own profile table (what its node published), when it is not the catalog's
+    # entry for `model`: a model in no catalog, or one whose driver differs (geometry.py).
+    geometry: GpuModel | None = None
+    # Derived at construction: the GPU's state as a string, equal for interchangeable GPUs,
+    # and the name the engine finds its tables by (`model`, or the geometry's token).
     key: str = field(init=False, repr=False, compare=False)
     mask: int = field(init=False, repr=False, compare=False)
+    tables_key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        tables_key = self.model if self.geometry is None else geometry_module.token(self.geometry)
+        object.__setattr__(self, "tables_key", tables_key)
         occ = sorted(self.occupied, key=lambda o: (o.start, o.size, o.profile))
         mask = 0
         for o in occ:
             mask |= o.mask
         parts = _OCC_SEP.join(f"{o.start}{_SUB_SEP}{o.size}{_SUB_SEP}{o.profile}" for o in occ)
         state = "u" if self.mig_enabled and self.healthy else ("d" if self.healthy else "x")
-        object.__setattr__(self, "key", _FIELD_SEP.join((self.model, state, parts)))
+        object.__setattr__(self, "key", _FIELD_SEP.join((tables_key, state, parts)))
         object.__setattr__(self, "mask", mask)
 
     @property
@@ -140,7 +150,9 @@ class NodeState:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_key", _GPU_SEP.join(g.key for g in self.gpus))
-        hw = _GPU_SEP.join(f"{g.model}{_FIELD_SEP}{'u' if g.usable else 'x'}" for g in self.gpus)
+        hw = _GPU_SEP.join(
+            f"{g.tables_key}{_FIELD_SEP}{'u' if g.usable else 'x'}" for g in self.gpus
+        )
         object.__setattr__(self, "hw_key", hw)
 
 

@@ -23,7 +23,14 @@ from itertools import product
 from typing import Any
 
 from common.catalog import Catalog, load_catalog
-from common.placement.model import NodeState, PodRequest, Policy, gpu_keys, parse_gpu_key
+from common.placement import geometry
+from common.placement.model import (
+    NodeState,
+    PodRequest,
+    Policy,
+    gpu_keys,
+    parse_gpu_key,
+)
 from common.placement.tables import (
     COST_SCALE,
     FitMode,
@@ -60,8 +67,9 @@ def profile_order(name: str) -> tuple[int, int, str]:
 
 
 class CatalogTables:
-    """The tables of one catalog's models, built on first use. Identity-hashed: it is the
-    cheap cache key that stands for its catalog."""
+    """The tables of one catalog's models, and of the geometries GPUs carry themselves (found
+    by token, geometry.py), built on first use. Identity-hashed: it is the cheap cache key
+    that stands for its catalog."""
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -71,7 +79,7 @@ class CatalogTables:
         try:
             return self._tables[model]
         except KeyError:
-            m = self.catalog.model(model)
+            m = self.catalog.model(model) or geometry.lookup(model)
             t = model_tables(m) if m is not None else None
             self._tables[model] = t
             return t

@@ -189,6 +189,16 @@ class ControlPlane:
         if name == "kube-apiserver" and wait:
             self._wait(ClusterSettings().ready_timeout_s, "/readyz", "kube-apiserver /readyz")
 
+    def restart_exited(self) -> list[str]:
+        """Launch again every process that exited on its own, as the kubelet restarts a
+        control-plane static pod: kube-scheduler exits by design when it finds its cache
+        corrupted, and the controller manager when it loses its leader lease. The names
+        restarted (none when all run)."""
+        gone = [p.name for p in self.processes if not p.alive() and p.name in self.argv]
+        for name in gone:
+            self.restart(name, kill=False, wait=False)
+        return gone
+
     def __enter__(self) -> ControlPlane:
         return self
 

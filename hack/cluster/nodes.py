@@ -22,6 +22,7 @@ import yaml
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from common.catalog import CatalogError, load_model_file
 from common.constants import GPU_COUNT_LABEL, GPU_MODEL_LABEL
 from hack.cluster.controlplane import KWOK_NODE_ANNOTATION
 
@@ -77,6 +78,8 @@ class NodeGroup:
     taints: tuple[Taint, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     runtime: Runtime = "kwok"  # containerd: a real kubelet + containerd node (count 1)
+    # A GPU model defined by a table file (in no catalog); `model` is then its name.
+    model_file: Path | None = None
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{i}" for i in range(self.count)]
@@ -103,8 +106,20 @@ class ClusterSpec:
         return next((g for g in self.groups if g.real), None)
 
 
-def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
+def _group(i: int, e: Mapping[str, Any], base: Path | None = None) -> NodeGroup:
     where = f"nodes[{i}]"
+    model_file = None
+    if e.get("modelFile") is not None:
+        model_file = Path(str(e["modelFile"]))
+        if base is not None and not model_file.is_absolute():
+            model_file = base / model_file
+        try:
+            table = load_model_file(model_file)
+        except CatalogError as err:
+            raise SpecError(f"{where}.modelFile: {err}") from None
+        if e.get("model", table.name) != table.name:
+            raise SpecError(f"{where}.model: {e['model']!r} but {model_file} defines {table.name}")
+        e = {**e, "model": table.name}
     try:
         prefix, count, gpus, model = str(e["prefix"]), int(e["count"]), int(e["gpus"]), e["model"]
     except KeyError as err:
@@ -141,14 +156,16 @@ def _group(i: int, e: Mapping[str, Any]) -> NodeGroup:
         taints=tuple(taints),
         labels={str(k): str(v) for k, v in (e.get("labels") or {}).items()},
         runtime=runtime,
+        model_file=model_file,
     )
 
 
-def parse_spec(doc: Mapping[str, Any]) -> ClusterSpec:
+def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
+    """`base`: the directory relative `modelFile` paths are read from (the spec file's)."""
     entries = doc.get("nodes")
     if not isinstance(entries, list):
         raise SpecError("spec needs a top-level 'nodes' list")
-    spec = ClusterSpec(tuple(_group(i, e) for i, e in enumerate(entries)))
+    spec = ClusterSpec(tuple(_group(i, e, base) for i, e in enumerate(entries)))
     names = spec.node_names()
     if len(set(names)) != len(names):
         raise SpecError("node names collide; give each group its own prefix")
@@ -162,7 +179,7 @@ def parse_spec(doc: Mapping[str, Any]) -> ClusterSpec:
 
 
 def load_spec(path: Path) -> ClusterSpec:
-    return parse_spec(yaml.safe_load(path.read_text()))
+    return parse_spec(yaml.safe_load(path.read_text()), base=path.parent)
 
 
 def node_manifest(group: NodeGroup, index: int) -> dict[str, Any]:

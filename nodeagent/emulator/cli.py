@@ -18,13 +18,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
-from common.catalog import GpuModel, load_catalog
+from common.catalog import CatalogError, GpuModel, load_catalog, load_model_file
 from nodeagent.emulator import rules, smi
 from nodeagent.emulator.control import EmulatorControl, EmulatorError, provision
 from nodeagent.emulator.state import MIG_ENABLE, OPS, EmulatorState, Op
 
 
-def _model(name: str) -> GpuModel:
+def _model(name: str | None, model_file: Path | None = None) -> GpuModel:
+    """The catalog's `name`, or the model a table file defines (`--model-file`)."""
+    if model_file is not None:
+        try:
+            table = load_model_file(model_file)
+        except CatalogError as exc:
+            raise EmulatorError(str(exc)) from None
+        if name and name != table.name:
+            raise EmulatorError(f"--model {name} but {model_file} defines {table.name}")
+        return table
+    if not name:
+        raise EmulatorError("give --model or --model-file")
     model = load_catalog().model(name)
     if model is None:
         known = ", ".join(m.name for m in load_catalog().models)
@@ -45,13 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("lgip", "GPU instance profiles"), ("lgipp", "their placements")):
         p = sub.add_parser(name, help=f"like nvidia-smi mig -{name}: {text}")
         p.add_argument("--model", help="catalog model name, e.g. H200-141GB")
+        p.add_argument("--model-file", type=Path, help="a model table file (no catalog)")
         _node_args(p, required=False)
     _node_args(sub.add_parser("lgi", help="list the GPU instances of an emulated node"))
     p = sub.add_parser(
         "provision", help="give an emulated node these GPUs (kept if it has exactly them)"
     )
     _node_args(p)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="catalog model name")
+    p.add_argument("--model-file", type=Path, help="a model table file (no catalog)")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--mig-mode", choices=("enabled", "disabled"), default="enabled")
     p = sub.add_parser("reboot", help="reboot the node: instances go, boot id changes")
@@ -103,8 +116,8 @@ def _free_counts(state: EmulatorState) -> list[tuple[int, GpuModel, list[int]]]:
 
 
 def _listing(args: argparse.Namespace) -> str:
-    if args.model:
-        model = _model(args.model)
+    if args.model or args.model_file:
+        model = _model(args.model, args.model_file)
         return smi.lgip([(0, model, None)]) if args.command == "lgip" else smi.lgipp([(0, model)])
     if not (args.state and args.node):
         raise EmulatorError("give --model, or --state and --node")
@@ -121,8 +134,9 @@ def run(argv: Sequence[str] | None = None) -> str:
     if cmd in ("lgip", "lgipp"):
         return _listing(args)
     if cmd == "provision":
-        _model(args.model)
-        provision(args.state, args.node, [args.model] * args.gpus, args.mig_mode)
+        model = _model(args.model, args.model_file)
+        tables = (model,) if args.model_file else ()
+        provision(args.state, args.node, [model.name] * args.gpus, args.mig_mode, tables)
         return ""
     control = EmulatorControl(args.state, args.node)
     if cmd == "lgi":

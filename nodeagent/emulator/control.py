@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from common.catalog import load_catalog
+from common.catalog import GpuModel, load_catalog
 from nodeagent.emulator import node as node_ops
 from nodeagent.emulator import rules
 from nodeagent.emulator.state import OPS, EmulatorState, FailRule, Op, Rejected
@@ -44,8 +44,11 @@ def provision(
     node: str,
     models: Sequence[str],
     mig_mode: Literal["enabled", "disabled"] = "enabled",
+    tables: Sequence[GpuModel] = (),
 ) -> Provisioned:
-    """Give the node the GPUs asked for (one catalog model name per GPU, all in `mig_mode`).
+    """Give the node the GPUs asked for (one model name per GPU, all in `mig_mode`): a
+    catalog name, or the name of one of `tables` — models defined only by a table file
+    (`common.catalog.load_model_file`), which win over a catalog entry of the same name.
 
     A node that already has exactly those (same models, same MIG mode, in order) keeps its
     state, instances included ("kept": a restart with an unchanged spec); one that has other
@@ -53,13 +56,14 @@ def provision(
     UUIDs derive from node and index.
     """
     catalog = load_catalog()
-    unknown = sorted({m for m in models if catalog.model(m) is None})
+    by_name = {t.name: t for t in tables}
+    unknown = sorted({m for m in models if m not in by_name and catalog.model(m) is None})
     if unknown:
-        known = ", ".join(m.name for m in catalog.models)
+        known = ", ".join([*(m.name for m in catalog.models), *by_name])
         raise EmulatorError(f"unknown GPU model(s) {unknown}; known: {known}")
     if mig_mode not in ("enabled", "disabled"):
         raise EmulatorError(f"mig_mode must be enabled or disabled, not {mig_mode!r}")
-    state = node_ops.new_node(node, list(models), mig_mode == "enabled", str(uuid.uuid4()))
+    state = node_ops.new_node(node, list(models), mig_mode == "enabled", str(uuid.uuid4()), by_name)
     store = NodeStore(Path(state_dir), node)
     if store.create(state):
         return "created"
@@ -73,8 +77,8 @@ def provision(
     return "replaced"
 
 
-def _shape(state: EmulatorState) -> list[tuple[str, int]]:
-    return [(g.model, g.mig_current) for g in state.gpus]
+def _shape(state: EmulatorState) -> list[tuple[str, int, GpuModel | None]]:
+    return [(g.model, g.mig_current, g.table) for g in state.gpus]
 
 
 class EmulatorControl:

@@ -9,8 +9,11 @@ worth keeping even then (an injected failure was used up).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
+from common.catalog import GpuModel
 from nodeagent.emulator import rules
 from nodeagent.emulator.state import (
     EVENT_HISTORY,
@@ -43,10 +46,24 @@ def mig_uuid(node: str, serial: int) -> str:
     return f"MIG-{uuid.uuid5(_NAMESPACE, f'{node}/ci/{serial}')}"
 
 
-def new_node(node: str, models: list[str], mig_enabled: bool, boot_id: str) -> EmulatorState:
+def new_node(
+    node: str,
+    models: list[str],
+    mig_enabled: bool,
+    boot_id: str,
+    tables: Mapping[str, GpuModel] = MappingProxyType({}),
+) -> EmulatorState:
+    """`models` are catalog names, or names of `tables` (models defined by a table file)."""
     mode = MIG_ENABLE if mig_enabled else MIG_DISABLE
     gpus = tuple(
-        Gpu(index=i, model=m, uuid=gpu_uuid(node, i), mig_current=mode, mig_pending=mode)
+        Gpu(
+            index=i,
+            model=m,
+            uuid=gpu_uuid(node, i),
+            mig_current=mode,
+            mig_pending=mode,
+            table=tables.get(m),
+        )
         for i, m in enumerate(models)
     )
     return EmulatorState(node=node, boot_id=boot_id, gpus=gpus)

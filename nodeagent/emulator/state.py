@@ -80,16 +80,20 @@ class GpuInstance:
 @dataclass(frozen=True, slots=True)
 class Gpu:
     index: int
-    model: str  # catalog model name
+    model: str  # catalog model name, or the name of `table`
     uuid: str
     mig_current: int
     mig_pending: int
     lost: bool = False
     processes: tuple[int, ...] = ()  # clients of the whole GPU (not of a MIG device)
     gis: tuple[GpuInstance, ...] = ()
+    # A model defined only by a table file (a GPU in no catalog); None: the catalog's.
+    table: GpuModel | None = None
 
     @property
     def spec(self) -> GpuModel:
+        if self.table is not None:
+            return self.table
         found = load_catalog().model(self.model)
         if found is None:  # a state file naming a model this catalog lacks
             raise LookupError(f"GPU {self.index}: unknown model {self.model!r}")

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from common.catalog import GpuModel, model_to_json, parse_model
 from nodeagent.emulator.state import (
     OPS,
     ComputeInstance,
@@ -160,7 +161,8 @@ class NodeStore:
 
 def encode(state: EmulatorState) -> dict[str, Any]:
     plain: dict[str, Any] = _plain(state)
-    return {"schema": SCHEMA, **plain}
+    tables = {g.table.name: model_to_json(g.table) for g in state.gpus if g.table is not None}
+    return {"schema": SCHEMA, **plain, **({"tables": tables} if tables else {})}
 
 
 def _plain(obj: Any) -> Any:
@@ -168,6 +170,8 @@ def _plain(obj: Any) -> Any:
     tuples and scalars, so nothing needs copying); a third of a write's time otherwise."""
     if isinstance(obj, tuple):
         return [_plain(x) for x in obj]
+    if isinstance(obj, GpuModel):  # a table model: kept once per file, named by its GPUs
+        return obj.name
     fields = getattr(obj, "__dataclass_fields__", None)
     if fields is not None:
         return {f: _plain(getattr(obj, f)) for f in fields}
@@ -198,7 +202,8 @@ def _gi(raw: dict[str, Any]) -> GpuInstance:
     )
 
 
-def _gpu(raw: dict[str, Any]) -> Gpu:
+def _gpu(raw: dict[str, Any], tables: dict[str, GpuModel]) -> Gpu:
+    table = raw.get("table")
     return Gpu(
         index=raw["index"],
         model=raw["model"],
@@ -208,6 +213,7 @@ def _gpu(raw: dict[str, Any]) -> Gpu:
         lost=raw["lost"],
         processes=tuple(raw["processes"]),
         gis=tuple(_gi(g) for g in raw["gis"]),
+        table=None if table is None else tables[table],
     )
 
 
@@ -233,10 +239,11 @@ def _settings(raw: dict[str, Any]) -> Settings:
 def decode(raw: dict[str, Any]) -> EmulatorState:
     if raw.get("schema") != SCHEMA:
         raise ValueError(f"unsupported schema {raw.get('schema')!r}")
+    tables = {name: parse_model(t, name) for name, t in (raw.get("tables") or {}).items()}
     return EmulatorState(
         node=raw["node"],
         boot_id=raw["boot_id"],
-        gpus=tuple(_gpu(g) for g in raw["gpus"]),
+        gpus=tuple(_gpu(g, tables) for g in raw["gpus"]),
         settings=_settings(raw["settings"]),
         events=tuple(Event(**e) for e in raw["events"]),
         next_serial=raw["next_serial"],

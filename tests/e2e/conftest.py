@@ -11,7 +11,10 @@
 - `plain_namespace` (function): a namespace that never opted in.
 
 `SPEC` is small and heterogeneous on purpose (2 x H100-80GB and 1 x H200-141GB with 2 GPUs,
-1 x A100-40GB with 1 GPU, and 3 x A30-24GB with 1 GPU for the tests that delete a node), so
+1 x A100-40GB with 1 GPU, 3 x A30-24GB with 1 GPU for the tests that delete a node, and
+1 x X10-120GB with 1 GPU: a synthetic 10-slot model in no catalog, emulated from its table
+file `hack/specs/models/x10-120gb.yaml`, whose 3g.36gb, 4g.60gb and 8g.120gb no catalog model
+offers), so
 tests reach exhaustion, pick a GPU model by profile, and can lose a node without starving the
 others. The node agent destroys instances whose allocation vanished (records prove they are
 its own) after 5 s instead of 60 s, so the documented force-removal case ends within a test,
@@ -43,6 +46,7 @@ from tests.e2e.helpers import (
 )
 
 _HERE = Path(__file__).parent
+X10_TABLE = _HERE.parents[1] / "hack" / "specs" / "models" / "x10-120gb.yaml"
 _SYSTEMS_KEY = pytest.StashKey[list[DevSystem]]()
 _LOG_TAIL_LINES = 30
 _MIG_CAPABLE = {"nvidia.com/mig.capable": "true"}
@@ -55,6 +59,7 @@ SPEC: dict[str, Any] = {
         {"prefix": "h200", "count": 1, "gpus": 2, "model": "H200-141GB", **_NODE},
         {"prefix": "a100", "count": 1, "gpus": 1, "model": "A100-40GB", **_NODE},
         {"prefix": "a30", "count": 3, "gpus": 1, "model": "A30-24GB", **_NODE},
+        {"prefix": "x10", "count": 1, "gpus": 1, "modelFile": str(X10_TABLE), **_NODE},
     ]
 }
 

@@ -7,7 +7,8 @@ kube-scheduler binds a pod that fits and KWOK runs it; a pod no node fits stays 
 the scheduler's Unschedulable reason; deleting a namespace removes it and its pods (KCM's
 namespace controller plus KWOK's pod-delete stage); RBAC is enforced for a user without
 roles, and a RoleBinding grants exactly what it names; a user kubeconfig made for a
-ServiceAccount identity is recognised as one.
+ServiceAccount identity is recognised as one; a component that exits is launched again
+(`restart_exited`, the kubelet's part).
 Leaves out: InstaSlice components, node failure (chaos tests), scale (docs/control-plane.md).
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
+import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -154,6 +157,28 @@ async def test_pod_is_scheduled_and_runs(
     assert not node.spec.taints  # the tainted group is not tolerated
     assert pod.status.pod_ip
     assert _condition(pod, "Ready").status == "True"
+
+
+async def test_a_component_that_exits_is_launched_again(
+    control_plane: ControlPlane, kube_api: client.ApiClient, gpu_nodes: ClusterSpec, namespace: str
+) -> None:
+    """kube-scheduler exits by design on a corrupted cache (the chaos soak's same-name-gap
+    fault triggers it); `restart_exited` does what the kubelet does for a static pod, and
+    the restarted scheduler binds pods again."""
+    sched = next(p for p in control_plane.processes if p.name == "kube-scheduler")
+    os.kill(sched.pid, signal.SIGKILL)
+    for _ in range(100):
+        if not sched.alive():
+            break
+        await asyncio.sleep(0.05)
+    assert control_plane.restart_exited() == ["kube-scheduler"]
+    again = next(p for p in control_plane.processes if p.name == "kube-scheduler")
+    assert again.pid != sched.pid and again.alive()
+    assert control_plane.restart_exited() == []
+    core = client.CoreV1Api(kube_api)
+    await core.create_namespaced_pod(namespace, _pod("after-restart", cpu="1", memory="1Gi"))
+    pod = await _wait_pod(core, namespace, "after-restart", lambda p: p.status.phase == "Running")
+    assert pod.spec.node_name
 
 
 async def test_pod_too_big_stays_pending_with_reason(

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.allocation import SliceAllocation
 from common.constants import RELEASE_FINALIZER
-from common.kubeapi import Kube, core_path, instaslice_path
+from common.kubeapi import ApiError, Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent import cdi, checkpoint
@@ -703,6 +703,42 @@ async def test_one_process_serves_many_nodes(
         for a in allocs:
             await wait_gone(kube, a)
         assert all(n.instances() == [] for n in nodes)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one-node", "many-nodes"])
+async def test_node_registered_again_gets_its_capacity_back(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane, many: bool
+) -> None:
+    """A Node deleted and registered again while its agent keeps running (a kubelet that
+    re-registers, the chaos soak's node-deleted fault) starts with no instaslice.io/*
+    capacity; the agent watches its Node and writes the capacity again, unasked."""
+    count = 2 if many else 1
+    nodes = [await gpu_node(kube, tmp_path, [H200], prefix=f"rr{i}") for i in range(count)]
+    node = nodes[-1]
+    async with running_agent(agent_settings(nodes, control_plane.kubeconfig)):
+
+        async def capacity_written() -> bool:
+            return (await _capacity(kube, node.name)).get("instaslice.io/mig-1g.18gb") == "7"
+
+        await eventually(capacity_written, what="capacity written at start")
+        manifest = await kube.get(core_path("nodes", name=node.name))
+        await kube.delete_ignore_missing(core_path("nodes", name=node.name))
+        fresh = {"apiVersion": "v1", "kind": "Node",
+                 "metadata": {k: manifest["metadata"][k] for k in ("name", "labels", "annotations")
+                              if k in manifest["metadata"]},
+                 "spec": manifest.get("spec", {})}  # fmt: skip
+        created: Obj = {}
+        for _ in range(40):  # the old object may take a moment to go
+            try:
+                created = await kube.create(core_path("nodes"), fresh)
+                break
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                await asyncio.sleep(0.25)
+        cap = created.get("status", {}).get("capacity") or {}
+        assert not any(k.startswith("instaslice.io/") for k in cap), "registered without ours"
+        await eventually(capacity_written, what="capacity written again after re-registration")
 
 
 @pytest.mark.parametrize("create_ms", [0, 300])

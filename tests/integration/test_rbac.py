@@ -160,7 +160,7 @@ AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", "status"): {"patch"},
     ("instaslice.io", "mignodes", ""): {"create"},
     ("instaslice.io", "mignodes", "status"): {"patch"},
-    ("", "nodes", ""): {"get"},
+    ("", "nodes", ""): {"get", "list", "watch"},
     ("", "nodes", "status"): {"patch"},
     ("", "events", ""): {"create"},
 }

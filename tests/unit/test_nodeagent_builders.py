@@ -3,14 +3,17 @@ them, taken from the catalog."""
 
 from __future__ import annotations
 
-from common.catalog import load_catalog
+from common.catalog import GpuModel, load_catalog
 from nodeagent.model import GpuInfo, ProfileInfo
 
 G0, G1 = "GPU-0000", "GPU-1111"
 
 
-def gpu(index: int, uuid: str, model: str = "H200-141GB", mig: str = "enabled") -> GpuInfo:
-    m = load_catalog().model(model)
+def gpu(
+    index: int, uuid: str, model: str | GpuModel = "H200-141GB", mig: str = "enabled"
+) -> GpuInfo:
+    """`model`: a catalog name, or a model of its own (a table file's)."""
+    m = load_catalog().model(model) if isinstance(model, str) else model
     assert m is not None
     return GpuInfo(
         index=index,
@@ -32,6 +35,7 @@ def gpu(index: int, uuid: str, model: str = "H200-141GB", mig: str = "enabled") 
                 p.memory_mib,
                 p.multiprocessors,
                 tuple((s, p.size) for s in p.starts),
+                p.engines.as_tuple(),
             )
             for p in m.profiles
         ),

@@ -25,7 +25,7 @@ from tests.integration.allocator_fixtures import (
     make_node,
     make_pod,
 )
-from tests.unit.test_placement_properties import MODELS, _model, nodes
+from tests.unit.test_placement_properties import nodes, spec
 from webhook.allocator import pods as podlib
 from webhook.allocator.state import ClusterState
 
@@ -40,14 +40,15 @@ def fleets_and_events(draw: st.DrawFn) -> tuple[Cluster, list[PodRequest | int]]
         cluster._nodes.append(s)
         cluster._index[s.name] = i
         cluster._fleet.put(s, i)
-    present = sorted({g.model for s in states for g in s.gpus}) or MODELS[:1]
+    gpus = [g for s in states for g in s.gpus]
     events: list[PodRequest | int] = []
     for k in range(draw(st.integers(1, 25))):
         if draw(st.integers(0, 3)) == 0:
             events.append(draw(st.integers(0, 50)))
             continue
-        model = _model(draw(st.sampled_from(present)))
-        names = [p.name for p in model.profiles]
+        names = (
+            [p.name for p in spec(draw(st.sampled_from(gpus))).profiles] if gpus else ["1g.10gb"]
+        )
         slices = tuple(
             SliceRequest(f"c{c}", draw(st.sampled_from(names)), draw(st.sampled_from([1, 1, 2])))
             for c in range(draw(st.sampled_from([1, 1, 1, 2])))

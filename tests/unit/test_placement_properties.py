@@ -7,7 +7,10 @@ with sibling slices, count / engine / SM limits of the model respected, slices i
 order; (2) Pending only when a brute-force search (written here from the catalog, not from
 the engine's tables) finds no legal placement; (3) the Pending reason agrees with brute
 force: NODE_RESOURCES exactly when GPUs alone would fit, NO_PROFILE when a profile is offered
-by no GPU model present.
+by no GPU model present. GPUs are drawn from catalog models and from geometries the GPUs
+carry themselves (`Gpu.geometry`): the synthetic 10-slot X10 of hack/specs/models and a
+variant of the H100 that keeps the catalog's name but not its placements, so an answer the
+engine cached for the catalog's H100 would show up as an illegal placement here.
 Leaves out: which legal placement a policy prefers (test_placement.py, the benchmark).
 """
 
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.catalog import Engines, GpuModel, load_catalog
+from common.catalog import Engines, GpuModel, load_catalog, load_model_file
 from common.placement import (
     Gpu,
     NodeState,
@@ -39,12 +43,38 @@ from common.placement.tables import model_tables
 
 CATALOG = load_catalog()
 MODELS = ["A100-40GB", "H100-80GB", "H200-141GB", "A30-24GB", "RTX-PRO-6000"]
+REPO = Path(__file__).resolve().parents[2]
+X10 = load_model_file(REPO / "hack/specs/models/x10-120gb.yaml")
+
+
+def _h100_variant() -> GpuModel:
+    """The catalog's H100 name with other placements: 1g only at even starts, 3g only at 0."""
+    h100 = CATALOG.model("H100-80GB")
+    assert h100 is not None
+    profiles = tuple(
+        replace(p, starts=tuple(s for s in p.starts if s % 2 == 0))
+        if p.memory_slots == 1
+        else replace(p, starts=(0,))
+        if p.name == "3g.40gb"
+        else p
+        for p in h100.profiles
+    )
+    return replace(h100, profiles=profiles, _by_name={})
+
+
+# Geometries carried by the GPU itself, by a label of the test's own.
+GEOMETRIES = {"X10-120GB": X10, "H100-80GB/variant": _h100_variant()}
 
 
 def _model(name: str) -> GpuModel:
     m = CATALOG.model(name)
     assert m is not None
     return m
+
+
+def spec(g: Gpu) -> GpuModel:
+    """What the engine must plan `g` with: its own geometry, else the catalog's entry."""
+    return g.geometry if g.geometry is not None else _model(g.model)
 
 
 def legal(model: GpuModel, occupied: list[tuple[str, int]]) -> bool:
@@ -71,8 +101,9 @@ def legal(model: GpuModel, occupied: list[tuple[str, int]]) -> bool:
 
 @st.composite
 def gpus(draw: st.DrawFn, index: int) -> Gpu:
-    name = draw(st.sampled_from(MODELS))
-    model = _model(name)
+    name = draw(st.sampled_from([*MODELS, *GEOMETRIES]))
+    geometry = GEOMETRIES.get(name)
+    model = geometry if geometry is not None else _model(name)
     occupied: list[tuple[str, int]] = []
     for _ in range(draw(st.sampled_from([0, 0, 1, 2, 3]))):
         p = draw(st.sampled_from(model.profiles))
@@ -81,8 +112,8 @@ def gpus(draw: st.DrawFn, index: int) -> Gpu:
             occupied.append((p.name, start))
     mig = draw(st.integers(0, 9)) > 0
     healthy = draw(st.integers(0, 9)) > 0
-    occ = tuple(Occupied(s, _model(name).profile(p).memory_slots, p) for p, s in occupied)  # type: ignore[union-attr]
-    return Gpu(index, name, mig, healthy, occ)
+    occ = tuple(Occupied(s, model.profile(p).memory_slots, p) for p, s in occupied)  # type: ignore[union-attr]
+    return Gpu(index, model.name, mig, healthy, occ, geometry=geometry)
 
 
 @st.composite
@@ -111,10 +142,10 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
 @st.composite
 def requests(draw: st.DrawFn, snap: Snapshot) -> PodRequest:
     # Mostly profiles of one model that is present (the satisfiable case), sometimes any.
-    home = draw(st.sampled_from([g.model for n in snap.nodes for g in n.gpus]))
-    present = sorted({p.name for n in snap.nodes for g in n.gpus for p in _model(g.model).profiles})
+    home = draw(st.sampled_from([spec(g) for n in snap.nodes for g in n.gpus]))
+    present = sorted({p.name for n in snap.nodes for g in n.gpus for p in spec(g).profiles})
     anywhere = [*present, "1g.5gb", "3g.40gb", "9g.99gb"]
-    local = [p.name for p in _model(home).profiles]
+    local = [p.name for p in home.profiles]
     slices = tuple(
         SliceRequest(
             draw(st.sampled_from(["init", "a", "b"])),
@@ -146,8 +177,8 @@ def _fits_resources(node: NodeState, req: PodRequest) -> bool:
 
 
 def _spots(gpu: Gpu, profile: str, policy: Policy) -> Iterator[int]:
-    model = CATALOG.model(gpu.model)
-    if model is None or not gpu.usable:
+    model = spec(gpu)
+    if not gpu.usable:
         return
     p = model.profile(profile)
     if p is None:
@@ -172,9 +203,7 @@ def brute_force(snap: Snapshot, req: PodRequest, policy: Policy, resources: bool
             if k == len(demand):
                 return True
             for gi, g in enumerate(node.gpus):
-                model = CATALOG.model(g.model)
-                if model is None:
-                    continue
+                model = spec(g)
                 base = [(o.profile, o.start) for o in g.occupied]
                 for start in _spots(g, demand[k], policy):
                     trial = [*base, *extra[gi], (demand[k], start)]
@@ -201,7 +230,7 @@ def check_legal(snap: Snapshot, req: PodRequest, policy: Policy, p: Placement) -
     for s in p.slices:
         g = next(g for g in node.gpus if g.index == s.gpu_index)
         assert g.usable
-        model = _model(g.model)
+        model = spec(g)
         prof = model.profile(s.profile)
         assert prof is not None
         assert s.size == prof.memory_slots
@@ -209,7 +238,7 @@ def check_legal(snap: Snapshot, req: PodRequest, policy: Policy, p: Placement) -
         by_gpu.setdefault(s.gpu_index, []).append((s.profile, s.start))
     for index, added in by_gpu.items():
         g = next(g for g in node.gpus if g.index == index)
-        assert legal(_model(g.model), [(o.profile, o.start) for o in g.occupied] + added)
+        assert legal(spec(g), [(o.profile, o.start) for o in g.occupied] + added)
 
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -240,7 +269,7 @@ def test_pending_reason_agrees_with_brute_force(data: st.DataObject) -> None:
         return
     gpus_alone = brute_force(snap, req, Policy.INSTASLICE, resources=False)
     assert (result.reason is PendingReason.NODE_RESOURCES) == gpus_alone, result
-    offered = {p.name for n in snap.nodes for g in n.gpus for p in _model(g.model).profiles}
+    offered = {p.name for n in snap.nodes for g in n.gpus for p in spec(g).profiles}
     if any(s.profile not in offered for s in req.slices):
         assert result.reason is PendingReason.NO_PROFILE
     if result.reason in (PendingReason.FULL, PendingReason.FRAGMENTED):

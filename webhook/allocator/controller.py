@@ -98,7 +98,7 @@ class Controller:
         self.settings = settings
         self.clock = settings.clock
         self.catalog = settings.catalog if settings.catalog is not None else load_catalog()
-        self.state = ClusterState()
+        self.state = ClusterState(self.catalog)
         self.tracks = Tracks()
         self.agents = AgentWatch(self.state, self.clock, self.kick, self._after_change)
         self.placer = Placer(

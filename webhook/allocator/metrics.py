@@ -39,7 +39,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.catalog import Catalog
-from common.placement import PendingReason
+from common.placement import Gpu, PendingReason
 
 if TYPE_CHECKING:
     from webhook.allocator.state import ClusterState
@@ -84,7 +84,7 @@ class StateCollector(Collector):
             for g in node.gpus:
                 labels = [node.name, str(g.index), g.model]
                 used.add_metric(labels, g.mask.bit_count())
-                total.add_metric(labels, _slots(view.catalog, g.model))
+                total.add_metric(labels, _slots(view.catalog, g))
         by_profile: Counter[tuple[str, str]] = Counter()
         for (profile, _, gpu_uuid), n in view.state.slice_counts.items():
             by_profile[(profile, models.get(gpu_uuid, "unknown"))] += n
@@ -158,6 +158,6 @@ class AllocatorMetrics:
         return value or 0.0
 
 
-def _slots(catalog: Catalog, model: str) -> int:
-    found = catalog.model(model)
+def _slots(catalog: Catalog, gpu: Gpu) -> int:
+    found = gpu.geometry or catalog.model(gpu.model)
     return found.memory_slots if found is not None else 0

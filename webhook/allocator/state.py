@@ -38,7 +38,8 @@ from collections.abc import Collection
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.catalog import Catalog
+from common.catalog import Catalog, load_catalog
+from common.catalog.learned import Geometries
 from common.placement import (
     Gpu,
     NodeState,
@@ -58,7 +59,9 @@ Obj = dict[str, Any]
 
 
 class ClusterState:
-    def __init__(self) -> None:
+    def __init__(self, catalog: Catalog | None = None) -> None:
+        # What each GPU is planned with: its catalog entry, or the table its node published.
+        self.geometries = Geometries(catalog if catalog is not None else load_catalog())
         self.pods: dict[str, PodView] = {}  # by uid
         self._pod_by_claim: dict[str, str] = {}  # namespace/claim -> uid
         self.allocations: dict[str, SliceAllocation] = {}  # by namespace/name
@@ -221,7 +224,7 @@ class ClusterState:
         self._pop(self.nodes, _name(obj))
 
     def upsert_mig_node(self, obj: Obj) -> bool:
-        return self._put(self.gpus, _name(obj), gpus_of(obj))
+        return self._put(self.gpus, _name(obj), gpus_of(obj, self.geometries))
 
     def remove_mig_node(self, obj: Obj) -> None:
         self._pop(self.gpus, _name(obj))
@@ -337,6 +340,7 @@ class ClusterState:
                     mig_enabled=g.mig_enabled,
                     healthy=g.healthy,
                     occupied=occupied.get(g.uuid, ()),
+                    geometry=g.geometry,
                 )
                 for g in gpus
             ),

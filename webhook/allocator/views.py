@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.catalog import GpuModel
+from common.catalog.learned import Geometries
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
@@ -106,17 +108,19 @@ class GpuView:
     mig_enabled: bool
     healthy: bool
     instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+    geometry: GpuModel | None = None  # the published table, when not the catalog's (learned.py)
 
 
-def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
+def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
     out = []
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
+        model = str(g.get("model", ""))
         out.append(
             GpuView(
                 index=int(g.get("index", 0)),
                 uuid=str(g.get("uuid", "")),
-                model=str(g.get("model", "")),
+                model=model,
                 mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
                 healthy=bool(g.get("healthy")),
                 instances=tuple(
@@ -128,6 +132,7 @@ def gpus_of(mig_node: Obj) -> tuple[GpuView, ...]:
                     )
                     for s in g.get("slices") or []
                 ),
+                geometry=geometries.of(model, g.get("profiles") or []),
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))
