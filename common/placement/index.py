@@ -57,7 +57,6 @@ class _Order:
     are stale and dropped when met."""
 
     def __init__(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
-        self.score = score
         self.live: dict[str, tuple[int, Any]] = {}
         self.stale: set[str] = set()
         for name, (node, key) in nodes.items():
@@ -67,16 +66,16 @@ class _Order:
         self.heap: list[Entry] = [(s, key, name) for name, (s, key) in self.live.items()]
         heapify(self.heap)
 
-    def refresh(self, nodes: dict[str, tuple[NodeState, Any]]) -> None:
+    def refresh(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
+        """Re-score the nodes that changed (`score`: the current decision's, so the memo
+        table it fills is the one the engine keeps pruned)."""
         live, heap = self.live, self.heap
         for name in self.stale:
             got = nodes.get(name)
-            s = -1 if got is None else self.score(got[0].gpu_key)
-            if s < 0:
+            if got is None or (s := score(got[0].gpu_key)) < 0:
                 live.pop(name, None)
                 continue
-            entry = (s, got[1]) if got is not None else None
-            assert entry is not None
+            entry = (s, got[1])
             if live.get(name) != entry:
                 live[name] = entry
                 heappush(heap, (s, entry[1], name))
@@ -153,7 +152,7 @@ class FleetIndex:
         elif order.stale:
             if len(table) > RANK_TABLE_LIMIT:
                 prune(table, tuple(n for n, _ in self._nodes.values()))
-            order.refresh(self._nodes)
+            order.refresh(score, self._nodes)
         return order
 
     def _candidates(self, order: _Order, request: PodRequest) -> Generator[tuple[int, NodeState]]:
