@@ -394,7 +394,9 @@ def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
     return system, phases
 
 
-def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any) -> dict[str, Any]:
+def with_fleet(
+    run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any, *, static: bool = False
+) -> dict[str, Any]:
     """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
     down. Startup runs on the main thread, so the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed."""
@@ -414,14 +416,16 @@ def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any) ->
     steps = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
     log(f"  up in {phases['startup_s']:.1f}s ({steps})")
     try:
-        asyncio.run(_session(system, rec, idle_s, body, log))
+        asyncio.run(_session(system, rec, idle_s, body, log, static))
     finally:
         system.down()
         log(f"  torn down (load {load()})")
     return rec
 
 
-async def _session(system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any) -> None:
+async def _session(
+    system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any, static: bool
+) -> None:
     async with await Kube.connect(str(system.kubeconfig)) as kube:
         tr = Tracker()
         fleet = Fleet(system, kube, tr)
@@ -429,7 +433,8 @@ async def _session(system: DevSystem, rec: Obj, idle_s: float, body: Any, log: A
             k: {"peak_rss_mb": round(mem_mb(p)[1], 1)} for k, p in fleet.pids.items()
         }
         await opt_in(kube)
-        await pre_slice(kube, system.nodes)
+        if static:  # the static variants' capacity (a write per node: not for scale)
+            await pre_slice(kube, system.nodes)
         informers = [
             Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
             Informer(kube, core_path("pods", STATIC_NS), tr.on_pod, name="bench-static-pods"),
@@ -664,7 +669,7 @@ class Bench:
                 add_ratios(doc["scenarios"], name)
 
         doc["fleets"][str(nodes)] = with_fleet(
-            self.run_dir, nodes, self.plan.idle_s, body, self.log
+            self.run_dir, nodes, self.plan.idle_s, body, self.log, static=self.static
         )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
