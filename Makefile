@@ -32,10 +32,11 @@ lint: install ## ruff check + ruff format --check + mypy --strict + import-linte
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins and helm
+kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins, helm and kueue
 	hack/kube/build.sh
 	hack/kube/build-node.sh
 	hack/helm/build.sh
+	hack/kueue/build.sh
 
 node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get when missing)
 	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ]; then :; else \

@@ -6,9 +6,12 @@ Brings up InstaSlice on the local control plane with KWOK GPU nodes backed by th
 emulator (`hack.dev.DevSystem`, in its own dir `.dev/bench/chaos-run/`, always torn down),
 then for M minutes runs three things at once:
 
-- churn (`Workload`): MIG pods created in opted-in namespaces — bare pods (deleted again
+- churn (`Workload`): MIG pods, and some whole-GPU pods (`nvidia.com/gpu: 1`; the
+  namespaces opt in to whole GPUs too), created in opted-in namespaces — bare pods (deleted again
   at random), Jobs (KWOK completes them after a run time) and a Deployment per namespace
   (scaled up and down) — around a target number of live pods, so some wait for capacity;
+  mixed priorities: a quarter of the bare and Job pods are `chaos-high` (half of those ask
+  for a 4g/7g), the rest and the Deployments `chaos-low`, so the allocator preempts;
 - faults (bench/chaos_faults.py), drawn from the seed: every kind once, then by weight,
   up to three at a time;
 - a sampler: every second one list of SliceAllocations is checked for double bookings
@@ -22,7 +25,12 @@ fault log and per-kind counts ride along for diagnosis. Exit status 1 if any cou
 
 Component settings for the soak (documented, not hidden): the node agent collects orphaned
 records after 10 s (`--gc-grace-s`, default 60) and the allocator releases pinned-but-
-unschedulable pods after 20 s (default 60), so recoveries finish within the settle time.
+unschedulable pods after 20 s (default 60) and gives a preemption up after 30 s of waiting
+for its victims (`--preemption-wait-timeout`, default 180), so recoveries finish within the
+settle time.
+
+Preemption is judged too: every `Preempted` event's victim must have had a lower priority
+than its preemptor (`preemption_priority_violations`, counted with the double bookings).
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from bench.invariants import (
     is_instaslice_pod,
     slots_of,
 )
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
 from common.kubeapi import instaslice_path as isl_path
 from hack.cluster.nodes import ClusterSpec, parse_spec
@@ -68,21 +76,28 @@ CHAOS_LABEL = "instaslice.io/chaos"
 IMAGE = "registry.k8s.io/pause:3.10"
 _NODE = {"cpu": "16", "memory": "64Gi", "pods": 110,
          "labels": {"nvidia.com/mig.capable": "true"}}  # fmt: skip
+_OFF = {**_NODE, "migMode": "disabled"}
 FULL_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 3, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 2, "gpus": 2, "model": "A100-40GB", **_NODE},
+        # MIG mode on demand: GPUs that start with MIG off
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 QUICK_SPEC = {
     "nodes": [
         {"prefix": "h100", "count": 2, "gpus": 2, "model": "H100-80GB", **_NODE},
         {"prefix": "a100", "count": 1, "gpus": 2, "model": "A100-40GB", **_NODE},
+        {"prefix": "h100off", "count": 1, "gpus": 2, "model": "H100-80GB", **_OFF},
     ]
 }
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "1g.5gb", "2g.10gb", "3g.20gb")
 AGENT_ARGS = ("--gc-grace-s=10", "--gc-period-s=5")
-WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20",)
+WHOLE_GPU_SHARE = 0.12  # of churn pods, asking one whole GPU (nvidia.com/gpu: 1)
+WEBHOOK_ARGS = ("--pinned-unschedulable-timeout=20", "--preemption-wait-timeout=30")
+PRIORITY_CLASSES = {"chaos-low": 100, "chaos-high": 1000}
+LARGE_PROFILES = ("4g.40gb", "7g.80gb", "4g.20gb", "7g.40gb")  # H100 and A100-40GB
 
 
 @dataclass(frozen=True)
@@ -95,9 +110,14 @@ class Mode:
     max_faults: int  # at once
     hold: tuple[float, float]
     settle_timeout_s: float
+    # go on past the minutes until every fault kind came up, for at most this many times the
+    # minutes (a loaded machine slows each fault down; the quick soak must see them all)
+    every_kind_within: float = 0.0
 
 
-QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 3.0, 3, (3.0, 10.0), 180.0)
+# up to 4 faults at once: the 13 kinds usually all come up in test_chaos_quick.py's 75 s;
+# on a loaded machine it goes on until they have (at most 4 x as long)
+QUICK = Mode(QUICK_SPEC, 2, 10, 0.8, 2.0, 4, (3.0, 10.0), 180.0, every_kind_within=4.0)
 FULL = Mode(FULL_SPEC, 3, 24, 0.7, 5.0, 3, (5.0, 25.0), 300.0)
 
 
@@ -110,6 +130,18 @@ def _container(name: str, profile: str, count: int = 1) -> Obj:
         "image": IMAGE,
         "resources": {
             "limits": {f"nvidia.com/mig-{profile}": str(count)},
+            "requests": {"cpu": "100m", "memory": "64Mi"},
+        },
+    }
+
+
+def _whole(name: str) -> Obj:
+    """A container asking one whole GPU (the namespaces opt in to whole GPUs too)."""
+    return {
+        "name": name,
+        "image": IMAGE,
+        "resources": {
+            "limits": {NVIDIA_GPU: "1"},
             "requests": {"cpu": "100m", "memory": "64Mi"},
         },
     }
@@ -128,10 +160,12 @@ class Workload:
     ran: set[str] = field(default_factory=set)  # uids of those ever seen Running
     refused: int = 0
     deleted: int = 0
+    priority: dict[str, int] = field(default_factory=dict)  # uid -> spec.priority
 
     async def on_pod(self, etype: EventType, pod: Obj) -> None:
         uid = pod["metadata"]["uid"]
         self.seen.add(uid)
+        self.priority[uid] = int(pod.get("spec", {}).get("priority") or 0)
         if pod.get("status", {}).get("phase") == "Running":
             self.ran.add(uid)
         if etype == "DELETED":
@@ -151,16 +185,27 @@ class Workload:
     def _profile(self) -> str:
         return self.rng.choice(PROFILES)
 
-    def _pod_spec(self) -> Obj:
-        containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
-        if self.rng.random() < 0.15:
-            containers.append(_container("side", self._profile()))
-        return {"containers": containers, "terminationGracePeriodSeconds": 0}
+    def _pod_spec(self, *, mixed: bool = True) -> Obj:
+        high = mixed and self.rng.random() < 0.25
+        if self.rng.random() < WHOLE_GPU_SHARE:
+            containers = [_whole("main")]
+        elif high and self.rng.random() < 0.5:
+            containers = [_container("main", self.rng.choice(LARGE_PROFILES))]
+        else:
+            containers = [_container("main", self._profile(), self.rng.choice((1, 1, 1, 2)))]
+            if self.rng.random() < 0.15:
+                containers.append(_container("side", self._profile()))
+        return {
+            "containers": containers,
+            "terminationGracePeriodSeconds": 0,
+            "priorityClassName": "chaos-high" if high else "chaos-low",
+        }
 
     async def new_namespace(self) -> None:
         ns = await self.kube.create(
             core_path("namespaces"),
-            {"metadata": {"generateName": "chaos-", "annotations": {ENABLED_KEY: "true"},
+            {"metadata": {"generateName": "chaos-",
+                          "annotations": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"},
                           "labels": {CHAOS_LABEL: "1"}}},
         )  # fmt: skip
         name = ns["metadata"]["name"]
@@ -171,7 +216,8 @@ class Workload:
             with contextlib.suppress(ApiError):
                 got = await self.kube.get(core_path("namespaces", name=name))
                 sa = await self.kube.list(core_path("serviceaccounts", name))
-                labelled = (got["metadata"].get("labels") or {}).get(ENABLED_KEY) == "true"
+                labels = got["metadata"].get("labels") or {}
+                labelled = labels.get(ENABLED_KEY) == labels.get(WHOLE_GPU_KEY) == "true"
                 if labelled and sa["items"]:
                     self.namespaces.append(name)
                     await self._deployment(name)
@@ -184,7 +230,8 @@ class Workload:
         body = {
             "metadata": {"name": "svc"},
             "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": self._pod_spec()}},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": self._pod_spec(mixed=False)}},
         }  # fmt: skip
         with contextlib.suppress(ApiError):
             await self.kube.create(group_path("apps/v1", "deployments", ns), body)
@@ -255,8 +302,8 @@ class Workload:
         else:
             await self._scale(ns)
 
-    async def run(self, until: float) -> None:
-        while time.monotonic() < until:
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
             try:
                 await self.step()
             except ApiError as exc:
@@ -415,22 +462,31 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         background.append(asyncio.create_task(_supervise(system, restarts), name="supervisor"))
         errors: list[str] = []
         try:
+            await _priority_classes(kube)
             for _ in range(mode.namespaces):
                 await work.new_namespace()
-            until = time.monotonic() + minutes * 60
-            churn = asyncio.create_task(work.run(until))
+            t_soak = time.monotonic()
+            until = t_soak + minutes * 60
+            last = time.monotonic() + minutes * 60 * max(1.0, mode.every_kind_within)
+            stop = asyncio.Event()
+            churn = asyncio.create_task(work.run(stop))
             rng = random.Random(f"{seed}/schedule")
             started: list[asyncio.Task[None]] = []
             next_progress = time.monotonic() + 30
             while True:
                 await asyncio.sleep(rng.expovariate(1.0 / mode.fault_gap_s))
-                if time.monotonic() >= until:
+                now = time.monotonic()
+                if now >= until and (
+                    not mode.every_kind_within or faults.every_kind_came_up() or now >= last
+                ):
                     break
                 if sum(not t.done() for t in started) < mode.max_faults:
                     started.append(asyncio.create_task(faults.run_one()))
                 if time.monotonic() > next_progress:
                     next_progress += 30
                     _progress(t_start, faults, work, sampler)
+            stop.set()
+            ended = time.monotonic()
             faults.finish()
             for res in await asyncio.gather(*started, return_exceptions=True):
                 if isinstance(res, BaseException):
@@ -441,6 +497,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
                   flush=True)  # fmt: skip
             report, settle_s, held = await _settle(system, kube, mode.settle_timeout_s)
             await sampler.once()  # one last sample, after settling
+            preempted, wrong = await _preemptions(kube, work)
             for name, rec in system.processes.items():
                 if not rec.alive():  # a component that crashed (nothing restarts it here)
                     errors.append(f"{name} exited; see {rec.log}")
@@ -450,15 +507,18 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         finally:
             await _cancel(background)
     result = {
-        "minutes": round(minutes, 2),
+        "minutes": round((ended - t_soak) / 60 if mode.every_kind_within else minutes, 2),
         "seed": seed,
         "faults_injected": faults.injected,
         "pods_created": len(work.seen),
         "leaked_instances": len(report.leaked_instances),
         "orphan_allocations": len(report.orphan_allocations),
         "double_booked": len(sampler.violations)
-        + len([v for v in report.double_booked if v.key not in sampler.violations]),
+        + len([v for v in report.double_booked if v.key not in sampler.violations])
+        + len(wrong),
         "unsettled_pods": len(report.unsettled_pods),
+        "mode_mismatch": len(report.mode_mismatch),
+        "whole_gpu_shared": len(report.whole_gpu_shared),
         "settle_s": round(settle_s, 1),
         # diagnosis, beyond the contract's schema
         "quick": mode is QUICK,
@@ -468,12 +528,42 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "faults_by_kind": faults.by_kind(),
         "double_booking_samples": sampler.samples,
         "pods_refused": work.refused,
+        "preempted": preempted,
+        "preemption_priority_violations": wrong,
         "fault_errors": errors,
         "faults_not_injected": faults.skipped,
         "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
         "faults": [r.to_json() for r in faults.records],
     }
     return result
+
+
+async def _priority_classes(kube: Kube) -> None:
+    for name, value in PRIORITY_CLASSES.items():
+        body = {"metadata": {"name": name}, "value": value}
+        try:
+            await kube.create(group_path("scheduling.k8s.io/v1", "priorityclasses"), body)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+
+
+async def _preemptions(kube: Kube, work: Workload) -> tuple[int, list[str]]:
+    """How many `Preempted` events were written, and those whose victim's priority was not
+    below the preemptor's (from the event message, "... (priority N) ...")."""
+    events = await kube.list(core_path("events"), fieldSelector="reason=Preempted")
+    wrong = []
+    for e in events.get("items", []):
+        message = str(e.get("message") or "")
+        victim = work.priority.get(str(e.get("involvedObject", {}).get("uid")))
+        try:
+            preemptor = int(message.split("(priority ", 1)[1].split(")", 1)[0])
+        except (IndexError, ValueError):
+            wrong.append(f"unreadable Preempted event: {message[:120]}")
+            continue
+        if victim is None or victim >= preemptor:
+            wrong.append(f"victim priority {victim} >= preemptor {preemptor}: {message[:120]}")
+    return len(events.get("items", [])), wrong
 
 
 def _progress(t0: float, faults: Faults, work: Workload, sampler: Sampler) -> None:
@@ -503,12 +593,25 @@ def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> O
     print(f"InstaSlice up in {time.monotonic() - t0:.0f}s on {len(system.nodes)} nodes; "
           f"soaking {minutes:g} min, seed {seed}; logs in {system.logs}", flush=True)  # fmt: skip
     try:
-        return asyncio.run(soak(system, spec, mode, minutes, seed))
+        result = asyncio.run(soak(system, spec, mode, minutes, seed))
+        if any(result[k] for k in COUNTS) or result["fault_errors"]:
+            kept = dir.parent / f"{dir.name}-logs-seed{seed}"  # for diagnosis, past teardown
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(system.logs, kept)
+            result["logs_kept"] = str(kept)
+        return result
     finally:
         system.down()
 
 
-COUNTS = ("leaked_instances", "orphan_allocations", "double_booked", "unsettled_pods")
+COUNTS = (
+    "leaked_instances",
+    "orphan_allocations",
+    "double_booked",
+    "unsettled_pods",
+    "mode_mismatch",
+    "whole_gpu_shared",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,12 @@ the soak checks the invariants. What each fault is:
   webhook and agent processes are frozen (SIGSTOP), kube-apiserver restarts (their watches
   break; resuming from a version the new apiserver's cache lacks means a re-list), a churn
   pod is deleted and a pod of the same name (no MIG request, so admission, in the frozen
-  process, is not asked) created, and the processes thawed. The old UID must be released.
+  process, is not asked) created, and the processes thawed. The old UID must be released;
+- `mode-flip`: an admin flips the MIG mode of an idle Hopper GPU (no instance, no process)
+  behind InstaSlice's back, through NVML. The agent must read the new mode again (its
+  garbage-collection rescan), enable MIG on demand when a slice needs the GPU, and no Ready
+  slice may sit on a GPU with MIG off (invariant `mode_mismatch`). The soak's fleet has a
+  node whose GPUs start with MIG off.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import structlog
 from common.kubeapi import ApiError, Kube, Obj, core_path, instaslice_path
 from hack.cluster.nodes import ClusterSpec, node_manifest
 from hack.dev import DevSystem
-from nodeagent.emulator import EmulatorControl
+from nodeagent.emulator import EmulatedNvml, EmulatorControl
 
 log = structlog.get_logger("chaos.faults")
 
@@ -80,6 +85,7 @@ WEIGHTS: dict[str, int] = {
     "namespace-deleted": 1,
     "rollback-fail": 2,
     "same-name-gap": 1,
+    "mode-flip": 2,
 }
 
 
@@ -143,6 +149,9 @@ class Faults:
     def injected(self) -> int:
         return len(self.records)
 
+    def every_kind_came_up(self) -> bool:
+        return set(self.by_kind()) == set(WEIGHTS)
+
     def by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.records:
@@ -193,6 +202,7 @@ class Faults:
             "namespace-deleted": self._namespace_deleted,
             "rollback-fail": lambda: self._rollback_fail(node),
             "same-name-gap": self._same_name_gap,
+            "mode-flip": self._mode_flip,
         }
         try:
             await fn[kind]()
@@ -294,6 +304,44 @@ class Faults:
         await asyncio.to_thread(emu.fail_next, "create_ci", code, 1)
         await asyncio.to_thread(emu.fail_next, "destroy_gi", code, 2)
         self._end(rec)  # armed; the agent meets it on its next create
+
+    async def _mode_flip(self) -> None:
+        """An admin flips the MIG mode of an idle Hopper GPU (no instance, no process) behind
+        InstaSlice's back, on any node that has one; the agent must read it again and still
+        change the mode on demand. A GPU any allocation names is left alone: a pod on it
+        (whole GPU included) would hold a process there on real hardware, and SetMigMode
+        would answer IN_USE; emulated pods run none."""
+        allocs = (await self.kube.list(instaslice_path("sliceallocations")))["items"]
+        used = {s.get("gpuUUID") for a in allocs for s in a.get("spec", {}).get("slices") or []}
+        idle = []
+        for n in self._nodes():
+            state = await asyncio.to_thread(self._emu(n).state)
+            idle += [
+                (n, g)
+                for g in state.gpus
+                if not g.spec.resets_for_mig_mode and not g.gis and not g.all_processes()
+                and not g.lost and g.uuid not in used
+            ]  # fmt: skip
+        if not idle:
+            self._end(self._start("mode-flip", "-", "no idle Hopper GPU; nothing flipped"))
+            return
+        node, gpu = self.rng.choice(idle)
+        target = 1 - gpu.mig_current
+        rec = self._start("mode-flip", node, f"GPU {gpu.index}: MIG mode set to {target}")
+
+        def flip() -> str:
+            nv = EmulatedNvml(self.system.gpu_state, node)
+            nv.nvmlInit()
+            try:
+                nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(gpu.index), target)
+            except pynvml.NVMLError as exc:  # the agent made an instance there meanwhile
+                return f"; refused: {exc}"
+            finally:
+                nv.nvmlShutdown()
+            return ""
+
+        rec.detail += await asyncio.to_thread(flip)
+        self._end(rec)
 
     async def _nvml_slow(self, node: str, hold: float) -> None:
         with self._claim("nvml-slow", f"nvml/{node}") as ok:

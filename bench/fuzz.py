@@ -59,6 +59,7 @@ from common.constants import (
     GATE_NAME,
     INSTASLICE_MIG_PREFIX,
     NVIDIA_MIG_PREFIX,
+    SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
     qualified_cdi_device,
 )
@@ -156,8 +157,18 @@ def generated_review(draw: st.DrawFn) -> Obj:
     if draw(st.booleans()):
         meta["annotations"] = draw(
             st.dictionaries(
-                st.sampled_from([CLAIM_ANNOTATION, "cdi.k8s.io/x", "a"]) | _text,
-                _text | _json,
+                st.sampled_from(
+                    [
+                        CLAIM_ANNOTATION,
+                        "cdi.k8s.io/x",
+                        "a",
+                        *(SIZE_ANNOTATION_PREFIX + c for c in ("main", "a")),
+                    ]
+                )
+                | _text,
+                st.sampled_from(["memory>=20Gi", "memory>=1Gi,count=2", "memory>=9Ti", "memory"])
+                | _text
+                | _json,
                 max_size=3,
             )
         )

@@ -16,6 +16,11 @@ The invariants (docs/contract.md §3-4, docs/protocol.md "Occupancy truth"):
   allocation with exactly that GPU, start and size;
 - orphan allocation (once settled): every allocation belongs to a live, non-terminal pod
   and is Ready with all its instances (MIG UUIDs as its status says) on the GPUs;
+- mode mismatch (once settled): no Ready allocation has a MIG slice on a GPU whose MIG mode
+  is off, nor a whole GPU on one whose MIG mode is on (the agent changes the mode on demand
+  before creating, and after a reboot before re-creating);
+- whole GPU shared (once settled): no GPU holds both a whole-GPU allocation and a GPU
+  instance (at any moment, two allocations overlapping are already double-booked);
 - unsettled pod (once settled): every InstaSlice pod is Running on slices it alone owns
   (Ready allocation of its UID on its node, instances present, CDI file present), or
   Pending with a reason (gated with an AllocationPending/PinnedUnschedulable event, or a
@@ -38,6 +43,7 @@ from common.constants import (
     CDI_FILE_PREFIX,
     CLAIM_ANNOTATION,
     GATE_NAME,
+    INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
     NVIDIA_MIG_PREFIX,
     REASON_PENDING,
@@ -47,7 +53,14 @@ from common.kubeapi import Kube, core_path, instaslice_path
 from nodeagent.emulator import EmulatorControl
 
 Obj = dict[str, Any]
-Kind = Literal["leaked_instance", "orphan_allocation", "double_booked", "unsettled_pod"]
+Kind = Literal[
+    "leaked_instance",
+    "orphan_allocation",
+    "double_booked",
+    "unsettled_pod",
+    "mode_mismatch",
+    "whole_gpu_shared",
+]
 PENDING_REASONS = (REASON_PENDING, REASON_PINNED_UNSCHEDULABLE)
 
 
@@ -84,6 +97,7 @@ class Slot:
     start: int
     size: int
     mig_uuid: str  # from status; "" until Ready
+    whole: bool = False  # a whole GPU (kind gpu): every slot, MIG off, no instance
 
     def overlaps(self, other: Slot) -> bool:
         return (
@@ -102,6 +116,7 @@ class Truth:
     instances: list[Instance]
     cdi_claims: dict[str, set[tuple[str, str]]]  # node -> {(namespace, claim)}
     pending_reasons: dict[str, str] = field(default_factory=dict)  # pod uid -> event reason
+    mig_off: set[str] = field(default_factory=set)  # UUIDs of GPUs whose MIG mode is off
 
 
 @dataclass
@@ -110,6 +125,8 @@ class Report:
     orphan_allocations: list[Violation] = field(default_factory=list)
     double_booked: list[Violation] = field(default_factory=list)
     unsettled_pods: list[Violation] = field(default_factory=list)
+    mode_mismatch: list[Violation] = field(default_factory=list)
+    whole_gpu_shared: list[Violation] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -118,7 +135,7 @@ class Report:
     def all(self) -> list[Violation]:
         return (
             self.leaked_instances + self.orphan_allocations + self.double_booked
-            + self.unsettled_pods
+            + self.unsettled_pods + self.mode_mismatch + self.whole_gpu_shared
         )  # fmt: skip
 
     def counts(self) -> dict[str, int]:
@@ -127,6 +144,8 @@ class Report:
             "orphan_allocations": len(self.orphan_allocations),
             "double_booked": len(self.double_booked),
             "unsettled_pods": len(self.unsettled_pods),
+            "mode_mismatch": len(self.mode_mismatch),
+            "whole_gpu_shared": len(self.whole_gpu_shared),
         }
 
 
@@ -144,7 +163,8 @@ def slots_of(obj: Obj) -> list[Slot]:
     out = []
     for i, s in enumerate(alloc.slices):
         mig = str(done[i].get("migUUID") or "") if i < len(done) else ""
-        out.append(Slot(alloc.key, alloc.pod_uid, s.gpu_uuid, s.start, s.size, mig))
+        whole = s.kind == "gpu"
+        out.append(Slot(alloc.key, alloc.pod_uid, s.gpu_uuid, s.start, s.size, mig, whole))
     return out
 
 
@@ -160,7 +180,7 @@ def is_instaslice_pod(pod: Obj) -> bool:
     for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
         res = c.get("resources") or {}
         for k in {**(res.get("limits") or {}), **(res.get("requests") or {})}:
-            if k.startswith((NVIDIA_MIG_PREFIX, INSTASLICE_MIG_PREFIX)):
+            if k.startswith((NVIDIA_MIG_PREFIX, INSTASLICE_MIG_PREFIX)) or k == INSTASLICE_GPU:
                 return True
     return False
 
@@ -214,8 +234,11 @@ def leaked_instances(truth: Truth) -> list[Violation]:
 
 
 def _missing_instances(alloc: Obj, by_place: Mapping[tuple[str, int, int], Instance]) -> str:
-    """Why a Ready allocation's slices are not all on the GPUs ('' when they are)."""
+    """Why a Ready allocation's slices are not all on the GPUs ('' when they are). A whole
+    GPU has no instance; `whole_gpu_shares` and `mode_mismatches` judge it."""
     for s in slots_of(alloc):
+        if s.whole:
+            continue
         inst = by_place.get((s.gpu_uuid, s.start, s.size))
         if inst is None:
             return f"no instance at {s.gpu_uuid}[{s.start}:{s.size}]"
@@ -306,12 +329,52 @@ def _pod_problem(
     return "Pending, ungated, with no scheduler verdict"
 
 
+def mode_mismatches(truth: Truth) -> list[Violation]:
+    """No Ready MIG slice on a GPU whose MIG mode is off (MIG mode on demand: the agent
+    enables it before creating, and restores it after a reboot before re-creating)."""
+    out = []
+    for a in truth.allocs:
+        if (a.get("status") or {}).get("phase") != "Ready":
+            continue
+        for s in slots_of(a):
+            off = s.gpu_uuid in truth.mig_off
+            if off != s.whole:
+                what = "whole GPU" if s.whole else f"slice [{s.start}:{s.size}]"
+                mode = "off" if off else "on"
+                out.append(
+                    Violation(
+                        "mode_mismatch",
+                        f"{_key(a)}@{s.gpu_uuid}",
+                        f"Ready {what} on a GPU whose MIG mode is {mode}",
+                    )
+                )
+    return out
+
+
+def whole_gpu_shares(truth: Truth) -> list[Violation]:
+    """No GPU holds both a whole-GPU allocation (any phase) and a GPU instance."""
+    held = {i.gpu_uuid: i for i in truth.instances}
+    return [
+        Violation(
+            "whole_gpu_shared",
+            f"{s.alloc}@{s.gpu_uuid}",
+            f"whole GPU allocated, but the GPU holds {held[s.gpu_uuid].profile} at "
+            f"[{held[s.gpu_uuid].start}:{held[s.gpu_uuid].size}]",
+        )
+        for a in truth.allocs
+        for s in slots_of(a)
+        if s.whole and s.gpu_uuid in held
+    ]
+
+
 def check_settled(truth: Truth) -> Report:
     return Report(
         leaked_instances=leaked_instances(truth),
         orphan_allocations=orphan_allocations(truth),
         double_booked=double_bookings(truth.allocs),
         unsettled_pods=unsettled_pods(truth),
+        mode_mismatch=mode_mismatches(truth),
+        whole_gpu_shared=whole_gpu_shares(truth),
     )
 
 
@@ -353,4 +416,14 @@ async def collect(kube: Kube, gpu_state: Path, cdi_root: Path, nodes: Sequence[s
             reasons[str(e.get("involvedObject", {}).get("uid", ""))] = reason
     instances = await asyncio.to_thread(gpu_instances, gpu_state, nodes)
     files = await asyncio.to_thread(cdi_claims, cdi_root, nodes)
-    return Truth(pods, allocs, instances, files, reasons)
+    off = await asyncio.to_thread(gpus_with_mig_off, gpu_state, nodes)
+    return Truth(pods, allocs, instances, files, reasons, off)
+
+
+def gpus_with_mig_off(gpu_state: Path, nodes: Iterable[str]) -> set[str]:
+    return {
+        g.uuid
+        for node in nodes
+        for g in EmulatorControl(gpu_state, node).state().gpus
+        if g.mig_current == 0
+    }

@@ -17,6 +17,10 @@ fleet's memory slots held (slot-time served / (slots x trace length)); pods drop
 FRAGMENTED. Decision speed: `place` on a 1000-node x 8-GPU snapshot with random legal
 occupancy, as the allocator calls it (snapshot updated between calls, caches warm).
 
+Then the priority traces of bench/preemption.py: how long a high-priority 4g/7g waits on a
+full fleet with and without preemption, and the victims chosen against a brute force
+(`.dev/bench/preemption.json`).
+
 Prints a table, writes `.dev/bench/placement.json` and `.dev/bench/placement.png`, and
 dumps every trace to `.dev/bench/traces/` so `instaslice-place` can replay it. `--quick`
 runs small versions of the same (seconds; `make test` runs it via the unit tests).
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import preemption
 from common.catalog import GpuModel, load_catalog
 from common.placement.engine import clear_caches
 from common.placement.model import (
@@ -740,6 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     results = run(args.quick, args.out, timing_nodes=timing_nodes)
     print(table(results))
+    preempt = preemption.run(args.quick)  # priority traces (bench/preemption.py)
+    (args.out / "preemption.json").write_text(json.dumps(preempt, indent=1) + "\n")
+    print(preemption.table(preempt))
     print(
         f"wrote {args.out / 'placement.json'}, {args.out / 'placement.png'} and "
         f"{args.out / 'traces'}/ in {time.perf_counter() - started:.0f} s"

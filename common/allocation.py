@@ -31,6 +31,7 @@ class AllocSlice:
     gpu_index: int | None
     start: int
     size: int
+    kind: str = "mig"  # mig | gpu (a whole GPU: profile "gpu", its every memory slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ def _slice(s: Obj) -> AllocSlice:
         gpu_index=int(index) if isinstance(index, int) else None,
         start=int(s.get("start") or 0),
         size=int(s.get("size") or 1),
+        kind=str(s.get("kind") or "mig"),
     )
 
 

@@ -19,8 +19,22 @@ GATE_NAME: Final = "instaslice.io/allocation"
 CLAIM_ANNOTATION: Final = "instaslice.io/claim"
 NVIDIA_MIG_PREFIX: Final = "nvidia.com/mig-"
 INSTASLICE_MIG_PREFIX: Final = "instaslice.io/mig-"
+# Whole GPUs (docs/contract.md §1): asked as NVIDIA's name in namespaces that also carry
+# WHOLE_GPU_KEY, rewritten to InstaSlice's resource; a whole GPU's "profile" in objects.
+NVIDIA_GPU: Final = "nvidia.com/gpu"
+INSTASLICE_GPU: Final = "instaslice.io/gpu"
+WHOLE_GPU_KEY: Final = "instaslice.io/whole-gpu"
+WHOLE_GPU_PROFILE: Final = "gpu"
+KIND_MIG: Final = "mig"
+KIND_GPU: Final = "gpu"
 CDI_KIND: Final = "instaslice.io/mig"
 VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"
+# Cross-profile quota (docs/kueue.md): the memory slots a pod's slices take, added to its
+# containers by the webhook with --slot-accounting and advertised by node agents. Outside the
+# `instaslice.io/mig-` prefix on purpose: that prefix names profiles only.
+MEMORY_SLOTS_RESOURCE: Final = "instaslice.io/memory-slots"
+# Size-based requests (docs/contract.md §1): `instaslice.io/mig-size.<container>` annotations.
+SIZE_ANNOTATION_PREFIX: Final = "instaslice.io/mig-size."
 
 
 class BindingMode(enum.StrEnum):
@@ -56,6 +70,8 @@ REASON_READY: Final = "SliceReady"
 REASON_RELEASED: Final = "SliceReleased"
 REASON_PENDING: Final = "AllocationPending"
 REASON_PINNED_UNSCHEDULABLE: Final = "PinnedUnschedulable"
+REASON_PREEMPTING: Final = "Preempting"  # on a preemptor: the victims it evicts
+REASON_PREEMPTED: Final = "Preempted"  # on each victim: the preemptor it made room for
 
 
 def cdi_device_name(namespace: str, claim: str, container: str) -> str:

@@ -4,7 +4,9 @@
 `kubectl instaslice pods` lists allocations with node, GPU, profile, placement, MIG UUID and
 phase (`-n NS` one namespace, which is all a tenant may read; `-A` or nothing: all);
 `-o json|yaml` prints the same rows as data; `--context` picks the kubeconfig context;
-`kubectl instaslice gather` packs what a bug report needs (common/gather.py). `nodes` and
+`kubectl instaslice gather` packs what a bug report needs (common/gather.py);
+`kubectl instaslice kueue-config` prints Kueue's resource transformations and one
+ResourceFlavor per GPU model, from the catalog (common/quota.py, docs/kueue.md). `nodes` and
 `pods` read only MigNodes and SliceAllocations. Rendering is pure (tested without a cluster);
 the shell around it fetches two lists.
 """
@@ -26,8 +28,10 @@ from typing import Any
 import yaml
 
 from common.allocation import SliceAllocation
+from common.catalog import load_catalog
 from common.gather import gather, kubectl_runner
 from common.kubeapi import ApiError, Kube, Obj, instaslice_path
+from common.quota import kueue_resources, resource_flavors
 
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
 
@@ -56,7 +60,10 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     holders = _holders_by_gpu(allocations)
     live = {a["metadata"].get("name") for a in allocations}
     legend: dict[str, str] = {}
-    lines = [f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'HEALTH':<9} SLOTS"]
+    lines = [
+        f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'MODE CHANGE':<11} {'HEALTH':<9} SLOTS"
+    ]
+    notes: list[str] = []
     for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
         for gpu in mn.get("status", {}).get("gpus", []):
             slots = max(
@@ -82,15 +89,38 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
             if mode.get("pending") and mode.get("pending") != mode.get("current"):
                 mig += "*"
             health = "ok" if gpu.get("healthy", False) else "UNHEALTHY"
+            change = _mode_change(gpu)
             lines.append(
                 f"{mn['metadata']['name']:<20} {gpu.get('index', '?'):>3}  "
-                f"{gpu.get('model', '?'):<13} {mig:<9} {health:<9} |{''.join(cells)}|"
+                f"{gpu.get('model', '?'):<13} {mig:<9} {change:<11} {health:<9} "
+                f"|{''.join(cells)}|"
             )
+            failed = gpu.get("modeChange") or {}
+            if failed.get("phase") == "Failed":
+                notes.append(
+                    f"  {mn['metadata']['name']} GPU {gpu.get('index', '?')}: MIG mode change "
+                    f"failed, avoided for a back-off: {failed.get('message', '')}"
+                )
     if legend:
         lines.append("")
         lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
     lines.append("  . = free   # = instance held by no live allocation (foreign, or awaiting GC)")
+    lines.append(
+        "  MODE CHANGE: resetless = the agent changes MIG mode on demand; reset = only a GPU "
+        "reset does (Ampere: pods wait with NeedsMigModeChange); none = cannot (VM guest)"
+    )
+    lines.extend(notes)
     return "\n".join(lines)
+
+
+def _mode_change(gpu: Obj) -> str:
+    """The MODE CHANGE column: how the GPU's MIG mode can change, or what a change is doing."""
+    phase = (gpu.get("modeChange") or {}).get("phase")
+    if phase == "Failed":
+        return "FAILED"
+    if phase == "Changing":
+        return "changing"
+    return str(gpu.get("modeToggle") or "-")
 
 
 def pod_rows(allocations: Sequence[Obj]) -> list[dict[str, str]]:
@@ -201,7 +231,7 @@ def _default_kubeconfig() -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubectl instaslice", description=__doc__)
-    parser.add_argument("what", choices=["nodes", "pods", "gather"])
+    parser.add_argument("what", choices=["nodes", "pods", "gather", "kueue-config"])
     parser.add_argument("--kubeconfig", default=None)
     parser.add_argument("--context", default=None, help="kubeconfig context (default: current)")
     scope = parser.add_mutually_exclusive_group()
@@ -215,11 +245,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kubectl", default=None, help="gather: the kubectl to run (default: on PATH)"
     )
+    parser.add_argument(
+        "--slot-accounting",
+        action="store_true",
+        help="kueue-config: the webhook runs with --slot-accounting (docs/kueue.md)",
+    )
     return parser
+
+
+def kueue_config(slot_accounting: bool) -> str:
+    """Kueue's `resources` configuration and one ResourceFlavor per catalog model (YAML)."""
+    catalog = load_catalog()
+    docs = [
+        {"resources": kueue_resources(catalog, slot_accounting=slot_accounting)},
+        *resource_flavors(m.name for m in catalog.models),
+    ]
+    head = (
+        "# The first document goes into Kueue's Configuration (config.kueue.x-k8s.io/v1beta2);\n"
+        "# the others are ResourceFlavors, one per GPU model (docs/kueue.md).\n"
+    )
+    return head + yaml.safe_dump_all(docs, sort_keys=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.what == "kueue-config":
+        print(kueue_config(args.slot_accounting), end="")
+        return 0
     kubeconfig = args.kubeconfig or _default_kubeconfig()
     if args.what == "gather":
         kubectl = args.kubectl or shutil.which("kubectl") or shutil.which("oc")

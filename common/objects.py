@@ -31,13 +31,15 @@ class SliceSpec(TypedDict):
     gpuIndex: NotRequired[int]
     start: int
     size: int
+    kind: NotRequired[str]  # mig (default) | gpu
 
 
 class SliceStatus(TypedDict):
     container: str
-    migUUID: NotRequired[str]
+    migUUID: NotRequired[str]  # a whole GPU: its GPU UUID (what NVIDIA_VISIBLE_DEVICES names)
     giID: NotRequired[int]
     ciID: NotRequired[int]
+    gpuUUID: NotRequired[str]  # whole GPUs only
 
 
 class AllocationSpec(TypedDict):
@@ -94,6 +96,17 @@ class MigMode(TypedDict):
     pending: str
 
 
+class ModeChangeStatus(TypedDict):
+    phase: str  # Changing | Failed
+    target: NotRequired[str]
+    message: NotRequired[str]
+    time: NotRequired[str]
+
+
+# "from" is a Python keyword: the functional form
+LastModeChangeStatus = TypedDict("LastModeChangeStatus", {"from": str, "to": str, "time": str})
+
+
 class GpuStatus(TypedDict):
     index: int
     uuid: str
@@ -103,6 +116,12 @@ class GpuStatus(TypedDict):
     message: NotRequired[str]
     profiles: list[MigProfileStatus]
     slices: list[MigSliceStatus]
+    # MIG mode on demand (all optional: older agents do not write them)
+    architecture: NotRequired[str]
+    modeToggle: NotRequired[str]  # resetless | reset | none
+    computeProcesses: NotRequired[int]
+    modeChange: NotRequired[ModeChangeStatus]
+    lastModeChange: NotRequired[LastModeChangeStatus]
 
 
 _ALNUM = string.ascii_lowercase + string.digits

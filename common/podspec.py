@@ -2,7 +2,8 @@
 
 The webhook validates and rewrites what users write (`nvidia.com/mig-*`); everything after
 admission (allocator, node agent, kubectl plugin) reads the rewritten pod, whose slice asks
-are the `instaslice.io/mig-*` limits of its containers and initContainers. Ephemeral
+are the `instaslice.io/mig-*` limits of its containers and initContainers (and
+`instaslice.io/gpu`, whole GPUs, read as the profile "gpu"). Ephemeral
 containers never get slices (docs/contract.md §1) and are never read here.
 
 Counts are Kubernetes quantities; only plain positive integers ("1", "2") are slice counts.
@@ -18,7 +19,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.constants import CLAIM_ANNOTATION, INSTASLICE_MIG_PREFIX
+from common.constants import (
+    CLAIM_ANNOTATION,
+    INSTASLICE_GPU,
+    INSTASLICE_MIG_PREFIX,
+    WHOLE_GPU_PROFILE,
+)
 from common.profiles import ProfileNameError, profile_from_suffix
 
 ContainerField = Literal["containers", "initContainers"]
@@ -93,11 +99,16 @@ def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
         if not isinstance(limits, Mapping):
             continue
         for key, value in limits.items():
-            if not (isinstance(key, str) and key.startswith(INSTASLICE_MIG_PREFIX)):
+            whole = key == INSTASLICE_GPU
+            if not (isinstance(key, str) and (whole or key.startswith(INSTASLICE_MIG_PREFIX))):
                 continue
             name = c.get("name")
             try:
-                profile = profile_from_suffix(key[len(INSTASLICE_MIG_PREFIX) :])
+                profile = (
+                    WHOLE_GPU_PROFILE
+                    if whole
+                    else profile_from_suffix(key[len(INSTASLICE_MIG_PREFIX) :])
+                )
             except ProfileNameError as exc:
                 raise SliceRequestError(f"container {name!r}: {exc}") from exc
             count = parse_count(value)

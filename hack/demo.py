@@ -2,12 +2,14 @@
 
 Brings up the local control plane with a heterogeneous fleet of KWOK GPU nodes (H100-80GB,
 H200-141GB, A100-40GB; hack/specs/demo.yaml) backed by the NVML emulator, opts a namespace
-in, and submits a mixed workload: Jobs of several MIG sizes with realistic run times, a
-multi-container pod, a request nothing can satisfy (and one the webhook refuses), and a
-burst of small inference pods. It shows live progress, then prints the slice map at the
-busiest moment, time-to-slice p50/p99 (pod seen → gate removed → Running), memory-slot
-utilisation over time (also `<dir>/utilization.png`), and every pending reason seen.
-Tears everything down unless `--keep` (or DEMO_KEEP=1).
+in (to whole GPUs too), and submits a mixed workload: Jobs of several MIG sizes with
+realistic run times, a Job of whole-GPU pods (`nvidia.com/gpu: 1`), a multi-container pod, a
+request nothing can satisfy (and one the webhook refuses), and a burst of small inference
+pods. One node's GPUs start with MIG off; the demo shows how their modes change as the
+workload asks (MIG on demand; a whole GPU keeps MIG off). It shows live progress, then
+prints the slice map at the busiest moment, time-to-slice p50/p99 (pod seen → gate removed →
+Running), memory-slot utilisation over time (also `<dir>/utilization.png`), and every
+pending reason seen. Tears everything down unless `--keep` (or DEMO_KEEP=1).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.constants import GATE_NAME, REASON_PENDING
+from common.constants import ENABLED_KEY, GATE_NAME, REASON_PENDING, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path, instaslice_path
 from common.kubectl_plugin import render_nodes, render_pods
 from hack.cluster.nodes import load_spec
@@ -155,14 +157,15 @@ async def run_workload(system: DevSystem) -> int:
             f"{tr.total_slots} memory slots ({per_model})"
         )
 
+        print("MIG modes at start: " + _modes(mignodes))
         await kube.create(core_path("namespaces"), {"metadata": {
-            "name": NS, "annotations": {"instaslice.io/enabled": "true"}}})  # fmt: skip
+            "name": NS, "annotations": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}})  # fmt: skip
         for _ in range(100):  # the mirror controller labels it within a second or so
-            ns = await kube.get(core_path("namespaces", name=NS))
-            if ns["metadata"].get("labels", {}).get("instaslice.io/enabled") == "true":
+            labels = (await kube.get(core_path("namespaces", name=NS)))["metadata"].get("labels")
+            if (labels or {}).get(ENABLED_KEY) == (labels or {}).get(WHOLE_GPU_KEY) == "true":
                 break
             await asyncio.sleep(0.1)
-        print(f"namespace {NS!r} opted in (annotation mirrored into the label)\n")
+        print(f"namespace {NS!r} opted in, to whole GPUs too (annotations mirrored into labels)\n")
 
         async with asyncio.TaskGroup() as tg:
             watchers = [
@@ -177,13 +180,45 @@ async def run_workload(system: DevSystem) -> int:
             for w in watchers:
                 w.cancel()
 
+        mignodes = (await kube.list(instaslice_path("mignodes")))["items"]
         print("\n=== slice map at the busiest moment "
-              f"({tr.peak[0]:.0%} of all memory slots) ===")  # fmt: skip
+              f"({tr.peak[0]:.0%} of all memory slots; MIG modes as now) ===")  # fmt: skip
         print(render_nodes(mignodes, tr.peak[1]))
+        print("\n=== MIG modes changed on demand ===")
+        print("  " + _modes(mignodes, changed_only=True))
         print("\n=== allocations at the busiest moment ===")
         print(render_pods(tr.peak[1]))
         _report(tr, await _pending_reasons(kube), system.dir / "utilization.png")
     return 0
+
+
+def _modes(mignodes: list[Obj], changed_only: bool = False) -> str:
+    """`h100off-0/GPU 0 disabled, ...`: GPUs with MIG off (or, `changed_only`, those the node
+    agent changed, with the change)."""
+    out = []
+    for m in sorted(mignodes, key=lambda m: m["metadata"]["name"]):
+        for g in m["status"]["gpus"]:
+            where = f"{m['metadata']['name']}/GPU {g['index']}"
+            last = g.get("lastModeChange")
+            if changed_only and last:
+                out.append(f"{where}: {last['from']} -> {last['to']} at {last['time']}")
+            elif not changed_only and g["migMode"]["current"] != "enabled":
+                out.append(f"{where} MIG {g['migMode']['current']}")
+    return ", ".join(out) or "(none)"
+
+
+def on_node(body: Obj, node: str) -> Obj:
+    """A Job pinned to one node (a team's own node), by nodeSelector."""
+    body["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return body
+
+
+def whole_gpu_job(name: str, *, completions: int, runtime_s: int) -> Obj:
+    """Pods each asking one whole GPU, as NVIDIA's device plugin names it."""
+    body = job(name, "1g.10gb", parallelism=1, completions=completions, runtime_s=runtime_s)
+    limits = {"nvidia.com/gpu": 1, "cpu": "1", "memory": "4Gi"}
+    body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = limits
+    return body
 
 
 async def _submit(
@@ -196,6 +231,10 @@ async def _submit(
         job("eval-h200-2g", "2g.35gb", parallelism=3, completions=6, runtime_s=8),
         job("notebook-a100-1g", "1g.5gb", parallelism=7, completions=10, runtime_s=7),
         job("pretrain-7g", "7g.80gb", parallelism=1, completions=2, runtime_s=10),
+        whole_gpu_job("whole-gpu-bench", completions=2, runtime_s=10),
+        on_node(
+            job("team-off-1g", "1g.10gb", parallelism=4, completions=6, runtime_s=8), "h100off-0"
+        ),
     ]
     for j in jobs:
         await kube.create(group_path("batch/v1", "jobs", NS), j)

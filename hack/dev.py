@@ -15,6 +15,9 @@ containerd's `cdi_spec_dirs`, `--binding-mode device-plugin` against that kubele
 with NVIDIA's runtime as the node's default runtime).
 
 The same class backs the e2e tests, the demo and the benchmarks (each with its own dir).
+With `kueue: true` in the spec, Kueue runs too (hack/kueue.py: CRDs, webhooks, manager as a
+local process) and the webhook runs with `--slot-accounting` (docs/kueue.md).
+
 What it does not do: build container images of InstaSlice (its components run as local
 processes, also for the real node).
 """
@@ -41,6 +44,7 @@ from kubernetes_asyncio import config as k8s_config
 from common.catalog import load_model_file
 from common.constants import BindingMode
 from common.kubeapi import harden
+from hack import kueue
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (
     ClusterSpec,
@@ -51,6 +55,7 @@ from hack.cluster.nodes import (
 )
 from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
+from hack.kueue import KueueSettings
 from nodeagent.emulator import provision
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,6 +98,7 @@ class DevSystem:
     webhook_args: tuple[str, ...] = ()
     real: RealNode | None = None  # the runtime: containerd group's node
     real_binding: BindingMode = BindingMode.DEVICE_PLUGIN
+    kueue_port: int = 0  # Kueue's webhook port when the spec says `kueue: true`, else 0
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -162,8 +168,12 @@ class DevSystem:
             webhook_args=tuple(webhook_args),
             real_binding=real_binding,
         )
+        if spec.kueue and "--slot-accounting" not in system.webhook_args:
+            system.webhook_args += ("--slot-accounting",)
         try:
             system.install()
+            if spec.kueue:
+                system.start_kueue(KueueSettings(), die_with_parent=die_with_parent)
             asyncio.run(_create_nodes(cp.kubeconfig, spec))
             outcome: dict[str, list[str]] = {}
             for group in spec.groups:
@@ -245,6 +255,35 @@ class DevSystem:
         ]
         self._spawn("webhook", argv, die_with_parent)
         self._register_webhook()
+
+    def start_kueue(self, settings: KueueSettings, *, die_with_parent: bool = False) -> None:
+        """Install Kueue's CRDs, start its manager and register its webhooks (hack/kueue.py)."""
+        kdir = kueue.find_kueue_dir()
+        kueue.install_crds(self.cp, kdir)
+        certs = self.dir / "kueue-certs"
+        certs.mkdir(exist_ok=True)
+        issued = self.cp.issue_serving_cert(("127.0.0.1", "localhost"))
+        (certs / "tls.crt").write_bytes(issued.cert_pem)
+        (certs / "tls.key").write_bytes(issued.key_pem)
+        kueue.ensure_metrics_cert(issued.cert_pem, issued.key_pem)
+        self.kueue_port, health = free_port(), free_port()
+        config = self.dir / "kueue-config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                kueue.kueue_config(
+                    settings, webhook_port=self.kueue_port, health_port=health, certs=certs
+                )
+            )
+        )
+        argv = [
+            str(kdir / "bin" / "kueue"),
+            f"--config={config}",
+            f"--kubeconfig={self.kubeconfig}",
+        ]
+        self._spawn("kueue", argv, die_with_parent)
+        rec = self.processes["kueue"]
+        kueue.wait_ready(health, rec.alive, rec.log)
+        kueue.register_webhooks(self.cp, kdir, self.kueue_port)
 
     def start_real_node(
         self, group: NodeGroup, *, runtime: Runtime = "runc", die_with_parent: bool = False
@@ -335,6 +374,8 @@ class DevSystem:
             "delete", "mutatingwebhookconfiguration", "instaslice-dev", "--ignore-not-found",
             check=False,
         )  # fmt: skip
+        if self.kueue_port:
+            kueue.unregister_webhooks(self.cp)
 
     def down(self) -> None:
         self.stop_components()
@@ -350,8 +391,9 @@ class DevSystem:
         mwc["metadata"]["name"] = "instaslice-dev"
         ca = base64.b64encode(self.cp.ca_cert_pem).decode()
         for hook in mwc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]  # /mutate, /mutate-whole-gpu
             hook["clientConfig"] = {
-                "url": f"https://127.0.0.1:{self.webhook_port}/mutate",
+                "url": f"https://127.0.0.1:{self.webhook_port}{path}",
                 "caBundle": ca,
             }
         self.cp.kubectl("apply", "-f", "-", stdin=json.dumps(mwc))
@@ -392,6 +434,7 @@ class DevSystem:
             "webhook_args": list(self.webhook_args),
             "real": None if self.real is None else str(self.real.root),
             "real_binding": self.real_binding,
+            "kueue_port": self.kueue_port,
         }
         (self.dir / _STATE).write_text(json.dumps(state, indent=1))
 
@@ -417,6 +460,7 @@ class DevSystem:
             tuple(st.get("webhook_args", ())),
             RealNode.attach(Path(st["real"])) if st.get("real") else None,
             BindingMode(st.get("real_binding", "device-plugin")),
+            st.get("kueue_port", 0),
         )
 
 
@@ -479,6 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  logs:       {system.logs}/   GPUs: {system.gpu_state}/   CDI: {system.dir / 'nodes'}/"
     )
     print("  opt a namespace in: kubectl annotate ns NS instaslice.io/enabled=true")
+    if system.kueue_port:
+        config = system.dir / "kueue-config.yaml"
+        print(f"  Kueue:      {system.logs}/kueue.log, configuration {config} (docs/kueue.md)")
     return 0
 
 

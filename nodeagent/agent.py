@@ -40,7 +40,10 @@ from nodeagent.report import (
     capacity_patch,
     conflict_condition,
     conflicts,
+    gpu_labels,
+    label_patch,
     mig_node_status,
+    slot_capacity,
     stamped,
     with_condition,
 )
@@ -106,6 +109,7 @@ class NodeAgent:
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
         self._last_capacity: dict[str, str] | None = None
+        self._last_labels: dict[str, str | None] | None = None
 
     # ---- informer → agent --------------------------------------------------------------------
 
@@ -121,10 +125,15 @@ class NodeAgent:
         """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
         (the Node was deleted and registered again, or another writer reset it), forget what
         we wrote so the publisher writes it again."""
+        if self._last_labels is not None:  # the instaslice.io/gpu-* labels, likewise
+            labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+            if label_patch(self._last_labels, labels) is not None:
+                self._last_labels = None
+                self.st.publish.set()
         if self._last_capacity is None:
             return
         current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
-        if capacity_patch(self._last_capacity, current) is not None:
+        if capacity_patch(self._last_capacity, current, prune=self._prune) is not None:
             log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
             self._last_capacity = None
             self.st.publish.set()
@@ -158,6 +167,7 @@ class NodeAgent:
             log.warning("node rebooted: recorded instances are gone", records=len(cp.claims))
         st.set_checkpoint(after_reboot(cp, st.boot_id))
         await st.persist()
+        await self.life.modes.resolve_intents()  # a crash between intent and SetMigMode
         own = match(st.cp, st.inv.instances)
         st.foreign = own.foreign
         log.info(
@@ -198,6 +208,12 @@ class NodeAgent:
                 log.warning("publish failed", node=self.node, error=str(exc))
                 retry = 2.0
 
+    @property
+    def _prune(self) -> bool:
+        """Whether the agent owns the `instaslice.io/mig-*` capacity (not in device-plugin
+        mode, where the kubelet advertises what the plugin lists)."""
+        return self.settings.binding != "device-plugin"
+
     async def publish_once(self) -> float | None:
         """Write MigNode status and Node capacity (env binding only) if they changed; a retry
         delay if the Node object does not exist yet."""
@@ -210,6 +226,7 @@ class NodeAgent:
             version=self.settings.version,
             boot_id=st.boot_id,
             conditions=self.node_conditions,
+            modes=self.life.modes.status(),
         )
         if status != self._last_status:
             await writes.patch_mig_node_status(self.kube, self.node, status)
@@ -227,22 +244,30 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
-        if self.settings.binding == "device-plugin":
+        modes = self.life.modes
+        desired = slot_capacity(st.inv, st.health, modes.can_enable)
+        if self._prune:
             # The kubelet advertises what the device plugin lists. A direct write would let the
             # kubelet admit a pod before the plugin registered, and that pod's containers ran
-            # without their slice (seen on the real node, tests/e2e/test_realnode.py).
+            # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
+            # slots are no device: written directly in both modes.
+            desired |= capacity(st.inv, st.health, modes.can_enable, modes.can_be_whole)
+        labels = gpu_labels(st.inv)
+        if desired == self._last_capacity and labels == self._last_labels:
             return None
-        desired = capacity(st.inv, st.health)
-        if desired == self._last_capacity:
-            return None
-        current = await writes.node_capacity(self.kube, self.node)
-        if current is None:
+        node = await writes.get_node(self.kube, self.node)
+        if node is None:
             log.info("Node object not found; capacity waits", node=self.node)
             return 5.0
-        body = capacity_patch(desired, current)
+        current = node.get("status", {}).get("capacity") or {}
+        body = capacity_patch(desired, current, prune=self._prune)
         if body is not None:
             await writes.patch_node_status(self.kube, self.node, body)
         self._last_capacity = desired
+        body = label_patch(labels, node.get("metadata", {}).get("labels") or {})
+        if body is not None:  # instaslice.io/gpu-model for Kueue flavors (docs/kueue.md)
+            await writes.patch_node(self.kube, self.node, body)
+        self._last_labels = labels
         return None
 
     async def _lease(self) -> None:
@@ -294,6 +319,7 @@ class NodeAgent:
                 log.warning("destroying slices no allocation claims", claim=rec.key)
                 await self.life.rollback(rec)
         await self._gc_cdi()
+        await self.life.modes.refresh()  # MIG modes and processes changed underneath us
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

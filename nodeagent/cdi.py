@@ -77,12 +77,13 @@ class DevNode:
 
 @dataclass(frozen=True, slots=True)
 class SliceNodes:
-    """The device nodes and UUID of one created slice (one MIG device)."""
+    """The device nodes and UUID of one created slice (one MIG device), or of one whole GPU
+    (its GPU UUID and device node, no capability nodes)."""
 
     mig_uuid: str
     parent: DevNode
-    gi_access: DevNode
-    ci_access: DevNode
+    gi_access: DevNode | None
+    ci_access: DevNode | None
 
 
 # --- /dev/nvidia-caps minors ----------------------------------------------------------------
@@ -198,6 +199,11 @@ class DeviceNumbers:
             gi_access=self.node(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps, gi_minor),
             ci_access=self.node(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps, ci_minor),
         )
+
+    def gpu_nodes(self, gpu_uuid: str, gpu_minor: int) -> SliceNodes:
+        """A whole GPU (MIG off): its device node and `NVIDIA_VISIBLE_DEVICES=GPU-<uuid>`."""
+        parent = self.node(f"/dev/nvidia{gpu_minor}", NVIDIA_MAJOR, gpu_minor)
+        return SliceNodes(mig_uuid=gpu_uuid, parent=parent, gi_access=None, ci_access=None)
 
 
 # --- the node's NVIDIA CDI spec (common edits) ------------------------------------------------
@@ -341,7 +347,9 @@ def build_spec(
         seen: set[str] = set()
         for s in slices:
             for node in (s.parent, s.gi_access, s.ci_access):
-                if node.path not in seen:  # two slices on one GPU share the parent node
+                if (
+                    node is not None and node.path not in seen
+                ):  # two slices on one GPU share the parent node
                     seen.add(node.path)
                     nodes.append(node.to_json())
         uuids = ",".join(s.mig_uuid for s in slices)

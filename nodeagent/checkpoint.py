@@ -45,10 +45,17 @@ class SliceRecord:
     size: int
     gi_id: int | None = None
     ci_id: int | None = None
-    mig_uuid: str | None = None
+    mig_uuid: str | None = None  # for a whole GPU: its GPU UUID, once MIG is off on it
+    kind: str = "mig"  # mig | gpu (a whole GPU; no instance, nothing to create or destroy)
+
+    @property
+    def whole(self) -> bool:
+        return self.kind == "gpu"
 
     @property
     def done(self) -> bool:
+        if self.whole:
+            return self.mig_uuid is not None
         return self.gi_id is not None and self.ci_id is not None and self.mig_uuid is not None
 
     def cleared(self) -> SliceRecord:
@@ -80,10 +87,30 @@ class ClaimRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ModeIntent:
+    """ "About to set GPU `gpu_uuid` to MIG mode `target` for claim `claim` (a uid)":
+    written (fsynced) before SetMigMode, removed once the mode is verified or the change
+    failed. Found at start, it is resolved from GetMigMode (docs/nodeagent.md)."""
+
+    gpu_uuid: str
+    gpu_index: int
+    target: str  # enabled | disabled
+    claim: str
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     node: str
     boot_id: str = ""
     claims: Mapping[str, ClaimRecord] = field(default_factory=dict)  # by uid
+    mode_changes: Mapping[str, ModeIntent] = field(default_factory=dict)  # by GPU UUID
+
+    def with_mode_intent(self, intent: ModeIntent) -> Checkpoint:
+        return replace(self, mode_changes={**self.mode_changes, intent.gpu_uuid: intent})
+
+    def without_mode_intent(self, gpu_uuid: str) -> Checkpoint:
+        changes = {k: v for k, v in self.mode_changes.items() if k != gpu_uuid}
+        return replace(self, mode_changes=changes)
 
     def with_claim(self, rec: ClaimRecord) -> Checkpoint:
         claims = dict(self.claims)
@@ -104,6 +131,10 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
             _claim_json(c)
             for c in sorted(cp.claims.values(), key=lambda c: c.key)
             if c.state != "failed"
+        ],
+        "modeChanges": [
+            {"gpu_uuid": m.gpu_uuid, "gpu_index": m.gpu_index, "target": m.target, "claim": m.claim}
+            for m in sorted(cp.mode_changes.values(), key=lambda m: m.gpu_index)
         ],
     }
 
@@ -129,7 +160,13 @@ def from_json(doc: Mapping[str, Any]) -> Checkpoint:
         slices = tuple(SliceRecord(**s) for s in raw["slices"])
         rec = ClaimRecord(**{**raw, "slices": slices})
         claims[rec.uid] = rec
-    return Checkpoint(node=doc["node"], boot_id=doc.get("bootID", ""), claims=claims)
+    modes = [ModeIntent(**m) for m in doc.get("modeChanges", [])]  # added later: optional
+    return Checkpoint(
+        node=doc["node"],
+        boot_id=doc.get("bootID", ""),
+        claims=claims,
+        mode_changes={m.gpu_uuid: m for m in modes},
+    )
 
 
 def load(path: Path, node: str) -> Checkpoint:

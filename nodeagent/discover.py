@@ -3,8 +3,10 @@
 The NVML module is wrapped in `nvml.ReadOnly`, which refuses every function outside
 `READ_ONLY_CALLS`, so this path cannot create, destroy or reconfigure anything even by a
 bug; it talks to no API server and writes no file. Output: a report per GPU (model and its
-catalog match, MIG mode, profiles with ids, counts and placements, existing instances), as
-text or JSON.
+catalog match, MIG mode, architecture and how its MIG mode can change — `modeToggle`, from
+the architecture: a VM guest that refuses a reset-less change is only found out by trying,
+which this path never does — compute processes, profiles with ids, counts and placements,
+existing instances), as text or JSON.
 """
 
 from __future__ import annotations
@@ -14,9 +16,15 @@ from typing import Any
 
 from common.catalog import Catalog
 from nodeagent.model import GpuInfo, Instance, NodeInventory
+from nodeagent.modes import toggle
 from nodeagent.nvml import NvmlModule, NvmlSession, ReadOnly
 
 Obj = dict[str, Any]
+_TOGGLE_TEXT = {
+    "resetless": "on demand, without a reset, while the GPU is idle",
+    "reset": "only with a GPU reset; never for a pod",
+    "none": "not by InstaSlice",
+}
 
 
 def discover(nv: NvmlModule, catalog: Catalog) -> NodeInventory:
@@ -54,6 +62,9 @@ def report(node: str, inv: NodeInventory, catalog: Catalog) -> Obj:
                 "memoryMiB": g.memory_total_mib,
                 "lost": g.index in inv.lost,
                 "migMode": {"current": g.mig_current, "pending": g.mig_pending},
+                "architecture": g.architecture or None,
+                "modeToggle": toggle(g),
+                "computeProcesses": g.compute_processes,
                 "catalog": {
                     "model": known.name if known else None,
                     "matches": known is not None and not g.warnings,
@@ -86,6 +97,11 @@ def render_text(doc: Obj) -> str:
             f"GPU {g['index']}  {g['name']}  {g['uuid']}  PCI {g['pciDeviceId']}  "
             f"minor {g['minor']}  {g['memoryMiB']} MiB  "
             f"MIG {mig['current']} (pending {mig['pending']})" + ("  LOST" if g["lost"] else "")
+        )
+        lines.append(
+            f"  architecture {g['architecture'] or 'unknown'}; MIG mode change: "
+            f"{g['modeToggle']} ({_TOGGLE_TEXT[g['modeToggle']]}); "
+            f"compute processes: {g['computeProcesses']}"
         )
         cat = g["catalog"]
         if cat["model"] is None:

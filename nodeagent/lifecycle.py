@@ -5,10 +5,11 @@
 first (STYLE.md §6):
 
 create   plan (pure) → status Creating → check the placements are free → write the intent
-         record → per slice: GI at exactly the placement (or adopt the one the record
-         claims), its default CI, MIG UUID by walking MIG handles → CDI file → record
-         `ready` → status Ready + pod event. On an NVML error: destroy what the record
-         holds, drop it, status Failed with the NVML error.
+         record → bring each GPU to the MIG mode its slices need (`modechange`) → per
+         slice: GI at exactly the placement (or adopt the one the record claims), its
+         default CI, MIG UUID by walking MIG handles → CDI file → record `ready` → status
+         Ready + pod event. On an NVML error: destroy what the record holds, drop it,
+         status Failed with the NVML error.
 release  record `releasing` → destroy CI then GI (IN_USE: status says so, pod event once,
          retry with backoff) → remove the CDI file → drop the record → drop the finalizer.
 
@@ -36,6 +37,7 @@ from nodeagent.binding import Binding
 from nodeagent.checkpoint import ClaimRecord, SliceRecord
 from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
+from nodeagent.modechange import ModeChanger
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import (
     Action,
@@ -82,9 +84,11 @@ class Lifecycle:
     metrics: AgentMetrics
     clock: Clock = field(default_factory=SystemClock)
     cdi_dir: Path = field(init=False)
+    modes: ModeChanger = field(init=False)
 
     def __post_init__(self) -> None:
         self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
+        self.modes = ModeChanger(st=self.st, gpus=self.gpus, metrics=self.metrics, clock=self.clock)
 
     # ---- the worker ------------------------------------------------------------------------
 
@@ -182,8 +186,12 @@ class Lifecycle:
         out: dict[str, list[cdi.SliceNodes]] = {}
         for s in rec.slices:
             gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
-            assert gpu is not None and s.done and s.gi_id is not None and s.ci_id is not None
-            nodes = self.numbers.slice_nodes(str(s.mig_uuid), gpu.minor, s.gi_id, s.ci_id)
+            assert gpu is not None and s.done
+            if s.whole:
+                nodes = self.numbers.gpu_nodes(gpu.uuid, gpu.minor)
+            else:
+                assert s.gi_id is not None and s.ci_id is not None
+                nodes = self.numbers.slice_nodes(str(s.mig_uuid), gpu.minor, s.gi_id, s.ci_id)
             out.setdefault(s.container, []).append(nodes)
         return out
 
@@ -211,7 +219,7 @@ class Lifecycle:
         if alloc.node != self.st.node:  # the node label says us; spec.nodeName does not
             await self.fail(alloc, f"spec.nodeName {alloc.node} is not on node {self.st.node}")
             return
-        fresh = plan(alloc, self.st.inv, self.st.health)
+        fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if isinstance(fresh, str):
             cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
             await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
@@ -244,6 +252,10 @@ class Lifecycle:
         why = blocked(rec.slices, uid, instances, own)
         if why:
             await self.give_up(alloc, rec, why)
+            return
+        why = await self.modes.ensure(uid, rec.slices)  # MIG mode on demand, lazily
+        if why:
+            await self.give_up(alloc, rec, f"{reason}; cannot re-create: {why}" if reason else why)
             return
         slices = list(rec.slices)
         for i, s in enumerate(slices):
@@ -278,6 +290,8 @@ class Lifecycle:
         """One slice: adopt what the record already claims, create only what is missing."""
         gpu = self.st.inv.gpu_by_uuid(s.gpu_uuid)
         assert gpu is not None
+        if s.whole:  # nothing to create: MIG is off on it (ModeChanger.ensure)
+            return replace(s, mig_uuid=gpu.uuid)
         prof = gpu.profile_by_id(s.profile_id)
         assert prof is not None
         i, call, nv = s.gpu_index, self.gpus.call_gpu, self.gpus.s
@@ -296,7 +310,9 @@ class Lifecycle:
 
     async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
         slices: list[SliceStatus] = [
-            {
+            {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
+            if s.whole  # the device the container sees is the GPU itself
+            else {
                 "container": s.container,
                 "migUUID": str(s.mig_uuid),
                 "giID": int(s.gi_id or 0),
@@ -327,7 +343,8 @@ class Lifecycle:
             alloc.pod_name,
             alloc.pod_uid,
             REASON_READY,
-            f"MIG slices ready on {self.st.node}: {uuids}",
+            f"{'whole GPUs' if all(s.whole for s in rec.slices) else 'MIG slices'} ready on "
+            f"{self.st.node}: {uuids}",
         )
 
     async def destroy_held(self, rec: ClaimRecord) -> None:
@@ -419,7 +436,7 @@ class Lifecycle:
                 self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
             return
-        fresh = plan(alloc, self.st.inv, self.st.health)
+        fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if not isinstance(fresh, str):
             instances = await self.instances({s.gpu_index for s in fresh})
             adopted = self.adoptable(alloc, fresh, instances)
@@ -490,7 +507,7 @@ class Lifecycle:
         uid = alloc.uid
         rec = self.st.cp.claims.get(uid)
         if rec is None and alloc.status_slices:
-            fresh = plan(alloc, self.st.inv, self.st.health)
+            fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
             if not isinstance(fresh, str):
                 instances = await self.instances({s.gpu_index for s in fresh})
                 adopted = self.adoptable(alloc, fresh, instances)

@@ -350,8 +350,8 @@ async def serve(
                 if agent is not None:
                     agent.on_node(etype, obj)
 
-            # env binding writes the Node's capacity itself: watch it, so a Node deleted and
-            # registered again (or reset by another writer) gets it back at once
+            # the agent writes its Node's capacity (and labels) itself: watch the Node, so one
+            # deleted and registered again (or reset by another writer) gets them back at once
             nodes_informer = Informer(
                 kube,
                 core_path("nodes"),
@@ -366,7 +366,10 @@ async def serve(
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
-                plugin.attach(lambda: capacity(a.st.inv, a.st.health), lambda: a.st.allocs.values())
+                plugin.attach(
+                    lambda: capacity(a.st.inv, a.st.health, a.life.modes.can_enable),
+                    lambda: a.st.allocs.values(),
+                )
 
             def ready() -> bool:
                 started = all(a.started.is_set() for a in agents.values())
@@ -386,8 +389,7 @@ async def serve(
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
-                if settings.binding == "env":
-                    tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
+                tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
                 if started is not None:
                     started(agents)
     finally:

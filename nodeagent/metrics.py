@@ -79,6 +79,12 @@ class AgentMetrics:
             ["node", "result"],
             registry=self.registry,
         )
+        self.mode_changes = Counter(
+            "instaslice_nodeagent_mode_changes",
+            "MIG mode changes the agent attempted, by target mode and result (done, failed).",
+            ["node", "target", "result"],
+            registry=self.registry,
+        )
         self.nvml_errors = Counter(
             "instaslice_nodeagent_nvml_errors",
             "NVML calls that failed, by function and nvml.h error name.",

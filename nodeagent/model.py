@@ -17,6 +17,7 @@ NVML_NO_PERMISSION = 4
 NVML_NOT_FOUND = 6
 NVML_TIMEOUT = 10
 NVML_GPU_IS_LOST = 15
+NVML_RESET_REQUIRED = 16
 NVML_IN_USE = 19
 NVML_INSUFFICIENT_RESOURCES = 23
 
@@ -81,6 +82,8 @@ class GpuInfo:
     model: str  # catalog model name, or the product name when the catalog lacks it
     profiles: tuple[ProfileInfo, ...] = ()
     warnings: tuple[str, ...] = ()  # catalog disagreements (NVML wins)
+    architecture: str = ""  # ampere | hopper | blackwell | ... ("" unknown)
+    compute_processes: int = 0  # nvmlDeviceGetComputeRunningProcesses on the whole GPU
 
     def profile(self, name: str) -> ProfileInfo | None:
         return next((p for p in self.profiles if p.name == name), None)

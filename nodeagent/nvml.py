@@ -72,8 +72,16 @@ READ_ONLY_CALLS = frozenset(
         "nvmlDeviceGetMigDeviceHandleByIndex",
         "nvmlDeviceGetGpuInstanceId",
         "nvmlDeviceGetComputeInstanceId",
+        "nvmlDeviceGetArchitecture",
+        "nvmlDeviceGetComputeRunningProcesses",
     }
 )
+# nvmlDeviceGetArchitecture values (nvml.h NVML_DEVICE_ARCH_*)
+ARCHITECTURES = {7: "ampere", 8: "ada", 9: "hopper", 10: "blackwell"}
+
+
+def _mode(value: int) -> str:
+    return MIG_ENABLED if value == 1 else MIG_DISABLED
 
 
 def error_name(code: int) -> str:
@@ -193,7 +201,49 @@ class NvmlSession:
             model=model.name if model else name,
             profiles=profiles,
             warnings=tuple(warnings),
+            architecture=self._architecture(h, model),
+            compute_processes=self.compute_processes(index),
         )
+
+    def _architecture(self, h: Any, model: GpuModel | None) -> str:
+        try:
+            arch = int(self.call("nvmlDeviceGetArchitecture", h))
+        except NvmlFailure as exc:
+            if exc.code != NVML_NOT_SUPPORTED:
+                raise
+            arch = -1
+        return ARCHITECTURES.get(arch) or (model.architecture if model else "")
+
+    def compute_processes(self, index: int) -> int:
+        """Compute processes NVML lists on the whole GPU (0 when it cannot tell)."""
+        try:
+            return len(self.call("nvmlDeviceGetComputeRunningProcesses", self.handle(index)))
+        except NvmlFailure as exc:
+            if exc.code not in (NVML_NOT_SUPPORTED, NVML_NO_PERMISSION):
+                raise
+            return 0
+
+    def mig_mode(self, index: int) -> tuple[str, str]:
+        cur, pend = self.call("nvmlDeviceGetMigMode", self.handle(index))
+        return (_mode(cur), _mode(pend))
+
+    def set_mig_mode(self, index: int, target: str) -> GpuInfo:
+        """SetMigMode(target) on an idle GPU, verified, then the GPU read afresh (nvml.h:
+        the minor number may change). The caller re-checked idleness and wrote its intent.
+        RESET_REQUIRED (the change only became pending) raises NvmlFailure with that code."""
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if target == MIG_ENABLED else 0
+        status = int(self.call("nvmlDeviceSetMigMode", self.handle(index), mode))
+        if status != pynvml.NVML_SUCCESS:
+            raise NvmlFailure(status, "nvmlDeviceSetMigMode", error_name(status))
+        self._handles.pop(index, None)
+        now = self.mig_mode(index)
+        if now != (target, target):
+            raise NvmlFailure(
+                NVML_INVALID_ARGUMENT,
+                "nvmlDeviceGetMigMode",
+                f"MIG mode is {now[0]} (pending {now[1]}) after setting {target}",
+            )
+        return self.gpu_info(index)
 
     def _profiles(
         self, h: Any, model: GpuModel | None

@@ -20,10 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from common.allocation import SliceAllocation
+from common.allocation import AllocSlice, SliceAllocation
 from common.objects import Phase
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
-from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
+from nodeagent.model import MIG_DISABLED, MIG_ENABLED, GpuInfo, Health, Instance, NodeInventory
+
+WHOLE_GPU_PROFILE_ID = -1  # no GI profile has it: a whole GPU never matches an instance
 
 Obj = dict[str, Any]
 
@@ -156,17 +158,30 @@ def blocked(
 
 
 def plan(
-    alloc: SliceAllocation, inv: NodeInventory, health: Mapping[int, Health]
+    alloc: SliceAllocation,
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    mode_problem: Callable[[GpuInfo, str], str | None] | None = None,
 ) -> list[SliceRecord] | str:
-    """Slice records for the allocation's spec, or the reason it cannot be made here."""
+    """Slice records for the allocation's spec, or the reason it cannot be made here.
+    A GPU with MIG disabled is planned for when `mode_problem` (GPU, target mode) says the
+    agent can enable it (MIG mode on demand); without one, MIG must be on already."""
     out: list[SliceRecord] = []
     for i, s in enumerate(alloc.slices):
         gpu: GpuInfo | None = inv.gpu_by_uuid(s.gpu_uuid)
         where = f"slice {i} ({s.container}: {s.profile} at {s.start}:{s.size})"
         if gpu is None:
             return f"{where}: GPU {s.gpu_uuid} is not on node {alloc.node}"
+        if s.kind == "gpu":
+            whole = _plan_whole(where, s, gpu, health, mode_problem)
+            if isinstance(whole, str):
+                return whole
+            out.append(whole)
+            continue
         if not gpu.mig_enabled:
-            return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}"
+            why = mode_problem(gpu, MIG_ENABLED) if mode_problem else "it is not changed here"
+            if why:
+                return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}: {why}"
         h = health.get(gpu.index, Health())
         if not h.healthy:
             return f"{where}: GPU {gpu.index} is unhealthy ({h.message})"
@@ -195,6 +210,33 @@ def plan(
                     f"{a.start}:{a.size} and {b.start}:{b.size}"
                 )
     return out
+
+
+def _plan_whole(
+    where: str,
+    s: AllocSlice,
+    gpu: GpuInfo,
+    health: Mapping[int, Health],
+    mode_problem: Callable[[GpuInfo, str], str | None] | None,
+) -> SliceRecord | str:
+    """A whole GPU: healthy, and MIG off or turned off by this agent (no instance on it)."""
+    h = health.get(gpu.index, Health())
+    if not h.healthy:
+        return f"{where}: GPU {gpu.index} is unhealthy ({h.message})"
+    if gpu.mig_current != MIG_DISABLED or gpu.mig_pending != MIG_DISABLED:
+        why = mode_problem(gpu, MIG_DISABLED) if mode_problem else "it is not changed here"
+        if why:
+            return f"{where}: MIG mode is {gpu.mig_current} on GPU {gpu.index}: {why}"
+    return SliceRecord(
+        container=s.container,
+        profile=s.profile,
+        profile_id=WHOLE_GPU_PROFILE_ID,
+        gpu_uuid=gpu.uuid,
+        gpu_index=gpu.index,
+        start=s.start,
+        size=s.size,
+        kind="gpu",
+    )
 
 
 def merge_plan(record: ClaimRecord | None, fresh: Sequence[SliceRecord]) -> tuple[SliceRecord, ...]:
@@ -281,7 +323,7 @@ def vanished_claims(
         if rec.state == "ready"
         and rec.updated < before
         and any(
-            s.done and not is_lost(s.gpu_index) and (rec.uid, i) not in own.found
+            s.done and not s.whole and not is_lost(s.gpu_index) and (rec.uid, i) not in own.found
             for i, s in enumerate(rec.slices)
         )
     }

@@ -9,12 +9,18 @@ maximum instance count over the node's healthy GPUs in MIG mode, never "currentl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.constants import INSTASLICE_MIG_PREFIX
+from common.constants import (
+    GPU_COUNT_LABEL,
+    GPU_MODEL_LABEL,
+    INSTASLICE_GPU,
+    INSTASLICE_MIG_PREFIX,
+    MEMORY_SLOTS_RESOURCE,
+)
 from common.objects import (
     GpuStatus,
     MigProfileStatus,
@@ -70,7 +76,10 @@ def gpu_status(
         "healthy": health.healthy,
         "profiles": profiles,
         "slices": slices,
+        "computeProcesses": gpu.compute_processes,
     }
+    if gpu.architecture:
+        out["architecture"] = gpu.architecture
     if health.message:
         out["message"] = health.message
     elif gpu.warnings:
@@ -83,7 +92,7 @@ def claimed_slices(cp: Checkpoint) -> dict[str, list[MigSliceStatus]]:
     out: dict[str, list[MigSliceStatus]] = {}
     for rec in cp.claims.values():
         for s in rec.slices:
-            if s.gi_id is None and rec.state == "ready":
+            if s.gi_id is None and rec.state == "ready" and not s.whole:
                 continue  # cleared by a reboot and not yet re-created
             out.setdefault(s.gpu_uuid, []).append(
                 {
@@ -106,7 +115,9 @@ def mig_node_status(
     version: str,
     boot_id: str,
     conditions: Sequence[Obj] = (),
+    modes: Mapping[str, Obj] | None = None,
 ) -> Obj:
+    """`modes`: GPU UUID → its MIG mode-change fields (`nodeagent.modes.mode_status`)."""
     claimed = claimed_slices(cp)
     gpus = [
         gpu_status(
@@ -117,6 +128,8 @@ def mig_node_status(
         )
         for g in inv.gpus
     ]
+    for entry, g in zip(gpus, inv.gpus, strict=True):
+        entry.update((modes or {}).get(g.uuid, {}))  # type: ignore[typeddict-item]
     out: Obj = {
         "gpuCount": len(gpus),
         "agent": {"version": version, "bootID": boot_id},
@@ -159,11 +172,24 @@ def stamped(conditions: Sequence[Obj], now: str) -> list[Obj]:
     return [{**c, "lastTransitionTime": c.get("lastTransitionTime", now)} for c in conditions]
 
 
-def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]:
-    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings."""
+def capacity(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    can_enable: Callable[[GpuInfo], bool] | None = None,
+    can_be_whole: Callable[[GpuInfo], bool] | None = None,
+) -> dict[str, str]:
+    """`instaslice.io/mig-<profile>` → the node's fixed upper bound, as quantity strings.
+    A GPU with MIG off counts when `can_enable` says the agent may turn MIG on for a slice
+    (MIG mode on demand: Hopper and newer). With `can_be_whole`, `instaslice.io/gpu` counts
+    the healthy GPUs that can serve as whole GPUs (MIG off, or turned off on demand)."""
     total: dict[str, int] = {}
+    if can_be_whole is not None:
+        total[INSTASLICE_GPU] = sum(
+            1 for g in inv.gpus if health.get(g.index, Health()).healthy and can_be_whole(g)
+        )
     for g in inv.gpus:
-        counted = g.mig_enabled and health.get(g.index, Health()).healthy
+        mig = g.mig_enabled or (can_enable is not None and can_enable(g))
+        counted = mig and health.get(g.index, Health()).healthy
         for p in g.profiles:
             try:
                 res = instaslice_resource(p.name)
@@ -173,15 +199,48 @@ def capacity(inv: NodeInventory, health: Mapping[int, Health]) -> dict[str, str]
     return {k: str(v) for k, v in sorted(total.items())}
 
 
-def capacity_patch(desired: Mapping[str, str], current: Mapping[str, Any]) -> Obj | None:
-    """A merge patch for Node status that sets our resources and removes stale ones (null);
-    None when nothing changes. Other resources are never touched."""
+def slot_capacity(
+    inv: NodeInventory,
+    health: Mapping[int, Health],
+    can_enable: Callable[[GpuInfo], bool] | None = None,
+) -> dict[str, str]:
+    """`instaslice.io/memory-slots`: the memory slots of the node's healthy MIG GPUs, those
+    the agent may turn MIG on for included (a fixed upper bound, like `capacity`), so pods
+    charged in slots (--slot-accounting) fit."""
+    total = 0
+    for g in inv.gpus:
+        mig = g.mig_enabled or (can_enable is not None and can_enable(g))
+        if mig and health.get(g.index, Health()).healthy:
+            total += max((s + n for p in g.profiles for s, n in p.placements), default=0)
+    return {MEMORY_SLOTS_RESOURCE: str(total)}
+
+
+def gpu_labels(inv: NodeInventory) -> dict[str, str | None]:
+    """The Node labels the agent keeps: `instaslice.io/gpu-model` (the catalog model when all
+    GPUs share one, else removed: a flavor selects one model) and `instaslice.io/gpu-count`."""
+    models = {g.model for g in inv.gpus}
+    model = next(iter(models)) if len(models) == 1 else None
+    return {GPU_MODEL_LABEL: model, GPU_COUNT_LABEL: str(len(inv.gpus))}
+
+
+def label_patch(desired: Mapping[str, str | None], current: Mapping[str, str]) -> Obj | None:
+    """A merge patch setting (or, for None, removing) the labels that differ; None if none."""
+    changes = {k: v for k, v in desired.items() if current.get(k) != v}
+    return {"metadata": {"labels": changes}} if changes else None
+
+
+def capacity_patch(
+    desired: Mapping[str, str], current: Mapping[str, Any], *, prune: bool = True
+) -> Obj | None:
+    """A merge patch for Node status that sets our resources and (`prune`) removes stale
+    `instaslice.io/mig-*` ones (null); None when nothing changes. Other resources are never
+    touched. `prune=False` in the device-plugin binding: the kubelet owns those entries."""
     changes: dict[str, str | None] = {}
     for res, val in desired.items():
         if str(current.get(res)) != val:
             changes[res] = val
     for res in current:
-        if res.startswith(INSTASLICE_MIG_PREFIX) and res not in desired:
+        if prune and res.startswith(INSTASLICE_MIG_PREFIX) and res not in desired:
             changes[res] = None
     if not changes:
         return None

@@ -8,13 +8,15 @@ serialized, and a change already covered by a later write is not written twice.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nodeagent import checkpoint
 from nodeagent.checkpoint import Checkpoint, ClaimRecord
-from nodeagent.model import Health, Instance, NodeInventory
+from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
+from nodeagent.modes import ModeChanged, ModeFailure
 
 Obj = dict[str, Any]
 
@@ -32,6 +34,11 @@ class AgentNode:
     # Ready allocations whose instances vanished while the agent ran (a driver reload or GPU
     # reset, same boot): marked and told once, kept until released (agent.gc, lifecycle.verify)
     vanished: set[str] = field(default_factory=set)
+    # MIG mode on demand (nodeagent/modes.py), by GPU UUID: changes that failed (avoided for
+    # a back-off), GPUs whose reset-less change answered RESET_REQUIRED, the last success
+    mode_failures: dict[str, ModeFailure] = field(default_factory=dict)
+    toggle_refused: set[str] = field(default_factory=set)
+    mode_changed: dict[str, ModeChanged] = field(default_factory=dict)
     cp: Checkpoint = field(init=False)
     publish: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -64,6 +71,11 @@ class AgentNode:
             self._saved = version
             if durable:
                 self._durable = version
+
+    def replace_gpu(self, gpu: GpuInfo) -> None:
+        """A GPU read afresh (after a MIG mode change: minor, profiles, placements)."""
+        gpus = tuple(gpu if g.index == gpu.index else g for g in self.inv.gpus)
+        self.inv = dataclasses.replace(self.inv, gpus=gpus)
 
     def is_lost(self, gpu_index: int) -> bool:
         return gpu_index in self.lost or gpu_index in self.inv.lost

@@ -95,16 +95,15 @@ async def get_node(kube: Kube, node: str) -> Obj | None:
         raise
 
 
-async def node_capacity(kube: Kube, node: str) -> dict[str, Any] | None:
-    """The Node's current status.capacity; None if the Node does not exist (yet)."""
-    obj = await get_node(kube, node)
-    return None if obj is None else dict(obj.get("status", {}).get("capacity") or {})
-
-
 async def node_labels(kube: Kube, node: str) -> dict[str, str] | None:
     """The Node's labels; None if the Node does not exist (yet)."""
     obj = await get_node(kube, node)
     return None if obj is None else dict(obj.get("metadata", {}).get("labels") or {})
+
+
+async def patch_node(kube: Kube, node: str, body: Obj) -> None:
+    """Its own Node's instaslice.io/gpu-* labels only (the policy refuses anything else)."""
+    await kube.patch(core_path("nodes", name=node), body)
 
 
 async def patch_node_status(kube: Kube, node: str, body: Obj) -> None:

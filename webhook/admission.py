@@ -10,7 +10,17 @@ namespaceSelector and matchConditions already filtered out everything else):
   the field and the reason; with none, the patch renames the resources to
   `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
   `env` binding mode, sets each slice-asking container's NVIDIA_VISIBLE_DEVICES to its CDI
-  device `instaslice.io/mig=<namespace>_<claim>_<container>`.
+  device `instaslice.io/mig=<namespace>_<claim>_<container>`;
+- in a namespace that also opted in to whole GPUs (`whole_gpu`), `nvidia.com/gpu: N` is
+  validated and rewritten the same way, to `instaslice.io/gpu: N` (the CDI device of such a
+  container binds its whole GPUs); a pod asking whole GPUs and MIG slices together is
+  refused (not supported).
+
+Size-based asks (`instaslice.io/mig-size.<container>` annotations, common/sizing.py) are
+validated here and left on the pod for the allocator, which resolves them per GPU model; the
+container gets its CDI device like any other. With `slot_accounting`, every slice-asking
+container is given `instaslice.io/memory-slots` (common/quota.py: its profiles' smallest slot
+counts; a size ask is charged at the fewest slots any model's fitting profile takes).
 
 Only CREATE is mutated: a pod's resources and env cannot change afterwards, and gate and
 claim changes on UPDATE are the cluster-wide ValidatingAdmissionPolicy's business. A CREATE
@@ -34,14 +44,21 @@ from common.constants import (
     CDI_KIND,
     CLAIM_ANNOTATION,
     GATE_NAME,
+    INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
+    MEMORY_SLOTS_RESOURCE,
+    NVIDIA_GPU,
     NVIDIA_MIG_PREFIX,
+    SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_PROFILE,
     BindingMode,
     qualified_cdi_device,
 )
 from common.podspec import SliceAsk, iter_containers, parse_count, slice_requests
 from common.profiles import ProfileNameError, profile_from_suffix
+from common.quota import min_slots
+from common.sizing import Size, SizeError, parse_size, resolve, unsatisfiable
 from webhook.settings import AdmissionSettings
 
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
@@ -214,9 +231,15 @@ def response_for(uid: str, decision: Verdict) -> AdmissionReview:
 
 
 def review(
-    request: AdmissionRequest, settings: AdmissionSettings, *, new_claim: Callable[[], str]
+    request: AdmissionRequest,
+    settings: AdmissionSettings,
+    *,
+    new_claim: Callable[[], str],
+    whole_gpu: bool = False,
 ) -> Verdict:
-    """Decide one review (see the module docstring)."""
+    """Decide one review (see the module docstring). `whole_gpu`: the pod's namespace also
+    carries `instaslice.io/whole-gpu: "true"` (the webhook configuration sends such
+    namespaces' pods to their own path), so `nvidia.com/gpu` asks are whole GPUs too."""
     kind = request["kind"]
     if (kind["group"], kind["version"], kind["kind"]) != ("", "v1", "Pod"):
         return Allowed("not a v1 Pod")
@@ -227,7 +250,7 @@ def review(
     pod = request.get("object")
     if not isinstance(pod, dict):
         return malformed("request.object is missing")
-    if not _asks_for_mig(pod):
+    if not _asks_for_mig(pod, whole_gpu):
         return Allowed("no MIG request")
     meta = pod.get("metadata")
     if meta is None:
@@ -237,7 +260,7 @@ def review(
     namespace = request.get("namespace") or meta.get("namespace")
     if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):
         return malformed(f"namespace {_show(namespace)} is not a DNS-1123 label")
-    return _Rewrite(pod, meta, namespace, settings).run(new_claim)
+    return _Rewrite(pod, meta, namespace, settings, whole_gpu).run(new_claim)
 
 
 def pod_slice_requests(pod: Mapping[str, Any]) -> list[tuple[str, str, int]]:
@@ -249,14 +272,28 @@ def _is_mig_key(key: object) -> bool:
     return isinstance(key, str) and key.startswith((NVIDIA_MIG_PREFIX, INSTASLICE_MIG_PREFIX))
 
 
-def _asks_for_mig(pod: Obj) -> bool:
+def _is_gpu_key(key: object) -> bool:
+    return key in (NVIDIA_GPU, INSTASLICE_GPU)
+
+
+def _asks_for_mig(pod: Obj, whole_gpu: bool = False) -> bool:
+    """Any MIG ask (a size annotation, or a key in limits or requests) or, with `whole_gpu`,
+    any whole-GPU ask."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    if isinstance(annotations, dict) and any(
+        isinstance(k, str) and k.startswith(SIZE_ANNOTATION_PREFIX) for k in annotations
+    ):
+        return True
     for _, _, c in iter_containers(pod):
         resources = c.get("resources") if isinstance(c, dict) else None
         if not isinstance(resources, dict):
             continue
         for section in ("limits", "requests"):
             entries = resources.get(section)
-            if isinstance(entries, dict) and any(_is_mig_key(k) for k in entries):
+            if isinstance(entries, dict) and any(
+                _is_mig_key(k) or (whole_gpu and _is_gpu_key(k)) for k in entries
+            ):
                 return True
     return False
 
@@ -291,6 +328,28 @@ def _show(value: object, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
+    """Set `instaslice.io/memory-slots` in one container's limits (requests default to them)."""
+    base = f"/spec/{fld}/{i}/resources"
+    value = str(slots)
+    resources = c.get("resources")
+    if not isinstance(resources, dict):
+        return [{"op": "add", "path": base, "value": {"limits": {MEMORY_SLOTS_RESOURCE: value}}}]
+    ops: list[PatchOp] = []
+    if not isinstance(resources.get("limits"), dict):
+        ops.append({"op": "add", "path": f"{base}/limits", "value": {}})
+    ops.append(
+        {"op": "add", "path": f"{base}/limits/{_esc(MEMORY_SLOTS_RESOURCE)}", "value": value}
+    )
+    if (
+        isinstance(resources.get("requests"), dict)
+        and MEMORY_SLOTS_RESOURCE in resources["requests"]
+    ):
+        path = f"{base}/requests/{_esc(MEMORY_SLOTS_RESOURCE)}"
+        ops.append({"op": "add", "path": path, "value": value})
+    return ops
+
+
 def _esc(token: str) -> str:
     """One JSON Pointer reference token (RFC 6901): `~` → `~0`, `/` → `~1`."""
     return token.replace("~", "~0").replace("/", "~1")
@@ -304,13 +363,15 @@ class _Rewrite:
     meta: Obj
     namespace: str
     settings: AdmissionSettings
+    whole_gpu: bool = False
     problems: list[str] = field(default_factory=list)
     ops: list[PatchOp] = field(default_factory=list)
     asks: list[SliceAsk] = field(default_factory=list)
 
     def run(self, new_claim: Callable[[], str]) -> Verdict:
         spec = self.pod.get("spec")
-        assert isinstance(spec, dict)  # _asks_for_mig found containers in it
+        if not isinstance(spec, dict):  # a size annotation on a pod without a spec
+            return malformed("object.spec is not an object")
         annotations = self.meta.get("annotations")
         if annotations is not None and not isinstance(annotations, dict):
             return malformed("object.metadata.annotations is not an object")
@@ -334,9 +395,11 @@ class _Rewrite:
                     "InstaSlice assigns devices per container, never by pod annotation"
                 )
 
+        sizes = self._sizes(annotations)
         claim = new_claim()
         devices: list[str] = []
         names: set[str] = set()
+        charges: list[tuple[str, int, Obj, int]] = []  # (field, index, container, slots)
         for fld, i, c in iter_containers(self.pod):
             where = f"spec.{fld}[{i}]"
             if not isinstance(c, dict):
@@ -350,13 +413,30 @@ class _Rewrite:
                 self.problems.append(f"{where}: container name {_show(name)} is used twice")
                 continue
             names.add(name)
-            asks = self._resources(c, fld, i, name)
+            before = len(self.asks)
+            asks = self._resources(c, fld, i, name) or name in sizes
+            if asks and self.settings.slot_accounting:
+                charges.append((fld, i, c, self._slots(self.asks[before:], sizes.get(name))))
             own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
             device = qualified_cdi_device(self.namespace, claim, name)
             bind = bool(asks) and self.settings.binding_mode is BindingMode.ENV
             if self._env(c, fld, i, name, own, device if bind else None) and bind:
                 devices.append(device)
 
+        for name in sorted(set(sizes) - names):
+            self.problems.append(
+                f"metadata.annotations[{SIZE_ANNOTATION_PREFIX}{name}]: the pod has no "
+                f"container or initContainer named {_show(name)}"
+            )
+        profiles = {a.profile for a in self.asks}
+        if WHOLE_GPU_PROFILE in profiles and (len(profiles) > 1 or sizes):
+            mig = sorted(profiles - {WHOLE_GPU_PROFILE}) + [
+                f"by size for {n}" for n in sorted(sizes)
+            ]
+            self.problems.append(
+                f"resources: the pod asks for whole GPUs ({NVIDIA_GPU}) and MIG slices "
+                f"({', '.join(mig)}) together; a pod gets either, not both (not supported)"
+            )
         if self.problems:
             shown = self.problems[:_MAX_PROBLEMS]
             if len(self.problems) > _MAX_PROBLEMS:
@@ -386,7 +466,44 @@ class _Rewrite:
                 f"the pod already carried InstaSlice's claim or gate, so it gets the fresh claim "
                 f"{claim} (claims are never reused)"
             )
-        return Patched(head + self.ops, claim, tuple(self.asks), tuple(devices), tuple(warnings))
+        slot_ops = [op for fld, i, c, n in charges for op in _slot_ops(fld, i, c, n)]
+        return Patched(
+            head + self.ops + slot_ops, claim, tuple(self.asks), tuple(devices), tuple(warnings)
+        )
+
+    def _sizes(self, annotations: Obj) -> dict[str, Size]:
+        """The size asks by container name; each bad one is a problem naming its annotation."""
+        sizes: dict[str, Size] = {}
+        for key, value in annotations.items():
+            if not (isinstance(key, str) and key.startswith(SIZE_ANNOTATION_PREFIX)):
+                continue
+            where = f"metadata.annotations[{key}]"
+            try:
+                size = parse_size(value, max_count=self.settings.max_count)
+            except SizeError as exc:
+                self.problems.append(f"{where}: {_show(value)} {exc}")
+                continue
+            models = self.settings.catalog.models
+            if all(resolve(m, size) is None for m in models):
+                self.problems.append(f"{where}: {unsatisfiable(size, models, 'the catalog')}")
+                continue
+            if self.settings.binding_mode is not BindingMode.ENV:
+                self.problems.append(
+                    f"{where}: size-based requests need the env binding mode (this webhook runs "
+                    f"with {self.settings.binding_mode}); ask for nvidia.com/mig-<profile> instead"
+                )
+                continue
+            sizes[key[len(SIZE_ANNOTATION_PREFIX) :]] = size
+        return sizes
+
+    def _slots(self, asks: list[SliceAsk], size: Size | None) -> int:
+        """The memory slots one container is charged (common/quota.py: lower bounds)."""
+        catalog = self.settings.catalog
+        total = sum((min_slots(catalog, a.profile) or 0) * a.count for a in asks)
+        if size is not None:
+            fits = [p.memory_slots for m in catalog.models if (p := resolve(m, size))]
+            total += min(fits) * size.count
+        return total
 
     def _resources(self, c: Obj, fld: str, i: int, name: str) -> bool:
         """Validate one container's MIG resources and queue their renames; True if it asks."""
@@ -456,6 +573,8 @@ class _Rewrite:
                             {"op": "add", "path": f"{base}/{section}/{_esc(new_key)}",
                              "value": entries[key]}
                         )  # fmt: skip
+        if self.whole_gpu:
+            asked = self._whole(where, name, fld, base, limits, requests) or asked
         for key in requests:
             if _is_mig_key(key) and key not in limits:
                 asked = True
@@ -464,6 +583,46 @@ class _Rewrite:
                     "also be in limits, with the same count"
                 )
         return asked
+
+    def _whole(
+        self, where: str, name: str, fld: str, base: str, limits: Obj, requests: Obj
+    ) -> bool:
+        """Whole-GPU asks (`nvidia.com/gpu`, or `instaslice.io/gpu` already): validate, queue
+        the rename; True if the container asks."""
+        keys = [k for k in (NVIDIA_GPU, INSTASLICE_GPU) if k in limits or k in requests]
+        if not keys:
+            return False
+        if len(keys) > 1:
+            self.problems.append(f"{where}: asks for whole GPUs as both {NVIDIA_GPU} and "
+                                 f"{INSTASLICE_GPU}")  # fmt: skip
+            return True
+        key = keys[0]
+        if key not in limits:
+            self.problems.append(
+                f"{where}: resources.requests[{key}]: a GPU request must also be in limits, "
+                "with the same count"
+            )
+            return True
+        value = limits[key]
+        count = self._count(where, f"resources.limits[{key}]", value)
+        if key in requests and requests[key] != value:
+            self.problems.append(
+                f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from the "
+                f"limit {_show(value)} (requests, if given, must equal limits)"
+            )
+            return True
+        if count is None:
+            return True
+        self.asks.append(SliceAsk(name, WHOLE_GPU_PROFILE, count, init=fld == "initContainers"))
+        if key == NVIDIA_GPU:
+            new_key = _esc(INSTASLICE_GPU)
+            for section, entries in (("limits", limits), ("requests", requests)):
+                if key in entries:
+                    self.ops.append({"op": "remove", "path": f"{base}/{section}/{_esc(key)}"})
+                    self.ops.append(
+                        {"op": "add", "path": f"{base}/{section}/{new_key}", "value": entries[key]}
+                    )
+        return True
 
     def _count(self, where: str, field_: str, value: object) -> int | None:
         count = parse_count(value)

@@ -64,7 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.INSTASLICE.value)
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
+    p.add_argument(
+        "--preemption",
+        choices=["gpu", "off"],
+        default="gpu",
+        help="gpu: evict lower-priority pods holding MIG slots for a pod that does not fit",
+    )
+    p.add_argument(
+        "--preempt-kueue-pods",
+        action="store_true",
+        help="Kueue-managed pods may be preemption victims (default: never)",
+    )
+    p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument("--no-admission", action="store_true", help="run without the server")
+    p.add_argument(
+        "--slot-accounting",
+        action="store_true",
+        help="add instaslice.io/memory-slots to slice-asking containers, for cross-profile "
+        "quotas (docs/kueue.md); node agents advertise it",
+    )
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info")
@@ -85,7 +103,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         server = ServerSettings(
             cert_file=a.cert_file,
             key_file=a.key_file,
-            admission=AdmissionSettings.from_catalog(BindingMode(a.binding_mode)),
+            admission=AdmissionSettings.from_catalog(
+                BindingMode(a.binding_mode), slot_accounting=a.slot_accounting
+            ),
             host=a.host,
             port=a.port,
             metrics_port=a.metrics_port,
@@ -98,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
             policy=Policy(a.policy),
             node_selector=a.node_selector,
+            preemption=a.preemption == "gpu",
+            preempt_kueue_pods=a.preempt_kueue_pods,
+            preemption_wait_s=a.preemption_wait_timeout,
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

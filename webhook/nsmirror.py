@@ -3,7 +3,9 @@
 Users opt a namespace in with the annotation `instaslice.io/enabled: "true"` (docs/contract.md §1);
 the MutatingWebhookConfiguration's `namespaceSelector` can only match labels, so this loop
 keeps the label `instaslice.io/enabled: "true"` present exactly while the annotation is. The
-annotation is the source of truth: a label set by hand without it is removed.
+annotation is the source of truth: a label set by hand without it is removed. The second
+opt-in, `instaslice.io/whole-gpu: "true"` (whole GPUs), is mirrored the same way: the
+whole-GPU webhook entry selects on it.
 
 An Informer (list + watch) delivers every namespace change; a patch is sent only when the
 label disagrees with the annotation, so a steady cluster sees no writes. Failed patches are
@@ -20,27 +22,34 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path
 from common.workqueue import KeyedQueue
 
 log = structlog.get_logger("nsmirror")
 
 
-def wanted_label(ns: Obj) -> str | None:
-    """The label value the namespace should carry: "true" when opted in, else none."""
+MIRRORED = (ENABLED_KEY, WHOLE_GPU_KEY)  # annotations copied into labels of the same name
+
+
+def wanted_label(ns: Obj, key: str = ENABLED_KEY) -> str | None:
+    """The label value the namespace should carry for `key`: "true" when its annotation
+    says so, else none."""
     meta = ns.get("metadata") or {}
-    return "true" if (meta.get("annotations") or {}).get(ENABLED_KEY) == "true" else None
+    return "true" if (meta.get("annotations") or {}).get(key) == "true" else None
 
 
 def label_patch(ns: Obj) -> Obj | None:
-    """The merge patch bringing the label in line with the annotation, or None if it is."""
+    """The merge patch bringing the labels in line with the annotations, or None if they
+    are."""
     meta = ns.get("metadata") or {}
-    current = (meta.get("labels") or {}).get(ENABLED_KEY)
-    wanted = wanted_label(ns)
-    if current == wanted:
+    labels = meta.get("labels") or {}
+    changes = {
+        key: wanted_label(ns, key) for key in MIRRORED if labels.get(key) != wanted_label(ns, key)
+    }
+    if not changes:
         return None
-    return {"metadata": {"labels": {ENABLED_KEY: wanted}}}
+    return {"metadata": {"labels": changes}}
 
 
 @dataclass

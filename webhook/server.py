@@ -1,6 +1,7 @@
 """The HTTPS admission server: a thin aiohttp shell around `webhook.admission.review`.
 
-Routes: `POST /mutate` (AdmissionReview v1), `GET /healthz` (the process answers),
+Routes: `POST /mutate` (AdmissionReview v1; `POST /mutate-whole-gpu` the same for namespaces
+also opted in to whole GPUs), `GET /healthz` (the process answers),
 `GET /readyz` (serving, not shutting down), `GET /metrics` (Prometheus, the registry given).
 With `metrics_port` set, the three GET routes are also served in plain HTTP on that port
 (for Prometheus and kubelet probes, which should not need the webhook's CA); /mutate never is.
@@ -52,6 +53,7 @@ from webhook.offered import OfferedProfiles
 from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("webhook")
+WHOLE_GPU_PATH = "/mutate-whole-gpu"  # the webhook entry of namespaces also opted in to whole GPUs
 
 
 # --- TLS -----------------------------------------------------------------------------------
@@ -157,6 +159,7 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth, offered)
     app.router.add_post("/mutate", _mutate)
+    app.router.add_post(WHOLE_GPU_PATH, _mutate)  # namespaces opted in to whole GPUs too
     _add_ops_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
@@ -230,7 +233,12 @@ async def _mutate(request: web.Request) -> web.StreamResponse:
         return web.json_response(response_for(uid, malformed(message)))
 
     try:
-        decision = review(req, _admission(state), new_claim=state.new_claim)
+        decision = review(
+            req,
+            _admission(state),
+            new_claim=state.new_claim,
+            whole_gpu=request.path == WHOLE_GPU_PATH,
+        )
     except Exception:  # a bug: refuse this pod, keep serving, make noise
         log.exception("admission decision failed", uid=req["uid"])
         decision = Denied("internal error in the InstaSlice webhook", 500, "InternalError")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.catalog import load_catalog
+from common.catalog import Catalog, load_catalog
 from common.constants import BindingMode
 
 
@@ -30,10 +30,22 @@ class AdmissionSettings:
     binding_mode: BindingMode = BindingMode.ENV
     max_count: int = 1024
     cluster_profiles: frozenset[str] = frozenset()
+    # --slot-accounting: add instaslice.io/memory-slots to slice-asking containers (docs/kueue.md)
+    slot_accounting: bool = False
+    # what size-based asks and slot charges are resolved against
+    catalog: Catalog = field(default_factory=load_catalog)
 
     @classmethod
-    def from_catalog(cls, binding_mode: BindingMode = BindingMode.ENV) -> AdmissionSettings:
-        return cls(known_profiles=load_catalog().profile_names(), binding_mode=binding_mode)
+    def from_catalog(
+        cls, binding_mode: BindingMode = BindingMode.ENV, *, slot_accounting: bool = False
+    ) -> AdmissionSettings:
+        catalog = load_catalog()
+        return cls(
+            known_profiles=catalog.profile_names(),
+            binding_mode=binding_mode,
+            slot_accounting=slot_accounting,
+            catalog=catalog,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,6 +217,7 @@ class PendingReason(StrEnum):
     NODE_RESOURCES = "NodeResources"  # GPUs would fit; node cpu/memory/pods short
     GPU_UNAVAILABLE = "GpuUnavailable"  # the GPUs that offer it are unhealthy / MIG off
     NO_MATCHING_NODE = "NoMatchingNode"  # nodeSelector / affinity / taints exclude all
+    NEEDS_MIG_MODE_CHANGE = "NeedsMigModeChange"  # fits only after a reset (modes.py)
 
 
 @dataclass(frozen=True, slots=True)

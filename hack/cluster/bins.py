@@ -49,20 +49,23 @@ class BinariesMissing(RuntimeError):
     """The binaries are not built yet; `make kube-bins` builds them."""
 
 
+def ask_build_script(script: Path, flag: str, hint: str) -> Path:
+    """The path a build script prints for `flag` (which never builds); BinariesMissing with
+    the script's own complaint and `hint` when it has nothing built."""
+    proc = subprocess.run([str(script), flag], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise BinariesMissing(f"{proc.stderr.strip()} ({hint})")
+    return Path(proc.stdout.strip())
+
+
 def find_bin_dir() -> Path:
     override = os.environ.get("INSTASLICE_KUBE_BIN_DIR")
     if override:
         bin_dir = Path(override)
     else:
-        proc = subprocess.run(
-            [str(BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
+        bin_dir = ask_build_script(
+            BUILD_SCRIPT, "--print-bindir", "run `make kube-bins`; cold: ~20 min, once per machine"
         )
-        if proc.returncode != 0:
-            raise BinariesMissing(
-                f"control-plane binaries are not built ({proc.stderr.strip()}); "
-                "run `make kube-bins` (cold: ~20 min, once per machine)"
-            )
-        bin_dir = Path(proc.stdout.strip())
     missing = [b for b in BINARIES if not (bin_dir / b).is_file()]
     if missing:
         raise BinariesMissing(f"{bin_dir} lacks {', '.join(missing)}; run `make kube-bins`")
@@ -80,14 +83,7 @@ def find_node_bin_dir() -> Path:
     if override:
         bin_dir = Path(override)
     else:
-        proc = subprocess.run(
-            [str(NODE_BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise BinariesMissing(
-                f"real-node binaries are not built ({proc.stderr.strip()}); run `make node-bins`"
-            )
-        bin_dir = Path(proc.stdout.strip())
+        bin_dir = ask_build_script(NODE_BUILD_SCRIPT, "--print-bindir", "run `make node-bins`")
     missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
     if missing:
         raise BinariesMissing(f"{bin_dir} lacks {', '.join(missing)}; run `make node-bins`")
@@ -100,14 +96,14 @@ def find_helm() -> Path:
     if override:
         helm = Path(override)
     else:
-        proc = subprocess.run(
-            [str(HELM_BUILD_SCRIPT), "--print-bindir"], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise BinariesMissing(
-                f"{proc.stderr.strip()} (hack/helm/build.sh: ~70 s with a warm Go cache)"
+        helm = (
+            ask_build_script(
+                HELM_BUILD_SCRIPT,
+                "--print-bindir",
+                "hack/helm/build.sh: ~70 s with a warm Go cache",
             )
-        helm = Path(proc.stdout.strip()) / "helm"
+            / "helm"
+        )
     if not helm.is_file():
         raise BinariesMissing(f"{helm} does not exist; run `make kube-bins`")
     return helm

@@ -92,6 +92,7 @@ class NodeGroup:
 @dataclass(frozen=True)
 class ClusterSpec:
     groups: tuple[NodeGroup, ...]
+    kueue: bool = False  # top-level `kueue: true`: build, install and run Kueue (hack/kueue.py)
 
     def node_names(self) -> list[str]:
         return [n for g in self.groups for n in g.names()]
@@ -165,7 +166,10 @@ def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
     entries = doc.get("nodes")
     if not isinstance(entries, list):
         raise SpecError("spec needs a top-level 'nodes' list")
-    spec = ClusterSpec(tuple(_group(i, e, base) for i, e in enumerate(entries)))
+    kueue = doc.get("kueue", False)
+    if not isinstance(kueue, bool):
+        raise SpecError(f"kueue: {kueue!r} is not true or false")
+    spec = ClusterSpec(tuple(_group(i, e, base) for i, e in enumerate(entries)), kueue=kueue)
     names = spec.node_names()
     if len(set(names)) != len(names):
         raise SpecError("node names collide; give each group its own prefix")

@@ -4,7 +4,7 @@
     instaslice-emu lgipp --model H200-141GB          # nvidia-smi mig -lgipp
     instaslice-emu lgi   --state DIR --node NODE     # "<gpu> <profile> <id> <gi> <start>:<size>"
     instaslice-emu provision --state DIR --node NODE --model M --gpus N [--mig-mode disabled]
-    instaslice-emu reboot|reset-gpu|gpu-lost|xid|fail-next|latency|add-process|remove-process
+    instaslice-emu reboot|reset-gpu|gpu-lost|xid|fail-next|latency|vm|add-process|remove-process
 
 `lgip`/`lgipp` also take `--state/--node` instead of `--model` to list every GPU of an
 emulated node, with the free counts it has now. Exit status: 0 ok, 2 usage, 1 refused.
@@ -69,7 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mig-mode", choices=("enabled", "disabled"), default="enabled")
     p = sub.add_parser("reboot", help="reboot the node: instances go, boot id changes")
     _node_args(p)
-    p.add_argument("--clear-mig-mode", action="store_true", help="MIG mode does not survive")
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument("--clear-mig-mode", action="store_true", help="MIG mode does not survive")
+    keep.add_argument(
+        "--keep-mig-mode", action="store_true", help="MIG mode survives (default: per model)"
+    )
     p = sub.add_parser("reset-gpu", help="nvidia-smi -r: pending MIG mode applies")
     _node_args(p)
     p.add_argument("--gpu", type=int, required=True)
@@ -91,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     _node_args(p)
     p.add_argument("--create-ms", type=int)
     p.add_argument("--destroy-ms", type=int)
+    p.add_argument("--mode-ms", type=int, help="latency of a MIG mode change")
+    p = sub.add_parser("vm", help="make the node a pass-through VM guest (or not)")
+    _node_args(p)
+    p.add_argument("--on", choices=("true", "false"), required=True)
     for name in ("add-process", "remove-process"):
         p = sub.add_parser(name, help=f"{name.split('-')[0]} an emulated process")
         _node_args(p)
@@ -146,7 +154,8 @@ def run(argv: Sequence[str] | None = None) -> str:
             for r in rows.values()
         )
     if cmd == "reboot":
-        return control.reboot(keep_mig_mode=not args.clear_mig_mode) + "\n"
+        keep = False if args.clear_mig_mode else (True if args.keep_mig_mode else None)
+        return control.reboot(keep_mig_mode=keep) + "\n"
     if cmd == "reset-gpu":
         control.reset_gpu(args.gpu, force=args.force)
     elif cmd == "gpu-lost":
@@ -156,7 +165,11 @@ def run(argv: Sequence[str] | None = None) -> str:
     elif cmd == "fail-next":
         control.fail_next(cast(Op, args.op), args.code, args.count, skip=args.skip)
     elif cmd == "latency":
-        control.set_latency(create_ms=args.create_ms, destroy_ms=args.destroy_ms)
+        control.set_latency(
+            create_ms=args.create_ms, destroy_ms=args.destroy_ms, mode_ms=args.mode_ms
+        )
+    elif cmd == "vm":
+        control.set_vm(args.on == "true")
     elif cmd == "add-process":
         return f"{control.add_process(args.uuid)}\n"
     elif cmd == "remove-process":

@@ -50,8 +50,9 @@ def provision(
     catalog name, or the name of one of `tables` — models defined only by a table file
     (`common.catalog.load_model_file`), which win over a catalog entry of the same name.
 
-    A node that already has exactly those (same models, same MIG mode, in order) keeps its
-    state, instances included ("kept": a restart with an unchanged spec); one that has other
+    A node that already has exactly those (same models, provisioned with the same MIG mode,
+    in order) keeps its state, instances and on-demand mode changes included ("kept": a
+    restart with an unchanged spec); one that has other
     GPUs or modes is provisioned anew ("replaced": the spec changed); else "created". GPU
     UUIDs derive from node and index.
     """
@@ -78,7 +79,13 @@ def provision(
 
 
 def _shape(state: EmulatorState) -> list[tuple[str, int, GpuModel | None]]:
-    return [(g.model, g.mig_current, g.table) for g in state.gpus]
+    """Models (and their tables) and the provisioned MIG mode: the agent may have changed the
+    current mode on demand since, which is no change of the spec (an older file: its current
+    mode)."""
+    return [
+        (g.model, state.provisioned_mode if state.provisioned_mode >= 0 else g.mig_current, g.table)
+        for g in state.gpus
+    ]
 
 
 class EmulatorControl:
@@ -112,8 +119,9 @@ class EmulatorControl:
             raise EmulatorError(f"node {state.node} has no GPU {index}")
         return index
 
-    def reboot(self, *, keep_mig_mode: bool = True) -> str:
-        """All instances and processes go, the boot id changes; returns the new boot id."""
+    def reboot(self, *, keep_mig_mode: bool | None = None) -> str:
+        """All instances and processes go, the boot id changes; returns the new boot id.
+        MIG mode after it: per model (`rules.mode_after_reboot`) unless `keep_mig_mode`."""
         boot_id = str(uuid.uuid4())
         self._change(lambda s: node_ops.reboot(s, boot_id, keep_mig_mode=keep_mig_mode))
         return boot_id
@@ -123,21 +131,44 @@ class EmulatorControl:
         Refused while processes use the GPU unless `force`."""
 
         def fn(s: EmulatorState) -> EmulatorState | Rejected:
-            res = rules.reset(s.gpus[self._index(s, index)], force=force)
+            res = rules.reset(s.gpus[self._index(s, index)], force=force, vm=s.settings.vm)
             return res if isinstance(res, Rejected) else s.with_gpu(res)
 
         self._change(fn)
 
-    def set_latency(self, create_ms: int | None = None, destroy_ms: int | None = None) -> None:
+    def set_latency(
+        self,
+        create_ms: int | None = None,
+        destroy_ms: int | None = None,
+        mode_ms: int | None = None,
+    ) -> None:
+        """Sleeps before GI/CI creates, destroys, and MIG mode changes (None: unchanged)."""
+
         def fn(s: EmulatorState) -> EmulatorState:
             settings = s.settings
             if create_ms is not None:
                 settings = replace(settings, create_ms=max(0, create_ms))
             if destroy_ms is not None:
                 settings = replace(settings, destroy_ms=max(0, destroy_ms))
+            if mode_ms is not None:
+                settings = replace(settings, mode_ms=max(0, mode_ms))
             return replace(s, settings=settings)
 
         self._change(fn)
+
+    def set_vm(self, vm: bool) -> None:
+        """True: the node is a pass-through VM guest. SetMigMode only records the pending
+        mode (RESET_REQUIRED) and `reset_gpu` is refused, so only a reboot changes it [INF]."""
+        self._change(lambda s: replace(s, settings=replace(s.settings, vm=vm)))
+
+    def set_disable_with_instances(self, rule: Literal["in_use", "destroy"]) -> None:
+        """What a Hopper+ SetMigMode(DISABLE) does while GPU instances exist [INF]:
+        "in_use" (default) refuses with IN_USE, "destroy" drops them."""
+        if rule not in ("in_use", "destroy"):
+            raise EmulatorError(f"disable_with_instances must be in_use or destroy, not {rule!r}")
+        self._change(
+            lambda s: replace(s, settings=replace(s.settings, disable_with_instances=rule))
+        )
 
     def set_capacity_without_mig(self, answer: bool) -> None:
         """True (default, like driver 580): RemainingCapacity answers with MIG disabled;

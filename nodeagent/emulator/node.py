@@ -66,7 +66,7 @@ def new_node(
         )
         for i, m in enumerate(models)
     )
-    return EmulatorState(node=node, boot_id=boot_id, gpus=gpus)
+    return EmulatorState(node=node, boot_id=boot_id, gpus=gpus, provisioned_mode=mode)
 
 
 # ---- injected failures ---------------------------------------------------------------------
@@ -212,15 +212,16 @@ def gpu_lost(state: EmulatorState, index: int) -> EmulatorState:
     return emit_event(state, index, XID_FELL_OFF_BUS)
 
 
-def reboot(state: EmulatorState, boot_id: str, *, keep_mig_mode: bool = True) -> EmulatorState:
-    """Every GPU is reset (pending MIG mode applies), instances and processes are gone.
-
-    MIG mode survives (Ampere documents it like ECC mode; on bare-metal Hopper it persists
-    too); keep_mig_mode=False models a VM whose MIG mode is gone with the VM (mig.md §1).
-    """
+def reboot(
+    state: EmulatorState, boot_id: str, *, keep_mig_mode: bool | None = None
+) -> EmulatorState:
+    """Every GPU is reset, instances and processes are gone, and each GPU comes back with
+    the MIG mode its model keeps across a reboot (`rules.mode_after_reboot`: Ampere keeps
+    its pending mode, Hopper and newer come back disabled [INF]). `keep_mig_mode` True or
+    False overrides the model (False: a VM whose MIG mode went with it, mig.md §1)."""
     gpus = []
     for gpu in state.gpus:
-        mode = gpu.mig_pending if keep_mig_mode else MIG_DISABLE
+        mode = rules.mode_after_reboot(gpu, keep_mig_mode)
         gpus.append(
             replace(gpu, mig_current=mode, mig_pending=mode, lost=False, processes=(), gis=())
         )

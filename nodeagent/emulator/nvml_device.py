@@ -12,6 +12,7 @@ from typing import Any
 
 import pynvml
 
+from nodeagent.emulator import node as node_ops
 from nodeagent.emulator import rules
 from nodeagent.emulator.handles import Kind
 from nodeagent.emulator.nvml_base import EventSet, NvmlBase, fail
@@ -152,9 +153,20 @@ class DeviceCalls(NvmlBase):
         return [gpu.mig_current, gpu.mig_pending]
 
     def nvmlDeviceSetMigMode(self, handle: object, mode: int) -> int:
+        """The node's `mode_ms` is slept first when the call would change the mode."""
+        state = self._read()
+        gpu = self._device(state, handle)
+        if state.settings.mode_ms > 0 and mode != gpu.mig_current:
+            self._sleep(state.settings.mode_ms / 1000)
+
         def change(state: EmulatorState) -> tuple[EmulatorState, int | Rejected]:
             gpu = self._device(state, handle)
-            res = rules.set_mig_mode(gpu, mode)
+            state, failed = node_ops.take_failure(state, "set_mig_mode")
+            if failed is not None:
+                return state, failed
+            s = state.settings
+            destroy = s.disable_with_instances == "destroy"
+            res = rules.set_mig_mode(gpu, mode, vm=s.vm, destroy_instances=destroy)
             if isinstance(res, Rejected):
                 return state, res
             return state.with_gpu(res[0]), res[1]

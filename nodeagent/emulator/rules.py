@@ -295,30 +295,51 @@ def destroy_ci(gpu: Gpu, gi_id: int, ci_id: int) -> Gpu | Rejected:
 # ---- MIG mode and resets -------------------------------------------------------------------
 
 
-def set_mig_mode(gpu: Gpu, mode: int) -> tuple[Gpu, int] | Rejected:
+def set_mig_mode(
+    gpu: Gpu, mode: int, *, vm: bool = False, destroy_instances: bool = False
+) -> tuple[Gpu, int] | Rejected:
     """SetMigMode → (new GPU, activationStatus).
 
     Ampere only records the pending mode; it takes effect at the next GPU reset, and the
-    activation status says RESET_REQUIRED until then. Hopper and newer switch at once when
-    no process uses the GPU (else IN_USE). Leaving MIG mode destroys every GI and CI.
+    activation status says RESET_REQUIRED until then (user guide). So does every GPU in a
+    pass-through VM (`vm`), where nvml.h says a VM reboot is required. Hopper and newer
+    switch at once (NVIDIA's DRA driver, gpu-operator#2603) unless a process uses the GPU
+    (IN_USE, nvml.h) or, when disabling, GPU instances exist: IN_USE too [INF: unverified on
+    hardware; mig-parted always destroys them first] unless `destroy_instances`, which drops
+    them instead.
     """
     if gpu.lost:
         return Rejected(GPU_IS_LOST, f"GPU {gpu.index} is lost")
     if mode not in (MIG_DISABLE, MIG_ENABLE):
         return Rejected(INVALID_ARGUMENT, f"MIG mode {mode}")
-    if gpu.spec.resets_for_mig_mode:
+    if gpu.spec.resets_for_mig_mode or vm:
         status = SUCCESS if mode == gpu.mig_current else RESET_REQUIRED
         return replace(gpu, mig_pending=mode), status
     if mode == gpu.mig_current:
         return replace(gpu, mig_pending=mode), SUCCESS
     if gpu.all_processes():
         return Rejected(IN_USE, f"GPU {gpu.index}: processes running")
+    if mode == MIG_DISABLE and gpu.gis and not destroy_instances:
+        return Rejected(IN_USE, f"GPU {gpu.index}: {len(gpu.gis)} GPU instances exist")
     gis = gpu.gis if mode == MIG_ENABLE else ()
     return replace(gpu, mig_current=mode, mig_pending=mode, gis=gis), SUCCESS
 
 
-def reset(gpu: Gpu, *, force: bool = False) -> Gpu | Rejected:
-    """`nvidia-smi -r`: the pending MIG mode takes effect; no GI/CI survives a reset."""
+def mode_after_reboot(gpu: Gpu, keep_mig_mode: bool | None) -> int:
+    """The MIG mode a GPU comes back with. Ampere keeps it (an InfoROM bit; user guide:
+    "persistent across reboots"), so its pending mode applies. Hopper and newer come back
+    with MIG disabled [INF: NVIDIA in gpu-operator#2600 and gpu-admin-tools#2, "from Hopper
+    the bit is gone"; not seen on our hardware]. `keep_mig_mode` overrides the model."""
+    if keep_mig_mode is None:
+        keep_mig_mode = gpu.spec.resets_for_mig_mode
+    return gpu.mig_pending if keep_mig_mode else MIG_DISABLE
+
+
+def reset(gpu: Gpu, *, force: bool = False, vm: bool = False) -> Gpu | Rejected:
+    """`nvidia-smi -r`: the pending MIG mode takes effect; no GI/CI survives a reset.
+    A pass-through VM refuses it ("Resetting GPU ... is not supported", gpu-operator#1606)."""
+    if vm:
+        return Rejected(NOT_SUPPORTED, f"GPU {gpu.index}: resetting is not supported in a VM")
     if gpu.all_processes() and not force:
         return Rejected(IN_USE, f"GPU {gpu.index}: processes running")
     return replace(gpu, mig_current=gpu.mig_pending, lost=False, processes=(), gis=())

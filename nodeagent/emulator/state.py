@@ -40,8 +40,8 @@ EVENT_XID: Final = 0x8  # nvmlEventTypeXidCriticalError
 XID_FELL_OFF_BUS: Final = 79
 EVENT_HISTORY: Final = 256  # events kept in the state file for event sets to read
 
-Op = Literal["create_gi", "create_ci", "destroy_ci", "destroy_gi"]
-OPS: Final[tuple[Op, ...]] = ("create_gi", "create_ci", "destroy_ci", "destroy_gi")
+Op = Literal["create_gi", "create_ci", "destroy_ci", "destroy_gi", "set_mig_mode"]
+OPS: Final[tuple[Op, ...]] = ("create_gi", "create_ci", "destroy_ci", "destroy_gi", "set_mig_mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +127,13 @@ class Settings:
     # documents NOT_SUPPORTED; True copies the hardware.
     capacity_without_mig: bool = True
     fail: tuple[FailRule, ...] = ()
+    mode_ms: int = 0  # added to every MIG mode change that takes effect (SetMigMode, reset)
+    # A pass-through VM guest [INF, from nvml.h and gpu-operator#1606]: SetMigMode only records
+    # the pending mode (RESET_REQUIRED) on every architecture, and `reset_gpu` is refused.
+    vm: bool = False
+    # Hopper+ SetMigMode(DISABLE) while GPU instances exist [INF, unverified (design R1.1)]:
+    # "in_use" refuses it (mig-parted always destroys them first); "destroy" drops them.
+    disable_with_instances: Literal["in_use", "destroy"] = "in_use"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +158,10 @@ class EmulatorState:
     next_serial: int = 1
     next_event: int = 1
     next_pid: int = 4000
+    # The MIG mode the node was provisioned with (MIG_ENABLE/MIG_DISABLE; -1: unknown, an
+    # older state file). `provision` compares the spec with it, not with the current mode,
+    # which the agent may have changed on demand since.
+    provisioned_mode: int = -1
 
     def gpu(self, index: int) -> Gpu | None:
         return self.gpus[index] if 0 <= index < len(self.gpus) else None

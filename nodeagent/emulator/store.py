@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from common.catalog import GpuModel, model_to_json, parse_model
 from nodeagent.emulator.state import (
@@ -233,7 +233,19 @@ def _settings(raw: dict[str, Any]) -> Settings:
             FailRule(op=_op(r["op"]), code=r["code"], count=r["count"], skip=r["skip"])
             for r in raw["fail"]
         ),
+        # keys added later: older state files lack them
+        mode_ms=raw.get("mode_ms", 0),
+        vm=raw.get("vm", False),
+        disable_with_instances=_disable_rule(raw.get("disable_with_instances", "in_use")),
     )
+
+
+def _disable_rule(raw: str) -> Literal["in_use", "destroy"]:
+    if raw == "in_use":
+        return "in_use"
+    if raw == "destroy":
+        return "destroy"
+    raise ValueError(f"disable_with_instances must be in_use or destroy, not {raw!r}")
 
 
 def decode(raw: dict[str, Any]) -> EmulatorState:
@@ -249,4 +261,5 @@ def decode(raw: dict[str, Any]) -> EmulatorState:
         next_serial=raw["next_serial"],
         next_event=raw["next_event"],
         next_pid=raw["next_pid"],
+        provisioned_mode=raw.get("provisioned_mode", -1),
     )

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -177,11 +177,17 @@ class GpuNode:
         return sorted(p.name for p in self.cdi_dir.glob("*.json")) if self.cdi_dir.exists() else []
 
 
-async def gpu_node(kube: Kube, tmp: Path, models: Sequence[str], prefix: str = "na") -> GpuNode:
+async def gpu_node(
+    kube: Kube,
+    tmp: Path,
+    models: Sequence[str],
+    prefix: str = "na",
+    mig_mode: Literal["enabled", "disabled"] = "enabled",
+) -> GpuNode:
     """Provision an emulated node and create its (KWOK) Node object."""
     name = f"{prefix}{secrets.token_hex(3)}"
     node = GpuNode(name=name, root=tmp, models=models)
-    provision(tmp / "gpus", name, list(models))
+    provision(tmp / "gpus", name, list(models), mig_mode)
     group = NodeGroup(prefix=name, count=1, gpus=len(models), model=models[0])
     manifest = node_manifest(group, 0)
     manifest["metadata"]["name"] = name

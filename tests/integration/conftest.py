@@ -6,6 +6,9 @@
 - `kube_api` (session): a kubernetes_asyncio ApiClient authenticated as cluster admin.
 - `namespace` (function): a fresh namespace whose `default` ServiceAccount exists (pods can be
   created at once); deleted after the test.
+- `agent_kube` (session): a `common.kubeapi.Kube` with InstaSlice's CRDs, namespace, agent
+  RBAC and policies installed; `alloc_ns` (function): `namespace`, whose leftover
+  SliceAllocations lose their finalizer afterwards so it can go.
 KWOK GPU nodes: `await hack.cluster.nodes.create_nodes(kube_api, load_spec(path))`.
 
 Every async test under tests/integration runs in the session event loop, the loop the
@@ -23,7 +26,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from common.kubeapi import harden
+from common.kubeapi import Kube, harden, instaslice_path
 from hack.cluster import BinariesMissing, ControlPlane
 
 _HERE = Path(__file__).parent
@@ -112,3 +115,22 @@ async def namespace(kube_api: client.ApiClient) -> AsyncIterator[str]:
         except ApiException as e:
             if e.status not in (404, 409):  # gone, or already terminating
                 raise
+
+
+@pytest.fixture(scope="session")
+async def agent_kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
+    from tests.integration.agent_fixtures import install_instaslice
+
+    async with await Kube.connect(str(control_plane.kubeconfig)) as k:
+        await install_instaslice(k)
+        yield k
+
+
+@pytest.fixture
+async def alloc_ns(agent_kube: Kube, namespace: str) -> AsyncIterator[str]:
+    yield namespace
+    path = instaslice_path("sliceallocations", namespace)
+    for a in (await agent_kube.list(path)).get("items", []):
+        if a["metadata"].get("finalizers"):
+            patch = {"metadata": {"finalizers": None}}
+            await agent_kube.patch(f"{path}/{a['metadata']['name']}", patch)

@@ -28,7 +28,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, VISIBLE_DEVICES_ENV
+from common.constants import (
+    CLAIM_ANNOTATION,
+    ENABLED_KEY,
+    GATE_NAME,
+    VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_KEY,
+)
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.cluster import ControlPlane
 from tests.integration.webhook_fixtures import (
@@ -614,3 +620,11 @@ async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(
     await allocator.patch(path, {"metadata": {"labels": {ENABLED_KEY: None}}})
     got = await kube.get(path)
     assert ENABLED_KEY not in got["metadata"].get("labels", {})
+    # the second opt-in (whole GPUs) is mirrored under the same rule
+    whole = {"metadata": {"labels": {WHOLE_GPU_KEY: "true"}}}
+    with pytest.raises(ApiError) as exc:  # no annotation: no label
+        await allocator.patch(path, whole)
+    assert "instaslice.io/whole-gpu only" in exc.value.message
+    await kube.patch(path, {"metadata": {"annotations": {WHOLE_GPU_KEY: "true"}}})
+    await allocator.patch(path, whole)
+    assert (await kube.get(path))["metadata"]["labels"][WHOLE_GPU_KEY] == "true"

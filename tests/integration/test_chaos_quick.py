@@ -1,19 +1,20 @@
 """The chaos soak, short and seeded, as part of `make test` (bench/chaos.py --quick).
 
-One minute of churn on 3 KWOK GPU nodes (6 emulated GPUs) while every fault kind of
-bench/chaos_faults.py is injected at least once — kill -9 of the webhook/allocator and of
-the node agents, a kube-apiserver restart, NVML create/destroy failures and slow calls, a GPU
-falling off the bus, a node NotReady, a node deleted, pods deleted mid-allocation, a
-namespace deleted, a create whose rollback NVML refuses twice, a pod replaced by a same-name
-one during a watch gap — then the system must settle with every invariant of
-bench/invariants.py holding against ground truth (the emulated GPUs' real instances, the
-API objects, the CDI files): no leaked instance, no orphan allocation, no double booking at
-any sampled moment, no unsettled pod.
+75 seconds of churn on 4 KWOK GPU nodes (8 emulated GPUs, 2 starting with MIG off) — longer
+on a loaded machine, until every fault kind of bench/chaos_faults.py has been injected at
+least once (the quick mode goes on for at most 4 x 75 s) — kill -9 of the
+webhook/allocator and of the node agents, a kube-apiserver restart, NVML create/destroy
+failures and slow calls, a GPU falling off the bus, a node NotReady, a node deleted, pods
+deleted mid-allocation, a namespace deleted, a create whose rollback NVML refuses twice, a
+pod replaced by a same-name one during a watch gap, an admin flipping an idle GPU's MIG mode
+— then the system must settle with every invariant of bench/invariants.py holding against
+ground truth (the emulated GPUs' real instances, the API objects, the CDI files): no leaked
+instance, no orphan allocation, no double booking at any sampled moment, no unsettled pod,
+no Ready slice on a GPU with MIG off.
 
-A pure test checks the checker: each kind of violation, planted in synthetic ground
-truth, is reported (so a clean soak is not a blind one).
-Leaves out: the 10-minute soak with the bigger fleet (`make chaos`; its numbers are in
-docs/security.md), and real GPUs.
+A pure test checks the checker: each kind of violation, planted in synthetic ground truth,
+is reported (so a clean soak is not a blind one). Leaves out: the 10-minute soak with the
+bigger fleet (`make chaos`; its numbers are in docs/security.md), and real GPUs.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from bench.invariants import Instance, Slot, Truth, check_settled, double_bookin
 from common.constants import CLAIM_ANNOTATION
 from hack.cluster import BinariesMissing
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# at most 5 minutes of faults (quick mode), then settling
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SEED = 7
 
 
 def test_quick_chaos_keeps_every_invariant(tmp_path: Path) -> None:
     try:
-        result = run_chaos(tmp_path / "chaos", minutes=1.0, seed=SEED, quick=True)
+        result = run_chaos(tmp_path / "chaos", minutes=1.25, seed=SEED, quick=True)
     except BinariesMissing as e:
         pytest.fail(str(e), pytrace=False)
     (tmp_path / "chaos.json").write_text(json.dumps(result, indent=1))
@@ -98,3 +100,17 @@ def test_checker_sees_each_kind_of_violation() -> None:
     ]
     truth.cdi_claims = {"n": set()}
     assert "no CDI spec file" in check_settled(truth).unsettled_pods[0].detail
+    assert check_settled(truth).mode_mismatch == []
+    truth.mig_off = {"GPU-0"}  # a's Ready slice sits on a GPU whose MIG mode is off
+    assert [v.key for v in check_settled(truth).mode_mismatch] == ["ns/ca@GPU-0"]
+
+    whole = _alloc("cw", "uw", "GPU-0", 0, 8, "GPU-0")
+    whole["spec"]["slices"][0].update(profile="gpu", kind="gpu")
+    truth = Truth([_running("pw", "uw", "cw")], [whole], inst, {"n": {("ns", "cw")}}, {}, {"GPU-0"})
+    report = check_settled(truth)
+    assert report.orphan_allocations == [] and report.unsettled_pods == []  # no instance needed
+    assert [v.key for v in report.whole_gpu_shared] == ["ns/cw@GPU-0"]  # but the GPU holds two
+    truth.instances, truth.mig_off = [], set()
+    assert [v.detail for v in check_settled(truth).mode_mismatch] == [
+        "Ready whole GPU on a GPU whose MIG mode is on"
+    ]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ from tests.integration.agent_fixtures import (
     gpu_node,
     injected_devices,
     injected_env,
-    install_instaslice,
     mig_node,
     pod_events,
     process_args,
@@ -64,20 +62,14 @@ Obj = dict[str, Any]
 
 
 @pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(control_plane.kubeconfig)) as k:
-        await install_instaslice(k)
-        yield k
+def kube(agent_kube: Kube) -> Kube:
+    return agent_kube
 
 
 @pytest.fixture
-async def ns(kube: Kube, namespace: str) -> AsyncIterator[str]:
+def ns(alloc_ns: str) -> str:
     """The test namespace; leftover allocations lose their finalizer so it can go."""
-    yield namespace
-    path = instaslice_path("sliceallocations", namespace)
-    for a in (await kube.list(path)).get("items", []):
-        if a["metadata"].get("finalizers"):
-            await kube.patch(f"{path}/{a['metadata']['name']}", {"metadata": {"finalizers": None}})
+    return alloc_ns
 
 
 def _delete(kube: Kube, alloc: Obj) -> Any:
@@ -585,8 +577,9 @@ async def test_reboot_recreates_ready_allocations(
     async with running_agent(settings):
         await create_allocation(kube, alloc)
         before = await wait_phase(kube, alloc, "Ready")
-    new_boot = node.emu.reboot()
+    new_boot = node.emu.reboot()  # a Hopper GPU comes back with MIG off [INF]
     assert node.instances() == []
+    assert node.emu.state().gpus[0].mig_current == 0
     async with running_agent(settings):
 
         async def recreated() -> Obj | None:
@@ -595,6 +588,7 @@ async def test_reboot_recreates_ready_allocations(
             return got if st.get("phase") == "Ready" and st.get("bootID") == new_boot else None
 
         after = await eventually(recreated, what="Ready again after the reboot")
+        assert node.emu.state().gpus[0].mig_current == 1  # the agent turned MIG on first
         assert node.instances() == [(0, "4g.71gb", 0, 4, 0)]
         old_uuid = before["status"]["slices"][0]["migUUID"]
         new_uuid = after["status"]["slices"][0]["migUUID"]
@@ -615,11 +609,13 @@ async def test_reboot_that_cannot_be_recreated_fails_explicitly(
     async with running_agent(settings):
         await create_allocation(kube, alloc)
         await wait_phase(kube, alloc, "Ready")
-    node.emu.reboot(keep_mig_mode=False)  # a VM whose MIG mode went with it (mig.md §1)
+    node.emu.set_vm(True)  # a VM guest: MIG mode went with the reboot, and no reset helps
+    node.emu.reboot(keep_mig_mode=False)
     async with running_agent(settings):
         failed = await wait_phase(kube, alloc, "Failed")
         msg = failed["status"]["message"]
-        assert "rebooted" in msg and "MIG mode is disabled" in msg, msg
+        assert "rebooted" in msg and "RESET_REQUIRED" in msg, msg
+        assert node.emu.state().gpus[0].mig_pending == 0  # the pending change taken back
         await _delete(kube, alloc)
         await wait_gone(kube, alloc)
         assert checkpoint.load(node.checkpoint, node.name).claims == {}

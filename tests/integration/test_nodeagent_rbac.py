@@ -127,6 +127,12 @@ async def _verdicts(
         "node-mine-capacity": await _status(
             me.patch(core_path("nodes", name=mine) + "/status", cap)
         ),
+        "node-mine-gpu-labels": await _status(
+            me.patch(
+                core_path("nodes", name=mine),
+                {"metadata": {"labels": {"instaslice.io/gpu-model": "H200-141GB"}}},
+            )
+        ),
         "alloc-mine-status": await _status(
             me.patch(_alloc_path(a_mine) + "/status", {"status": {"message": "checked"}})
         ),

@@ -12,11 +12,12 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
 - the node agent is confined to its own node's objects, with the credential it really
   runs with: a ServiceAccount token bound to a pod scheduled on node A (the apiserver puts
   the node name into the token) may write A's allocations' status and finalizer, MigNode
-  A, Node A's instaslice.io/* capacity and Lease A, and nothing of node B, no other capacity,
-  no finalizer added, no relabelling, on its own Node's status nothing but instaslice.io/*
-  capacity (no forged condition, address, endpoint, label or annotation); a token bound to
-  no pod may write nothing, nor may another member of the group instaslice:nodeagents; the
-  same for a per-node client certificate;
+  A, Node A's instaslice.io/* capacity, its instaslice.io/gpu-* labels and Lease A, and
+  nothing of node B, no other capacity, no finalizer added, no other relabelling, no spec,
+  on its own Node's status nothing but instaslice.io/* capacity (no forged condition,
+  address, endpoint, label or annotation); a token bound to no pod may write nothing, nor
+  may another member of the group instaslice:nodeagents; the same for a per-node client
+  certificate;
 - the node agent's rules are sufficient: the real agent, under its node's certificate
   identity and nothing else, takes an allocation to Ready and releases it;
 - the pod policy of CONTRACT.md §4 holds in namespaces tests elsewhere do not use (kube-system,
@@ -118,6 +119,7 @@ UNIVERSE: tuple[Res, ...] = (
     ("apps", "deployments", "", NS),
     ("apps", "daemonsets", "", NS),
     ("batch", "jobs", "", "team-a"),
+    ("policy", "poddisruptionbudgets", "", "team-a"),
     ("instaslice.io", "sliceallocations", "", "team-a"),
     ("instaslice.io", "sliceallocations", "status", "team-a"),
     ("instaslice.io", "mignodes", "", ""),
@@ -144,6 +146,8 @@ SPECIAL: tuple[tuple[str, str, str], ...] = (
 
 CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     ("", "pods", ""): {"get", "list", "watch", "update", "delete"},  # pin+ungate; unstick
+    ("", "pods", "eviction"): {"create"},  # preemption (the Eviction API keeps PDBs)
+    ("policy", "poddisruptionbudgets", ""): {"list", "watch"},  # which victims a PDB guards
     ("", "nodes", ""): {"get", "list", "watch"},
     ("", "namespaces", ""): {"get", "list", "watch", "patch"},  # the opt-in label mirror
     ("", "events", ""): {"create"},
@@ -160,7 +164,7 @@ AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", "status"): {"patch"},
     ("instaslice.io", "mignodes", ""): {"create"},
     ("instaslice.io", "mignodes", "status"): {"patch"},
-    ("", "nodes", ""): {"get", "list", "watch"},
+    ("", "nodes", ""): {"get", "list", "watch", "patch"},
     ("", "nodes", "status"): {"patch"},
     ("", "events", ""): {"create"},
 }
@@ -443,10 +447,18 @@ async def _confined(kube: Kube, agent: Kube, nodes: Nodes, ns: str) -> None:
                    "may only update the status of Node")  # fmt: skip
     await _refused(agent.patch(node_a, {"status": {"capacity": {"cpu": "1000"}}}),
                    "only instaslice.io/*")  # fmt: skip
-    await _refused(
-        agent.patch(core_path("nodes", name=nodes.a), {"metadata": {"labels": {"x": "y"}}}),
-        "forbidden",
-    )
+    # Node itself: only its instaslice.io/gpu-* labels (Kueue flavors select on them)
+    mine = {"metadata": {"labels": {"instaslice.io/gpu-model": "H100-80GB"}}}
+    await agent.patch(core_path("nodes", name=nodes.a), mine)
+    await _refused(agent.patch(core_path("nodes", name=nodes.b), mine),
+                   "may only update the status of Node")  # fmt: skip
+    for bad in (
+        {"metadata": {"labels": {"x": "y"}}},
+        {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+        {"spec": {"unschedulable": True}},
+        {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
+    ):
+        await _refused(agent.patch(core_path("nodes", name=nodes.a), bad), "may change only")
 
     # Leases: its own heartbeat only
     leases = group_path(LEASES, "leases", NS)

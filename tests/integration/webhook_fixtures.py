@@ -84,7 +84,8 @@ async def webhook(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Async
         config = load_manifest("webhook/mutatingwebhookconfiguration.yaml")[0]
         config["metadata"]["name"] = f"instaslice-it-{secrets.token_hex(3)}"
         for hook in config["webhooks"]:
-            hook["clientConfig"] = {"url": f"{srv.url}/mutate", "caBundle": ca_bundle(ca)}
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"{srv.url}{path}", "caBundle": ca_bundle(ca)}
         path = group_path(ADMISSIONREG, "mutatingwebhookconfigurations")
         await kube.create(path, config)
         try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, WHOLE_GPU_KEY
 from common.kubeapi import ApiError
 from webhook.nsmirror import _Mirror, label_patch, wanted_label
 
@@ -44,6 +44,19 @@ def test_label_patch(obj: dict[str, Any], patch: dict[str, Any] | None) -> None:
     assert label_patch(obj) == patch
     annotations = obj["metadata"].get("annotations") or {}
     assert wanted_label(obj) == ("true" if annotations.get(ENABLED_KEY) == "true" else None)
+
+
+def test_whole_gpu_opt_in_is_mirrored_too() -> None:
+    both = {"metadata": {"annotations": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}}
+    assert label_patch(both) == {
+        "metadata": {"labels": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}
+    }
+    both["metadata"]["labels"] = {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}
+    assert label_patch(both) is None
+    dropped = {
+        "metadata": {"annotations": {ENABLED_KEY: "true"}, "labels": both["metadata"]["labels"]}
+    }
+    assert label_patch(dropped) == {"metadata": {"labels": {WHOLE_GPU_KEY: None}}}
 
 
 class FakeKube:

@@ -22,11 +22,15 @@ from common.constants import GATE_NAME
 from common.objects import Phase
 from tests.integration.allocator_fixtures import make_allocation, make_pod
 from webhook.allocator import pods as podlib
+from webhook.allocator.preemption import Preemption, Victim
 from webhook.allocator.track import (
     Act,
+    AwaitVictims,
     Create,
     Dequeue,
+    Evict,
     Forget,
+    GiveUp,
     Kick,
     OnAllocation,
     Pin,
@@ -94,6 +98,30 @@ def pending_future() -> asyncio.Future[Any]:
 
 BODY = {"metadata": {"name": CLAIM}}
 
+V1, V2 = Victim("v1", "ns", "low-1"), Victim("v2", "ns", "low-2")
+
+
+def preempting(**changes: Any) -> PodTrack:
+    """A pod whose preemption of v1 and v2 is in flight (deadline at t=100)."""
+    p = Preemption(
+        body=BODY,
+        key=f"ns/{CLAIM}",
+        node="n1",
+        victims=(V1, V2),
+        waits_for=frozenset({"v1", "v2"}),
+        deadline=100.0,
+    )
+    for k, v in changes.items():
+        setattr(p, k, v)
+    return PodTrack("p", preempt=p)
+
+
+def waiting(p: PodView | None = None, **kw: Any) -> Seen:
+    """The preemptor, gated, with its reservation (an assumed allocation) in the cache."""
+    kw.setdefault("now", 10.0)
+    return seen(p or pod(), alloc(), assumed=frozenset({alloc().key}), **kw)
+
+
 Kind = type[Step] | Act  # a step's class, or what it does with an allocation
 
 
@@ -103,6 +131,63 @@ def kind_of(step: Step) -> Kind:
 
 # (id, track, seen, expected kind, expected detail or None)
 ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
+    # 0b. a preemption in flight (its slots reserved)
+    (
+        "preempt-evicts-running-victims",
+        preempting(),
+        waiting(victims_alive=frozenset({"v1", "v2"}), holding=frozenset({"v1", "v2"})),
+        Evict,
+        None,
+    ),
+    (
+        "preempt-waits-for-evicted-victims-to-release",
+        preempting(evicted=frozenset({"v1", "v2"})),
+        waiting(victims_alive=frozenset({"v2"}), holding=frozenset({"v2"})),
+        AwaitVictims,
+        None,
+    ),
+    (
+        "preempt-creates-once-every-victim-slot-is-free",
+        preempting(evicted=frozenset({"v1", "v2"})),
+        waiting(),
+        Create,
+        None,
+    ),
+    (
+        "preempt-victims-that-outlive-the-deadline",
+        preempting(evicted=frozenset({"v1", "v2"})),
+        waiting(holding=frozenset({"v2"}), now=100.0),
+        GiveUp,
+        "victims did not release their slices in time",
+    ),
+    (
+        "preempt-eviction-refused",
+        preempting(refused="v1"),
+        waiting(victims_alive=frozenset({"v1", "v2"}), holding=frozenset({"v1", "v2"})),
+        GiveUp,
+        "an eviction was refused (PodDisruptionBudget)",
+    ),
+    (
+        "preempt-preemptor-deleted",
+        preempting(),
+        seen(None),
+        GiveUp,
+        "the preemptor is gone",
+    ),
+    (
+        "preempt-preemptor-being-deleted",
+        preempting(),
+        waiting(dataclasses.replace(pod(), deleting=True)),
+        GiveUp,
+        "the preemptor is gone",
+    ),
+    (
+        "preempt-preemptor-ungated-by-someone-else",
+        preempting(),
+        waiting(pod(gates=())),
+        GiveUp,
+        "the preemptor is no longer InstaSlice's to place",
+    ),
     # 1. pinned and unschedulable past the timeout
     (
         "unstick-due",

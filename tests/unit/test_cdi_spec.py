@@ -82,6 +82,7 @@ def test_host_numbers_without_caps_major_leave_numbers_to_the_runtime(tmp_path: 
     (tmp_path / "mig-minors").write_text(MINORS)
     numbers = cdi.DeviceNumbers.from_host(tmp_path / "mig-minors", tmp_path / "missing")
     nodes = numbers.slice_nodes("MIG-a", 0, 1, 0)
+    assert nodes.gi_access is not None
     assert nodes.gi_access.to_json() == {"path": "/dev/nvidia-caps/nvidia-cap12"}
 
 

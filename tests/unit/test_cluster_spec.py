@@ -43,3 +43,22 @@ def test_bad_runtime_input_names_the_field(nodes: list[dict[str, Any]], message:
     with pytest.raises(SpecError) as err:
         parse_spec({"nodes": nodes})
     assert str(err.value).startswith(message), err.value
+
+
+def test_kueue_is_a_top_level_boolean() -> None:
+    group = {"prefix": "h", "count": 1, "gpus": 1, "model": "H100-80GB"}
+    assert parse_spec({"nodes": [group]}).kueue is False
+    assert parse_spec({"kueue": True, "nodes": [group]}).kueue is True
+    with pytest.raises(SpecError, match="kueue: 'yes' is not true or false"):
+        parse_spec({"kueue": "yes", "nodes": [group]})
+
+
+def test_every_shipped_spec_parses() -> None:
+    from pathlib import Path
+
+    from hack.cluster.nodes import load_spec
+
+    specs = sorted((Path(__file__).parents[2] / "hack" / "specs").glob("*.yaml"))
+    assert specs
+    parsed = {p.name: load_spec(p) for p in specs}
+    assert parsed["kueue.yaml"].kueue and not parsed["dev.yaml"].kueue

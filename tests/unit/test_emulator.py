@@ -314,6 +314,9 @@ def test_hopper_mig_mode_is_immediate_unless_in_use(tmp_path: Path) -> None:
     with pytest.raises(pynvml.NVMLError_InUse):
         nv.nvmlDeviceSetMigMode(dev, 0)
     ctl.remove_process(mig)
+    with pytest.raises(pynvml.NVMLError_InUse):  # GPU instances exist [INF]
+        nv.nvmlDeviceSetMigMode(dev, 0)
+    ctl.set_disable_with_instances("destroy")
     assert nv.nvmlDeviceSetMigMode(dev, 0) == pynvml.NVML_SUCCESS  # destroys every GI/CI
     assert nv.nvmlDeviceGetMigMode(dev) == [0, 0] and ctl.instances() == []
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
@@ -703,7 +706,7 @@ def test_concurrent_creates_never_overlap(tmp_path: Path) -> None:
             assert rules.engines_used(gpu, model).fits_within(model.full_engines)
         uuids = [r.mig_uuid for r in ctl.instances()]
         assert len(set(uuids)) == len(uuids) == created
-        ctl.reboot()
+        ctl.reboot(keep_mig_mode=True)
 
 
 def test_reboot_clears_instances_and_changes_boot_id(tmp_path: Path) -> None:
@@ -720,8 +723,11 @@ def test_reboot_clears_instances_and_changes_boot_id(tmp_path: Path) -> None:
     assert ctl.instances() == []
     assert nv.nvmlDeviceGetComputeRunningProcesses(h200) == []
     assert nv.nvmlDeviceGetMigMode(a100) == [0, 0]  # the reboot applied the pending mode
-    assert nv.nvmlDeviceGetMigMode(h200) == [1, 1]  # MIG mode persists
+    assert nv.nvmlDeviceGetMigMode(h200) == [0, 0]  # Hopper comes back with MIG off [INF]
     assert [nv.nvmlDeviceGetUUID(d) for d in (a100, h200)] == uuids
+    nv.nvmlDeviceSetMigMode(h200, 1)
+    ctl.reboot(keep_mig_mode=True)
+    assert nv.nvmlDeviceGetMigMode(h200) == [1, 1]
     ctl.reboot(keep_mig_mode=False)
     assert nv.nvmlDeviceGetMigMode(h200) == [0, 0]
 
@@ -870,5 +876,8 @@ def test_provision_gives_what_the_spec_says(tmp_path: Path) -> None:
     assert len(ctl.instances()) == 1  # a restart keeps what was made
     assert provision(tmp_path, "a", ["H100-80GB"] * 2, "disabled") == "replaced"
     assert [g.mig_current for g in ctl.state().gpus] == [0, 0] and ctl.instances() == []
+    nv.nvmlDeviceSetMigMode(h, 1)  # MIG on demand: no change of the spec
+    assert provision(tmp_path, "a", ["H100-80GB"] * 2, "disabled") == "kept"
+    assert [g.mig_current for g in ctl.state().gpus] == [1, 0]
     assert provision(tmp_path, "a", ["A30-24GB"], "disabled") == "replaced"
     assert [g.model for g in ctl.state().gpus] == ["A30-24GB"]

@@ -159,3 +159,41 @@ def test_gather_keeps_only_instaslice_events_and_gated_pods() -> None:
         ]
     }  # fmt: skip
     assert gated_pods(json.dumps(pods)) == ["a/p"]
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_kueue_config_prints_the_generated_transformations_and_flavors(
+    slots: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.catalog import load_catalog
+    from common.kubectl_plugin import main
+    from common.quota import kueue_resources
+
+    assert main(["kueue-config", *(["--slot-accounting"] if slots else [])]) == 0
+    config, *flavors = yaml.safe_load_all(capsys.readouterr().out)
+    catalog = load_catalog()
+    assert config == {"resources": kueue_resources(catalog, slot_accounting=slots)}
+    assert {f["spec"]["nodeLabels"]["instaslice.io/gpu-model"] for f in flavors} == {
+        m.name for m in catalog.models
+    }
+    assert all(f["kind"] == "ResourceFlavor" for f in flavors)
+
+
+def test_nodes_show_mode_and_mode_changes() -> None:
+    on = _mignode("n0", [])
+    off = _mignode("n1", [])
+    off["status"]["gpus"][0].update(
+        migMode={"current": "disabled", "pending": "disabled"}, modeToggle="resetless"
+    )
+    failed = _mignode("n2", [])
+    failed["status"]["gpus"][0].update(
+        migMode={"current": "disabled", "pending": "disabled"},
+        modeToggle="resetless",
+        modeChange={"phase": "Failed", "message": "1 compute process(es) run on it"},
+    )
+    out = render_nodes([on, off, failed], [])
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith("n")}
+    assert rows["n0"][3:5] == ["enabled", "-"]  # an older agent: no modeToggle
+    assert rows["n1"][3:5] == ["disabled", "resetless"]
+    assert rows["n2"][3:5] == ["disabled", "FAILED"]
+    assert "n2 GPU 0: MIG mode change failed, avoided for a back-off: 1 compute process" in out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.catalog import load_catalog
-from nodeagent.emulator import provision
+from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import main, parse_args, selector
 
 
@@ -91,3 +91,23 @@ def test_discover_only_prints_and_changes_nothing(
     assert (
         "GPU 1  NVIDIA A30" in text and "catalog: A30-24GB (profiles and placements match)" in text
     )
+
+
+def test_discover_only_prints_architecture_and_mode_change_capability(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    provision(tmp_path, "n1", ["H100-80GB", "A100-40GB"], "disabled")
+    ctl = EmulatorControl(tmp_path, "n1")
+    ctl.add_process(ctl.state().gpus[0].uuid)
+    ctl.set_vm(True)  # a VM guest cannot be told apart without trying: never tried here
+    before = hashlib.sha256((tmp_path / "n1.json").read_bytes()).hexdigest()
+    argv = ["--discover-only", "--emulate", "--emu-state", str(tmp_path), "--node", "n1"]
+    assert main([*argv, "--output", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert hashlib.sha256((tmp_path / "n1.json").read_bytes()).hexdigest() == before
+    got = [(g["architecture"], g["modeToggle"], g["computeProcesses"]) for g in doc["gpus"]]
+    assert got == [("hopper", "resetless", 1), ("ampere", "reset", 0)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "architecture hopper; MIG mode change: resetless (on demand, without a reset" in text
+    assert "architecture ampere; MIG mode change: reset (only with a GPU reset" in text

@@ -15,7 +15,10 @@ from nodeagent.report import (
     capacity_patch,
     condition,
     gpu_condition,
+    gpu_labels,
+    label_patch,
     mig_node_status,
+    slot_capacity,
     with_condition,
 )
 from tests.unit.test_nodeagent_builders import G0, G1, gpu
@@ -41,6 +44,43 @@ def test_capacity_is_the_sum_of_max_counts_over_healthy_mig_gpus() -> None:
     assert sick["instaslice.io/mig-3g.71gb"] == "2"  # the unhealthy GPU counts 0
     off = NodeInventory(gpus=(gpu(0, G0, mig="disabled"),))
     assert set(capacity(off, {}).values()) == {"0"}
+
+
+def test_memory_slots_are_the_slots_of_healthy_mig_gpus() -> None:
+    two = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))  # two H200s: 8 slots each
+    assert slot_capacity(two, {}) == {"instaslice.io/memory-slots": "16"}
+    assert slot_capacity(two, {1: Health(False, "XID 48")}) == {"instaslice.io/memory-slots": "8"}
+    off = NodeInventory(gpus=(gpu(0, G0, mig="disabled"),))
+    assert slot_capacity(off, {}) == {"instaslice.io/memory-slots": "0"}
+    # the patch writes it like the profiles' bounds
+    body = capacity_patch(slot_capacity(two, {}), {"cpu": "64"})
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+    # in device-plugin mode the kubelet's instaslice.io/mig-* entries are left alone
+    kubelet = {"instaslice.io/mig-1g.18gb": "14"}
+    body = capacity_patch(slot_capacity(two, {}), kubelet, prune=False)
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+    slots = {"instaslice.io/memory-slots": "16"}
+    assert capacity_patch(slots, {**kubelet, **slots}, prune=False) is None
+
+
+def test_gpu_model_label_only_when_every_gpu_is_one_model() -> None:
+    one = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))
+    assert gpu_labels(one) == {
+        "instaslice.io/gpu-model": "H200-141GB",
+        "instaslice.io/gpu-count": "2",
+    }
+    assert gpu_labels(INV)["instaslice.io/gpu-model"] is None  # H200 + A30: no single flavor
+    current = {"instaslice.io/gpu-model": "A30-24GB", "kubernetes.io/hostname": "n"}
+    assert label_patch(gpu_labels(one), current) == {
+        "metadata": {
+            "labels": {"instaslice.io/gpu-model": "H200-141GB", "instaslice.io/gpu-count": "2"}
+        }
+    }
+    assert label_patch(gpu_labels(INV), current) == {
+        "metadata": {"labels": {"instaslice.io/gpu-model": None, "instaslice.io/gpu-count": "2"}}
+    }
+    assert label_patch(gpu_labels(one), {"instaslice.io/gpu-model": "H200-141GB",
+                                         "instaslice.io/gpu-count": "2"}) is None  # fmt: skip
 
 
 def test_capacity_patch_touches_only_our_resources_and_only_on_change() -> None:

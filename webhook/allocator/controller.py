@@ -54,14 +54,20 @@ from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
-from webhook.allocator.placer import Placer
+from webhook.allocator.placer import Placer, PreemptionSettings
+from webhook.allocator.preemption import Budgets
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
 from webhook.allocator.track import (
+    AwaitVictims,
+    Create,
     Dequeue,
+    Evict,
     Forget,
+    GiveUp,
     Kick,
+    PodTrack,
     Queue,
     Seen,
     Settled,
@@ -110,6 +116,14 @@ class Controller:
             kick=self.kick,
             tell=lambda pod, reason, message: self._event(pod, reason, message, "Warning"),
         )
+        self.budgets = Budgets()
+        if settings.preemption:
+            self.placer.preemption = PreemptionSettings(
+                self.budgets,
+                kueue_ok=settings.preempt_kueue_pods,
+                wait_s=settings.preemption_wait_s,
+                now=self.clock.monotonic,
+            )
         self.steps = Steps(
             Writes(kube, elector, self.clock),
             self.state,
@@ -157,6 +171,9 @@ class Controller:
             self.lease_informer,  # the node agents' heartbeats (and our own Lease, skipped)
             Informer(kube, core_path("namespaces"), self._on_namespace, name="namespaces"),
         ]
+        if settings.preemption:  # which victims a PodDisruptionBudget protects
+            pdbs = group_path("policy/v1", "poddisruptionbudgets")
+            self.informers.append(Informer(kube, pdbs, self._on_pdb, name="pdbs"))
         self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
 
     @property
@@ -211,6 +228,8 @@ class Controller:
                 waiting = self.state.pod_by_claim(view.namespace, view.name)
                 if waiting is not None:
                     self.kick(waiting.uid)
+                for uid in self.tracks.preempting():  # or for a victim's slots
+                    self.kick(uid)
         self._after_change()
 
     async def _on_node(self, etype: EventType, obj: Obj) -> None:
@@ -245,6 +264,12 @@ class Controller:
         for pod in list(self.state.pods.values()):
             if pod.namespace == name and pod.claim is not None:
                 self.kick(pod.uid)
+
+    async def _on_pdb(self, etype: EventType, obj: Obj) -> None:
+        if etype == "DELETED":
+            self.budgets.remove(obj)
+        else:
+            self.budgets.upsert(obj)
 
     async def _on_lease(self, etype: EventType, obj: Obj) -> None:
         await self.agents.on_lease(etype, obj, initial=not self.lease_informer.synced.is_set())
@@ -334,8 +359,15 @@ class Controller:
 
     # --- one pod's worker ---------------------------------------------------------------
 
-    def _seen(self, uid: str) -> Seen:
+    def _seen(self, uid: str, track: PodTrack | None = None) -> Seen:
         pod = self.state.pods.get(uid)
+        alive: frozenset[str] = frozenset()
+        holding: frozenset[str] = frozenset()
+        p = track.preempt if track is not None else None
+        if p is not None:
+            pods = [self.state.pods.get(v.uid) for v in p.victims]
+            alive = frozenset(v.uid for v in pods if v and not (v.deleting or v.terminal))
+            holding = frozenset(u for u in p.waits_for if self.state.allocations_of(u))
         allocs = tuple(self.state.allocations_of(uid))
         holder = None
         if pod is not None and pod.claim is not None and not allocs:
@@ -349,13 +381,16 @@ class Controller:
             agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
             name_holder=holder,
             opted_in=pod is not None and pod.namespace in self.opted_in,
+            victims_alive=alive,
+            holding=holding,
+            now=self.clock.monotonic(),
         )
 
     async def _work(self, uid: str) -> float | None:
         """One pass for one pod: the next step, carried out. A failed step is retried after
         a backoff (doubling per failure, capped); a kick in between tries it at once."""
         track = self.tracks.ensure(uid)
-        step = next_step(track, self._seen(uid))
+        step = next_step(track, self._seen(uid, track))
         if track.unstick is Unstick.DUE:
             track.unstick = Unstick.DONE  # acted on now, or no longer applicable
         match step:
@@ -378,6 +413,12 @@ class Controller:
                 self.placer.queue.push(uid, priority=pod.priority, created=pod.created, key=pod.key)
                 self._wake_placer.set()
                 return None
+            case AwaitVictims(deadline):
+                return max(0.0, deadline - self.clock.monotonic())  # then gives up
+            case GiveUp(why, avoid):
+                self._give_up(track, why, avoid)
+                self.kick(uid)
+                return None
             case Kick(other):
                 self.kick(other)  # a stale record holds the name: release it first
                 return None
@@ -389,6 +430,8 @@ class Controller:
                 if waiting:
                     self._wake_timer.set()
                 return None
+        if isinstance(step, Create) and track.preempt is not None:
+            self.tracks.end_preempt(track)  # the reservation is sent: an ordinary create now
         try:
             await self.steps.run(track, step)
         except NotLeader:
@@ -402,11 +445,25 @@ class Controller:
             log.exception("allocator step failed", pod_uid=uid)
         else:
             track.backoff_s = 0.0
+            if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
+                return 0.0
             return None  # what comes next is told by the watch events the write causes
         track.backoff_s = min(
             max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.settings.max_backoff_s
         )
         return track.backoff_s
+
+    def _give_up(self, track: PodTrack, why: str, avoid: frozenset[str]) -> None:
+        """Drop a preemption: its reservation is forgotten (capacity back for the others)
+        and the pod is placed anew, never again preempting `avoid`."""
+        p = self.tracks.end_preempt(track)
+        if p is None:
+            return
+        track.avoid = track.avoid | avoid
+        self.state.forget(p.key)
+        self.metrics.outcome("preemption_abandoned")
+        log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid))
+        self._after_change()
 
     def _gauge_view(self) -> GaugeView:
         depth = len(self.placer.queue) + len(self.tracks.parked)

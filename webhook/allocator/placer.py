@@ -17,15 +17,20 @@ import structlog
 
 from common.allocation import build_allocation
 from common.catalog import Catalog
-from common.constants import GATE_NAME, REASON_PENDING
+from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
-from common.placement import Pending, Placement, Policy, place
+from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot, place
+from common.placement.modes import place_with_modes
+from common.placement.preempt import plan_preemption
+from common.placement.whole import is_whole, place_whole
 from common.podspec import SliceRequestError
+from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.preemption import Budgets, Preemption, Victim, holders, never_preempts
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import Tracks
+from webhook.allocator.track import PodTrack, Tracks
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
@@ -40,6 +45,14 @@ SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" pri
 Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
 
 
+@dataclass(frozen=True)
+class PreemptionSettings:
+    budgets: Budgets  # the PodDisruptionBudgets, kept by a watch
+    kueue_ok: bool  # Kueue-managed pods may be victims
+    wait_s: float  # how long victims may take to release their slices
+    now: Callable[[], float]  # monotonic
+
+
 @dataclass(eq=False)
 class Placer:
     state: ClusterState
@@ -50,6 +63,7 @@ class Placer:
     kick: Callable[[str], None]  # the pod's worker carries the decision out
     tell: Tell
     queue: PlacementQueue = field(default_factory=PlacementQueue)
+    preemption: PreemptionSettings | None = None  # None: preemption off
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -77,31 +91,66 @@ class Placer:
             return
         try:
             request = podlib.pod_request(pod.obj, pod.resources)
-        except SliceRequestError as exc:
+            sized = size_asks(pod.obj)
+        except (SliceRequestError, SizeError) as exc:
             self.park(pod, INVALID_REQUEST, f"cannot read the pod's slice requests: {exc}")
             return
-        if not request.slices:
+        if not request.slices and not sized:
             return
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
-        if excluded or name_label:  # a snapshot of its own: the scan
-            snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-            result = place(snapshot, request, self.policy, self.catalog)
-        else:
-            result = self.state.decide(request, self.policy, self.catalog)
+        snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
+        # the plain snapshot's decisions go through the fleet index (same answers)
+        result = self._place(snapshot, request, sized, indexed=not (excluded or name_label))
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
             snapshot = self.state.snapshot(name_label=name_label)
-            result = place(snapshot, request, self.policy, self.catalog)
+            result = self._place(snapshot, request, sized)
         if isinstance(result, Pending):
-            self.park(pod, *self.pending_reason(result))
+            # size-based and whole-GPU asks are not planned for preemption: they wait
+            # (docs/allocator.md)
+            told = (
+                self.pending_reason(result)
+                if sized or is_whole(request)
+                else self.preempt(pod, track, request, snapshot, result)
+            )
+            if told is not None:
+                self.park(pod, *told)
             return
         body = self.allocation_for(pod, result)
         self.state.assume(body)
         track.create = body
         track.told = None
         self.kick(uid)
+
+    def _place(
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        sized: list[SizeAsk],
+        *,
+        indexed: bool = False,
+    ) -> Placement | Pending:
+        """The decision: whole GPUs on GPUs of their own (common/placement/whole.py); size-based
+        asks resolved per GPU model (common/sizing.py); slices on GPUs in MIG mode first, on
+        GPUs whose MIG mode the agent would change only when nothing else fits
+        (common/placement/modes.py)."""
+        if is_whole(request):
+            view = self.state.whole_view(snapshot)
+            return place_whole(snapshot, request, view, self.catalog).result
+        if sized:
+            return place_sized(snapshot, request, sized, self.policy, self.catalog)
+        if indexed:  # `snapshot` is the state's own: ClusterState.decide answers for it
+            first = self.state.decide(request, self.policy, self.catalog)
+        else:
+            first = place(snapshot, request, self.policy, self.catalog)
+        if isinstance(first, Placement):
+            return first  # a GPU in MIG mode fits: the common case, no mode classes needed
+        modes = self.state.mode_view(snapshot)
+        return place_with_modes(
+            snapshot, request, modes, self.policy, self.catalog, first=first
+        ).result
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
@@ -114,6 +163,62 @@ class Placer:
         if len(down) == len(self.state.node_states()):
             return AGENT_DOWN, f"every MIG node is left out: {why}"
         return result.reason.value, f"{result.message}; left out: {why}"
+
+    def preempt(
+        self,
+        pod: PodView,
+        track: PodTrack,
+        request: PodRequest,
+        snapshot: Snapshot,
+        pending: Pending,
+    ) -> tuple[str, str] | None:
+        """Plan a preemption for a pod that does not fit (docs/allocator.md "Preemption"):
+        None when one is planned (its slots reserved at once), else the pending reason."""
+        reason, message = self.pending_reason(pending)
+        p = self.preemption
+        if p is None or pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+            return reason, message
+        if never_preempts(pod.obj):
+            return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
+        found = plan_preemption(
+            snapshot,
+            request,
+            holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid),
+            pdb_allowed=p.budgets.allowed(),
+            policy=self.policy,
+            catalog=self.catalog,
+        )
+        if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            why = "preemption: no set of lower-priority pods frees a placement for it"
+            return reason, f"{message}; {why}"
+        body = self.allocation_for(pod, found.placement)
+        self.state.assume(body)  # reserved: nobody else is given these slots
+        victims = tuple(
+            Victim(v.uid, v.namespace, v.name)
+            for v in (self.state.pods.get(u) for u in found.victims)
+            if v is not None
+        )
+        record = Preemption(
+            body=body,
+            key=f"{pod.namespace}/{body['metadata']['name']}",
+            node=found.placement.node,
+            victims=victims,
+            waits_for=frozenset(found.victims) | frozenset(found.waits_for),
+            deadline=p.now() + p.wait_s,
+            summary=summary(found.placement),
+        )
+        self.tracks.begin_preempt(track, record)
+        track.told = None
+        self.metrics.outcome("preempting")
+        log.info(
+            "preempting",
+            pod=pod.key,
+            node=found.placement.node,
+            victims=[f"{v.namespace}/{v.name}" for v in victims],
+            waits_for=len(found.waits_for),
+        )
+        self.kick(pod.uid)
+        return None
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod
@@ -132,16 +237,17 @@ class Placer:
         for s in placement.slices:
             gpu = self.state.gpu(placement.node, s.gpu_index)
             assert gpu is not None, "placement named a GPU outside the snapshot"
-            slices.append(
-                {
-                    "container": s.container,
-                    "profile": s.profile,
-                    "gpuUUID": gpu.uuid,
-                    "gpuIndex": s.gpu_index,
-                    "start": s.start,
-                    "size": s.size,
-                }
-            )
+            spec: SliceSpec = {
+                "container": s.container,
+                "profile": s.profile,
+                "gpuUUID": gpu.uuid,
+                "gpuIndex": s.gpu_index,
+                "start": s.start,
+                "size": s.size,
+            }
+            if s.profile == WHOLE_GPU_PROFILE:
+                spec["kind"] = KIND_GPU
+            slices.append(spec)
         assert pod.claim is not None
         body = build_allocation(
             namespace=pod.namespace,

@@ -35,6 +35,12 @@ class AllocatorSettings:
       (a cluster partition, or a test's own nodes). Pods are watched cluster-wide regardless.
     agent_sweep_s: how often the leader checks the node agents' Leases (in `namespace`); a
       node whose agent has not renewed for the Lease's duration is left out of placement.
+    preemption: evict lower-priority pods holding MIG slots for a pod that does not fit
+      (docs/allocator.md "Preemption"); off by default.
+    preempt_kueue_pods: Kueue-managed pods may be preemption victims (off: Kueue preempts
+      its own workloads).
+    preemption_wait_s: how long a preemptor waits for its victims' slices to be released
+      before it gives up and plans again without them.
     clock: injectable for tests.
     """
 
@@ -52,6 +58,9 @@ class AllocatorSettings:
     max_backoff_s: float = 30.0
     node_selector: str | None = None
     agent_sweep_s: float = 5.0
+    preemption: bool = False
+    preempt_kueue_pods: bool = False
+    preemption_wait_s: float = 180.0
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:

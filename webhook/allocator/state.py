@@ -51,6 +51,8 @@ from common.placement import (
     Snapshot,
 )
 from common.placement.index import FleetIndex
+from common.placement.modes import ModeView
+from common.placement.whole import WholeView
 from webhook.allocator import pods as podlib
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
 from webhook.allocator.views import GpuView, NodeView, PodView, gpus_of
@@ -412,6 +414,40 @@ class ClusterState:
                 state = dataclasses.replace(state, labels={**state.labels, FIELD_NAME_LABEL: name})
             nodes.append(state)
         return Snapshot(nodes=tuple(nodes))
+
+    def mode_view(self, snapshot: Snapshot) -> ModeView:
+        """The snapshot's GPUs with MIG off, by class (common/placement/modes.py); GPUs the
+        snapshot shows unhealthy (failed for this pod) are left out."""
+        flex: set[tuple[str, int]] = set()
+        reset: set[tuple[str, int]] = set()
+        for node in snapshot.nodes:
+            healthy = {g.index for g in node.gpus if g.healthy and not g.occupied}
+            for g in self.gpus.get(node.name, ()):
+                if g.index in healthy and g.flex:
+                    flex.add((node.name, g.index))
+                elif g.index in healthy and g.needs_reset:
+                    reset.add((node.name, g.index))
+        return ModeView(frozenset(flex), frozenset(reset))
+
+    def whole_view(self, snapshot: Snapshot) -> WholeView:
+        """The snapshot's GPUs with nothing on them (no instance, no allocation) that could be
+        whole GPUs, by what that takes (common/placement/whole.py)."""
+        now: set[tuple[str, int]] = set()
+        toggle: set[tuple[str, int]] = set()
+        reset: set[tuple[str, int]] = set()
+        for node in snapshot.nodes:
+            empty = {g.index for g in node.gpus if g.healthy and not g.occupied}
+            for g in self.gpus.get(node.name, ()):
+                ref = (node.name, g.index)
+                if g.index not in empty:
+                    continue
+                if g.whole_now:
+                    now.add(ref)
+                elif g.whole_toggle:
+                    toggle.add(ref)
+                elif g.whole_needs_reset:
+                    reset.add(ref)
+        return WholeView(frozenset(now), frozenset(toggle), frozenset(reset))
 
 
 def _name(obj: Obj) -> str:

@@ -19,14 +19,29 @@ import structlog
 
 from common.allocation import SliceAllocation
 from common.clock import Clock
-from common.constants import REASON_ALLOCATED, REASON_PINNED_UNSCHEDULABLE
+from common.constants import (
+    REASON_ALLOCATED,
+    REASON_PINNED_UNSCHEDULABLE,
+    REASON_PREEMPTED,
+    REASON_PREEMPTING,
+)
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
 from webhook.allocator.leader import NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import SUMMARY_ANNOTATION, WRITE_ERROR, Placer
+from webhook.allocator.preemption import Victim
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import Act, Create, OnAllocation, Pin, PodTrack, Step, UnstickPod
+from webhook.allocator.track import (
+    Act,
+    Create,
+    Evict,
+    OnAllocation,
+    Pin,
+    PodTrack,
+    Step,
+    UnstickPod,
+)
 from webhook.allocator.views import PodView
 from webhook.allocator.writes import Writes
 
@@ -66,6 +81,8 @@ class Steps:
                 await self.finalize(alloc)
             case UnstickPod(pod):
                 await self.unstick(track, pod)
+            case Evict(pod, victims):
+                await self.evict(track, pod, victims)
             case _:
                 raise AssertionError(f"not a write step: {step}")
 
@@ -74,6 +91,7 @@ class Steps:
     async def create(self, track: PodTrack, pod: PodView, body: Obj) -> None:
         key = f"{pod.namespace}/{body['metadata']['name']}"
         track.create = None
+        track.preempt = None  # a reservation whose victims are gone is sent like any decision
         # The write is not a child of this term: a term that ends (Lease lost, then perhaps
         # won back at once) must not cut a create whose outcome it then could not know, or
         # the next term could promise the same slots while the request still lands. The
@@ -157,6 +175,38 @@ class Steps:
         if not current.get("metadata", {}).get("deletionTimestamp"):
             await self.writes.delete_allocation(SliceAllocation.parse(current))
         self.metrics.outcome("released")
+
+    # --- preemption ---------------------------------------------------------------------
+
+    async def evict(self, track: PodTrack, pod: PodView, victims: tuple[Victim, ...]) -> None:
+        """Evict the preemption's victims through the Eviction API (policy/v1), which keeps
+        PodDisruptionBudgets and graceful termination. A refusal (429) is recorded: the next
+        step gives this preemption up and plans again without that pod."""
+        p = track.preempt
+        assert p is not None
+        if not p.told:
+            names = ", ".join(f"{v.namespace}/{v.name}" for v in p.victims)
+            message = (
+                f"preempting {len(p.victims)} lower-priority pod(s) to free {p.summary} "
+                f"on node {p.node}: {names}"
+            )
+            self.tell(pod.obj, REASON_PREEMPTING, message, "Normal")
+            p.told = True
+        for v in victims:
+            victim = self.state.pods.get(v.uid)  # read first: the eviction may remove it
+            if not await self.writes.evict(v.namespace, v.name, v.uid):
+                log.warning("eviction refused", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
+                p.refused = v.uid
+                return
+            p.evicted = p.evicted | {v.uid}
+            self.metrics.outcome("preempted")
+            log.info("victim evicted", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
+            if victim is not None:
+                message = (
+                    f"preempted by {pod.key} (priority {pod.priority}) to free {p.summary} "
+                    f"on node {p.node}"
+                )
+                self.tell(victim.obj, REASON_PREEMPTED, message, "Normal")
 
     # --- pinned but unschedulable -------------------------------------------------------
 

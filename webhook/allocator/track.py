@@ -13,6 +13,9 @@ branch has a row in tests/unit/test_allocator_track.py. The order of the checks 
 order of precedence:
 
 0. a decision the placer recorded: `Create` (its slots are assumed; it is always sent);
+   a preemption in flight (its slots reserved): `Evict` its victims, `AwaitVictims` until
+   their allocations are gone, then `Create`; `GiveUp` when the pod stops waiting, an
+   eviction is refused, or the victims outlive the deadline;
 1. a pinned pod unschedulable past the timeout (the timer marked it): `Unstick`;
 2. per allocation of the pod: finalize one on a gone node, release one whose pod is gone,
    finished or no longer claims it, release a failed one, move one the agent never touched
@@ -34,6 +37,7 @@ from typing import Any
 from common.allocation import SliceAllocation
 from common.constants import GATE_NAME
 from common.objects import Phase
+from webhook.allocator.preemption import Preemption, Victim
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
@@ -61,6 +65,8 @@ class PodTrack:
     pinned_rv: str | None = None  # resourceVersion our pin+ungate update returned
     released: frozenset[str] = frozenset()  # uids of allocations we deleted
     gone: str | None = None  # why the pod left the cache (DELETED event), if it did
+    preempt: Preemption | None = None  # a preemption in flight: its slots reserved
+    avoid: frozenset[str] = frozenset()  # uids never to preempt for it (refused, stuck)
 
     def end_term(self) -> None:
         """What only a leadership term may hold: the next term decides afresh (and tells a
@@ -69,6 +75,7 @@ class PodTrack:
         self.told = None
         self.backoff_s = 0.0
         self.create = None
+        self.preempt = None  # its reservation was assumed in this term only: planned afresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,11 @@ class Seen:
     agents_down: frozenset[str] = frozenset()
     name_holder: str | None = None  # uid of another pod whose record holds our claim name
     opted_in: bool = True  # the pod's namespace is labelled instaslice.io/enabled=true
+    # a preemption in flight (track.preempt): its victims whose pods still run (not
+    # terminating), and the pods it waits for that still hold allocations
+    victims_alive: frozenset[str] = frozenset()
+    holding: frozenset[str] = frozenset()
+    now: float = 0.0  # monotonic
 
 
 # --- steps ---------------------------------------------------------------------------------
@@ -156,13 +168,52 @@ class Pin:
 
 
 @dataclass(frozen=True, slots=True)
+class Evict:
+    """Preempting: evict these victims (policy/v1 Eviction: PDBs and grace respected)."""
+
+    pod: PodView
+    victims: tuple[Victim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitVictims:
+    """Preempting: the slots stay reserved until every victim's allocation is gone."""
+
+    deadline: float  # monotonic: looked at again then
+    holding: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Drop the preemption and its reservation; `avoid`: pods never to preempt for this pod
+    again (an eviction refused, victims that did not terminate). The pod is placed anew."""
+
+    why: str
+    avoid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class Settled:
     """Ungated: nothing to write; `waiting` says the scheduler cannot bind it now."""
 
     waiting: bool
 
 
-Step = Wait | UnstickPod | OnAllocation | Forget | Dequeue | Queue | Kick | Create | Pin | Settled
+Step = (
+    Wait
+    | UnstickPod
+    | OnAllocation
+    | Forget
+    | Dequeue
+    | Queue
+    | Kick
+    | Create
+    | Pin
+    | Settled
+    | Evict
+    | AwaitVictims
+    | GiveUp
+)
 
 
 def next_step(track: PodTrack, seen: Seen) -> Step:
@@ -171,6 +222,8 @@ def next_step(track: PodTrack, seen: Seen) -> Step:
         # decided and assumed: send it whatever happened since (a pod being deleted now gets
         # its allocation released as usual); never leave the assumed slots unsent
         return Create(pod, track.create)
+    if track.preempt is not None:
+        return _preempt_step(track.preempt, seen)
     due = track.unstick is Unstick.DUE
     if due and pod is not None and not pod.bound and GATE_NAME not in pod.gates:
         return UnstickPod(pod)
@@ -235,6 +288,24 @@ def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
     return Wait("the node agent is making its slices")
 
 
+def _preempt_step(p: Preemption, seen: Seen) -> Step:
+    pod = seen.pod
+    if pod is None or pod.claim is None or pod.deleting or pod.terminal:
+        return GiveUp("the preemptor is gone")
+    if pod.gates != (GATE_NAME,) or not seen.opted_in:
+        return GiveUp("the preemptor is no longer InstaSlice's to place")
+    if p.refused:
+        return GiveUp("an eviction was refused (PodDisruptionBudget)", frozenset({p.refused}))
+    if seen.now >= p.deadline and seen.holding:
+        return GiveUp("victims did not release their slices in time", seen.holding)
+    left = tuple(v for v in p.victims if v.uid not in p.evicted and v.uid in seen.victims_alive)
+    if left:
+        return Evict(pod, left)
+    if not seen.holding:
+        return Create(pod, p.body)  # every victim's slots are free: the reservation is sent
+    return AwaitVictims(p.deadline, len(seen.holding))
+
+
 # --- the records --------------------------------------------------------------------------
 
 
@@ -248,6 +319,7 @@ class Tracks:
         self._by_uid: dict[str, PodTrack] = {}
         self._parked: set[str] = set()
         self._stuck: set[str] = set()
+        self._preempting: set[str] = set()
 
     def get(self, uid: str) -> PodTrack | None:
         return self._by_uid.get(uid)
@@ -262,6 +334,7 @@ class Tracks:
         self._by_uid.pop(uid, None)
         self._parked.discard(uid)
         self._stuck.discard(uid)
+        self._preempting.discard(uid)
 
     def values(self) -> list[PodTrack]:
         return list(self._by_uid.values())
@@ -295,6 +368,21 @@ class Tracks:
     def pending_counts(self) -> Counter[str]:
         """Pods told a pending reason (and not placed since), by reason."""
         return Counter(t.told for t in self._by_uid.values() if t.told is not None)
+
+    # preemptions in flight
+
+    def begin_preempt(self, track: PodTrack, preemption: Preemption) -> None:
+        track.preempt = preemption
+        self._preempting.add(track.uid)
+
+    def end_preempt(self, track: PodTrack) -> Preemption | None:
+        p, track.preempt = track.preempt, None
+        self._preempting.discard(track.uid)
+        return p
+
+    def preempting(self) -> list[str]:
+        """Pods whose preemption is in flight (looked at when an allocation goes)."""
+        return sorted(self._preempting)
 
     # pinned but unschedulable
 
@@ -330,3 +418,4 @@ class Tracks:
         for track in self._by_uid.values():
             track.end_term()
         self._parked.clear()
+        self._preempting.clear()

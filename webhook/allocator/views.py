@@ -108,13 +108,47 @@ class GpuView:
     mig_enabled: bool
     healthy: bool
     instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+    # MIG off (common/placement/modes.py): `flex`, its agent enables MIG without a reset and
+    # it is idle; `needs_reset`, only a GPU reset would (Ampere)
+    flex: bool = False
+    needs_reset: bool = False
+    # for whole GPUs (common/placement/whole.py), if nothing is on it: MIG off and idle; MIG
+    # on and idle, turned off without a reset; MIG on and idle, only a reset turns it off
+    whole_now: bool = False
+    whole_toggle: bool = False
+    whole_needs_reset: bool = False
     geometry: GpuModel | None = None  # the published table, when not the catalog's (learned.py)
+
+
+def mode_class(g: Obj) -> tuple[bool, bool]:
+    """(flex, needs_reset) of one MigNode GPU entry (docs/contract.md §3). A GPU whose last
+    mode change failed (within the agent's back-off) or is changing is neither."""
+    mode = g.get("migMode") or {}
+    off = mode.get("current") == "disabled" and mode.get("pending") == "disabled"
+    settled = "modeChange" not in g and bool(g.get("healthy"))
+    toggle = g.get("modeToggle")
+    flex = off and settled and toggle == "resetless" and not g.get("computeProcesses")
+    return flex, off and settled and toggle == "reset"
+
+
+def whole_class(g: Obj) -> tuple[bool, bool, bool]:
+    """(now, after a reset-less toggle, after a reset) of one MigNode GPU entry, for whole
+    GPUs; whether anything occupies it is the caller's question."""
+    mode = g.get("migMode") or {}
+    cur, pend = mode.get("current"), mode.get("pending")
+    settled = "modeChange" not in g and bool(g.get("healthy")) and not g.get("computeProcesses")
+    toggle = g.get("modeToggle")
+    off = cur == pend == "disabled" and settled
+    on = cur == pend == "enabled" and settled
+    return off, on and toggle == "resetless", on and toggle == "reset"
 
 
 def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
     out = []
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
+        flex, needs_reset = mode_class(g)
+        whole_now, whole_toggle, whole_reset = whole_class(g)
         model = str(g.get("model", ""))
         out.append(
             GpuView(
@@ -132,6 +166,11 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                     )
                     for s in g.get("slices") or []
                 ),
+                flex=flex,
+                needs_reset=needs_reset,
+                whole_now=whole_now,
+                whole_toggle=whole_toggle,
+                whole_needs_reset=whole_reset,
                 geometry=geometries.of(model, g.get("profiles") or []),
             )
         )

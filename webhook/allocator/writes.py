@@ -157,6 +157,26 @@ class Writes:
             if not (exc.not_found or exc.conflict):
                 raise
 
+    async def evict(self, namespace: str, name: str, uid: str) -> bool:
+        """Evict a pod (policy/v1 Eviction, UID precondition): True when evicted or gone,
+        False when a PodDisruptionBudget refuses it now (429)."""
+        self.elector.check()
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"preconditions": {"uid": uid}},
+        }
+        try:
+            await self.kube.create(core_path("pods", namespace, name) + "/eviction", body)
+        except ApiError as exc:
+            if exc.not_found or exc.conflict:  # gone, or another pod of that name now
+                return True
+            if exc.status == 429:
+                return False
+            raise
+        return True
+
     async def event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:

@@ -1,0 +1,112 @@
+"""Placement with MIG modes: GPUs that serve MIG slices only after a mode change.
+
+The allocator owns each GPU's mode as a placement dimension (docs/placement.md "MIG modes").
+The caller derives each GPU's class from its MigNode and lists two kinds in `ModeView`:
+
+- `flex`: MIG off, idle, and its agent can enable MIG without a reset (Hopper and newer);
+- `needs_reset`: MIG off on a GPU whose mode only changes with a GPU reset (Ampere).
+
+Every other GPU is as the snapshot says (`Gpu.mig_enabled`). `place_with_modes` places on
+the GPUs already in MIG mode first, and only when nothing fits there, again with the flex
+GPUs counted as empty MIG GPUs: a mode change is never chosen while a GPU in the right mode
+fits (hysteresis; the engine is complete, so "nothing fits" is exact). GPUs that need a reset
+are never placed on; when they alone could serve the pod, the pending reason says so and
+names them (`NeedsMigModeChange`).
+
+Pure: snapshots in, a decision out. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from common.catalog import Catalog
+from common.placement.engine import place
+from common.placement.model import (
+    Pending,
+    PendingReason,
+    Placement,
+    PodRequest,
+    Policy,
+    Snapshot,
+)
+
+GpuRef = tuple[str, int]  # (node, GPU index)
+
+
+@dataclass(frozen=True, slots=True)
+class ModeView:
+    flex: frozenset[GpuRef] = frozenset()
+    needs_reset: frozenset[GpuRef] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ModePlacement:
+    result: Placement | Pending
+    toggles: tuple[int, ...] = ()  # GPU indexes on the chosen node whose MIG mode changes
+
+
+def with_mig(snapshot: Snapshot, gpus: Collection[GpuRef]) -> Snapshot:
+    """`snapshot` with `gpus` shown as MIG-enabled (they hold no instance with MIG off)."""
+    if not gpus:
+        return snapshot
+    by_node: dict[str, set[int]] = {}
+    for node, index in gpus:
+        by_node.setdefault(node, set()).add(index)
+    nodes = []
+    for n in snapshot.nodes:
+        chosen = by_node.get(n.name)
+        if chosen:
+            n = dataclasses.replace(
+                n,
+                gpus=tuple(
+                    dataclasses.replace(g, mig_enabled=True) if g.index in chosen else g
+                    for g in n.gpus
+                ),
+            )
+        nodes.append(n)
+    return Snapshot(nodes=tuple(nodes))
+
+
+def place_with_modes(
+    snapshot: Snapshot,
+    request: PodRequest,
+    modes: ModeView,
+    policy: Policy = Policy.INSTASLICE,
+    catalog: Catalog | None = None,
+    first: Placement | Pending | None = None,
+) -> ModePlacement:
+    """`first`: the plain `place` of this snapshot and request, when the caller has it (it
+    derives `modes` only after a Pending, to keep the common case one engine call)."""
+    if first is None:
+        first = place(snapshot, request, policy, catalog)
+    if isinstance(first, Placement):
+        return ModePlacement(first)
+    if modes.flex:
+        second = place(with_mig(snapshot, modes.flex), request, policy, catalog)
+        if isinstance(second, Placement):
+            used = {s.gpu_index for s in second.slices if (second.node, s.gpu_index) in modes.flex}
+            return ModePlacement(second, tuple(sorted(used)))
+    if modes.needs_reset:
+        hypothetical = with_mig(snapshot, modes.flex | modes.needs_reset)
+        third = place(hypothetical, request, policy, catalog)
+        if isinstance(third, Placement):
+            return ModePlacement(_needs_reset(third, modes, first))
+    return ModePlacement(first)
+
+
+def _needs_reset(would: Placement, modes: ModeView, first: Pending) -> Pending:
+    on_node = sorted(
+        {s.gpu_index for s in would.slices if (would.node, s.gpu_index) in modes.needs_reset}
+    )
+    names = ", ".join(f"{would.node}/GPU {i}" for i in on_node)
+    others = len(modes.needs_reset) - len(on_node)
+    more = f" ({others} more GPU(s) in the same state)" if others > 0 else ""
+    return Pending(
+        PendingReason.NEEDS_MIG_MODE_CHANGE,
+        f"it fits only after a MIG mode change on {names}{more}, which on these GPUs "
+        "(Ampere) needs a GPU reset; InstaSlice never resets a GPU for a pod. An admin can "
+        f"enable MIG there (nvidia-smi -mig 1, then a reset). Otherwise: {first.message}",
+    )

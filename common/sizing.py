@@ -1,0 +1,196 @@
+"""Size-based slice requests: "a slice with at least 20 GiB", resolved per GPU model.
+
+A user asks by size with one annotation per container (docs/contract.md §1):
+
+    instaslice.io/mig-size.<container>: "memory>=20Gi"
+    instaslice.io/mig-size.<container>: "memory>=20Gi,multiprocessors>=26,count=2"
+
+`memory` (required) is a Kubernetes quantity compared with NVML's memory size in MiB, never
+with the rounded profile names: H100-80GB `1g.20gb` is 20096 MiB = 19.6 GiB, so it does *not*
+satisfy `memory>=20Gi`. `multiprocessors` (optional) is NVML's SM count of the GPU instance.
+`count` (optional, default 1) is how many such slices the container gets.
+
+On one GPU model the ask resolves to its *smallest* fitting profile (least memory, then fewest
+memory slots, then fewest compute slices); media-extension profiles (`+me`, `-me`, `+gfx`) are
+never chosen. `place_sized` tries every model of the snapshot, each on that model's GPUs only
+(all of a pod's slices share a node), and keeps the placement that gives least memory. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Final
+
+from common.catalog import Catalog, GpuModel, Profile
+from common.constants import SIZE_ANNOTATION_PREFIX
+from common.placement import Pending, Placement, Policy, place
+from common.placement.model import PendingReason, PodRequest, SliceRequest, Snapshot
+from common.quantity import parse_quantity
+
+MIB: Final = 1024 * 1024
+_TERM = re.compile(r"^\s*(?P<key>[a-z]+)\s*(?P<op>>=|=)\s*(?P<value>[^\s,]+)\s*$")
+_INT = re.compile(r"^[1-9][0-9]{0,5}$")
+
+
+class SizeError(ValueError):
+    """A size annotation that does not parse; the message names the term."""
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """What one container asks: `count` slices, each ≥ `memory_mib` and ≥ `multiprocessors`."""
+
+    memory_mib: int
+    multiprocessors: int = 0
+    count: int = 1
+
+    def __str__(self) -> str:
+        gib = Fraction(self.memory_mib, 1024)
+        mem = f"{float(gib):g} GiB" if gib.denominator <= 1024 else f"{self.memory_mib} MiB"
+        sm = f" and >= {self.multiprocessors} multiprocessors" if self.multiprocessors else ""
+        return f">= {mem}{sm}"
+
+
+@dataclass(frozen=True, slots=True)
+class SizeAsk:
+    container: str
+    size: Size
+
+
+def parse_size(text: str, *, max_count: int = 1024) -> Size:
+    """`memory>=20Gi[,multiprocessors>=N][,count=N]` → Size; SizeError names what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise SizeError("is empty; write e.g. memory>=20Gi")
+    seen: dict[str, str] = {}
+    for term in text.split(","):
+        m = _TERM.match(term)
+        if m is None:
+            raise SizeError(f"term {term.strip()!r} is not key>=value or count=N")
+        key, op, value = m["key"], m["op"], m["value"]
+        want = "=" if key == "count" else ">="
+        if key not in ("memory", "multiprocessors", "count"):
+            raise SizeError(f"unknown term {key!r} (known: memory, multiprocessors, count)")
+        if op != want:
+            raise SizeError(f"{key} takes {want!r}, not {op!r}")
+        if key in seen:
+            raise SizeError(f"{key} is given twice")
+        seen[key] = value
+    if "memory" not in seen:
+        raise SizeError("memory>=<quantity> is required (e.g. memory>=20Gi)")
+    try:
+        memory = parse_quantity(seen["memory"])
+    except ValueError:
+        raise SizeError(f"memory {seen['memory']!r} is not a quantity (e.g. 20Gi)") from None
+    if memory <= 0:
+        raise SizeError(f"memory {seen['memory']!r} must be positive")
+    memory_mib = -(-memory // MIB)  # a ceiling: ">= 1.5Mi" needs 2 MiB
+    sm = seen.get("multiprocessors")
+    count = seen.get("count", "1")
+    for key, value in (("multiprocessors", sm), ("count", count)):
+        if value is not None and not _INT.match(value):
+            raise SizeError(f"{key} {value!r} is not a positive integer")
+    if int(count) > max_count:
+        raise SizeError(f"count {count} exceeds the limit of {max_count}")
+    return Size(int(memory_mib), int(sm) if sm else 0, int(count))
+
+
+def size_asks(pod: Mapping[str, Any]) -> list[SizeAsk]:
+    """The size asks of a pod's annotations (raises SizeError, naming the annotation)."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(annotations, Mapping):
+        return []
+    out = []
+    for key, value in sorted(annotations.items()):
+        if isinstance(key, str) and key.startswith(SIZE_ANNOTATION_PREFIX):
+            try:
+                out.append(SizeAsk(key[len(SIZE_ANNOTATION_PREFIX) :], parse_size(value)))
+            except SizeError as exc:
+                raise SizeError(f"metadata.annotations[{key}]: {exc}") from None
+    return out
+
+
+def _plain(p: Profile) -> bool:
+    return "+" not in p.name and "-me" not in p.name
+
+
+def resolve(model: GpuModel, size: Size) -> Profile | None:
+    """`model`'s smallest plain profile meeting `size`, or None."""
+    fits = [
+        p
+        for p in model.profiles
+        if _plain(p)
+        and p.memory_mib >= size.memory_mib
+        and p.multiprocessors >= size.multiprocessors
+    ]
+    return min(
+        fits, key=lambda p: (p.memory_mib, p.memory_slots, p.compute_slices, p.name), default=None
+    )
+
+
+def largest(models: Iterable[GpuModel]) -> tuple[GpuModel, Profile] | None:
+    """The plain profile with the most memory over `models` (for "largest offered" messages)."""
+    pairs = [(m, p) for m in models for p in m.profiles if _plain(p)]
+    return max(pairs, key=lambda mp: (mp[1].memory_mib, mp[1].multiprocessors), default=None)
+
+
+def unsatisfiable(size: Size, models: Iterable[GpuModel], where: str) -> str:
+    """Why no model (of `where`: "the catalog", "the cluster") offers `size`, naming the
+    largest slice there is."""
+    big = largest(models)
+    tail = f" (largest: {big[0].name} {big[1].name} = {big[1].memory_mib} MiB)" if big else ""
+    return f"no GPU model in {where} offers a slice with {size}{tail}"
+
+
+def place_sized(
+    snapshot: Snapshot,
+    request: PodRequest,
+    asks: Iterable[SizeAsk],
+    policy: Policy,
+    catalog: Catalog,
+) -> Placement | Pending:
+    """Place `request` plus the size `asks`, resolved on each GPU model of `snapshot`."""
+    asks = list(asks)
+    models = sorted({g.model for n in snapshot.nodes for g in n.gpus})
+    best: tuple[tuple[int, int, str], Placement] | None = None
+    pending: Pending | None = None
+    for name in models:
+        model = catalog.model(name)
+        if model is None:
+            continue
+        resolved = [(a, resolve(model, a.size)) for a in asks]
+        if any(p is None for _, p in resolved):
+            continue
+        extra = tuple(SliceRequest(a.container, p.name, a.size.count) for a, p in resolved if p)
+        sub = Snapshot(
+            tuple(
+                replace(n, gpus=tuple(g for g in n.gpus if g.model == name))
+                for n in snapshot.nodes
+                if any(g.model == name for g in n.gpus)
+            )
+        )
+        result = place(sub, replace(request, slices=request.slices + extra), policy, catalog)
+        if isinstance(result, Pending):
+            pending = pending or result
+            continue
+        waste = sum(p.memory_mib * a.size.count for a, p in resolved if p)
+        slots = sum(p.memory_slots * a.size.count for a, p in resolved if p)
+        key = (waste, slots, name)
+        if best is None or key < best[0]:
+            best = (key, result)
+    if best is not None:
+        return best[1]
+    if pending is not None:
+        return pending
+    offered = [m for n in models if (m := catalog.model(n)) is not None]
+    for a in asks:
+        if all(resolve(m, a.size) is None for m in offered):
+            why = unsatisfiable(a.size, offered, "the cluster")
+            return Pending(PendingReason.NO_PROFILE, f"container {a.container!r}: {why}")
+    return Pending(
+        PendingReason.NO_PROFILE,
+        "no GPU model in the cluster offers every size this pod asks for on one GPU model",
+    )

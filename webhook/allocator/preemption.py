@@ -1,0 +1,203 @@
+"""Preemption, the allocator's side: who may be a victim, and the record of one preemption.
+
+The victim search itself is pure and lives with the placement engine
+(`common.placement.preempt.plan_preemption`); this module turns the allocator's model into
+its input — one `Holder` per pod holding slices, with its priority, start time, the
+PodDisruptionBudgets selecting it, whether it may be a victim and whether it is terminating
+already — and keeps the PodDisruptionBudgets it needs (`Budgets`, fed by a watch). No I/O:
+the evictions are `steps.py`'s, the decisions `track.next_step`'s (docs/allocator.md
+"Preemption").
+
+Who is never a victim: pods of equal or higher priority; pods of a `system-*`
+PriorityClass; Kueue-managed pods unless `preempt_kueue_pods`; a pod whose eviction was
+refused or that did not terminate in time for this preemptor (`avoid`); another preemptor's
+reservation; foreign MIG instances (they have no holder: the planner sees them as blockers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from common.allocation import SliceAllocation
+from common.placement.preempt import Holder
+from webhook.allocator.state import ClusterState
+from webhook.allocator.views import PodView
+
+Obj = dict[str, Any]
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_MANAGED_LABEL = "kueue.x-k8s.io/managed"
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    uid: str
+    namespace: str
+    name: str
+
+
+@dataclass
+class Preemption:
+    """One preemption in flight, in the preemptor's `PodTrack`: its reserved allocation
+    (assumed in the model, so nobody else is given those slots; created once every victim's
+    allocation is gone), the pods it evicts and those it waits for."""
+
+    body: Obj  # the SliceAllocation to create
+    key: str  # its namespace/name
+    node: str
+    victims: tuple[Victim, ...]
+    waits_for: frozenset[str]  # uids of every pod whose allocation must go first
+    deadline: float  # monotonic: past it, the preemption is given up
+    evicted: frozenset[str] = frozenset()
+    told: bool = False  # the `Preempting` event was written
+    refused: str = ""  # uid of a victim whose eviction a PodDisruptionBudget refused
+    summary: str = ""
+
+
+# --- PodDisruptionBudgets -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    namespace: str
+    selector: Obj  # spec.selector (a LabelSelector); empty selects every pod of the namespace
+    allowed: int  # status.disruptionsAllowed
+
+
+@dataclass
+class Budgets:
+    """The cluster's PodDisruptionBudgets, by namespace/name (a watch feeds it)."""
+
+    by_key: dict[str, Budget] = field(default_factory=dict)
+
+    def upsert(self, obj: Obj) -> None:
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        allowed = (obj.get("status") or {}).get("disruptionsAllowed")
+        self.by_key[key] = Budget(
+            namespace=str(meta.get("namespace") or ""),
+            selector=spec.get("selector") or {},
+            allowed=int(allowed) if isinstance(allowed, int) else 0,
+        )
+
+    def remove(self, obj: Obj) -> None:
+        meta = obj.get("metadata") or {}
+        self.by_key.pop(f"{meta.get('namespace')}/{meta.get('name')}", None)
+
+    def selecting(self, namespace: str, labels: Mapping[str, str]) -> tuple[str, ...]:
+        return tuple(
+            sorted(
+                k
+                for k, b in self.by_key.items()
+                if b.namespace == namespace and selects(b.selector, labels)
+            )
+        )
+
+    def allowed(self) -> dict[str, int]:
+        return {k: b.allowed for k, b in self.by_key.items()}
+
+
+def selects(selector: Obj, labels: Mapping[str, str]) -> bool:
+    """A metav1.LabelSelector against labels (a PDB's empty selector selects every pod)."""
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for req in selector.get("matchExpressions") or []:
+        key, op, values = req.get("key"), req.get("operator"), req.get("values") or []
+        present = key in labels
+        if op == "In" and not (present and labels[key] in values):
+            return False
+        if op == "NotIn" and present and labels[key] in values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+    return True
+
+
+# --- victims --------------------------------------------------------------------------------
+
+
+def kueue_managed(pod: Obj) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return KUEUE_QUEUE_LABEL in labels or labels.get(KUEUE_MANAGED_LABEL) == "true"
+
+
+def never_preempts(pod: Obj) -> bool:
+    return (pod.get("spec") or {}).get("preemptionPolicy") == "Never"
+
+
+def start_time(pod: Obj) -> float:
+    """status.startTime (else creationTimestamp) in seconds since the epoch; 0 unknown."""
+    raw = (pod.get("status") or {}).get("startTime") or (pod.get("metadata") or {}).get(
+        "creationTimestamp"
+    )
+    try:
+        return datetime.fromisoformat(str(raw).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def holders(
+    state: ClusterState,
+    preemptor: PodView,
+    budgets: Budgets,
+    *,
+    kueue_ok: bool,
+    avoid: Collection[str] = (),
+) -> list[Holder]:
+    """One holder per pod with live allocations in the model (assumed ones included)."""
+    by_pod: dict[str, list[SliceAllocation]] = {}
+    for alloc in state.allocations.values():
+        by_pod.setdefault(alloc.pod_uid, []).append(alloc)
+    out = []
+    for uid, allocs in sorted(by_pod.items()):
+        if uid == preemptor.uid:
+            continue
+        pod = state.pods.get(uid)
+        node = allocs[0].node
+        index = {g.uuid: g.index for g in state.gpus.get(node, ())}
+        slices = tuple(
+            (index[s.gpu_uuid], s.start, s.size)
+            for a in allocs
+            for s in a.slices
+            if s.gpu_uuid in index
+        )
+        reserved = any(state.is_assumed(a.key) for a in allocs)
+        doomed = not reserved and (
+            pod is None or pod.terminal or pod.deleting or all(a.deleting for a in allocs)
+        )
+        if uid in avoid:
+            doomed = False  # did not terminate (or refused) in time: a blocker now
+        labels: Mapping[str, str] = {}
+        priority, started = 0, 0.0
+        preemptible = False
+        if pod is not None:
+            labels = (pod.obj.get("metadata") or {}).get("labels") or {}
+            priority, started = pod.priority, start_time(pod.obj)
+            class_name = str((pod.obj.get("spec") or {}).get("priorityClassName") or "")
+            preemptible = (
+                not doomed
+                and not reserved
+                and uid not in avoid
+                and pod.priority < preemptor.priority
+                and not class_name.startswith("system-")
+                and (kueue_ok or not kueue_managed(pod.obj))
+            )
+        out.append(
+            Holder(
+                uid=uid,
+                node=node,
+                slices=slices,
+                priority=priority,
+                start_time=started,
+                pdbs=budgets.selecting(pod.namespace, labels) if pod is not None else (),
+                preemptible=preemptible,
+                doomed=doomed,
+            )
+        )
+    return out
