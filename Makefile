@@ -13,7 +13,7 @@ FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
-        bench-agent-leases bench-latency bench-autoscale chaos fuzz clean
+        bench-agent-leases bench-latency bench-autoscale bench-memory chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -93,6 +93,10 @@ bench-autoscale: install kube-bins ## Karpenter: nodes created for a MIG burst v
 
 bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
 	$(BIN)/python -m bench.latency --report .dev/bench
+	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
+
+bench-memory: install ## the allocator's pod cache with 30 000 real-sized pods (the `memory` entry)
+	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)

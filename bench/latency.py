@@ -60,6 +60,7 @@ from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 
 NS = "bench"
+STATIC_NS = "bench-static"  # not opted in: no webhook, allocator or agent on its pods' path
 MODEL = "H100-80GB"
 PROFILE = "1g.10gb"
 GPUS_PER_NODE = 8
@@ -142,7 +143,12 @@ def spec(nodes: int) -> Any:
     }]})  # fmt: skip
 
 
+STATIC_PER_NODE = 7 * GPUS_PER_NODE  # an H100 statically sliced all-1g: 7 x 1g.10gb per GPU
+
+
 def pod(name: str) -> Obj:
+    """The same pod for both paths: in NS the webhook rewrites its `nvidia.com/mig-*` ask;
+    in STATIC_NS it asks the nodes' pre-sliced capacity directly (the static baseline)."""
     limits = {f"nvidia.com/mig-{PROFILE}": 1, "cpu": "100m", "memory": "128Mi"}
     return {
         "apiVersion": "v1",
@@ -197,6 +203,11 @@ class Fleet:
             **{p.name: p.pid for p in system.cp.processes},
         }
         self.seq = 0
+        self.ns = NS  # STATIC_NS while a static variant runs
+
+    @property
+    def static(self) -> bool:
+        return self.ns == STATIC_NS
 
     def sampler(self) -> ProcSampler:
         return ProcSampler(dict(self.pids))
@@ -219,7 +230,7 @@ class Fleet:
         t = self.tr.sent(name)
         for attempt in range(5):
             try:
-                await self.kube.create(core_path("pods", NS), body)
+                await self.kube.create(core_path("pods", self.ns), body)
                 break
             except ApiError as exc:
                 if not exc.retryable or attempt == 4:
@@ -228,15 +239,15 @@ class Fleet:
         t.admitted = self.tr.clock()
 
     async def delete(self, name: str) -> None:
-        await self.kube.delete_ignore_missing(core_path("pods", NS, name))
+        await self.kube.delete_ignore_missing(core_path("pods", self.ns, name))
 
     async def clean(self, timeout_s: float = 300.0) -> None:
         """Delete every bench pod; wait until no SliceAllocation is left in the namespace."""
-        await self.kube.delete(core_path("pods", NS))
+        await self.kube.delete(core_path("pods", self.ns))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            allocs = await self.kube.list(instaslice_path("sliceallocations", NS))
-            pods = await self.kube.list(core_path("pods", NS))
+            allocs = await self.kube.list(instaslice_path("sliceallocations", self.ns))
+            pods = await self.kube.list(core_path("pods", self.ns))
             if not allocs.get("items") and not pods.get("items"):
                 return
             await asyncio.sleep(0.5)
@@ -283,9 +294,30 @@ async def opt_in(kube: Kube) -> None:
         if (ns["metadata"].get("labels") or {}).get("instaslice.io/enabled") == "true":
             break
         await asyncio.sleep(0.1)
+    await kube.create(core_path("namespaces"), {"metadata": {"name": STATIC_NS}})
+    for ns_name in (NS, STATIC_NS):
+        await _service_account(kube, ns_name)
+
+
+async def pre_slice(kube: Kube, nodes: Sequence[str]) -> None:
+    """The static baseline's nodes: each advertises `nvidia.com/mig-<PROFILE>` directly, as
+    NVIDIA's device plugin does on a node MIG Manager sliced all-1g (the agent only ever
+    touches `instaslice.io/` resources, KWOK keeps a node's capacity)."""
+    sliced = {f"nvidia.com/mig-{PROFILE}": str(STATIC_PER_NODE)}
+    body = {"status": {"capacity": sliced, "allocatable": sliced}}
+    sem = asyncio.Semaphore(16)
+
+    async def one(name: str) -> None:
+        async with sem:
+            await kube.patch(core_path("nodes", name=name) + "/status", body)
+
+    await asyncio.gather(*(one(n) for n in nodes))
+
+
+async def _service_account(kube: Kube, namespace: str) -> None:
     for _ in range(300):  # pods need the default ServiceAccount (KCM makes it)
         try:
-            await kube.get(core_path("serviceaccounts", NS, "default"))
+            await kube.get(core_path("serviceaccounts", namespace, "default"))
             return
         except ApiError as exc:
             if not exc.not_found:
@@ -362,7 +394,9 @@ def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
     return system, phases
 
 
-def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any) -> dict[str, Any]:
+def with_fleet(
+    run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any, *, static: bool = False
+) -> dict[str, Any]:
     """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
     down. Startup runs on the main thread, so the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed."""
@@ -382,14 +416,16 @@ def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any) ->
     steps = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
     log(f"  up in {phases['startup_s']:.1f}s ({steps})")
     try:
-        asyncio.run(_session(system, rec, idle_s, body, log))
+        asyncio.run(_session(system, rec, idle_s, body, log, static))
     finally:
         system.down()
         log(f"  torn down (load {load()})")
     return rec
 
 
-async def _session(system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any) -> None:
+async def _session(
+    system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any, static: bool
+) -> None:
     async with await Kube.connect(str(system.kubeconfig)) as kube:
         tr = Tracker()
         fleet = Fleet(system, kube, tr)
@@ -397,8 +433,11 @@ async def _session(system: DevSystem, rec: Obj, idle_s: float, body: Any, log: A
             k: {"peak_rss_mb": round(mem_mb(p)[1], 1)} for k, p in fleet.pids.items()
         }
         await opt_in(kube)
+        if static:  # the static variants' capacity (a write per node: not for scale)
+            await pre_slice(kube, system.nodes)
         informers = [
             Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
+            Informer(kube, core_path("pods", STATIC_NS), tr.on_pod, name="bench-static-pods"),
             Informer(
                 kube, instaslice_path("sliceallocations", NS), tr.on_alloc, name="bench-allocs"
             ),
@@ -450,7 +489,7 @@ async def sequential(fleet: Fleet, pods: int, create_ms: int, timeout_s: float =
                 return
 
     await fleet.measured(res, pods, run())
-    await finish(fleet, res, names)
+    await finish(fleet, res, names, one_by_one=True)
     return res
 
 
@@ -465,22 +504,33 @@ async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout
         sem = asyncio.Semaphore(in_flight)
         names.extend(await asyncio.gather(*(fleet.create(sem) for _ in range(pods))))
         res["all_created_s"] = r3(tr.clock() - t0)
-        ok = await tr.wait(lambda: all(tr.pods[n].ungated is not None for n in names), timeout_s)
-        ung = [u for n in names if (u := tr.pods[n].ungated) is not None]
-        last = max(ung, default=math.nan)
-        res["all_ungated_s"] = r3(last - t0) if ok else math.nan
-        res["pods_per_s"] = r3(len(ung) / (last - t0)) if ung else 0.0
-        await tr.wait(lambda: all(tr.pods[n].running is not None for n in names), timeout_s / 2)
+        if not fleet.static:  # a static pod has no gate: Running is its only milestone
+            ok = await tr.wait(
+                lambda: all(tr.pods[n].ungated is not None for n in names), timeout_s
+            )
+            ung = [u for n in names if (u := tr.pods[n].ungated) is not None]
+            last = max(ung, default=math.nan)
+            res["all_ungated_s"] = r3(last - t0) if ok else math.nan
+            res["pods_per_s"] = r3(len(ung) / (last - t0)) if ung else 0.0
+        ok = await tr.wait(lambda: all(tr.pods[n].running is not None for n in names), timeout_s)
+        ran = [u for n in names if (u := tr.pods[n].running) is not None]
+        res["all_running_s"] = r3(max(ran) - t0) if ok and ran else math.nan
 
     await fleet.measured(res, pods, run())
     await finish(fleet, res, names)
     return res
 
 
-async def finish(fleet: Fleet, res: Obj, names: list[str]) -> None:
-    """Summaries, then delete the pods (timing release: delete seen → allocation gone)."""
+async def finish(fleet: Fleet, res: Obj, names: list[str], *, one_by_one: bool = False) -> None:
+    """Summaries, then delete the pods (timing release: delete seen → allocation gone) —
+    all at once, or `one_by_one` (each deleted once the previous one is released, so the
+    time is one release on an otherwise idle system, as in the sequential scenario)."""
     res.update(summary(fleet.tr, names))
     res["samples"] = {"ungate_s": [r3(x) for x in fleet.tr.durations(names, "ungated")]}
+    if one_by_one:
+        for n in names:
+            await fleet.delete(n)
+            await fleet.tr.wait(fleet.tr.reached(n, "released"), 60.0)
     await release_all(fleet, names)
     rel = summary(fleet.tr, names)
     res["release_p50_s"] = rel.get("release_p50_s", math.nan)
@@ -552,6 +602,7 @@ class Bench:
     realistic: bool = True
     quiet: bool = False
     profile: Path | None = None
+    static: bool = True
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
@@ -568,6 +619,8 @@ class Bench:
         out = [("", 0, 0)]
         if self.realistic:
             out.append(("-realistic", self.plan.create_ms, self.plan.destroy_ms))
+        if self.static:
+            out.append(("-static", 0, 0))
         return out
 
     def _simple_nodes(self, sc: str) -> int:
@@ -602,18 +655,21 @@ class Bench:
             for name in scenarios:
                 for suffix, cms, dms in self.variants():
                     fleet.set_latency(cms, dms)
+                    fleet.ns = STATIC_NS if suffix == "-static" else NS
                     key = name + suffix
                     self.log(f"  {key}: running (load {load()})")
                     prof = self._profiled(key, fleet)
                     try:
                         doc["scenarios"][key] = res = await fns[name](fleet, cms)
                     finally:
+                        fleet.ns = NS
                         if prof is not None:
                             prof.stop()
                     self.log("  " + line(key, res))
+                add_ratios(doc["scenarios"], name)
 
         doc["fleets"][str(nodes)] = with_fleet(
-            self.run_dir, nodes, self.plan.idle_s, body, self.log
+            self.run_dir, nodes, self.plan.idle_s, body, self.log, static=self.static
         )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
@@ -674,6 +730,27 @@ class Bench:
         return best
 
 
+RATIO_FIELDS = ("running_p50_s", "running_p99_s", "all_running_s", "system_cpu_s_per_pod")
+
+
+def add_ratios(scenarios: Obj, name: str) -> None:
+    """`ratio_to_static` of each InstaSlice variant of scenario `name`: its value over the
+    static baseline's (the same fleet, pods asking pre-sliced capacity), per field."""
+    static = scenarios.get(f"{name}-static")
+    if static is None:
+        return
+    for key in (name, f"{name}-realistic"):
+        res = scenarios.get(key)
+        if res is None:
+            continue
+        ratios = {}
+        for f in RATIO_FIELDS:
+            ours, base = res.get(f), static.get(f)
+            if isinstance(ours, int | float) and isinstance(base, int | float) and base > 0:
+                ratios[f] = r3(ours / base)
+        res["ratio_to_static"] = ratios
+
+
 def line(key: str, r: Obj) -> str:
     parts = [f"{key}: {r.get('ungated', 0)}/{r.get('pods', 0)} ungated",
              f"ungate p50 {r.get('ungate_p50_s', math.nan):.2f}s "
@@ -681,6 +758,12 @@ def line(key: str, r: Obj) -> str:
              f"running p50 {r.get('running_p50_s', math.nan):.2f}s"]  # fmt: skip
     if "all_ungated_s" in r:
         parts.append(f"all ungated {r['all_ungated_s']:.1f}s ({r['pods_per_s']:.1f} pods/s)")
+    if "all_running_s" in r:
+        parts.append(f"all running {r['all_running_s']:.1f}s")
+    if "system_cpu_s_per_pod" in r:
+        parts.append(f"system CPU {r['system_cpu_s_per_pod']:.3f} s/pod")
+    if "ratio_to_static" in r:
+        parts.append("vs static " + ", ".join(f"{k} x{v}" for k, v in r["ratio_to_static"].items()))
     steps = [k.removesuffix("_p50_s") for k in r if k.endswith("_p50_s")]
     brk = ", ".join(f"{k} {r[k + '_p50_s']:.3f}" for k in steps if k not in ("ungate", "running"))
     return "; ".join(parts) + f"  [p50 steps: {brk}]"
@@ -708,6 +791,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--scale-nodes", default=None, help="fleet sizes for scale, e.g. 1000,2000")
     ap.add_argument("--no-realistic", action="store_true", help="only emulated latency 0")
+    ap.add_argument(
+        "--no-static",
+        action="store_true",
+        help="skip the static baseline (pre-sliced nvidia.com/mig-* capacity, no InstaSlice)",
+    )
     ap.add_argument("--create-ms", type=int, default=None)
     ap.add_argument("--destroy-ms", type=int, default=None)
     ap.add_argument(
@@ -744,7 +832,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
-    bench = Bench(plan, args.dir, scenarios, realistic=not args.no_realistic, profile=args.profile)
+    bench = Bench(
+        plan,
+        args.dir,
+        scenarios,
+        realistic=not args.no_realistic,
+        profile=args.profile,
+        static=not args.no_static,
+    )
     # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
     # so the fleet is torn down; children die with this process anyway (PDEATHSIG)
     before = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

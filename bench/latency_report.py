@@ -38,6 +38,8 @@ def latency_cdf(doc: Obj, path: Path) -> Path:
     for key, sc in sorted(doc["scenarios"].items()):
         samples = _samples(sc)
         for name, xs in samples.items():
+            if not xs:  # the static baseline: no gate to remove
+                continue
             label = key if not name else f"{key} {name}"
             ax = axes[1] if "realistic" in key else axes[0]
             _cdf(ax, xs, label)
@@ -150,6 +152,29 @@ def _f(x: Any, fmt: str = ".2f") -> str:
     return "-"
 
 
+def ratio_table(doc: Obj) -> str:
+    """InstaSlice over the static baseline, per scenario (`ratio_to_static`), as Markdown."""
+    rows = [
+        "| scenario | Running p50 | Running p99 | burst: all Running | system CPU s/pod "
+        "| InstaSlice Running p50 / p99 s | static Running p50 / p99 s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    scenarios = doc["scenarios"]
+    for key in sorted(scenarios, key=_scenario_order):
+        sc = scenarios[key]
+        ratio = sc.get("ratio_to_static") if isinstance(sc, dict) else None
+        if not ratio:
+            continue
+        static = scenarios[key.split("-")[0] + "-static"]
+        rows.append(
+            f"| {key} | {_f(ratio.get('running_p50_s'))} | {_f(ratio.get('running_p99_s'))} "
+            f"| {_f(ratio.get('all_running_s'))} | {_f(ratio.get('system_cpu_s_per_pod'))} "
+            f"| {_f(sc.get('running_p50_s'))} / {_f(sc.get('running_p99_s'))} "
+            f"| {_f(static.get('running_p50_s'))} / {_f(static.get('running_p99_s'))} |"
+        )
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""
+
+
 def table(doc: Obj) -> str:
     """The numbers as Markdown: one row per scenario, then one per fleet."""
     rows = [
@@ -230,7 +255,8 @@ def _scenario_order(key: str) -> tuple[int, str]:
 def plots(doc: Obj, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "latency-table.md"
-    md.write_text(table(doc))
+    ratios = ratio_table(doc)
+    md.write_text((f"InstaSlice / static baseline:\n\n{ratios}\n" if ratios else "") + table(doc))
     return [
         latency_cdf(doc, out_dir / "latency-cdf.png"),
         fleet_cost(doc, out_dir / "fleet-cost.png"),

@@ -75,6 +75,9 @@ class Tracker:
         if claim:
             self.claim_to_pod[claim] = meta["name"]
         if etype == "DELETED":
+            if not claim and t.released is None:  # a static pod: its slice is free now
+                t.released = now
+                self.changed.set()
             return
         if meta.get("deletionTimestamp") and t.deleted is None:
             t.deleted = now

@@ -42,12 +42,20 @@ from typing import Any
 
 from bench import preemption
 from common.catalog import GpuModel, load_catalog
-from common.placement.engine import clear_caches, place
-from common.placement.model import PendingReason, PlacedSlice, Placement, PodRequest, Policy
+from common.placement.engine import clear_caches
+from common.placement.model import (
+    Pending,
+    PendingReason,
+    PlacedSlice,
+    Placement,
+    PodRequest,
+    Policy,
+)
 from common.placement.optimum import Objective, optimum
 from common.placement.replay import AddEvent, Cluster, Trace, parse_trace
 from common.placement.tables import add, free_starts, gpu_state, model_tables
 
+TIMING_NODES = (1000, 5000)  # fleet sizes of the decision-speed measurement (x 8 GPUs)
 POLICIES = (Policy.INSTASLICE, Policy.FIRST_FIT, Policy.SPREAD, Policy.STATIC_BALANCED)
 OUT_DIR = Path(".dev/bench")
 
@@ -412,57 +420,95 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def decision_timing(
-    samples: int, warmup: int, nodes: int = 1000, gpus: int = 8, seed: int = 7
-) -> dict[str, Any]:
-    """Time `place` as the allocator calls it: one pod at a time on a nodes x gpus snapshot,
-    the snapshot updated between calls (one placement, one departure). The first `warmup`
-    decisions fill the engine's caches as a running allocator's are and are not counted
-    (the very first one is reported as `cold_ms`). Times are process CPU time (what the
-    decision costs, whatever else the machine runs) and wall time."""
-    rng = random.Random(seed)
-    clear_caches()  # as a fresh allocator process serving this one cluster
-    cluster, held = timing_cluster(rng, nodes, gpus)
-    pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
-    cpu: list[float] = []
-    wall: list[float] = []
-    kinds: dict[str, list[float]] = {"single slice": [], "several slices": [], "pending": []}
-    placed = pending = 0
-    cold = 0.0
-    for i in range(warmup + samples):
-        raw = _pod(rng, f"t{i}", rng.choice(pod_fleets), MIX_DEFAULT, 0.15)
-        ev = parse_trace({"nodes": [], "events": [raw]}).events[0]
-        assert isinstance(ev, AddEvent)
-        snap = cluster.snapshot
-        c0, w0 = time.process_time(), time.perf_counter()
-        result = place(snap, ev.request)
-        c1, w1 = time.process_time(), time.perf_counter()
-        if i == 0:
-            cold = (w1 - w0) * 1000
-        if i >= warmup:
-            cpu.append((c1 - c0) * 1000)
-            wall.append((w1 - w0) * 1000)
-            if isinstance(result, Placement):
-                placed += 1
-                several = sum(x.count for x in ev.request.slices) > 1
-                kinds["several slices" if several else "single slice"].append(cpu[-1])
-            else:
-                pending += 1
-                kinds["pending"].append(cpu[-1])
-        if isinstance(result, Placement):
-            cluster.assume(ev.request, result)
-            held.append(ev.request.name)
-        # Keep the load steady: one random departure per decision.
-        cluster.remove(held.pop(rng.randrange(len(held))))
+def _stats(cpu: list[float], wall: list[float]) -> dict[str, float]:
     return {
-        "nodes": nodes,
-        "gpus_per_node": gpus,
         "p50": round(_percentile(cpu, 0.5), 3),
         "p99": round(_percentile(cpu, 0.99), 3),
         "max": round(max(cpu), 3),
         "wall_p50": round(_percentile(wall, 0.5), 3),
         "wall_p99": round(_percentile(wall, 0.99), 3),
-        "cold_ms": round(cold, 1),
+    }
+
+
+@dataclass
+class _Timed:
+    results: list[Placement | Pending] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    kinds: dict[str, list[float]] = field(
+        default_factory=lambda: {"single slice": [], "several slices": [], "pending": []}
+    )
+    cold: float = 0.0
+    occupancy: float = 0.0
+
+
+def _timed_decisions(
+    samples: int, warmup: int, nodes: int, gpus: int, seed: int, *, indexed: bool
+) -> _Timed:
+    """One pass of `decision_timing`: the same pods on the same cluster for a given seed,
+    decided through the index or by the scan, from cold caches (a fresh process)."""
+    rng = random.Random(seed)
+    clear_caches()
+    cluster, held = timing_cluster(rng, nodes, gpus)
+    cluster.indexed = indexed
+    pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
+    out = _Timed()
+    for i in range(warmup + samples):
+        raw = _pod(rng, f"t{i}", rng.choice(pod_fleets), MIX_DEFAULT, 0.15)
+        ev = parse_trace({"nodes": [], "events": [raw]}).events[0]
+        assert isinstance(ev, AddEvent)
+        if not indexed:
+            cluster.snapshot  # noqa: B018 - built outside the clock, as the allocator's is
+        c0, w0 = time.process_time(), time.perf_counter()
+        result = cluster.decide(ev.request)
+        c1, w1 = time.process_time(), time.perf_counter()
+        if i == 0:
+            out.cold = (w1 - w0) * 1000
+        if i >= warmup:
+            out.results.append(result)
+            out.cpu.append((c1 - c0) * 1000)
+            out.wall.append((w1 - w0) * 1000)
+            if isinstance(result, Placement):
+                several = sum(x.count for x in ev.request.slices) > 1
+                out.kinds["several slices" if several else "single slice"].append(out.cpu[-1])
+            else:
+                out.kinds["pending"].append(out.cpu[-1])
+        if isinstance(result, Placement):
+            cluster.assume(ev.request, result)
+            held.append(ev.request.name)
+        # Keep the load steady: one random departure per decision.
+        cluster.remove(held.pop(rng.randrange(len(held))))
+    out.occupancy = round(cluster.used_slots / cluster.total_slots, 3)
+    return out
+
+
+def decision_timing(
+    samples: int, warmup: int, nodes: int = 1000, gpus: int = 8, seed: int = 7
+) -> dict[str, Any]:
+    """Time a decision as the allocator makes it: one pod at a time on a nodes x gpus
+    cluster, the cluster updated between calls (one placement, one departure). The same
+    seeded sequence runs twice from cold caches — through the fleet index (what the
+    allocator calls; the top-level numbers) and by the engine's scan of the snapshot
+    (`scan`: the code before the index) — and every answer must be equal. The first
+    `warmup` decisions fill the engine's caches as a running allocator's are and are not
+    counted (the very first one is reported as `cold_ms`). Times are process CPU time
+    (what the decision costs, whatever else the machine runs) and wall time."""
+    index = _timed_decisions(samples, warmup, nodes, gpus, seed, indexed=True)
+    scan = _timed_decisions(samples, warmup, nodes, gpus, seed, indexed=False)
+    if index.results != scan.results:
+        first = next(
+            i for i, (a, b) in enumerate(zip(index.results, scan.results, strict=True)) if a != b
+        )
+        raise AssertionError(
+            f"index and scan differ at decision {first}: "
+            f"{index.results[first]} != {scan.results[first]}"
+        )
+    cpu, wall, kinds = index.cpu, index.wall, index.kinds
+    return {
+        "nodes": nodes,
+        "gpus_per_node": gpus,
+        **_stats(cpu, wall),
+        "cold_ms": round(index.cold, 1),
         "clock": "process CPU time (wall_* : wall clock on a shared machine)",
         "by_kind": {
             kind: {
@@ -473,11 +519,13 @@ def decision_timing(
             for kind, ts in kinds.items()
             if ts
         },
+        "scan": {**_stats(scan.cpu, scan.wall), "cold_ms": round(scan.cold, 1)},
+        "identical_to_scan": True,
         "samples": samples,
         "warmup": warmup,
-        "placed": placed,
-        "pending": pending,
-        "occupancy": round(cluster.used_slots / cluster.total_slots, 3),
+        "placed": len(kinds["single slice"]) + len(kinds["several slices"]),
+        "pending": len(kinds["pending"]),
+        "occupancy": index.occupancy,
     }
 
 
@@ -511,27 +559,32 @@ def table(results: dict[str, Any]) -> str:
         f"{'total slot-time vs instaslice':<38}"
         + "".join(f"{100 * tot[str(p)]['slot_time_vs_instaslice']:<20.1f}%" for p in POLICIES)
     )
-    d = results["decision_ms"]
-    lines.append(
-        f"decision at {d['nodes']} nodes x {d['gpus_per_node']} GPUs ({d['samples']} decisions "
-        f"after {d['warmup']} warm-up, {d['pending']} pending, occupancy "
-        f"{100 * d['occupancy']:.0f} %): CPU p50 {d['p50']} ms, p99 {d['p99']} ms, "
-        f"max {d['max']} ms; wall p50 {d['wall_p50']} ms, p99 {d['wall_p99']} ms; "
-        f"first (cold) decision {d['cold_ms']} ms"
-    )
-    lines.append(
-        "  CPU by kind: "
-        + "; ".join(
-            f"{kind} ({k['count']}): p50 {k['p50']} ms, p99 {k['p99']} ms"
-            for kind, k in d["by_kind"].items()
-        )
-    )
+    for d in results.get("decision_ms_by_nodes", {}).values() or [results["decision_ms"]]:
+        lines.extend(timing_lines(d))
     for w in results["baseline_wins"]:
         lines.append(
             f"baseline win: {w['trace']}: {w['policy']} {w['metric']} "
             f"{w['baseline']} > instaslice {w['instaslice']} — {w['why']}"
         )
     return "\n".join(lines)
+
+
+def timing_lines(d: dict[str, Any]) -> list[str]:
+    scan = d["scan"]
+    return [
+        f"decision at {d['nodes']} nodes x {d['gpus_per_node']} GPUs ({d['samples']} decisions "
+        f"after {d['warmup']} warm-up, {d['pending']} pending, occupancy "
+        f"{100 * d['occupancy']:.0f} %): CPU p50 {d['p50']} ms, p99 {d['p99']} ms, "
+        f"max {d['max']} ms; wall p50 {d['wall_p50']} ms, p99 {d['wall_p99']} ms; "
+        f"first (cold) decision {d['cold_ms']} ms",
+        "  CPU by kind: "
+        + "; ".join(
+            f"{kind} ({k['count']}): p50 {k['p50']} ms, p99 {k['p99']} ms"
+            for kind, k in d["by_kind"].items()
+        ),
+        f"  the same decisions by the scan (no index): CPU p50 {scan['p50']} ms, "
+        f"p99 {scan['p99']} ms, max {scan['max']} ms; identical answers",
+    ]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -579,7 +632,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def run(
-    quick: bool, out_dir: Path | None = OUT_DIR, timing_samples: int | None = None
+    quick: bool,
+    out_dir: Path | None = OUT_DIR,
+    timing_samples: int | None = None,
+    timing_nodes: Sequence[int] = TIMING_NODES,
 ) -> dict[str, Any]:
     """Run the whole benchmark; write JSON/PNG/traces under `out_dir` (None: write nothing)."""
     traces = suite(quick)
@@ -602,7 +658,10 @@ def run(
     results["totals"] = _totals(results["traces"])
     results["baseline_wins"] = _wins(results["traces"])
     samples = timing_samples if timing_samples is not None else (200 if quick else 2000)
-    results["decision_ms"] = decision_timing(samples, warmup=100 if quick else 500)
+    warmup = 100 if quick else 500
+    by_nodes = {n: decision_timing(samples, warmup, nodes=n) for n in timing_nodes}
+    results["decision_ms"] = by_nodes.get(1000) or next(iter(by_nodes.values()))
+    results["decision_ms_by_nodes"] = {str(n): d for n, d in by_nodes.items()}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "placement.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -662,13 +721,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--timing-only", action="store_true", help="only the decision-speed measurement"
     )
+    parser.add_argument(
+        "--timing-nodes",
+        default=",".join(str(n) for n in TIMING_NODES),
+        help="fleet sizes (x 8 GPUs) of the decision-speed measurement, comma-separated "
+        "(default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    try:
+        timing_nodes = [int(n) for n in args.timing_nodes.split(",") if n.strip()]
+    except ValueError:
+        parser.error(
+            f"--timing-nodes: expected comma-separated integers, got {args.timing_nodes!r}"
+        )
+    if not timing_nodes or min(timing_nodes) < 2:
+        parser.error("--timing-nodes: expected fleet sizes of at least 2 nodes")
     started = time.perf_counter()
     if args.timing_only:
-        d = decision_timing(200 if args.quick else 2000, warmup=100 if args.quick else 500)
-        print(json.dumps(d, indent=1))
+        for n in timing_nodes:
+            d = decision_timing(200 if args.quick else 2000, 100 if args.quick else 500, nodes=n)
+            print("\n".join(timing_lines(d)))
+            print(json.dumps(d, indent=1))
         return 0
-    results = run(args.quick, args.out)
+    results = run(args.quick, args.out, timing_nodes=timing_nodes)
     print(table(results))
     preempt = preemption.run(args.quick)  # priority traces (bench/preemption.py)
     (args.out / "preemption.json").write_text(json.dumps(preempt, indent=1) + "\n")

@@ -216,6 +216,20 @@ class Kube:
     async def list(self, path: str, **query: Any) -> Obj:
         return await self.request("GET", path, query=query)
 
+    async def list_pages(self, path: str, limit: int, **query: Any) -> AsyncIterator[Obj]:
+        """A list in pages of at most `limit` items (`limit` / `continue`): one consistent
+        snapshot, but never more than one page in memory at a time. A `continue` token that
+        expired meanwhile raises ApiError 410, as a too old resourceVersion does."""
+        token: str | None = None
+        while True:
+            page = await self.request(
+                "GET", path, query={**query, "limit": limit, "continue": token}
+            )
+            yield page
+            token = page.get("metadata", {}).get("continue") or None
+            if token is None:
+                return
+
     async def create(self, path: str, body: Obj, **query: Any) -> Obj:
         return await self.request("POST", path, body=body, query=query)
 
@@ -352,7 +366,9 @@ class Informer:
     recreated during the gap) is reported as DELETED(old) then ADDED(new), never as MODIFIED:
     consumers keyed by UID would otherwise hold what the old one held forever.
     `synced` is set once the first list has been delivered. `transform` (idempotent) is
-    applied to every object before it is cached or handed on, e.g. `lean`.
+    applied to every object before it is cached or handed on, e.g. `lean`; a list is read in
+    pages of `page_size` objects, each transformed before the next page is read, so a list
+    of a large collection never holds it whole, untransformed, in memory.
     """
 
     kube: Kube
@@ -362,6 +378,7 @@ class Informer:
     field_selector: str | None = None
     name: str = "informer"
     transform: Callable[[Obj], Obj] | None = None
+    page_size: int = 500
 
     def __post_init__(self) -> None:
         self.cache: dict[str, Obj] = {}
@@ -397,34 +414,44 @@ class Informer:
                 backoff = min(backoff * 2, 10.0)
 
     async def _relist(self) -> str:
-        listing = await self.kube.list(
-            self.path, labelSelector=self.label_selector, fieldSelector=self.field_selector
-        )
-        fresh = {obj_key(o): o for o in listing.get("items", [])}
-        kind = listing.get("kind", "").removesuffix("List")
-        api_version = listing.get("apiVersion", "")
+        fresh: dict[str, Obj] = {}
+        rv = ""
+        async for page in self.kube.list_pages(
+            self.path,
+            self.page_size,
+            labelSelector=self.label_selector,
+            fieldSelector=self.field_selector,
+        ):
+            kind = page.get("kind", "").removesuffix("List")
+            api_version = page.get("apiVersion", "")
+            for o in page.get("items", []):
+                o.setdefault("kind", kind)
+                o.setdefault("apiVersion", api_version)
+                if self.transform is not None:
+                    o = self.transform(o)
+                fresh[obj_key(o)] = o
+            rv = str(page.get("metadata", {}).get("resourceVersion", ""))
         for key in [k for k in self.cache if k not in fresh]:
-            await self._apply("DELETED", self.cache[key])
+            await self._apply("DELETED", self.cache[key], transformed=True)
         for o in fresh.values():
-            o.setdefault("kind", kind)
-            o.setdefault("apiVersion", api_version)
             old = self.cache.get(obj_key(o))
             if old is None:
-                await self._apply("ADDED", o)
+                await self._apply("ADDED", o, transformed=True)
             elif old.get("metadata", {}).get("resourceVersion") != o["metadata"].get(
                 "resourceVersion"
             ):
-                await self._apply("MODIFIED", o)
+                await self._apply("MODIFIED", o, transformed=True)
         self.synced.set()
-        return str(listing.get("metadata", {}).get("resourceVersion", ""))
+        return rv
 
-    async def _apply(self, etype: EventType, obj: Obj) -> None:
-        if self.transform is not None:
+    async def _apply(self, etype: EventType, obj: Obj, *, transformed: bool = False) -> None:
+        if self.transform is not None and not transformed:
             obj = self.transform(obj)
         key = obj_key(obj)
         old = self.cache.get(key)
         if etype != "DELETED" and old is not None and _uid(old) != _uid(obj):
-            await self._apply("DELETED", old)  # same name, another object: the old one is gone
+            # same name, another object: the old one is gone
+            await self._apply("DELETED", old, transformed=True)
             etype = "ADDED"
         if etype == "DELETED":
             self.cache.pop(key, None)

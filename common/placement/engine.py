@@ -74,7 +74,7 @@ def place(
     if chosen is None:
         return explain(snapshot, request, ctx)
     node, fit = chosen
-    return _placement(node, fit, request, ctx)
+    return placement_of(node, fit, request, ctx)
 
 
 # A multi-slice pod is scored exactly on the nodes in ascending order of a lower bound on
@@ -112,7 +112,6 @@ def _choose(
     # are the hot path (one pass over every node per decision), so they stay flat: no
     # per-node work beyond one memoised lookup.
     ct, policy = ctx.ct, ctx.policy
-    best: tuple[NodeState, NodeFit] | None = None
     if ctx.single is not None:
         profile = ctx.single
         ranks = rank_table(ct, profile, policy)
@@ -154,12 +153,27 @@ def _choose(
         if bound >= 0:
             bounded.append((bound, order, node))
     heapify(bounded)  # (bound, snapshot order): popped in ascending order
+
+    def ascending() -> Iterator[tuple[int, NodeState]]:
+        while bounded:
+            bound, _, node = heappop(bounded)
+            yield bound, node
+
+    return bounded_search(ctx, ascending())
+
+
+def bounded_search(
+    ctx: Context, candidates: Iterator[tuple[int, NodeState]]
+) -> tuple[NodeState, NodeFit] | None:
+    """A multi-slice pod's best node among `candidates` — the nodes that pass its filters,
+    with their lower bound, in ascending (bound, snapshot order): each is scored exactly
+    until the bound says no later node can win or the budget is spent."""
+    best: tuple[NodeState, NodeFit] | None = None
     budget = MULTI_NODE_BUDGET
-    while bounded:
-        bound, _, node = heappop(bounded)
+    for bound, node in candidates:
         if best is not None and (bound * COST_SCALE > best[1].cost or budget <= 0):
             break
-        if not node_may_fit(ct, node.gpu_key, ctx.demand):
+        if not node_may_fit(ctx.ct, node.gpu_key, ctx.demand):
             continue
         fit = ctx.node_fit(node)
         if fit is None:
@@ -172,7 +186,7 @@ def _choose(
     return best
 
 
-def _placement(node: NodeState, fit: NodeFit, request: PodRequest, ctx: Context) -> Placement:
+def placement_of(node: NodeState, fit: NodeFit, request: PodRequest, ctx: Context) -> Placement:
     """Hand the node's (position, profile, start) triples to the request's slices in order."""
     pool: dict[str, list[tuple[int, int]]] = {}
     for pos, profile, start in sorted(fit.assignment):

@@ -44,20 +44,25 @@ def parse_hw_key(key: str) -> tuple[tuple[str, bool], ...]:
     )
 
 
+def gpu_keys(key: str) -> list[str]:
+    """`NodeState.gpu_key` split into its GPUs' `Gpu.key`s, in index order."""
+    return key.split(_GPU_SEP) if key else []
+
+
+def parse_gpu_key(key: str) -> GpuKeyParts:
+    """`Gpu.key` back to (model, usable, ((start, size, profile), ...))."""
+    model, state, parts = key.split(_FIELD_SEP)
+    occ = []
+    if parts:
+        for part in parts.split(_OCC_SEP):
+            start, size, profile = part.split(_SUB_SEP)
+            occ.append((int(start), int(size), profile))
+    return model, state == "u", tuple(occ)
+
+
 def parse_node_key(key: str) -> tuple[GpuKeyParts, ...]:
     """`NodeState.gpu_key` back to (model, usable, ((start, size, profile), ...)) per GPU."""
-    if not key:
-        return ()
-    out = []
-    for gpu in key.split(_GPU_SEP):
-        model, state, parts = gpu.split(_FIELD_SEP)
-        occ = []
-        if parts:
-            for part in parts.split(_OCC_SEP):
-                start, size, profile = part.split(_SUB_SEP)
-                occ.append((int(start), int(size), profile))
-        out.append((model, state == "u", tuple(occ)))
-    return tuple(out)
+    return tuple(parse_gpu_key(gpu) for gpu in gpu_keys(key))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ Optional, beyond the issue's format: per node `labels` and `taints`
 and a top-level `end` (the time the trace ends). GPUs start empty.
 
 `Cluster` is the replayer's own mutable state — which pod holds what where — and hands the
-engine a fresh immutable `Snapshot`, rebuilding only the node an event touched. A pod that
+engine a fresh immutable `Snapshot`, rebuilding only the node an event touched; it decides
+through a `FleetIndex` (index.py) kept up to date the same way, or with `indexed=False` by
+the engine's scan over the snapshot (same answers: tests/unit/test_placement_index.py). A pod that
 cannot be placed when it arrives is dropped (no retry); removing a dropped or unknown pod is
 a no-op. No I/O here: cli.py reads files and prints.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 from common.catalog import Catalog, load_catalog
 from common.placement.engine import place
+from common.placement.index import FleetIndex
 from common.placement.model import (
     Gpu,
     NodeState,
@@ -234,8 +237,11 @@ class Cluster:
         nodes: Sequence[TraceNode],
         policy: Policy = Policy.INSTASLICE,
         catalog: Catalog | None = None,
+        *,
+        indexed: bool = True,
     ) -> None:
         self.policy = policy
+        self.indexed = indexed
         self.catalog = catalog if catalog is not None else load_catalog()
         self._spec = tuple(nodes)
         self._nodes = [
@@ -245,6 +251,9 @@ class Cluster:
             for n in nodes
         ]
         self._index = {n.name: i for i, n in enumerate(nodes)}
+        self._fleet = FleetIndex()
+        for i, state in enumerate(self._nodes):
+            self._fleet.put(state, i)
         self._held: dict[str, _Held] = {}
         self._snapshot: Snapshot | None = None
         self.used_slots = 0
@@ -267,10 +276,17 @@ class Cluster:
     def add(self, request: PodRequest) -> Placement | Pending:
         if request.name in self._held:
             raise TraceError(f"pod {request.name!r} added twice without a remove")
-        result = place(self.snapshot, request, self.policy, self.catalog)
+        result = self.decide(request)
         if isinstance(result, Placement):
             self.assume(request, result)
         return result
+
+    def decide(self, request: PodRequest, *, indexed: bool | None = None) -> Placement | Pending:
+        """The engine's decision for `request` now, recorded nowhere (`indexed`: through the
+        index or by the scan; default: the cluster's own choice)."""
+        if self.indexed if indexed is None else indexed:
+            return self._fleet.place(request, self.policy, self.catalog, lambda: self.snapshot)
+        return place(self.snapshot, request, self.policy, self.catalog)
 
     def assume(self, request: PodRequest, placement: Placement) -> None:
         """Record a placement decided elsewhere (the engine, or a preloaded state).
@@ -314,6 +330,7 @@ class Cluster:
             old.pods_free - sign,
             tuple(gpus),
         )
+        self._fleet.put(self._nodes[i], i)
         self._snapshot = None
 
 

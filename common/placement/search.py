@@ -24,7 +24,13 @@ from typing import Any
 
 from common.catalog import Catalog, load_catalog
 from common.placement import geometry
-from common.placement.model import NodeState, PodRequest, Policy, parse_node_key
+from common.placement.model import (
+    NodeState,
+    PodRequest,
+    Policy,
+    gpu_keys,
+    parse_gpu_key,
+)
 from common.placement.tables import (
     COST_SCALE,
     FitMode,
@@ -126,16 +132,33 @@ class NodeFit:
 def node_info(ct: CatalogTables, node_key: str) -> NodeInfo:
     gpus = []
     potential = 0
-    parsed = parse_node_key(node_key)
-    for pos, (model, usable, occupied) in enumerate(parsed):
-        t = ct.tables(model)
-        if t is None or not usable:
-            continue
-        st = gpu_state(t, occupied)
-        gpus.append(UsableGpu(pos, t, st, t.slots - bin(st.mask).count("1"), addable(t, st)))
-        potential += t.potential[st.mask]
-    models = tuple(m for m, _, _ in parsed)
-    return NodeInfo(tuple(gpus), potential, models, tuple(u for _, u, _ in parsed))
+    models = []
+    usable = []
+    for pos, key in enumerate(gpu_keys(node_key)):
+        model, ok, part = gpu_info(ct, key)
+        models.append(model)
+        usable.append(ok)
+        if part is not None:
+            t, st, free, bits, pot = part
+            gpus.append(UsableGpu(pos, t, st, free, bits))
+            potential += pot
+    return NodeInfo(tuple(gpus), potential, tuple(models), tuple(usable))
+
+
+GpuPart = tuple[ModelTables, GpuState, int, int, int]  # tables, state, free, addable, potential
+
+
+@lru_cache(maxsize=1 << 15)
+def gpu_info(ct: CatalogTables, gpu_key: str) -> tuple[str, bool, GpuPart | None]:
+    """One GPU of `node_info`, memoised on its own key: a node whose one GPU changed
+    rebuilds that GPU only (None: not usable, or a model the catalog does not know)."""
+    model, usable, occupied = parse_gpu_key(gpu_key)
+    t = ct.tables(model)
+    if t is None or not usable:
+        return model, usable, None
+    st = gpu_state(t, occupied)
+    free = t.slots - bin(st.mask).count("1")
+    return model, usable, (t, st, free, addable(t, st), t.potential[st.mask])
 
 
 def _spread_order(gpus: tuple[UsableGpu, ...] | list[UsableGpu]) -> list[UsableGpu]:
@@ -186,6 +209,7 @@ def clear_caches() -> None:
     """Forget every memoised answer (a fresh process). For benchmarks and tests."""
     for f in (
         node_info,
+        gpu_info,
         node_single,
         node_bound,
         node_may_fit,

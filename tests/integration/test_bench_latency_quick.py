@@ -1,8 +1,10 @@
 """`python -m bench.latency --quick` runs end to end and writes a well-formed JSON.
 
 Covers: a real system comes up (control plane, KWOK GPU nodes, InstaSlice), the sequential
-and burst scenarios run with emulated NVML latency 0 and with the realistic setting, every
-pod is ungated, percentiles are finite and ordered, process stats are recorded, the plots
+and burst scenarios run with emulated NVML latency 0, with the realistic setting and as the
+static baseline (pre-sliced capacity, no InstaSlice: its pods run, and each InstaSlice
+variant carries its `ratio_to_static`), every InstaSlice pod is ungated, percentiles are
+finite and ordered, process stats are recorded, the plots
 render, and the system is torn down. Leaves out: timing thresholds (the machine is shared;
 a flaky test is a bug) and the churn and scale scenarios (minutes each; `make bench-latency`).
 """
@@ -36,8 +38,24 @@ def test_quick_run_writes_json_with_every_pod_ungated(tmp_path: Path) -> None:
     assert doc["machine"]["cpus"] >= 1
     assert len(doc["machine"]["load_at_start"]) == 3
     scenarios = doc["scenarios"]
-    assert set(scenarios) == {"sequential", "sequential-realistic", "burst", "burst-realistic"}
+    assert set(scenarios) == {
+        *("sequential", "sequential-realistic", "sequential-static"),
+        *("burst", "burst-realistic", "burst-static"),
+    }
     plan = latency.QUICK
+    for key in ("sequential-static", "burst-static"):  # pre-sliced capacity, no InstaSlice
+        sc = scenarios.pop(key)
+        want = plan.seq_pods if key.startswith("sequential") else plan.burst_pods
+        assert sc["pods"] == want and sc["ungated"] == 0, key
+        assert 0 < sc["running_p50_s"] <= sc["running_p99_s"], key
+        assert sc["system_cpu_s_per_pod"] > 0, key
+        if key == "burst-static":
+            assert math.isfinite(sc["all_running_s"]) and sc["all_running_s"] > 0
+        for name in (key.removesuffix("-static"), key.replace("static", "realistic")):
+            ratio = scenarios[name]["ratio_to_static"]
+            fields = {"running_p50_s", "running_p99_s", "system_cpu_s_per_pod"}
+            assert set(ratio) == fields | ({"all_running_s"} if "burst" in key else set())
+            assert all(math.isfinite(v) and v > 0 for v in ratio.values()), (name, ratio)
     for key, sc in scenarios.items():
         want = plan.seq_pods if key.startswith("sequential") else plan.burst_pods
         assert sc["pods"] == want, key
@@ -60,6 +78,7 @@ def test_quick_run_writes_json_with_every_pod_ungated(tmp_path: Path) -> None:
     fleets = doc["fleets"]
     assert list(fleets) == [str(max(plan.seq_nodes, plan.burst_nodes))]
     assert "idle" in next(iter(fleets.values()))
+    assert "InstaSlice / static baseline" in (plots / "latency-table.md").read_text()
     assert {p.name for p in plots.iterdir()} == {
         "latency-cdf.png",
         "fleet-cost.png",

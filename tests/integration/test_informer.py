@@ -96,3 +96,53 @@ async def test_a_same_name_object_with_a_new_uid_is_deleted_then_added(
     assert by_name["removed"] == [("DELETED", removed["metadata"]["uid"])]
     assert informer.cache[f"{namespace}/replaced"]["metadata"]["uid"] == again["metadata"]["uid"]
     assert events.empty()
+
+
+async def test_a_list_is_read_in_pages_each_object_transformed_once(
+    kube: Kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seven objects listed two at a time: every one delivered (the `continue` token is
+    followed to the end), each transformed once before it is cached or handed on."""
+    path = core_path("configmaps", namespace)
+    names = {f"paged-{i}" for i in range(7)}
+    for name in sorted(names):
+        await kube.create(path, _cm(name, "1"))
+    transformed: list[str] = []
+    delivered: list[tuple[str, str, bool]] = []
+
+    def transform(obj: Obj) -> Obj:
+        transformed.append(obj["metadata"]["name"])
+        return {**obj, "data": {}, "slim": True}
+
+    async def handler(etype: str, obj: Obj) -> None:
+        delivered.append((etype, obj["metadata"]["name"], bool(obj.get("slim"))))
+
+    pages: list[int] = []
+    list_pages = kube.list_pages
+
+    async def spy(path: str, limit: int, **query: object) -> AsyncIterator[Obj]:
+        async for page in list_pages(path, limit, **query):
+            pages.append(len(page["items"]))
+            yield page
+
+    monkeypatch.setattr(kube, "list_pages", spy)
+    informer = Informer(
+        kube,
+        path,
+        handler,
+        label_selector="test=informer",
+        name="paged",
+        transform=transform,
+        page_size=2,
+    )
+    run = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(informer.synced.wait(), timeout=10)
+    finally:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    assert pages == [2, 2, 2, 1]
+    assert sorted(transformed) == sorted(names)  # once each, however many pages
+    assert sorted(delivered) == sorted(("ADDED", n, True) for n in names)
+    assert all(o["slim"] and o["data"] == {} for o in informer.cache.values())

@@ -185,9 +185,11 @@ async def test_an_informer_caches_and_hands_on_the_transformed_object() -> None:
                           "managedFields": [{"manager": "m"}]}}  # fmt: skip
 
     class Api:
-        async def list(self, path: str, **_: Any) -> dict[str, Any]:
-            return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                    "items": [bulky]}  # fmt: skip
+        async def list_pages(
+            self, path: str, limit: int, **_: Any
+        ) -> AsyncIterator[dict[str, Any]]:
+            yield {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                   "items": [bulky]}  # fmt: skip
 
     seen: list[dict[str, Any]] = []
 

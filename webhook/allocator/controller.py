@@ -83,6 +83,12 @@ from webhook.allocator.writes import Writes
 log = structlog.get_logger("allocator")
 
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+def _cached_pod(obj: Obj) -> Obj:
+    return podlib.slim(lean(obj))
+
+
 _FIRST_BACKOFF_S = 0.2
 
 
@@ -154,7 +160,8 @@ class Controller:
             self._on_pod,
             field_selector=_ACTIVE_POD_SELECTOR,
             name="pods",
-            transform=lean,  # every pod of the cluster is cached: not its managedFields
+            # every pod of the cluster is cached: of most, only what placement reads
+            transform=_cached_pod,
         )
         leases = group_path(LEASE_API_VERSION, "leases", settings.namespace)
         self.lease_informer = Informer(kube, leases, self._on_lease, name="leases")

@@ -111,7 +111,8 @@ class Placer:
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = self._place(snapshot, request, sized)
+        # the plain snapshot's decisions go through the fleet index (same answers)
+        result = self._place(snapshot, request, sized, indexed=not (excluded or name_label))
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
@@ -144,7 +145,12 @@ class Placer:
         self.kick(uid)
 
     def _place(
-        self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        sized: list[SizeAsk],
+        *,
+        indexed: bool = False,
     ) -> Placement | Pending:
         """The decision: whole GPUs on GPUs of their own (common/placement/whole.py); size-based
         asks resolved per GPU model (common/sizing.py); slices on GPUs in MIG mode first, on
@@ -155,7 +161,10 @@ class Placer:
             return place_whole(snapshot, request, view, self.catalog).result
         if sized:
             return place_sized(snapshot, request, sized, self.policy, self.catalog)
-        first = place(snapshot, request, self.policy, self.catalog)
+        if indexed:  # `snapshot` is the state's own: ClusterState.decide answers for it
+            first = self.state.decide(request, self.policy, self.catalog)
+        else:
+            first = place(snapshot, request, self.policy, self.catalog)
         if isinstance(first, Placement):
             return first  # a GPU in MIG mode fits: the common case, no mode classes needed
         modes = self.state.mode_view(snapshot)

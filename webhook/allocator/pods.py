@@ -295,6 +295,56 @@ def pod_request(pod: Obj, resources: Resources | None = None) -> PodRequest:
     )
 
 
+# --- what the cache keeps -------------------------------------------------------------------
+
+_META_KEPT = (
+    *("name", "namespace", "uid", "resourceVersion", "generation"),
+    *("creationTimestamp", "deletionTimestamp"),
+)
+_SPEC_KEPT = ("nodeName", "priority", "schedulingGates", "overhead")
+
+
+def slim(pod: Obj) -> Obj:
+    """What the allocator keeps of a pod it will never act on — one without our claim or
+    our gate, i.e. every other pod of the cluster, cached only to charge its cpu / memory
+    to a node: the fields the readers above look at (identity, phase, deletion, binding,
+    pin, PodScheduled, requests), nothing else (a real pod is 10-15 KB of JSON, this a few
+    hundred bytes). Our own pods are kept whole: they are PUT back (`pin`) and described
+    in events. Idempotent, and every reader answers the same on the slim pod as on the pod.
+    """
+    meta = pod.get("metadata") or {}
+    if claim(pod) is not None or has_our_gate(pod):
+        return pod
+    spec = pod.get("spec") or {}
+    out_spec: Obj = {k: spec[k] for k in _SPEC_KEPT if k in spec}
+    out_spec["containers"] = [
+        {"name": c.get("name"), "resources": c.get("resources") or {}}
+        for c in spec.get("containers") or []
+    ]
+    if spec.get("initContainers"):
+        out_spec["initContainers"] = [
+            {k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}
+            for c in spec["initContainers"]
+        ]
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if required:
+        out_spec["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+        }
+    status = pod.get("status") or {}
+    out_status: Obj = {"phase": status["phase"]} if "phase" in status else {}
+    scheduled = [c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"]
+    if scheduled:
+        out_status["conditions"] = scheduled
+    out: Obj = {k: pod[k] for k in ("apiVersion", "kind") if k in pod}
+    out["metadata"] = {k: meta[k] for k in _META_KEPT if k in meta}
+    out["spec"] = out_spec
+    out["status"] = out_status
+    return out
+
+
 # --- the pin ------------------------------------------------------------------------------
 
 

@@ -26,7 +26,8 @@ node or GPU added or changed, an agent back): pods parked as pending are retried
 not on a timer.
 
 It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
-changed, so a decision on a large cluster does not rebuild the whole snapshot.
+changed, and the placeable ones are kept in a `FleetIndex` (common/placement/index.py), so a
+decision on a large cluster (`decide`) neither rebuilds the snapshot nor scans every node.
 """
 
 from __future__ import annotations
@@ -39,7 +40,17 @@ from typing import Any
 from common.allocation import SliceAllocation
 from common.catalog import Catalog, load_catalog
 from common.catalog.learned import Geometries
-from common.placement import Gpu, NodeState, Occupied, Snapshot
+from common.placement import (
+    Gpu,
+    NodeState,
+    Occupied,
+    Pending,
+    Placement,
+    PodRequest,
+    Policy,
+    Snapshot,
+)
+from common.placement.index import FleetIndex
 from common.placement.modes import ModeView
 from common.placement.whole import WholeView
 from webhook.allocator import pods as podlib
@@ -67,8 +78,9 @@ class ClusterState:
         self._charges: dict[str, tuple[str, Resources]] = {}
         self._usage: dict[str, Resources] = {}
         self._node_cache: dict[str, NodeState] = {}
-        self._nodes_sorted: tuple[NodeState, ...] = ()
+        self._nodes_sorted: tuple[NodeState, ...] | None = ()  # None: to sort again
         self._dirty: set[str] = set()
+        self._index = FleetIndex()  # the placeable node states, keyed by name
         self.agents_down: set[str] = set()  # nodes whose agent's Lease went unrenewed
         self.epoch = 0
         # For metrics: slices of watched allocations by (profile, node, gpu uuid).
@@ -237,6 +249,7 @@ class ClusterState:
         An agent back is capacity back (epoch)."""
         if down == (node in self.agents_down):
             return False
+        self._dirty.add(node)  # in or out of the index
         if down:
             self.agents_down.add(node)
         else:
@@ -335,18 +348,36 @@ class ClusterState:
             ),
         )
 
+    def _refresh(self) -> None:
+        """Rebuild the node states of the nodes that changed, and index the placeable ones."""
+        if not self._dirty:
+            return
+        for name in self._dirty:
+            state = self._node_state(name)
+            if state is None:
+                self._node_cache.pop(name, None)
+            else:
+                self._node_cache[name] = state
+            if state is None or name in self.agents_down:
+                self._index.remove(name)
+            else:
+                self._index.put(state, name)
+        self._dirty.clear()
+        self._nodes_sorted = None
+
     def node_states(self) -> tuple[NodeState, ...]:
         """Every node that has both a Node and a MigNode, by name (agents down included)."""
-        if self._dirty:
-            for name in self._dirty:
-                state = self._node_state(name)
-                if state is None:
-                    self._node_cache.pop(name, None)
-                else:
-                    self._node_cache[name] = state
-            self._dirty.clear()
+        self._refresh()
+        if self._nodes_sorted is None:
             self._nodes_sorted = tuple(self._node_cache[n] for n in sorted(self._node_cache))
         return self._nodes_sorted
+
+    def decide(
+        self, request: PodRequest, policy: Policy, catalog: Catalog | None
+    ) -> Placement | Pending:
+        """`place(self.snapshot(), request, policy, catalog)`, through the fleet index."""
+        self._refresh()
+        return self._index.place(request, policy, catalog, self.snapshot)
 
     def snapshot(
         self,
