@@ -109,6 +109,7 @@ class NodeAgent:
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
         self._last_capacity: dict[str, str] | None = None
+        self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
 
     # ---- informer → agent --------------------------------------------------------------------
@@ -124,7 +125,16 @@ class NodeAgent:
     def on_node(self, etype: EventType, obj: Obj) -> None:
         """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
         (the Node was deleted and registered again, or another writer reset it), forget what
-        we wrote so the publisher writes it again."""
+        we wrote so the publisher writes it again. A Node registered anew (another UID) gets
+        the MigNode written again too: the allocator deletes the MigNode of a node gone for
+        longer than its grace (`--node-gone-grace`)."""
+        uid = "" if etype == "DELETED" else str(obj.get("metadata", {}).get("uid") or "")
+        if uid and uid != self._node_uid:
+            if self._node_uid:
+                log.info("Node registered anew; publishing again", node=self.node)
+                self._last_status = None
+                self.st.publish.set()
+            self._node_uid = uid
         if self._last_labels is not None:  # the instaslice.io/gpu-* labels, likewise
             labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
             if label_patch(self._last_labels, labels) is not None:

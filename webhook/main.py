@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pinned-unschedulable-timeout", type=float, default=60.0, metavar="S")
     p.add_argument("--node-selector", default=None, help="only place on matching nodes")
     p.add_argument(
+        "--node-gone-grace",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="delete a gone node's MigNode and agent Lease after this long",
+    )
+    p.add_argument(
         "--autoscaler-signal",
         choices=[m.value for m in SignalMode],
         default=SignalMode.OFF.value,
@@ -144,6 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             pinned_unschedulable_timeout_s=a.pinned_unschedulable_timeout,
             policy=Policy(a.policy),
             node_selector=a.node_selector,
+            node_gone_grace_s=a.node_gone_grace,
             scale_up=ScaleUpSettings(
                 mode=SignalMode(a.autoscaler_signal),
                 delay_s=a.scale_up_delay,

@@ -64,6 +64,7 @@ POLICY = "instaslice-pods"
 POLICY_DENIED = f"ValidatingAdmissionPolicy '{POLICY}'"
 CONTROLLER_PODS = "ValidatingAdmissionPolicy 'instaslice-controller-pods'"
 CONTROLLER_NAMESPACES = "ValidatingAdmissionPolicy 'instaslice-controller-namespaces'"
+CONTROLLER_LEASES = "ValidatingAdmissionPolicy 'instaslice-controller-leases'"
 NOT_OPTED_IN = "may only be created in a namespace that opted in"
 SELF_SELECTING = "NVIDIA_VISIBLE_DEVICES may"
 
@@ -92,6 +93,18 @@ async def _opt_in(kube: Kube, ns: str) -> str:
     enabled = {ENABLED_KEY: "true"}
     body = {"metadata": {"annotations": enabled, "labels": enabled}}
     await kube.patch(core_path("namespaces", name=ns), body)
+    gated = make_pod(container("main"), gates=[GATE_NAME])
+
+    async def seen() -> bool:  # the policies read the namespace from the apiserver's cache
+        try:
+            await kube.create(core_path("pods", ns), gated, dryRun="All")
+        except ApiError as exc:
+            if NOT_OPTED_IN not in exc.message:
+                raise
+            return False
+        return True
+
+    await eventually(seen, timeout_s=30)
     return ns
 
 
@@ -164,6 +177,8 @@ async def users(control_plane: ControlPlane, kube: Kube) -> AsyncIterator[dict[s
              "verbs": ["create"]},
             {"apiGroups": [""], "resources": ["namespaces"],
              "verbs": ["get", "list", "watch", "patch", "update"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "verbs": ["get", "create", "delete"]},
         ],
     }  # fmt: skip
     await kube.create(group_path(RBAC, "clusterroles"), role)
@@ -425,7 +440,16 @@ async def test_instaslice_marks_only_in_opted_in_namespaces(
     await kube.patch(
         core_path("namespaces", name=namespace), {"metadata": {"annotations": off, "labels": off}}
     )
-    await _refused(kube.create(pods, marked["gate and claim"], dryRun="All"), NOT_OPTED_IN)
+
+    async def refused_again() -> bool:
+        try:
+            await kube.create(pods, marked["gate and claim"], dryRun="All")
+        except ApiError as exc:
+            assert NOT_OPTED_IN in exc.message, exc.message
+            return True
+        return False
+
+    await eventually(refused_again, timeout_s=30)
     await kube.create(pods, make_pod(container("main")), dryRun="All")  # ordinary pods pass
 
 
@@ -686,6 +710,37 @@ async def test_instaslice_evicts_pods_and_creates_no_other_subresource(
         assert err.status == 404
     else:
         assert got["metadata"].get("deletionTimestamp")
+
+
+async def test_instaslice_deletes_only_node_agent_leases(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """The allocator deletes the heartbeat Lease of a node gone for good; its identity may
+    delete no other Lease (its own leader Lease included)."""
+    allocator = users["allocator"]
+    leases = group_path("coordination.k8s.io/v1", "leases", namespace)
+    leader = await kube.create(leases, {"metadata": {"name": "instaslice-allocator"},
+                                        "spec": {"holderIdentity": "replica-a"}})  # fmt: skip
+    holder = {"holderIdentity": "instaslice-nodeagent/gone-node"}
+    agent = await kube.create(leases, {"metadata": {"name": "gone-node"}, "spec": holder})
+    leader_path = f"{leases}/{leader['metadata']['name']}"
+
+    async def enforced() -> bool:
+        try:
+            await allocator.delete(leader_path, dryRun="All")
+        except ApiError as exc:
+            return CONTROLLER_LEASES in exc.message
+        return False
+
+    await eventually(enforced, timeout_s=30)
+    with pytest.raises(ApiError) as exc:
+        await allocator.delete(leader_path)
+    assert "deletes only node agent Leases" in exc.value.message
+    assert await kube.get(leader_path)
+    await allocator.delete(f"{leases}/{agent['metadata']['name']}")
+    with pytest.raises(ApiError) as gone:
+        await kube.get(f"{leases}/{agent['metadata']['name']}")
+    assert gone.value.not_found
 
 
 async def test_instaslice_changes_only_the_opt_in_label_of_a_namespace(

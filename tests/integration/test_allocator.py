@@ -30,7 +30,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     RELEASE_FINALIZER,
 )
-from common.kubeapi import Kube, core_path, group_path
+from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
@@ -325,6 +325,38 @@ async def test_node_whose_agent_lease_expired_is_left_out_until_renewed(env: All
     ungated = await env.wait_ungated("p")
     assert podlib.pinned_node(ungated) == node
     assert alloc.metrics.registry.get_sample_value("instaslice_nodes_agent_down") == 0
+
+
+async def test_a_node_gone_for_good_leaves_no_mignode_or_lease(env: AllocatorEnv) -> None:
+    """A node removed for good (an autoscaler's scale-down) leaves its MigNode and agent
+    Lease behind; the allocator deletes them once the Node has been gone for the grace. A
+    node that is only briefly gone, or whose Node exists, keeps them."""
+    kept = await env.add_node("kept")
+    gone = await env.add_node("gone")
+    leases = group_path("coordination.k8s.io/v1", "leases", env.namespace)
+    for name in (kept, gone):
+        await env.kube.create(leases, {"metadata": {"name": name},
+                                       "spec": {"holderIdentity": f"instaslice-nodeagent/{name}",
+                                                "leaseDurationSeconds": 40}})  # fmt: skip
+    alloc = env.start(agent_sweep_s=0.2, node_gone_grace_s=1.5)
+    await wait_until(lambda: set(alloc.state.gpus) >= {kept, gone})
+    await env.kube.delete(core_path("nodes", name=gone))
+    env.nodes.remove(gone)
+    await wait_until(lambda: gone not in alloc.state.nodes)
+    assert await env.kube.get(instaslice_path("mignodes", name=gone))  # within the grace
+
+    await wait_for(
+        env.kube,
+        instaslice_path("mignodes"),
+        lambda objs: not any(o["metadata"]["name"] == gone for o in objs),
+        within=15,
+        what=f"MigNode {gone} deleted",
+    )
+    with pytest.raises(ApiError) as missing:
+        await env.kube.get(f"{leases}/{gone}")
+    assert missing.value.not_found
+    assert await env.kube.get(instaslice_path("mignodes", name=kept))
+    assert await env.kube.get(f"{leases}/{kept}")
 
 
 async def wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:

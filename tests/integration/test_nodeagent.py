@@ -707,7 +707,9 @@ async def test_node_registered_again_gets_its_capacity_back(
 ) -> None:
     """A Node deleted and registered again while its agent keeps running (a kubelet that
     re-registers, the chaos soak's node-deleted fault) starts with no instaslice.io/*
-    capacity; the agent watches its Node and writes the capacity again, unasked."""
+    capacity; the agent watches its Node and writes the capacity again, unasked. Its
+    MigNode, deleted meanwhile (the allocator deletes a gone node's after a grace), is
+    written again too."""
     count = 2 if many else 1
     nodes = [await gpu_node(kube, tmp_path, [H200], prefix=f"rr{i}") for i in range(count)]
     node = nodes[-1]
@@ -719,6 +721,7 @@ async def test_node_registered_again_gets_its_capacity_back(
         await eventually(capacity_written, what="capacity written at start")
         manifest = await kube.get(core_path("nodes", name=node.name))
         await kube.delete_ignore_missing(core_path("nodes", name=node.name))
+        await kube.delete_ignore_missing(instaslice_path("mignodes", name=node.name))
         fresh = {"apiVersion": "v1", "kind": "Node",
                  "metadata": {k: manifest["metadata"][k] for k in ("name", "labels", "annotations")
                               if k in manifest["metadata"]},
@@ -735,6 +738,12 @@ async def test_node_registered_again_gets_its_capacity_back(
         cap = created.get("status", {}).get("capacity") or {}
         assert not any(k.startswith("instaslice.io/") for k in cap), "registered without ours"
         await eventually(capacity_written, what="capacity written again after re-registration")
+
+        async def mig_node_back() -> bool:
+            mn = await mig_node(kube, node.name)
+            return bool(mn and mn.get("status", {}).get("gpuCount") == 1)
+
+        await eventually(mig_node_back, what="MigNode written again after re-registration")
 
 
 @pytest.mark.parametrize("create_ms", [0, 300])

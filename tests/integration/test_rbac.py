@@ -157,13 +157,13 @@ CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     ("", "podtemplates", ""): {"create", "delete"},  # --autoscaler-signal=provisioning-request
     ("autoscaling.x-k8s.io", "provisioningrequests", ""): {"get", "list", "watch", "create"}
     | {"delete"},
-    ("instaslice.io", "mignodes", ""): {"get", "list", "watch"},
+    ("instaslice.io", "mignodes", ""): {"get", "list", "watch", "delete"},
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "create", "patch"}
     | {"delete"},
 }
 CONTROLLER_IN_NS: dict[tuple[str, str, str], set[str]] = {
     # get/update: only its own Lease; list/watch: the node agents' heartbeats
-    ("coordination.k8s.io", "leases", ""): {"create", "list", "watch"},
+    ("coordination.k8s.io", "leases", ""): {"create", "list", "watch", "delete"},
 }
 AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "patch"},
@@ -383,7 +383,11 @@ async def test_controller_lease_rights_are_its_own_lease_only(kube: Kube) -> Non
         assert await allowed(kube, who, *lease, verb, ns=NS, name="instaslice-allocator")
         assert not await allowed(kube, who, *lease, verb, ns=NS, name="gpu-a")  # an agent's
         assert not await allowed(kube, who, *lease, verb, ns="kube-system", name="kcm")
-    assert not await allowed(kube, who, *lease, "delete", ns=NS, name="instaslice-allocator")
+    # delete: RBAC allows it in InstaSlice's namespace (a gone node's agent Lease); the
+    # policy instaslice-controller-leases refuses every Lease but an agent's
+    # (test_admission_policy.py::test_instaslice_deletes_only_node_agent_leases)
+    assert await allowed(kube, who, *lease, "delete", ns=NS, name="gone-node")
+    assert not await allowed(kube, who, *lease, "delete", ns="kube-node-lease", name="n")
     assert not await allowed(kube, who, *lease, "create", ns="kube-node-lease")
 
 

@@ -152,6 +152,7 @@ class Controller:
         self._leading = False
         self._tg: asyncio.TaskGroup | None = None
         self._seen_epoch = 0
+        self._gone_since: dict[str, float] = {}  # MigNodes without a Node, since when
         self._wake_placer = asyncio.Event()
         self._wake_timer = asyncio.Event()
         self.pods_informer = Informer(
@@ -509,7 +510,26 @@ class Controller:
     async def _agents_loop(self) -> None:
         while True:
             self._sweep_agents()
+            await self._forget_gone_nodes()
             await self.clock.sleep(self.settings.agent_sweep_s)
+
+    async def _forget_gone_nodes(self) -> None:
+        """A MigNode whose Node has been gone for the grace period (the node was removed for
+        good) is deleted, with its agent's Lease; a node back within it keeps them."""
+        now = self.clock.monotonic()
+        gone = set(self.state.gpus) - set(self.state.nodes)
+        for name in [n for n in self._gone_since if n not in gone]:
+            del self._gone_since[name]
+        for name in sorted(gone):
+            since = self._gone_since.setdefault(name, now)
+            if now - since < self.settings.node_gone_grace_s:
+                continue
+            del self._gone_since[name]  # looked at again after another grace if it stays
+            try:
+                if await self.steps.writes.forget_node(name, self.settings.namespace):
+                    log.info("node gone; its MigNode and agent Lease deleted", node=name)
+            except ApiError as exc:
+                log.warning("could not delete a gone node's records", node=name, error=str(exc))
 
     def _event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]

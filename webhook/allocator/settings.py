@@ -36,6 +36,8 @@ class AllocatorSettings:
       (a cluster partition, or a test's own nodes). Pods are watched cluster-wide regardless.
     agent_sweep_s: how often the leader checks the node agents' Leases (in `namespace`); a
       node whose agent has not renewed for the Lease's duration is left out of placement.
+    node_gone_grace_s: a MigNode whose Node has been gone this long is deleted, with its
+      agent's Lease (a node removed for good, e.g. by an autoscaler, leaves nothing of ours).
     scale_up: the autoscaler signal for pods no node can serve (docs/autoscaling.md).
     preemption: evict lower-priority pods holding MIG slots for a pod that does not fit
       (docs/allocator.md "Preemption"); off by default.
@@ -60,6 +62,7 @@ class AllocatorSettings:
     max_backoff_s: float = 30.0
     node_selector: str | None = None
     agent_sweep_s: float = 5.0
+    node_gone_grace_s: float = 300.0
     scale_up: ScaleUpSettings = field(default_factory=ScaleUpSettings)
     preemption: bool = False
     preempt_kueue_pods: bool = False

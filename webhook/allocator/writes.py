@@ -14,9 +14,9 @@ from typing import Literal
 
 from common.allocation import SliceAllocation, drop_release_finalizer
 from common.clock import Clock
-from common.constants import RELEASE_FINALIZER, SLICE_ALLOCATION_PLURAL
+from common.constants import LEASE_API_VERSION, RELEASE_FINALIZER, SLICE_ALLOCATION_PLURAL
 from common.events import pod_event
-from common.kubeapi import ApiError, Kube, Obj, core_path, instaslice_path
+from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from webhook.allocator import pods as podlib
 from webhook.allocator.leader import LeaderElector
 
@@ -68,6 +68,22 @@ class Writes:
         except ApiError as exc:
             if not (exc.not_found or exc.conflict):  # gone, or already another object
                 raise
+
+    async def forget_node(self, node: str, namespace: str) -> bool:
+        """Delete the MigNode and the node agent's Lease (in `namespace`) of a node that no
+        longer exists; False (nothing deleted) when a fresh read finds the Node after all."""
+        try:
+            await self.kube.get(core_path("nodes", name=node))
+            return False
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        self.elector.check()
+        await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))
+        await self.kube.delete_ignore_missing(
+            group_path(LEASE_API_VERSION, "leases", namespace, node)
+        )
+        return True
 
     async def pod_alive(self, alloc: SliceAllocation) -> bool:
         """Whether the allocation's pod exists (same UID) and has not finished."""
