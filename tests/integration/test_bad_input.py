@@ -433,14 +433,14 @@ async def test_a_placement_error_for_one_pod_does_not_stop_the_others(
     re-led, met the same pod and failed again every 15 s, so no pod at all was placed. Now
     the pod is parked with an InternalError AllocationPending event and the others go on.
     In-process allocator with the fake agent (tests/integration/allocator_fixtures.py)."""
-    real_place = getattr(placer_mod, "place")  # noqa: B009 (imported, not exported)
+    real_place = placer_mod.Placer._place  # every decision goes through it (index or scan)
 
-    def choking(snapshot: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    def choking(self: Any, snapshot: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if any(s.container == "boom" for s in request.slices):
             raise TypeError("planted placement bug")
-        return real_place(snapshot, request, *args, **kwargs)
+        return real_place(self, snapshot, request, *args, **kwargs)
 
-    monkeypatch.setattr(placer_mod, "place", choking)
+    monkeypatch.setattr(placer_mod.Placer, "_place", choking)
     async with await Kube.connect(str(control_plane.kubeconfig)) as k:
         await ensure_crds(k, load_crds(BASE_CRDS))
         agent = FakeAgent(k)
