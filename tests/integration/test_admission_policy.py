@@ -374,6 +374,7 @@ async def test_gate_and_claim_are_guarded_after_the_namespace_opted_out(
         )
     await mallory.patch(bare_path + "/status", {"metadata": {"labels": {"ok": "yes"}}})
     # InstaSlice itself never changes a claim either (instaslice-controller-pods)
+    await _controller_policies_enforced(kube, allocator, namespace)
     with pytest.raises(ApiError) as exc:
         await allocator.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cx"}}})
     assert CONTROLLER_PODS in exc.value.message and "the claim included" in exc.value.message

@@ -109,7 +109,9 @@ async def test_busy_gpu_fails_the_change_and_is_avoided_for_a_backoff(
         await create_allocation(agent_kube, first)
         failed = await wait_phase(agent_kube, first, "Failed")
         assert "1 compute process(es) run on it" in failed["status"]["message"]
-        gpus = await _gpus(agent_kube, node.name, lambda g: "modeChange" in g[0])
+        gpus = await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
+        )
         assert gpus[0]["modeChange"]["phase"] == "Failed"
         assert gpus[0]["modeChange"]["target"] == "enabled"
         node.emu.remove_process(gpu, pid)

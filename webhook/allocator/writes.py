@@ -79,10 +79,10 @@ class Writes:
             if not exc.not_found:
                 raise
         self.elector.check()
-        await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))
         await self.kube.delete_ignore_missing(
             group_path(LEASE_API_VERSION, "leases", namespace, node)
         )
+        await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))  # last
         return True
 
     async def pod_alive(self, alloc: SliceAllocation) -> bool:
