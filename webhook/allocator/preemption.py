@@ -168,8 +168,13 @@ def holders(
             if s.gpu_uuid in index
         )
         reserved = any(state.is_assumed(a.key) for a in allocs)
-        doomed = not reserved and (
-            pod is None or pod.terminal or pod.deleting or all(a.deleting for a in allocs)
+        # a terminating pod's slots are planned on only by a pod of higher priority: after a
+        # failover the victims of a lost reservation terminate, and a pod of their priority
+        # or lower must not take what was freed for the preemptor (CI saw it happen)
+        doomed = (
+            not reserved
+            and (pod is None or pod.priority < preemptor.priority)
+            and (pod is None or pod.terminal or pod.deleting or all(a.deleting for a in allocs))
         )
         if uid in avoid:
             doomed = False  # did not terminate (or refused) in time: a blocker now
