@@ -124,7 +124,7 @@ async def test_one_pod_gets_a_new_node_a_slice_and_runs(akube: Kube, ns: str) ->
 
 
 async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(akube: Kube, ns: str) -> None:
-    result = await run_burst(akube, ns, pods=2 * GPUS + 1, per_node=2 * GPUS, timeout_s=240)
+    result = await run_burst(akube, ns, pods=2 * GPUS + 1, per_node=2 * GPUS, timeout_s=420)
     assert result["nodes_minimum"] == 2, result
     # Karpenter batches pending pods on its own clock: on a loaded machine a CI run saw one
     # node more than the minimum (docs/benchmarks.md records the counts measured); never fewer
