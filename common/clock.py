@@ -12,7 +12,6 @@ On the wire Kubernetes has two formats, written only here: `Time` (RFC 3339 to t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import time
 from collections.abc import Coroutine
@@ -55,18 +54,18 @@ async def wait_or_sleep(clock: Clock, event: asyncio.Event, seconds: float | Non
     finally:
         for task in (waiter, sleeper):
             task.cancel()
-        for task in (waiter, sleeper):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # asyncio.wait, not `await task` under suppress(CancelledError): that also swallowed
+        # a cancellation of the caller landing here, and a cancelled worker ran on
+        await asyncio.wait((waiter, sleeper))
 
 
 async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
     """Cancel `tasks` until every one has finished.
 
-    Not a TaskGroup, on purpose: in Python 3.11 `asyncio.wait_for` (which `Kube.watch` uses
-    to read the stream) swallows a cancellation that arrives just as its read completes
-    (CPython gh-86296, fixed in 3.12), and a TaskGroup would then wait forever for an
-    informer that keeps watching.
+    Not a TaskGroup, on purpose: in Python 3.11 `asyncio.wait_for` (in libraries under
+    ours) swallows a cancellation that arrives just as the awaited thing completes (CPython
+    gh-86296, fixed in 3.12), and a TaskGroup would then wait forever for a task that
+    keeps going. Cancelled again every second, such a task ends.
     """
     while pending := [t for t in tasks if not t.done()]:
         for task in pending:

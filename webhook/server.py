@@ -193,8 +193,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.ready = False
         if watcher is not None:
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await asyncio.wait({watcher})  # a cancellation of ours still propagates
 
 
 def _outcome(decision: Verdict) -> Outcome:

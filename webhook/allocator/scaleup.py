@@ -22,7 +22,6 @@ of pods that are still gated are kept across terms, so a leader change does not 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,7 +29,7 @@ from typing import Literal
 import structlog
 
 from common.catalog import Catalog
-from common.clock import Clock, cancel_until_done
+from common.clock import Clock, cancel_until_done, wait_or_sleep
 from common.constants import GATE_NAME, SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path, lean
 from common.placement import Pending, PodRequest, Policy
@@ -140,8 +139,7 @@ class ScaleUp:
                     pass  # lost for good: the term is about to end; else next round
                 except Exception:  # a bug here must not end the allocator's term
                     log.exception("scale-up signal round failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+                await wait_or_sleep(self.clock, self._wake, self.settings.interval_s)
                 self._wake.clear()
         finally:
             await cancel_until_done(tasks)
