@@ -68,6 +68,7 @@ from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
 from common.kubeapi import instaslice_path as isl_path
 from hack.cluster.nodes import ClusterSpec, parse_spec
+from hack.cluster.priority import ensure_priority_classes
 from hack.dev import REPO, DevSystem
 
 log = structlog.get_logger("chaos")
@@ -462,7 +463,7 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         background.append(asyncio.create_task(_supervise(system, restarts), name="supervisor"))
         errors: list[str] = []
         try:
-            await _priority_classes(kube)
+            await ensure_priority_classes(kube, PRIORITY_CLASSES)
             for _ in range(mode.namespaces):
                 await work.new_namespace()
             t_soak = time.monotonic()
@@ -536,16 +537,6 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "faults": [r.to_json() for r in faults.records],
     }
     return result
-
-
-async def _priority_classes(kube: Kube) -> None:
-    for name, value in PRIORITY_CLASSES.items():
-        body = {"metadata": {"name": name}, "value": value}
-        try:
-            await kube.create(group_path("scheduling.k8s.io/v1", "priorityclasses"), body)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
 
 
 async def _preemptions(kube: Kube, work: Workload) -> tuple[int, list[str]]:

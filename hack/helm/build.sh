@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build (or verify the cached) helm binary from Go modules, for the Helm chart's checks
 # (charts/instaslice, tests/integration/test_helm_chart.py) and docs/install.md "Helm".
+# The shared steps are in hack/lib/gobuild.sh.
 #
 # hack/helm/go.mod is a wrapper module whose `helm.sh/helm/v3` require is the one place the helm
 # version is pinned (go.sum holds the checksums). It is kept apart from hack/kube/go.mod so the
 # Kubernetes libraries helm was released with are not forced onto the control plane's versions.
 #
-# The result lives outside the repo, keyed by version, go.sum and this script, like the control
-# plane's:
+# The result lives outside the repo, keyed by version, go.mod, go.sum and the ldflags, like the
+# control plane's:
 #   ${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/helm/<helm version>-<sha>/{bin/helm,.stamp}
 #
 # Usage:
@@ -17,77 +18,36 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export GOTOOLCHAIN=local CGO_ENABLED=0
-GO="${GO:-go}"
-
-helm_version() { sed -n 's#^require helm.sh/helm/v3 \(v[^ ]*\)$#\1#p; s#^\thelm.sh/helm/v3 \(v[^ ]*\).*#\1#p' "$HERE/go.mod" | head -n1; }
-
-bump() {
-    local v="$1"
-    [[ "$v" =~ ^v3\.[0-9]+\.[0-9]+$ ]] || { echo "usage: $0 --bump v3.N.P" >&2; exit 2; }
-    {
-        echo "// Wrapper module: builds helm from the Go module proxy (hack/helm/build.sh)."
-        echo "// The helm.sh/helm/v3 require is the pin; regenerate with hack/helm/build.sh --bump v3.N.P."
-        echo "module instaslice.local/helm"
-        echo
-        echo "go $("$GO" env GOVERSION | sed 's/^go\([0-9]*\.[0-9]*\).*/\1.0/')"
-        echo
-        echo "require helm.sh/helm/v3 $v"
-        echo
-        echo "tool helm.sh/helm/v3/cmd/helm"
-    } >"$HERE/go.mod"
-    rm -f "$HERE/go.sum"
-    (cd "$HERE" && GOFLAGS=-mod=mod "$GO" mod tidy)
-    echo "hack/helm/go.mod now pins helm.sh/helm/v3 $(helm_version)"
-}
+# shellcheck source=../lib/gobuild.sh
+. "$HERE/../lib/gobuild.sh"
 
 case "${1:-}" in
-    --bump) bump "${2:-}"; exit 0 ;;
+    --bump) gobuild_bump_wrapper "$HERE" v3 helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm "${2:-}" helm; exit 0 ;;
     --print-bindir | "") ;;
     *) echo "usage: $0 [--print-bindir | --bump v3.N.P]" >&2; exit 2 ;;
 esac
 
-VERSION="$(helm_version)"
-[[ -n "$VERSION" ]] || { echo "cannot read the helm.sh/helm/v3 pin from hack/helm/go.mod" >&2; exit 1; }
-KEY="$(cat "$HERE/go.sum" "$HERE/build.sh" | sha256sum | cut -c1-12)"  # this script: its ldflags
-OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/helm/$VERSION-$KEY"
-BIN="$OUT/bin"
-STAMP="$OUT/.stamp"
-
-if [[ "${1:-}" == --print-bindir ]]; then
-    [[ -f "$STAMP" ]] || { echo "helm not built; run make kube-bins (or hack/helm/build.sh)" >&2; exit 1; }
-    echo "$BIN"; exit 0
-fi
-if [[ -f "$STAMP" ]]; then echo "$BIN"; exit 0; fi
-
-mkdir -p "$OUT"
-exec 9>"$OUT/.lock"
-if ! flock -n 9; then echo "waiting for another build of $OUT ..." >&2; flock 9; fi
-if [[ -f "$STAMP" ]]; then echo "$BIN"; exit 0; fi  # another process finished it while we waited
-
-START=$(date +%s)
-LOG="$OUT/build.log"
-: >"$LOG"
-echo "building helm $VERSION into $OUT (log $LOG)" >&2
-( while sleep 30; do echo "  ... $(( $(date +%s) - START ))s elapsed, $(grep -c . "$LOG" || true) packages built" >&2; done ) &
-TICKER=$!
-trap 'kill "$TICKER" 2>/dev/null || true' EXIT
-rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
-
+VERSION="$(gobuild_pin "$HERE/go.mod" helm.sh/helm/v3)"
 # The ldflags of helm's own Makefile: its version, and the Kubernetes version `helm template`
 # assumes (.Capabilities.KubeVersion) taken from the client-go it is built with (v0.N -> 1.N).
-client_go="$(cd "$HERE" && GOFLAGS=-mod=mod "$GO" list -m -f '{{.Version}}' k8s.io/client-go)"
-k8s_minor="$(echo "$client_go" | cut -d. -f2)"
-ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$VERSION"
-ldflags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+LDFLAGS='-s -w -X helm.sh/helm/v3/internal/version.version=@VERSION@'
+LDFLAGS+=' -X helm.sh/helm/v3/internal/version.gitTreeState=clean'
 for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
-    ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
+    LDFLAGS+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=@K8S_MINOR@"
 done
+gobuild_dir helm "$VERSION" "$( { cat "$HERE/go.mod" "$HERE/go.sum"; echo "$LDFLAGS"; } | gobuild_key)"
+BIN="$OUT/bin"
 
-(
-    cd "$HERE"
-    GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "$ldflags" -o "$BIN.tmp/helm" helm.sh/helm/v3/cmd/helm
-) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+built() { [[ -f "$STAMP" ]]; }
+
+if [[ "${1:-}" == --print-bindir ]]; then gobuild_print built "$BIN" helm; fi
+gobuild_begin built "$BIN" "helm $VERSION"
+rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
+
+client_go="$(cd "$HERE" && GOFLAGS=-mod=mod "$GO" list -m -f '{{.Version}}' k8s.io/client-go)"
+ldflags="${LDFLAGS//@VERSION@/$VERSION}"
+ldflags="${ldflags//@K8S_MINOR@/$(echo "$client_go" | cut -d. -f2)}"
+gobuild_go "$HERE" -ldflags "$ldflags" -o "$BIN.tmp/helm" helm.sh/helm/v3/cmd/helm
 
 "$BIN.tmp/helm" version --short >"$OUT/.version-helm" 2>&1 ||
     { echo "smoke check failed: helm version" >&2; cat "$OUT/.version-helm" >&2; exit 1; }
@@ -95,8 +55,5 @@ grep -q "^$VERSION" "$OUT/.version-helm" ||
     { echo "helm reports $(cat "$OUT/.version-helm"), not $VERSION" >&2; exit 1; }
 echo "  helm: $(cat "$OUT/.version-helm")" >&2
 
-rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
-elapsed=$(( $(date +%s) - START ))
-{ echo "helm=$VERSION"; echo "client-go=$client_go"; echo "built=$(date -u +%FT%TZ)"; echo "seconds=$elapsed"; } >"$STAMP"
-echo "built in ${elapsed}s; $(du -sh "$BIN" | cut -f1) of binaries" >&2
-echo "$BIN"
+gobuild_promote bin
+gobuild_finish "$BIN" "helm=$VERSION" "client-go=$client_go"

@@ -7,7 +7,8 @@
 # kubelet builds from hack/kube/node/go.mod: hack/kube/go.mod plus the kubelet tool, pinned to
 # the same k8s.io/kubernetes (checked below), so it speaks the control plane's version. The
 # others are built inside their own released modules (their go.mod, go.sum and replaces), copied
-# out of the Go module cache; the versions are pinned here.
+# out of the Go module cache; the versions are pinned here. The steps shared with the other Go
+# builds are in hack/lib/gobuild.sh.
 #
 # Cache, outside the repo like the control plane's, keyed by the pins and the go.sum:
 #   ${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/node/<k8s version>-<sha>/{bin,src,.stamp}
@@ -18,46 +19,30 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export GOTOOLCHAIN=local CGO_ENABLED=0
-GO="${GO:-go}"
+# shellcheck source=../lib/gobuild.sh
+. "$HERE/../lib/gobuild.sh"
 
 CONTAINERD_VERSION=v2.4.2
 CNI_PLUGINS_VERSION=v1.10.0
 NVIDIA_CTK_VERSION=v1.20.2
 
-pin() { sed -n 's#^require k8s.io/kubernetes \(v[^ ]*\)$#\1#p; s#^\tk8s.io/kubernetes \(v[^ ]*\).*#\1#p' "$1" | head -n1; }
-VERSION="$(pin "$HERE/go.mod")"
-[[ -n "$VERSION" && "$VERSION" == "$(pin "$HERE/node/go.mod")" ]] || {
+VERSION="$(gobuild_pin "$HERE/go.mod" k8s.io/kubernetes)"
+[[ -n "$VERSION" && "$VERSION" == "$(gobuild_pin "$HERE/node/go.mod" k8s.io/kubernetes)" ]] || {
     echo "hack/kube/node/go.mod must pin the k8s.io/kubernetes of hack/kube/go.mod ($VERSION);" \
          "regenerate it (docs/control-plane.md)" >&2; exit 1; }
-KEY="$( { cat "$HERE/node/go.sum" "$HERE/node/pause/main.go"
-          echo "$CONTAINERD_VERSION $CNI_PLUGINS_VERSION $NVIDIA_CTK_VERSION"; } | sha256sum | cut -c1-12)"
-OUT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/node/$VERSION-$KEY"
+gobuild_dir node "$VERSION" "$( { cat "$HERE/node/go.sum" "$HERE/node/pause/main.go"
+                                  echo "$CONTAINERD_VERSION $CNI_PLUGINS_VERSION $NVIDIA_CTK_VERSION"; } | gobuild_key)"
 BIN="$OUT/bin"
-STAMP="$OUT/.stamp"
 BINARIES=(kubelet pause containerd ctr containerd-shim-runc-v2 loopback nvidia-container-runtime)
 
+built() { [[ -f "$STAMP" ]]; }
+
 case "${1:-}" in
-    --print-bindir)
-        [[ -f "$STAMP" ]] || { echo "real-node binaries not built; run make node-bins" >&2; exit 1; }
-        echo "$BIN"; exit 0 ;;
+    --print-bindir) gobuild_print built "$BIN" "real-node binaries" ;;
     "") ;;
     *) echo "usage: $0 [--print-bindir]" >&2; exit 2 ;;
 esac
-if [[ -f "$STAMP" ]]; then echo "$BIN"; exit 0; fi
-
-mkdir -p "$OUT"
-exec 9>"$OUT/.lock"
-if ! flock -n 9; then echo "waiting for another build of $OUT ..." >&2; flock 9; fi
-if [[ -f "$STAMP" ]]; then echo "$BIN"; exit 0; fi
-
-START=$(date +%s)
-LOG="$OUT/build.log"
-: >"$LOG"
-echo "building the real node ($VERSION kubelet, containerd $CONTAINERD_VERSION) into $OUT (log $LOG)" >&2
-( while sleep 30; do echo "  ... $(( $(date +%s) - START ))s elapsed" >&2; done ) &
-TICKER=$!
-trap 'kill "$TICKER" 2>/dev/null || true' EXIT
+gobuild_begin built "$BIN" "the real node ($VERSION kubelet, containerd $CONTAINERD_VERSION)"
 rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp" "$OUT/src"
 
 # A released module's source, writable, in $OUT/src (the module cache is read-only).
@@ -72,8 +57,7 @@ module_src() {
 }
 
 minor="${VERSION#v1.}"; minor="${minor%%.*}"
-build_date="$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' \
-    "$(cd "$HERE/node" && GOFLAGS=-mod=mod "$GO" mod download -json k8s.io/kubernetes | sed -n 's#^\t"Info": "\(.*\)",#\1#p')")"
+build_date="$(gobuild_release_time "$HERE/node" k8s.io/kubernetes)"
 kube_ld="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     kube_ld+=" -X $pkg.gitVersion=$VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
@@ -85,32 +69,23 @@ src="$(module_src github.com/containerd/containerd/v2 "$CONTAINERD_VERSION")"
 ctrd_ld="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
 ctrd_ld+=" -X github.com/containerd/containerd/v2/version.Revision=module"
 tags="urfave_cli_no_docs osusergo netgo static_build no_btrfs no_devmapper no_zfs"  # no cgo here
-(
-    cd "$src"
-    GOFLAGS=-mod=mod "$GO" build -v -trimpath -tags "$tags" -ldflags "$ctrd_ld" -o "$BIN.tmp/" \
-        ./cmd/containerd ./cmd/ctr
-    GOFLAGS=-mod=mod "$GO" build -v -trimpath -tags "$tags no_grpc" -ldflags "$ctrd_ld" \
-        -o "$BIN.tmp/" ./cmd/containerd-shim-runc-v2
-) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$src" -tags "$tags" -ldflags "$ctrd_ld" -o "$BIN.tmp/" ./cmd/containerd ./cmd/ctr
+gobuild_go "$src" -tags "$tags no_grpc" -ldflags "$ctrd_ld" -o "$BIN.tmp/" ./cmd/containerd-shim-runc-v2
 
 echo "[2/5] CNI loopback $CNI_PLUGINS_VERSION" >&2
 src="$(module_src github.com/containernetworking/plugins "$CNI_PLUGINS_VERSION")"
-(cd "$src" && GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" -o "$BIN.tmp/" \
-    ./plugins/main/loopback) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$src" -ldflags "-s -w" -o "$BIN.tmp/" ./plugins/main/loopback
 
 echo "[3/5] pause (hack/kube/node/pause)" >&2
-(cd "$HERE/node" && GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" \
-    -o "$BIN.tmp/pause" ./pause) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$HERE/node" -ldflags "-s -w" -o "$BIN.tmp/pause" ./pause
 
 echo "[4/5] nvidia-container-runtime $NVIDIA_CTK_VERSION" >&2
 src="$(module_src github.com/NVIDIA/nvidia-container-toolkit "$NVIDIA_CTK_VERSION")"
 # the only cgo build here: internal/cuda dlopens libcuda (needs gcc + libc headers, not CUDA)
-(cd "$src" && CGO_ENABLED=1 GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" \
-    -o "$BIN.tmp/" ./cmd/nvidia-container-runtime) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+CGO_ENABLED=1 gobuild_go "$src" -ldflags "-s -w" -o "$BIN.tmp/" ./cmd/nvidia-container-runtime
 
 echo "[5/5] kubelet $VERSION (warm Go cache from make kube-bins: ~2 min)" >&2
-(cd "$HERE/node" && GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "$kube_ld" \
-    -o "$BIN.tmp/kubelet" k8s.io/kubernetes/cmd/kubelet) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$HERE/node" -ldflags "$kube_ld" -o "$BIN.tmp/kubelet" k8s.io/kubernetes/cmd/kubelet
 
 for b in "${BINARIES[@]}"; do
     [[ -x "$BIN.tmp/$b" ]] || { echo "missing binary $b" >&2; exit 1; }
@@ -122,9 +97,6 @@ grep -q "$CONTAINERD_VERSION" "$OUT/.version-containerd" ||
     { echo "containerd does not report $CONTAINERD_VERSION" >&2; exit 1; }
 echo "  $(cat "$OUT/.version-kubelet"); $(cat "$OUT/.version-containerd")" >&2
 
-rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
-elapsed=$(( $(date +%s) - START ))
-{ echo "kubernetes=$VERSION"; echo "containerd=$CONTAINERD_VERSION"; echo "cni=$CNI_PLUGINS_VERSION"
-  echo "nvidia-ctk=$NVIDIA_CTK_VERSION"; echo "built=$(date -u +%FT%TZ)"; echo "seconds=$elapsed"; } >"$STAMP"
-echo "built in ${elapsed}s; $(du -sh "$BIN" | cut -f1) of binaries" >&2
-echo "$BIN"
+gobuild_promote bin
+gobuild_finish "$BIN" "kubernetes=$VERSION" "containerd=$CONTAINERD_VERSION" "cni=$CNI_PLUGINS_VERSION" \
+    "nvidia-ctk=$NVIDIA_CTK_VERSION"

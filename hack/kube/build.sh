@@ -6,7 +6,8 @@
 # kubernetes module replaces its staging modules; hack/kube/go.mod requires k8s.io/kubernetes
 # and replaces every staging module k8s.io/X with k8s.io/X v0.N.P instead. The `require
 # k8s.io/kubernetes` line of that go.mod is the one place the Kubernetes version is pinned;
-# hack/kube/kwok/go.mod pins KWOK apart from it (its k8s.io libraries differ).
+# hack/kube/kwok/go.mod pins KWOK apart from it (its k8s.io libraries differ). The steps shared
+# with the other Go builds are in hack/lib/gobuild.sh.
 #
 # The result lives outside the repo, keyed by version and the go.sum files, so fresh clones on
 # the same machine reuse it:
@@ -19,20 +20,13 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export GOTOOLCHAIN=local CGO_ENABLED=0
-GO="${GO:-go}"
+# shellcheck source=../lib/gobuild.sh
+. "$HERE/../lib/gobuild.sh"
 
-k8s_version() { sed -n 's#^require k8s.io/kubernetes \(v[^ ]*\)$#\1#p; s#^\tk8s.io/kubernetes \(v[^ ]*\).*#\1#p' "$HERE/go.mod" | head -n1; }
-kwok_version() { sed -n 's#^require sigs.k8s.io/kwok \(v[^ ]*\)$#\1#p; s#^\tsigs.k8s.io/kwok \(v[^ ]*\).*#\1#p' "$HERE/kwok/go.mod" | head -n1; }
-
-VERSION="$(k8s_version)"
-KWOK_VERSION="$(kwok_version)"
-[[ -n "$VERSION" && -n "$KWOK_VERSION" ]] || { echo "cannot read the pins from hack/kube/{,kwok/}go.mod" >&2; exit 1; }
-KEY="$(cat "$HERE/go.sum" "$HERE/kwok/go.sum" | sha256sum | cut -c1-12)"
-CACHE_ROOT="${INSTASLICE_CACHE:-$HOME/.cache/instaslice}/kube"
-OUT="$CACHE_ROOT/$VERSION-$KEY"
+VERSION="$(gobuild_pin "$HERE/go.mod" k8s.io/kubernetes)"
+KWOK_VERSION="$(gobuild_pin "$HERE/kwok/go.mod" sigs.k8s.io/kwok)"
+gobuild_dir kube "$VERSION" "$(cat "$HERE/go.sum" "$HERE/kwok/go.sum" | gobuild_key)"
 BIN="$OUT/bin"
-STAMP="$OUT/.stamp"
 BINARIES=(etcd kube-apiserver kube-scheduler kube-controller-manager kubectl kwok)
 
 bump() {
@@ -67,50 +61,20 @@ bump() {
     echo "hack/kube/go.mod now pins k8s.io/kubernetes $v ($(grep -c ' => k8s.io/' "$HERE/go.mod") staging replaces)"
 }
 
+built() { [[ -f "$STAMP" ]]; }
+
 case "${1:-}" in
-    --print-bindir)
-        [[ -f "$STAMP" ]] || { echo "control-plane binaries not built; run make kube-bins" >&2; exit 1; }
-        echo "$BIN"; exit 0 ;;
+    --print-bindir) gobuild_print built "$BIN" "control-plane binaries" ;;
     --bump) bump "${2:-}"; exit 0 ;;
     "") ;;
     *) echo "usage: $0 [--print-bindir | --bump v1.N.P]" >&2; exit 2 ;;
 esac
 
-if [[ -f "$STAMP" ]]; then
-    echo "$BIN"
-    exit 0
-fi
-
-mkdir -p "$OUT"
-exec 9>"$OUT/.lock"
-if ! flock -n 9; then
-    echo "waiting for another build of $OUT ..." >&2
-    flock 9
-fi
-if [[ -f "$STAMP" ]]; then  # another process finished it while we waited
-    echo "$BIN"
-    exit 0
-fi
-
-START=$(date +%s)
-LOG="$OUT/build.log"
-: >"$LOG"
-echo "building Kubernetes $VERSION + KWOK $KWOK_VERSION into $OUT (cold: ~20 min on 2 cores; log $LOG)" >&2
-
-# A line every 30 s so a long cold build does not look hung.
-(
-    while sleep 30; do
-        echo "  ... $(( $(date +%s) - START ))s elapsed, $(grep -c . "$LOG" || true) packages built" >&2
-    done
-) &
-TICKER=$!
-trap 'kill "$TICKER" 2>/dev/null || true' EXIT
-
+gobuild_begin built "$BIN" "Kubernetes $VERSION + KWOK $KWOK_VERSION" "cold: ~20 min on 2 cores"
 rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
 
 minor="${VERSION#v1.}"; minor="${minor%%.*}"
-build_date="$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' \
-    "$(cd "$HERE" && GOFLAGS=-mod=mod "$GO" mod download -json k8s.io/kubernetes | sed -n 's#^\t"Info": "\(.*\)",#\1#p')")"
+build_date="$(gobuild_release_time "$HERE" k8s.io/kubernetes)"
 ldflags="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldflags+=" -X $pkg.gitVersion=$VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
@@ -118,23 +82,17 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 echo "[1/3] Kubernetes $VERSION + etcd (one go build, shared packages compile once)" >&2
-(
-    cd "$HERE"
-    GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "$ldflags" -o "$BIN.tmp/" \
-        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
-        k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl \
-        go.etcd.io/etcd/server/v3
-) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$HERE" -ldflags "$ldflags" -o "$BIN.tmp/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl \
+    go.etcd.io/etcd/server/v3
 mv "$BIN.tmp/server" "$BIN.tmp/etcd"  # go names a /vN main package after the element before it
 
 echo "[2/3] KWOK $KWOK_VERSION" >&2
-(
-    cd "$HERE/kwok"
-    GOFLAGS=-mod=mod "$GO" build -v -trimpath -ldflags "-s -w" -o "$BIN.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok
-) 2>>"$LOG" || { tail -n 40 "$LOG" >&2; exit 1; }
+gobuild_go "$HERE/kwok" -ldflags "-s -w" -o "$BIN.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok
 
 echo "[3/3] KWOK stages + smoke check" >&2
-kwok_dir="$(cd "$HERE/kwok" && GOFLAGS=-mod=mod "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
+kwok_dir="$(gobuild_mod_dir "$HERE/kwok" sigs.k8s.io/kwok)"
 rm -rf "$OUT/stages" && mkdir -p "$OUT/stages"
 for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
          node/chaos/node-not-ready.yaml \
@@ -151,8 +109,5 @@ for b in "${BINARIES[@]}"; do
 done
 grep -q "$VERSION" "$OUT/.version-kube-apiserver" || { echo "kube-apiserver does not report $VERSION" >&2; exit 1; }
 
-rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
-elapsed=$(( $(date +%s) - START ))
-{ echo "kubernetes=$VERSION"; echo "kwok=$KWOK_VERSION"; echo "built=$(date -u +%FT%TZ)"; echo "seconds=$elapsed"; } >"$STAMP"
-echo "built in ${elapsed}s; $(du -sh "$BIN" | cut -f1) of binaries" >&2
-echo "$BIN"
+gobuild_promote bin
+gobuild_finish "$BIN" "kubernetes=$VERSION" "kwok=$KWOK_VERSION"

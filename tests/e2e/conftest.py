@@ -9,6 +9,11 @@
   label is mirrored; deleted after the test, which then waits until every SliceAllocation
   of it is gone, so the next test starts with the GPUs free.
 - `plain_namespace` (function): a namespace that never opted in.
+- `own_system`, `own_kube` (module), `own_ns` (function): the same three for a module whose
+  tests need nodes or settings the shared system has not (MIG off, Kueue, an autoscaled
+  group): a system of its own, `DevSystem.up` of the module's `OWN_SPEC`, up for the module's
+  tests only and torn down after them. A module may define its own `own_system` (e.g.
+  parametrized) and still use the other two.
 
 `SPEC` is small and heterogeneous on purpose (2 x H100-80GB and 1 x H200-141GB with 2 GPUs,
 1 x A100-40GB with 1 GPU, 3 x A30-24GB with 1 GPU for the tests that delete a node, and
@@ -133,6 +138,33 @@ async def kube(system: DevSystem) -> AsyncIterator[Kube]:
         yield k
 
 
+@pytest.fixture(scope="module")
+def own_system(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    """The test module's own system: its `OWN_SPEC` (a cluster spec dict), in a tmp dir named
+    after the module."""
+    spec: dict[str, Any] = request.module.OWN_SPEC
+    where = tmp_path_factory.mktemp(
+        request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    )
+    with running_system(request.config, where, spec) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+async def own_kube(own_system: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(own_system.kubeconfig)) as k:
+        yield k
+
+
+@pytest.fixture
+async def own_ns(own_kube: Kube) -> AsyncIterator[str]:
+    """`namespace`, on the module's own system."""
+    async with opted_in_namespace(own_kube) as name:
+        yield name
+
+
 async def _new_namespace(kube: Kube, prefix: str, annotations: dict[str, str]) -> str:
     ns = await kube.create(
         core_path("namespaces"),
@@ -166,14 +198,22 @@ async def _delete_namespace(kube: Kube, name: str, *, wait_released: bool) -> No
         )
 
 
-@pytest.fixture
-async def namespace(kube: Kube) -> AsyncIterator[str]:
+@contextlib.asynccontextmanager
+async def opted_in_namespace(kube: Kube) -> AsyncIterator[str]:
+    """A fresh namespace opted in to InstaSlice, once the opt-in is mirrored; deleted at the
+    end, which then waits until every SliceAllocation of it is gone."""
     name = await _new_namespace(kube, "e2e-", {ENABLED_KEY: "true"})
     await wait_opted_in(kube, name)
     try:
         yield name
     finally:
         await _delete_namespace(kube, name, wait_released=True)
+
+
+@pytest.fixture
+async def namespace(kube: Kube) -> AsyncIterator[str]:
+    async with opted_in_namespace(kube) as name:
+        yield name
 
 
 @pytest.fixture

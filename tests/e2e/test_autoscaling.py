@@ -16,54 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from bench.autoscale import leftovers, pod, run_burst, spec
-from common.constants import ENABLED_KEY, NODE_LABEL
+from common.constants import NODE_LABEL
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster.karpenter import GROUP_LABEL
-from hack.dev import DevSystem
-from tests.e2e.conftest import running_system
-from tests.e2e.helpers import wait_for, wait_opted_in
+from tests.e2e.helpers import wait_for
 from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 GPUS = 2  # a node serves 2 x GPUS 3g.40gb pods
-
-
-@pytest.fixture(scope="module")
-def auto(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DevSystem]:
-    where = tmp_path_factory.mktemp("autoscaling")
-    with running_system(request.config, where, spec(GPUS, 3)) as started:
-        yield started
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def akube(auto: DevSystem) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(auto.kubeconfig)) as k:
-        yield k
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def ns(akube: Kube) -> AsyncIterator[str]:
-    created = await akube.create(
-        core_path("namespaces"),
-        {"metadata": {"generateName": "auto-", "annotations": {ENABLED_KEY: "true"}}},
-    )
-    name: str = created["metadata"]["name"]
-    await wait_for(akube, core_path("serviceaccounts", name), lambda s: "default" in s, what="SA")
-    await wait_opted_in(akube, name)
-    try:
-        yield name
-    finally:
-        await akube.delete_ignore_missing(core_path("namespaces", name=name))
+OWN_SPEC = spec(GPUS, 3)  # own_system
 
 
 async def events(kube: Kube, ns: str, pod_name: str) -> list[dict[str, Any]]:
@@ -86,45 +53,45 @@ def running(name: str) -> Any:
     return check
 
 
-async def test_one_pod_gets_a_new_node_a_slice_and_runs(akube: Kube, ns: str) -> None:
-    assert await group_nodes(akube) == []  # the group starts with no node
-    await akube.create(core_path("pods", ns), pod("one"))
+async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: str) -> None:
+    assert await group_nodes(own_kube) == []  # the group starts with no node
+    await own_kube.create(core_path("pods", own_ns), pod("one"))
     ran = await wait_for(
-        akube, core_path("pods", ns), running("one"), what="pod one Running", timeout_s=180
+        own_kube, core_path("pods", own_ns), running("one"), what="pod one Running", timeout_s=180
     )
     node = ran["spec"]["nodeName"]
     # dev-up runs the webhook with --karpenter-do-not-disrupt: Karpenter leaves the node be
     assert ran["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
-    assert await group_nodes(akube) == [node]  # the node Karpenter made for it
-    (alloc,) = (await akube.list(instaslice_path("sliceallocations", ns)))["items"]
+    assert await group_nodes(own_kube) == [node]  # the node Karpenter made for it
+    (alloc,) = (await own_kube.list(instaslice_path("sliceallocations", own_ns)))["items"]
     assert alloc["metadata"]["labels"][NODE_LABEL] == node
     assert alloc["status"]["phase"] == "Ready"
     assert [s["profile"] for s in alloc["spec"]["slices"]] == ["3g.40gb"]
-    assert REASON_REQUESTED in [e["reason"] for e in await events(akube, ns, "one")]
+    assert REASON_REQUESTED in [e["reason"] for e in await events(own_kube, own_ns, "one")]
     await wait_for(
-        akube,
-        core_path("pods", ns),
+        own_kube,
+        core_path("pods", own_ns),
         lambda pods: sorted(pods) == ["one"],
         what="the placeholder deleted once the pod is placed",
     )
-    await akube.delete_ignore_missing(core_path("pods", ns, "one"))
+    await own_kube.delete_ignore_missing(core_path("pods", own_ns, "one"))
     await wait_for(
-        akube,
+        own_kube,
         core_path("nodes"),
         lambda nodes: node not in nodes,
         what=f"empty node {node} removed by Karpenter",
         timeout_s=180,
     )
-    left = await leftovers(akube, ns, {node})
+    left = await leftovers(own_kube, own_ns, {node})
     deadline = time.monotonic() + 30  # the node's agent, MigNode and Lease go just after it
     while any(left.values()) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        left = await leftovers(akube, ns, {node})
+        left = await leftovers(own_kube, own_ns, {node})
     assert not any(left.values()), left
 
 
-async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(akube: Kube, ns: str) -> None:
-    result = await run_burst(akube, ns, pods=2 * GPUS + 1, per_node=2 * GPUS, timeout_s=420)
+async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(own_kube: Kube, own_ns: str) -> None:
+    result = await run_burst(own_kube, own_ns, pods=2 * GPUS + 1, per_node=2 * GPUS, timeout_s=420)
     assert result["nodes_minimum"] == 2, result
     # Karpenter batches pending pods on its own clock: on a loaded machine a CI run saw one
     # node more than the minimum (docs/benchmarks.md records the counts measured); never fewer
@@ -146,17 +113,17 @@ def told_failed(pod_name: str) -> Any:
     return check
 
 
-async def test_a_pod_no_instance_type_serves_is_told_why(akube: Kube, ns: str) -> None:
-    before = set(await group_nodes(akube))  # an earlier test's nodes may still be going
+async def test_a_pod_no_instance_type_serves_is_told_why(own_kube: Kube, own_ns: str) -> None:
+    before = set(await group_nodes(own_kube))  # an earlier test's nodes may still be going
     body = pod("a100-only")  # 1g.5gb: only A100-40GB offers it; the group is H100-80GB
     body["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/mig-1g.5gb": 1}
-    await akube.create(core_path("pods", ns), body)
+    await own_kube.create(core_path("pods", own_ns), body)
     failed = await wait_for(
-        akube,
-        core_path("events", ns),
+        own_kube,
+        core_path("events", own_ns),
         told_failed("a100-only"),
         what="ScaleUpFailed",
         timeout_s=120,
     )
     assert failed["type"] == "Warning" and failed["message"].startswith("Karpenter: ")
-    assert set(await group_nodes(akube)) <= before  # no node was made for it
+    assert set(await group_nodes(own_kube)) <= before  # no node was made for it

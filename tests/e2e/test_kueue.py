@@ -18,7 +18,7 @@ integrations than batch/v1 Job and Pod.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -36,7 +36,6 @@ from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from common.quota import flavor_name, resource_flavors
 from hack import kueue
 from hack.dev import DevSystem
-from tests.e2e.conftest import running_system
 from tests.e2e.helpers import (
     allocs_path,
     jobs_path,
@@ -53,7 +52,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GATE = "kueue.x-k8s.io/admission"
 STAY = {"pod-complete.stage.kwok.x-k8s.io/delay": "3600s"}  # KWOK: a Job pod keeps running
 MODELS = ("H100-80GB", "A100-80GB", "H200-141GB")
-SPEC: dict[str, Any] = {
+OWN_SPEC: dict[str, Any] = {  # own_system
     "kueue": True,
     "nodes": [
         {"prefix": "h100", "count": 1, "gpus": 1, "model": "H100-80GB", "cpu": "8"},
@@ -64,20 +63,12 @@ SPEC: dict[str, Any] = {
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def ksystem(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DevSystem]:
-    with running_system(request.config, tmp_path_factory.mktemp("kueue"), SPEC) as started:
-        yield started
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def kk(ksystem: DevSystem) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(ksystem.kubeconfig)) as k:
-        for flavor in [*resource_flavors(MODELS), _flavor("any", {})]:
-            await k.create(group_path(KUEUE, "resourceflavors"), flavor)
-        yield k
+async def kk(own_kube: Kube) -> Kube:
+    """The module's Kueue system, with a ResourceFlavor per model of MODELS and "any"."""
+    for flavor in [*resource_flavors(MODELS), _flavor("any", {})]:
+        await own_kube.create(group_path(KUEUE, "resourceflavors"), flavor)
+    return own_kube
 
 
 def _flavor(name: str, labels: dict[str, str]) -> Obj:
@@ -212,10 +203,10 @@ async def test_job_quota_runs_two_of_three_then_the_third(kk: Kube, team: str) -
 
 @pytest.mark.parametrize("kueue_first", [False, True], ids=["instaslice-first", "kueue-first"])
 async def test_plain_pods_quota_in_either_webhook_order(
-    kk: Kube, ksystem: DevSystem, team: str, kueue_first: bool
+    kk: Kube, own_system: DevSystem, team: str, kueue_first: bool
 ) -> None:
     kueue.register_webhooks(
-        ksystem.cp, kueue.find_kueue_dir(), ksystem.kueue_port, first=kueue_first
+        own_system.cp, kueue.find_kueue_dir(), own_system.kueue_port, first=kueue_first
     )
     try:
         q = await local_queue(
@@ -252,7 +243,7 @@ async def test_plain_pods_quota_in_either_webhook_order(
         await kk.delete(pods_path(team, up[0]["metadata"]["name"]))
         await running_pods(kk, team, 1, fieldSelector=f"metadata.name={name}")
     finally:
-        kueue.register_webhooks(ksystem.cp, kueue.find_kueue_dir(), ksystem.kueue_port)
+        kueue.register_webhooks(own_system.cp, kueue.find_kueue_dir(), own_system.kueue_port)
 
 
 async def test_a_flavor_per_gpu_model_sends_jobs_to_that_model(kk: Kube, team: str) -> None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from common.constants import (
     CLAIM_ANNOTATION,
@@ -39,7 +38,7 @@ from common.constants import (
 )
 from common.kubeapi import Kube, Obj, core_path, instaslice_path
 from hack.dev import DevSystem
-from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace, running_system
+from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
@@ -48,12 +47,11 @@ from tests.e2e.helpers import (
     pods_path,
     wait_event,
     wait_for,
-    wait_opted_in,
     wait_pod_running,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-SPEC: dict[str, Any] = {
+OWN_SPEC: dict[str, Any] = {  # own_system
     "nodes": [
         {
             "prefix": "off",
@@ -73,30 +71,6 @@ SPEC: dict[str, Any] = {
         },
     ]
 }
-
-
-@pytest.fixture(scope="module")
-def modes_system(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DevSystem]:
-    with running_system(request.config, tmp_path_factory.mktemp("modes"), SPEC) as started:
-        yield started
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def mkube(modes_system: DevSystem) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(modes_system.kubeconfig)) as k:
-        yield k
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def mns(mkube: Kube) -> AsyncIterator[str]:
-    name = await _new_namespace(mkube, "modes-", {ENABLED_KEY: "true"})
-    await wait_opted_in(mkube, name)
-    try:
-        yield name
-    finally:
-        await _delete_namespace(mkube, name, wait_released=True)
 
 
 async def _gpus(
@@ -119,31 +93,31 @@ async def _gpus(
 
 
 async def test_mig_pods_on_gpus_that_start_with_mig_off(
-    mkube: Kube, mns: str, modes_system: DevSystem
+    own_kube: Kube, own_ns: str, own_system: DevSystem
 ) -> None:
-    before = await _gpus(mkube, "off-0")
+    before = await _gpus(own_kube, "off-0")
     assert [g["migMode"]["current"] for g in before] == ["disabled", "disabled"]
     assert {(g["architecture"], g["modeToggle"]) for g in before} == {("hopper", "resetless")}
 
-    await mkube.create(pods_path(mns), make_pod("first", slices={"main": {"3g.40gb": 1}}))
-    await wait_pod_running(mkube, mns, "first")
-    alloc = await assert_holds_slices(mkube, modes_system, mns, "first")
+    await own_kube.create(pods_path(own_ns), make_pod("first", slices={"main": {"3g.40gb": 1}}))
+    await wait_pod_running(own_kube, own_ns, "first")
+    alloc = await assert_holds_slices(own_kube, own_system, own_ns, "first")
     gpu = alloc["spec"]["slices"][0]["gpuIndex"]
-    after = await _gpus(mkube, "off-0", lambda g: "lastModeChange" in g[gpu])
+    after = await _gpus(own_kube, "off-0", lambda g: "lastModeChange" in g[gpu])
     assert after[gpu]["migMode"] == {"current": "enabled", "pending": "enabled"}
     assert after[gpu]["lastModeChange"]["to"] == "enabled"
     assert after[1 - gpu]["migMode"]["current"] == "disabled"  # no needless toggle
 
-    await mkube.create(pods_path(mns), make_pod("second", slices={"main": {"2g.20gb": 1}}))
-    await wait_pod_running(mkube, mns, "second")
-    second = await assert_holds_slices(mkube, modes_system, mns, "second")
+    await own_kube.create(pods_path(own_ns), make_pod("second", slices={"main": {"2g.20gb": 1}}))
+    await wait_pod_running(own_kube, own_ns, "second")
+    second = await assert_holds_slices(own_kube, own_system, own_ns, "second")
     assert second["spec"]["slices"][0]["gpuIndex"] == gpu  # the GPU already in MIG mode
-    assert (await _gpus(mkube, "off-0"))[1 - gpu]["migMode"]["current"] == "disabled"
+    assert (await _gpus(own_kube, "off-0"))[1 - gpu]["migMode"]["current"] == "disabled"
 
     plugin = Path(sys.executable).parent / "kubectl-instaslice"
     shown = await asyncio.to_thread(
         subprocess.run,
-        [str(plugin), "nodes", f"--kubeconfig={modes_system.kubeconfig}"],
+        [str(plugin), "nodes", f"--kubeconfig={own_system.kubeconfig}"],
         capture_output=True,
         text=True,
         check=False,
@@ -157,24 +131,24 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
 
 
 async def test_ampere_gpu_with_mig_off_is_named_in_the_pending_reason(
-    mkube: Kube, mns: str
+    own_kube: Kube, own_ns: str
 ) -> None:
-    await mkube.create(pods_path(mns), make_pod("amp", slices={"main": {"1g.5gb": 1}}))
-    event = await wait_event(mkube, mns, "amp", REASON_PENDING)
+    await own_kube.create(pods_path(own_ns), make_pod("amp", slices={"main": {"1g.5gb": 1}}))
+    event = await wait_event(own_kube, own_ns, "amp", REASON_PENDING)
     assert "amp-0/GPU 0" in event["message"] and "needs a GPU reset" in event["message"], event
-    pod = await mkube.get(pods_path(mns, "amp"))
+    pod = await own_kube.get(pods_path(own_ns, "amp"))
     assert pod["status"].get("phase") == "Pending" and not pod["spec"].get("nodeName")
 
 
 async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
-    mkube: Kube, modes_system: DevSystem
+    own_kube: Kube, own_system: DevSystem
 ) -> None:
     """Two `nvidia.com/gpu: 1` pods on the H100 node: each gets a GPU of its own with MIG
     off (one left off, or set off on demand), bound by CDI to exactly that GPU."""
-    ns = await _new_namespace(mkube, "whole-", {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
+    ns = await _new_namespace(own_kube, "whole-", {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
     try:
         await wait_for(
-            mkube,
+            own_kube,
             core_path("namespaces"),
             lambda nss: (
                 (nss.get(ns, {}).get("metadata", {}).get("labels") or {}).get(WHOLE_GPU_KEY)
@@ -202,12 +176,12 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
                     "terminationGracePeriodSeconds": 0,
                 },
             }
-            await mkube.create(pods_path(ns), pod)
-            running = await wait_pod_running(mkube, ns, name)
+            await own_kube.create(pods_path(ns), pod)
+            running = await wait_pod_running(own_kube, ns, name)
             limits = running["spec"]["containers"][0]["resources"]["limits"]
             assert limits == {INSTASLICE_GPU: "1"}, limits
             claim = running["metadata"]["annotations"][CLAIM_ANNOTATION]
-            alloc = await mkube.get(allocs_path(ns, claim))
+            alloc = await own_kube.get(allocs_path(ns, claim))
             assert alloc["status"]["phase"] == "Ready"
             (spec,) = alloc["spec"]["slices"]
             assert (spec["kind"], spec["profile"], spec["start"], spec["size"]) == (
@@ -218,7 +192,7 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
             )
             gpu_uuid = spec["gpuUUID"]
             seen.add(gpu_uuid)
-            found = cdi_file_for(modes_system, "off-0", ns, claim)
+            found = cdi_file_for(own_system, "off-0", ns, claim)
             assert found is not None
             (device,) = found[1]["devices"]
             edits = device["containerEdits"]
@@ -231,14 +205,14 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
             def whole_shown(gpus: list[dict[str, Any]], i: int = index) -> bool:
                 return [s["profile"] for s in gpus[i].get("slices") or []] == ["gpu"]
 
-            gpus = await _gpus(mkube, "off-0", whole_shown)
+            gpus = await _gpus(own_kube, "off-0", whole_shown)
             assert gpus[index]["migMode"] == {"current": "disabled", "pending": "disabled"}
         assert len(seen) == 2  # a GPU each
     finally:
-        await _delete_namespace(mkube, ns, wait_released=True)
+        await _delete_namespace(own_kube, ns, wait_released=True)
 
 
-async def test_nvidia_gpu_pods_elsewhere_are_left_alone(mkube: Kube, mns: str) -> None:
+async def test_nvidia_gpu_pods_elsewhere_are_left_alone(own_kube: Kube, own_ns: str) -> None:
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -246,7 +220,7 @@ async def test_nvidia_gpu_pods_elsewhere_are_left_alone(mkube: Kube, mns: str) -
         "spec": {"containers": [{"name": "main", "image": "cuda",
                                  "resources": {"limits": {NVIDIA_GPU: "1"}}}]},
     }  # fmt: skip
-    created = await mkube.create(pods_path(mns), pod)
+    created = await own_kube.create(pods_path(own_ns), pod)
     assert created["spec"]["containers"][0]["resources"]["limits"] == {NVIDIA_GPU: "1"}
     assert not created["spec"].get("schedulingGates")
     assert CLAIM_ANNOTATION not in (created["metadata"].get("annotations") or {})

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
 from common.constants import REASON_PENDING, REASON_PREEMPTED, REASON_PREEMPTING
-from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
+from common.kubeapi import Kube, Obj, core_path, group_path
+from hack.cluster.priority import ensure_priority_classes
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 from tests.e2e.helpers import (
@@ -44,16 +44,7 @@ LOW, HIGH, NEVER = "e2e-low", "e2e-high", "e2e-high-never"
 
 @pytest.fixture(scope="module")
 async def priority_classes(kube: Kube) -> AsyncIterator[None]:
-    path = group_path("scheduling.k8s.io/v1", "priorityclasses")
-    for name, value, policy in ((LOW, 100, None), (HIGH, 1000, None), (NEVER, 1000, "Never")):
-        body: dict[str, Any] = {"metadata": {"name": name}, "value": value}
-        if policy:
-            body["preemptionPolicy"] = policy
-        try:
-            await kube.create(path, body)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
+    await ensure_priority_classes(kube, {LOW: 100, HIGH: 1000, NEVER: 1000}, never={NEVER})
     yield
 
 

@@ -19,7 +19,7 @@ import contextlib
 import datetime as dt
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -772,3 +772,21 @@ def assert_no_double_booking(allocations: Iterable[Obj]) -> None:
             gpu = s["gpuUUID"]
             assert not held.get(gpu, 0) & mask, f"{gpu} slots {s} booked twice"
             held[gpu] = held.get(gpu, 0) | mask
+
+
+@contextlib.asynccontextmanager
+async def allocator_env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
+    """An `AllocatorEnv` of the test's namespace, opted in, with the fake agent running (its
+    informer synced); at the end every allocator replica it started and the agent stop."""
+    agent = FakeAgent(kube)
+    agent_task = asyncio.create_task(agent.run(), name="fake-agent")
+    try:
+        await agent.informer.synced.wait()
+        world = AllocatorEnv(kube, namespace, agent)
+        await world.opt_in()
+        try:
+            yield world
+        finally:
+            await world.close()
+    finally:
+        await cancel_until_done([agent_task])

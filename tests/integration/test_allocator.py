@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from common.clock import cancel_until_done
 from common.constants import (
     GATE_NAME,
     NODE_LABEL,
@@ -34,8 +33,8 @@ from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_pat
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
-    FakeAgent,
     GpuSpec,
+    allocator_env,
     assert_no_double_booking,
     ensure_crds,
     gpu_uuid,
@@ -74,16 +73,8 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
         within=60,
         what=f"the gated pods of namespaces being deleted gone: {sorted(ending)}",
     )
-    agent = FakeAgent(kube)
-    agent_task = asyncio.create_task(agent.run(), name="fake-agent")
-    await agent.informer.synced.wait()
-    world = AllocatorEnv(kube, namespace, agent)
-    await world.opt_in()
-    try:
+    async with allocator_env(kube, namespace) as world:
         yield world
-    finally:
-        await world.close()
-        await cancel_until_done([agent_task])
 
 
 def slots(alloc: dict[str, Any]) -> list[tuple[str, int, int]]:

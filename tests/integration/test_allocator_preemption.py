@@ -21,6 +21,7 @@ import pytest
 
 from common.constants import REASON_PENDING, REASON_PREEMPTED, REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, core_path, group_path
+from hack.cluster.priority import ensure_priority_classes
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     assert_no_double_booking,
@@ -38,21 +39,8 @@ HOLD = "instaslice.io/test-hold"  # a finalizer that keeps an evicted pod termin
 
 @pytest.fixture(scope="module")
 async def priority_classes(kube: Kube) -> AsyncIterator[None]:  # noqa: F811
-    path = group_path("scheduling.k8s.io/v1", "priorityclasses")
-    for name, value, policy in (
-        (LOW, 100, None),
-        (MID, 500, None),
-        (HIGH, 1000, None),
-        (NEVER, 1000, "Never"),
-    ):
-        body: dict[str, Any] = {"metadata": {"name": name}, "value": value}
-        if policy:
-            body["preemptionPolicy"] = policy
-        try:
-            await kube.create(path, body)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
+    values = {LOW: 100, MID: 500, HIGH: 1000, NEVER: 1000}
+    await ensure_priority_classes(kube, values, never={NEVER})
     yield
 
 

@@ -24,14 +24,13 @@ from typing import Any
 
 import pytest
 
-from common.clock import cancel_until_done
 from common.constants import REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, core_path, group_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
-    FakeAgent,
     GpuSpec,
+    allocator_env,
     ensure_crds,
     load_crds,
     wait_for,
@@ -83,16 +82,8 @@ async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
 
 @pytest.fixture
 async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
-    agent = FakeAgent(kube)
-    agent_task = asyncio.create_task(agent.run(), name="fake-agent")
-    await agent.informer.synced.wait()
-    world = AllocatorEnv(kube, namespace, agent)
-    await world.opt_in()
-    try:
+    async with allocator_env(kube, namespace) as world:
         yield world
-    finally:
-        await world.close()
-        await cancel_until_done([agent_task])
 
 
 def start(env: AllocatorEnv) -> None:

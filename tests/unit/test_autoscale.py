@@ -439,19 +439,7 @@ def group(**kw: object) -> dict[str, object]:
 
 
 def test_autoscaled_group_parses_and_needs_count_zero() -> None:
-    spec = parse_spec(
-        {
-            "nodes": [
-                {
-                    "prefix": "auto",
-                    "count": 0,
-                    "gpus": 8,
-                    "model": "H100-80GB",
-                    "autoscaled": {"max": 4},
-                }
-            ]
-        }
-    )
+    spec = parse_spec({"nodes": [group(autoscaled={"max": 4})]})
     (g,) = spec.autoscaled_groups
     assert g.autoscaled_max == 4 and spec.node_names() == []
     with pytest.raises(SpecError, match=r"nodes\[0\]\.count"):
@@ -461,20 +449,7 @@ def test_autoscaled_group_parses_and_needs_count_zero() -> None:
 
 
 def test_instance_type_offers_what_the_agent_will_advertise() -> None:
-    spec = parse_spec(
-        {
-            "nodes": [
-                {
-                    "prefix": "auto",
-                    "count": 0,
-                    "gpus": 8,
-                    "model": "H100-80GB",
-                    "cpu": "32",
-                    "autoscaled": {"max": 3},
-                }
-            ]
-        }
-    )
+    spec = parse_spec({"nodes": [group(cpu="32", autoscaled={"max": 3})]})
     (g,) = spec.autoscaled_groups
     assert mig_capacity(g, CATALOG) == agent_capacity("H100-80GB", 8)
     (it,) = instance_types([g], CATALOG)
