@@ -367,7 +367,9 @@ async def serve(
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
                 plugin.attach(
-                    lambda: capacity(a.st.inv, a.st.health, a.life.modes.can_enable),
+                    lambda: capacity(
+                        a.st.inv, a.st.health, a.life.modes.can_enable, a.life.modes.can_be_whole
+                    ),
                     lambda: a.st.allocs.values(),
                 )
 
