@@ -27,7 +27,7 @@ from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
-from nodeagent import cdi, checkpoint, writes
+from nodeagent import cdi, checkpoint, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
@@ -111,6 +111,8 @@ class NodeAgent:
         self._last_capacity: dict[str, str] | None = None
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
+        self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
+        self._idle_mode_told = ""
 
     # ---- informer → agent --------------------------------------------------------------------
 
@@ -135,11 +137,12 @@ class NodeAgent:
                 self._last_status = None
                 self.st.publish.set()
             self._node_uid = uid
-        if self._last_labels is not None:  # the instaslice.io/gpu-* labels, likewise
-            labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
-            if label_patch(self._last_labels, labels) is not None:
-                self._last_labels = None
-                self.st.publish.set()
+        labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+        self.note_idle_mode(labels)
+        # the instaslice.io/gpu-* labels, likewise
+        if self._last_labels is not None and label_patch(self._last_labels, labels) is not None:
+            self._last_labels = None
+            self.st.publish.set()
         if self._last_capacity is None:
             return
         current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
@@ -147,6 +150,17 @@ class NodeAgent:
             log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
             self._last_capacity = None
             self.st.publish.set()
+
+    def note_idle_mode(self, labels: dict[str, str]) -> None:
+        """The resting mode the Node's label asks for; a bad value is logged once (naming
+        the label) and read as `any`."""
+        try:
+            self.idle_mode = modes.idle_mode(labels)
+        except modes.BadIdleMode as exc:
+            self.idle_mode = None
+            if self._idle_mode_told != str(exc):
+                self._idle_mode_told = str(exc)
+                log.warning("bad node label", node=self.node, error=str(exc))
 
     # ---- run ---------------------------------------------------------------------------------
 
@@ -330,6 +344,7 @@ class NodeAgent:
                 await self.life.rollback(rec)
         await self._gc_cdi()
         await self.life.modes.refresh()  # MIG modes and processes changed underneath us
+        await self.life.modes.rest(self.idle_mode, self.settings.idle_mig_mode_after_s)
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

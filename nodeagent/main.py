@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before an unclaimed InstaSlice instance is destroyed",
     )
     p.add_argument("--gc-period-s", type=float, default=30.0)
+    p.add_argument(
+        "--idle-mig-mode-after-s",
+        type=float,
+        default=600.0,
+        help="seconds a Hopper+ GPU must be idle before it is brought to the MIG mode its "
+        "Node's instaslice.io/idle-mig-mode label names (enabled|disabled; any: left alone)",
+    )
     p.add_argument("--lease-duration-s", type=int, default=AGENT_LEASE_DURATION_S)
     p.add_argument(
         "--nvidia-cdi-spec",
@@ -168,6 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
+        idle_mig_mode_after_s=a.idle_mig_mode_after_s,
         lease_duration_s=a.lease_duration_s,
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,

@@ -82,6 +82,13 @@ class ModeChanger:
     gpus: NodeGpus
     metrics: AgentMetrics
     clock: Clock = field(default_factory=SystemClock)
+    # one change of a GPU's mode at a time, whoever asks (an allocation, the resting mode,
+    # maintenance): the asker re-reads the GPU's mode under the lock
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    idle_since: dict[str, float] = field(default_factory=dict)  # GPU UUID → monotonic
+
+    def lock(self, uuid: str) -> asyncio.Lock:
+        return self.locks.setdefault(uuid, asyncio.Lock())
 
     def toggle_of(self, gpu: GpuInfo) -> modes.Toggle:
         return modes.toggle(gpu, gpu.uuid in self.st.toggle_refused)
@@ -122,15 +129,52 @@ class ModeChanger:
     async def ensure(self, uid: str, slices: tuple[SliceRecord, ...]) -> str | None:
         """Bring every GPU the slices use to the mode they need; why not, or None."""
         for uuid, target in sorted(modes.needed_modes(slices).items()):
-            gpu = self.st.inv.gpu_by_uuid(uuid)
-            if gpu is None:
-                return f"GPU {uuid} is not on node {self.st.node}"
-            if modes.in_mode(gpu, target):
-                continue
-            why = await self.change(gpu, target, uid)
+            async with self.lock(uuid):  # a resting change may be running: read after it
+                gpu = self.st.inv.gpu_by_uuid(uuid)
+                if gpu is None:
+                    return f"GPU {uuid} is not on node {self.st.node}"
+                if modes.in_mode(gpu, target):
+                    continue
+                why = await self.change(gpu, target, uid)
             if why:
                 return why
         return None
+
+    async def rest(self, target: str | None, after_s: float) -> None:
+        """The resting mode (docs/nodeagent.md): bring each reset-less GPU that has been
+        idle (no allocation, record, instance or process on it) for longer than `after_s`
+        to `target`. Checked again under the GPU's lock; the change itself re-checks NVML
+        for processes and instances right before SetMigMode."""
+        now = self.clock.monotonic()
+        busy = self.busy_now()
+        for g in self.st.inv.gpus:
+            if g.uuid in busy or g.compute_processes or self.st.is_lost(g.index):
+                self.idle_since.pop(g.uuid, None)
+                continue
+            idle_for = now - self.idle_since.setdefault(g.uuid, now)
+            if modes.rest_target(g, target, self.toggle_of(g), False, idle_for, after_s) is None:
+                continue
+            async with self.lock(g.uuid):
+                gpu = self.st.inv.gpu_by_uuid(g.uuid)
+                if gpu is None or target is None or g.uuid in self.busy_now():
+                    continue  # an allocation arrived meanwhile
+                if modes.in_mode(gpu, target) or self.problem(gpu, target) is not None:
+                    continue  # changed meanwhile, or failed within the back-off
+                log.info("GPU idle: resting MIG mode", gpu=gpu.index, mode=target)
+                await self.change(gpu, target, modes.RESTING_CLAIM)
+
+    def busy_now(self) -> set[str]:
+        """GPU UUIDs an allocation (any phase), a record or an instance is on."""
+        st = self.st
+        busy = {s.gpu_uuid for r in st.cp.claims.values() for s in r.slices}
+        for obj in st.allocs.values():
+            for s in (obj.get("spec") or {}).get("slices") or []:
+                busy.add(str(s.get("gpuUUID", "")))
+        for f in st.foreign:
+            g = st.inv.gpu_by_index(f.gpu_index)
+            if g is not None:
+                busy.add(g.uuid)
+        return busy
 
     async def change(self, gpu: GpuInfo, target: str, uid: str) -> str | None:
         why = self.problem(gpu, target)
