@@ -31,6 +31,7 @@ from nodeagent import cdi, checkpoint, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
+from nodeagent.maintenance import Maintenance, Reset
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, match, orphans, vanished_claims
@@ -73,6 +74,7 @@ class NodeAgent:
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
         node_conditions: Sequence[Obj] = (),
+        reset: Reset | None = None,
     ) -> None:
         self.node = node
         # findings about the node itself (e.g. BaseCdiSpecFound), fixed for the process's life;
@@ -104,6 +106,15 @@ class NodeAgent:
             clock=self.clock,
         )
         self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
+        self.maint = Maintenance(
+            st=self.st,
+            gpus=gpus,
+            kube=kube,
+            changer=self.life.modes,
+            reset=reset,
+            wait_s=settings.maintenance_wait_s,
+            clock=self.clock,
+        )
         self.started = asyncio.Event()
         self._health_q: asyncio.Queue[HealthEvent] = asyncio.Queue()
         self._orphan_seen: dict[str, float] = {}
@@ -123,6 +134,10 @@ class NodeAgent:
         else:
             self.st.allocs[uid] = obj
         self.queue.kick(uid)
+
+    def on_mig_node(self, etype: EventType, obj: Obj) -> None:
+        """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance."""
+        self.maint.on_mig_node({} if etype == "DELETED" else obj)
 
     def on_node(self, etype: EventType, obj: Obj) -> None:
         """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
@@ -173,6 +188,7 @@ class NodeAgent:
                 tg.create_task(self._lease(), name=f"lease-{self.node}")
                 tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
                 tg.create_task(self._health(), name=f"health-{self.node}")
+                tg.create_task(self.maint.run(), name=f"maintenance-{self.node}")
                 self.started.set()
         finally:
             self.hub.remove(self.node)
@@ -192,6 +208,7 @@ class NodeAgent:
         st.set_checkpoint(after_reboot(cp, st.boot_id))
         await st.persist()
         await self.life.modes.resolve_intents()  # a crash between intent and SetMigMode
+        await self.maint.recover()  # a crash mid-maintenance: labels back, no pending mode
         own = match(st.cp, st.inv.instances)
         st.foreign = own.foreign
         log.info(
@@ -345,6 +362,8 @@ class NodeAgent:
         await self._gc_cdi()
         await self.life.modes.refresh()  # MIG modes and processes changed underneath us
         await self.life.modes.rest(self.idle_mode, self.settings.idle_mig_mode_after_s)
+        if self.maint.desired or self.st.cp.maintenance is not None:
+            self.maint.kick.set()  # draining GPUs: idle yet?
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

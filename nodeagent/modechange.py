@@ -116,6 +116,7 @@ class ModeChanger:
                 st.mode_changed.get(g.uuid),
                 g.uuid in st.cp.mode_changes,
                 now,
+                phase=st.mode_phase.get(g.uuid),
             )
             for g in st.inv.gpus
         }
@@ -187,13 +188,13 @@ class ModeChanger:
         try:
             fresh = await self.gpus.call_gpu(gpu.index, toggle_now, self.gpus.s, gpu.index, target)
         except NotIdle as exc:
-            return await self._failed(gpu, target, str(exc))
+            return await self.failed(gpu, target, str(exc))
         except NvmlFailure as exc:
             self.metrics.nvml_errors.labels(st.node, exc.call, exc.code_name).inc()
             if exc.code == NVML_RESET_REQUIRED:
                 st.toggle_refused.add(gpu.uuid)  # never again in this process: no loop
-                return await self._failed(gpu, target, f"{exc}: a GPU reset would be needed")
-            return await self._failed(gpu, target, str(exc))
+                return await self.failed(gpu, target, f"{exc}: a GPU reset would be needed")
+            return await self.failed(gpu, target, str(exc))
         st.replace_gpu(fresh)
         st.mode_failures.pop(gpu.uuid, None)
         if before != fresh.mig_current:
@@ -205,7 +206,7 @@ class ModeChanger:
         log.info("MIG mode changed", gpu=gpu.index, mode=target, claim_uid=uid)
         return None
 
-    async def _failed(self, gpu: GpuInfo, target: str, message: str) -> str:
+    async def failed(self, gpu: GpuInfo, target: str, message: str) -> str:
         st = self.st
         until = self.clock.monotonic() + modes.BACKOFF_S
         st.mode_failures[gpu.uuid] = modes.ModeFailure(target, message, kube_time(), until)

@@ -126,12 +126,16 @@ def mode_status(
     changed: ModeChanged | None,
     changing: bool,
     now: float,
+    phase: str | None = None,
 ) -> Obj:
     """The MigNode GPU fields about MIG mode changes (docs/contract.md §3): `modeToggle`;
     `modeChange` while one runs (`Changing`) or failed within its back-off (`Failed`, the
-    allocator then leaves the GPU's mode alone); `lastModeChange` after a success."""
+    allocator then leaves the GPU's mode alone); `Draining` / `Resetting` during an Ampere
+    maintenance (`phase`); `lastModeChange` after a success."""
     out: Obj = {"modeToggle": how}
-    if changing:
+    if phase is not None:  # Ampere maintenance (nodeagent/maintenance.py)
+        out["modeChange"] = {"phase": phase}
+    elif changing:
         out["modeChange"] = {"phase": "Changing"}
     elif failure is not None and now < failure.until:
         out["modeChange"] = {

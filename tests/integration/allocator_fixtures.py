@@ -327,7 +327,13 @@ async def wait_for(
     try:
         async with asyncio.timeout(within):
             while True:
-                listing = await kube.list(path, **selectors)
+                try:
+                    listing = await kube.list(path, **selectors)
+                except ApiError as exc:
+                    if exc.status != 429:  # a new CRD's storage still initializing (loaded CI)
+                        raise
+                    await asyncio.sleep(0.2)
+                    continue
                 items = {obj_key(o): o for o in listing.get("items", [])}
                 last = list(items.values())
                 result = predicate(last)
