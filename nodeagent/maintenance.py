@@ -60,6 +60,7 @@ OPERATOR_COMPONENTS = ("device-plugin", "gpu-feature-discovery", "dcgm-exporter"
 DEPLOY_LABEL_PREFIX = "nvidia.com/gpu.deploy."
 PAUSED = "paused-for-mig-change"
 DESIRED_MODES = (MIG_ENABLED, MIG_DISABLED)
+DESIRED_CLAIM = "desired-mig-mode"  # the `claim` of a reset-less change's intent record
 
 
 class ResetRefused(Exception):
@@ -107,11 +108,12 @@ def due(
     now: float,
 ) -> dict[str, str]:
     """GPU UUID → target of the asked changes this path carries out now: GPUs whose mode
-    only a reset changes, not there yet, not failed within the back-off."""
+    a reset changes (or a reset-less change: an admin's ask on a Hopper GPU is simply
+    carried out), not there yet, not failed within the back-off."""
     out = {}
     for g in gpus:
         target = desired.get(g.uuid)
-        if target is None or toggle(g) != "reset" or modes.in_mode(g, target):
+        if target is None or toggle(g) == "none" or modes.in_mode(g, target):
             continue
         failure = failures.get(g.uuid)
         if failure is not None and now < failure.until:
@@ -207,6 +209,14 @@ class Maintenance:
         if phase != st.mode_phase:
             st.mode_phase = phase
             st.publish.set()
+        for uuid, target in sorted(ready.items()):
+            gpu = st.inv.gpu_by_uuid(uuid)
+            if gpu is not None and self.changer.toggle_of(gpu) == "resetless":
+                del ready[uuid]
+                async with self.changer.lock(uuid):  # no reset, no Operator pause needed
+                    fresh = st.inv.gpu_by_uuid(uuid)
+                    if fresh is not None and uuid not in self.changer.busy_now():
+                        await self.changer.change(fresh, target, DESIRED_CLAIM)
         if not ready or self.reset is None:
             return
         labels = await writes.node_labels(self.kube, st.node)

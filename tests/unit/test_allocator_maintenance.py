@@ -20,7 +20,8 @@ from common.catalog import load_catalog
 from common.catalog.learned import Geometries
 from nodeagent import checkpoint, maintenance, modes
 from nodeagent.checkpoint import Checkpoint, MaintenanceIntent
-from nodeagent.model import MIG_DISABLED, MIG_ENABLED, GpuInfo
+from nodeagent.model import MIG_DISABLED, MIG_ENABLED
+from tests.unit.test_nodeagent_modes import GPU  # an H100 with MIG off
 from webhook.allocator.maintenance import in_flight, spec_patch, withdrawals
 from webhook.allocator.views import gpus_of
 
@@ -122,18 +123,7 @@ def test_labels_to_pause(labels: dict[str, str], want: dict[str, str]) -> None:
     assert maintenance.to_pause(labels) == want
 
 
-A100 = GpuInfo(
-    index=0,
-    uuid="GPU-0",
-    name="NVIDIA A100",
-    pci_device_id=0x20B510DE,
-    minor=0,
-    mig_current=MIG_DISABLED,
-    mig_pending=MIG_DISABLED,
-    memory_total_mib=81920,
-    model="A100-80GB",
-    architecture="ampere",
-)
+A100 = replace(GPU, index=0, uuid="GPU-0", model="A100-80GB", architecture="ampere")
 H100 = replace(A100, uuid="GPU-1", index=1, model="H100-80GB", architecture="hopper")
 FAILED = modes.ModeFailure(MIG_ENABLED, "reset refused", "2026-12-01T00:00:00Z", until=100.0)
 
@@ -143,7 +133,8 @@ FAILED = modes.ModeFailure(MIG_ENABLED, "reset refused", "2026-12-01T00:00:00Z",
     [
         ({"GPU-0": MIG_ENABLED}, {}, 0.0, {"GPU-0": MIG_ENABLED}),
         ({"GPU-0": MIG_DISABLED}, {}, 0.0, {}),  # there already
-        ({"GPU-1": MIG_ENABLED}, {}, 0.0, {}),  # Hopper: changed on demand, not by a reset
+        ({"GPU-1": MIG_ENABLED}, {}, 0.0, {"GPU-1": MIG_ENABLED}),  # Hopper: no reset needed
+        ({"GPU-2": MIG_ENABLED}, {}, 0.0, {}),  # unknown architecture: cannot change
         ({"GPU-0": MIG_ENABLED}, {"GPU-0": FAILED}, 99.0, {}),  # within the back-off
         ({"GPU-0": MIG_ENABLED}, {"GPU-0": FAILED}, 100.0, {"GPU-0": MIG_ENABLED}),
         ({"GPU-9": MIG_ENABLED}, {}, 0.0, {}),  # not on this node
@@ -152,7 +143,8 @@ FAILED = modes.ModeFailure(MIG_ENABLED, "reset refused", "2026-12-01T00:00:00Z",
 def test_due(
     desired: dict[str, str], failures: dict[str, modes.ModeFailure], now: float, want: object
 ) -> None:
-    assert maintenance.due(desired, (A100, H100), modes.toggle, failures, now) == want
+    gpus = (A100, H100, replace(H100, index=2, uuid="GPU-2", architecture="ada"))
+    assert maintenance.due(desired, gpus, modes.toggle, failures, now) == want
 
 
 def test_desired_modes_reads_the_spec() -> None:
