@@ -199,3 +199,21 @@ async def test_without_the_flag_an_ampere_pod_keeps_waiting(world: AgentWorld) -
     assert await _desired(env, node) == []
     assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 0
     assert not podlib.bound_node(await env.pod("p"))
+
+
+async def test_ampere_maintenance_serves_a_whole_gpu_pod_on_an_a100_in_mig_mode(
+    world: AgentWorld,
+) -> None:
+    (node,) = await world.nodes("a1", model="A100-80GB")  # MIG on
+    env = world.env
+    env.start(ampere_mode_changes="drain")
+    await env.create_pod("w", slices={"main": {"gpu": 1}})
+    told = await env.wait_event("w", REASON_PENDING)
+    assert "asked for (Ampere maintenance" in told["message"], told["message"]
+    bound = await env.wait_bound("w", within=60)
+    assert podlib.bound_node(bound) == node
+    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    assert (gpu.mig_current, gpu.mig_pending) == (0, 0)
+    (record,) = await env.allocations()
+    assert record["spec"]["slices"][0]["kind"] == "gpu"
+    assert record["status"]["slices"][0]["gpuUUID"] == gpu.uuid

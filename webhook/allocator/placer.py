@@ -127,7 +127,6 @@ class Placer:
             and result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
             and self.ask_modes is not None
             and not sized
-            and not is_whole(request)
         ):
             result = self.ask_maintenance(snapshot, request, result)
         if isinstance(result, Pending):
@@ -196,19 +195,23 @@ class Placer:
                 f"it fits only after a MIG mode change (a GPU reset); one is under way on "
                 f"{names} (Ampere maintenance), asked again once it is done",
             )
-        found = place_with_modes(
-            snapshot, request, self.state.mode_view(snapshot), self.policy, self.catalog
-        )
-        if not found.resets:
+        if is_whole(request):  # whole GPUs need MIG off
+            view = self.state.whole_view(snapshot)
+            resets, target = place_whole(snapshot, request, view, self.catalog).resets, "disabled"
+        else:
+            modes = self.state.mode_view(snapshot)
+            found = place_with_modes(snapshot, request, modes, self.policy, self.catalog)
+            resets, target = found.resets, "enabled"
+        if not resets:
             return pending
-        node = found.resets[0][0]
+        node = resets[0][0]
         wants: dict[str, str] = {}
-        for n, i in found.resets:
+        for n, i in resets:
             gpu = self.state.gpu(n, i)
             if n == node and gpu is not None:
-                wants[gpu.uuid] = "enabled"  # MIG slices need MIG on
+                wants[gpu.uuid] = target
         self.ask_modes(node, wants)
-        names = ", ".join(f"{node}/GPU {i}" for _, i in found.resets)
+        names = ", ".join(f"{node}/GPU {i}" for _, i in resets)
         log.info("MIG mode change asked (Ampere maintenance)", node=node, gpus=sorted(wants))
         return Pending(
             pending.reason,
