@@ -361,7 +361,9 @@ class NodeAgent:
                 await self.life.rollback(rec)
         await self._gc_cdi()
         await self.life.modes.refresh()  # MIG modes and processes changed underneath us
-        await self.life.modes.rest(self.idle_mode, self.settings.idle_mig_mode_after_s)
+        await self.life.modes.rest(
+            self.idle_mode, self.settings.idle_mig_mode_after_s, asked=self.maint.desired
+        )
         if self.maint.desired or self.st.cp.maintenance is not None:
             self.maint.kick.set()  # draining GPUs: idle yet?
         scan_started = time.time()

@@ -189,7 +189,11 @@ class Maintenance:
         while True:
             await self.kick.wait()
             self.kick.clear()
-            await self.step()
+            try:
+                await self.step()
+            except (ApiError, NvmlFailure) as exc:  # labels restored by step's finally, or
+                # at the next step from the record; the next GC pass kicks again
+                log.warning("maintenance step failed", node=self.st.node, error=str(exc))
 
     async def step(self) -> None:
         """Carry out what is asked and due (module docstring); idempotent."""
@@ -289,7 +293,11 @@ class Maintenance:
             gpu = st.inv.gpu_by_uuid(uuid)
             if gpu is None or st.is_lost(gpu.index):
                 continue
-            fresh = await self.gpus.call_gpu(gpu.index, _settled, self.gpus.s, gpu.index)
+            try:
+                fresh = await self.gpus.call_gpu(gpu.index, _settled, self.gpus.s, gpu.index)
+            except NvmlFailure as exc:  # read again by the GC pass's rescan
+                log.warning("reading a GPU after maintenance failed", gpu=gpu.index, error=str(exc))
+                continue
             st.replace_gpu(fresh)
         st.set_checkpoint(st.cp.with_maintenance(None))
         await st.persist(durable=True)

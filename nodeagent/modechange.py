@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -141,13 +142,14 @@ class ModeChanger:
                 return why
         return None
 
-    async def rest(self, target: str | None, after_s: float) -> None:
+    async def rest(self, target: str | None, after_s: float, asked: Collection[str] = ()) -> None:
         """The resting mode (docs/nodeagent.md): bring each reset-less GPU that has been
         idle (no allocation, record, instance or process on it) for longer than `after_s`
         to `target`. Checked again under the GPU's lock; the change itself re-checks NVML
-        for processes and instances right before SetMigMode."""
+        for processes and instances right before SetMigMode. `asked`: GPUs whose MigNode asks
+        a mode (desiredMigMode wins over the resting mode: never the two in turn)."""
         now = self.clock.monotonic()
-        busy = self.busy_now()
+        busy = self.busy_now() | set(asked)
         for g in self.st.inv.gpus:
             if g.uuid in busy or g.compute_processes or self.st.is_lost(g.index):
                 self.idle_since.pop(g.uuid, None)

@@ -221,13 +221,20 @@ async def test_crash_with_labels_paused_restores_them_at_start(
 async def test_a_desired_mode_on_a_hopper_gpu_changes_without_a_reset(
     agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
-    """An admin's `desiredMigMode` on an H100 is carried out reset-less (labels untouched)."""
+    """An admin's `desiredMigMode` on an H100 is carried out reset-less (labels untouched),
+    and wins over a resting mode asking the other one (never the two in turn)."""
     node = await gpu_node(agent_kube, tmp_path, ["H100-80GB"], mig_mode="disabled")
-    await agent_kube.patch(core_path("nodes", name=node.name), {"metadata": {"labels": OPERATOR}})
-    settings = agent_settings([node], control_plane.kubeconfig)
+    labels = {**OPERATOR, "instaslice.io/idle-mig-mode": "disabled"}
+    await agent_kube.patch(core_path("nodes", name=node.name), {"metadata": {"labels": labels}})
+    settings = agent_settings([node], control_plane.kubeconfig, idle_mig_mode_after_s=0.3)
     async with running_agent(settings):
         await _desire(agent_kube, node, {0: "enabled"})
         gpus = await _gpus(agent_kube, node.name, lambda g: g[0]["migMode"]["current"] == "enabled")
-        assert gpus[0]["lastModeChange"]["to"] == "enabled"
+        changed = gpus[0]["lastModeChange"]
+        assert changed["to"] == "enabled"
+        await asyncio.sleep(1.5)  # idle past the resting threshold, several GC passes
+        gpus = await _gpus(agent_kube, node.name, lambda g: True)
+        assert gpus[0]["lastModeChange"] == changed  # not rested to disabled meanwhile
+        assert node.emu.state().gpus[0].mig_current == 1
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
         assert json.loads(node.checkpoint.read_text())["maintenance"] is None
