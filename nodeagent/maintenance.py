@@ -45,6 +45,7 @@ import structlog
 
 from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, Kube
+from common.objects import desired_modes
 from nodeagent import modes, writes
 from nodeagent.checkpoint import MaintenanceIntent
 from nodeagent.device import NodeGpus
@@ -59,7 +60,6 @@ log = structlog.get_logger("maintenance")
 OPERATOR_COMPONENTS = ("device-plugin", "gpu-feature-discovery", "dcgm-exporter", "dcgm", "nvsm")
 DEPLOY_LABEL_PREFIX = "nvidia.com/gpu.deploy."
 PAUSED = "paused-for-mig-change"
-DESIRED_MODES = (MIG_ENABLED, MIG_DISABLED)
 DESIRED_CLAIM = "desired-mig-mode"  # the `claim` of a reset-less change's intent record
 
 
@@ -75,18 +75,6 @@ Reset = Callable[[int], None]  # GPU index → reset it, or raise ResetRefused
 
 
 # ---- pure ------------------------------------------------------------------------------------
-
-
-def desired_modes(mig_node: Mapping[str, object]) -> dict[str, str]:
-    """GPU UUID → desired MIG mode, from a MigNode's `spec.gpus[]` (unknown values skipped:
-    the CRD's enum refuses them)."""
-    spec = mig_node.get("spec")
-    gpus = spec.get("gpus") if isinstance(spec, dict) else None
-    out: dict[str, str] = {}
-    for g in gpus if isinstance(gpus, list) else []:
-        if isinstance(g, dict) and g.get("desiredMigMode") in DESIRED_MODES:
-            out[str(g.get("uuid", ""))] = str(g["desiredMigMode"])
-    return out
 
 
 def to_pause(labels: Mapping[str, str]) -> dict[str, str]:
@@ -268,6 +256,7 @@ class Maintenance:
                 return
             st.replace_gpu(fresh)
             st.mode_failures.pop(uuid, None)
+            st.mode_phase.pop(uuid, None)
             st.mode_changed[uuid] = modes.ModeChanged(before, fresh.mig_current, kube_time())
             self.changer.metrics.mode_changes.labels(st.node, target, "done").inc()
             log.info("MIG mode changed by a GPU reset", gpu=gpu.index, mode=target)

@@ -18,6 +18,7 @@ import pytest
 
 from common.catalog import load_catalog
 from common.catalog.learned import Geometries
+from common.objects import desired_modes
 from nodeagent import checkpoint, maintenance, modes
 from nodeagent.checkpoint import Checkpoint, MaintenanceIntent
 from nodeagent.model import MIG_DISABLED, MIG_ENABLED
@@ -149,8 +150,8 @@ def test_due(
 
 def test_desired_modes_reads_the_spec() -> None:
     obj = {"spec": {"gpus": [{"uuid": "GPU-0", "desiredMigMode": "enabled"}, {"uuid": "x"}]}}
-    assert maintenance.desired_modes(obj) == {"GPU-0": "enabled"}
-    assert maintenance.desired_modes({}) == {}
+    assert desired_modes(obj) == {"GPU-0": "enabled"}
+    assert desired_modes({}) == {}
 
 
 def test_checkpoint_keeps_the_maintenance_record() -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from webhook.allocator.views import GpuView, desired_modes
+from common.objects import DesiredGpu, desired_modes
+from webhook.allocator.views import GpuView
 
 Obj = dict[str, Any]
 ASK_OFF = "off"
@@ -54,4 +55,5 @@ def spec_patch(current: Mapping[str, str], add: Mapping[str, str], drop: set[str
     """The merge patch setting the MigNode's whole `spec.gpus` list (a JSON merge patch
     replaces a list): `current` with `add` set and `drop` removed."""
     want = {**{u: m for u, m in current.items() if u not in drop}, **add}
-    return {"spec": {"gpus": [{"uuid": u, "desiredMigMode": m} for u, m in sorted(want.items())]}}
+    gpus: list[DesiredGpu] = [{"uuid": u, "desiredMigMode": m} for u, m in sorted(want.items())]
+    return {"spec": {"gpus": gpus}}

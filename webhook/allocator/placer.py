@@ -187,7 +187,8 @@ class Placer:
         """Ask for the MIG mode change the pod needs on Ampere GPUs (one ask in the cluster
         at a time; webhook/allocator/maintenance.py); the pod waits NeedsMigModeChange."""
         assert self.ask_modes is not None
-        busy = in_flight(self.state.gpus)
+        placeable = {n.name for n in snapshot.nodes}  # an ask on a node that is down waits
+        busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
         if busy:
             names = ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])
             return Pending(

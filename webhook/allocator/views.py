@@ -12,6 +12,7 @@ from typing import Any
 
 from common.catalog import GpuModel
 from common.catalog.learned import Geometries
+from common.objects import desired_modes
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
@@ -125,16 +126,6 @@ class GpuView:
 
 
 MAINTENANCE_PHASES = ("Draining", "Resetting")
-
-
-def desired_modes(mig_node: Obj) -> dict[str, str]:
-    """GPU UUID → spec.gpus[].desiredMigMode of a MigNode."""
-    gpus = (mig_node.get("spec") or {}).get("gpus") or []
-    return {
-        str(g.get("uuid", "")): str(g["desiredMigMode"])
-        for g in gpus
-        if isinstance(g, dict) and g.get("desiredMigMode") in ("enabled", "disabled")
-    }
 
 
 def in_maintenance(g: Obj, desired: str) -> bool:
