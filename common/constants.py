@@ -65,6 +65,9 @@ LEASE_API_VERSION: Final = "coordination.k8s.io/v1"
 # Node labels written by KWOK specs / GPU discovery.
 GPU_MODEL_LABEL: Final = "instaslice.io/gpu-model"
 GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
+# Set by an operator on a node: the MIG mode its idle Hopper+ GPUs rest in (enabled, disabled,
+# or any = left as the last allocation needed; docs/nodeagent.md "Resting mode").
+IDLE_MIG_MODE_LABEL: Final = "instaslice.io/idle-mig-mode"
 
 # Event reasons (docs/contract.md §4).
 REASON_ALLOCATED: Final = "SliceAllocated"

@@ -118,8 +118,8 @@ def _mode_change(gpu: Obj) -> str:
     phase = (gpu.get("modeChange") or {}).get("phase")
     if phase == "Failed":
         return "FAILED"
-    if phase == "Changing":
-        return "changing"
+    if phase in ("Changing", "Draining", "Resetting"):
+        return str(phase).lower()
     return str(gpu.get("modeToggle") or "-")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import secrets
 import string
+from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
 from common.constants import API_VERSION, MIG_NODE_KIND
@@ -97,7 +98,7 @@ class MigMode(TypedDict):
 
 
 class ModeChangeStatus(TypedDict):
-    phase: str  # Changing | Failed
+    phase: str  # Changing | Draining | Resetting | Failed
     target: NotRequired[str]
     message: NotRequired[str]
     time: NotRequired[str]
@@ -130,6 +131,28 @@ _ALNUM = string.ascii_lowercase + string.digits
 def new_claim_id() -> str:
     """A fresh random DNS-1123 label (starts with a letter), unique per pod."""
     return "c" + "".join(secrets.choice(_ALNUM) for _ in range(15))
+
+
+class DesiredGpu(TypedDict):
+    """MigNode `spec.gpus[]`: an Ampere maintenance ask (docs/contract.md §3)."""
+
+    uuid: str
+    desiredMigMode: str  # enabled | disabled
+
+
+DESIRED_MIG_MODES = ("enabled", "disabled")
+
+
+def desired_modes(mig_node: Mapping[str, Any]) -> dict[str, str]:
+    """GPU UUID → `spec.gpus[].desiredMigMode` of a MigNode (entries the CRD's enum would
+    refuse are skipped)."""
+    spec = mig_node.get("spec")
+    gpus = spec.get("gpus") if isinstance(spec, dict) else None
+    out: dict[str, str] = {}
+    for g in gpus if isinstance(gpus, list) else []:
+        if isinstance(g, dict) and g.get("desiredMigMode") in DESIRED_MIG_MODES:
+            out[str(g.get("uuid", ""))] = str(g["desiredMigMode"])
+    return out
 
 
 def mig_node(node: str) -> Obj:

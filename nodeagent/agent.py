@@ -27,10 +27,11 @@ from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
-from nodeagent import cdi, checkpoint, writes
+from nodeagent import cdi, checkpoint, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
+from nodeagent.maintenance import Maintenance, Reset
 from nodeagent.metrics import AgentMetrics
 from nodeagent.model import APPLICATION_XIDS, Health, HealthEvent, NvmlFailure
 from nodeagent.reconcile import after_reboot, match, orphans, vanished_claims
@@ -73,6 +74,7 @@ class NodeAgent:
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
         node_conditions: Sequence[Obj] = (),
+        reset: Reset | None = None,
     ) -> None:
         self.node = node
         # findings about the node itself (e.g. BaseCdiSpecFound), fixed for the process's life;
@@ -104,6 +106,15 @@ class NodeAgent:
             clock=self.clock,
         )
         self.queue = KeyedQueue(self.life.work, name=f"alloc-{node}")
+        self.maint = Maintenance(
+            st=self.st,
+            gpus=gpus,
+            kube=kube,
+            changer=self.life.modes,
+            reset=reset,
+            wait_s=settings.maintenance_wait_s,
+            clock=self.clock,
+        )
         self.started = asyncio.Event()
         self._health_q: asyncio.Queue[HealthEvent] = asyncio.Queue()
         self._orphan_seen: dict[str, float] = {}
@@ -111,6 +122,8 @@ class NodeAgent:
         self._last_capacity: dict[str, str] | None = None
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
+        self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
+        self._idle_mode_told = ""
 
     # ---- informer → agent --------------------------------------------------------------------
 
@@ -121,6 +134,10 @@ class NodeAgent:
         else:
             self.st.allocs[uid] = obj
         self.queue.kick(uid)
+
+    def on_mig_node(self, etype: EventType, obj: Obj) -> None:
+        """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance."""
+        self.maint.on_mig_node({} if etype == "DELETED" else obj)
 
     def on_node(self, etype: EventType, obj: Obj) -> None:
         """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
@@ -135,11 +152,12 @@ class NodeAgent:
                 self._last_status = None
                 self.st.publish.set()
             self._node_uid = uid
-        if self._last_labels is not None:  # the instaslice.io/gpu-* labels, likewise
-            labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
-            if label_patch(self._last_labels, labels) is not None:
-                self._last_labels = None
-                self.st.publish.set()
+        labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+        self.note_idle_mode(labels)
+        # the instaslice.io/gpu-* labels, likewise
+        if self._last_labels is not None and label_patch(self._last_labels, labels) is not None:
+            self._last_labels = None
+            self.st.publish.set()
         if self._last_capacity is None:
             return
         current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
@@ -147,6 +165,17 @@ class NodeAgent:
             log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
             self._last_capacity = None
             self.st.publish.set()
+
+    def note_idle_mode(self, labels: dict[str, str]) -> None:
+        """The resting mode the Node's label asks for; a bad value is logged once (naming
+        the label) and read as `any`."""
+        try:
+            self.idle_mode = modes.idle_mode(labels)
+        except modes.BadIdleMode as exc:
+            self.idle_mode = None
+            if self._idle_mode_told != str(exc):
+                self._idle_mode_told = str(exc)
+                log.warning("bad node label", node=self.node, error=str(exc))
 
     # ---- run ---------------------------------------------------------------------------------
 
@@ -159,6 +188,7 @@ class NodeAgent:
                 tg.create_task(self._lease(), name=f"lease-{self.node}")
                 tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
                 tg.create_task(self._health(), name=f"health-{self.node}")
+                tg.create_task(self.maint.run(), name=f"maintenance-{self.node}")
                 self.started.set()
         finally:
             self.hub.remove(self.node)
@@ -178,6 +208,7 @@ class NodeAgent:
         st.set_checkpoint(after_reboot(cp, st.boot_id))
         await st.persist()
         await self.life.modes.resolve_intents()  # a crash between intent and SetMigMode
+        await self.maint.recover()  # a crash mid-maintenance: labels back, no pending mode
         own = match(st.cp, st.inv.instances)
         st.foreign = own.foreign
         log.info(
@@ -330,6 +361,11 @@ class NodeAgent:
                 await self.life.rollback(rec)
         await self._gc_cdi()
         await self.life.modes.refresh()  # MIG modes and processes changed underneath us
+        await self.life.modes.rest(
+            self.idle_mode, self.settings.idle_mig_mode_after_s, asked=self.maint.desired
+        )
+        if self.maint.desired or self.st.cp.maintenance is not None:
+            self.maint.kick.set()  # draining GPUs: idle yet?
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

@@ -99,11 +99,26 @@ class ModeIntent:
 
 
 @dataclass(frozen=True, slots=True)
+class MaintenanceIntent:
+    """ "About to pause the GPU Operator's clients and reset these GPUs into these MIG
+    modes" (Ampere maintenance, nodeagent/maintenance.py): written (fsynced) before the
+    first label patch. `labels`: the Operator labels as they were, restored exactly
+    afterwards, and at start if a crash left this record behind."""
+
+    modes: Mapping[str, str]  # GPU UUID → target mode
+    labels: Mapping[str, str]  # nvidia.com/gpu.deploy.<component> → its value before
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     node: str
     boot_id: str = ""
     claims: Mapping[str, ClaimRecord] = field(default_factory=dict)  # by uid
     mode_changes: Mapping[str, ModeIntent] = field(default_factory=dict)  # by GPU UUID
+    maintenance: MaintenanceIntent | None = None
+
+    def with_maintenance(self, intent: MaintenanceIntent | None) -> Checkpoint:
+        return replace(self, maintenance=intent)
 
     def with_mode_intent(self, intent: ModeIntent) -> Checkpoint:
         return replace(self, mode_changes={**self.mode_changes, intent.gpu_uuid: intent})
@@ -136,6 +151,11 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
             {"gpu_uuid": m.gpu_uuid, "gpu_index": m.gpu_index, "target": m.target, "claim": m.claim}
             for m in sorted(cp.mode_changes.values(), key=lambda m: m.gpu_index)
         ],
+        "maintenance": (
+            None
+            if cp.maintenance is None
+            else {"modes": dict(cp.maintenance.modes), "labels": dict(cp.maintenance.labels)}
+        ),
     }
 
 
@@ -161,11 +181,17 @@ def from_json(doc: Mapping[str, Any]) -> Checkpoint:
         rec = ClaimRecord(**{**raw, "slices": slices})
         claims[rec.uid] = rec
     modes = [ModeIntent(**m) for m in doc.get("modeChanges", [])]  # added later: optional
+    maint = doc.get("maintenance")  # added later still
     return Checkpoint(
         node=doc["node"],
         boot_id=doc.get("bootID", ""),
         claims=claims,
         mode_changes={m.gpu_uuid: m for m in modes},
+        maintenance=(
+            None
+            if not maint
+            else MaintenanceIntent(dict(maint["modes"]), dict(maint.get("labels") or {}))
+        ),
     )
 
 

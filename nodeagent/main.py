@@ -31,13 +31,23 @@ import structlog
 from common.catalog import load_catalog
 from common.clock import stoppable
 from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
-from common.kubeapi import EventType, Informer, Obj, connected, core_path, instaslice_path, lean
+from common.kubeapi import (
+    EventType,
+    Informer,
+    Kube,
+    Obj,
+    connected,
+    core_path,
+    instaslice_path,
+    lean,
+)
 from common.metricsauth import MetricsAuth
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
+from nodeagent.maintenance import Reset, ResetRefused, command_reset
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
 from nodeagent.report import base_spec_condition, capacity, slice_info
@@ -104,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before an unclaimed InstaSlice instance is destroyed",
     )
     p.add_argument("--gc-period-s", type=float, default=30.0)
+    p.add_argument(
+        "--maintenance-wait-s",
+        type=float,
+        default=300.0,
+        help="Ampere maintenance: how long a GPU reset may be refused (paused GPU Operator "
+        "clients still holding the GPU) before the change counts as failed",
+    )
+    p.add_argument(
+        "--idle-mig-mode-after-s",
+        type=float,
+        default=600.0,
+        help="seconds a Hopper+ GPU must be idle before it is brought to the MIG mode its "
+        "Node's instaslice.io/idle-mig-mode label names (enabled|disabled; any: left alone)",
+    )
     p.add_argument("--lease-duration-s", type=int, default=AGENT_LEASE_DURATION_S)
     p.add_argument(
         "--nvidia-cdi-spec",
@@ -168,6 +192,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
+        idle_mig_mode_after_s=a.idle_mig_mode_after_s,
+        maintenance_wait_s=a.maintenance_wait_s,
         lease_duration_s=a.lease_duration_s,
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,
@@ -207,6 +233,27 @@ def nvml_factory(settings: Settings) -> Callable[[str], NvmlModule]:
         state = settings.emu_state
         return lambda node: EmulatedNvml(state, node)
     return lambda node: real_nvml()
+
+
+def reset_factory(settings: Settings) -> Callable[[str], Reset]:
+    """How node N resets a GPU: the emulator's `reset_gpu`, or the reset command."""
+    if settings.emulate:
+        from nodeagent.emulator import EmulatorControl, EmulatorError
+
+        assert settings.emu_state is not None
+        state = settings.emu_state
+
+        def emulated(node: str) -> Reset:
+            def reset(index: int) -> None:
+                try:
+                    EmulatorControl(state, node).reset_gpu(index)
+                except EmulatorError as exc:
+                    raise ResetRefused(str(exc), final="not supported" in str(exc)) from None
+
+            return reset
+
+        return emulated
+    return lambda node: command_reset(settings.gpu_reset_command)
 
 
 def boot_id_factory(settings: Settings) -> Callable[[str], str]:
@@ -268,6 +315,32 @@ def selector(nodes: Sequence[str]) -> str:
 # --- serving --------------------------------------------------------------------------------
 
 
+def by_node_name(
+    kube: Kube,
+    path: str,
+    name: str,
+    nodes: Sequence[str],
+    agents: dict[str, NodeAgent],
+    deliver: Callable[[NodeAgent, EventType, Obj], None],
+) -> Informer:
+    """An informer of objects named after our nodes (Node, MigNode): one name with one node,
+    else all of them; each event goes to the agent of its name."""
+
+    async def on_event(etype: EventType, obj: Obj) -> None:
+        agent = agents.get(obj.get("metadata", {}).get("name", ""))
+        if agent is not None:
+            deliver(agent, etype, obj)
+
+    return Informer(
+        kube,
+        path,
+        on_event,
+        field_selector=f"metadata.name={nodes[0]}" if len(nodes) == 1 else None,
+        name=name,
+        transform=lean,
+    )
+
+
 async def serve(
     settings: Settings,
     *,
@@ -283,6 +356,7 @@ async def serve(
     catalog = load_catalog()
     nvml_for = nvml_for or nvml_factory(settings)
     boot_id_for = boot_id_for or boot_id_factory(settings)
+    reset_for = reset_factory(settings)
     agents: dict[str, NodeAgent] = {}
     metrics = AgentMetrics()
 
@@ -339,35 +413,35 @@ async def serve(
                     numbers=numbers,
                     base_spec=base,
                     node_conditions=[base_condition],
+                    reset=reset_for(node),
                     binding=binding,
                     health_hub=hub,
                     synced=informer.synced,
                     metrics=metrics,
                 )
 
-            async def on_node(etype: EventType, obj: Obj) -> None:
-                agent = agents.get(obj.get("metadata", {}).get("name", ""))
-                if agent is not None:
-                    agent.on_node(etype, obj)
-
             # the agent writes its Node's capacity (and labels) itself: watch the Node, so one
             # deleted and registered again (or reset by another writer) gets them back at once
-            nodes_informer = Informer(
+            nodes_informer = by_node_name(
+                kube, core_path("nodes"), "nodes", settings.nodes, agents, NodeAgent.on_node
+            )
+            # our MigNode's spec asks for Ampere maintenance (nodeagent/maintenance.py)
+            mig_nodes_informer = by_node_name(
                 kube,
-                core_path("nodes"),
-                on_node,
-                field_selector=(
-                    f"metadata.name={settings.nodes[0]}" if len(settings.nodes) == 1 else None
-                ),
-                name="nodes",
-                transform=lean,
+                instaslice_path("mignodes"),
+                "mignodes",
+                settings.nodes,
+                agents,
+                NodeAgent.on_mig_node,
             )
             for agent in agents.values():  # read when scraped: the agent's live view
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
                 a = agents[settings.nodes[0]]
                 plugin.attach(
-                    lambda: capacity(a.st.inv, a.st.health, a.life.modes.can_enable),
+                    lambda: capacity(
+                        a.st.inv, a.st.health, a.life.modes.can_enable, a.life.modes.can_be_whole
+                    ),
                     lambda: a.st.allocs.values(),
                 )
 
@@ -390,6 +464,9 @@ async def serve(
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
                 tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
+                tg.create_task(
+                    stoppable(mig_nodes_informer.run(), "mignodes"), name="mignodes-guard"
+                )
                 if started is not None:
                     started(agents)
     finally:

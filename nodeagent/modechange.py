@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -82,6 +83,13 @@ class ModeChanger:
     gpus: NodeGpus
     metrics: AgentMetrics
     clock: Clock = field(default_factory=SystemClock)
+    # one change of a GPU's mode at a time, whoever asks (an allocation, the resting mode,
+    # maintenance): the asker re-reads the GPU's mode under the lock
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    idle_since: dict[str, float] = field(default_factory=dict)  # GPU UUID → monotonic
+
+    def lock(self, uuid: str) -> asyncio.Lock:
+        return self.locks.setdefault(uuid, asyncio.Lock())
 
     def toggle_of(self, gpu: GpuInfo) -> modes.Toggle:
         return modes.toggle(gpu, gpu.uuid in self.st.toggle_refused)
@@ -109,6 +117,7 @@ class ModeChanger:
                 st.mode_changed.get(g.uuid),
                 g.uuid in st.cp.mode_changes,
                 now,
+                phase=st.mode_phase.get(g.uuid),
             )
             for g in st.inv.gpus
         }
@@ -122,15 +131,53 @@ class ModeChanger:
     async def ensure(self, uid: str, slices: tuple[SliceRecord, ...]) -> str | None:
         """Bring every GPU the slices use to the mode they need; why not, or None."""
         for uuid, target in sorted(modes.needed_modes(slices).items()):
-            gpu = self.st.inv.gpu_by_uuid(uuid)
-            if gpu is None:
-                return f"GPU {uuid} is not on node {self.st.node}"
-            if modes.in_mode(gpu, target):
-                continue
-            why = await self.change(gpu, target, uid)
+            async with self.lock(uuid):  # a resting change may be running: read after it
+                gpu = self.st.inv.gpu_by_uuid(uuid)
+                if gpu is None:
+                    return f"GPU {uuid} is not on node {self.st.node}"
+                if modes.in_mode(gpu, target):
+                    continue
+                why = await self.change(gpu, target, uid)
             if why:
                 return why
         return None
+
+    async def rest(self, target: str | None, after_s: float, asked: Collection[str] = ()) -> None:
+        """The resting mode (docs/nodeagent.md): bring each reset-less GPU that has been
+        idle (no allocation, record, instance or process on it) for longer than `after_s`
+        to `target`. Checked again under the GPU's lock; the change itself re-checks NVML
+        for processes and instances right before SetMigMode. `asked`: GPUs whose MigNode asks
+        a mode (desiredMigMode wins over the resting mode: never the two in turn)."""
+        now = self.clock.monotonic()
+        busy = self.busy_now() | set(asked)
+        for g in self.st.inv.gpus:
+            if g.uuid in busy or g.compute_processes or self.st.is_lost(g.index):
+                self.idle_since.pop(g.uuid, None)
+                continue
+            idle_for = now - self.idle_since.setdefault(g.uuid, now)
+            if modes.rest_target(g, target, self.toggle_of(g), False, idle_for, after_s) is None:
+                continue
+            async with self.lock(g.uuid):
+                gpu = self.st.inv.gpu_by_uuid(g.uuid)
+                if gpu is None or target is None or g.uuid in self.busy_now():
+                    continue  # an allocation arrived meanwhile
+                if modes.in_mode(gpu, target) or self.problem(gpu, target) is not None:
+                    continue  # changed meanwhile, or failed within the back-off
+                log.info("GPU idle: resting MIG mode", gpu=gpu.index, mode=target)
+                await self.change(gpu, target, modes.RESTING_CLAIM)
+
+    def busy_now(self) -> set[str]:
+        """GPU UUIDs an allocation (any phase), a record or an instance is on."""
+        st = self.st
+        busy = {s.gpu_uuid for r in st.cp.claims.values() for s in r.slices}
+        for obj in st.allocs.values():
+            for s in (obj.get("spec") or {}).get("slices") or []:
+                busy.add(str(s.get("gpuUUID", "")))
+        for f in st.foreign:
+            g = st.inv.gpu_by_index(f.gpu_index)
+            if g is not None:
+                busy.add(g.uuid)
+        return busy
 
     async def change(self, gpu: GpuInfo, target: str, uid: str) -> str | None:
         why = self.problem(gpu, target)
@@ -143,13 +190,13 @@ class ModeChanger:
         try:
             fresh = await self.gpus.call_gpu(gpu.index, toggle_now, self.gpus.s, gpu.index, target)
         except NotIdle as exc:
-            return await self._failed(gpu, target, str(exc))
+            return await self.failed(gpu, target, str(exc))
         except NvmlFailure as exc:
             self.metrics.nvml_errors.labels(st.node, exc.call, exc.code_name).inc()
             if exc.code == NVML_RESET_REQUIRED:
                 st.toggle_refused.add(gpu.uuid)  # never again in this process: no loop
-                return await self._failed(gpu, target, f"{exc}: a GPU reset would be needed")
-            return await self._failed(gpu, target, str(exc))
+                return await self.failed(gpu, target, f"{exc}: a GPU reset would be needed")
+            return await self.failed(gpu, target, str(exc))
         st.replace_gpu(fresh)
         st.mode_failures.pop(gpu.uuid, None)
         if before != fresh.mig_current:
@@ -161,7 +208,7 @@ class ModeChanger:
         log.info("MIG mode changed", gpu=gpu.index, mode=target, claim_uid=uid)
         return None
 
-    async def _failed(self, gpu: GpuInfo, target: str, message: str) -> str:
+    async def failed(self, gpu: GpuInfo, target: str, message: str) -> str:
         st = self.st
         until = self.clock.monotonic() + modes.BACKOFF_S
         st.mode_failures[gpu.uuid] = modes.ModeFailure(target, message, kube_time(), until)

@@ -11,7 +11,11 @@ as one step of realising an allocation (docs/nodeagent.md "MIG mode on demand"):
 - A change that failed is not retried for `BACKOFF_S` (never loop: the DRA driver once
   looped on "GPU requires reset", kubernetes-sigs/dra-driver-nvidia-gpu#883).
 
-What it does not do: reset GPUs or drain them (Ampere maintenance is not built).
+- Resting mode (`instaslice.io/idle-mig-mode` on the Node): a Hopper+ GPU with nothing on it
+  for longer than the agent's `--idle-mig-mode-after-s` is brought to the mode the label
+  names, through the same intent/verify/back-off path (`rest_target`).
+
+What it does not do: reset GPUs (Ampere maintenance: nodeagent/maintenance.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from common.constants import IDLE_MIG_MODE_LABEL
 from nodeagent.checkpoint import SliceRecord
 from nodeagent.model import MIG_DISABLED, MIG_ENABLED, GpuInfo, Instance
 
@@ -27,6 +32,7 @@ Obj = dict[str, Any]
 Toggle = Literal["resetless", "reset", "none"]
 RESETLESS_ARCHITECTURES = frozenset({"hopper", "blackwell"})
 BACKOFF_S = 300.0
+RESTING_CLAIM = "idle-mig-mode"  # the `claim` of a resting change's intent record
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +126,16 @@ def mode_status(
     changed: ModeChanged | None,
     changing: bool,
     now: float,
+    phase: str | None = None,
 ) -> Obj:
     """The MigNode GPU fields about MIG mode changes (docs/contract.md §3): `modeToggle`;
     `modeChange` while one runs (`Changing`) or failed within its back-off (`Failed`, the
-    allocator then leaves the GPU's mode alone); `lastModeChange` after a success."""
+    allocator then leaves the GPU's mode alone); `Draining` / `Resetting` during an Ampere
+    maintenance (`phase`); `lastModeChange` after a success."""
     out: Obj = {"modeToggle": how}
-    if changing:
+    if phase is not None:  # Ampere maintenance (nodeagent/maintenance.py)
+        out["modeChange"] = {"phase": phase}
+    elif changing:
         out["modeChange"] = {"phase": "Changing"}
     elif failure is not None and now < failure.until:
         out["modeChange"] = {
@@ -141,3 +151,42 @@ def mode_status(
             "time": changed.time,
         }
     return out
+
+
+IDLE_MODES = ("enabled", "disabled", "any")
+
+
+class BadIdleMode(ValueError):
+    """The Node's `instaslice.io/idle-mig-mode` label holds no known value."""
+
+
+def idle_mode(labels: Mapping[str, str]) -> str | None:
+    """The resting MIG mode a node's labels ask for: `enabled`, `disabled`, or None (label
+    absent or `any`: idle GPUs keep their mode)."""
+    value = labels.get(IDLE_MIG_MODE_LABEL)
+    if value is None or value == "any":
+        return None
+    if value not in IDLE_MODES:
+        raise BadIdleMode(
+            f"node label {IDLE_MIG_MODE_LABEL}={value!r}: expected one of "
+            f"{', '.join(IDLE_MODES)}; idle GPUs keep their mode"
+        )
+    return value
+
+
+def rest_target(
+    gpu: GpuInfo,
+    target: str | None,
+    how: Toggle,
+    busy: bool,
+    idle_for: float,
+    after_s: float,
+) -> str | None:
+    """The mode to bring an idle GPU to now, or None. Only a reset-less GPU (Hopper and
+    newer; never Ampere, never a VM guest), settled (no pending mode), with nothing on it
+    (no allocation, record, instance or compute process: `busy`) for longer than `after_s`."""
+    if target is None or busy or how != "resetless" or in_mode(gpu, target):
+        return None
+    if gpu.mig_current != gpu.mig_pending or gpu.compute_processes:
+        return None
+    return target if idle_for > after_s else None

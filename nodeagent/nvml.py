@@ -223,6 +223,10 @@ class NvmlSession:
                 raise
             return 0
 
+    def forget(self, index: int) -> None:
+        """Drop GPU `index`'s cached handle (after a GPU reset)."""
+        self._handles.pop(index, None)
+
     def mig_mode(self, index: int) -> tuple[str, str]:
         cur, pend = self.call("nvmlDeviceGetMigMode", self.handle(index))
         return (_mode(cur), _mode(pend))

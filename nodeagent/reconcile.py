@@ -294,7 +294,8 @@ def after_reboot(cp: Checkpoint, boot_id: str) -> Checkpoint:
         uid: replace(rec, slices=tuple(s.cleared() for s in rec.slices))
         for uid, rec in cp.claims.items()
     }
-    return Checkpoint(node=cp.node, boot_id=boot_id, claims=claims)
+    # a maintenance record survives: the Operator labels it paused must still be restored
+    return Checkpoint(node=cp.node, boot_id=boot_id, claims=claims, maintenance=cp.maintenance)
 
 
 def orphans(

@@ -39,6 +39,14 @@ class Settings:
     # how often a GC pass also reads the Node's labels for conflicting managers (one GET per
     # node: 2000 emulated nodes at 300 s are under 7 requests a second)
     conflict_check_period_s: float = 300.0
+    # resting mode (Node label instaslice.io/idle-mig-mode): how long a Hopper+ GPU must be
+    # idle before it is brought to the mode the label names (checked with each GC pass)
+    idle_mig_mode_after_s: float = 600.0
+    # Ampere maintenance (nodeagent/maintenance.py): how long a reset may be refused (the
+    # GPU Operator's paused clients still holding the GPU) before it counts as failed; the
+    # command that resets GPU {index} on a real node
+    maintenance_wait_s: float = 300.0
+    gpu_reset_command: tuple[str, ...] = ("nvidia-smi", "--gpu-reset", "-i", "{index}")
     lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0

@@ -39,6 +39,7 @@ class AgentNode:
     mode_failures: dict[str, ModeFailure] = field(default_factory=dict)
     toggle_refused: set[str] = field(default_factory=set)
     mode_changed: dict[str, ModeChanged] = field(default_factory=dict)
+    mode_phase: dict[str, str] = field(default_factory=dict)  # Ampere maintenance: Draining…
     cp: Checkpoint = field(init=False)
     publish: asyncio.Event = field(default_factory=asyncio.Event)
 

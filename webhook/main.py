@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Kueue-managed pods may be preemption victims (default: never)",
     )
     p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
+    p.add_argument(
+        "--ampere-mode-changes",
+        choices=["off", "drain"],
+        default="off",
+        help="drain: ask the node agent for the MIG mode change (GPU drain and reset) a pod "
+        "needs on Ampere GPUs; off: such pods wait with NeedsMigModeChange",
+    )
     p.add_argument("--no-admission", action="store_true", help="run without the server")
     p.add_argument(
         "--slot-accounting",
@@ -161,6 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preemption=a.preemption == "gpu",
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,
+            ampere_mode_changes=a.ampere_mode_changes,
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

@@ -46,6 +46,9 @@ class ModeView:
 class ModePlacement:
     result: Placement | Pending
     toggles: tuple[int, ...] = ()  # GPU indexes on the chosen node whose MIG mode changes
+    # NeedsMigModeChange: the GPUs a reset would open for it, all on one node (the
+    # allocator's Ampere maintenance asks for exactly these)
+    resets: tuple[GpuRef, ...] = ()
 
 
 def with_mig(snapshot: Snapshot, gpus: Collection[GpuRef]) -> Snapshot:
@@ -93,7 +96,8 @@ def place_with_modes(
         hypothetical = with_mig(snapshot, modes.flex | modes.needs_reset)
         third = place(hypothetical, request, policy, catalog)
         if isinstance(third, Placement):
-            return ModePlacement(_needs_reset(third, modes, first))
+            resets = sorted({(third.node, s.gpu_index) for s in third.slices} & modes.needs_reset)
+            return ModePlacement(_needs_reset(third, modes, first), resets=tuple(resets))
     return ModePlacement(first)
 
 

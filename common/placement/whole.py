@@ -53,6 +53,9 @@ class WholeView:
 class WholePlacement:
     result: Placement | Pending
     toggles: tuple[int, ...] = ()  # GPU indexes on the chosen node whose MIG mode goes off
+    # NeedsMigModeChange: the reset GPUs of the first node that would do after MIG off on
+    # them (the allocator's Ampere maintenance asks for exactly these)
+    resets: tuple[GpuRef, ...] = ()
 
 
 def is_whole(request: PodRequest) -> bool:
@@ -71,6 +74,7 @@ def place_whole(
     best: tuple[tuple[int, int, int], NodeState, list[Gpu], list[Gpu]] | None = None
     eligible = fits_gpus = 0
     reset_refs: list[GpuRef] = []
+    resets: tuple[GpuRef, ...] = ()
     for order, node in enumerate(snapshot.nodes):
         if mismatch(node, request) is not None:
             continue
@@ -81,6 +85,9 @@ def place_whole(
         if len(right) + len(toggle) < n:
             if len(right) + len(toggle) + len(reset) >= n:
                 reset_refs += [(node.name, g.index) for g in reset]
+                if not resets and resources_fit(node, request):
+                    need = reset[: n - len(right) - len(toggle)]
+                    resets = tuple((node.name, g.index) for g in need)
             continue
         fits_gpus += 1
         if not resources_fit(node, request):
@@ -94,7 +101,7 @@ def place_whole(
         chosen = (right + toggle)[:n]
         toggled = tuple(sorted(g.index for g in chosen[len(right) :]))
         return WholePlacement(Placement(node.name, _slices(request, chosen, cat)), toggled)
-    return WholePlacement(_pending(n, eligible, fits_gpus, reset_refs))
+    return WholePlacement(_pending(n, eligible, fits_gpus, reset_refs), resets=resets)
 
 
 def _slices(request: PodRequest, gpus: Sequence[Gpu], cat: Catalog) -> tuple[PlacedSlice, ...]:

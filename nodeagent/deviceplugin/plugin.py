@@ -1,10 +1,12 @@
 """The device-plugin binding's I/O shell: one gRPC device-plugin server per
-`instaslice.io/mig-<profile>` on a unix socket in the kubelet's device-plugins dir, the
-registration with the kubelet, and the PodResources client.
+`instaslice.io/mig-<profile>`, and one for whole GPUs (`instaslice.io/gpu`, "profile" `gpu`),
+on a unix socket in the kubelet's device-plugins dir, the registration with the kubelet, and
+the PodResources client. A whole GPU is a unit like a slice: same Allocate, same
+PreStartContainer refusal unless its ids are settled on the pod's own allocation.
 
-- Devices: `<profile>-<n>` for n below the fixed upper bound of docs/contract.md §3 (the same
-  number the agent writes into Node capacity); ids above a shrunken bound stay listed as
-  Unhealthy, so the kubelet never loses track of an id it handed out.
+- Devices: `<profile>-<n>` (`gpu-<n>` for whole GPUs) for n below the fixed upper bound of
+  docs/contract.md §3 (the same number the agent writes into Node capacity); ids above a
+  shrunken bound stay listed as Unhealthy, so the kubelet never loses track of an id it handed out.
 - `Allocate` binds the ids to a prepared slice (core.Bindings) and answers with a CDI alias
   device `instaslice.io/mig=dp-<first id>` (no `_`: never collides with a claim's devices),
   written as its own spec file carrying the unit's container edits from the allocation's
@@ -30,7 +32,7 @@ import structlog
 
 from common.allocation import SliceAllocation
 from common.clock import kube_time
-from common.constants import CDI_KIND
+from common.constants import CDI_KIND, INSTASLICE_GPU, INSTASLICE_MIG_PREFIX, WHOLE_GPU_PROFILE
 from common.kubeapi import ApiError, Kube
 from common.profiles import profile_from_suffix
 from nodeagent import cdi, writes
@@ -47,8 +49,22 @@ API_VERSION = "v1beta1"
 ALIAS_PREFIX = "dp-"
 
 
+def suffix(resource: str) -> str:
+    """`1g.18gb` of `instaslice.io/mig-1g.18gb`; `gpu` of `instaslice.io/gpu`."""
+    if resource == INSTASLICE_GPU:
+        return WHOLE_GPU_PROFILE
+    return resource.removeprefix(INSTASLICE_MIG_PREFIX)
+
+
+def profile_of(resource: str) -> str:
+    """The profile a resource's units carry (whole GPUs: `gpu`, as in their allocation)."""
+    if resource == INSTASLICE_GPU:
+        return WHOLE_GPU_PROFILE
+    return profile_from_suffix(suffix(resource))
+
+
 def device_id(resource: str, n: int) -> str:
-    return f"{resource.split('/mig-', 1)[1]}-{n}"
+    return f"{suffix(resource)}-{n}"
 
 
 def alias_name(key: IdKey) -> str:
@@ -78,7 +94,8 @@ class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.healthy = 0
         self.changed = asyncio.Condition()
         self.server: grpc.aio.Server | None = None
-        self.socket = owner.kubelet_dir / f"instaslice-mig-{resource.split('/mig-', 1)[1]}.sock"
+        kind = "gpu" if resource == INSTASLICE_GPU else f"mig-{suffix(resource)}"
+        self.socket = owner.kubelet_dir / f"instaslice-{kind}.sock"
 
     def devices(self) -> list[Any]:
         return [
@@ -248,8 +265,9 @@ class DevicePluginBinding:
         for resource, qty in self.capacity().items():
             server = self.servers.get(resource)
             if server is None:
-                profile = profile_from_suffix(resource.split("/mig-", 1)[1])
-                server = self.servers[resource] = ProfileServer(self, resource, profile)
+                server = self.servers[resource] = ProfileServer(
+                    self, resource, profile_of(resource)
+                )
             await server.set_bound(int(qty))
 
     async def allocate(self, profile: str, ids: list[str]) -> str:

@@ -131,7 +131,9 @@ class EmulatorControl:
         Refused while processes use the GPU unless `force`."""
 
         def fn(s: EmulatorState) -> EmulatorState | Rejected:
-            res = rules.reset(s.gpus[self._index(s, index)], force=force, vm=s.settings.vm)
+            gpu = s.gpus[self._index(s, index)]
+            held = index in s.settings.driver_clients
+            res = rules.reset(gpu, force=force, vm=s.settings.vm, held=held)
             return res if isinstance(res, Rejected) else s.with_gpu(res)
 
         self._change(fn)
@@ -160,6 +162,18 @@ class EmulatorControl:
         """True: the node is a pass-through VM guest. SetMigMode only records the pending
         mode (RESET_REQUIRED) and `reset_gpu` is refused, so only a reboot changes it [INF]."""
         self._change(lambda s: replace(s, settings=replace(s.settings, vm=vm)))
+
+    def set_driver_client(self, index: int, held: bool) -> None:
+        """A driver client (DCGM, nvidia-persistenced) holds GPU `index` open, or lets go:
+        while held, `reset_gpu` is refused with IN_USE [INF]."""
+
+        def fn(s: EmulatorState) -> EmulatorState:
+            clients = set(s.settings.driver_clients) - {index}
+            if held:
+                clients.add(self._index(s, index))
+            return replace(s, settings=replace(s.settings, driver_clients=tuple(sorted(clients))))
+
+        self._change(fn)
 
     def set_disable_with_instances(self, rule: Literal["in_use", "destroy"]) -> None:
         """What a Hopper+ SetMigMode(DISABLE) does while GPU instances exist [INF]:

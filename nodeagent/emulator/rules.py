@@ -335,11 +335,14 @@ def mode_after_reboot(gpu: Gpu, keep_mig_mode: bool | None) -> int:
     return gpu.mig_pending if keep_mig_mode else MIG_DISABLE
 
 
-def reset(gpu: Gpu, *, force: bool = False, vm: bool = False) -> Gpu | Rejected:
+def reset(gpu: Gpu, *, force: bool = False, vm: bool = False, held: bool = False) -> Gpu | Rejected:
     """`nvidia-smi -r`: the pending MIG mode takes effect; no GI/CI survives a reset.
-    A pass-through VM refuses it ("Resetting GPU ... is not supported", gpu-operator#1606)."""
+    A pass-through VM refuses it ("Resetting GPU ... is not supported", gpu-operator#1606);
+    so does a GPU a driver client holds open (`held`: DCGM, persistenced) [INF]."""
     if vm:
         return Rejected(NOT_SUPPORTED, f"GPU {gpu.index}: resetting is not supported in a VM")
+    if held and not force:
+        return Rejected(IN_USE, f"GPU {gpu.index}: a driver client (DCGM, persistenced) holds it")
     if gpu.all_processes() and not force:
         return Rejected(IN_USE, f"GPU {gpu.index}: processes running")
     return replace(gpu, mig_current=gpu.mig_pending, lost=False, processes=(), gis=())

@@ -134,6 +134,10 @@ class Settings:
     # Hopper+ SetMigMode(DISABLE) while GPU instances exist [INF, unverified (design R1.1)]:
     # "in_use" refuses it (mig-parted always destroys them first); "destroy" drops them.
     disable_with_instances: Literal["in_use", "destroy"] = "in_use"
+    # GPUs (indexes) a driver client holds open — DCGM, dcgm-exporter, nvidia-persistenced
+    # [INF, from gpu-operator#118 and the MIG user guide: "all daemons holding handles on
+    # driver modules need to be stopped"]: `reset_gpu` is refused on them.
+    driver_clients: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,6 +237,7 @@ def _settings(raw: dict[str, Any]) -> Settings:
         mode_ms=raw.get("mode_ms", 0),
         vm=raw.get("vm", False),
         disable_with_instances=_disable_rule(raw.get("disable_with_instances", "in_use")),
+        driver_clients=tuple(raw.get("driver_clients", ())),
     )
 
 

@@ -34,10 +34,12 @@ from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
     GATE_NAME,
+    INSTASLICE_GPU,
     MIG_NODE_KIND,
     MIG_NODE_PLURAL,
     RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
+    WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
 from common.objects import Phase, SliceSpec, new_claim_id
@@ -60,8 +62,9 @@ def _container(name: str, asks: Mapping[str, int], cpu: str | None, memory: str 
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     for profile, count in asks.items():
-        requests[instaslice_resource(profile)] = str(count)
-        limits[instaslice_resource(profile)] = str(count)
+        res = INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
+        requests[res] = str(count)
+        limits[res] = str(count)
     if cpu is not None:
         requests["cpu"] = cpu
     if memory is not None:
@@ -327,7 +330,13 @@ async def wait_for(
     try:
         async with asyncio.timeout(within):
             while True:
-                listing = await kube.list(path, **selectors)
+                try:
+                    listing = await kube.list(path, **selectors)
+                except ApiError as exc:
+                    if exc.status != 429:  # a new CRD's storage still initializing (loaded CI)
+                        raise
+                    await asyncio.sleep(0.2)
+                    continue
                 items = {obj_key(o): o for o in listing.get("items", [])}
                 last = list(items.values())
                 result = predicate(last)

@@ -147,7 +147,8 @@ def test_rbac_manifest_grants_no_more_than_documented() -> None:
         "events": {"create", "list", "watch"},  # list/watch: Karpenter's answers
         "podtemplates": {"create", "delete"},  # --autoscaler-signal=provisioning-request
         "provisioningrequests": {"get", "list", "watch", "create", "delete"},
-        "mignodes": {"get", "list", "watch", "delete"},  # a gone node's (--node-gone-grace)
+        # delete: a gone node's (--node-gone-grace); patch: desiredMigMode (Ampere maintenance)
+        "mignodes": {"get", "list", "watch", "patch", "delete"},
         # no update: the spec is immutable, status is the agent's, the finalizer goes by patch
         "sliceallocations": {"get", "list", "watch", "create", "patch", "delete"},
         "leases": {"create", "get", "update", "list", "watch", "delete"},

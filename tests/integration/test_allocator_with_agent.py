@@ -2,10 +2,13 @@
 fake one: what it decides is what NVML accepts.
 
 Covers one pod end to end (SliceAllocation → GPU instance at exactly the decided placement →
-Ready → pinned → bound → deleted → instance destroyed → record gone) and two GPUs filled
+Ready → pinned → bound → deleted → instance destroyed → record gone), two GPUs filled
 with mixed profiles (every decided placement is legal on the emulated hardware; a pod that
-needs a whole GPU is then pending). The fake-agent suite (test_allocator.py) covers the
-failure paths; the e2e suite covers the webhook and agent processes as deployed.
+needs a whole GPU is then pending), and Ampere maintenance: an A100 with MIG off serves a
+MIG pod after the allocator asked for the mode change (`--ampere-mode-changes=drain`) and the
+agent reset the GPU, while with the flag off the pod keeps waiting `NeedsMigModeChange`.
+The fake-agent suite (test_allocator.py) covers the failure paths; the e2e suite covers the
+webhook and agent processes as deployed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -54,12 +58,18 @@ class AgentWorld:
         self.kubeconfig = kubeconfig
         self.task: asyncio.Task[None] | None = None
 
-    async def nodes(self, *shorts: str, model: str = "H100-80GB", gpus: int = 1) -> list[str]:
+    async def nodes(
+        self,
+        *shorts: str,
+        model: str = "H100-80GB",
+        gpus: int = 1,
+        mig_mode: Literal["enabled", "disabled"] = "enabled",
+    ) -> list[str]:
         """KWOK nodes whose GPUs are emulated and served by one in-process node agent."""
         names = []
         for short in shorts:
             name = await self.env.add_node(short, model=None, mig_node=False)
-            await asyncio.to_thread(provision, self.gpus, name, [model] * gpus)
+            await asyncio.to_thread(provision, self.gpus, name, [model] * gpus, mig_mode)
             names.append(name)
         settings = Settings(
             nodes=tuple(names),
@@ -147,3 +157,63 @@ async def test_gpus_filled_with_mixed_profiles(world: AgentWorld) -> None:
     assert used == 2 * 4 + 7
     await env.create_pod("whole", slices={"main": {"7g.80gb": 1}})  # no GPU is empty now
     await env.wait_event("whole", REASON_PENDING)
+
+
+async def _desired(env: AllocatorEnv, node: str) -> list[Obj]:
+    obj = await env.kube.get(instaslice_path(MIG_NODE_PLURAL, name=node))
+    return list((obj.get("spec") or {}).get("gpus") or [])
+
+
+async def test_ampere_maintenance_serves_a_mig_pod_on_an_a100_with_mig_off(
+    world: AgentWorld,
+) -> None:
+    (node,) = await world.nodes("a1", model="A100-80GB", mig_mode="disabled")
+    env = world.env
+    env.start(ampere_mode_changes="drain")
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    told = await env.wait_event("p", REASON_PENDING)
+    assert "asked for (Ampere maintenance" in told["message"], told["message"]
+    bound = await env.wait_bound("p", within=60)
+    assert podlib.bound_node(bound) == node
+    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    assert (gpu.mig_current, gpu.mig_pending) == (1, 1)
+    assert [p for _, p, _, _ in world.instances(node)] == ["1g.10gb"]
+
+    async def withdrawn() -> bool:
+        return await _desired(env, node) == []
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while not await withdrawn():
+        assert asyncio.get_running_loop().time() < deadline, await _desired(env, node)
+        await asyncio.sleep(0.2)
+
+
+async def test_without_the_flag_an_ampere_pod_keeps_waiting(world: AgentWorld) -> None:
+    (node,) = await world.nodes("a1", model="A100-80GB", mig_mode="disabled")
+    env = world.env
+    env.start()  # --ampere-mode-changes=off
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    told = await env.wait_event("p", REASON_PENDING)
+    assert "needs a GPU reset" in told["message"], told["message"]
+    await asyncio.sleep(3.0)  # the agent's GC passes, the allocator's retries: nothing asked
+    assert await _desired(env, node) == []
+    assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 0
+    assert not podlib.bound_node(await env.pod("p"))
+
+
+async def test_ampere_maintenance_serves_a_whole_gpu_pod_on_an_a100_in_mig_mode(
+    world: AgentWorld,
+) -> None:
+    (node,) = await world.nodes("a1", model="A100-80GB")  # MIG on
+    env = world.env
+    env.start(ampere_mode_changes="drain")
+    await env.create_pod("w", slices={"main": {"gpu": 1}})
+    told = await env.wait_event("w", REASON_PENDING)
+    assert "asked for (Ampere maintenance" in told["message"], told["message"]
+    bound = await env.wait_bound("w", within=60)
+    assert podlib.bound_node(bound) == node
+    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    assert (gpu.mig_current, gpu.mig_pending) == (0, 0)
+    (record,) = await env.allocations()
+    assert record["spec"]["slices"][0]["kind"] == "gpu"
+    assert record["status"]["slices"][0]["gpuUUID"] == gpu.uuid

@@ -317,3 +317,85 @@ async def test_an_agent_restart_keeps_device_plugin_binding(
             kubelet.pods.append(pod(ns, "pod-cwait", "main", ["1g.18gb-1"]))
             await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-1"]))
             assert alias_uuids(node.cdi_dir, name) == uuid["cwait"]
+
+
+GPU_RES = "instaslice.io/gpu"
+
+
+def gpu_pod(ns: str, name: str, container: str, ids: list[str]) -> Any:
+    dev = pr.ContainerDevices(resource_name=GPU_RES, device_ids=ids)
+    return pr.PodResources(
+        name=name,
+        namespace=ns,
+        containers=[pr.ContainerResources(name=container, devices=[dev])],
+    )
+
+
+def whole(alloc: Any) -> Any:
+    for s in alloc["spec"]["slices"]:
+        s["kind"] = "gpu"
+    return alloc
+
+
+async def test_whole_gpus_are_bound_with_the_same_rules(
+    kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
+) -> None:
+    """Whole GPUs in the device-plugin mode (issue 24): a plugin for `instaslice.io/gpu`
+    lists one device per GPU that can serve whole; Allocate binds the ids to a Ready
+    whole-GPU allocation's unit and answers its CDI alias (`NVIDIA_VISIBLE_DEVICES=GPU-…`);
+    PreStartContainer refuses a pod that has no allocation (a thief whose ids took the
+    owner's unit) and moves the owner's ids onto its own GPU."""
+    node = await gpu_node(kube, tmp_path, [H200, H200])
+    ns = namespace
+    async with running_agent(dp_settings(node, control_plane, kubelet)):
+
+        async def gpu_registered() -> bool:
+            return any(r.resource_name == GPU_RES for r in kubelet.registered)
+
+        await eventually(gpu_registered, what="registration of instaslice.io/gpu")
+        reg = next(r for r in kubelet.registered if r.resource_name == GPU_RES)
+        assert reg.options.pre_start_required and reg.endpoint == "instaslice-gpu.sock"
+        ch, stub = kubelet.plugin(GPU_RES)
+        async with ch:
+            stream = stub.ListAndWatch(dp.Empty())
+            listed = await stream.read()
+            while not listed.devices:  # registered before the agent had read its GPUs
+                listed = await stream.read()
+            assert sorted(d.ID for d in listed.devices) == ["gpu-0", "gpu-1"]
+            assert {d.health for d in listed.devices} == {"Healthy"}
+            stream.cancel()
+
+            owned = whole(slice_allocation(ns, node, [("train", "gpu", 1, 0, 8)], claim="cw"))
+            await create_allocation(kube, owned)
+            ready = await wait_phase(kube, owned, "Ready")
+            gpu = ready["status"]["slices"][0]["migUUID"]
+            assert gpu == node.gpu_uuid(1)
+            assert node.emu.state().gpus[1].mig_current == 0  # MIG turned off for it
+
+            await stub.Allocate(one_id("gpu-0"))  # a thief's ids take the only Ready unit
+            kubelet.pods = [gpu_pod(ns, "thief", "main", ["gpu-0"])]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["gpu-0"]))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert not (node.cdi_dir / "instaslice.io-plugin-gpu-0.json").exists()
+
+            r = await stub.Allocate(one_id("gpu-1"))
+            name = r.container_responses[0].cdi_devices[0].name
+            assert name == "instaslice.io/mig=dp-gpu-1"
+            kubelet.pods.append(gpu_pod(ns, "pod-cw", "train", ["gpu-1"]))
+            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["gpu-1"]))
+            assert alias_uuids(node.cdi_dir, name) == gpu
+
+            async def recorded() -> bool:
+                obj = await get_allocation(kube, ns, "cw")
+                conds = (obj or {}).get("status", {}).get("conditions") or []
+                c = next((c for c in conds if c["type"] == "DeviceBound"), None)
+                return (
+                    c is not None
+                    and "train/gpu: kubelet devices gpu-1 of pod pod-cw" in (c["message"])
+                )
+
+            await eventually(recorded, what="DeviceBound condition")
+            await kube.delete(instaslice_path("sliceallocations", ns, "cw"))
+            await wait_gone(kube, owned)
+            assert not (node.cdi_dir / "instaslice.io-plugin-gpu-1.json").exists()

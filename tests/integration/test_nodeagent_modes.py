@@ -14,6 +14,7 @@ Leaves out: the allocator's choice of modes (test_allocator_modes.py), real hard
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,53 @@ async def test_whole_gpu_on_a_gpu_with_foreign_instances_fails_untouched(
         failed = await wait_phase(agent_kube, alloc, "Failed")
         assert "InstaSlice did not create" in failed["status"]["message"]
         assert node.emu.state().gpus[0].mig_current == 1 and len(node.instances()) == 1
+
+
+async def _label(kube: Kube, node: str, value: str | None) -> None:
+    body = {"metadata": {"labels": {"instaslice.io/idle-mig-mode": value}}}
+    await kube.patch(core_path("nodes", name=node), body)
+
+
+async def test_resting_mode_changes_only_idle_hopper_gpus(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """`instaslice.io/idle-mig-mode` (issue 24): an idle H100 is brought to the labelled mode
+    once idle past `--idle-mig-mode-after-s`, through the intent/verify path; a GPU with an
+    allocation, one with a process and an A100 are left alone; `any` stops it; a label
+    asking the other mode brings the idle GPU back."""
+    node = await gpu_node(agent_kube, tmp_path, [H100, H100, H100, A100])  # MIG on
+    settings = agent_settings([node], control_plane.kubeconfig, idle_mig_mode_after_s=1.0)
+    node.emu.add_process(node.gpu_uuid(2))
+    async with running_agent(settings):
+        alloc = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 0, 6, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+        await _label(agent_kube, node.name, "bogus")  # read as any: nothing changes
+        await asyncio.sleep(2.0)  # idle past the threshold, several GC passes
+        assert [g.mig_current for g in node.emu.state().gpus] == [1, 1, 1, 1]
+        await _label(agent_kube, node.name, "disabled")
+
+        gpus = await _gpus(
+            agent_kube, node.name, lambda g: g[1]["migMode"]["current"] == "disabled"
+        )
+        assert gpus[1]["lastModeChange"]["to"] == "disabled"
+        assert [g.mig_current for g in node.emu.state().gpus] == [1, 0, 1, 1]
+        assert json.loads(node.checkpoint.read_text())["modeChanges"] == []
+
+        await _label(agent_kube, node.name, "enabled")
+        await _gpus(agent_kube, node.name, lambda g: g[1]["migMode"]["current"] == "enabled")
+        await _label(agent_kube, node.name, "any")
+        nv = EmulatedNvml(node.root / "gpus", node.name)
+        nv.nvmlInit()
+        nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(1), 0)  # an admin, under `any`
+        await _gpus(agent_kube, node.name, lambda g: g[1]["migMode"]["current"] == "disabled")
+        await asyncio.sleep(2.0)  # idle past the threshold, several GC passes
+        assert [g.mig_current for g in node.emu.state().gpus] == [1, 0, 1, 1]
+        # the GPU with an allocation rests too once the allocation is gone
+        await _label(agent_kube, node.name, "disabled")
+        await agent_kube.delete(
+            instaslice_path("sliceallocations", alloc_ns, alloc["metadata"]["name"])
+        )
+        await wait_gone(agent_kube, alloc)
+        await _gpus(agent_kube, node.name, lambda g: g[0]["migMode"]["current"] == "disabled")
+        assert [g.mig_current for g in node.emu.state().gpus] == [0, 0, 1, 1]

@@ -157,7 +157,7 @@ CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     ("", "podtemplates", ""): {"create", "delete"},  # --autoscaler-signal=provisioning-request
     ("autoscaling.x-k8s.io", "provisioningrequests", ""): {"get", "list", "watch", "create"}
     | {"delete"},
-    ("instaslice.io", "mignodes", ""): {"get", "list", "watch", "delete"},
+    ("instaslice.io", "mignodes", ""): {"get", "list", "watch", "patch", "delete"},
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "create", "patch"}
     | {"delete"},
 }
@@ -168,7 +168,7 @@ CONTROLLER_IN_NS: dict[tuple[str, str, str], set[str]] = {
 AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "sliceallocations", ""): {"get", "list", "watch", "patch"},
     ("instaslice.io", "sliceallocations", "status"): {"patch"},
-    ("instaslice.io", "mignodes", ""): {"create"},
+    ("instaslice.io", "mignodes", ""): {"get", "list", "watch", "create"},
     ("instaslice.io", "mignodes", "status"): {"patch"},
     ("", "nodes", ""): {"get", "list", "watch", "patch"},
     ("", "nodes", "status"): {"patch"},
@@ -462,9 +462,21 @@ async def _confined(kube: Kube, agent: Kube, nodes: Nodes, ns: str) -> None:
     await agent.patch(core_path("nodes", name=nodes.a), mine)
     await _refused(agent.patch(core_path("nodes", name=nodes.b), mine),
                    "may only update the status of Node")  # fmt: skip
+    # the GPU Operator's deploy labels: an existing one paused and restored (Ampere
+    # maintenance), nothing else
+    dcgm = "nvidia.com/gpu.deploy.dcgm"
+    await kube.patch(core_path("nodes", name=nodes.a), {"metadata": {"labels": {dcgm: "true"}}})
+    paused = {"metadata": {"labels": {dcgm: "paused-for-mig-change"}}}
+    await agent.patch(core_path("nodes", name=nodes.a), paused)
+    await agent.patch(core_path("nodes", name=nodes.a), {"metadata": {"labels": {dcgm: "true"}}})
+    await _refused(agent.patch(core_path("nodes", name=nodes.b), paused),
+                   "may only update the status of Node")  # fmt: skip
     for bad in (
         {"metadata": {"labels": {"x": "y"}}},
         {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+        {"metadata": {"labels": {dcgm: "false"}}},  # only to or from paused
+        {"metadata": {"labels": {dcgm: None}}},  # never removed
+        {"metadata": {"labels": {"nvidia.com/gpu.deploy.nvsm": "paused-for-mig-change"}}},
         {"spec": {"unschedulable": True}},
         {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
     ):

@@ -191,8 +191,11 @@ def test_nodes_show_mode_and_mode_changes() -> None:
         modeToggle="resetless",
         modeChange={"phase": "Failed", "message": "1 compute process(es) run on it"},
     )
-    out = render_nodes([on, off, failed], [])
+    draining = _mignode("n3", [])
+    draining["status"]["gpus"][0].update(modeToggle="reset", modeChange={"phase": "Draining"})
+    out = render_nodes([on, off, failed, draining], [])
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith("n")}
+    assert rows["n3"][3:5] == ["enabled", "draining"]  # Ampere maintenance under way
     assert rows["n0"][3:5] == ["enabled", "-"]  # an older agent: no modeToggle
     assert rows["n1"][3:5] == ["disabled", "resetless"]
     assert rows["n2"][3:5] == ["disabled", "FAILED"]

@@ -109,3 +109,46 @@ def test_checkpoint_with_mode_intent_round_trips() -> None:
     old = checkpoint.to_json(Checkpoint(node="n"))
     del old["modeChanges"]  # a checkpoint written before the key existed
     assert checkpoint.from_json(old).mode_changes == {}
+
+
+@pytest.mark.parametrize(
+    ("labels", "want"),
+    [
+        ({}, None),
+        ({"instaslice.io/idle-mig-mode": "any"}, None),
+        ({"instaslice.io/idle-mig-mode": "enabled"}, MIG_ENABLED),
+        ({"instaslice.io/idle-mig-mode": "disabled"}, MIG_DISABLED),
+        ({"other": "disabled"}, None),
+    ],
+)
+def test_idle_mode_label(labels: dict[str, str], want: str | None) -> None:
+    assert modes.idle_mode(labels) == want
+
+
+def test_a_bad_idle_mode_label_names_the_label() -> None:
+    with pytest.raises(modes.BadIdleMode, match=r"instaslice.io/idle-mig-mode='off'.*any"):
+        modes.idle_mode({"instaslice.io/idle-mig-mode": "off"})
+
+
+ON = replace(GPU, mig_current=MIG_ENABLED, mig_pending=MIG_ENABLED)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "target", "how", "busy", "idle_for", "want"),
+    [
+        (ON, MIG_DISABLED, "resetless", False, 11.0, MIG_DISABLED),
+        (GPU, MIG_ENABLED, "resetless", False, 11.0, MIG_ENABLED),
+        (ON, MIG_DISABLED, "resetless", False, 10.0, None),  # not idle long enough
+        (ON, MIG_DISABLED, "resetless", True, 11.0, None),  # an allocation or instance on it
+        (replace(ON, compute_processes=1), MIG_DISABLED, "resetless", False, 11.0, None),
+        (ON, MIG_DISABLED, "reset", False, 11.0, None),  # Ampere: never for resting
+        (ON, MIG_DISABLED, "none", False, 11.0, None),  # a VM guest
+        (ON, MIG_ENABLED, "resetless", False, 11.0, None),  # there already
+        (ON, None, "resetless", False, 11.0, None),  # label any
+        (replace(ON, mig_pending=MIG_DISABLED), MIG_DISABLED, "resetless", False, 11.0, None),
+    ],
+)
+def test_rest_target(
+    gpu: GpuInfo, target: str | None, how: modes.Toggle, busy: bool, idle_for: float, want: str
+) -> None:
+    assert modes.rest_target(gpu, target, how, busy, idle_for, after_s=10.0) == want

@@ -87,6 +87,9 @@ def test_ampere_gpus_in_mig_mode_are_named_and_never_used() -> None:
     assert isinstance(got.result, Pending)
     assert got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
     assert "amp/GPU 0" in got.result.message and "reset" in got.result.message
+    assert got.resets == (("amp", 0),)  # what Ampere maintenance would ask for: one GPU
+    two = place_whole(snap(a), whole_pod(2), view)
+    assert two.resets == (("amp", 0), ("amp", 1))
 
 
 def test_is_whole_and_wanted() -> None:

@@ -54,6 +54,7 @@ from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
 from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer, PreemptionSettings
 from webhook.allocator.preemption import Budgets
@@ -118,6 +119,8 @@ class Controller:
             kick=self.kick,
             tell=lambda pod, reason, message: self._event(pod, reason, message, "Warning"),
         )
+        if settings.ampere_mode_changes == ASK_DRAIN:
+            self.placer.ask_modes = self._ask_modes
         self.budgets = Budgets()
         if settings.preemption:
             self.placer.preemption = PreemptionSettings(
@@ -264,7 +267,27 @@ class Controller:
             self.state.remove_mig_node(obj)
         else:
             self.state.upsert_mig_node(obj)
+            done = withdrawals(obj) if self.placer.ask_modes is not None else set()
+            if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
+                self._set_modes(str(obj["metadata"]["name"]), {}, done)
         self._after_change()
+
+    def _ask_modes(self, node: str, wants: dict[str, str]) -> None:
+        self._set_modes(node, wants, set())
+
+    def _set_modes(self, node: str, add: dict[str, str], drop: set[str]) -> None:
+        """MigNode `node`'s desiredMigMode entries, written in the background (leader only)."""
+        if self._tg is None or not self._leading:
+            return
+        current = {g.uuid: g.desired for g in self.state.gpus.get(node, ()) if g.desired}
+        body = spec_patch(current, add, drop)
+        self._tg.create_task(self._write_modes(node, body))
+
+    async def _write_modes(self, node: str, body: Obj) -> None:
+        try:
+            await self.steps.writes.set_desired_modes(node, body)
+        except ApiError as exc:  # the next MigNode event or pending pod asks again
+            log.warning("could not write desired MIG modes", node=node, error=str(exc))
 
     async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
         """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere

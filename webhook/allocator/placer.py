@@ -26,6 +26,7 @@ from common.placement.whole import is_whole, place_whole
 from common.podspec import SliceRequestError
 from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
+from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.preemption import Budgets, Preemption, Victim, holders, never_preempts
 from webhook.allocator.queue import PlacementQueue
@@ -75,6 +76,9 @@ class Placer:
     queue: PlacementQueue = field(default_factory=PlacementQueue)
     pendings: Pendings | None = None  # the autoscaler signal, when on
     preemption: PreemptionSettings | None = None  # None: preemption off
+    # Ampere maintenance (webhook/allocator/maintenance.py), when on: (node, {GPU UUID:
+    # mode}) → the MigNode's desiredMigMode is written in the background
+    ask_modes: Callable[[str, dict[str, str]], None] | None = None
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -118,6 +122,13 @@ class Placer:
             track.failed_gpus = frozenset()
             snapshot = self.state.snapshot(name_label=name_label)
             result = self._place(snapshot, request, sized)
+        if (
+            isinstance(result, Pending)
+            and result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
+            and self.ask_modes is not None
+            and not sized
+        ):
+            result = self.ask_maintenance(snapshot, request, result)
         if isinstance(result, Pending):
             # size-based and whole-GPU asks are not planned for preemption: they wait
             # (docs/allocator.md)
@@ -171,6 +182,44 @@ class Placer:
         return place_with_modes(
             snapshot, request, modes, self.policy, self.catalog, first=first
         ).result
+
+    def ask_maintenance(self, snapshot: Snapshot, request: PodRequest, pending: Pending) -> Pending:
+        """Ask for the MIG mode change the pod needs on Ampere GPUs (one ask in the cluster
+        at a time; webhook/allocator/maintenance.py); the pod waits NeedsMigModeChange."""
+        assert self.ask_modes is not None
+        placeable = {n.name for n in snapshot.nodes}  # an ask on a node that is down waits
+        busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
+        if busy:
+            names = ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change (a GPU reset); one is under way on "
+                f"{names} (Ampere maintenance), asked again once it is done",
+            )
+        if is_whole(request):  # whole GPUs need MIG off
+            view = self.state.whole_view(snapshot)
+            resets, target = place_whole(snapshot, request, view, self.catalog).resets, "disabled"
+        else:
+            modes = self.state.mode_view(snapshot)
+            found = place_with_modes(snapshot, request, modes, self.policy, self.catalog)
+            resets, target = found.resets, "enabled"
+        if not resets:
+            return pending
+        node = resets[0][0]
+        wants: dict[str, str] = {}
+        for n, i in resets:
+            gpu = self.state.gpu(n, i)
+            if n == node and gpu is not None:
+                wants[gpu.uuid] = target
+        self.ask_modes(node, wants)
+        names = ", ".join(f"{node}/GPU {i}" for _, i in resets)
+        log.info("MIG mode change asked (Ampere maintenance)", node=node, gpus=sorted(wants))
+        return Pending(
+            pending.reason,
+            f"it fits only after a MIG mode change on {names}: asked for (Ampere maintenance: "
+            "the node agent drains the GPU, pauses the GPU Operator's clients, resets it); "
+            "the pod is placed once it is done",
+        )
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out

@@ -45,6 +45,8 @@ class AllocatorSettings:
       its own workloads).
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
+    ampere_mode_changes: `drain` asks node agents for the MIG mode change (a GPU reset) a
+      pod needs on Ampere GPUs (docs/allocator.md "Ampere maintenance"); `off`: it waits.
     clock: injectable for tests.
     """
 
@@ -67,6 +69,7 @@ class AllocatorSettings:
     preemption: bool = False
     preempt_kueue_pods: bool = False
     preemption_wait_s: float = 180.0
+    ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:

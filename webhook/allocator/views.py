@@ -12,6 +12,7 @@ from typing import Any
 
 from common.catalog import GpuModel
 from common.catalog.learned import Geometries
+from common.objects import desired_modes
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
@@ -118,6 +119,21 @@ class GpuView:
     whole_toggle: bool = False
     whole_needs_reset: bool = False
     geometry: GpuModel | None = None  # the published table, when not the catalog's (learned.py)
+    # Ampere maintenance (docs/allocator.md): the MigNode's spec.gpus[].desiredMigMode; while
+    # it is not reached (or the agent drains/resets the GPU) nothing is placed there
+    desired: str = ""
+    maintenance: bool = False
+
+
+MAINTENANCE_PHASES = ("Draining", "Resetting")
+
+
+def in_maintenance(g: Obj, desired: str) -> bool:
+    """A desired mode not reached yet, or the agent draining/resetting the GPU."""
+    mode = g.get("migMode") or {}
+    reached = mode.get("current") == mode.get("pending") == desired
+    phase = (g.get("modeChange") or {}).get("phase")
+    return bool(desired and not reached) or phase in MAINTENANCE_PHASES
 
 
 def mode_class(g: Obj) -> tuple[bool, bool]:
@@ -145,10 +161,13 @@ def whole_class(g: Obj) -> tuple[bool, bool, bool]:
 
 def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
     out = []
+    desired = desired_modes(mig_node)
     for g in mig_node.get("status", {}).get("gpus") or []:
         mode = g.get("migMode") or {}
-        flex, needs_reset = mode_class(g)
-        whole_now, whole_toggle, whole_reset = whole_class(g)
+        want = desired.get(str(g.get("uuid", "")), "")
+        locked = in_maintenance(g, want)
+        flex, needs_reset = mode_class(g) if not locked else (False, False)
+        whole_now, whole_toggle, whole_reset = whole_class(g) if not locked else (False,) * 3
         model = str(g.get("model", ""))
         out.append(
             GpuView(
@@ -156,7 +175,7 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                 uuid=str(g.get("uuid", "")),
                 model=model,
                 mig_enabled=mode.get("current") == "enabled" and mode.get("pending") == "enabled",
-                healthy=bool(g.get("healthy")),
+                healthy=bool(g.get("healthy")) and not locked,
                 instances=tuple(
                     (
                         int(s.get("start", 0)),
@@ -172,6 +191,8 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                 whole_toggle=whole_toggle,
                 whole_needs_reset=whole_reset,
                 geometry=geometries.of(model, g.get("profiles") or []),
+                desired=want,
+                maintenance=locked,
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))

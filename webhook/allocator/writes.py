@@ -69,6 +69,11 @@ class Writes:
             if not (exc.not_found or exc.conflict):  # gone, or already another object
                 raise
 
+    async def set_desired_modes(self, node: str, body: Obj) -> None:
+        """Merge-patch MigNode `node`'s spec.gpus (Ampere maintenance asks and withdrawals)."""
+        self.elector.check()
+        await self.kube.patch(instaslice_path("mignodes", name=node), body)
+
     async def forget_node(self, node: str, namespace: str) -> bool:
         """Delete the MigNode and the node agent's Lease (in `namespace`) of a node that no
         longer exists; False (nothing deleted) when a fresh read finds the Node after all."""
