@@ -95,8 +95,9 @@ bench-latency: install kube-bins ## time-to-slice and throughput on the local co
 	$(BIN)/python -m bench.latency --report .dev/bench
 	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
 
-bench-memory: install ## the allocator's pod cache with 30 000 real-sized pods (the `memory` entry)
+bench-memory: install ## the allocator's memory: 30 000 real-sized pods, 1000-5000 nodes x 8 GPUs (`memory`, `fleet_memory`)
 	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
+	$(BIN)/python -m bench.fleet_memory --out .dev/bench/latency.json
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)

@@ -280,7 +280,8 @@ class _FakeKube:
         yield ("BOOKMARK", {})
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
+    """A field of this process's /proc status, in KiB (VmRSS, VmHWM)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -310,15 +311,15 @@ async def _child(mode: str, pods: int, gpu_pods: int, nodes: int) -> Obj:
         page_size=pods + gpu_pods if before else PAGE_SIZE,
     )
     gc.collect()
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     cpu0, wall0 = time.process_time(), time.perf_counter()
     run = asyncio.create_task(informer.run())
     await informer.synced.wait()
     cpu1, wall1 = time.process_time(), time.perf_counter()
     run.cancel()
     gc.collect()
-    after = _status_kib("VmRSS")
-    peak = _status_kib("VmHWM")
+    after = status_kib("VmRSS")
+    peak = status_kib("VmHWM")
     assert len(state.pods) == pods + gpu_pods
     usage = sum(state.usage(f"node-{n}").cpu_millis for n in range(nodes))
     cached = [state.pods[u].obj for u in list(state.pods)[: min(200, pods)]]
@@ -378,12 +379,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry[mode] = measure(mode, args.pods, args.gpu_pods, args.nodes)
         print(json.dumps(entry[mode]))
     entry["load_end"] = round(os.getloadavg()[0], 2)
-    doc: Obj = json.loads(args.out.read_text()) if args.out.exists() else {}
-    doc["memory"] = entry
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote the memory entry of {args.out}")
+    write_entry(args.out, "memory", entry)
     return 0
+
+
+def write_entry(out: Path, key: str, entry: Obj) -> None:
+    """Merge `entry` into the JSON file `out` as `key` (the file made if missing)."""
+    doc: Obj = json.loads(out.read_text()) if out.exists() else {}
+    doc[key] = entry
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote the {key} entry of {out}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from common.constants import (
     ENABLED_KEY,
     GATE_NAME,
     LEASE_API_VERSION,
+    MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
     SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
@@ -47,6 +48,7 @@ from common.kubeapi import (
     Obj,
     core_path,
     group_path,
+    identity,
     instaslice_path,
     lean,
 )
@@ -168,7 +170,9 @@ class Controller:
             transform=_cached_pod,
         )
         leases = group_path(LEASE_API_VERSION, "leases", settings.namespace)
-        self.lease_informer = Informer(kube, leases, self._on_lease, name="leases")
+        self.lease_informer = Informer(kube, leases, self._on_lease, name="leases", transform=lean)
+        # Nodes and MigNodes are parsed into `state` (NodeView, GpuView): their informers keep
+        # only each object's identity, not the object (a MigNode is 83 KB in memory).
         self.informers = [
             self.pods_informer,
             Informer(
@@ -177,9 +181,16 @@ class Controller:
                 self._on_node,
                 label_selector=settings.node_selector,
                 name="nodes",
-                transform=lean,  # nor a node's image list
+                keep=identity,
             ),
-            Informer(kube, instaslice_path(MIG_NODE_PLURAL), self._on_mig_node, name="mignodes"),
+            Informer(
+                kube,
+                instaslice_path(MIG_NODE_PLURAL),
+                self._on_mig_node,
+                name="mignodes",
+                keep=identity,
+                page_size=MIG_NODE_PAGE_SIZE,
+            ),
             Informer(
                 kube,
                 instaslice_path(SLICE_ALLOCATION_PLURAL),
