@@ -26,13 +26,14 @@ trace replayer: the node's position) and passes a function that builds the snaps
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Hashable
-from heapq import heapify, heappop, heappush
 from typing import Any
 
 from common.catalog import Catalog
 from common.placement import engine
 from common.placement.explain import explain
+from common.placement.lazyheap import LazyHeap
 from common.placement.model import NodeState, Pending, Placement, PodRequest, Policy, Snapshot
 from common.placement.search import (
     RANK_SCALE,
@@ -46,62 +47,36 @@ from common.placement.search import (
     rank_table,
 )
 from common.placement.selectors import mismatch
+from common.placement.why import ShapeWhy
 
 Score = Callable[[str], int]  # node GPU key -> score (lower is better; -1: never fits)
-Entry = tuple[int, Any, str]  # (score, sort key, node name)
+WHY_SHAPES = 32  # pending explanations kept, by demand shape (least recently asked dropped)
 
 
-class _Order:
-    """The fleet's nodes that may fit one demand shape, by (score, sort key): a heap with
-    lazy deletion. `live` holds each node's current entry; heap entries that differ from it
-    are stale and dropped when met."""
+class _Order(LazyHeap):
+    """The fleet's nodes that may fit one demand shape, by (score, sort key). `stale`: the
+    nodes changed since the order was last brought up to date."""
 
     def __init__(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
-        self.live: dict[str, tuple[int, Any]] = {}
-        self.stale: set[str] = set()
+        live: dict[str, tuple[int, Any]] = {}
         for name, (node, key) in nodes.items():
             s = score(node.gpu_key)
             if s >= 0:
-                self.live[name] = (s, key)
-        self.heap: list[Entry] = [(s, key, name) for name, (s, key) in self.live.items()]
-        heapify(self.heap)
+                live[name] = (s, key)
+        super().__init__(live)
+        self.stale: set[str] = set()
 
     def refresh(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
         """Re-score the nodes that changed (`score`: the current decision's, so the memo
         table it fills is the one the engine keeps pruned)."""
-        live, heap = self.live, self.heap
         for name in self.stale:
             got = nodes.get(name)
             if got is None or (s := score(got[0].gpu_key)) < 0:
-                live.pop(name, None)
-                continue
-            entry = (s, got[1])
-            if live.get(name) != entry:
-                live[name] = entry
-                heappush(heap, (s, entry[1], name))
+                self.discard(name)
+            else:
+                self.set(name, s, got[1])
         self.stale.clear()
-        if len(heap) > 2 * len(live) + 256:  # mostly stale entries: rebuild
-            self.heap = [(s, key, name) for name, (s, key) in live.items()]
-            heapify(self.heap)
-
-    def ascending(self) -> Generator[Entry]:
-        """Live entries, best first. Entries are popped while iterating and pushed back
-        when the iteration ends (close it, or run it to its end)."""
-        heap, live = self.heap, self.live
-        taken: list[Entry] = []
-        seen: set[str] = set()
-        try:
-            while heap:
-                entry = heappop(heap)
-                s, key, name = entry
-                if live.get(name) != (s, key) or name in seen:
-                    continue  # stale, or a duplicate of an entry already met
-                seen.add(name)
-                taken.append(entry)
-                yield entry
-        finally:
-            for entry in taken:
-                heappush(heap, entry)
+        self.compact()
 
 
 class FleetIndex:
@@ -110,6 +85,7 @@ class FleetIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[NodeState, Any]] = {}  # name -> (state, sort key)
         self._orders: dict[Hashable, _Order] = {}
+        self._whys: OrderedDict[Hashable, ShapeWhy] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -117,13 +93,17 @@ class FleetIndex:
     def put(self, node: NodeState, key: Any) -> None:
         """Add or replace a node; `key` sorts it as its position in the caller's snapshot."""
         self._nodes[node.name] = (node, key)
-        for order in self._orders.values():
-            order.stale.add(node.name)
+        self._changed(node.name)
 
     def remove(self, name: str) -> None:
         if self._nodes.pop(name, None) is not None:
-            for order in self._orders.values():
-                order.stale.add(name)
+            self._changed(name)
+
+    def _changed(self, name: str) -> None:
+        for order in self._orders.values():
+            order.stale.add(name)
+        for why in self._whys.values():
+            why.stale.add(name)
 
     def place(
         self,
@@ -142,8 +122,23 @@ class FleetIndex:
         else:
             chosen = self._multi(request, ctx)
         if chosen is None:
-            return explain(snapshot(), request, ctx)
+            return self._explain(request, ctx) or explain(snapshot(), request, ctx)
         return engine.placement_of(chosen[0], chosen[1], request, ctx)
+
+    def _explain(self, request: PodRequest, ctx: Context) -> Pending | None:
+        """Why the pod fits nowhere, from the sums kept per demand shape (why.py); None
+        where only the scan can word it."""
+        if request.node_selector or request.required_affinity:
+            return None  # labels differ per node: the scan reads them
+        shape = (ctx.ct, ctx.demand, ctx.policy)
+        why = self._whys.get(shape)
+        if why is None:
+            why = self._whys[shape] = ShapeWhy(ctx, self._nodes)
+            if len(self._whys) > WHY_SHAPES:
+                self._whys.popitem(last=False)
+        else:
+            self._whys.move_to_end(shape)
+        return why.explain(request, self._nodes)
 
     def _order(self, shape: Hashable, score: Score, table: dict[str, int]) -> _Order:
         order = self._orders.get(shape)
