@@ -3,45 +3,50 @@
 `engine.place` scans the whole snapshot for each pod: one memoised lookup per node, so a
 decision grows with the fleet (0.4 ms p50 but several ms at p99 on 1000 nodes x 8 GPUs, and
 five times that on 5000). The index keeps the fleet ordered the way the `instaslice` policy
-ranks it, per demand shape, so a decision touches only the best candidates:
+ranks it, so a decision touches only the best candidates:
 
 - one slice of a profile: nodes by (single-slice rank, snapshot order) — the scan's own
   preference order; the first node that passes the pod's resource and selector filters is
   the scan's answer;
 - several slices: nodes by (lower bound on the loss, snapshot order) — the order in which
-  the scan pops its heap; the same bounded search then runs over the first candidates.
+  the scan pops its heap — merged lazily from one order per profile, by (loss of one slice
+  of it, snapshot order), so a new multi-slice shape costs the nodes it reaches, not the
+  fleet; the same bounded search then runs over the first candidates;
+- a pod that fits nowhere: the reason from sums kept per demand shape (why.py), the
+  explanation's figures brought up to date from the nodes that changed.
 
-Each order is a lazy heap, built on the first decision that needs it and brought up to date
-at the next decision from the names of the nodes that changed since (`put` / `remove`, i.e.
-assume / forget and watch events), so a decision costs a few heap operations plus the
-nodes that changed. Ranks and bounds come from the engine's memo tables, keyed by the node's
-GPU state, so identical nodes are scored once.
+Each order is a lazy heap (lazyheap.py), built on the first decision that needs it and
+brought up to date at the next decision from the names of the nodes that changed since
+(`put` / `remove`, i.e. assume / forget and watch events), so a decision costs a few heap
+operations plus the nodes that changed. Ranks and bounds come from the engine's memo tables,
+keyed by the node's GPU state, so identical nodes are scored once.
 
 What the index does not cover falls back to the scan over the caller's snapshot, unchanged:
-the other policies, a pod without slices, and explaining a pod that fits nowhere (explain.py
-must look at every node to say why). The seam is narrow on purpose: the caller feeds node
-states with a sort key equal to their snapshot order (the allocator: the node name; the
-trace replayer: the node's position) and passes a function that builds the snapshot.
+the other policies, a pod without slices, and the pending pods why.py leaves to the scan (a
+nodeSelector or required affinity; ties only node order breaks). The seam is narrow on
+purpose: the caller feeds node states with a sort key equal to their snapshot order (the
+allocator: the node name; the trace replayer: the node's position) and passes a function
+that builds the snapshot.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Hashable
+from heapq import heappop, heappush
 from typing import Any
 
 from common.catalog import Catalog
 from common.placement import engine
 from common.placement.explain import explain
-from common.placement.lazyheap import LazyHeap
+from common.placement.lazyheap import Entry, LazyHeap
 from common.placement.model import NodeState, Pending, Placement, PodRequest, Policy, Snapshot
 from common.placement.search import (
     RANK_SCALE,
     RANK_TABLE_LIMIT,
+    CatalogTables,
     Context,
     NodeFit,
-    bound_table,
-    node_bound,
     node_single,
     prune,
     rank_table,
@@ -140,22 +145,23 @@ class FleetIndex:
             self._whys.move_to_end(shape)
         return why.explain(request, self._nodes)
 
-    def _order(self, shape: Hashable, score: Score, table: dict[str, int]) -> _Order:
+    def _order(self, shape: Hashable, score: Score, table: dict[str, int] | None) -> _Order:
         order = self._orders.get(shape)
         if order is None:
             order = self._orders[shape] = _Order(score, self._nodes)
         elif order.stale:
-            if len(table) > RANK_TABLE_LIMIT:
+            if table is not None and len(table) > RANK_TABLE_LIMIT:
                 prune(table, tuple(n for n, _ in self._nodes.values()))
             order.refresh(score, self._nodes)
         return order
 
-    def _candidates(self, order: _Order, request: PodRequest) -> Generator[tuple[int, NodeState]]:
-        """The order's nodes that pass the pod's resource and selector filters."""
+    def _candidates(
+        self, entries: Generator[Entry], request: PodRequest
+    ) -> Generator[tuple[int, NodeState]]:
+        """The entries' nodes that pass the pod's resource and selector filters."""
         filtered = bool(request.node_selector or request.required_affinity)
         cpu, mem = request.cpu_millis, request.memory_bytes
         nodes = self._nodes
-        entries = order.ascending()
         try:
             for s, _, name in entries:
                 node = nodes[name][0]
@@ -183,7 +189,7 @@ class FleetIndex:
             return r
 
         order = self._order(("single", ct, profile, policy), score, ranks)
-        candidates = self._candidates(order, request)
+        candidates = self._candidates(order.ascending(), request)
         try:
             for _, node in candidates:
                 fit = node_single(ct, node.gpu_key, profile, policy)
@@ -194,20 +200,64 @@ class FleetIndex:
             candidates.close()
 
     def _multi(self, request: PodRequest, ctx: Context) -> tuple[NodeState, NodeFit] | None:
-        """The engine's bounded search (engine._choose), over the index's order."""
-        ct = ctx.ct
-        bounds = bound_table(ct, ctx.profiles)
-
-        def score(key: str) -> int:
-            bound = bounds.get(key)
-            if bound is None:
-                found = node_bound(ct, key, ctx.profiles)
-                bound = bounds[key] = -1 if found is None else found
-            return bound
-
-        order = self._order(("bound", ct, ctx.profiles), score, bounds)
-        candidates = self._candidates(order, request)
+        """The engine's bounded search (engine._choose), over the nodes by bound."""
+        candidates = self._candidates(self._by_bound(ctx), request)
         try:
             return engine.bounded_search(ctx, candidates)
         finally:
             candidates.close()
+
+    def _losses(self, ct: CatalogTables, profile: str) -> _Order:
+        """The nodes by (loss of one `profile` slice there, sort key): one per profile,
+        shared by every multi-slice shape that asks for it (`_by_bound`)."""
+
+        def score(key: str) -> int:
+            fit = node_single(ct, key, profile, Policy.INSTASLICE)
+            return -1 if fit is None else fit.loss
+
+        return self._order(("loss", ct, profile), score, None)
+
+    def _by_bound(self, ctx: Context) -> Generator[Entry]:
+        """The nodes by (`search.node_bound` of the pod's profiles, sort key) — the order in
+        which the scan searches a multi-slice pod — merged lazily from the per-profile loss
+        orders, so a shape met for the first time orders no node it does not reach. The
+        bound is the largest of the node's per-profile losses, and each order is sorted by
+        (loss, key): a node not met yet in any order comes after the largest head of them
+        all, so every node met before that head is yielded (Fagin's threshold algorithm). A
+        node missing from an order cannot host that profile, and is no candidate."""
+        orders = [self._losses(ctx.ct, p) for p in ctx.profiles]
+        lives = [o.live for o in orders]
+        walks = [o.ascending() for o in orders]
+        met: set[str] = set()
+        ready: list[Entry] = []  # met candidates, by (bound, key)
+
+        def meet(entry: Entry | None) -> Entry | None:
+            if entry is None or entry[2] in met:
+                return entry
+            name = entry[2]
+            met.add(name)
+            bound = 0
+            for live in lives:
+                got = live.get(name)
+                if got is None:
+                    return entry  # one profile fits nowhere on it
+                bound = max(bound, got[0])
+            heappush(ready, (bound, entry[1], name))
+            return entry
+
+        try:
+            heads = [meet(next(walk, None)) for walk in walks]
+            while True:
+                known = [head for head in heads if head is not None]
+                if len(known) < len(heads):
+                    while ready:  # an order ran out: every candidate is met
+                        yield heappop(ready)
+                    return
+                top = max(range(len(known)), key=lambda i: known[i][:2])
+                threshold = known[top][:2]
+                while ready and ready[0][:2] < threshold:
+                    yield heappop(ready)
+                heads[top] = meet(next(walks[top], None))
+        finally:
+            for walk in walks:
+                walk.close()
