@@ -56,6 +56,7 @@ from common.placement.why import ShapeWhy
 
 Score = Callable[[str], int]  # node GPU key -> score (lower is better; -1: never fits)
 WHY_SHAPES = 32  # pending explanations kept, by demand shape (least recently asked dropped)
+WHY_TIDY_NODES = 8  # changed nodes a decision brings into the kept explanations (`_tidy`)
 
 
 class _Order(LazyHeap):
@@ -119,6 +120,7 @@ class FleetIndex:
     ) -> Placement | Pending:
         """`engine.place(snapshot(), request, policy, catalog)`, answered from the index
         where it can be; `snapshot()` must list exactly the indexed nodes in key order."""
+        self._tidy()
         ctx = Context(catalog, policy, request)
         if policy is not Policy.INSTASLICE or not ctx.profiles:
             return engine.place(snapshot(), request, policy, catalog)
@@ -129,6 +131,15 @@ class FleetIndex:
         if chosen is None:
             return self._explain(request, ctx) or explain(snapshot(), request, ctx)
         return engine.placement_of(chosen[0], chosen[1], request, ctx)
+
+    def _tidy(self) -> None:
+        """Bring the kept explanations up to date a few nodes per decision, so a pending pod
+        does not pay alone for every node changed since its shape was last explained."""
+        budget = WHY_TIDY_NODES
+        for why in self._whys.values():
+            budget -= why.refresh(self._nodes, budget)
+            if budget <= 0:
+                return
 
     def _explain(self, request: PodRequest, ctx: Context) -> Pending | None:
         """Why the pod fits nowhere, from the sums kept per demand shape (why.py); None

@@ -106,14 +106,19 @@ class ShapeWhy:
         self.stale: set[str] = set(nodes)
         self.refresh(nodes)
 
-    def refresh(self, nodes: Nodes) -> None:
-        if not self.stale:
-            return
+    def refresh(self, nodes: Nodes, limit: int | None = None) -> int:
+        """Bring the sums up to date with the nodes changed since (at most `limit` of them:
+        the index spreads the work over decisions); returns how many were done."""
+        stale = self.stale
+        if not stale:
+            return 0
         ctx = self.ctx
         verdicts = _verdict_table(ctx.ct, ctx.demand, ctx.policy)
         if len(verdicts) > RANK_TABLE_LIMIT:
             prune(verdicts, tuple(n for n, _ in nodes.values()))
-        for name in self.stale:
+        done = len(stale) if limit is None else min(limit, len(stale))
+        for _ in range(done):
+            name = stale.pop()
             old = self.records.pop(name, None)
             if old is not None:
                 self._count(name, old, None, -1)
@@ -122,9 +127,9 @@ class ShapeWhy:
                 record = self._record(got[0], verdicts)
                 self.records[name] = record
                 self._count(name, record, got[1], +1)
-        self.stale.clear()
         for g in self.groups.values():
             g.fragmented.compact()
+        return done
 
     def _record(self, node: NodeState, verdicts: dict[str, Verdict]) -> _Record:
         ctx = self.ctx
