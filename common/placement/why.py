@@ -117,8 +117,12 @@ class ShapeWhy:
         if len(verdicts) > RANK_TABLE_LIMIT:
             prune(verdicts, tuple(n for n, _ in nodes.values()))
         done = len(stale) if limit is None else min(limit, len(stale))
-        for _ in range(done):
-            name = stale.pop()
+        if done == len(stale):
+            self.stale = set()  # a fresh set: popping one emptied of many is slow (CPython)
+            names: Iterable[str] = stale
+        else:
+            names = [stale.pop() for _ in range(done)]
+        for name in names:
             old = self.records.pop(name, None)
             if old is not None:
                 self._count(name, old, None, -1)
