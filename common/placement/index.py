@@ -55,7 +55,8 @@ from common.placement.selectors import mismatch
 from common.placement.why import ShapeWhy
 
 Score = Callable[[str], int]  # node GPU key -> score (lower is better; -1: never fits)
-WHY_SHAPES = 32  # pending explanations kept, by demand shape (least recently asked dropped)
+WHY_SHAPES = 8  # pending explanations kept, by demand shape (least recently asked dropped):
+# each holds a record per node (135 bytes measured), so 5.4 MB at 5000 nodes when all are kept
 WHY_TIDY_NODES = 8  # changed nodes a decision brings into the kept explanations (`_tidy`)
 
 
