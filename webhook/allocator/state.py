@@ -390,6 +390,12 @@ class ClusterState:
             return self._index.place(request, policy, catalog, self.snapshot)
         return engine.place(snapshot, request, policy, catalog)
 
+    def decide(
+        self, request: PodRequest, policy: Policy, catalog: Catalog | None
+    ) -> Placement | Pending:
+        """`place` on the state's own current snapshot: the fleet index answers."""
+        return self.place(self.snapshot(), request, policy, catalog)
+
     def snapshot(
         self,
         *,
