@@ -40,13 +40,14 @@ from common.placement.model import (
     PodRequest,
     Policy,
     Snapshot,
+    gpu_keys,
     parse_hw_key,
 )
 from common.placement.search import (
     CatalogTables,
     Context,
     Demand,
-    node_info,
+    gpu_info,
     node_multi,
     node_single,
     prune,
@@ -176,33 +177,58 @@ def _gpu_room(
     return fits, (1 << tables.slots) - 1
 
 
+GpuShare = tuple[frozenset[str], tuple[int, ...], int, str]
+
+
+@lru_cache(maxsize=1 << 15)
+def _gpu_share(ct: CatalogTables, gpu_key: str, demand: Demand, policy: Policy) -> GpuShare | None:
+    """One GPU's part of a verdict, memoised on its own key (a node whose one GPU changed
+    recomputes that GPU only): the requested profiles it offers, the room for each requested
+    profile (in demand order), its free slots such an instance could use, and its model;
+    None when it is unusable, of an unknown model, or offers no requested profile."""
+    part = gpu_info(ct, gpu_key)[2]
+    if part is None:
+        return None
+    t, st = part[0], part[1]
+    mine: list[str] = []
+    rooms: list[int] = []
+    reach = 0
+    for p, _ in demand:
+        if not _offers(t, p, policy):
+            rooms.append(0)
+            continue
+        mine.append(p)
+        fits, where = _gpu_room(t, st, p, policy)
+        rooms.append(fits)
+        reach |= where
+    if not mine:
+        return None
+    return frozenset(mine), tuple(rooms), reach & ~st.mask, t.name
+
+
 @lru_cache(maxsize=1 << 14)
 def verdict(
     ct: CatalogTables, node_key: str, hw_key: str, demand: Demand, policy: Policy
 ) -> Verdict:
-    info = node_info(ct, node_key)
     offered, unusable, needed = _models_offer(ct, hw_key, demand, policy)
     gpu_free = []
     models = []
-    usable_offered: set[str] = set()
-    room: Counter[str] = Counter()
-    for u in info.gpus:
-        reach = 0
-        mine = False
-        for p, _ in demand:
-            if not _offers(u.tables, p, policy):
-                continue
-            mine = True
-            usable_offered.add(p)
-            fits, where = _gpu_room(u.tables, u.state, p, policy)
-            room[p] += fits
-            reach |= where
-        if mine:
-            gpu_free.append((u.pos, reach & ~u.state.mask))
-            models.append(u.tables.name)
+    usable_offered: frozenset[str] = frozenset()
+    room = [0] * len(demand)
+    for pos, key in enumerate(gpu_keys(node_key)):
+        share = _gpu_share(ct, key, demand, policy)
+        if share is None:
+            continue
+        mine, rooms, free_mask, model = share
+        usable_offered |= mine
+        room = [a + b for a, b in zip(room, rooms, strict=True)]
+        gpu_free.append((pos, free_mask))
+        models.append(model)
     free = sum(bin(m).count("1") for _, m in gpu_free)
     if len(usable_offered) < len(demand):
         klass = NodeClass.UNAVAILABLE
+    elif free < needed or any(r < c for r, (_, c) in zip(room, demand, strict=True)):
+        klass = NodeClass.FULL  # a fit needs both (so the exact search is not run)
     else:
         single = demand[0][0] if len(demand) == 1 and demand[0][1] == 1 else None
         fit = (
@@ -210,12 +236,7 @@ def verdict(
             if single
             else node_multi(ct, node_key, demand, policy)
         )
-        if fit is not None:
-            klass = NodeClass.FITS
-        elif free >= needed and all(room[p] >= c for p, c in demand):
-            klass = NodeClass.FRAGMENTED
-        else:
-            klass = NodeClass.FULL
+        klass = NodeClass.FRAGMENTED if fit is None else NodeClass.FITS
     return Verdict(offered, klass, free, needed, tuple(gpu_free), tuple(models), unusable)
 
 
@@ -227,7 +248,7 @@ def _verdict_table(ct: CatalogTables, demand: Demand, policy: Policy) -> dict[st
 
 
 def clear_caches() -> None:
-    for f in (_models_offer, _gpu_room, verdict, _verdict_table):
+    for f in (_models_offer, _gpu_room, _gpu_share, verdict, _verdict_table):
         f.cache_clear()
 
 
@@ -268,13 +289,7 @@ class _Diagnosis:
             else:
                 excluded[m] += 1
         if not matching:
-            if not nodes:
-                return Pending(PendingReason.NO_MATCHING_NODE, "the cluster has no nodes")
-            return Pending(
-                PendingReason.NO_MATCHING_NODE,
-                "no node matches the pod's nodeSelector/affinity/tolerations "
-                f"(of {_plural(len(nodes), 'node')}: {_mismatch_breakdown(excluded)})",
-            )
+            return no_match_pending(len(nodes), excluded)
         if not ctx.profiles:
             return self.node_resources(matching)
         # The hot loop of a Pending decision: flat, two memoised lookups per node.
@@ -302,25 +317,13 @@ class _Diagnosis:
             else:
                 group.append((n, v))
         if not offering:
-            plist = _join(list(ctx.profiles))
-            elsewhere = [n for n in nodes if self.offers_all(n)]
-            if not elsewhere:
-                return Pending(
-                    PendingReason.NO_PROFILE,
-                    f"no node has GPUs offering all of {plist} (they exist only on different "
-                    "nodes, and all slices of a pod go to one node)",
-                )
             why: Counter[Mismatch] = Counter()
-            for n in elsewhere:
-                m = mismatch(n, self.request)
-                if m is not None:
-                    why[m] += 1
-            return Pending(
-                PendingReason.NO_MATCHING_NODE,
-                "no node that matches the pod's nodeSelector/affinity/tolerations has GPUs "
-                f"offering {plist}; the {_plural(len(elsewhere), 'node')} that do "
-                f"{'is' if len(elsewhere) == 1 else 'are'} excluded ({_mismatch_breakdown(why)})",
-            )
+            for n in nodes:
+                if self.offers_all(n):
+                    m = mismatch(n, self.request)
+                    if m is not None:
+                        why[m] += 1
+            return none_offering_pending(ctx, why)
         if NodeClass.FITS in by_class:
             return self.node_resources([n for n, _ in by_class[NodeClass.FITS]])
         if NodeClass.FRAGMENTED in by_class:
@@ -364,138 +367,206 @@ class _Diagnosis:
             for g in n.gpus:
                 t = self.ctx.tables(g.tables_key)
                 if t is not None and profile in t.profiles:
-                    pt = t.profiles[profile]
-                    if self.ctx.policy is Policy.STATIC_BALANCED:
-                        starts = tuple(sorted(s for name, s in t.layout if name == profile))
-                    else:
-                        starts = pt.starts
-                    slots = "1 slot" if pt.size == 1 else f"{pt.size} contiguous slots"
-                    return f"{profile} needs {slots} at {_starts_text(starts)}"
+                    return shape_text(self.ctx, t, profile)
         return profile
 
     def fragmented(self, nodes: list[tuple[NodeState, Verdict]]) -> Pending:
         gpus: list[tuple[int, int, str]] = []
         for order, (n, v) in enumerate(nodes):
-            for pos, free in v.gpu_free:
-                if free:
-                    slots = [i for i in range(free.bit_length()) if free >> i & 1]
-                    text = f"{n.name} gpu{n.gpus[pos].index} {{{_runs(slots)}}}"
-                    gpus.append((-len(slots), order, text))
+            gpus.extend((neg, order, text) for neg, text in free_gpus(n, v))
         gpus.sort()
         listed = [text for _, _, text in gpus[:_MAX_LISTED]]
-        more = len(gpus) - len(listed)
-        tail = f", … (+{more} more GPUs)" if more else ""
         shapes = "; ".join(self.profile_shape(p) for p in self.ctx.profiles)
-        pod = f" for {_demand_text(self.ctx)}" if self.ctx.counts != (1,) else ""
-        return Pending(
-            PendingReason.FRAGMENTED,
-            f"{shapes}; free slots{pod} are fragmented: {', '.join(listed)}{tail}",
-        )
+        return fragmented_pending(self.ctx, shapes, listed, len(gpus))
 
     def full(
         self, nodes: list[tuple[NodeState, Verdict]], offering: list[tuple[NodeState, Verdict]]
     ) -> Pending:
-        ctx = self.ctx
         by_model = Counter(chain.from_iterable(v.models for _, v in nodes))
         best_free = max(v.free for _, v in nodes)
         need = max(v.needed for _, v in nodes)
-        total = sum(by_model.values())
-        if len(by_model) == 1:
-            what = f"{total} {next(iter(by_model))} GPUs"
-        else:
-            models = ", ".join(f"{c} {m}" for m, c in by_model.most_common())
-            what = f"{total} GPUs ({models})"
-        what = f"the only {next(iter(by_model))} GPU" if total == 1 else f"all {what}"
-        plist = _join(list(ctx.profiles))
-        slot_word = "slot" if best_free == 1 else "slots"
-        offer, be = ("offers", "is") if total == 1 else ("offer", "are")
-        if ctx.counts == (1,):
-            head = f"{what} that {offer} {plist} {be} full"
-        else:
-            room = f"no node has room for {_demand_text(ctx)}"
-            head = f"{room}: {what} that {offer} {plist} {be} too full"
-        note = self.unavailable_note(offering)
-        return Pending(
-            PendingReason.FULL,
-            f"{head} (at most {best_free} free {slot_word} on a node; needs {need}){note}",
-        )
+        unhealthy, disabled = self.unavailable_counts(offering)
+        return full_pending(self.ctx, by_model, best_free, need, unhealthy, disabled)
 
     def unavailable_counts(self, nodes: list[tuple[NodeState, Verdict]]) -> tuple[int, int]:
         """Unhealthy and MIG-disabled GPUs that offer a requested profile."""
         unhealthy = disabled = 0
-        profiles = self.ctx.profiles
         for n, v in nodes:
-            if not v.unusable:
-                continue
-            for g in n.gpus:
-                if g.usable:
-                    continue
-                t = self.ctx.tables(g.tables_key)
-                if any(_offers(t, p, self.ctx.policy) for p in profiles):
-                    if not g.healthy:
-                        unhealthy += 1
-                    else:
-                        disabled += 1
+            if v.unusable:
+                sick, off = unusable_gpus(n, self.ctx)
+                unhealthy += sick
+                disabled += off
         return unhealthy, disabled
-
-    @staticmethod
-    def unavailable_text(unhealthy: int, disabled: int) -> str:
-        parts = []
-        if unhealthy:
-            parts.append(f"{_plural(unhealthy, 'GPU')} unhealthy")
-        if disabled:
-            noun = "" if unhealthy else ("GPU " if disabled == 1 else "GPUs ")
-            parts.append(f"{disabled} {noun}in MIG-disabled mode")
-        return ", ".join(parts)
-
-    def unavailable_note(self, nodes: list[tuple[NodeState, Verdict]]) -> str:
-        unhealthy, disabled = self.unavailable_counts(nodes)
-        if not unhealthy and not disabled:
-            return ""
-        return f"; besides, {self.unavailable_text(unhealthy, disabled)}"
 
     def unavailable(self, nodes: list[tuple[NodeState, Verdict]]) -> Pending:
         unhealthy, disabled = self.unavailable_counts(nodes)
-        plist = _join(list(self.ctx.profiles))
-        where = _plural(len(nodes), "matching node")
-        return Pending(
-            PendingReason.GPU_UNAVAILABLE,
-            f"{self.unavailable_text(unhealthy, disabled)}: no usable GPU offers {plist} "
-            f"on the {where} that have it",
-        )
+        return unavailable_pending(self.ctx, unhealthy, disabled, len(nodes))
 
     def node_resources(self, nodes: list[NodeState]) -> Pending:
-        req = self.request
-        parts: list[str] = []
-        names: list[str] = []
-        if any(n.cpu_millis_free < req.cpu_millis for n in nodes):
-            names.append("cpu")
-            most = max(n.cpu_millis_free for n in nodes)
-            parts.append(
-                f"need {format_cpu_millis(req.cpu_millis)} cpu, most free "
-                f"{format_cpu_millis(max(most, 0))}"
-            )
-        if any(n.memory_bytes_free < req.memory_bytes for n in nodes):
-            names.append("memory")
-            most = max(n.memory_bytes_free for n in nodes)
-            parts.append(
-                f"need {format_bytes(req.memory_bytes)} memory, most free "
-                f"{format_bytes(max(most, 0))}"
-            )
-        if any(n.pods_free < 1 for n in nodes):
-            names.append("pods")
-            parts.append(f"need 1 pod slot, most free {max(max(n.pods_free for n in nodes), 0)}")
-        if not names:  # cannot happen: the engine would have placed the pod
-            assert all(resources_fit(n, req) for n in nodes)
-            names.append("resources")
-            parts.append("unexpected: resources fit")
-        where = "candidate node" if self.ctx.profiles else "matching node"
-        count = "the only" if len(nodes) == 1 else f"all {len(nodes)}"
+        return resources_pending(self.request, self.ctx, nodes)
+
+
+# --- the messages, from what a pass over the nodes found (the fleet index keeps the same
+# figures per demand shape as nodes change, index.py, and words them with these) ----------
+
+
+def no_match_pending(nodes: int, excluded: Counter[Mismatch]) -> Pending:
+    """No node passes the pod's filters: `excluded` counts the nodes by cause, each cause
+    first met in snapshot order before the next (the order ties are told in)."""
+    if not nodes:
+        return Pending(PendingReason.NO_MATCHING_NODE, "the cluster has no nodes")
+    return Pending(
+        PendingReason.NO_MATCHING_NODE,
+        "no node matches the pod's nodeSelector/affinity/tolerations "
+        f"(of {_plural(nodes, 'node')}: {_mismatch_breakdown(excluded)})",
+    )
+
+
+def none_offering_pending(ctx: Context, why: Counter[Mismatch]) -> Pending:
+    """No matching node offers every requested profile; `why`: the nodes that do, by the
+    filter that excludes them (empty: no node offers them all)."""
+    plist = _join(list(ctx.profiles))
+    elsewhere = sum(why.values())
+    if not elsewhere:
         return Pending(
-            PendingReason.NODE_RESOURCES,
-            f"node {_join(names)} short on {count} {where}{'s' if len(nodes) != 1 else ''} "
-            f"({'; '.join(parts)})",
+            PendingReason.NO_PROFILE,
+            f"no node has GPUs offering all of {plist} (they exist only on different "
+            "nodes, and all slices of a pod go to one node)",
         )
+    return Pending(
+        PendingReason.NO_MATCHING_NODE,
+        "no node that matches the pod's nodeSelector/affinity/tolerations has GPUs "
+        f"offering {plist}; the {_plural(elsewhere, 'node')} that do "
+        f"{'is' if elsewhere == 1 else 'are'} excluded ({_mismatch_breakdown(why)})",
+    )
+
+
+def shape_text(ctx: Context, t: ModelTables, profile: str) -> str:
+    """`3g.40gb needs 4 contiguous slots at start 0 or 4`, as model `t` places it."""
+    pt = t.profiles[profile]
+    if ctx.policy is Policy.STATIC_BALANCED:
+        starts = tuple(sorted(s for name, s in t.layout if name == profile))
+    else:
+        starts = pt.starts
+    slots = "1 slot" if pt.size == 1 else f"{pt.size} contiguous slots"
+    return f"{profile} needs {slots} at {_starts_text(starts)}"
+
+
+def free_gpus(node: NodeState, v: Verdict) -> list[tuple[int, str]]:
+    """The node's GPUs with free slots a requested profile could use, as (-slots, text)."""
+    out = []
+    for pos, free in v.gpu_free:
+        if free:
+            slots = [i for i in range(free.bit_length()) if free >> i & 1]
+            out.append((-len(slots), f"{node.name} gpu{node.gpus[pos].index} {{{_runs(slots)}}}"))
+    return out
+
+
+def fragmented_pending(ctx: Context, shapes: str, listed: list[str], gpus: int) -> Pending:
+    """`listed`: the first free GPUs (most free slots first, then snapshot order), of `gpus`."""
+    more = gpus - len(listed)
+    tail = f", … (+{more} more GPUs)" if more else ""
+    pod = f" for {_demand_text(ctx)}" if ctx.counts != (1,) else ""
+    return Pending(
+        PendingReason.FRAGMENTED,
+        f"{shapes}; free slots{pod} are fragmented: {', '.join(listed)}{tail}",
+    )
+
+
+def full_pending(
+    ctx: Context, by_model: Counter[str], best_free: int, need: int, unhealthy: int, disabled: int
+) -> Pending:
+    """`by_model`: the FULL nodes' GPUs that offer a requested profile, by model, in order of
+    first appearance; `unhealthy` / `disabled`: over every candidate node."""
+    total = sum(by_model.values())
+    if len(by_model) == 1:
+        what = f"{total} {next(iter(by_model))} GPUs"
+    else:
+        models = ", ".join(f"{c} {m}" for m, c in by_model.most_common())
+        what = f"{total} GPUs ({models})"
+    what = f"the only {next(iter(by_model))} GPU" if total == 1 else f"all {what}"
+    plist = _join(list(ctx.profiles))
+    slot_word = "slot" if best_free == 1 else "slots"
+    offer, be = ("offers", "is") if total == 1 else ("offer", "are")
+    if ctx.counts == (1,):
+        head = f"{what} that {offer} {plist} {be} full"
+    else:
+        room = f"no node has room for {_demand_text(ctx)}"
+        head = f"{room}: {what} that {offer} {plist} {be} too full"
+    note = f"; besides, {_unavailable_text(unhealthy, disabled)}" if unhealthy or disabled else ""
+    return Pending(
+        PendingReason.FULL,
+        f"{head} (at most {best_free} free {slot_word} on a node; needs {need}){note}",
+    )
+
+
+def unusable_gpus(node: NodeState, ctx: Context) -> tuple[int, int]:
+    """The node's unhealthy and MIG-disabled GPUs that offer a requested profile."""
+    unhealthy = disabled = 0
+    for g in node.gpus:
+        if g.usable:
+            continue
+        t = ctx.tables(g.tables_key)
+        if any(_offers(t, p, ctx.policy) for p in ctx.profiles):
+            if not g.healthy:
+                unhealthy += 1
+            else:
+                disabled += 1
+    return unhealthy, disabled
+
+
+def _unavailable_text(unhealthy: int, disabled: int) -> str:
+    parts = []
+    if unhealthy:
+        parts.append(f"{_plural(unhealthy, 'GPU')} unhealthy")
+    if disabled:
+        noun = "" if unhealthy else ("GPU " if disabled == 1 else "GPUs ")
+        parts.append(f"{disabled} {noun}in MIG-disabled mode")
+    return ", ".join(parts)
+
+
+def unavailable_pending(ctx: Context, unhealthy: int, disabled: int, nodes: int) -> Pending:
+    plist = _join(list(ctx.profiles))
+    where = _plural(nodes, "matching node")
+    return Pending(
+        PendingReason.GPU_UNAVAILABLE,
+        f"{_unavailable_text(unhealthy, disabled)}: no usable GPU offers {plist} "
+        f"on the {where} that have it",
+    )
+
+
+def resources_pending(req: PodRequest, ctx: Context, nodes: list[NodeState]) -> Pending:
+    """The candidate nodes (whose GPUs could host the pod) are all short of cpu, memory or
+    pod slots: say which, the need and the most free."""
+    parts: list[str] = []
+    names: list[str] = []
+    if any(n.cpu_millis_free < req.cpu_millis for n in nodes):
+        names.append("cpu")
+        most = max(n.cpu_millis_free for n in nodes)
+        parts.append(
+            f"need {format_cpu_millis(req.cpu_millis)} cpu, most free "
+            f"{format_cpu_millis(max(most, 0))}"
+        )
+    if any(n.memory_bytes_free < req.memory_bytes for n in nodes):
+        names.append("memory")
+        most = max(n.memory_bytes_free for n in nodes)
+        parts.append(
+            f"need {format_bytes(req.memory_bytes)} memory, most free {format_bytes(max(most, 0))}"
+        )
+    if any(n.pods_free < 1 for n in nodes):
+        names.append("pods")
+        parts.append(f"need 1 pod slot, most free {max(max(n.pods_free for n in nodes), 0)}")
+    if not names:  # cannot happen: the engine would have placed the pod
+        assert all(resources_fit(n, req) for n in nodes)
+        names.append("resources")
+        parts.append("unexpected: resources fit")
+    where = "candidate node" if ctx.profiles else "matching node"
+    count = "the only" if len(nodes) == 1 else f"all {len(nodes)}"
+    return Pending(
+        PendingReason.NODE_RESOURCES,
+        f"node {_join(names)} short on {count} {where}{'s' if len(nodes) != 1 else ''} "
+        f"({'; '.join(parts)})",
+    )
 
 
 def explain(snapshot: Snapshot, request: PodRequest, ctx: Context) -> Pending:

@@ -3,105 +3,87 @@
 `engine.place` scans the whole snapshot for each pod: one memoised lookup per node, so a
 decision grows with the fleet (0.4 ms p50 but several ms at p99 on 1000 nodes x 8 GPUs, and
 five times that on 5000). The index keeps the fleet ordered the way the `instaslice` policy
-ranks it, per demand shape, so a decision touches only the best candidates:
+ranks it, so a decision touches only the best candidates:
 
 - one slice of a profile: nodes by (single-slice rank, snapshot order) — the scan's own
   preference order; the first node that passes the pod's resource and selector filters is
   the scan's answer;
 - several slices: nodes by (lower bound on the loss, snapshot order) — the order in which
-  the scan pops its heap; the same bounded search then runs over the first candidates.
+  the scan pops its heap — merged lazily from one order per profile, by (loss of one slice
+  of it, snapshot order), so a new multi-slice shape costs the nodes it reaches, not the
+  fleet; the same bounded search then runs over the first candidates;
+- a pod that fits nowhere: the reason from sums kept per demand shape (why.py), the
+  explanation's figures brought up to date from the nodes that changed.
 
-Each order is a lazy heap, built on the first decision that needs it and brought up to date
-at the next decision from the names of the nodes that changed since (`put` / `remove`, i.e.
-assume / forget and watch events), so a decision costs a few heap operations plus the
-nodes that changed. Ranks and bounds come from the engine's memo tables, keyed by the node's
-GPU state, so identical nodes are scored once.
+Each order is a lazy heap (lazyheap.py), built on the first decision that needs it and
+brought up to date at the next decision from the names of the nodes that changed since
+(`put` / `remove`, i.e. assume / forget and watch events), so a decision costs a few heap
+operations plus the nodes that changed. Ranks and bounds come from the engine's memo tables,
+keyed by the node's GPU state, so identical nodes are scored once.
 
 What the index does not cover falls back to the scan over the caller's snapshot, unchanged:
-the other policies, a pod without slices, and explaining a pod that fits nowhere (explain.py
-must look at every node to say why). The seam is narrow on purpose: the caller feeds node
-states with a sort key equal to their snapshot order (the allocator: the node name; the
-trace replayer: the node's position) and passes a function that builds the snapshot.
+the other policies, a pod without slices, and the pending pods why.py leaves to the scan (a
+nodeSelector or required affinity; ties only node order breaks). The seam is narrow on
+purpose: the caller feeds node states with a sort key equal to their snapshot order (the
+allocator: the node name; the trace replayer: the node's position) and passes a function
+that builds the snapshot.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Hashable
-from heapq import heapify, heappop, heappush
+from heapq import heappop, heappush
 from typing import Any
 
 from common.catalog import Catalog
 from common.placement import engine
 from common.placement.explain import explain
+from common.placement.lazyheap import Entry, LazyHeap
 from common.placement.model import NodeState, Pending, Placement, PodRequest, Policy, Snapshot
 from common.placement.search import (
     RANK_SCALE,
     RANK_TABLE_LIMIT,
+    CatalogTables,
     Context,
     NodeFit,
-    bound_table,
-    node_bound,
     node_single,
     prune,
     rank_table,
 )
 from common.placement.selectors import mismatch
+from common.placement.why import ShapeWhy
 
 Score = Callable[[str], int]  # node GPU key -> score (lower is better; -1: never fits)
-Entry = tuple[int, Any, str]  # (score, sort key, node name)
+WHY_SHAPES = 8  # pending explanations kept, by demand shape (least recently asked dropped):
+# each holds a record per node (135 bytes measured), so 5.4 MB at 5000 nodes when all are kept
+WHY_TIDY_NODES = 8  # changed nodes a decision brings into the kept explanations (`_tidy`)
 
 
-class _Order:
-    """The fleet's nodes that may fit one demand shape, by (score, sort key): a heap with
-    lazy deletion. `live` holds each node's current entry; heap entries that differ from it
-    are stale and dropped when met."""
+class _Order(LazyHeap):
+    """The fleet's nodes that may fit one demand shape, by (score, sort key). `stale`: the
+    nodes changed since the order was last brought up to date."""
 
     def __init__(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
-        self.live: dict[str, tuple[int, Any]] = {}
-        self.stale: set[str] = set()
+        live: dict[str, tuple[int, Any]] = {}
         for name, (node, key) in nodes.items():
             s = score(node.gpu_key)
             if s >= 0:
-                self.live[name] = (s, key)
-        self.heap: list[Entry] = [(s, key, name) for name, (s, key) in self.live.items()]
-        heapify(self.heap)
+                live[name] = (s, key)
+        super().__init__(live)
+        self.stale: set[str] = set()
 
     def refresh(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
         """Re-score the nodes that changed (`score`: the current decision's, so the memo
         table it fills is the one the engine keeps pruned)."""
-        live, heap = self.live, self.heap
         for name in self.stale:
             got = nodes.get(name)
             if got is None or (s := score(got[0].gpu_key)) < 0:
-                live.pop(name, None)
-                continue
-            entry = (s, got[1])
-            if live.get(name) != entry:
-                live[name] = entry
-                heappush(heap, (s, entry[1], name))
+                self.discard(name)
+            else:
+                self.set(name, s, got[1])
         self.stale.clear()
-        if len(heap) > 2 * len(live) + 256:  # mostly stale entries: rebuild
-            self.heap = [(s, key, name) for name, (s, key) in live.items()]
-            heapify(self.heap)
-
-    def ascending(self) -> Generator[Entry]:
-        """Live entries, best first. Entries are popped while iterating and pushed back
-        when the iteration ends (close it, or run it to its end)."""
-        heap, live = self.heap, self.live
-        taken: list[Entry] = []
-        seen: set[str] = set()
-        try:
-            while heap:
-                entry = heappop(heap)
-                s, key, name = entry
-                if live.get(name) != (s, key) or name in seen:
-                    continue  # stale, or a duplicate of an entry already met
-                seen.add(name)
-                taken.append(entry)
-                yield entry
-        finally:
-            for entry in taken:
-                heappush(heap, entry)
+        self.compact()
 
 
 class FleetIndex:
@@ -110,6 +92,7 @@ class FleetIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[NodeState, Any]] = {}  # name -> (state, sort key)
         self._orders: dict[Hashable, _Order] = {}
+        self._whys: OrderedDict[Hashable, ShapeWhy] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -117,13 +100,17 @@ class FleetIndex:
     def put(self, node: NodeState, key: Any) -> None:
         """Add or replace a node; `key` sorts it as its position in the caller's snapshot."""
         self._nodes[node.name] = (node, key)
-        for order in self._orders.values():
-            order.stale.add(node.name)
+        self._changed(node.name)
 
     def remove(self, name: str) -> None:
         if self._nodes.pop(name, None) is not None:
-            for order in self._orders.values():
-                order.stale.add(name)
+            self._changed(name)
+
+    def _changed(self, name: str) -> None:
+        for order in self._orders.values():
+            order.stale.add(name)
+        for why in self._whys.values():
+            why.stale.add(name)
 
     def place(
         self,
@@ -134,6 +121,7 @@ class FleetIndex:
     ) -> Placement | Pending:
         """`engine.place(snapshot(), request, policy, catalog)`, answered from the index
         where it can be; `snapshot()` must list exactly the indexed nodes in key order."""
+        self._tidy()
         ctx = Context(catalog, policy, request)
         if policy is not Policy.INSTASLICE or not ctx.profiles:
             return engine.place(snapshot(), request, policy, catalog)
@@ -142,25 +130,50 @@ class FleetIndex:
         else:
             chosen = self._multi(request, ctx)
         if chosen is None:
-            return explain(snapshot(), request, ctx)
+            return self._explain(request, ctx) or explain(snapshot(), request, ctx)
         return engine.placement_of(chosen[0], chosen[1], request, ctx)
 
-    def _order(self, shape: Hashable, score: Score, table: dict[str, int]) -> _Order:
+    def _tidy(self) -> None:
+        """Bring the kept explanations up to date a few nodes per decision, so a pending pod
+        does not pay alone for every node changed since its shape was last explained."""
+        budget = WHY_TIDY_NODES
+        for why in self._whys.values():
+            budget -= why.refresh(self._nodes, budget)
+            if budget <= 0:
+                return
+
+    def _explain(self, request: PodRequest, ctx: Context) -> Pending | None:
+        """Why the pod fits nowhere, from the sums kept per demand shape (why.py); None
+        where only the scan can word it."""
+        if request.node_selector or request.required_affinity:
+            return None  # labels differ per node: the scan reads them
+        shape = (ctx.ct, ctx.demand, ctx.policy)
+        why = self._whys.get(shape)
+        if why is None:
+            why = self._whys[shape] = ShapeWhy(ctx, self._nodes)
+            if len(self._whys) > WHY_SHAPES:
+                self._whys.popitem(last=False)
+        else:
+            self._whys.move_to_end(shape)
+        return why.explain(request, self._nodes)
+
+    def _order(self, shape: Hashable, score: Score, table: dict[str, int] | None) -> _Order:
         order = self._orders.get(shape)
         if order is None:
             order = self._orders[shape] = _Order(score, self._nodes)
         elif order.stale:
-            if len(table) > RANK_TABLE_LIMIT:
+            if table is not None and len(table) > RANK_TABLE_LIMIT:
                 prune(table, tuple(n for n, _ in self._nodes.values()))
             order.refresh(score, self._nodes)
         return order
 
-    def _candidates(self, order: _Order, request: PodRequest) -> Generator[tuple[int, NodeState]]:
-        """The order's nodes that pass the pod's resource and selector filters."""
+    def _candidates(
+        self, entries: Generator[Entry], request: PodRequest
+    ) -> Generator[tuple[int, NodeState]]:
+        """The entries' nodes that pass the pod's resource and selector filters."""
         filtered = bool(request.node_selector or request.required_affinity)
         cpu, mem = request.cpu_millis, request.memory_bytes
         nodes = self._nodes
-        entries = order.ascending()
         try:
             for s, _, name in entries:
                 node = nodes[name][0]
@@ -188,7 +201,7 @@ class FleetIndex:
             return r
 
         order = self._order(("single", ct, profile, policy), score, ranks)
-        candidates = self._candidates(order, request)
+        candidates = self._candidates(order.ascending(), request)
         try:
             for _, node in candidates:
                 fit = node_single(ct, node.gpu_key, profile, policy)
@@ -199,20 +212,64 @@ class FleetIndex:
             candidates.close()
 
     def _multi(self, request: PodRequest, ctx: Context) -> tuple[NodeState, NodeFit] | None:
-        """The engine's bounded search (engine._choose), over the index's order."""
-        ct = ctx.ct
-        bounds = bound_table(ct, ctx.profiles)
-
-        def score(key: str) -> int:
-            bound = bounds.get(key)
-            if bound is None:
-                found = node_bound(ct, key, ctx.profiles)
-                bound = bounds[key] = -1 if found is None else found
-            return bound
-
-        order = self._order(("bound", ct, ctx.profiles), score, bounds)
-        candidates = self._candidates(order, request)
+        """The engine's bounded search (engine._choose), over the nodes by bound."""
+        candidates = self._candidates(self._by_bound(ctx), request)
         try:
             return engine.bounded_search(ctx, candidates)
         finally:
             candidates.close()
+
+    def _losses(self, ct: CatalogTables, profile: str) -> _Order:
+        """The nodes by (loss of one `profile` slice there, sort key): one per profile,
+        shared by every multi-slice shape that asks for it (`_by_bound`)."""
+
+        def score(key: str) -> int:
+            fit = node_single(ct, key, profile, Policy.INSTASLICE)
+            return -1 if fit is None else fit.loss
+
+        return self._order(("loss", ct, profile), score, None)
+
+    def _by_bound(self, ctx: Context) -> Generator[Entry]:
+        """The nodes by (`search.node_bound` of the pod's profiles, sort key) — the order in
+        which the scan searches a multi-slice pod — merged lazily from the per-profile loss
+        orders, so a shape met for the first time orders no node it does not reach. The
+        bound is the largest of the node's per-profile losses, and each order is sorted by
+        (loss, key): a node not met yet in any order comes after the largest head of them
+        all, so every node met before that head is yielded (Fagin's threshold algorithm). A
+        node missing from an order cannot host that profile, and is no candidate."""
+        orders = [self._losses(ctx.ct, p) for p in ctx.profiles]
+        lives = [o.live for o in orders]
+        walks = [o.ascending() for o in orders]
+        met: set[str] = set()
+        ready: list[Entry] = []  # met candidates, by (bound, key)
+
+        def meet(entry: Entry | None) -> Entry | None:
+            if entry is None or entry[2] in met:
+                return entry
+            name = entry[2]
+            met.add(name)
+            bound = 0
+            for live in lives:
+                got = live.get(name)
+                if got is None:
+                    return entry  # one profile fits nowhere on it
+                bound = max(bound, got[0])
+            heappush(ready, (bound, entry[1], name))
+            return entry
+
+        try:
+            heads = [meet(next(walk, None)) for walk in walks]
+            while True:
+                known = [head for head in heads if head is not None]
+                if len(known) < len(heads):
+                    while ready:  # an order ran out: every candidate is met
+                        yield heappop(ready)
+                    return
+                top = max(range(len(known)), key=lambda i: known[i][:2])
+                threshold = known[top][:2]
+                while ready and ready[0][:2] < threshold:
+                    yield heappop(ready)
+                heads[top] = meet(next(walks[top], None))
+        finally:
+            for walk in walks:
+                walk.close()

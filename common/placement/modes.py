@@ -19,11 +19,11 @@ Pure: snapshots in, a decision out. No I/O, no clock.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from common.catalog import Catalog
-from common.placement.engine import place
+from common.placement import engine
 from common.placement.model import (
     Pending,
     PendingReason,
@@ -73,20 +73,25 @@ def with_mig(snapshot: Snapshot, gpus: Collection[GpuRef]) -> Snapshot:
     return Snapshot(nodes=tuple(nodes))
 
 
+PlaceFn = Callable[[Snapshot, PodRequest, Policy, Catalog | None], Placement | Pending]
+
+
 def place_with_modes(
     snapshot: Snapshot,
     request: PodRequest,
-    modes: ModeView,
+    modes: ModeView | Callable[[Snapshot], ModeView],
     policy: Policy = Policy.INSTASLICE,
     catalog: Catalog | None = None,
-    first: Placement | Pending | None = None,
+    place: PlaceFn = engine.place,
 ) -> ModePlacement:
-    """`first`: the plain `place` of this snapshot and request, when the caller has it (it
-    derives `modes` only after a Pending, to keep the common case one engine call)."""
-    if first is None:
-        first = place(snapshot, request, policy, catalog)
+    """`modes`: the view, or how to derive it from `snapshot` (only after a Pending, so the
+    common case is one engine call). `place`: the engine's `place`, or an equal function (the
+    allocator's answers its own snapshot from the fleet index, index.py)."""
+    first = place(snapshot, request, policy, catalog)
     if isinstance(first, Placement):
         return ModePlacement(first)
+    if callable(modes):
+        modes = modes(snapshot)
     if modes.flex:
         second = place(with_mig(snapshot, modes.flex), request, policy, catalog)
         if isinstance(second, Placement):

@@ -12,13 +12,35 @@ down and coming back. Leaves out: the decisions' quality (test_placement*.py) an
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.placement import POLICIES, suite
-from common.placement import Pending, Placement, PodRequest, Policy, SliceRequest, place
+from common.placement import (
+    Gpu,
+    NodeState,
+    Occupied,
+    Pending,
+    PendingReason,
+    Placement,
+    PodRequest,
+    Policy,
+    SliceRequest,
+    Snapshot,
+    Taint,
+    Toleration,
+    place,
+)
 from common.placement.engine import clear_caches
+from common.placement.explain import explain
+from common.placement.index import FleetIndex
 from common.placement.replay import AddEvent, Cluster, parse_trace, replay
+from common.placement.search import Context
+from common.placement.why import ShapeWhy
 from tests.integration.allocator_fixtures import (
     make_allocation,
     make_mig_node,
@@ -35,6 +57,11 @@ def fleets_and_events(draw: st.DrawFn) -> tuple[Cluster, list[PodRequest | int]]
     """A replay cluster built from random node states, and a sequence of pods to add
     (PodRequest) or, by position among the pods held, to remove (int)."""
     states = [draw(nodes(i)) for i in range(draw(st.integers(1, 6)))]
+    for i, s in enumerate(states):  # more tainted and cordoned nodes than nodes() draws
+        if draw(st.integers(0, 3)) == 0:
+            states[i] = replace(s, taints=(Taint("dedicated", "x", "NoSchedule"),))
+        if draw(st.integers(0, 5)) == 0:
+            states[i] = replace(states[i], unschedulable=True)
     cluster = Cluster(())
     for i, s in enumerate(states):  # random occupancy and resources, as a live fleet has
         cluster._nodes.append(s)
@@ -56,13 +83,24 @@ def fleets_and_events(draw: st.DrawFn) -> tuple[Cluster, list[PodRequest | int]]
         events.append(
             PodRequest(
                 f"p{k}",
-                draw(st.sampled_from([0, 500, 4000])),
-                draw(st.sampled_from([0, 1 << 30])),
+                draw(st.sampled_from([0, 500, 4000, 9000])),
+                draw(st.sampled_from([0, 1 << 30, 100 << 30])),
                 slices,
                 {"zone": "a"} if draw(st.integers(0, 5)) == 0 else {},
+                tolerations=draw(st.sampled_from(TOLERATIONS)),
             )
         )
     return cluster, events
+
+
+# Pods that tolerate nothing, the test fleets' taint, cordons, or everything.
+TOLERATIONS = [
+    (),
+    (),
+    (Toleration("dedicated", "Equal", "x", "NoSchedule"),),
+    (Toleration("node.kubernetes.io/unschedulable", "Exists"),),
+    (Toleration("", "Exists"),),
+]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,8 +155,9 @@ def _state(*names: str) -> ClusterState:
 
 def _decide(state: ClusterState, pod: dict[str, object]) -> Placement | Pending:
     request = podlib.pod_request(pod)
-    result = state.decide(request, Policy.INSTASLICE, None)
+    result = state.place(state.snapshot(), request, Policy.INSTASLICE, None)
     assert result == place(state.snapshot(), request)
+    assert state.decide(request, Policy.INSTASLICE, None) == result  # the same, shorter
     return result
 
 
@@ -154,3 +193,154 @@ def test_the_index_leaves_out_nodes_whose_agent_is_down_and_takes_them_back() ->
     assert _decide(state, make_pod("d")).node == "n1"  # type: ignore[union-attr]
     state.remove_mig_node(make_mig_node("n1", ["H100-80GB"]))  # gone from the fleet
     assert isinstance(_decide(state, make_pod("e")), Pending)
+
+
+def test_cluster_state_answers_its_own_snapshot_from_the_index_and_any_other_by_scan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ClusterState.place` is the one decision function the placer hands every slice
+    decision (modes.place_with_modes): the index for the state's own current snapshot, the
+    scan of the snapshot given otherwise — a stale one, one with GPUs excluded, or the
+    mode path's hypothetical snapshots."""
+    state = _state("n1", "n2")
+    asked: list[str] = []
+    real = FleetIndex.place
+
+    def spy(self: FleetIndex, request: PodRequest, *args: Any) -> Placement | Pending:
+        asked.append(request.name)
+        return real(self, request, *args)
+
+    monkeypatch.setattr(FleetIndex, "place", spy)
+    pod = make_pod("a", uid="ua", cpu="10m")
+    state.upsert_pod(pod)
+    own = state.snapshot()
+    assert state.snapshot() is own  # nothing changed: the same object
+    request = podlib.pod_request(pod)
+    first = state.place(own, request)
+    assert isinstance(first, Placement) and asked == ["ns/a"]
+    (s,) = first.slices
+    state.assume(make_allocation(pod, first.node, [("main", s.profile, s.gpu_index, s.start, 1)]))
+    # `own` is stale now: it is decided as it is (the slot just taken still free there)
+    again = state.place(own, request)
+    assert again == place(own, request) == first and asked == ["ns/a"]
+    fresh = state.snapshot()
+    assert fresh is not own
+    assert state.place(fresh, request) == place(fresh, request) and asked == ["ns/a", "ns/a"]
+    excluded = state.snapshot(exclude={("n1", "GPU-n1-0")})
+    assert state.place(excluded, request) == place(excluded, request) and asked == ["ns/a", "ns/a"]
+
+
+def _h100(
+    name: str,
+    *occupied: tuple[str, int, int],
+    mig: bool = True,
+    healthy: bool = True,
+    cpu: int = 8000,
+    taints: tuple[Taint, ...] = (),
+    cordoned: bool = False,
+) -> NodeState:
+    """A one-H100 node; `occupied`: (profile, start, size) on its GPU."""
+    occ = tuple(Occupied(start, size, p) for p, start, size in occupied)
+    gpu = Gpu(0, "H100-80GB", mig, healthy, occ)
+    return NodeState(name, {"zone": "a"}, taints, cordoned, cpu, 64 << 30, 10, (gpu,))
+
+
+TAINT = (Taint("dedicated", "x", "NoSchedule"),)
+ONE_4G = PodRequest("p", 1000, 0, (SliceRequest("c", "4g.40gb", 1),))
+TWO_1G = PodRequest("p", 1000, 0, (SliceRequest("c", "1g.10gb", 2),))
+
+# (case, fleet, pod, the reason the sums give — the scan's, word for word)
+WHY_CASES = [
+    (
+        "cpu short",
+        [_h100("n0", cpu=500), _h100("n1", ("7g.80gb", 0, 8))],
+        ONE_4G,
+        PendingReason.NODE_RESOURCES,
+    ),
+    (
+        "fragmented",
+        [
+            _h100("n0", ("1g.10gb", 1, 1)),
+            _h100("n1", ("1g.10gb", 2, 1), ("1g.10gb", 5, 1)),
+            _h100("n2", ("3g.40gb", 0, 4)),
+            _h100("n3", ("7g.80gb", 0, 8)),
+        ],
+        ONE_4G,
+        PendingReason.FRAGMENTED,
+    ),
+    (
+        "fragmented, six GPUs listed four",
+        [_h100(f"n{i}", ("1g.10gb", i % 4, 1)) for i in range(6)],
+        ONE_4G,
+        PendingReason.FRAGMENTED,
+    ),
+    (
+        "full",
+        [
+            _h100("n0", ("7g.80gb", 0, 8)),
+            _h100("n1", ("4g.40gb", 0, 4), ("3g.40gb", 4, 4)),
+            _h100("n2", healthy=False),
+        ],
+        ONE_4G,
+        PendingReason.FULL,
+    ),
+    (
+        "full, several slices",
+        [_h100("n0", ("4g.40gb", 0, 4), ("3g.40gb", 4, 4))],
+        TWO_1G,
+        PendingReason.FULL,
+    ),
+    (
+        "unavailable",
+        [_h100("n0", healthy=False), _h100("n1", mig=False)],
+        ONE_4G,
+        PendingReason.GPU_UNAVAILABLE,
+    ),
+    (
+        "all tainted or cordoned",
+        [_h100("n0", taints=TAINT), _h100("n1", cordoned=True), _h100("n2", taints=TAINT)],
+        ONE_4G,
+        PendingReason.NO_MATCHING_NODE,
+    ),
+    (
+        "only tainted nodes offer it",
+        [
+            _h100("n0", taints=TAINT),
+            replace(_h100("n1"), gpus=(Gpu(0, "A100-40GB", True, True, ()),)),
+        ],
+        ONE_4G,
+        PendingReason.NO_MATCHING_NODE,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fleet", "pod", "reason"), [c[1:] for c in WHY_CASES], ids=[c[0] for c in WHY_CASES]
+)
+def test_a_pending_pod_is_explained_from_the_sums_as_the_scan_explains_it(
+    fleet: list[NodeState], pod: PodRequest, reason: PendingReason
+) -> None:
+    index = FleetIndex()
+    for i, node in enumerate(fleet):
+        index.put(node, i)
+    ctx = Context(None, Policy.INSTASLICE, pod)
+    fast = ShapeWhy(ctx, index._nodes).explain(pod, index._nodes)
+    scan = explain(Snapshot(tuple(fleet)), pod, ctx)
+    assert fast is not None and fast.reason is reason
+    assert fast == scan
+    assert index.place(pod, Policy.INSTASLICE, None, lambda: Snapshot(tuple(fleet))) == scan
+
+
+def test_the_sums_leave_to_the_scan_what_only_node_order_decides() -> None:
+    """A nodeSelector (labels differ per node) and a tie the scan breaks by node order."""
+    fleet = [_h100("n0", taints=TAINT), _h100("n1", cordoned=True)]
+    index = FleetIndex()
+    for i, node in enumerate(fleet):
+        index.put(node, i)
+    ctx = Context(None, Policy.INSTASLICE, ONE_4G)
+    why = ShapeWhy(ctx, index._nodes)
+    assert why.explain(ONE_4G, index._nodes) is None  # 1 tainted, 1 cordoned: a tie
+    selector = replace(ONE_4G, node_selector={"zone": "a"})
+    assert why.explain(selector, index._nodes) is None
+    snap = Snapshot(tuple(fleet))
+    assert index.place(ONE_4G, Policy.INSTASLICE, None, lambda: snap) == place(snap, ONE_4G)

@@ -21,7 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.placement import Pending, PendingReason, Placement, Policy, Snapshot
+from common.catalog import Catalog
+from common.placement import (
+    Pending,
+    PendingReason,
+    Placement,
+    PodRequest,
+    Policy,
+    Snapshot,
+    place,
+)
 from common.placement.modes import ModeView, place_with_modes, with_mig
 from tests.unit.test_placement import make_gpu, make_node, make_pod, snap
 from tests.unit.test_placement_properties import brute_force, requests, snapshots
@@ -50,6 +59,36 @@ def test_flex_gpu_serves_only_when_nothing_else_fits() -> None:
     assert isinstance(got.result, Placement) and got.toggles == (1,)
     plain = place_with_modes(snap(node), make_pod(("c", "1g.10gb")), ModeView())
     assert isinstance(plain.result, Pending) and plain.result.reason is PendingReason.FULL
+
+
+def test_every_attempt_goes_through_the_given_place_and_modes_are_derived_only_when_needed() -> (
+    None
+):
+    """The allocator hands its own `place` (the fleet index for its own snapshot) and a
+    function deriving the mode view: the plain attempt and the flex attempt both go through
+    that `place`, and the view is derived only after the plain attempt found nothing."""
+    node = make_node(
+        "n", [make_gpu(H100, 0, [("4g.40gb", 0, 4), ("3g.40gb", 4, 4)]), make_gpu(H100, mig=False)]
+    )
+    seen: list[tuple[bool, ...]] = []
+    derived: list[Snapshot] = []
+
+    def spy(s: Snapshot, r: PodRequest, p: Policy, c: Catalog | None) -> Placement | Pending:
+        seen.append(tuple(g.mig_enabled for n in s.nodes for g in n.gpus))
+        return place(s, r, p, c)
+
+    def view(s: Snapshot) -> ModeView:
+        derived.append(s)
+        return ModeView(flex=frozenset({("n", 1)}))
+
+    toggled = place_with_modes(snap(node), make_pod(("c", "3g.40gb")), view, place=spy)
+    assert isinstance(toggled.result, Placement) and toggled.toggles == (1,)
+    assert seen == [(True, False), (True, True)] and len(derived) == 1
+    seen.clear()
+    derived.clear()
+    plain = snap(make_node("m", [make_gpu(H100)]))
+    got = place_with_modes(plain, make_pod(("c", "1g.10gb")), view, place=spy)
+    assert isinstance(got.result, Placement) and seen == [(True,)] and derived == []
 
 
 def test_ampere_gpus_are_named_and_never_used() -> None:

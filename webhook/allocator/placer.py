@@ -19,7 +19,7 @@ from common.allocation import build_allocation
 from common.catalog import Catalog
 from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
-from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot, place
+from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
 from common.placement.modes import place_with_modes
 from common.placement.preempt import plan_preemption
 from common.placement.whole import is_whole, place_whole
@@ -115,8 +115,7 @@ class Placer:
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        # the plain snapshot's decisions go through the fleet index (same answers)
-        result = self._place(snapshot, request, sized, indexed=not (excluded or name_label))
+        result = self._place(snapshot, request, sized)
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
@@ -156,31 +155,21 @@ class Placer:
         self.kick(uid)
 
     def _place(
-        self,
-        snapshot: Snapshot,
-        request: PodRequest,
-        sized: list[SizeAsk],
-        *,
-        indexed: bool = False,
+        self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
     ) -> Placement | Pending:
-        """The decision: whole GPUs on GPUs of their own (common/placement/whole.py); size-based
-        asks resolved per GPU model (common/sizing.py); slices on GPUs in MIG mode first, on
-        GPUs whose MIG mode the agent would change only when nothing else fits
-        (common/placement/modes.py)."""
+        """The decision, one path per kind of ask, each on `snapshot` as given: whole GPUs on
+        GPUs of their own (common/placement/whole.py); size-based asks resolved per GPU model
+        (common/sizing.py); slices on GPUs in MIG mode first, on GPUs whose MIG mode the agent
+        would change only when nothing else fits (common/placement/modes.py). Every slice
+        decision goes through `ClusterState.place`: the fleet index answers when `snapshot`
+        is the state's own, the engine's scan otherwise (same answers)."""
         if is_whole(request):
             view = self.state.whole_view(snapshot)
             return place_whole(snapshot, request, view, self.catalog).result
         if sized:
             return place_sized(snapshot, request, sized, self.policy, self.catalog)
-        if indexed:  # `snapshot` is the state's own: ClusterState.decide answers for it
-            first = self.state.decide(request, self.policy, self.catalog)
-        else:
-            first = place(snapshot, request, self.policy, self.catalog)
-        if isinstance(first, Placement):
-            return first  # a GPU in MIG mode fits: the common case, no mode classes needed
-        modes = self.state.mode_view(snapshot)
         return place_with_modes(
-            snapshot, request, modes, self.policy, self.catalog, first=first
+            snapshot, request, self.state.mode_view, self.policy, self.catalog, self.state.place
         ).result
 
     def ask_maintenance(self, snapshot: Snapshot, request: PodRequest, pending: Pending) -> Pending:

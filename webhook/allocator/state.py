@@ -27,7 +27,7 @@ not on a timer.
 
 It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
 changed, and the placeable ones are kept in a `FleetIndex` (common/placement/index.py), so a
-decision on a large cluster (`decide`) neither rebuilds the snapshot nor scans every node.
+decision on the state's own snapshot (`place`) neither rebuilds it nor scans every node.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from common.placement import (
     PodRequest,
     Policy,
     Snapshot,
+    engine,
 )
 from common.placement.index import FleetIndex
 from common.placement.modes import ModeView
@@ -81,6 +82,7 @@ class ClusterState:
         self._nodes_sorted: tuple[NodeState, ...] | None = ()  # None: to sort again
         self._dirty: set[str] = set()
         self._index = FleetIndex()  # the placeable node states, keyed by name
+        self._plain: Snapshot | None = None  # snapshot() while nothing changed: the index's
         self.agents_down: set[str] = set()  # nodes whose agent's Lease went unrenewed
         self.epoch = 0
         # For metrics: slices of watched allocations by (profile, node, gpu uuid).
@@ -364,6 +366,7 @@ class ClusterState:
                 self._index.put(state, name)
         self._dirty.clear()
         self._nodes_sorted = None
+        self._plain = None
 
     def node_states(self) -> tuple[NodeState, ...]:
         """Every node that has both a Node and a MigNode, by name (agents down included)."""
@@ -372,12 +375,26 @@ class ClusterState:
             self._nodes_sorted = tuple(self._node_cache[n] for n in sorted(self._node_cache))
         return self._nodes_sorted
 
+    def place(
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        policy: Policy = Policy.INSTASLICE,
+        catalog: Catalog | None = None,
+    ) -> Placement | Pending:
+        """`engine.place(snapshot, request, policy, catalog)`: answered by the fleet index
+        when `snapshot` is the state's own and current (`snapshot()` with no arguments, and
+        nothing changed since), else by the engine's scan of `snapshot`. Same answers."""
+        self._refresh()
+        if snapshot is self._plain:
+            return self._index.place(request, policy, catalog, self.snapshot)
+        return engine.place(snapshot, request, policy, catalog)
+
     def decide(
         self, request: PodRequest, policy: Policy, catalog: Catalog | None
     ) -> Placement | Pending:
-        """`place(self.snapshot(), request, policy, catalog)`, through the fleet index."""
-        self._refresh()
-        return self._index.place(request, policy, catalog, self.snapshot)
+        """`place` on the state's own current snapshot: the fleet index answers."""
+        return self.place(self.snapshot(), request, policy, catalog)
 
     def snapshot(
         self,
@@ -394,7 +411,9 @@ class ClusterState:
         if self.agents_down:
             placeable = tuple(n for n in placeable if n.name not in self.agents_down)
         if not exclude and not name_label:
-            return Snapshot(nodes=placeable)
+            if self._plain is None:
+                self._plain = Snapshot(nodes=placeable)
+            return self._plain
         excluded: dict[str, set[str]] = {}
         for node, gpu_uuid in exclude:
             excluded.setdefault(node, set()).add(gpu_uuid)

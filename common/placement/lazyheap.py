@@ -1,0 +1,58 @@
+"""A heap of named entries that change: the fleet index's orders (index.py, why.py).
+
+Each name has at most one live entry; setting or discarding it leaves the old heap entry in
+place, stale, and it is dropped when met. Iteration pops live entries in ascending order
+and pushes them back when it ends, so a caller that stops after a few entries pays for a
+few. When stale entries outnumber live ones the heap is rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from heapq import heapify, heappop, heappush
+from typing import Any
+
+Entry = tuple[Any, Any, str]  # (score, sort key, name): scores and keys must compare
+
+
+class LazyHeap:
+    def __init__(self, live: dict[str, tuple[Any, Any]] | None = None) -> None:
+        self.live: dict[str, tuple[Any, Any]] = live if live is not None else {}
+        self.heap: list[Entry] = [(s, key, name) for name, (s, key) in self.live.items()]
+        heapify(self.heap)
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def set(self, name: str, score: Any, key: Any) -> None:
+        entry = (score, key)
+        if self.live.get(name) != entry:
+            self.live[name] = entry
+            heappush(self.heap, (score, key, name))
+
+    def discard(self, name: str) -> None:
+        self.live.pop(name, None)
+
+    def compact(self) -> None:
+        if len(self.heap) > 2 * len(self.live) + 256:  # mostly stale entries: rebuild
+            self.heap = [(s, key, name) for name, (s, key) in self.live.items()]
+            heapify(self.heap)
+
+    def ascending(self) -> Generator[Entry]:
+        """Live entries, best first. Entries are popped while iterating and pushed back
+        when the iteration ends (close it, or run it to its end)."""
+        heap, live = self.heap, self.live
+        taken: list[Entry] = []
+        seen: set[str] = set()
+        try:
+            while heap:
+                entry = heappop(heap)
+                s, key, name = entry
+                if live.get(name) != (s, key) or name in seen:
+                    continue  # stale, or a duplicate of an entry already met
+                seen.add(name)
+                taken.append(entry)
+                yield entry
+        finally:
+            for entry in taken:
+                heappush(heap, entry)
