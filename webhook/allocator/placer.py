@@ -189,8 +189,9 @@ class Placer:
             view = self.state.whole_view(snapshot)
             resets, target = place_whole(snapshot, request, view, self.catalog).resets, "disabled"
         else:
-            modes = self.state.mode_view(snapshot)
-            found = place_with_modes(snapshot, request, modes, self.policy, self.catalog)
+            found = place_with_modes(
+                snapshot, request, self.state.mode_view, self.policy, self.catalog, self.state.place
+            )
             resets, target = found.resets, "enabled"
         if not resets:
             return pending
