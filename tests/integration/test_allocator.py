@@ -31,7 +31,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     RELEASE_FINALIZER,
 )
-from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
+from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
@@ -653,6 +653,47 @@ async def test_a_pinned_pod_whose_delete_fails_keeps_its_slices(env: AllocatorEn
         assert not after["metadata"].get("deletionTimestamp")
         assert alloc.metrics.count("pinned_unschedulable") == 0
         assert await env.events("p", REASON_PINNED_UNSCHEDULABLE) == []
+
+
+async def test_a_pinned_pod_bound_after_the_check_is_left_alone(env: AllocatorEnv) -> None:
+    """The timeout reads the pod afresh before acting; a pod the scheduler binds right after
+    that read must not be deleted (nor its slices released): the delete is conditional on
+    the resourceVersion read, and the bind changed it."""
+    node = await env.add_node("a", cpu="2")
+    env.agent.hold = True
+    alloc = env.start(pinned_unschedulable_timeout_s=2.0)
+    await env.create_pod("p", cpu="1500m")
+    (record,) = await env.wait_allocations(lambda items: len(items) == 1, what="allocated")
+    await env.create_pod("thief", slices={}, cpu="1500m", gates=(), claim=None,
+                         node_name=node)  # fmt: skip
+    writes = alloc.steps.writes
+    read = writes.read_pod
+    raced: list[str] = []
+
+    async def read_then_bind(pod: Obj) -> Obj | None:
+        """The fresh read, then the scheduler's bind lands before the allocator acts."""
+        current = await read(pod)
+        if current is not None and not raced:
+            raced.append(current["metadata"]["resourceVersion"])
+            await env.delete_pod("thief")  # the CPU is back: the scheduler binds it
+            await env.wait_bound("p")
+        return current
+
+    writes.read_pod = read_then_bind  # type: ignore[method-assign]
+    await env.agent.release()
+    bound = await env.wait_bound("p")
+    deadline = asyncio.get_running_loop().time() + 30
+    while not raced:
+        assert asyncio.get_running_loop().time() < deadline, await env.diagnosis()
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # what the allocator does next, if anything
+    pod = await env.pod("p")
+    assert pod["metadata"]["uid"] == bound["metadata"]["uid"]
+    assert not pod["metadata"].get("deletionTimestamp"), "a bound pod was deleted"
+    (after,) = await env.allocations()
+    assert after["metadata"]["uid"] == record["metadata"]["uid"]
+    assert not after["metadata"].get("deletionTimestamp")
+    assert alloc.metrics.count("pinned_unschedulable") == 0
 
 
 # --- node deletion ---------------------------------------------------------------------------
