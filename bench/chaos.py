@@ -573,9 +573,18 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "faults_not_injected": faults.skipped,
         "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
         "dossiers": sampler.dossiers,
+        "unsettled_timelines": _timelines_of(work, report.unsettled_pods[:10]),
         "faults": [r.to_json() for r in faults.records],
     }
     return result
+
+
+def _timelines_of(work: Workload, pods: Sequence[Violation]) -> dict[str, list[Obj]]:
+    """The timelines of the pods (namespace/name) the violations are about, for diagnosis."""
+    uids = {
+        f"{p['metadata']['namespace']}/{p['metadata']['name']}": uid for uid, p in work.pods.items()
+    }
+    return {v.key: work.timelines.pods.get(uids.get(v.key, ""), []) for v in pods}
 
 
 async def _priority_classes(kube: Kube) -> None:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import FULL, Sampler, Workload
+from bench.chaos import FULL, Sampler, Workload, _timelines_of
 from bench.chaos_dossier import AUDIT_LOG, audit_lines
+from bench.invariants import Violation
 from common.clock import cancel_until_done
 from common.kubeapi import Informer, Kube, Obj, core_path, instaslice_path
 from hack.cluster import ControlPlane
@@ -140,6 +141,9 @@ async def test_a_double_booking_comes_with_its_dossier(
         assert json.loads((logs / "double-booking-1.json").read_text()) == d
         await sampler.once()  # the same violation again: counted and explained once
         assert len(sampler.violations) == 1 and len(sampler.dossiers) == 1
+        # a pod unsettled at the end comes with its timeline too
+        unsettled = Violation("unsettled_pod", f"{namespace}/victim", "Running without ...")
+        assert _timelines_of(work, [unsettled]) == {f"{namespace}/victim": pod["timeline"]}
     finally:
         await cancel_until_done([task])
         for name in ("victim", "taker"):
