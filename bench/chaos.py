@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import random
@@ -52,6 +53,7 @@ from typing import Any
 
 import structlog
 
+from bench.chaos_dossier import AUDIT_LOG, Timelines, audit_args, dossier
 from bench.chaos_faults import Faults, detached
 from bench.invariants import (
     Report,
@@ -67,6 +69,7 @@ from bench.invariants import (
 from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, EventType, Informer, Kube, Obj, core_path, group_path
 from common.kubeapi import instaslice_path as isl_path
+from hack.cluster.controlplane import ClusterSettings
 from hack.cluster.nodes import ClusterSpec, parse_spec
 from hack.cluster.priority import ensure_priority_classes
 from hack.dev import REPO, DevSystem
@@ -162,9 +165,11 @@ class Workload:
     refused: int = 0
     deleted: int = 0
     priority: dict[str, int] = field(default_factory=dict)  # uid -> spec.priority
+    timelines: Timelines = field(default_factory=Timelines)  # for a violation's dossier
 
     async def on_pod(self, etype: EventType, pod: Obj) -> None:
         uid = pod["metadata"]["uid"]
+        self.timelines.on_pod(etype, pod, time.monotonic())
         self.seen.add(uid)
         self.priority[uid] = int(pod.get("spec", {}).get("priority") or 0)
         if pod.get("status", {}).get("phase") == "Running":
@@ -322,9 +327,14 @@ class Sampler:
     last_slots: dict[str, list[Slot]] = field(default_factory=dict)  # pod uid -> slots
     violations: dict[str, Violation] = field(default_factory=dict)
     samples: int = 0
+    faults: Faults | None = None  # the recent ones go into a violation's dossier
+    logs: Path | None = None  # the components' logs (and the audit log); dossiers go there
+    dossiers: list[Obj] = field(default_factory=list)
+    max_dossiers: int = 5
 
     async def once(self) -> None:
         allocs = (await self.kube.list(isl_path("sliceallocations")))["items"]
+        self.workload.timelines.on_allocations(allocs, time.monotonic())
         by_pod = {str(a["spec"].get("podUID", "")) for a in allocs}
         for a in allocs:
             self.last_slots[str(a["spec"].get("podUID", ""))] = slots_of(a)
@@ -353,10 +363,39 @@ class Sampler:
             if v.key not in self.violations:
                 log.error("double booking", violation=str(v))
                 self.violations[v.key] = v
+                if len(self.dossiers) < self.max_dossiers:
+                    await self._dossier(v)
         self.samples += 1
         live_uids = set(self.workload.pods)
         for uid in [u for u in self.last_slots if u not in by_pod and u not in live_uids]:
             del self.last_slots[uid]
+
+    async def _dossier(self, v: Violation) -> None:
+        """Gather, now, what explains `v` (bench/chaos_dossier.py); keep it with the logs."""
+        uids = [r for r in v.refs if "/" not in r]
+        now_mono, now_wall = time.monotonic(), time.time()
+        recent = []
+        if self.faults is not None:
+            for r in self.faults.records:
+                ago = now_mono - (self.faults.t0 + r.started)
+                if ago < 180:
+                    wall = dt.datetime.fromtimestamp(now_wall - ago, dt.UTC)
+                    recent.append({**r.to_json(), "at": wall.isoformat(timespec="seconds")})
+        found = await dossier(
+            self.kube,
+            violation=str(v),
+            pod_uids=uids,
+            known_pods=self.workload.pods,
+            allocs=[r for r in v.refs if "/" in r],
+            timelines=self.workload.timelines,
+            faults=recent,
+            logs=self.logs,
+        )
+        self.dossiers.append(found)
+        if self.logs is not None:
+            path = self.logs / f"double-booking-{len(self.dossiers)}.json"
+            await asyncio.to_thread(path.write_text, json.dumps(found, indent=1) + "\n")
+        log.error("double booking dossier", dossier=found)
 
     async def run(self, period_s: float = 1.0) -> None:
         while True:
@@ -452,9 +491,9 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         informer = Informer(
             kube, core_path("pods"), work.on_pod, label_selector=f"{CHAOS_LABEL}=1", name="pods"
         )
-        sampler = Sampler(kube, work)
         faults = Faults(system, kube, spec, work, random.Random(f"{seed}/faults"),
                         hold=mode.hold)  # fmt: skip
+        sampler = Sampler(kube, work, faults=faults, logs=system.logs)
         background = [
             asyncio.create_task(informer.run(), name="pod-informer"),
             asyncio.create_task(sampler.run(), name="sampler"),
@@ -534,9 +573,19 @@ async def soak(system: DevSystem, spec: ClusterSpec, mode: Mode, minutes: float,
         "fault_errors": errors,
         "faults_not_injected": faults.skipped,
         "violations": [str(v) for v in [*sampler.violations.values(), *report.all()]][:200],
+        "dossiers": sampler.dossiers,
+        "unsettled_timelines": _timelines_of(work, report.unsettled_pods[:10]),
         "faults": [r.to_json() for r in faults.records],
     }
     return result
+
+
+def _timelines_of(work: Workload, pods: Sequence[Violation]) -> dict[str, list[Obj]]:
+    """The timelines of the pods (namespace/name) the violations are about, for diagnosis."""
+    uids = {
+        f"{p['metadata']['namespace']}/{p['metadata']['name']}": uid for uid, p in work.pods.items()
+    }
+    return {v.key: work.timelines.pods.get(uids.get(v.key, ""), []) for v in pods}
 
 
 async def _preemptions(kube: Kube, work: Workload) -> tuple[int, list[str]]:
@@ -575,12 +624,16 @@ def run_chaos(dir: Path, *, minutes: float, seed: int, quick: bool = False) -> O
         with contextlib.suppress(Exception):
             old.down()
     shutil.rmtree(dir, ignore_errors=True)
+    dir.mkdir(parents=True)
     spec = parse_spec(mode.spec)
+    # who deleted or bound what, for a violation's dossier (bench/chaos_dossier.py)
+    audited = ClusterSettings(extra_apiserver_args=audit_args(dir, dir / "logs" / AUDIT_LOG))
     t0 = time.monotonic()
     with detached():
         system = DevSystem.up(
-            dir, spec, die_with_parent=True, agent_args=AGENT_ARGS, webhook_args=WEBHOOK_ARGS
-        )
+            dir, spec, die_with_parent=True, agent_args=AGENT_ARGS, webhook_args=WEBHOOK_ARGS,
+            cluster_settings=audited,
+        )  # fmt: skip
     print(f"InstaSlice up in {time.monotonic() - t0:.0f}s on {len(system.nodes)} nodes; "
           f"soaking {minutes:g} min, seed {seed}; logs in {system.logs}", flush=True)  # fmt: skip
     try:

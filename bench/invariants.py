@@ -69,6 +69,8 @@ class Violation:
     kind: Kind
     key: str  # what it is about, stable across samples (so repeats count once)
     detail: str
+    # the allocations (namespace/name) and pod UIDs it involves, for diagnosis
+    refs: tuple[str, ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
         return f"{self.kind} {self.key}: {self.detail}"
@@ -217,7 +219,8 @@ def double_bookings(
 def _booked(a: Slot, b: Slot, why: str) -> Violation:
     x, y = sorted((f"{a.alloc}@{a.gpu_uuid}[{a.start}:{a.size}]",
                    f"{b.alloc}@{b.gpu_uuid}[{b.start}:{b.size}]"))  # fmt: skip
-    return Violation("double_booked", f"{x} & {y}", why)
+    refs = tuple(dict.fromkeys((a.alloc, b.alloc, a.pod_uid, b.pod_uid)))
+    return Violation("double_booked", f"{x} & {y}", why, refs)
 
 
 def leaked_instances(truth: Truth) -> list[Violation]:

@@ -14,6 +14,7 @@ and NVML emulator (tests/e2e) and latency (test_allocator_latency.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     RELEASE_FINALIZER,
 )
-from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
+from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
@@ -517,6 +518,173 @@ async def test_pinned_pod_that_lost_its_cpu_recovers(env: AllocatorEnv) -> None:
     await env.create_pod("owned-2", cpu="1500m", owner=ref)
     bound = await env.wait_bound("owned-2")
     assert podlib.bound_node(bound) == nodes["owned"]
+
+
+UNDELETABLE = "allocator-test.instaslice.io/undeletable"
+ADMISSION = "admissionregistration.k8s.io/v1"
+
+
+@contextlib.asynccontextmanager
+async def undeletable_pods(env: AllocatorEnv) -> AsyncIterator[None]:
+    """While inside, deleting a pod of the test's namespace that carries the UNDELETABLE label
+    is refused by a ValidatingAdmissionPolicy: a delete that fails, as it does while the API
+    server restarts. Yields once a probe pod's delete was refused (policies apply async)."""
+    name = f"{env.namespace}-undeletable"
+    policy = {
+        "apiVersion": ADMISSION,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["DELETE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "validations": [
+                {
+                    "expression": f"!has(oldObject.metadata.labels) || "
+                    f"!('{UNDELETABLE}' in oldObject.metadata.labels)",
+                    "message": "this test's pod cannot be deleted",
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": ADMISSION,
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": env.namespace}}
+            },
+        },
+    }
+    policies = group_path(ADMISSION, "validatingadmissionpolicies")
+    bindings = group_path(ADMISSION, "validatingadmissionpolicybindings")
+    await env.kube.create(policies, policy)
+    await env.kube.create(bindings, binding)
+    try:
+        # probes no scheduler takes (another gate) and the allocator ignores (no claim)
+        for i in range(100):
+            probe = f"probe-{i}"
+            await env.create_pod(probe, slices={}, gates=("allocator-test.instaslice.io/hold",),
+                                 claim=None, labels={UNDELETABLE: "true"})  # fmt: skip
+            try:
+                await env.kube.delete(core_path("pods", env.namespace, probe))
+            except ApiError as exc:
+                if "cannot be deleted" in exc.message:
+                    break
+                raise
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the policy refusing deletes never took effect")
+        yield
+    finally:
+        await env.kube.delete_ignore_missing(f"{bindings}/{name}")
+        await env.kube.delete_ignore_missing(f"{policies}/{name}")
+        # the policy's removal applies async too: delete the labelled pods once it has
+        listing = await env.kube.list(core_path("pods", env.namespace),
+                                      labelSelector=UNDELETABLE)  # fmt: skip
+        for pod in listing["items"]:
+            path = core_path("pods", env.namespace, pod["metadata"]["name"])
+            for _ in range(100):
+                try:
+                    await env.kube.delete_ignore_missing(path, gracePeriodSeconds=0)
+                    break
+                except ApiError as exc:
+                    if "cannot be deleted" not in exc.message:
+                        raise
+                    await asyncio.sleep(0.2)
+
+
+async def test_a_pinned_pod_whose_delete_fails_keeps_its_slices(env: AllocatorEnv) -> None:
+    """Issue 17: the pinned-unschedulable timeout released a pod's slices before deleting it.
+    When the delete then failed (here a policy refuses it; in the chaos soak an API server
+    restart or the end of a leadership term), the pod stayed ungated and pinned without
+    slices, and once the scheduler could bind it, it ran on slots the allocator had already
+    handed to another pod. Now the delete comes first and nothing is released until it is
+    done, so a pod that is bound after all still has its slices."""
+    node = await env.add_node("a", cpu="2")
+    async with undeletable_pods(env):
+        env.agent.hold = True
+        alloc = env.start(pinned_unschedulable_timeout_s=2.0)
+        await env.create_pod("p", cpu="1500m", labels={UNDELETABLE: "true"})
+        (record,) = await env.wait_allocations(lambda items: len(items) == 1, what="allocated")
+        # a pod that never asked InstaSlice takes the node's CPU before the slices are made
+        await env.create_pod("thief", slices={}, cpu="1500m", gates=(), claim=None,
+                             node_name=node)  # fmt: skip
+        await env.agent.release()
+        await env.wait_pod("p", lambda p: podlib.stuck_pinned(p, p["metadata"]["uid"]),
+                           what="pinned and unschedulable")  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + 30
+        for refused in (1, 2):  # the timeout acted, its delete was refused, and it is retried
+            while alloc.metrics.count("error") < refused:
+                assert asyncio.get_running_loop().time() < deadline, await env.diagnosis()
+                await asyncio.sleep(0.1)
+            held = await env.allocations()
+            assert [a["metadata"]["uid"] for a in held] == [record["metadata"]["uid"]], (
+                f"the pod is still there, ungated and pinned, but its slices were released: "
+                f"{await env.diagnosis()}"
+            )
+            assert not held[0]["metadata"].get("deletionTimestamp")
+        # the node's CPU comes back: the scheduler binds the pod, which runs on its own slices
+        await env.delete_pod("thief")
+        bound = await env.wait_bound("p")
+        (after,) = await env.allocations()
+        assert after["metadata"]["uid"] == record["metadata"]["uid"]
+        assert after["spec"]["podUID"] == bound["metadata"]["uid"]
+        assert not after["metadata"].get("deletionTimestamp")
+        assert alloc.metrics.count("pinned_unschedulable") == 0
+        assert await env.events("p", REASON_PINNED_UNSCHEDULABLE) == []
+
+
+async def test_a_pinned_pod_bound_after_the_check_is_left_alone(env: AllocatorEnv) -> None:
+    """The timeout reads the pod afresh before acting; a pod the scheduler binds right after
+    that read must not be deleted (nor its slices released): the delete is conditional on
+    the resourceVersion read, and the bind changed it."""
+    node = await env.add_node("a", cpu="2")
+    env.agent.hold = True
+    alloc = env.start(pinned_unschedulable_timeout_s=2.0)
+    await env.create_pod("p", cpu="1500m")
+    (record,) = await env.wait_allocations(lambda items: len(items) == 1, what="allocated")
+    await env.create_pod("thief", slices={}, cpu="1500m", gates=(), claim=None,
+                         node_name=node)  # fmt: skip
+    writes = alloc.steps.writes
+    read = writes.read_pod
+    raced: list[str] = []
+
+    async def read_then_bind(pod: Obj) -> Obj | None:
+        """The fresh read, then the scheduler's bind lands before the allocator acts."""
+        current = await read(pod)
+        if current is not None and not raced:
+            raced.append(current["metadata"]["resourceVersion"])
+            await env.delete_pod("thief")  # the CPU is back: the scheduler binds it
+            await env.wait_bound("p")
+        return current
+
+    writes.read_pod = read_then_bind  # type: ignore[method-assign]
+    await env.agent.release()
+    bound = await env.wait_bound("p")
+    deadline = asyncio.get_running_loop().time() + 30
+    while not raced:
+        assert asyncio.get_running_loop().time() < deadline, await env.diagnosis()
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # what the allocator does next, if anything
+    pod = await env.pod("p")
+    assert pod["metadata"]["uid"] == bound["metadata"]["uid"]
+    assert not pod["metadata"].get("deletionTimestamp"), "a bound pod was deleted"
+    (after,) = await env.allocations()
+    assert after["metadata"]["uid"] == record["metadata"]["uid"]
+    assert not after["metadata"].get("deletionTimestamp")
+    assert alloc.metrics.count("pinned_unschedulable") == 0
 
 
 # --- node deletion ---------------------------------------------------------------------------

@@ -157,6 +157,7 @@ async def node(c: Controller, name: str = "n1", gpus: int = 1) -> None:
 
 def unschedulable(pod: Obj) -> Obj:
     pod = podlib.pin(pod, "n1")
+    pod["metadata"]["resourceVersion"] = "7"
     pod["status"] = {
         "phase": "Pending",
         "conditions": [
@@ -195,13 +196,15 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
         assert kube.writes("delete") == []
         await clock.advance(1)
         await settle()
-    deleted = [c[1] for c in kube.writes("delete")]
+    deletes = [(c[1], c[2]) for c in kube.writes("delete")]
     alloc_path = (
         f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
     )
-    assert deleted[0] == alloc_path
-    # a bare pod too (security: ungated without slices, the kubelet would hand it another's)
-    assert "/api/v1/namespaces/ns/pods/p" in deleted
+    # the pod first, only as read (a bind since then would make it fail), then its slices:
+    # a failed delete must not leave the pod ungated without slices (issue 17). A bare pod
+    # too (security: ungated without slices, the kubelet would hand it another pod's)
+    assert [path for path, _ in deletes] == ["/api/v1/namespaces/ns/pods/p", alloc_path]
+    assert deletes[0][1] == {"preconditions": {"uid": "p", "resourceVersion": "7"}}
     assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
     assert c.metrics.count("pinned_unschedulable") == 1
 

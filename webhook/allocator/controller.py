@@ -78,6 +78,7 @@ from webhook.allocator.track import (
     Settled,
     Tracks,
     Unstick,
+    UnstickPod,
     Wait,
     next_step,
 )
@@ -443,8 +444,8 @@ class Controller:
         a backoff (doubling per failure, capped); a kick in between tries it at once."""
         track = self.tracks.ensure(uid)
         step = next_step(track, self._seen(uid, track))
-        if track.unstick is Unstick.DUE:
-            track.unstick = Unstick.DONE  # acted on now, or no longer applicable
+        if track.unstick is Unstick.DUE and not isinstance(step, UnstickPod):
+            track.unstick = Unstick.DONE  # no longer applicable (UnstickPod says when it is done)
         match step:
             case Wait():
                 return None

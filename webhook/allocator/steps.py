@@ -40,6 +40,7 @@ from webhook.allocator.track import (
     Pin,
     PodTrack,
     Step,
+    Unstick,
     UnstickPod,
 )
 from webhook.allocator.views import PodView
@@ -211,15 +212,30 @@ class Steps:
     # --- pinned but unschedulable -------------------------------------------------------
 
     async def unstick(self, track: PodTrack, pod: PodView) -> None:
-        """Release the slices of a pinned pod the scheduler cannot place, and delete the pod:
-        its controller, if any, recreates it and it is placed again (docs/allocator.md
-        "Pinned but unschedulable"). A bare pod is deleted too: gates cannot be re-added, and
-        an ungated pod still asking for `instaslice.io/mig-*` without slices would, once
-        scheduled, be handed another pod's slice by the kubelet (device-plugin mode)."""
+        """Delete a pinned pod the scheduler cannot place, then release its slices: its
+        controller, if any, recreates it and it is placed again (docs/allocator.md "Pinned
+        but unschedulable"). A bare pod is deleted too: gates cannot be re-added, and an
+        ungated pod still asking for `instaslice.io/mig-*` without slices would, once
+        scheduled, be handed another pod's slice by the kubelet (device-plugin mode).
+
+        The delete comes first, and only of the pod as just read (UID and resourceVersion):
+        a pod the scheduler binds after the read is left alone with its slices, and a delete
+        that fails (API server away, term over) releases nothing. Releasing first left such
+        a pod ungated without slices; bound later, it would run on slots given to another
+        pod (a double booking, issue 17). Until the delete is done the
+        record stays due, so a failed step is retried."""
         current = await self.writes.read_pod(pod.obj)  # the cache may lag: still stuck?
         if current is None or not podlib.stuck_pinned(current, pod.uid):
             log.info("pinned pod no longer unschedulable; left alone", pod=pod.key)
+            track.unstick = Unstick.DONE
             return
+        if not await self.writes.delete_pod_as_read(current):
+            # changed since the read (bound, or its status written): the change's watch
+            # event brings it back here, still due, and it is read again
+            log.info("pinned pod changed since it was read; looked at again", pod=pod.key)
+            return
+        track.unstick = Unstick.DONE
+        log.info("pinned pod stayed unschedulable; deleted", pod=pod.key)
         node = pod.node or "its node"
         cause = _scheduled_message(current)
         for alloc in self.state.allocations_of(pod.uid):
@@ -232,9 +248,8 @@ class Steps:
             then = f"its {owner.get('kind', 'controller')} recreates it and it is placed again"
         else:
             then = "it has no controller to recreate it: create it again to have it placed"
-        message = f"{waited}; released its slices and deleted it; {then}"
+        message = f"{waited}; deleted it and released its slices; {then}"
         await self.writes.event(pod.obj, REASON_PINNED_UNSCHEDULABLE, message, "Warning")
-        await self.writes.delete_pod(pod.obj)
 
 
 def _scheduled_message(pod: Obj) -> str:

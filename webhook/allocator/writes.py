@@ -166,17 +166,23 @@ class Writes:
             raise
         return True
 
-    async def delete_pod(self, pod: Obj) -> None:
+    async def delete_pod_as_read(self, pod: Obj) -> bool:
+        """Delete `pod` only as it was read (UID and resourceVersion preconditions): True
+        when deleted or already gone, False when it changed since the read (409), e.g. the
+        scheduler bound it meanwhile."""
         meta = pod["metadata"]
         self.elector.check()
         try:
             await self.kube.delete(
                 core_path("pods", meta["namespace"], meta["name"]),
-                {"preconditions": {"uid": meta["uid"]}},
+                {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}},
             )
         except ApiError as exc:
-            if not (exc.not_found or exc.conflict):
+            if exc.conflict:
+                return False
+            if not exc.not_found:
                 raise
+        return True
 
     async def evict(self, namespace: str, name: str, uid: str) -> bool:
         """Evict a pod (policy/v1 Eviction, UID precondition): True when evicted or gone,
