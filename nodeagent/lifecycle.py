@@ -81,15 +81,16 @@ SLICES_LISTED_WITHIN_S = 1.0
 
 
 async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
-    """Run `a` and `b` side by side; both results, or the first exception once neither
-    runs any more (the other is cancelled and waited for)."""
+    """Run `a` and `b` side by side until both have ended; both results, or the first one's
+    exception. Neither is cut short when the other fails: a checkpoint write cancelled while
+    its thread still writes would free the state lock for a second write beside it."""
     ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
-    try:
-        return await ta, await tb
-    finally:
-        for t in (ta, tb):
-            t.cancel()  # a no-op for a finished one
-        await asyncio.gather(ta, tb, return_exceptions=True)
+    await asyncio.wait((ta, tb))
+    for t in (ta, tb):
+        if (exc := t.exception()) is not None:
+            (tb if t is ta else ta).exception()  # retrieved: not reported as never retrieved
+            raise exc
+    return ta.result(), tb.result()
 
 
 @dataclass(kw_only=True, eq=False)

@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from common.allocation import SliceAllocation
-from common.kubeapi import Kube, instaslice_path
+from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent import checkpoint, lifecycle
 from nodeagent.report import CONFLICT_FREE
@@ -130,3 +131,38 @@ async def test_slices_made_are_listed_together_and_slots_freed_at_once(
             await eventually(freed, within=3, what="the freed slice gone from the MigNode")
         finally:
             watcher.cancel()
+
+
+async def test_a_failed_creating_write_lets_the_intent_write_finish(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The status write fails while the intent record is being written: the create gives up
+    only once that write has ended. Cutting it short would free the checkpoint's lock while
+    its thread still writes, and another allocation's write could start beside it."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        ended: list[bool] = []
+        real_save = checkpoint.save
+
+        def slow_save(path: Path, cp: checkpoint.Checkpoint, durable: bool = True) -> None:
+            time.sleep(0.5)
+            real_save(path, cp, durable)
+            ended.append(durable)
+
+        async def failing(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+            raise ApiError(500, "InternalError", "the API server failed")
+
+        monkeypatch.setattr(checkpoint, "save", slow_save)
+        life.status = failing  # type: ignore[method-assign]
+        obj = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        obj["metadata"]["uid"] = "uid-never-created"
+        with pytest.raises(ApiError):
+            await life.create(SliceAllocation.parse(obj))
+        assert True in ended, "the create gave up while its intent record was being written"
+        assert node.instances() == []
