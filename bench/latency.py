@@ -603,6 +603,8 @@ class Bench:
     quiet: bool = False
     profile: Path | None = None
     static: bool = True
+    base: bool = True  # the variant at emulated NVML latency 0
+    trace: Path | None = None  # per-pod milestones of each variant, one JSON line a pod
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
@@ -616,7 +618,7 @@ class Bench:
             print(msg, flush=True)
 
     def variants(self) -> list[tuple[str, int, int]]:
-        out = [("", 0, 0)]
+        out = [("", 0, 0)] if self.base else []
         if self.realistic:
             out.append(("-realistic", self.plan.create_ms, self.plan.destroy_ms))
         if self.static:
@@ -659,12 +661,15 @@ class Bench:
                     key = name + suffix
                     self.log(f"  {key}: running (load {load()})")
                     prof = self._profiled(key, fleet)
+                    first = fleet.seq
                     try:
                         doc["scenarios"][key] = res = await fns[name](fleet, cms)
                     finally:
                         fleet.ns = NS
                         if prof is not None:
                             prof.stop()
+                    if self.trace is not None:
+                        write_trace(self.trace / f"{key}.jsonl", fleet.tr, first + 1, fleet.seq)
                     self.log("  " + line(key, res))
                 add_ratios(doc["scenarios"], name)
 
@@ -728,6 +733,22 @@ class Bench:
             }
             doc["scenarios"]["scale"] = best
         return best
+
+
+def write_trace(path: Path, tr: Tracker, first: int, last: int) -> None:
+    """Each pod `p<first>`..`p<last>`: its node and every milestone, in seconds after its
+    create was sent (None: not reached), one JSON object a line: the tail's pods can be
+    looked at one by one (which node, which step)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    steps = ("admitted", "allocated", "ready", "ungated", "running", "deleted", "released")
+    with path.open("w") as f:
+        for i in range(first, last + 1):
+            t = tr.pods.get(f"p{i:05d}")
+            if t is None:
+                continue
+            row: Obj = {"pod": f"p{i:05d}", "node": t.node, "sent": r3(t.sent)}
+            row.update({k: None if t.since(k) is None else r3(t.since(k) or 0.0) for k in steps})
+            f.write(json.dumps(row) + "\n")
 
 
 RATIO_FIELDS = ("running_p50_s", "running_p99_s", "all_running_s", "system_cpu_s_per_pod")
@@ -796,6 +817,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="skip the static baseline (pre-sliced nvidia.com/mig-* capacity, no InstaSlice)",
     )
+    ap.add_argument(
+        "--only-realistic",
+        action="store_true",
+        help="skip the variant at emulated latency 0 (realistic and static only)",
+    )
     ap.add_argument("--create-ms", type=int, default=None)
     ap.add_argument("--destroy-ms", type=int, default=None)
     ap.add_argument(
@@ -809,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=RUN_DIR, help="where the system runs")
     ap.add_argument("--report", type=Path, default=None, help="write plots into this dir")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks into DIR")
+    ap.add_argument(
+        "--trace", type=Path, default=None, help="per-pod milestones into DIR/<scenario>.jsonl"
+    )
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else Plan()
     if args.scale_nodes:
@@ -832,6 +861,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    if args.only_realistic and args.no_realistic:
+        ap.error("--only-realistic and --no-realistic leave no InstaSlice variant")
     bench = Bench(
         plan,
         args.dir,
@@ -839,6 +870,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         realistic=not args.no_realistic,
         profile=args.profile,
         static=not args.no_static,
+        base=not args.only_realistic,
+        trace=args.trace,
     )
     # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
     # so the fleet is torn down; children die with this process anyway (PDEATHSIG)

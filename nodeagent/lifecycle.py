@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -61,6 +63,8 @@ from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
 
 log = structlog.get_logger("lifecycle")
+A = TypeVar("A")
+B = TypeVar("B")
 
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 NOT_OURS = -1  # a GI id no instance has: the slice claims nothing
@@ -69,6 +73,24 @@ REASON_LOST = "SliceLost"
 SLICES_PRESENT = "SlicesPresent"
 REASON_IN_USE = "SliceInUse"
 API_RETRY_S = 1.0
+# A slice made is listed on the MigNode within this long. Nobody waits for it: the allocator
+# counts the slots from the SliceAllocation, and a MigNode status patch (~24 KB for 8 GPUs,
+# schema-validated) right after Ready competed with the pod's pin for the API server: one
+# per pod in the sequential benchmark, the costliest write of the path (docs/benchmarks.md).
+SLICES_LISTED_WITHIN_S = 1.0
+
+
+async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
+    """Run `a` and `b` side by side until both have ended; both results, or the first one's
+    exception. Neither is cut short when the other fails: a checkpoint write cancelled while
+    its thread still writes would free the state lock for a second write beside it."""
+    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    await asyncio.wait((ta, tb))
+    for t in (ta, tb):
+        if (exc := t.exception()) is not None:
+            (tb if t is ta else ta).exception()  # retrieved: not reported as never retrieved
+            raise exc
+    return ta.result(), tb.result()
 
 
 @dataclass(kw_only=True, eq=False)
@@ -224,30 +246,25 @@ class Lifecycle:
             cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
             await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
             return
-        if (alloc.phase != Phase.CREATING or reason) and not await self.status(
-            alloc, status_creating(reason)
-        ):
-            return  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
-        instances = await self.instances({s.gpu_index for s in fresh})
-        if rec is None:
-            # Intent first, but only for placements that are free: an instance already at
-            # one is not ours, and the record would otherwise claim it.
-            why = blocked(fresh, uid, instances, match(self.st.cp, instances))
-            if why:
-                await self.fail(alloc, why)
-                return
-        rec = ClaimRecord(
-            uid=uid,
-            namespace=alloc.namespace,
-            name=alloc.name,
-            state="creating",
-            slices=merge_plan(rec, fresh),
-            boot_id=self.st.boot_id,
-            updated=time.time(),
-            announced=rec.announced if rec is not None else False,  # re-made: told once
-        )
-        self.st.put(rec)
-        await self.st.persist(durable=True)  # the intent, on disk before NVML creates
+        intent = self.intent(alloc, rec, fresh)
+        if alloc.phase != Phase.CREATING or reason:
+            # The Creating status and the intent record side by side (an API round trip
+            # beside a placement check and an fsync): both are done before NVML makes
+            # anything, which is all their order has to guarantee.
+            alive, (made, instances) = await _both(
+                self.status(alloc, status_creating(reason)), intent
+            )
+        else:
+            alive, (made, instances) = True, await intent
+        if not alive:  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
+            if rec is None and isinstance(made, ClaimRecord):
+                self.st.drop(uid)  # the record written beside the status write claims nothing
+                await self.st.persist()
+            return
+        if isinstance(made, str):
+            await self.fail(alloc, made)
+            return
+        rec = made
         own = match(self.st.cp, instances)
         why = blocked(rec.slices, uid, instances, own)
         if why:
@@ -285,6 +302,31 @@ class Lifecycle:
         self.st.put(rec)
         await self.st.persist()
         await self.ready(alloc, rec, t0)
+
+    async def intent(
+        self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
+    ) -> tuple[ClaimRecord | str, list[Instance]]:
+        """The create's intent record, on disk before NVML makes anything, and the GPUs'
+        instances; or why not. Intent first, but only for placements that are free: an
+        instance already at one is not ours, and a new record would otherwise claim it."""
+        instances = await self.instances({s.gpu_index for s in fresh})
+        if rec is None:
+            why = blocked(fresh, alloc.uid, instances, match(self.st.cp, instances))
+            if why:
+                return why, instances
+        made = ClaimRecord(
+            uid=alloc.uid,
+            namespace=alloc.namespace,
+            name=alloc.name,
+            state="creating",
+            slices=merge_plan(rec, fresh),
+            boot_id=self.st.boot_id,
+            updated=time.time(),
+            announced=rec.announced if rec is not None else False,  # re-made: told once
+        )
+        self.st.put(made)
+        await self.st.persist(durable=True)
+        return made, instances
 
     async def make_slice(self, s: SliceRecord, inst: Instance | None) -> SliceRecord:
         """One slice: adopt what the record already claims, create only what is missing."""
@@ -329,7 +371,7 @@ class Lifecycle:
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
         await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
         await self.announce(alloc)
-        self.st.publish.set()
+        self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
             return
         self.st.put(replace(rec, announced=True))

@@ -49,6 +49,21 @@ class AgentNode:
         self._saved = 0
         self._durable = 0
         self._lock = asyncio.Lock()
+        self._soon: asyncio.TimerHandle | None = None
+
+    def publish_soon(self, within_s: float) -> None:
+        """Publish within `within_s`, together with whatever else changes meanwhile: for a
+        change nobody waits on (a slice made: the allocator counts it from its allocation
+        already). `publish.set()` is for changes someone waits on (slots freed, health,
+        modes): the publisher writes those within its 20 ms coalescing."""
+        if self._soon is not None:
+            return
+
+        def due() -> None:
+            self._soon = None
+            self.publish.set()
+
+        self._soon = asyncio.get_running_loop().call_later(within_s, due)
 
     def set_checkpoint(self, cp: Checkpoint) -> None:
         self.cp = cp

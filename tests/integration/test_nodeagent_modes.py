@@ -90,7 +90,9 @@ async def test_first_mig_slice_enables_mig_on_its_gpu(
         state = node.emu.state()
         assert [g.mig_current for g in state.gpus] == [0, 1]  # only the GPU it needed
         assert node.instances() == [(1, "3g.40gb", 4, 4, 0)]
-        gpus = await _gpus(agent_kube, node.name, lambda g: g[1]["migMode"]["current"] == "enabled")
+        # the mode change is published at once, the slice within SLICES_LISTED_WITHIN_S
+        gpus = await _gpus(agent_kube, node.name, lambda g: g[1]["slices"])
+        assert gpus[1]["migMode"]["current"] == "enabled"
         assert gpus[1]["lastModeChange"]["from"] == "disabled"
         assert gpus[1]["lastModeChange"]["to"] == "enabled"
         assert gpus[1]["slices"][0]["profile"] == "3g.40gb"

@@ -1,0 +1,168 @@
+"""The node agent's share of a pod's time to slice (issue 25), against a real API server.
+
+- A create's `Creating` status write and its intent record (placement check, record on disk)
+  run side by side, and NVML makes nothing before both are done.
+- A slice made is listed on the MigNode within `SLICES_LISTED_WITHIN_S`, coalesced with the
+  slices made meanwhile (one status write for several pods, not one each); slots freed are
+  listed at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.allocation import SliceAllocation
+from common.kubeapi import ApiError, Kube, instaslice_path
+from hack.cluster import ControlPlane
+from nodeagent import checkpoint, lifecycle
+from nodeagent.report import CONFLICT_FREE
+from tests.integration.agent_fixtures import (
+    agent_settings,
+    create_allocation,
+    eventually,
+    gpu_node,
+    mig_node,
+    running_agent,
+    slice_allocation,
+    wait_phase,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+H200 = "H200-141GB"
+
+
+async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nvml(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    seen: dict[str, Any] = {}
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        real_status = life.status
+
+        async def held_status(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+            if body["status"].get("phase") == "Creating" and "record" not in seen:
+                # held until the intent record is on disk: it must get there meanwhile
+                for _ in range(200):
+                    if alloc.uid in checkpoint.load(node.checkpoint, node.name).claims:
+                        seen["record"] = True
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    seen["record"] = False
+                await asyncio.sleep(0.3)  # time enough for an NVML create that did not wait
+                seen["instances"] = node.instances()
+            return await real_status(alloc, body)
+
+        life.status = held_status  # type: ignore[method-assign]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    assert seen["record"], "the intent record waited for the Creating write"
+    assert seen["instances"] == [], "NVML made a slice before Creating was written"
+    assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
+
+
+async def test_slices_made_are_listed_together_and_slots_freed_at_once(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 6.0)
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+
+    async def listed() -> list[str]:
+        mn = await mig_node(agent_kube, node.name)
+        gpus = ((mn or {}).get("status") or {}).get("gpus") or [{}]
+        return sorted(str(s.get("claim")) for s in gpus[0].get("slices") or [])
+
+    async def settled() -> bool:  # published, with the first GC pass's ConflictFree condition
+        mn = await mig_node(agent_kube, node.name)
+        conds = ((mn or {}).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == CONFLICT_FREE for c in conds)
+
+    async with running_agent(settings):
+        await eventually(settled, what="MigNode published")
+        writes: list[list[str]] = []
+        last: list[str] = []
+
+        async def watch() -> None:  # every change of the listed slices, as the API server has it
+            nonlocal last
+            while True:
+                now = await listed()
+                if now != last:
+                    writes.append(now)
+                    last = now
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            allocs = []
+            for start in (0, 1, 2):  # one after another, each Ready before the next
+                alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, start, 1)])
+                await create_allocation(agent_kube, alloc)
+                await wait_phase(agent_kube, alloc, "Ready")
+                allocs.append(alloc)
+            claims = sorted(a["metadata"]["name"] for a in allocs)
+
+            async def all_listed() -> bool:
+                return last == claims
+
+            await eventually(all_listed, within=20, what="the three slices listed")
+            assert writes == [claims], f"one write for the three slices, not {writes}"
+
+            gone = allocs[0]["metadata"]
+            path = instaslice_path("sliceallocations", gone["namespace"], gone["name"])
+            await agent_kube.delete(path)
+
+            async def freed() -> bool:
+                return last == sorted(set(claims) - {gone["name"]})
+
+            # well inside the 6 s a made slice may wait: freed slots are listed at once
+            await eventually(freed, within=3, what="the freed slice gone from the MigNode")
+        finally:
+            watcher.cancel()
+
+
+async def test_a_failed_creating_write_lets_the_intent_write_finish(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The status write fails while the intent record is being written: the create gives up
+    only once that write has ended. Cutting it short would free the checkpoint's lock while
+    its thread still writes, and another allocation's write could start beside it."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        ended: list[bool] = []
+        real_save = checkpoint.save
+
+        def slow_save(path: Path, cp: checkpoint.Checkpoint, durable: bool = True) -> None:
+            time.sleep(0.5)
+            real_save(path, cp, durable)
+            ended.append(durable)
+
+        async def failing(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+            raise ApiError(500, "InternalError", "the API server failed")
+
+        monkeypatch.setattr(checkpoint, "save", slow_save)
+        life.status = failing  # type: ignore[method-assign]
+        obj = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        obj["metadata"]["uid"] = "uid-never-created"
+        with pytest.raises(ApiError):
+            await life.create(SliceAllocation.parse(obj))
+        assert True in ended, "the create gave up while its intent record was being written"
+        assert node.instances() == []
