@@ -54,6 +54,7 @@ from nodeagent.state import AgentNode
 log = structlog.get_logger("agent")
 Obj = dict[str, Any]
 REASON_UNHEALTHY = "GPUUnhealthy"
+STOP_PUBLISH_S = 2.0  # a stopping agent lists the slices it made just before, if it can
 
 
 class NodeAgent:
@@ -234,6 +235,15 @@ class NodeAgent:
     # ---- publishing ----------------------------------------------------------------------------
 
     async def _publisher(self) -> None:
+        try:
+            await self._publish_changes()
+        finally:
+            if self.st.publish_due:  # a slice made in the last second: list it before going
+                with contextlib.suppress(ApiError, TimeoutError):
+                    async with asyncio.timeout(STOP_PUBLISH_S):
+                        await self.publish_once()
+
+    async def _publish_changes(self) -> None:
         retry: float | None = None
         while True:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a

@@ -65,6 +65,11 @@ class AgentNode:
 
         self._soon = asyncio.get_running_loop().call_later(within_s, due)
 
+    @property
+    def publish_due(self) -> bool:
+        """A `publish_soon` whose time has not come yet."""
+        return self._soon is not None
+
     def set_checkpoint(self, cp: Checkpoint) -> None:
         self.cp = cp
         self._version += 1

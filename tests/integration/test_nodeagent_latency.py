@@ -166,3 +166,25 @@ async def test_a_failed_creating_write_lets_the_intent_write_finish(
             await life.create(SliceAllocation.parse(obj))
         assert True in ended, "the create gave up while its intent record was being written"
         assert node.instances() == []
+
+
+async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stopped agent writes no MigNode until it is back: a slice made just before the stop
+    and not listed yet would be drawn free (`kubectl instaslice nodes`) meanwhile, although
+    the GPU holds it (seen in the troubleshooting e2e test)."""
+    monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 60.0)
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+    async with running_agent(settings):
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    mn = await mig_node(agent_kube, node.name)
+    slices = (((mn or {}).get("status") or {}).get("gpus") or [{}])[0].get("slices") or []
+    assert [s.get("claim") for s in slices] == [alloc["metadata"]["name"]], slices

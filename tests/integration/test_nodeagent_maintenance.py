@@ -98,8 +98,7 @@ async def fake_operator(kube: Kube, node: GpuNode, gpu: int) -> AsyncIterator[li
         yield seen
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task})
 
 
 async def _operator_node(kube: Kube, tmp: Path, mig_mode: str = "disabled") -> GpuNode:
@@ -131,6 +130,11 @@ async def test_maintenance_pauses_operator_clients_resets_and_restores_labels(
             return got if got == OPERATOR else None
 
         assert await eventually(restored, what="labels restored") == OPERATOR  # GFD not added
+
+        async def operator_saw_it_back() -> list[str] | None:  # it polls the label: may lag
+            return seen if len(seen) >= 3 else None
+
+        await eventually(operator_saw_it_back, what="the operator seeing its label back")
         assert seen[:3] == ["true", "paused-for-mig-change", "true"], seen
         assert json.loads(node.checkpoint.read_text())["maintenance"] is None
 
