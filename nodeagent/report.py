@@ -9,6 +9,7 @@ maximum instance count over the node's healthy GPUs in MIG mode, never "currentl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -216,11 +217,22 @@ def slot_capacity(
 
 
 def gpu_labels(inv: NodeInventory) -> dict[str, str | None]:
-    """The Node labels the agent keeps: `instaslice.io/gpu-model` (the catalog model when all
-    GPUs share one, else removed: a flavor selects one model) and `instaslice.io/gpu-count`."""
+    """The Node labels the agent keeps: `instaslice.io/gpu-model` (the model when all GPUs
+    share one, as a label value; else removed: a flavor selects one model) and
+    `instaslice.io/gpu-count`."""
     models = {g.model for g in inv.gpus}
-    model = next(iter(models)) if len(models) == 1 else None
+    model = label_value(next(iter(models))) if len(models) == 1 else None
     return {GPU_MODEL_LABEL: model, GPU_COUNT_LABEL: str(len(inv.gpus))}
+
+
+_NOT_IN_LABEL_VALUES = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def label_value(text: str) -> str:
+    """`text` as a Kubernetes label value: runs of other characters become `-`, at most 63,
+    alphanumeric at both ends. A catalog model is one already; a model in no catalog is named
+    by NVML ("NVIDIA X10" → "NVIDIA-X10"), and the API server refused the whole Node patch."""
+    return _NOT_IN_LABEL_VALUES.sub("-", text)[:63].strip("-_.")
 
 
 def label_patch(desired: Mapping[str, str | None], current: Mapping[str, str]) -> Obj | None:

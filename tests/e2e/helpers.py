@@ -380,6 +380,19 @@ async def wait_opted_in(kube: Kube, ns: str) -> None:
         timeout_s=30,
         fieldSelector=f"metadata.name={ns}",
     )
+    # The API server matches the webhook's namespaceSelector against its own namespace cache,
+    # which may lag the label: a pod created at once went through unmutated (seen in CI, just
+    # after a reinstall). A dry run (the webhook has no side effects) shows when it is seen.
+    probe = make_pod("opt-in-probe", slices={"c": {"1g.10gb": 1}})
+    deadline = time.monotonic() + 30
+    while True:
+        pod = await kube.create(core_path("pods", ns), probe, dryRun="All")
+        gates = [g["name"] for g in pod["spec"].get("schedulingGates") or []]
+        if GATE_NAME in gates:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"namespace {ns}: the webhook does not gate its pods in 30 s")
+        await asyncio.sleep(0.2)
 
 
 # --- kubectl ------------------------------------------------------------------------------

@@ -113,9 +113,9 @@ async def team(kk: Kube) -> AsyncIterator[str]:
             {"metadata": {"generateName": "kq-", "annotations": {ENABLED_KEY: "true"}}},
         )
     )["metadata"]["name"]
-    await wait_opted_in(kk, ns)
     await wait_for(kk, core_path("serviceaccounts", ns), lambda s: "default" in s,
                    what=f"ServiceAccount {ns}/default", timeout_s=30)  # fmt: skip
+    await wait_opted_in(kk, ns)  # it creates a pod (dry run): after the ServiceAccount
     yield ns
     await kk.delete_ignore_missing(core_path("namespaces", name=ns))
     await wait_for(kk, allocs_path(ns), lambda a: not a, what=f"{ns}'s allocations released")

@@ -5,7 +5,12 @@ and atomic, versioned intent records."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nodeagent import checkpoint
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
@@ -17,6 +22,7 @@ from nodeagent.report import (
     gpu_condition,
     gpu_labels,
     label_patch,
+    label_value,
     mig_node_status,
     slot_capacity,
     with_condition,
@@ -81,6 +87,28 @@ def test_gpu_model_label_only_when_every_gpu_is_one_model() -> None:
     }
     assert label_patch(gpu_labels(one), {"instaslice.io/gpu-model": "H200-141GB",
                                          "instaslice.io/gpu-count": "2"}) is None  # fmt: skip
+
+
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")  # the API server's
+
+
+@pytest.mark.parametrize(
+    ("model", "value"),
+    [
+        ("H200-141GB", "H200-141GB"),  # a catalog model: as it is
+        ("NVIDIA X10", "NVIDIA-X10"),  # NVML's name of a model in no catalog (seen in CI)
+        ("NVIDIA RTX PRO 6000 Blackwell (MIG)", "NVIDIA-RTX-PRO-6000-Blackwell-MIG"),
+        ("  --GB300--  ", "GB300"),
+    ],
+)
+def test_gpu_model_label_is_a_valid_label_value(model: str, value: str) -> None:
+    assert label_value(model) == value
+
+
+@given(st.text(max_size=200))
+def test_every_model_name_becomes_a_valid_label_value(model: str) -> None:
+    value = label_value(model)
+    assert len(value) <= 63 and LABEL_VALUE.match(value), value
 
 
 def test_capacity_patch_touches_only_our_resources_and_only_on_change() -> None:
