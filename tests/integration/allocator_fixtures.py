@@ -733,9 +733,13 @@ class AllocatorEnv:
         )
         return list(listing.get("items", []))
 
-    async def wait_event(self, pod: str, reason: str, *, within: float = 30.0) -> Obj:
+    async def wait_event(
+        self, pod: str, reason: str, *, within: float = 30.0, saying: str = ""
+    ) -> Obj:
+        """The first `reason` event on `pod` (whose message contains `saying`)."""
+
         def found(items: list[Obj]) -> Obj | None:
-            return next(iter(items), None)
+            return next((e for e in items if saying in e.get("message", "")), None)
 
         return await wait_for(
             self.kube,
