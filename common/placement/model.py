@@ -218,6 +218,7 @@ class PendingReason(StrEnum):
     GPU_UNAVAILABLE = "GpuUnavailable"  # the GPUs that offer it are unhealthy / MIG off
     NO_MATCHING_NODE = "NoMatchingNode"  # nodeSelector / affinity / taints exclude all
     NEEDS_MIG_MODE_CHANGE = "NeedsMigModeChange"  # fits only after a reset (modes.py)
+    MIG_MODE_CHANGE_UNDER_WAY = "MigModeChangeUnderWay"  # fits once one asked is done
 
 
 @dataclass(frozen=True, slots=True)

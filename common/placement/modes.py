@@ -11,7 +11,10 @@ the GPUs already in MIG mode first, and only when nothing fits there, again with
 GPUs counted as empty MIG GPUs: a mode change is never chosen while a GPU in the right mode
 fits (hysteresis; the engine is complete, so "nothing fits" is exact). GPUs that need a reset
 are never placed on; when they alone could serve the pod, the pending reason says so and
-names them (`NeedsMigModeChange`).
+names them (`NeedsMigModeChange`). A third kind, `under_way`: GPUs whose change to MIG on
+was asked (Ampere maintenance) and is not done; they take nothing new, but a pod that would
+fit there once it is done waits for it, and the reason names them
+(`MigModeChangeUnderWay`), before any new reset is considered.
 
 Pure: snapshots in, a decision out. No I/O, no clock.
 """
@@ -40,6 +43,7 @@ GpuRef = tuple[str, int]  # (node, GPU index)
 class ModeView:
     flex: frozenset[GpuRef] = frozenset()
     needs_reset: frozenset[GpuRef] = frozenset()
+    under_way: frozenset[GpuRef] = frozenset()  # asked to turn MIG on, not done yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,10 @@ def place_with_modes(
         if isinstance(second, Placement):
             used = {s.gpu_index for s in second.slices if (second.node, s.gpu_index) in modes.flex}
             return ModePlacement(second, tuple(sorted(used)))
+    if modes.under_way:
+        waits = _under_way(snapshot, request, modes, policy, catalog, place)
+        if waits is not None:
+            return ModePlacement(waits)
     if modes.needs_reset:
         hypothetical = with_mig(snapshot, modes.flex | modes.needs_reset)
         third = place(hypothetical, request, policy, catalog)
@@ -104,6 +112,46 @@ def place_with_modes(
             resets = sorted({(third.node, s.gpu_index) for s in third.slices} & modes.needs_reset)
             return ModePlacement(_needs_reset(third, modes, first), resets=tuple(resets))
     return ModePlacement(first)
+
+
+def _under_way(
+    snapshot: Snapshot,
+    request: PodRequest,
+    modes: ModeView,
+    policy: Policy,
+    catalog: Catalog | None,
+    place: PlaceFn,
+) -> Pending | None:
+    """MigModeChangeUnderWay when the pod would fit once the changes under way are done.
+    Only their nodes are tried (anywhere else it would fit now, or after a toggle: tried
+    first), with those GPUs shown healthy and in MIG mode (their asked mode)."""
+    nodes = {name for name, _ in modes.under_way}
+    after = []
+    for n in snapshot.nodes:
+        if n.name in nodes:
+            gpus = tuple(
+                dataclasses.replace(g, mig_enabled=True, healthy=True)
+                if (n.name, g.index) in modes.under_way
+                else g
+                for g in n.gpus
+            )
+            after.append(dataclasses.replace(n, gpus=gpus))
+    would = place(with_mig(Snapshot(tuple(after)), modes.flex), request, policy, catalog)
+    if not isinstance(would, Placement):
+        return None
+    used = sorted({(would.node, s.gpu_index) for s in would.slices} & modes.under_way)
+    return under_way_pending("it fits", used, "on") if used else None
+
+
+def under_way_pending(what: str, gpus: Collection[GpuRef], mode: str) -> Pending:
+    """The pod waits for the MIG mode changes under way on `gpus` (Ampere maintenance)."""
+    names = ", ".join(f"{node}/GPU {i}" for node, i in gpus)
+    return Pending(
+        PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+        f"{what} once the MIG mode change under way on {names} is done (MIG {mode}; Ampere "
+        "maintenance: the GPU takes nothing new while its node agent drains and resets it); "
+        "the pod is placed then",
+    )
 
 
 def _needs_reset(would: Placement, modes: ModeView, first: Pending) -> Pending:

@@ -7,13 +7,16 @@ The caller lists, per GPU (node, index), which GPUs may serve (`WholeView`):
 
 - `right_mode`: MIG off, idle, nothing on it: a whole GPU as it is;
 - `toggle`: MIG on but empty and idle, on a GPU whose agent turns MIG off without a reset;
-- `needs_reset`: MIG on but empty, on a GPU whose mode only changes with a reset (Ampere).
+- `needs_reset`: MIG on but empty, on a GPU whose mode only changes with a reset (Ampere);
+- `under_way`: empty, its change to MIG off asked (Ampere maintenance) and not done yet.
 
 All of a pod's whole GPUs go to one node that passes its selectors, taints and cpu/memory/
 pods. Among the nodes that can host them, the fewest mode changes win (never a toggle while
 GPUs in the right mode suffice), then the tightest fit (fewest spare whole GPUs left, which
 keeps other nodes' GPUs for MIG), then snapshot order. GPUs that need a reset are never
-chosen; when only they would do, the reason is NeedsMigModeChange, naming them.
+chosen; when only they would do, the reason is NeedsMigModeChange, naming them. GPUs under
+way take nothing new; when they would complete a node, the pod waits for them
+(MigModeChangeUnderWay, naming them), whatever else it waits for.
 
 Pure: data in, a decision out. A pod asking MIG slices and whole GPUs together is refused at
 admission (not supported yet), so it never reaches here.
@@ -36,6 +39,7 @@ from common.placement.model import (
     PodRequest,
     Snapshot,
 )
+from common.placement.modes import under_way_pending
 from common.placement.search import resources_fit
 from common.placement.selectors import mismatch
 
@@ -47,6 +51,7 @@ class WholeView:
     right_mode: frozenset[GpuRef] = frozenset()
     toggle: frozenset[GpuRef] = frozenset()
     needs_reset: frozenset[GpuRef] = frozenset()
+    under_way: frozenset[GpuRef] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,7 @@ def place_whole(
     eligible = fits_gpus = 0
     reset_refs: list[GpuRef] = []
     resets: tuple[GpuRef, ...] = ()
+    waits: tuple[GpuRef, ...] = ()  # the first node's GPUs under way that would complete it
     for order, node in enumerate(snapshot.nodes):
         if mismatch(node, request) is not None:
             continue
@@ -83,6 +89,10 @@ def place_whole(
         toggle = [g for g in node.gpus if (node.name, g.index) in view.toggle and g.healthy]
         reset = [g for g in node.gpus if (node.name, g.index) in view.needs_reset and g.healthy]
         if len(right) + len(toggle) < n:
+            under = [g for g in node.gpus if (node.name, g.index) in view.under_way]
+            short = n - len(right) - len(toggle)
+            if not waits and len(under) >= short and resources_fit(node, request):
+                waits = tuple((node.name, g.index) for g in under[:short])
             if len(right) + len(toggle) + len(reset) >= n:
                 reset_refs += [(node.name, g.index) for g in reset]
                 if not resets and resources_fit(node, request):
@@ -101,6 +111,8 @@ def place_whole(
         chosen = (right + toggle)[:n]
         toggled = tuple(sorted(g.index for g in chosen[len(right) :]))
         return WholePlacement(Placement(node.name, _slices(request, chosen, cat)), toggled)
+    if waits:
+        return WholePlacement(under_way_pending(f"{_what(n)} fit", waits, "off"))
     return WholePlacement(_pending(n, eligible, fits_gpus, reset_refs), resets=resets)
 
 
@@ -116,8 +128,12 @@ def _slices(request: PodRequest, gpus: Sequence[Gpu], cat: Catalog) -> tuple[Pla
     return tuple(out)
 
 
+def _what(n: int) -> str:
+    return f"{n} whole GPU{'s' if n > 1 else ''}"
+
+
 def _pending(n: int, eligible: int, fits_gpus: int, reset_refs: list[GpuRef]) -> Pending:
-    what = f"{n} whole GPU{'s' if n > 1 else ''}"
+    what = _what(n)
     if eligible == 0:
         return Pending(
             PendingReason.NO_MATCHING_NODE,

@@ -6,7 +6,9 @@ Ready → pinned → bound → deleted → instance destroyed → record gone), 
 with mixed profiles (every decided placement is legal on the emulated hardware; a pod that
 needs a whole GPU is then pending), and Ampere maintenance: an A100 with MIG off serves a
 MIG pod after the allocator asked for the mode change (`--ampere-mode-changes=drain`) and the
-agent reset the GPU, while with the flag off the pod keeps waiting `NeedsMigModeChange`.
+agent reset the GPU (meanwhile the asking pod, and another that fits only there, are told
+they wait for the change under way), while with the flag off the pod keeps waiting
+`NeedsMigModeChange`.
 The fake-agent suite (test_allocator.py) covers the failure paths; the e2e suite covers the
 webhook and agent processes as deployed.
 """
@@ -27,6 +29,7 @@ from hack.cluster import ControlPlane
 from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import serve
 from nodeagent.settings import Settings
+from tests.integration.agent_fixtures import eventually
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     FakeAgent,
@@ -168,23 +171,34 @@ async def test_ampere_maintenance_serves_a_mig_pod_on_an_a100_with_mig_off(
     world: AgentWorld,
 ) -> None:
     (node,) = await world.nodes("a1", model="A100-80GB", mig_mode="disabled")
+    emu = EmulatorControl(world.gpus, node)
+    emu.set_driver_client(0, True)  # persistenced, say: the reset is refused until it lets go
     env = world.env
     env.start(ampere_mode_changes="drain")
     await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
-    await env.wait_event("p", REASON_PENDING, saying="asked for (Ampere maintenance")
-    bound = await env.wait_bound("p", within=60)
-    assert podlib.bound_node(bound) == node
-    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    asked = "asked for (Ampere maintenance"
+    await env.wait_event("p", REASON_PENDING, saying=asked)
+    # the GPU takes nothing new now; the asking pod is told it waits for the change, and so
+    # is another pod that fits only there (no second ask)
+    under_way = f"once the MIG mode change under way on {node}/GPU 0 is done (MIG on"
+    await env.wait_event("p", REASON_PENDING, saying=under_way)
+    await env.create_pod("q", slices={"main": {"1g.10gb": 1}})
+    await env.wait_event("q", REASON_PENDING, saying=under_way)
+    emu.set_driver_client(0, False)
+    for pod in ("p", "q"):
+        bound = await env.wait_bound(pod, within=60)
+        assert podlib.bound_node(bound) == node
+    gpu = emu.state().gpus[0]
     assert (gpu.mig_current, gpu.mig_pending) == (1, 1)
-    assert [p for _, p, _, _ in world.instances(node)] == ["1g.10gb"]
+    assert [p for _, p, _, _ in world.instances(node)] == ["1g.10gb"] * 2
+    told = {pod: [e["message"] for e in await env.events(pod, REASON_PENDING)] for pod in "pq"}
+    assert len(told["p"]) == 2 and all(asked in m or under_way in m for m in told["p"]), told
+    assert len(told["q"]) == 1, told  # never a plainer reason in between
 
     async def withdrawn() -> bool:
         return await _desired(env, node) == []
 
-    deadline = asyncio.get_running_loop().time() + 20
-    while not await withdrawn():
-        assert asyncio.get_running_loop().time() < deadline, await _desired(env, node)
-        await asyncio.sleep(0.2)
+    await eventually(withdrawn, what="the ask withdrawn")
 
 
 async def test_without_the_flag_an_ampere_pod_keeps_waiting(world: AgentWorld) -> None:
@@ -204,15 +218,18 @@ async def test_ampere_maintenance_serves_a_whole_gpu_pod_on_an_a100_in_mig_mode(
     world: AgentWorld,
 ) -> None:
     (node,) = await world.nodes("a1", model="A100-80GB")  # MIG on
+    emu = EmulatorControl(world.gpus, node)
+    emu.set_driver_client(0, True)  # the reset waits until the test lets go
     env = world.env
     env.start(ampere_mode_changes="drain")
     await env.create_pod("w", slices={"main": {"gpu": 1}})
-    # the ask's event; the next pass may tell a plainer reason (the GPU, asked, takes nothing
-    # new until its mode is reached), and the two events may be listed in either order
     await env.wait_event("w", REASON_PENDING, saying="asked for (Ampere maintenance")
+    under_way = f"1 whole GPU fit once the MIG mode change under way on {node}/GPU 0 is done"
+    await env.wait_event("w", REASON_PENDING, saying=f"{under_way} (MIG off")
+    emu.set_driver_client(0, False)
     bound = await env.wait_bound("w", within=60)
     assert podlib.bound_node(bound) == node
-    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    gpu = emu.state().gpus[0]
     assert (gpu.mig_current, gpu.mig_pending) == (0, 0)
     (record,) = await env.allocations()
     assert record["spec"]["slices"][0]["kind"] == "gpu"

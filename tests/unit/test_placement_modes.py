@@ -3,11 +3,14 @@
 Covers, as tables: a GPU in MIG mode that fits is chosen over a GPU whose mode would change;
 only when none fits does a flex GPU serve, and the toggled GPU is reported; GPUs that need a
 reset (Ampere) are never placed on, and when they alone would fit the reason is
-NeedsMigModeChange naming them; the MigNode → class derivation (views.mode_class). As
-hypothesis properties on random snapshots, against the brute-force oracle of
-test_placement_properties.py: no toggle when a GPU in the right mode fits; a toggle only on a
-flex GPU and only when nothing fits without one; never a slice on a GPU needing a reset;
-NeedsMigModeChange exactly when only such GPUs would serve it.
+NeedsMigModeChange naming them; a pod that would fit once a change under way (Ampere
+maintenance) is done waits MigModeChangeUnderWay naming those GPUs, before any reset; the
+MigNode → class derivation (views.mode_class). As hypothesis properties on random
+snapshots, against the brute-force oracle of test_placement_properties.py: no toggle when a
+GPU in the right mode fits; a toggle only on a flex GPU and only when nothing fits without
+one; never a slice on a GPU needing a reset or under way; MigModeChangeUnderWay exactly when
+the changes under way would serve it, else NeedsMigModeChange exactly when only GPUs
+needing a reset would.
 Leaves out: whole-GPU requests (not built yet), the agent's side
 (tests/integration/test_nodeagent_modes.py).
 """
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 
 from common.catalog import Catalog
 from common.placement import (
+    NodeState,
     Pending,
     PendingReason,
     Placement,
@@ -101,6 +105,66 @@ def test_ampere_gpus_are_named_and_never_used() -> None:
     assert "needs a GPU reset" in got.result.message
 
 
+# An Ampere node: GPU 0 asked to turn MIG on (shown unhealthy meanwhile), GPU 1 MIG off too.
+UNDER_WAY = make_node(
+    "a", [make_gpu(A100, 0, mig=False, healthy=False), make_gpu(A100, 1, mig=False)]
+)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "view", "pod", "reason", "names"),
+    [
+        # the asking pod (or another one like it): it fits once the change is done
+        (
+            [UNDER_WAY],
+            ModeView(needs_reset=frozenset({("a", 1)}), under_way=frozenset({("a", 0)})),
+            make_pod(("c", "1g.10gb")),
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "a/GPU 0 is done (MIG on",
+        ),
+        # it waits for the change under way, not for a new reset, even with none left
+        (
+            [UNDER_WAY],
+            ModeView(under_way=frozenset({("a", 0)})),
+            make_pod(("c", "7g.80gb")),
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "under way on a/GPU 0 is done",
+        ),
+        # too big for the GPU under way: not waiting for it
+        (
+            [UNDER_WAY],
+            ModeView(under_way=frozenset({("a", 0)})),
+            make_pod(("c", "7g.80gb", 2)),
+            PendingReason.GPU_UNAVAILABLE,
+            "",
+        ),
+        # a reset elsewhere would serve it, the change under way would not: a reset it is
+        (
+            [replace(UNDER_WAY, cpu_millis_free=1000), make_node("b", [make_gpu(A100, mig=False)])],
+            ModeView(needs_reset=frozenset({("b", 0)}), under_way=frozenset({("a", 0)})),
+            make_pod(("c", "1g.10gb"), cpu=4000),
+            PendingReason.NEEDS_MIG_MODE_CHANGE,
+            "b/GPU 0",
+        ),
+    ],
+)
+def test_a_pod_that_fits_once_a_change_under_way_is_done_waits_for_it(
+    nodes: list[NodeState], view: ModeView, pod: PodRequest, reason: PendingReason, names: str
+) -> None:
+    got = place_with_modes(snap(*nodes), pod, view)
+    assert isinstance(got.result, Pending) and got.result.reason is reason, got.result
+    assert names in got.result.message and got.resets == (
+        (("b", 0),) if reason is PendingReason.NEEDS_MIG_MODE_CHANGE else ()
+    )
+
+
+def test_a_pod_that_fits_now_is_placed_while_a_change_is_under_way() -> None:
+    free = make_node("h", [make_gpu(H100)])
+    view = ModeView(under_way=frozenset({("a", 0)}))
+    got = place_with_modes(snap(UNDER_WAY, free), make_pod(("c", "1g.10gb")), view)
+    assert isinstance(got.result, Placement) and got.result.node == "h"
+
+
 def test_with_mig_leaves_other_nodes_alone() -> None:
     a, b = make_node("a", [make_gpu(H100, mig=False)]), make_node("b", [make_gpu(H100, mig=False)])
     got = with_mig(snap(a, b), [("a", 0)])
@@ -146,24 +210,34 @@ def test_mode_class(entry: dict[str, Any], want: tuple[bool, bool]) -> None:
 @st.composite
 def mode_cases(draw: st.DrawFn) -> tuple[Snapshot, ModeView]:
     """A random snapshot; some of its MIG-off GPUs are flex (emptied: MIG off holds no
-    instance), some need a reset."""
+    instance), some need a reset, some are asked to turn MIG on (shown unhealthy)."""
     s = draw(snapshots())
-    flex: set[tuple[str, int]] = set()
-    reset: set[tuple[str, int]] = set()
+    kinds: dict[str, set[tuple[str, int]]] = {"flex": set(), "reset": set(), "under": set()}
     nodes = []
     for n in s.nodes:
         gpus = []
         for g in n.gpus:
-            if not g.mig_enabled and g.healthy:
-                kind = draw(st.sampled_from(["flex", "reset", "off"]))
-                if kind == "flex":
-                    flex.add((n.name, g.index))
-                elif kind == "reset":
-                    reset.add((n.name, g.index))
-                g = replace(g, occupied=())
+            # a quarter more of the GPUs with MIG off: snapshots() makes a tenth so
+            if g.healthy and (not g.mig_enabled or draw(st.integers(0, 3)) == 0):
+                kind = draw(st.sampled_from(["flex", "reset", "under", "off"]))
+                kinds.get(kind, set()).add((n.name, g.index))
+                g = replace(g, mig_enabled=False, occupied=(), healthy=kind != "under")
             gpus.append(g)
         nodes.append(replace(n, gpus=tuple(gpus)))
-    return Snapshot(tuple(nodes)), ModeView(frozenset(flex), frozenset(reset))
+    view = ModeView(*(frozenset(kinds[k]) for k in ("flex", "reset", "under")))
+    return Snapshot(tuple(nodes)), view
+
+
+def once_done(s: Snapshot, gpus: frozenset[tuple[str, int]]) -> Snapshot:
+    """`s` with the changes under way on `gpus` done: healthy, in MIG mode."""
+    nodes = []
+    for n in s.nodes:
+        done = [
+            replace(g, mig_enabled=True, healthy=True) if (n.name, g.index) in gpus else g
+            for g in n.gpus
+        ]
+        nodes.append(replace(n, gpus=tuple(done)))
+    return Snapshot(tuple(nodes))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -175,6 +249,9 @@ def test_modes_properties(data: st.DataObject) -> None:
     fits_now = brute_force(s, req, Policy.INSTASLICE)
     fits_flex = brute_force(with_mig(s, view.flex), req, Policy.INSTASLICE)
     fits_reset = brute_force(with_mig(s, view.flex | view.needs_reset), req, Policy.INSTASLICE)
+    fits_under = brute_force(
+        once_done(with_mig(s, view.flex), view.under_way), req, Policy.INSTASLICE
+    )
     if fits_now:
         assert isinstance(got.result, Placement) and got.toggles == ()
     elif fits_flex:
@@ -182,7 +259,7 @@ def test_modes_properties(data: st.DataObject) -> None:
     if isinstance(got.result, Placement):
         p = got.result
         used = {(p.node, sl.gpu_index) for sl in p.slices}
-        assert not used & view.needs_reset
+        assert not used & (view.needs_reset | view.under_way)
         assert {(p.node, i) for i in got.toggles} == used & view.flex
         assert got.toggles == () or not fits_now
         node = next(n for n in s.nodes if n.name == p.node)
@@ -191,5 +268,7 @@ def test_modes_properties(data: st.DataObject) -> None:
             assert g.usable or (p.node, sl.gpu_index) in view.flex
     else:
         assert not fits_flex
+        under = got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+        assert under == fits_under
         needs = got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
-        assert needs == fits_reset
+        assert needs == (fits_reset and not fits_under)

@@ -1,14 +1,16 @@
 """Whole-GPU placement (common/placement/whole.py) and the allocator's whole-GPU classes.
 
-Covers, as tables: GPUs already with MIG off win over GPUs whose MIG would be turned off
-(no needless toggle); a toggle only when the right-mode GPUs do not suffice; all of a pod's
-GPUs on one node, one per asked GPU, each spanning all memory slots; selectors and node
-resources respected; GPUs needing a reset are never chosen and named in NeedsMigModeChange;
-the MigNode → class derivation (views.whole_class). As hypothesis properties on random
-small clusters: every chosen GPU is in the view and healthy (so never one holding a MIG slice
-or another whole GPU, which the caller keeps out of the view); the count is exact; the number
-of toggles is the least any eligible node needs (a brute-force minimum); NeedsMigModeChange
-exactly when only reset GPUs would complete a node.
+Covers, as tables: GPUs already with MIG off win over GPUs whose MIG would be turned off (no
+needless toggle); a toggle only when the right-mode GPUs do not suffice; all of a pod's GPUs on
+one node, one per asked GPU, each spanning all memory slots; selectors and node resources
+respected; GPUs needing a reset are never chosen and named in NeedsMigModeChange; a pod that
+GPUs whose change to MIG off is under way would serve waits for them (MigModeChangeUnderWay,
+naming them); the MigNode → class derivation (views.whole_class). As hypothesis properties on
+random small clusters: every chosen GPU is in the view and healthy (so never one holding a MIG
+slice or another whole GPU, which the caller keeps out of the view); the count is exact; the
+number of toggles is the least any eligible node needs (a brute-force minimum);
+MigModeChangeUnderWay exactly when GPUs under way would complete an eligible node, else
+NeedsMigModeChange exactly when only reset GPUs would complete a node.
 Leaves out: the agent's side (tests/integration/test_nodeagent_modes.py).
 """
 
@@ -92,6 +94,21 @@ def test_ampere_gpus_in_mig_mode_are_named_and_never_used() -> None:
     assert two.resets == (("amp", 0), ("amp", 1))
 
 
+def test_a_pod_waits_for_the_change_to_mig_off_under_way() -> None:
+    # GPU 0: asked to turn MIG off (shown unhealthy meanwhile); GPU 1: MIG on, a reset away
+    a = make_node("amp", [make_gpu(A100, 0, healthy=False), make_gpu(A100, 1)], cpu=2000)
+    view = WholeView(needs_reset=frozenset({("amp", 1)}), under_way=frozenset({("amp", 0)}))
+    got = place_whole(snap(a), whole_pod(1), view)
+    assert isinstance(got.result, Pending), got.result
+    assert got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+    want = "1 whole GPU fit once the MIG mode change under way on amp/GPU 0 is done (MIG off"
+    assert want in got.result.message, got.result.message
+    assert got.resets == ()  # nothing new is asked
+    short = place_whole(snap(a), whole_pod(1, cpu=4000), view)  # it would not fit there
+    assert isinstance(short.result, Pending)
+    assert short.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
+
+
 def test_is_whole_and_wanted() -> None:
     assert is_whole(whole_pod(3)) and wanted(whole_pod(3)) == 3
     assert not is_whole(make_pod(("c", "1g.10gb")))
@@ -134,20 +151,22 @@ def cases(draw: st.DrawFn) -> tuple[Snapshot, WholeView, PodRequest]:
     now: set[tuple[str, int]] = set()
     tog: set[tuple[str, int]] = set()
     rst: set[tuple[str, int]] = set()
+    und: set[tuple[str, int]] = set()
     for i in range(draw(st.integers(1, 3))):
         name = f"n{i}"
         gpus = []
         for k in range(draw(st.integers(1, 4))):
-            kind = draw(st.sampled_from(["now", "toggle", "reset", "busy", "sick"]))
-            gpus.append(Gpu(k, H100, kind in ("toggle", "reset"), kind != "sick"))
-            {"now": now, "toggle": tog, "reset": rst}.get(kind, set()).add((name, k))
+            kind = draw(st.sampled_from(["now", "toggle", "reset", "under", "busy", "sick"]))
+            gpus.append(Gpu(k, H100, kind in ("toggle", "reset"), kind not in ("sick", "under")))
+            {"now": now, "toggle": tog, "reset": rst, "under": und}.get(kind, set()).add((name, k))
         cpu = draw(st.sampled_from([0, 8000]))
         nodes.append(NodeState(name, {"zone": draw(st.sampled_from("ab"))}, (), False, cpu,
                                1 << 36, 10, tuple(gpus)))  # fmt: skip
     n = draw(st.integers(1, 4))
     selector = {"zone": "a"} if draw(st.booleans()) else {}
     req = PodRequest("p", 1000, 0, (SliceRequest("main", "gpu", n),), selector)
-    return Snapshot(tuple(nodes)), WholeView(frozenset(now), frozenset(tog), frozenset(rst)), req
+    view = WholeView(*(frozenset(refs) for refs in (now, tog, rst, und)))
+    return Snapshot(tuple(nodes)), view, req
 
 
 @settings(max_examples=400, deadline=None)
@@ -181,6 +200,15 @@ def test_whole_properties(case: tuple[Snapshot, WholeView, PodRequest]) -> None:
         assert all(sl.start == 0 and sl.size == 8 for sl in p.slices)
     else:
         assert not need
+        under = [
+            node
+            for node in eligible
+            if count(node, view.right_mode) + count(node, view.toggle)
+            < n
+            <= count(node, view.right_mode) + count(node, view.toggle) + count(node, view.under_way)
+        ]
+        waits = got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+        assert waits == bool(under)
         with_reset = [
             node
             for node in s.nodes
@@ -196,7 +224,7 @@ def test_whole_properties(case: tuple[Snapshot, WholeView, PodRequest]) -> None:
             for node in s.nodes
             if all(node.labels.get(k) == v for k, v in req.node_selector.items())
         )
-        if not fits_but_short:
+        if not fits_but_short and not under:
             reset = got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
             assert reset == bool(with_reset)
 

@@ -6,9 +6,10 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
 
 - `classify` sorts a pod the placement engine left pending into *waits* (it would fit on an
   existing node once the slices being released are gone, or it is pending for a reason no
-  node can cure: an invalid request, agents down) and *needs a node* (no existing node can
-  serve it now: capacity, whatever the engine's capacity reason — Full, Fragmented,
-  NodeResources, NoProfile, GpuUnavailable, NoMatchingNode);
+  node can cure: an invalid request, agents down; or it waits for a MIG mode change under
+  way) and *needs a node* (no existing node can serve it now: capacity, whatever the engine's
+  capacity reason — Full, Fragmented, NodeResources, NoProfile, GpuUnavailable,
+  NoMatchingNode, NeedsMigModeChange);
 - `placeholder_pod` renders the Karpenter signal: an ungated pod asking for what the new node
   must offer (the pod's cpu/memory and `instaslice.io/mig-*` counts, its node selector,
   affinity and tolerations) and kept off every node the allocator already tried
@@ -50,6 +51,7 @@ REASON_PROVISIONED: Final = "ScaleUpProvisioned"  # Normal: ProvisioningRequest 
 # group yet (count 0), nothing matches the pod's selector until the autoscaler makes one.
 # NeedsMigModeChange qualifies: it fits today only on a GPU needing a reset InstaSlice never
 # does, so a new node (its GPUs in MIG mode, or switchable) is what serves it.
+# MigModeChangeUnderWay does not: the change under way serves it, soon.
 CAPACITY_REASONS: Final = frozenset(
     {
         PendingReason.FULL,

@@ -436,17 +436,22 @@ class ClusterState:
 
     def mode_view(self, snapshot: Snapshot) -> ModeView:
         """The snapshot's GPUs with MIG off, by class (common/placement/modes.py); GPUs the
-        snapshot shows unhealthy (failed for this pod) are left out."""
+        snapshot shows unhealthy (failed for this pod) are left out, but for those whose
+        change to MIG on is under way (Ampere maintenance: shown unhealthy meanwhile)."""
         flex: set[tuple[str, int]] = set()
         reset: set[tuple[str, int]] = set()
+        under_way: set[tuple[str, int]] = set()
         for node in snapshot.nodes:
             healthy = {g.index for g in node.gpus if g.healthy and not g.occupied}
+            empty = {g.index for g in node.gpus if not g.occupied}
             for g in self.gpus.get(node.name, ()):
                 if g.index in healthy and g.flex:
                     flex.add((node.name, g.index))
                 elif g.index in healthy and g.needs_reset:
                     reset.add((node.name, g.index))
-        return ModeView(frozenset(flex), frozenset(reset))
+                elif g.index in empty and _under_way(g, "enabled"):
+                    under_way.add((node.name, g.index))
+        return ModeView(frozenset(flex), frozenset(reset), frozenset(under_way))
 
     def whole_view(self, snapshot: Snapshot) -> WholeView:
         """The snapshot's GPUs with nothing on them (no instance, no allocation) that could be
@@ -454,10 +459,14 @@ class ClusterState:
         now: set[tuple[str, int]] = set()
         toggle: set[tuple[str, int]] = set()
         reset: set[tuple[str, int]] = set()
+        under_way: set[tuple[str, int]] = set()
         for node in snapshot.nodes:
             empty = {g.index for g in node.gpus if g.healthy and not g.occupied}
+            unused = {g.index for g in node.gpus if not g.occupied}
             for g in self.gpus.get(node.name, ()):
                 ref = (node.name, g.index)
+                if g.index in unused and _under_way(g, "disabled"):
+                    under_way.add(ref)
                 if g.index not in empty:
                     continue
                 if g.whole_now:
@@ -466,7 +475,12 @@ class ClusterState:
                     toggle.add(ref)
                 elif g.whole_needs_reset:
                     reset.add(ref)
-        return WholeView(frozenset(now), frozenset(toggle), frozenset(reset))
+        return WholeView(frozenset(now), frozenset(toggle), frozenset(reset), frozenset(under_way))
+
+
+def _under_way(gpu: GpuView, mode: str) -> bool:
+    """An asked change to `mode` not done yet (views.in_maintenance)."""
+    return gpu.maintenance and gpu.desired == mode
 
 
 def _name(obj: Obj) -> str:
