@@ -48,6 +48,7 @@ from tests.integration.agent_fixtures import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 H200 = "H200-141GB"
 RES = "instaslice.io/mig-1g.18gb"
+GPU_RES = "instaslice.io/gpu"
 
 
 class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
@@ -104,8 +105,8 @@ def registered(kubelet: FakeKubelet) -> Any:
     return check
 
 
-def pod(ns: str, name: str, container: str, ids: list[str]) -> Any:
-    dev = pr.ContainerDevices(resource_name=RES, device_ids=ids)
+def pod(ns: str, name: str, container: str, ids: list[str], resource: str = RES) -> Any:
+    dev = pr.ContainerDevices(resource_name=resource, device_ids=ids)
     return pr.PodResources(
         name=name,
         namespace=ns,
@@ -238,6 +239,34 @@ def one_id(i: str) -> Any:
     return dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=[i])])
 
 
+async def bind(stub: Any, kubelet: FakeKubelet, pod_resources: Any, device_id: str) -> str:
+    """What the kubelet does to start a container given `device_id`: Allocate, then
+    (PodResources showing `pod_resources`) PreStartContainer; the CDI device name Allocate
+    answered."""
+    r = await stub.Allocate(one_id(device_id))
+    kubelet.pods.append(pod_resources)
+    await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=[device_id]))
+    return str(r.container_responses[0].cdi_devices[0].name)
+
+
+async def thief_refused_then_owner_bound(
+    stub: Any, kubelet: FakeKubelet, node: Any, owner: Any, ids: tuple[str, str]
+) -> str:
+    """The kubelet gives a thief (a pod with no allocation) `ids[0]`, which Allocate binds to
+    the only Ready unit, the owner's: its container is refused before it starts
+    (FAILED_PRECONDITION) and no alias is written. The owner (`owner`: its PodResources,
+    holding `ids[1]`) is bound after; the CDI device name it got."""
+    thief_id, owner_id = ids
+    resource = owner.containers[0].devices[0].resource_name
+    await stub.Allocate(one_id(thief_id))
+    kubelet.pods = [pod(owner.namespace, "thief", "main", [thief_id], resource)]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=[thief_id]))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (node.cdi_dir / f"instaslice.io-plugin-{thief_id}.json").exists()
+    return await bind(stub, kubelet, owner, owner_id)
+
+
 async def test_a_pod_without_allocation_never_gets_a_slice(
     kube: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane, kubelet: FakeKubelet
 ) -> None:
@@ -254,17 +283,10 @@ async def test_a_pod_without_allocation_never_gets_a_slice(
             owned = slice_allocation(ns, node, [("main", "1g.18gb", 0, 0, 1)], claim="cown")
             await create_allocation(kube, owned)
             await wait_phase(kube, owned, "Ready")
-            await stub.Allocate(one_id("1g.18gb-0"))  # the thief's ids take the owner's unit
-            kubelet.pods = [pod(ns, "thief", "main", ["1g.18gb-0"])]
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-0"]))
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert not (node.cdi_dir / "instaslice.io-plugin-1g.18gb-0.json").exists()
-            # the owner is admitted later and gets its own slice
-            r = await stub.Allocate(one_id("1g.18gb-1"))
-            name = r.container_responses[0].cdi_devices[0].name
-            kubelet.pods.append(pod(ns, "pod-cown", "main", ["1g.18gb-1"]))
-            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-1"]))
+            # the thief's ids take the owner's unit; the owner, admitted later, gets its own
+            owner = pod(ns, "pod-cown", "main", ["1g.18gb-1"])
+            ids = ("1g.18gb-0", "1g.18gb-1")
+            name = await thief_refused_then_owner_bound(stub, kubelet, node, owner, ids)
             got = await get_allocation(kube, ns, "cown")
             assert got is not None
             assert alias_uuids(node.cdi_dir, name) == got["status"]["slices"][0]["migUUID"]
@@ -292,10 +314,9 @@ async def test_an_agent_restart_keeps_device_plugin_binding(
                 x["metadata"]["name"]: await wait_phase(kube, x, "Ready")
                 for x in (running, waiting)
             }
-            r = await stub.Allocate(one_id("1g.18gb-0"))
-            alias = r.container_responses[0].cdi_devices[0].name
-            kubelet.pods = [pod(ns, "pod-crun", "main", ["1g.18gb-0"])]
-            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-0"]))
+            alias = await bind(
+                stub, kubelet, pod(ns, "pod-crun", "main", ["1g.18gb-0"]), "1g.18gb-0"
+            )
     uuid = {k: v["status"]["slices"][0]["migUUID"] for k, v in ready.items()}
     for f in node.cdi_dir.glob("instaslice.io-plugin-*.json"):
         f.unlink()  # a reboot: /var/run/cdi is a tmpfs
@@ -312,23 +333,9 @@ async def test_an_agent_restart_keeps_device_plugin_binding(
         await eventually(rebound, what="the running container's alias rewritten")
         ch, stub = kubelet.plugin(RES)
         async with ch:
-            r = await stub.Allocate(one_id("1g.18gb-1"))  # refused before the fix
-            name = r.container_responses[0].cdi_devices[0].name
-            kubelet.pods.append(pod(ns, "pod-cwait", "main", ["1g.18gb-1"]))
-            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["1g.18gb-1"]))
+            waiting_pod = pod(ns, "pod-cwait", "main", ["1g.18gb-1"])
+            name = await bind(stub, kubelet, waiting_pod, "1g.18gb-1")  # refused before the fix
             assert alias_uuids(node.cdi_dir, name) == uuid["cwait"]
-
-
-GPU_RES = "instaslice.io/gpu"
-
-
-def gpu_pod(ns: str, name: str, container: str, ids: list[str]) -> Any:
-    dev = pr.ContainerDevices(resource_name=GPU_RES, device_ids=ids)
-    return pr.PodResources(
-        name=name,
-        namespace=ns,
-        containers=[pr.ContainerResources(name=container, devices=[dev])],
-    )
 
 
 def whole(alloc: Any) -> Any:
@@ -372,18 +379,11 @@ async def test_whole_gpus_are_bound_with_the_same_rules(
             assert gpu == node.gpu_uuid(1)
             assert node.emu.state().gpus[1].mig_current == 0  # MIG turned off for it
 
-            await stub.Allocate(one_id("gpu-0"))  # a thief's ids take the only Ready unit
-            kubelet.pods = [gpu_pod(ns, "thief", "main", ["gpu-0"])]
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["gpu-0"]))
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert not (node.cdi_dir / "instaslice.io-plugin-gpu-0.json").exists()
-
-            r = await stub.Allocate(one_id("gpu-1"))
-            name = r.container_responses[0].cdi_devices[0].name
+            owner = pod(ns, "pod-cw", "train", ["gpu-1"], GPU_RES)
+            name = await thief_refused_then_owner_bound(
+                stub, kubelet, node, owner, ("gpu-0", "gpu-1")
+            )
             assert name == "instaslice.io/mig=dp-gpu-1"
-            kubelet.pods.append(gpu_pod(ns, "pod-cw", "train", ["gpu-1"]))
-            await stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=["gpu-1"]))
             assert alias_uuids(node.cdi_dir, name) == gpu
 
             async def recorded() -> bool:
