@@ -49,6 +49,7 @@ from tests.e2e.helpers import (
     wait_for,
     wait_opted_in,
 )
+from tests.support import log_tails, on_the_session_loop
 
 _HERE = Path(__file__).parent
 X10_TABLE = _HERE.parents[1] / "hack" / "specs" / "models" / "x10-120gb.yaml"
@@ -70,10 +71,7 @@ SPEC: dict[str, Any] = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    session_loop = pytest.mark.asyncio(loop_scope="session")
-    for item in items:
-        if _HERE in Path(str(item.path)).parents and item.get_closest_marker("asyncio"):
-            item.add_marker(session_loop, append=False)  # closest marker wins
+    on_the_session_loop(items, _HERE)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -85,10 +83,8 @@ def pytest_runtest_makereport(
     if report.failed and _HERE in Path(str(item.path)).parents:
         for system in systems:
             dirs = [system.logs] + ([system.real.logs] if system.real is not None else [])
-            parts = [f"logs dirs: {', '.join(map(str, dirs))}"]
-            for log in sorted(log for d in dirs for log in d.glob("*.log")):
-                lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-                parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+            logs = (log for d in dirs for log in d.glob("*.log"))
+            parts = [f"logs dirs: {', '.join(map(str, dirs))}", *log_tails(logs, _LOG_TAIL_LINES)]
             report.sections.append((f"InstaSlice e2e logs ({system.dir.name})", "\n".join(parts)))
     return report
 

@@ -42,6 +42,7 @@ from hack.cluster.nodes import REAL_NODE_TAINT
 from hack.cluster.ociimage import BUSYBOX_IMAGE
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
+from tests.support import wait_admission_sees_opt_in
 
 T = TypeVar("T")
 SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
@@ -380,19 +381,13 @@ async def wait_opted_in(kube: Kube, ns: str) -> None:
         timeout_s=30,
         fieldSelector=f"metadata.name={ns}",
     )
-    # The API server matches the webhook's namespaceSelector against its own namespace cache,
-    # which may lag the label: a pod created at once went through unmutated (seen in CI, just
-    # after a reinstall). A dry run (the webhook has no side effects) shows when it is seen.
+    # the webhook's namespaceSelector is matched against the API server's namespace cache
     probe = make_pod("opt-in-probe", slices={"c": {"1g.10gb": 1}})
-    deadline = time.monotonic() + 30
-    while True:
-        pod = await kube.create(core_path("pods", ns), probe, dryRun="All")
-        gates = [g["name"] for g in pod["spec"].get("schedulingGates") or []]
-        if GATE_NAME in gates:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"namespace {ns}: the webhook does not gate its pods in 30 s")
-        await asyncio.sleep(0.2)
+    await wait_admission_sees_opt_in(kube, ns, probe, admitted=_gated)
+
+
+def _gated(pod: Obj) -> bool:
+    return GATE_NAME in [g["name"] for g in pod["spec"].get("schedulingGates") or []]
 
 
 # --- kubectl ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 - `slice_allocation(...)`: a SliceAllocation as the allocator writes it.
 - `cdi_inject(...)`: the CDI reference library (hack/cdi-check) injecting a device into a
   sample OCI spec.
-- `eventually(...)`: poll a condition with a deadline (tests may poll; the agent never does).
+- `eventually(...)`: poll a condition with a deadline (tests may poll; the agent never does;
+  tests/support.py, shared with the e2e tier).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 
@@ -39,11 +39,11 @@ from nodeagent.agent import NodeAgent
 from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import serve
 from nodeagent.settings import Settings
+from tests.support import eventually as eventually  # re-exported: the suite's poll
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "instaslice-system"
 Obj = dict[str, Any]
-T = TypeVar("T")
 
 # kind → (group/version path builder, plural, namespaced)
 _KINDS: dict[str, tuple[str, str, bool]] = {
@@ -119,28 +119,6 @@ async def install_instaslice(kube: Kube) -> None:
     for doc in manifest_docs(ROOT / "manifests" / "base" / "nodeagent"):
         if doc["kind"] != "DaemonSet":
             await apply(kube, doc)
-
-
-async def eventually(
-    check: Callable[[], Awaitable[T | None]],
-    *,
-    within: float = 20.0,
-    interval: float = 0.05,
-    what: str = "condition",
-) -> T:
-    """Poll `check` until it returns something truthy; its last value is returned."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while True:
-        try:
-            last = await check()
-        except AssertionError as exc:
-            last = exc
-        if last and not isinstance(last, AssertionError):
-            return last  # type: ignore[no-any-return]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}; last: {last!r}")
-        await asyncio.sleep(interval)
 
 
 # --- emulated GPU nodes ----------------------------------------------------------------------

@@ -10,6 +10,9 @@ unit tests use them without a cluster.
 allocator sees of them: it marks each new SliceAllocation Ready with fake MIG UUIDs (or
 Failed, or holds it Pending, as a test asks) and drops the release finalizer of allocations
 being deleted. The real node agent and its emulator are exercised by the e2e tests.
+
+`kube` (session scope, imported by the allocator's test modules): a cluster-admin client
+of the test control plane, InstaSlice's CRDs created and established.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import yaml
 
 from common.allocation import build_allocation
@@ -44,6 +48,7 @@ from common.constants import (
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
 from common.objects import Phase, SliceSpec, new_claim_id
 from common.profiles import instaslice_resource
+from hack.cluster import ControlPlane
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
@@ -457,6 +462,17 @@ class FakeAgent:
 
 
 # --- objects on the API server ------------------------------------------------------------
+
+
+CRDS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "crds"
+
+
+@pytest.fixture(scope="session")
+async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
+    k = await Kube.connect(str(control_plane.kubeconfig))
+    async with k:
+        await ensure_crds(k, load_crds(CRDS))
+        yield k
 
 
 def load_crds(crd_dir: Path) -> list[Obj]:

@@ -28,6 +28,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from common.kubeapi import Kube, harden, instaslice_path
 from hack.cluster import BinariesMissing, ControlPlane
+from tests.support import log_tails, on_the_session_loop
 
 _HERE = Path(__file__).parent
 _CP_KEY = pytest.StashKey[ControlPlane]()
@@ -35,10 +36,7 @@ _LOG_TAIL_LINES = 25
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    session_loop = pytest.mark.asyncio(loop_scope="session")
-    for item in items:
-        if _HERE in Path(str(item.path)).parents and item.get_closest_marker("asyncio"):
-            item.add_marker(session_loop, append=False)  # closest marker wins
+    on_the_session_loop(items, _HERE)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -48,10 +46,7 @@ def pytest_runtest_makereport(
     report = yield
     cp = item.config.stash.get(_CP_KEY, None)
     if cp is not None and report.failed and _HERE in Path(str(item.path)).parents:
-        parts = [f"logs dir: {cp.logs_dir}"]
-        for log in sorted(cp.logs_dir.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-            parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+        parts = [f"logs dir: {cp.logs_dir}", *log_tails(cp.logs_dir.glob("*.log"), _LOG_TAIL_LINES)]
         report.sections.append(("control plane logs", "\n".join(parts)))
     return report
 

@@ -52,6 +52,7 @@ from tests.integration.webhook_fixtures import (
     opted_in_namespace,
     webhook,
 )
+from tests.support import wait_admission_sees_opt_in
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import placeholder_pod
 
@@ -93,18 +94,9 @@ async def _opt_in(kube: Kube, ns: str) -> str:
     enabled = {ENABLED_KEY: "true"}
     body = {"metadata": {"annotations": enabled, "labels": enabled}}
     await kube.patch(core_path("namespaces", name=ns), body)
+    # the policies read the namespace from the API server's cache
     gated = make_pod(container("main"), gates=[GATE_NAME])
-
-    async def seen() -> bool:  # the policies read the namespace from the apiserver's cache
-        try:
-            await kube.create(core_path("pods", ns), gated, dryRun="All")
-        except ApiError as exc:
-            if NOT_OPTED_IN not in exc.message:
-                raise
-            return False
-        return True
-
-    await eventually(seen, timeout_s=30)
+    await wait_admission_sees_opt_in(kube, ns, gated, refused_until=NOT_OPTED_IN)
     return ns
 
 

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,31 +30,20 @@ from common.constants import (
     RELEASE_FINALIZER,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
-from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     GpuSpec,
     allocator_env,
     assert_no_double_booking,
-    ensure_crds,
     gpu_uuid,
-    load_crds,
+    kube,
     set_gpus,
     wait_for,
 )
 from webhook.allocator import pods as podlib
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-
-CRDS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "crds"
-
-
-@pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(control_plane.kubeconfig))
-    async with k:
-        await ensure_crds(k, load_crds(CRDS))
-        yield k
+__all__ = ["kube"]  # a fixture, imported for pytest
 
 
 @pytest.fixture

@@ -16,35 +16,25 @@ import json
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
 from common.clock import cancel_until_done
 from common.kubeapi import ApiError, Kube, core_path
-from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     FakeAgent,
     GpuSpec,
-    ensure_crds,
-    load_crds,
+    kube,
 )
 from webhook.allocator import pods as podlib
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+__all__ = ["kube"]  # a fixture, imported for pytest
 
-CRDS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "crds"
 PODS = 50
-
-
-@pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(control_plane.kubeconfig))
-    async with k:
-        await ensure_crds(k, load_crds(CRDS))
-        yield k
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +24,18 @@ from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     FakeAgent,
-    ensure_crds,
-    load_crds,
+    kube,
 )
 from webhook.allocator import build_controller, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.metrics import AllocatorMetrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+__all__ = ["kube"]  # a fixture, imported for pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CRDS = ROOT / "manifests" / "base" / "crds"
 RBAC = ROOT / "manifests" / "base" / "allocator" / "rbac.yaml"
 RBAC_API = "rbac.authorization.k8s.io/v1"
-
-
-@pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(control_plane.kubeconfig))
-    async with k:
-        await ensure_crds(k, load_crds(CRDS))
-        yield k
 
 
 def rbac_for(user: str, namespace: str, suffix: str) -> list[Obj]:

@@ -29,28 +29,18 @@ from hack.cluster import ControlPlane
 from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import serve
 from nodeagent.settings import Settings
-from tests.integration.agent_fixtures import eventually
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
     FakeAgent,
     assert_no_double_booking,
-    ensure_crds,
-    load_crds,
+    kube,
     wait_for,
 )
+from tests.support import eventually
 from webhook.allocator import pods as podlib
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-CRDS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "crds"
-
-
-@pytest.fixture(scope="session")
-async def kube(control_plane: ControlPlane) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(control_plane.kubeconfig))
-    async with k:
-        await ensure_crds(k, load_crds(CRDS))
-        yield k
+__all__ = ["kube"]  # a fixture, imported for pytest
 
 
 class AgentWorld:

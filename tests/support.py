@@ -1,0 +1,98 @@
+"""Test support shared by the integration and e2e tiers (no fixtures).
+
+- `eventually(check)`: poll a condition under a deadline, its last truthy value returned.
+  Tests may poll where nothing can be watched; the product never does (STYLE.md).
+- `wait_admission_sees_opt_in(kube, ns, probe)`: until admission treats namespace `ns` as
+  opted in. The API server matches a webhook's namespaceSelector, and hands a
+  ValidatingAdmissionPolicy its namespaceObject, from its own namespace cache, which may lag
+  the opt-in label just written (seen in CI just after a reinstall: a pod created at once
+  went through unmutated). Nothing watchable says when that cache caught up, so a dry-run
+  create of `probe` (admission runs, nothing is stored) is tried until admission answers as
+  for an opted-in namespace.
+- `on_the_session_loop(items, folder)` and `log_tails(logs, lines)`: the conftest hooks of
+  the two tiers (their async tests share the session's event loop; a failing test's report
+  carries the tail of each log of the processes it ran against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from common.kubeapi import ApiError, Kube, Obj, core_path
+
+T = TypeVar("T")
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T | None]],
+    *,
+    within: float = 20.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """Poll `check` until it returns something truthy; its last value is returned. An
+    AssertionError raised by `check` counts as "not yet" and is reported on timeout."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while True:
+        try:
+            last = await check()
+        except AssertionError as exc:
+            last = exc
+        if last and not isinstance(last, AssertionError):
+            return last  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval)
+
+
+async def wait_admission_sees_opt_in(
+    kube: Kube,
+    ns: str,
+    probe: Obj,
+    *,
+    admitted: Callable[[Obj], bool] = lambda pod: True,
+    refused_until: str | None = None,
+    within: float = 30.0,
+) -> Obj:
+    """Dry-run `probe` in `ns` until admission answers as for an opted-in namespace: the pod
+    it returns passes `admitted` (the webhook gated it, say), and a refusal whose message
+    contains `refused_until` (a policy's "opted in" rule) means not yet; any other refusal
+    fails at once. The pod admission returned last."""
+
+    async def seen() -> Obj | None:
+        try:
+            pod = await kube.create(core_path("pods", ns), probe, dryRun="All")
+        except ApiError as exc:
+            if refused_until is None or refused_until not in exc.message:
+                raise
+            raise AssertionError(f"refused: {exc.message}") from None
+        if not admitted(pod):
+            raise AssertionError(f"admitted as for a namespace not opted in: {pod['spec']}")
+        return pod
+
+    return await eventually(seen, within=within, interval=0.2, what=f"namespace {ns} opted in")
+
+
+def on_the_session_loop(items: list[pytest.Item], folder: Path) -> None:
+    """Run every async test under `folder` in the session's event loop, the loop its
+    session-scoped fixtures' clients live in (aiohttp sessions cannot cross loops)."""
+    session_loop = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if folder in Path(str(item.path)).parents and item.get_closest_marker("asyncio"):
+            item.add_marker(session_loop, append=False)  # closest marker wins
+
+
+def log_tails(logs: Iterable[Path], lines: int) -> list[str]:
+    """The last `lines` lines of each log, by name, each under a `--- name` header."""
+    out = []
+    for log in sorted(logs):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return out
