@@ -47,7 +47,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _usage(*, ca: bool) -> x509.KeyUsage:
+def key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Digital signatures; for a CA, signing certificates and CRLs too (also the test
+    control plane's, hack/cluster/pki.py)."""
     return x509.KeyUsage(
         digital_signature=True,
         content_commitment=False,
@@ -80,7 +82,7 @@ def make_ca(
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_usage(ca=True), critical=True)
+        .add_extension(key_usage(ca=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
         .sign(key, hashes.SHA256())
     )
@@ -115,7 +117,7 @@ def make_serving_cert(
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_usage(ca=False), critical=True)
+        .add_extension(key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(
