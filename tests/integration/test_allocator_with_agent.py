@@ -165,16 +165,18 @@ async def test_ampere_maintenance_serves_a_mig_pod_on_an_a100_with_mig_off(
     emu.set_driver_client(0, True)  # persistenced, say: the reset is refused until it lets go
     env = world.env
     env.start(ampere_mode_changes="drain")
-    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
     asked = "asked for (Ampere maintenance"
-    await env.wait_event("p", REASON_PENDING, saying=asked)
-    # the GPU takes nothing new now; the asking pod is told it waits for the change, and so
-    # is another pod that fits only there (no second ask)
     under_way = f"once the MIG mode change under way on {node}/GPU 0 is done (MIG on"
-    await env.wait_event("p", REASON_PENDING, saying=under_way)
-    await env.create_pod("q", slices={"main": {"1g.10gb": 1}})
-    await env.wait_event("q", REASON_PENDING, saying=under_way)
-    emu.set_driver_client(0, False)
+    try:
+        await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+        await env.wait_event("p", REASON_PENDING, saying=asked)
+        # the GPU takes nothing new now; the asking pod is told it waits for the change, and
+        # so is another pod that fits only there (no second ask)
+        await env.wait_event("p", REASON_PENDING, saying=under_way)
+        await env.create_pod("q", slices={"main": {"1g.10gb": 1}})
+        await env.wait_event("q", REASON_PENDING, saying=under_way)
+    finally:
+        emu.set_driver_client(0, False)  # else the agent retries the reset for 300 s
     for pod in ("p", "q"):
         bound = await env.wait_bound(pod, within=60)
         assert podlib.bound_node(bound) == node
@@ -212,13 +214,18 @@ async def test_ampere_maintenance_serves_a_whole_gpu_pod_on_an_a100_in_mig_mode(
     emu.set_driver_client(0, True)  # the reset waits until the test lets go
     env = world.env
     env.start(ampere_mode_changes="drain")
-    await env.create_pod("w", slices={"main": {"gpu": 1}})
-    await env.wait_event("w", REASON_PENDING, saying="asked for (Ampere maintenance")
+    asked = "asked for (Ampere maintenance"
     under_way = f"1 whole GPU fit once the MIG mode change under way on {node}/GPU 0 is done"
-    await env.wait_event("w", REASON_PENDING, saying=f"{under_way} (MIG off")
-    emu.set_driver_client(0, False)
+    try:
+        await env.create_pod("w", slices={"main": {"gpu": 1}})
+        await env.wait_event("w", REASON_PENDING, saying=asked)
+        await env.wait_event("w", REASON_PENDING, saying=f"{under_way} (MIG off")
+    finally:
+        emu.set_driver_client(0, False)
     bound = await env.wait_bound("w", within=60)
     assert podlib.bound_node(bound) == node
+    told = [e["message"] for e in await env.events("w", REASON_PENDING)]
+    assert len(told) == 2 and all(asked in m or under_way in m for m in told), told
     gpu = emu.state().gpus[0]
     assert (gpu.mig_current, gpu.mig_pending) == (0, 0)
     (record,) = await env.allocations()

@@ -33,6 +33,7 @@ from common.constants import ENABLED_KEY, GATE_NAME
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from common.objects import new_claim_id
 from hack.cluster import ControlPlane
+from tests import support
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.server import RunningServer, running
@@ -155,12 +156,10 @@ def is_rewritten(pod: Obj) -> bool:
 async def eventually(
     check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, every_s: float = 0.1
 ) -> float:
-    """Poll `check` until true; returns the seconds it took. Fails the test on timeout."""
+    """Poll `check` until true (tests/support.py); returns the seconds it took. Fails the
+    test on timeout."""
     start = time.monotonic()
-    while not await check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(every_s)
+    await support.eventually(check, within=timeout_s, interval=every_s)
     return time.monotonic() - start
 
 
