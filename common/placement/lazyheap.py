@@ -8,7 +8,7 @@ few. When stale entries outnumber live ones the heap is rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from heapq import heapify, heappop, heappush
 from typing import Any
 
@@ -56,3 +56,12 @@ class LazyHeap:
         finally:
             for entry in taken:
                 heappush(heap, entry)
+
+
+def take(stale: set[str], limit: int | None) -> tuple[Iterable[str], set[str]]:
+    """Up to `limit` names out of `stale` (all of them when None): (taken, left). Taking
+    all hands `stale` itself back and leaves a fresh set: popping a set emptied of many
+    names is slow (CPython)."""
+    if limit is None or limit >= len(stale):
+        return stale, set()
+    return [stale.pop() for _ in range(limit)], stale
