@@ -88,12 +88,12 @@ class _Order(LazyHeap):
         ct: CatalogTables,
         profile: str,
     ) -> None:
-        live: dict[str, tuple[int, Any]] = {}
+        entries: list[Entry] = []
         for name, (node, key) in nodes.items():
             s = score(node.gpu_key)
             if s >= 0:
-                live[name] = (s, key)
-        super().__init__(live)
+                entries.append((s, key, name))
+        super().__init__(entries)
         self.stale: set[str] = set()
         self._score = score
         self._table = table  # the memo `score` fills, pruned here (None: an lru cache)

@@ -40,6 +40,7 @@ from common.placement import index as index_module
 from common.placement.engine import clear_caches
 from common.placement.explain import explain
 from common.placement.index import FleetIndex
+from common.placement.lazyheap import LazyHeap
 from common.placement.replay import AddEvent, Cluster, parse_trace, replay
 from common.placement.search import Context
 from common.placement.why import ShapeWhy
@@ -393,3 +394,30 @@ def test_an_order_tidied_one_node_at_a_time_loses_no_change(
     index.put(fleet[2], 2)
     decide(ONE_4G)
     assert decide(one_1g).node == "n2"  # type: ignore[union-attr]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcde"), st.none() | st.integers(0, 3)), max_size=40),
+    st.integers(0, 5),
+)
+def test_a_lazy_heap_yields_each_live_entry_once_in_order(
+    ops: list[tuple[str, int | None]], stop: int
+) -> None:
+    """Set, re-set to an older value, discard: only the current entry of each name comes
+    out, in (score, key) order, and a walk stopped early puts back what it took."""
+    heap = LazyHeap()
+    want: dict[str, tuple[int, int]] = {}
+    for name, score in ops:
+        if score is None:
+            heap.discard(name)
+            want.pop(name, None)
+        else:
+            heap.set(name, score, ord(name))
+            want[name] = (score, ord(name))
+        heap.compact()
+    expected = sorted((s, k, n) for n, (s, k) in want.items())
+    walk = heap.ascending()
+    assert [next(walk) for _ in range(min(stop, len(expected)))] == expected[:stop]
+    walk.close()
+    assert list(heap.ascending()) == expected
+    assert len(heap) == len(expected)
