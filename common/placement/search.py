@@ -38,6 +38,7 @@ from common.placement.tables import (
     ModelTables,
     add,
     addable,
+    demand_needs,
     free_starts,
     gpu_state,
     mask_fit,
@@ -222,6 +223,7 @@ def clear_caches() -> None:
         _builtin_tables,
         _custom_tables,
         mask_fit,
+        demand_needs,
         single_table,
         model_tables,
     ):

@@ -276,20 +276,33 @@ def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[i
 
 def within_limits(tables: ModelTables, state: GpuState, demand: tuple[str, ...]) -> bool:
     """Whether the count, engine and SM limits let `demand` join a GPU in `state`."""
-    counts = list(state.counts)
-    engines = list(state.engines)
-    compute = state.compute
+    counts, compute, engines = demand_needs(tables, demand)
+    have = state.counts
+    for index, n, cap in counts:
+        if have[index] + n > cap:
+            return False
+    return state.compute + compute <= tables.compute_total and all(
+        a + b <= c for a, b, c in zip(state.engines, engines, tables.full_engines, strict=True)
+    )
+
+
+@lru_cache(maxsize=1 << 12)
+def demand_needs(
+    tables: ModelTables, demand: tuple[str, ...]
+) -> tuple[tuple[tuple[int, int, int], ...], int, tuple[int, ...]]:
+    """What `demand` adds to a GPU: (profile index, instances, the profile's cap) per
+    profile, SMs, engines."""
+    counts: dict[int, int] = {}
+    compute = 0
+    engines = [0] * len(tables.full_engines)
     for name in demand:
         t = tables.profiles[name]
-        counts[t.index] += 1
-        if counts[t.index] > t.max_count:
-            return False
+        counts[t.index] = counts.get(t.index, 0) + 1
         compute += t.compute
         for k, e in enumerate(t.engines):
             engines[k] += e
-    return compute <= tables.compute_total and all(
-        e <= limit for e, limit in zip(engines, tables.full_engines, strict=True)
-    )
+    caps = tuple((i, n, tables.by_index[i].max_count) for i, n in counts.items())
+    return caps, compute, tuple(engines)
 
 
 @lru_cache(maxsize=1 << 16)
