@@ -29,6 +29,7 @@ runs small versions of the same (seconds; `make test` runs it via the unit tests
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -438,6 +439,7 @@ class _Timed:
     kinds: dict[str, list[float]] = field(
         default_factory=lambda: {"single slice": [], "several slices": [], "pending": []}
     )
+    gc: list[float] = field(default_factory=list)  # CPU ms the collector took, per decision
     cold: float = 0.0
     occupancy: float = 0.0
 
@@ -453,12 +455,41 @@ def _timed_decisions(
     cluster.indexed = indexed
     pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
     out = _Timed()
+    collector = [0.0, 0.0]  # CPU seconds the collector took; when the running one started
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collector[1] = time.process_time()
+        else:
+            collector[0] += time.process_time() - collector[1]
+
+    gc.callbacks.append(on_gc)
+    try:
+        _decide_all(cluster, held, rng, pod_fleets, samples, warmup, indexed, out, collector)
+    finally:
+        gc.callbacks.remove(on_gc)
+    out.occupancy = round(cluster.used_slots / cluster.total_slots, 3)
+    return out
+
+
+def _decide_all(
+    cluster: Cluster,
+    held: list[str],
+    rng: random.Random,
+    pod_fleets: list[Fleet],
+    samples: int,
+    warmup: int,
+    indexed: bool,
+    out: _Timed,
+    collector: list[float],
+) -> None:
     for i in range(warmup + samples):
         raw = _pod(rng, f"t{i}", rng.choice(pod_fleets), MIX_DEFAULT, 0.15)
         ev = parse_trace({"nodes": [], "events": [raw]}).events[0]
         assert isinstance(ev, AddEvent)
         if not indexed:
             cluster.snapshot  # noqa: B018 - built outside the clock, as the allocator's is
+        g0 = collector[0]
         c0, w0 = time.process_time(), time.perf_counter()
         result = cluster.decide(ev.request)
         c1, w1 = time.process_time(), time.perf_counter()
@@ -468,6 +499,7 @@ def _timed_decisions(
             out.results.append(result)
             out.cpu.append((c1 - c0) * 1000)
             out.wall.append((w1 - w0) * 1000)
+            out.gc.append((collector[0] - g0) * 1000)
             if isinstance(result, Placement):
                 several = sum(x.count for x in ev.request.slices) > 1
                 out.kinds["several slices" if several else "single slice"].append(out.cpu[-1])
@@ -478,8 +510,6 @@ def _timed_decisions(
             held.append(ev.request.name)
         # Keep the load steady: one random departure per decision.
         cluster.remove(held.pop(rng.randrange(len(held))))
-    out.occupancy = round(cluster.used_slots / cluster.total_slots, 3)
-    return out
 
 
 def decision_timing(
@@ -504,6 +534,7 @@ def decision_timing(
             f"{index.results[first]} != {scan.results[first]}"
         )
     cpu, wall, kinds = index.cpu, index.wall, index.kinds
+    without = [c - g for c, g in zip(cpu, index.gc, strict=True)]
     return {
         "nodes": nodes,
         "gpus_per_node": gpus,
@@ -518,6 +549,11 @@ def decision_timing(
             }
             for kind, ts in kinds.items()
             if ts
+        },
+        "collector": {  # decisions during which Python's collector ran, and without it
+            "decisions": sum(1 for g in index.gc if g > 0),
+            "p50_without": round(_percentile(without, 0.5), 3),
+            "p99_without": round(_percentile(without, 0.99), 3),
         },
         "scan": {**_stats(scan.cpu, scan.wall), "cold_ms": round(scan.cold, 1)},
         "identical_to_scan": True,
@@ -582,6 +618,9 @@ def timing_lines(d: dict[str, Any]) -> list[str]:
             f"{kind} ({k['count']}): p50 {k['p50']} ms, p99 {k['p99']} ms"
             for kind, k in d["by_kind"].items()
         ),
+        f"  Python's garbage collector ran during {d['collector']['decisions']} of them; "
+        f"without its time: CPU p50 {d['collector']['p50_without']} ms, "
+        f"p99 {d['collector']['p99_without']} ms",
         f"  the same decisions by the scan (no index): CPU p50 {scan['p50']} ms, "
         f"p99 {scan['p99']} ms, max {scan['max']} ms; identical answers",
     ]

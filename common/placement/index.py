@@ -39,8 +39,16 @@ from typing import Any
 from common.catalog import Catalog
 from common.placement import engine
 from common.placement.explain import explain
-from common.placement.lazyheap import Entry, LazyHeap
-from common.placement.model import NodeState, Pending, Placement, PodRequest, Policy, Snapshot
+from common.placement.lazyheap import Entry, LazyHeap, take
+from common.placement.model import (
+    NodeState,
+    Pending,
+    Placement,
+    PodRequest,
+    Policy,
+    Snapshot,
+    parse_hw_key,
+)
 from common.placement.search import (
     RANK_SCALE,
     RANK_TABLE_LIMIT,
@@ -58,32 +66,75 @@ Score = Callable[[str], int]  # node GPU key -> score (lower is better; -1: neve
 WHY_SHAPES = 8  # pending explanations kept, by demand shape (least recently asked dropped):
 # each holds a record per node (135 bytes measured), so 5.4 MB at 5000 nodes when all are kept
 WHY_TIDY_NODES = 8  # changed nodes a decision brings into the kept explanations (`_tidy`)
+# An order more than ORDER_STALE_KEPT changed nodes behind is brought up to date by every
+# decision, ORDER_TIDY_NODES nodes at a time (`_tidy`): the orders asked for often stay
+# lazy (a node changed twice between two asks is re-scored once), the rare ones never
+# make one decision re-score hundreds of nodes.
+ORDER_STALE_KEPT = 16
+ORDER_TIDY_NODES = 8
 
 
 class _Order(LazyHeap):
     """The fleet's nodes that may fit one demand shape, by (score, sort key). `stale`: the
-    nodes changed since the order was last brought up to date."""
+    nodes changed since the order was last brought up to date; `profile`: the one profile
+    every node of the order must offer (a node whose hardware offers it nowhere is never
+    marked stale: half the fleet, on a fleet of two models)."""
 
-    def __init__(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
-        live: dict[str, tuple[int, Any]] = {}
+    def __init__(
+        self,
+        score: Score,
+        table: dict[str, int] | None,
+        nodes: dict[str, tuple[NodeState, Any]],
+        ct: CatalogTables,
+        profile: str,
+    ) -> None:
+        entries: list[Entry] = []
         for name, (node, key) in nodes.items():
             s = score(node.gpu_key)
             if s >= 0:
-                live[name] = (s, key)
-        super().__init__(live)
+                entries.append((s, key, name))
+        super().__init__(entries)
         self.stale: set[str] = set()
+        self._score = score
+        self._table = table  # the memo `score` fills, pruned here (None: an lru cache)
+        self._ct = ct
+        self._profile = profile
+        self._hosts: dict[str, bool] = {}  # hardware key -> a usable GPU offers the profile
 
-    def refresh(self, score: Score, nodes: dict[str, tuple[NodeState, Any]]) -> None:
-        """Re-score the nodes that changed (`score`: the current decision's, so the memo
-        table it fills is the one the engine keeps pruned)."""
-        for name in self.stale:
+    def touch(self, name: str, node: NodeState | None) -> None:
+        """Note that `name` changed (`node`: its new state, None when it left)."""
+        if name in self.live or (node is not None and self.hosts(node.hw_key)):
+            self.stale.add(name)
+
+    def hosts(self, hw_key: str) -> bool:
+        found = self._hosts.get(hw_key)
+        if found is None:
+            found = self._hosts[hw_key] = any(
+                ok and (t := self._ct.tables(model)) is not None and self._profile in t.profiles
+                for model, ok in parse_hw_key(hw_key)
+            )
+        return found
+
+    def refresh(self, nodes: dict[str, tuple[NodeState, Any]], limit: int | None = None) -> int:
+        """Re-score the nodes that changed (at most `limit` of them: the index spreads the
+        work over decisions); returns how many were done."""
+        stale = self.stale
+        if not stale:
+            return 0
+        table = self._table
+        if table is not None and len(table) > RANK_TABLE_LIMIT:
+            prune(table, tuple(n for n, _ in nodes.values()))
+        done = len(stale) if limit is None else min(limit, len(stale))
+        names, self.stale = take(stale, limit)
+        score = self._score
+        for name in names:
             got = nodes.get(name)
             if got is None or (s := score(got[0].gpu_key)) < 0:
                 self.discard(name)
             else:
                 self.set(name, s, got[1])
-        self.stale.clear()
         self.compact()
+        return done
 
 
 class FleetIndex:
@@ -100,15 +151,15 @@ class FleetIndex:
     def put(self, node: NodeState, key: Any) -> None:
         """Add or replace a node; `key` sorts it as its position in the caller's snapshot."""
         self._nodes[node.name] = (node, key)
-        self._changed(node.name)
+        self._changed(node.name, node)
 
     def remove(self, name: str) -> None:
         if self._nodes.pop(name, None) is not None:
-            self._changed(name)
+            self._changed(name, None)
 
-    def _changed(self, name: str) -> None:
+    def _changed(self, name: str, node: NodeState | None) -> None:
         for order in self._orders.values():
-            order.stale.add(name)
+            order.touch(name, node)
         for why in self._whys.values():
             why.stale.add(name)
 
@@ -134,13 +185,21 @@ class FleetIndex:
         return engine.placement_of(chosen[0], chosen[1], request, ctx)
 
     def _tidy(self) -> None:
-        """Bring the kept explanations up to date a few nodes per decision, so a pending pod
-        does not pay alone for every node changed since its shape was last explained."""
+        """Bring the kept explanations, and the orders that fell far behind, up to date a few
+        nodes per decision, so a pending pod or a rarely asked shape does not pay alone for
+        every node changed since it was last asked for."""
         budget = WHY_TIDY_NODES
         for why in self._whys.values():
             budget -= why.refresh(self._nodes, budget)
             if budget <= 0:
-                return
+                break
+        budget = ORDER_TIDY_NODES
+        for order in self._orders.values():
+            behind = len(order.stale) - ORDER_STALE_KEPT
+            if behind > 0:
+                budget -= order.refresh(self._nodes, min(budget, behind))
+                if budget <= 0:
+                    return
 
     def _explain(self, request: PodRequest, ctx: Context) -> Pending | None:
         """Why the pod fits nowhere, from the sums kept per demand shape (why.py); None
@@ -157,14 +216,19 @@ class FleetIndex:
             self._whys.move_to_end(shape)
         return why.explain(request, self._nodes)
 
-    def _order(self, shape: Hashable, score: Score, table: dict[str, int] | None) -> _Order:
+    def _order(
+        self,
+        shape: Hashable,
+        score: Score,
+        table: dict[str, int] | None,
+        ct: CatalogTables,
+        profile: str,
+    ) -> _Order:
         order = self._orders.get(shape)
         if order is None:
-            order = self._orders[shape] = _Order(score, self._nodes)
-        elif order.stale:
-            if table is not None and len(table) > RANK_TABLE_LIMIT:
-                prune(table, tuple(n for n, _ in self._nodes.values()))
-            order.refresh(score, self._nodes)
+            order = self._orders[shape] = _Order(score, table, self._nodes, ct, profile)
+        else:
+            order.refresh(self._nodes)
         return order
 
     def _candidates(
@@ -200,7 +264,7 @@ class FleetIndex:
                 r = ranks[key] = -1 if fit is None else fit.rank[0] * RANK_SCALE + fit.rank[1]
             return r
 
-        order = self._order(("single", ct, profile, policy), score, ranks)
+        order = self._order(("single", ct, profile, policy), score, ranks, ct, profile)
         candidates = self._candidates(order.ascending(), request)
         try:
             for _, node in candidates:
@@ -227,7 +291,7 @@ class FleetIndex:
             fit = node_single(ct, key, profile, Policy.INSTASLICE)
             return -1 if fit is None else fit.loss
 
-        return self._order(("loss", ct, profile), score, None)
+        return self._order(("loss", ct, profile), score, None, ct, profile)
 
     def _by_bound(self, ctx: Context) -> Generator[Entry]:
         """The nodes by (`search.node_bound` of the pod's profiles, sort key) — the order in

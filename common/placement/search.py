@@ -1,7 +1,7 @@
 """The node search behind `place`: how each policy hosts a pod's slices on one node.
 
 Per node the pod's slices are split between its GPUs by a small dynamic programme over
-(GPU, slices still to place); each GPU's share is packed exactly by `tables.gpu_fit`.
+(GPU, slices still to place); each GPU's share is packed exactly by `tables.mask_fit`.
 
 Speed comes from keys, not from shortcuts. A node's GPU state is one string
 (`NodeState.gpu_key`, hash cached by Python), and every node-level answer is a pure function
@@ -38,11 +38,13 @@ from common.placement.tables import (
     ModelTables,
     add,
     addable,
+    demand_needs,
     free_starts,
-    gpu_fit,
     gpu_state,
+    mask_fit,
     model_tables,
     single_table,
+    within_limits,
 )
 from common.profiles import ProfileNameError, parse_profile
 
@@ -215,11 +217,13 @@ def clear_caches() -> None:
         node_may_fit,
         node_multi,
         gpu_options,
+        mask_options,
         rank_table,
         bound_table,
         _builtin_tables,
         _custom_tables,
-        gpu_fit,
+        mask_fit,
+        demand_needs,
         single_table,
         model_tables,
     ):
@@ -329,8 +333,26 @@ def gpu_options(
     mode: FitMode,
 ) -> tuple[Share, ...]:
     """Every non-empty share of the demand one GPU in `state` can take, with its packing,
-    largest share first."""
-    free = tables.slots - bin(state.mask).count("1")
+    largest share first: the shares its free slots can take (`mask_options`) that the
+    GPU's count, engine and SM limits allow."""
+    return tuple(
+        share
+        for share in mask_options(tables, state.mask, profiles, counts, mode)
+        if within_limits(tables, state, share[2])
+    )
+
+
+@lru_cache(maxsize=1 << 14)
+def mask_options(
+    tables: ModelTables,
+    occupied: int,
+    profiles: tuple[str, ...],
+    counts: tuple[int, ...],
+    mode: FitMode,
+) -> tuple[Share, ...]:
+    """`gpu_options` by slots alone: keyed by the occupied slots, not the whole GPU state,
+    so the searches are shared by every GPU state with the same mask."""
+    free = tables.slots - bin(occupied).count("1")
     sizes = [tables.profiles[p].size if p in tables.profiles else 0 for p in profiles]
     radix = _radix(counts)
     out = []
@@ -341,7 +363,7 @@ def gpu_options(
         if sum(c * z for c, z in zip(sub, sizes, strict=True)) > free:
             continue
         demand = _expand(profiles, sub)
-        fit = gpu_fit(tables, state, demand, mode)
+        fit = mask_fit(tables, occupied, demand, mode)
         if fit is not None:
             out.append((index, fit.cost, demand, fit.starts))
     return tuple(out)

@@ -9,9 +9,10 @@ causes, so a 1g goes where it breaks the fewest 2-, 4- and 8-slot windows withou
 a slot (slot 5 on an empty 8-slot GPU: the 4g start survives, and slot 7 stays usable by
 the 1g(2xmem) at 6), and a GPU that is already broken is preferred to an intact one.
 
-`gpu_fit(tables, state, demand, mode)` packs a small multiset of profiles onto one GPU in
-a given state — exhaustively, with memoisation over (depth, mask) — and is LRU-cached, so
-each distinct (model, occupancy, demand) triple is solved once however many GPUs share it.
+`mask_fit(tables, mask, demand, mode)` packs a small multiset of profiles into a GPU's free
+slots — exhaustively, with memoisation over (depth, mask) — and is LRU-cached, so each
+distinct (model, occupied slots, demand) triple is solved once however many GPUs share it;
+`within_limits` checks the count, engine and SM limits apart.
 These caches are pure memoisation of pure functions; nothing else is kept between calls.
 """
 
@@ -273,35 +274,54 @@ def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[i
     return [i for i in range(len(t.starts)) if can_add(tables, state, t, i)]
 
 
+def within_limits(tables: ModelTables, state: GpuState, demand: tuple[str, ...]) -> bool:
+    """Whether the count, engine and SM limits let `demand` join a GPU in `state`."""
+    counts, compute, engines = demand_needs(tables, demand)
+    have = state.counts
+    for index, n, cap in counts:
+        if have[index] + n > cap:
+            return False
+    return state.compute + compute <= tables.compute_total and all(
+        a + b <= c for a, b, c in zip(state.engines, engines, tables.full_engines, strict=True)
+    )
+
+
+@lru_cache(maxsize=1 << 12)
+def demand_needs(
+    tables: ModelTables, demand: tuple[str, ...]
+) -> tuple[tuple[tuple[int, int, int], ...], int, tuple[int, ...]]:
+    """What `demand` adds to a GPU: (profile index, instances, the profile's cap) per
+    profile, SMs, engines."""
+    counts: dict[int, int] = {}
+    compute = 0
+    engines = [0] * len(tables.full_engines)
+    for name in demand:
+        t = tables.profiles[name]
+        counts[t.index] = counts.get(t.index, 0) + 1
+        compute += t.compute
+        for k, e in enumerate(t.engines):
+            engines[k] += e
+    caps = tuple((i, n, tables.by_index[i].max_count) for i, n in counts.items())
+    return caps, compute, tuple(engines)
+
+
 @lru_cache(maxsize=1 << 16)
-def gpu_fit(
-    tables: ModelTables, state: GpuState, demand: tuple[str, ...], mode: FitMode
+def mask_fit(
+    tables: ModelTables, occupied: int, demand: tuple[str, ...], mode: FitMode
 ) -> GpuFit | None:
-    """Pack every profile of `demand` (sorted largest first) onto one GPU, or None.
+    """Pack every profile of `demand` (sorted largest first) into the free slots of a GPU
+    whose occupied slots are `occupied`, or None.
 
     BEST: the packing with the least loss of potential; ties go to higher slots (small
     slices high, HAMi's rule, keeps start 0 whole for a 4g). LOWEST: the first packing in
     lowest-start order. STATIC: the same, but only on free slices of the all-balanced layout.
 
-    Counts, engines and SMs depend on which profiles are added, not where, so they are
-    checked once for the whole demand; the search itself is over slot masks only, memoised
-    on (depth, mask) — which also merges the permutations of identical profiles.
-    """
+    Slots only: counts, engines and SMs depend on which profiles are added, not where, and
+    are checked apart (`within_limits`). So the search is keyed by the mask, not the whole
+    GPU state, and shared by every GPU state that covers the same slots (256 masks on an
+    8-slot part). Exhaustive, memoised on (depth, mask), which also merges the permutations
+    of identical profiles."""
     ts = [tables.profiles[name] for name in demand]
-    counts = list(state.counts)
-    engines = list(state.engines)
-    compute = state.compute
-    for t in ts:
-        counts[t.index] += 1
-        if counts[t.index] > t.max_count:
-            return None
-        compute += t.compute
-        for k, e in enumerate(t.engines):
-            engines[k] += e
-    if compute > tables.compute_total or any(
-        e > limit for e, limit in zip(engines, tables.full_engines, strict=True)
-    ):
-        return None
     options = [list(zip(t.starts, t.masks, strict=True)) for t in ts]
     if mode is FitMode.STATIC:
         layout = set(tables.layout)
@@ -310,7 +330,7 @@ def gpu_fit(
             for t, o in zip(ts, options, strict=True)
         ]
     pot = tables.potential
-    before = pot[state.mask]
+    before = pot[occupied]
     n = len(ts)
 
     def fit_of(mask: int, starts: tuple[int, ...]) -> GpuFit:
@@ -333,7 +353,7 @@ def gpu_fit(
             failed.add((depth, mask))
             return None
 
-        done = first(0, state.mask)
+        done = first(0, occupied)
         return None if done is None else fit_of(done[0], done[1])
 
     memo: dict[tuple[int, int], tuple[int, int, tuple[int, ...]] | None] = {}
@@ -355,5 +375,5 @@ def gpu_fit(
         memo[key] = result
         return result
 
-    found = best(0, state.mask)
+    found = best(0, occupied)
     return None if found is None else fit_of(-found[1], found[2])

@@ -39,7 +39,7 @@ from common.placement.explain import (
     unusable_gpus,
     verdict,
 )
-from common.placement.lazyheap import Entry, LazyHeap
+from common.placement.lazyheap import Entry, LazyHeap, take
 from common.placement.model import NodeState, Pending, PodRequest, Taint, parse_hw_key
 from common.placement.search import RANK_TABLE_LIMIT, Context, prune
 from common.placement.selectors import Mismatch, mismatch
@@ -117,11 +117,7 @@ class ShapeWhy:
         if len(verdicts) > RANK_TABLE_LIMIT:
             prune(verdicts, tuple(n for n, _ in nodes.values()))
         done = len(stale) if limit is None else min(limit, len(stale))
-        if done == len(stale):
-            self.stale = set()  # a fresh set: popping one emptied of many is slow (CPython)
-            names: Iterable[str] = stale
-        else:
-            names = [stale.pop() for _ in range(done)]
+        names, self.stale = take(stale, limit)
         for name in names:
             old = self.records.pop(name, None)
             if old is not None:

@@ -46,6 +46,9 @@ def test_quick_benchmark_writes_the_documented_json(quick: tuple[dict[str, Any],
     d = doc["decision_ms"]
     assert (d["nodes"], d["gpus_per_node"]) == (1000, 8)
     assert 0 < d["p50"] <= d["p99"]
+    collector = d["collector"]  # the garbage collector's share, told apart
+    assert 0 <= collector["decisions"] <= d["samples"]
+    assert collector["p50_without"] <= d["p50"] and collector["p99_without"] <= d["p99"]
 
 
 def test_instaslice_places_every_trap(quick: tuple[dict[str, Any], Path]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -35,9 +36,11 @@ from common.placement import (
     Toleration,
     place,
 )
+from common.placement import index as index_module
 from common.placement.engine import clear_caches
 from common.placement.explain import explain
 from common.placement.index import FleetIndex
+from common.placement.lazyheap import LazyHeap
 from common.placement.replay import AddEvent, Cluster, parse_trace, replay
 from common.placement.search import Context
 from common.placement.why import ShapeWhy
@@ -108,6 +111,25 @@ TOLERATIONS = [
 def test_index_and_scan_decide_alike_through_adds_and_removes(
     case: tuple[Cluster, list[PodRequest | int]],
 ) -> None:
+    _decide_alike(case)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleets_and_events())
+def test_index_and_scan_decide_alike_when_each_decision_tidies_one_node(
+    case: tuple[Cluster, list[PodRequest | int]],
+) -> None:
+    """The same, with every order and kept explanation brought up to date one changed node
+    per decision (`FleetIndex._tidy`): the partial refreshes a large fleet makes."""
+    with (
+        patch.object(index_module, "ORDER_STALE_KEPT", 0),
+        patch.object(index_module, "ORDER_TIDY_NODES", 1),
+        patch.object(index_module, "WHY_TIDY_NODES", 1),
+    ):
+        _decide_alike(case)
+
+
+def _decide_alike(case: tuple[Cluster, list[PodRequest | int]]) -> None:
     cluster, events = case
     held: list[str] = []
     for ev in events:
@@ -344,3 +366,58 @@ def test_the_sums_leave_to_the_scan_what_only_node_order_decides() -> None:
     assert why.explain(selector, index._nodes) is None
     snap = Snapshot(tuple(fleet))
     assert index.place(ONE_4G, Policy.INSTASLICE, None, lambda: snap) == place(snap, ONE_4G)
+
+
+def test_an_order_tidied_one_node_at_a_time_loses_no_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two nodes change; a decision for another shape brings one of them into the 1g order
+    (`FleetIndex._tidy`), the next 1g decision the other: the 1g pod must see both (the
+    best node is now full, another one is the best)."""
+    monkeypatch.setattr(index_module, "ORDER_STALE_KEPT", 0)
+    monkeypatch.setattr(index_module, "ORDER_TIDY_NODES", 1)
+    one_1g = PodRequest("p", 1000, 0, (SliceRequest("c", "1g.10gb", 1),))
+    broken = (("4g.40gb", 0, 4), ("2g.20gb", 4, 2))  # slots 6 and 7 free
+    fleet = [_h100("n0", *broken), _h100("n1"), _h100("n2")]
+    index = FleetIndex()
+    for i, node in enumerate(fleet):
+        index.put(node, i)
+
+    def decide(pod: PodRequest) -> Placement | Pending:
+        got = index.place(pod, Policy.INSTASLICE, None, lambda: Snapshot(tuple(fleet)))
+        assert got == place(Snapshot(tuple(fleet)), pod)
+        return got
+
+    assert decide(one_1g).node == "n0"  # type: ignore[union-attr]
+    fleet[0], fleet[2] = _h100("n0", ("7g.80gb", 0, 8)), _h100("n2", *broken)
+    index.put(fleet[0], 0)
+    index.put(fleet[2], 2)
+    decide(ONE_4G)
+    assert decide(one_1g).node == "n2"  # type: ignore[union-attr]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcde"), st.none() | st.integers(0, 3)), max_size=40),
+    st.integers(0, 5),
+)
+def test_a_lazy_heap_yields_each_live_entry_once_in_order(
+    ops: list[tuple[str, int | None]], stop: int
+) -> None:
+    """Set, re-set to an older value, discard: only the current entry of each name comes
+    out, in (score, key) order, and a walk stopped early puts back what it took."""
+    heap = LazyHeap()
+    want: dict[str, tuple[int, int]] = {}
+    for name, score in ops:
+        if score is None:
+            heap.discard(name)
+            want.pop(name, None)
+        else:
+            heap.set(name, score, ord(name))
+            want[name] = (score, ord(name))
+        heap.compact()
+    expected = sorted((s, k, n) for n, (s, k) in want.items())
+    walk = heap.ascending()
+    assert [next(walk) for _ in range(min(stop, len(expected)))] == expected[:stop]
+    walk.close()
+    assert list(heap.ascending()) == expected
+    assert len(heap) == len(expected)
