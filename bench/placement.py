@@ -43,6 +43,7 @@ from typing import Any
 
 from bench import preemption
 from common.catalog import GpuModel, load_catalog
+from common.heap import settle_collector
 from common.placement.engine import clear_caches
 from common.placement.model import (
     Pending,
@@ -453,6 +454,8 @@ def _timed_decisions(
     clear_caches()
     cluster, held = timing_cluster(rng, nodes, gpus)
     cluster.indexed = indexed
+    thresholds = gc.get_threshold()
+    settle_collector()  # as the allocator does once it has listed the cluster
     pod_fleets = [Fleet("t", ((m, 1, m, 8),)) for m in ("H100-80GB", "H200-141GB")]
     out = _Timed()
     collector = [0.0, 0.0]  # CPU seconds the collector took; when the running one started
@@ -468,6 +471,8 @@ def _timed_decisions(
         _decide_all(cluster, held, rng, pod_fleets, samples, warmup, indexed, out, collector)
     finally:
         gc.callbacks.remove(on_gc)
+        gc.unfreeze()  # the next pass starts from cold caches
+        gc.set_threshold(*thresholds)
     out.occupancy = round(cluster.used_slots / cluster.total_slots, 3)
     return out
 

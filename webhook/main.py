@@ -21,6 +21,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from common.constants import BindingMode
+from common.heap import settle_collector
 from common.kubeapi import Kube
 from common.metricsauth import MetricsAuth
 from common.placement import Policy
@@ -192,7 +193,8 @@ async def run(settings: Settings) -> None:
             tg.create_task(run_namespace_mirror(kube), name="namespace-mirror")
         if settings.allocator is not None:
             tg.create_task(
-                run_allocator(kube, settings.allocator, allocator_metrics), name="allocator"
+                run_allocator(kube, settings.allocator, allocator_metrics, settle_collector),
+                name="allocator",
             )
 
 

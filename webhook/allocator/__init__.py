@@ -10,6 +10,7 @@ reconciler, placer, timer) → `writes` (every API write, Lease-checked) and `le
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 
@@ -44,7 +45,10 @@ def build_controller(
 
 
 async def run_allocator(
-    kube: Kube, settings: AllocatorSettings, metrics: AllocatorMetrics | None = None
+    kube: Kube,
+    settings: AllocatorSettings,
+    metrics: AllocatorMetrics | None = None,
+    on_synced: Callable[[], None] = lambda: None,
 ) -> None:
     """Watch, and act while holding the Lease; runs until cancelled.
 
@@ -54,10 +58,14 @@ async def run_allocator(
     """
     async with kube.sibling() as lease_kube:
         controller = build_controller(kube, settings, metrics, lease_kube=lease_kube)
-        await run_controller(controller, settings)
+        await run_controller(controller, settings, on_synced)
 
 
-async def run_controller(controller: Controller, settings: AllocatorSettings) -> None:
+async def run_controller(
+    controller: Controller,
+    settings: AllocatorSettings,
+    on_synced: Callable[[], None] = lambda: None,
+) -> None:
     """`run_allocator` for a controller built by the caller (tests inspect its state).
 
     A term that fails (a bug, an API error while starting to lead) is logged, the Lease is
@@ -68,6 +76,7 @@ async def run_controller(controller: Controller, settings: AllocatorSettings) ->
     async with asyncio.TaskGroup() as tg:
         tg.create_task(controller.watch(), name="informers")
         await controller.synced()  # rebuild from the cluster before ever acting
+        on_synced()
         try:
             while True:
                 await elector.acquire()
