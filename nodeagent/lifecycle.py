@@ -41,6 +41,7 @@ from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
 from nodeagent.modechange import ModeChanger
 from nodeagent.model import Health, Instance, NvmlFailure
+from nodeagent.nvml import NvmlSession
 from nodeagent.reconcile import (
     Action,
     adopt_from_status,
@@ -91,6 +92,27 @@ async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
             (tb if t is ta else ta).exception()  # retrieved: not reported as never retrieved
             raise exc
     return ta.result(), tb.result()
+
+
+def _gi_ci_uuid(
+    nv: NvmlSession,
+    i: int,
+    profile_id: int,
+    start: int,
+    size: int,
+    gi: int | None,
+    gi_slices: int,
+    hint: int | None,
+) -> tuple[int, int, str]:
+    """One slice on GPU `i`: its GI at exactly the placement (unless `gi` is adopted), the
+    default CI, the MIG UUID. One trip to the GPU's NVML lane, not three: each trip is a hand-off
+    to a thread and back and a wait for the lane, ~1 ms on a busy loop. An NVML error of any
+    step propagates as before; a GI made before it is the record's (same placement) and the
+    rollback destroys it."""
+    if gi is None:
+        gi = nv.create_gi(i, profile_id, start, size)
+    ci = nv.create_ci(i, gi, gi_slices, hint)
+    return gi, ci, nv.mig_uuid(i, gi, ci)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -300,8 +322,7 @@ class Lifecycle:
             return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
-        await self.st.persist()
-        await self.ready(alloc, rec, t0)
+        await self.ready(alloc, rec, t0, persist=True)
 
     async def intent(
         self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
@@ -336,21 +357,33 @@ class Lifecycle:
             return replace(s, mig_uuid=gpu.uuid)
         prof = gpu.profile_by_id(s.profile_id)
         assert prof is not None
-        i, call, nv = s.gpu_index, self.gpus.call_gpu, self.gpus.s
-        if inst is None:
-            gi = await call(i, nv.create_gi, i, s.profile_id, s.start, s.size)
-        else:
-            gi = inst.gi_id
         if inst is not None and inst.ci_ids:
-            return replace(s, gi_id=gi, ci_id=inst.ci_ids[0], mig_uuid=inst.mig_uuids[0])
+            return replace(s, gi_id=inst.gi_id, ci_id=inst.ci_ids[0], mig_uuid=inst.mig_uuids[0])
         model = self.catalog.model(gpu.model)
         known = model.profile_by_id(s.profile_id) if model else None
         hint = known.default_ci if known else None
-        ci = await call(i, nv.create_ci, i, gi, prof.slice_count, hint)
-        uuid = await call(i, nv.mig_uuid, i, gi, ci)
-        return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
+        gi = None if inst is None else inst.gi_id
+        i = s.gpu_index
+        made = await self.gpus.call_gpu(
+            i,
+            _gi_ci_uuid,
+            self.gpus.s,
+            i,
+            s.profile_id,
+            s.start,
+            s.size,
+            gi,
+            prof.slice_count,
+            hint,
+        )
+        return replace(s, gi_id=made[0], ci_id=made[1], mig_uuid=made[2])
 
-    async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
+    async def ready(
+        self, alloc: SliceAllocation, rec: ClaimRecord, t0: float, persist: bool = False
+    ) -> None:
+        """Status Ready (and, with `persist`, the record's `ready` written beside it: nothing
+        waits for that write, a restart that lost it finds a `creating` record whose slices
+        exist and a Ready allocation, adopts them and says Ready again; see decide/verify)."""
         slices: list[SliceStatus] = [
             {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
             if s.whole  # the device the container sees is the GPU itself
@@ -369,7 +402,11 @@ class Lifecycle:
         )
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
-        await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
+        write = self.status(alloc, status_ready(slices, self.st.boot_id, conds))
+        if persist:
+            await _both(write, self.st.persist())
+        else:
+            await write
         await self.announce(alloc)
         self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
