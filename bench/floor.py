@@ -45,6 +45,7 @@ import copy
 import json
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ import yaml
 from aiohttp import web
 
 from bench import latency as bl
+from bench import latency_probe as probe
 from bench.latency_track import load
 from common.constants import CLAIM_ANNOTATION
 from common.kubeapi import ApiError, Informer, Kube, core_path, group_path, instaslice_path
@@ -474,7 +476,13 @@ async def run(fleet: bl.Fleet, out: Obj, rounds: int, warmup: int) -> None:
         f.times = {k: [] for k in LINKS}
         noop.handler_s.clear()
         res: Obj = {}
+        hook_port = fleet.system.webhook_port
+        peers_before = peers(hook_port)
+        scraped = {**await probe.scrape(fleet), **await probe.scrape_webhook(fleet)}
         await fleet.measured(res, rounds, _rounds(f, rounds))
+        peers_after = peers(hook_port)
+        after = {**await probe.scrape(fleet), **await probe.scrape_webhook(fleet)}
+        res["apiserver_latency"] = probe.latency_delta(scraped, after)
         f.times["noop_handler"] = [s * 1e3 for s in noop.handler_s]
         p = {k: p50(v) for k, v in f.times.items()}
         out.update(
@@ -483,6 +491,12 @@ async def run(fleet: bl.Fleet, out: Obj, rounds: int, warmup: int) -> None:
             p90_ms={k: round(_q(v, 0.9), 2) for k, v in f.times.items() if v},
             chain=chain(p),
             noop_connections=len(noop.peers),
+            instaslice_webhook_connections={
+                "before": len(peers_before),
+                "after": len(peers_after),
+                "kept": len(peers_before & peers_after),
+            },
+            apiserver_latency=res["apiserver_latency"],
             system_cpu_s=res["system_cpu_s"],
             load_start=res["load_start"],
             load_end=res["load_end"],
@@ -492,6 +506,16 @@ async def run(fleet: bl.Fleet, out: Obj, rounds: int, warmup: int) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         await runner.cleanup()
+
+
+def peers(port: int) -> set[str]:
+    """The remote ends of the TCP connections established to local `port` (`ss`): the API
+    server's connections to a webhook, to tell whether it reuses them."""
+    proc = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return {line.split()[-1] for line in proc.stdout.splitlines() if line.split()}
 
 
 async def _rounds(f: Floor, rounds: int) -> None:

@@ -103,12 +103,12 @@ def latency_delta(
     return dict(sorted(res.items(), key=lambda kv: -kv[1]["n"]))
 
 
-async def _scrape(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
+async def scrape(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
     proc = await asyncio.to_thread(fleet.system.cp.kubectl, "get", "--raw", "/metrics", check=False)
     return {**request_seconds(proc.stdout), **admission_seconds(proc.stdout)}
 
 
-async def _scrape_webhook(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
+async def scrape_webhook(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
     url = f"http://127.0.0.1:{fleet.system.metrics_port}/metrics"
 
     def get() -> str:
@@ -128,7 +128,7 @@ async def _one_by_one(fleet: bl.Fleet, pods: int, names: list[str]) -> None:
 async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | None) -> None:
     for ns, key in ((bl.NS, "instaslice"), (bl.STATIC_NS, "static")):
         fleet.ns = ns
-        before = {**await _scrape(fleet), **await _scrape_webhook(fleet)}
+        before = {**await scrape(fleet), **await scrape_webhook(fleet)}
         profiler = None
         if pprof is not None:
             profiler = await asyncio.create_subprocess_exec(
@@ -145,7 +145,7 @@ async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | N
         if profiler is not None and pprof is not None:
             data, _ = await profiler.communicate()
             (pprof / f"apiserver-{key}.pprof").write_bytes(data)
-        after = {**await _scrape(fleet), **await _scrape_webhook(fleet)}
+        after = {**await scrape(fleet), **await scrape_webhook(fleet)}
         res["apiserver_latency"] = latency_delta(before, after)
         res.update(summary(fleet.tr, names))
         if ns == bl.NS:  # the largest object of each kind this path writes
