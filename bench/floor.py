@@ -435,7 +435,7 @@ async def setup(fleet: bl.Fleet, url: str) -> None:
             if out["spec"].get("schedulingGates"):
                 return
         except ApiError as exc:
-            if not exc.not_found:
+            if not (exc.not_found or exc.retryable):  # 429: the new kind's storage starting
                 raise
         await asyncio.sleep(0.1)
     raise TimeoutError("the floor's CRD or webhook never became ready")

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import latency as bl
 from bench.latency_track import load, summary
-from common.kubeapi import core_path, instaslice_path
+from common.kubeapi import ApiError, core_path, instaslice_path
 from hack.cluster.controlplane import ClusterSettings
 
 _DURATION = re.compile(r"^(apiserver_request_duration_seconds)_(sum|count)\{([^}]*)\} (\S+)$")
@@ -160,7 +160,13 @@ async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | N
         print(key, json.dumps({k: v for k, v in res.items() if k != "apiserver_latency"}))
         for kind, v in res["apiserver_latency"].items():
             print(f"   {kind:40s} n={v['n']:4d} mean {v['mean_ms']:7.2f} ms")
-        await fleet.clean()
+        for attempt in range(3):  # a delete of 60 pods can time out on a loaded machine
+            try:
+                await fleet.clean()
+                break
+            except ApiError as exc:
+                if not exc.retryable or attempt == 2:
+                    raise
     fleet.ns = bl.NS
 
 
