@@ -115,6 +115,18 @@ def _gi_ci_uuid(
     return gi, ci, nv.mig_uuid(i, gi, ci)
 
 
+def _steps(t0: float, marks: dict[str, float] | None) -> dict[str, float] | None:
+    """ms each phase of a create took (`marks`: when each ended, in order), for the log: where
+    an agent's share of a pod's time to slice goes (docs/benchmarks.md)."""
+    if not marks:
+        return None
+    out, last = {}, t0
+    for name, at in marks.items():
+        out[name] = round((at - last) * 1000, 1)
+        last = at
+    return out
+
+
 @dataclass(kw_only=True, eq=False)
 class Lifecycle:
     st: AgentNode
@@ -278,6 +290,7 @@ class Lifecycle:
             )
         else:
             alive, (made, instances) = True, await intent
+        marks = {"intent": self.clock.monotonic()}  # phase ends, for the "slices ready" log
         if not alive:  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
             if rec is None and isinstance(made, ClaimRecord):
                 self.st.drop(uid)  # the record written beside the status write claims nothing
@@ -297,6 +310,7 @@ class Lifecycle:
             await self.give_up(alloc, rec, f"{reason}; cannot re-create: {why}" if reason else why)
             return
         slices = list(rec.slices)
+        marks["modes"] = self.clock.monotonic()
         for i, s in enumerate(slices):
             try:
                 slices[i] = await self.make_slice(s, own.found.get((uid, i)))
@@ -315,6 +329,7 @@ class Lifecycle:
                 return
         rec = replace(rec, slices=tuple(slices))
         self.st.put(rec)
+        marks["nvml"] = self.clock.monotonic()
         try:
             await self.write_cdi(rec)
         except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
@@ -322,7 +337,8 @@ class Lifecycle:
             return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
-        await self.ready(alloc, rec, t0, persist=True)
+        marks["cdi"] = self.clock.monotonic()
+        await self.ready(alloc, rec, t0, persist=True, marks=marks)
 
     async def intent(
         self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
@@ -379,7 +395,12 @@ class Lifecycle:
         return replace(s, gi_id=made[0], ci_id=made[1], mig_uuid=made[2])
 
     async def ready(
-        self, alloc: SliceAllocation, rec: ClaimRecord, t0: float, persist: bool = False
+        self,
+        alloc: SliceAllocation,
+        rec: ClaimRecord,
+        t0: float,
+        persist: bool = False,
+        marks: dict[str, float] | None = None,
     ) -> None:
         """Status Ready (and, with `persist`, the record's `ready` written beside it: nothing
         waits for that write, a restart that lost it finds a `creating` record whose slices
@@ -407,6 +428,8 @@ class Lifecycle:
             await _both(write, self.st.persist())
         else:
             await write
+        if marks is not None:
+            marks["ready"] = self.clock.monotonic()
         await self.announce(alloc)
         self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
@@ -415,7 +438,7 @@ class Lifecycle:
         self.metrics.creates.labels(self.st.node, "ready").inc()
         self.metrics.create_seconds.labels(self.st.node).observe(self.clock.monotonic() - t0)
         ms = round((self.clock.monotonic() - t0) * 1000, 1)
-        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
+        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms, steps=_steps(t0, marks))
         await writes.event(
             self.kube,
             alloc.namespace,
