@@ -2,7 +2,7 @@
 
 On-demand slicing adds, in series, to the path of a statically sliced pod (create → the
 scheduler binds → Running): the admission webhook's call, and four writes each of which
-waits for the previous one's watch event or answer (docs/contract.md §4; CONTRACT.md §4):
+waits for the previous one's watch event or answer (docs/contract.md, the lifecycle):
 
     POST pod (webhook gates it) → allocator sees it → POST SliceAllocation → agent sees it
     → PATCH status Creating (answered) → slices made → PATCH status Ready → allocator sees
