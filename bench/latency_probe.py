@@ -19,40 +19,73 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import latency as bl
 from bench.latency_track import load, summary
-from common.kubeapi import core_path, instaslice_path
+from common.kubeapi import ApiError, core_path, instaslice_path
 from hack.cluster.controlplane import ClusterSettings
 
-_DURATION = re.compile(r"^apiserver_request_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$")
+_DURATION = re.compile(r"^(apiserver_request_duration_seconds)_(sum|count)\{([^}]*)\} (\S+)$")
+# the API server's admission, by webhook and by step (admit = mutating, validate), and the
+# webhook's own handler time as it measures it (instaslice_webhook_review_seconds)
+_ADMISSION = re.compile(
+    r"^(apiserver_admission_webhook_admission_duration_seconds|"
+    r"apiserver_admission_step_admission_duration_seconds|"
+    r"instaslice_webhook_review_seconds)_(sum|count)\{([^}]*)\} (\S+)$"
+)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 PROFILE_S = 8
+Sums = dict[str, tuple[float, float]]
 
 
-def request_seconds(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """`VERB resource[/subresource]` → (seconds in total, requests), watches left out."""
-    out: dict[str, tuple[float, float]] = {}
+def _sums(
+    metrics_text: str, line_re: re.Pattern[str], key: Callable[[str, dict[str, str]], str | None]
+) -> Sums:
+    """`key(metric, labels)` → (seconds in total, count) of the histograms `line_re` matches;
+    lines whose key is None are left out."""
+    out: Sums = {}
     for line in metrics_text.splitlines():
-        m = _DURATION.match(line)
-        if not m:
+        m = line_re.match(line)
+        if not m or (k := key(m.group(1), dict(_LABEL.findall(m.group(3))))) is None:
             continue
-        labels = dict(_LABEL.findall(m.group(2)))
-        if labels.get("verb") in ("WATCH", "CONNECT"):
-            continue
-        key = f"{labels.get('verb')} {labels.get('resource')}"
-        if labels.get("subresource"):
-            key += "/" + labels["subresource"]
-        total, count = out.get(key, (0.0, 0.0))
-        if m.group(1) == "sum":
-            total += float(m.group(3))
+        total, count = out.get(k, (0.0, 0.0))
+        if m.group(2) == "sum":
+            total += float(m.group(4))
         else:
-            count += float(m.group(3))
-        out[key] = (total, count)
+            count += float(m.group(4))
+        out[k] = (total, count)
     return out
+
+
+def _request_key(metric: str, labels: dict[str, str]) -> str | None:
+    if labels.get("verb") in ("WATCH", "CONNECT"):
+        return None
+    key = f"{labels.get('verb')} {labels.get('resource')}"
+    return key + "/" + labels["subresource"] if labels.get("subresource") else key
+
+
+def _admission_key(metric: str, labels: dict[str, str]) -> str | None:
+    if labels.get("operation", "CREATE") != "CREATE":
+        return None
+    if metric.startswith("instaslice"):
+        return "handler"
+    if "webhook" in metric:
+        return f"webhook {labels.get('name')}"
+    return f"step {labels.get('type')}"
+
+
+def request_seconds(metrics_text: str) -> Sums:
+    """`VERB resource[/subresource]` → (seconds in total, requests), watches left out."""
+    return _sums(metrics_text, _DURATION, _request_key)
+
+
+def admission_seconds(metrics_text: str) -> Sums:
+    """`webhook NAME` / `step TYPE` / `handler` → (seconds in total, calls), pod CREATEs."""
+    return _sums(metrics_text, _ADMISSION, _admission_key)
 
 
 def latency_delta(
@@ -70,9 +103,19 @@ def latency_delta(
     return dict(sorted(res.items(), key=lambda kv: -kv[1]["n"]))
 
 
-async def _scrape(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
+async def scrape(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
     proc = await asyncio.to_thread(fleet.system.cp.kubectl, "get", "--raw", "/metrics", check=False)
-    return request_seconds(proc.stdout)
+    return {**request_seconds(proc.stdout), **admission_seconds(proc.stdout)}
+
+
+async def scrape_webhook(fleet: bl.Fleet) -> dict[str, tuple[float, float]]:
+    url = f"http://127.0.0.1:{fleet.system.metrics_port}/metrics"
+
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return str(r.read().decode())
+
+    return admission_seconds(await asyncio.to_thread(get))
 
 
 async def _one_by_one(fleet: bl.Fleet, pods: int, names: list[str]) -> None:
@@ -85,7 +128,7 @@ async def _one_by_one(fleet: bl.Fleet, pods: int, names: list[str]) -> None:
 async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | None) -> None:
     for ns, key in ((bl.NS, "instaslice"), (bl.STATIC_NS, "static")):
         fleet.ns = ns
-        before = await _scrape(fleet)
+        before = {**await scrape(fleet), **await scrape_webhook(fleet)}
         profiler = None
         if pprof is not None:
             profiler = await asyncio.create_subprocess_exec(
@@ -102,7 +145,8 @@ async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | N
         if profiler is not None and pprof is not None:
             data, _ = await profiler.communicate()
             (pprof / f"apiserver-{key}.pprof").write_bytes(data)
-        res["apiserver_latency"] = latency_delta(before, await _scrape(fleet))
+        after = {**await scrape(fleet), **await scrape_webhook(fleet)}
+        res["apiserver_latency"] = latency_delta(before, after)
         res.update(summary(fleet.tr, names))
         if ns == bl.NS:  # the largest object of each kind this path writes
             for what, path in (
@@ -116,7 +160,13 @@ async def probe(fleet: bl.Fleet, out: dict[str, Any], pods: int, pprof: Path | N
         print(key, json.dumps({k: v for k, v in res.items() if k != "apiserver_latency"}))
         for kind, v in res["apiserver_latency"].items():
             print(f"   {kind:40s} n={v['n']:4d} mean {v['mean_ms']:7.2f} ms")
-        await fleet.clean()
+        for attempt in range(3):  # a delete of 60 pods can time out on a loaded machine
+            try:
+                await fleet.clean()
+                break
+            except ApiError as exc:
+                if not exc.retryable or attempt == 2:
+                    raise
     fleet.ns = bl.NS
 
 

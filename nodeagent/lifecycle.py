@@ -41,6 +41,7 @@ from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
 from nodeagent.modechange import ModeChanger
 from nodeagent.model import Health, Instance, NvmlFailure
+from nodeagent.nvml import NvmlSession
 from nodeagent.reconcile import (
     Action,
     adopt_from_status,
@@ -91,6 +92,39 @@ async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
             (tb if t is ta else ta).exception()  # retrieved: not reported as never retrieved
             raise exc
     return ta.result(), tb.result()
+
+
+def _gi_ci_uuid(
+    nv: NvmlSession,
+    i: int,
+    profile_id: int,
+    start: int,
+    size: int,
+    gi: int | None,
+    gi_slices: int,
+    hint: int | None,
+) -> tuple[int, int, str]:
+    """One slice on GPU `i`: its GI at exactly the placement (unless `gi` is adopted), the
+    default CI, the MIG UUID. One trip to the GPU's NVML lane, not three: each trip is a hand-off
+    to a thread and back and a wait for the lane, ~1 ms on a busy loop. An NVML error of any
+    step propagates as before; a GI made before it is the record's (same placement) and the
+    rollback destroys it."""
+    if gi is None:
+        gi = nv.create_gi(i, profile_id, start, size)
+    ci = nv.create_ci(i, gi, gi_slices, hint)
+    return gi, ci, nv.mig_uuid(i, gi, ci)
+
+
+def _steps(t0: float, marks: dict[str, float] | None) -> dict[str, float] | None:
+    """ms each phase of a create took (`marks`: when each ended, in order), for the log: where
+    an agent's share of a pod's time to slice goes (docs/benchmarks.md)."""
+    if not marks:
+        return None
+    out, last = {}, t0
+    for name, at in marks.items():
+        out[name] = round((at - last) * 1000, 1)
+        last = at
+    return out
 
 
 @dataclass(kw_only=True, eq=False)
@@ -256,6 +290,7 @@ class Lifecycle:
             )
         else:
             alive, (made, instances) = True, await intent
+        marks = {"intent": self.clock.monotonic()}  # phase ends, for the "slices ready" log
         if not alive:  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
             if rec is None and isinstance(made, ClaimRecord):
                 self.st.drop(uid)  # the record written beside the status write claims nothing
@@ -275,6 +310,7 @@ class Lifecycle:
             await self.give_up(alloc, rec, f"{reason}; cannot re-create: {why}" if reason else why)
             return
         slices = list(rec.slices)
+        marks["modes"] = self.clock.monotonic()
         for i, s in enumerate(slices):
             try:
                 slices[i] = await self.make_slice(s, own.found.get((uid, i)))
@@ -293,6 +329,7 @@ class Lifecycle:
                 return
         rec = replace(rec, slices=tuple(slices))
         self.st.put(rec)
+        marks["nvml"] = self.clock.monotonic()
         try:
             await self.write_cdi(rec)
         except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
@@ -300,8 +337,8 @@ class Lifecycle:
             return
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
-        await self.st.persist()
-        await self.ready(alloc, rec, t0)
+        marks["cdi"] = self.clock.monotonic()
+        await self.ready(alloc, rec, t0, persist=True, marks=marks)
 
     async def intent(
         self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
@@ -336,21 +373,38 @@ class Lifecycle:
             return replace(s, mig_uuid=gpu.uuid)
         prof = gpu.profile_by_id(s.profile_id)
         assert prof is not None
-        i, call, nv = s.gpu_index, self.gpus.call_gpu, self.gpus.s
-        if inst is None:
-            gi = await call(i, nv.create_gi, i, s.profile_id, s.start, s.size)
-        else:
-            gi = inst.gi_id
         if inst is not None and inst.ci_ids:
-            return replace(s, gi_id=gi, ci_id=inst.ci_ids[0], mig_uuid=inst.mig_uuids[0])
+            return replace(s, gi_id=inst.gi_id, ci_id=inst.ci_ids[0], mig_uuid=inst.mig_uuids[0])
         model = self.catalog.model(gpu.model)
         known = model.profile_by_id(s.profile_id) if model else None
         hint = known.default_ci if known else None
-        ci = await call(i, nv.create_ci, i, gi, prof.slice_count, hint)
-        uuid = await call(i, nv.mig_uuid, i, gi, ci)
-        return replace(s, gi_id=gi, ci_id=ci, mig_uuid=uuid)
+        gi = None if inst is None else inst.gi_id
+        i = s.gpu_index
+        made = await self.gpus.call_gpu(
+            i,
+            _gi_ci_uuid,
+            self.gpus.s,
+            i,
+            s.profile_id,
+            s.start,
+            s.size,
+            gi,
+            prof.slice_count,
+            hint,
+        )
+        return replace(s, gi_id=made[0], ci_id=made[1], mig_uuid=made[2])
 
-    async def ready(self, alloc: SliceAllocation, rec: ClaimRecord, t0: float) -> None:
+    async def ready(
+        self,
+        alloc: SliceAllocation,
+        rec: ClaimRecord,
+        t0: float,
+        persist: bool = False,
+        marks: dict[str, float] | None = None,
+    ) -> None:
+        """Status Ready (and, with `persist`, the record's `ready` written beside it: nothing
+        waits for that write, a restart that lost it finds a `creating` record whose slices
+        exist and a Ready allocation, adopts them and says Ready again; see decide/verify)."""
         slices: list[SliceStatus] = [
             {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
             if s.whole  # the device the container sees is the GPU itself
@@ -369,7 +423,13 @@ class Lifecycle:
         )
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
-        await self.status(alloc, status_ready(slices, self.st.boot_id, conds))
+        write = self.status(alloc, status_ready(slices, self.st.boot_id, conds))
+        if persist:
+            await _both(write, self.st.persist())
+        else:
+            await write
+        if marks is not None:
+            marks["ready"] = self.clock.monotonic()
         await self.announce(alloc)
         self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
@@ -378,7 +438,7 @@ class Lifecycle:
         self.metrics.creates.labels(self.st.node, "ready").inc()
         self.metrics.create_seconds.labels(self.st.node).observe(self.clock.monotonic() - t0)
         ms = round((self.clock.monotonic() - t0) * 1000, 1)
-        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms)
+        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms, steps=_steps(t0, marks))
         await writes.event(
             self.kube,
             alloc.namespace,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,108 @@ async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
     mn = await mig_node(agent_kube, node.name)
     slices = (((mn or {}).get("status") or {}).get("gpus") or [{}])[0].get("slices") or []
     assert [s.get("claim") for s in slices] == [alloc["metadata"]["name"]], slices
+
+
+async def test_the_ready_write_does_not_wait_for_the_ready_record(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record's `ready` is written beside the Ready status write, not before it: nothing
+    waits for it (a restart that lost it adopts the slices: the next test)."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    saves: list[tuple[str, float]] = []
+    real_save = checkpoint.save
+
+    def slow_save(path: Path, cp: checkpoint.Checkpoint, durable: bool = True) -> None:
+        if not durable and any(c.state == "ready" for c in cp.claims.values()):
+            time.sleep(0.5)
+        real_save(path, cp, durable)
+        states = ",".join(sorted(c.state for c in cp.claims.values()))
+        saves.append((states, time.monotonic()))
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    async with running_agent(settings) as agents:
+        life = agents[node.name].life
+        real_status = life.status
+        sent: dict[str, float] = {}
+
+        async def timed_status(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+            sent.setdefault(str(body["status"].get("phase")), time.monotonic())
+            return await real_status(alloc, body)
+
+        life.status = timed_status  # type: ignore[method-assign]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+
+        async def ready_saved() -> bool:
+            return any(states == "ready" for states, _ in saves)
+
+        await eventually(ready_saved, what="the ready record written")
+    saved = next(t for states, t in saves if states == "ready")
+    assert sent["Ready"] < saved - 0.3, "the Ready write waited for the record's write"
+    rec = checkpoint.load(node.checkpoint, node.name).claims
+    assert [r.state for r in rec.values()] == ["ready"]
+
+
+async def test_a_ready_allocation_whose_record_still_says_creating_is_adopted(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The window the previous test opens: the agent stops after its Ready write and before
+    the record's `ready` reached the disk. The next start finds the allocation Ready and the
+    record `creating`: it adopts the slices the record claims (the status names their MIG
+    UUIDs), makes nothing twice, leaks nothing, and the CDI file is there."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1), ("c", "2g.35gb", 0, 4, 2)])
+    async with running_agent(settings):
+        await create_allocation(agent_kube, alloc)
+        ready = await wait_phase(agent_kube, alloc, "Ready")
+    uid = ready["metadata"]["uid"]
+    cp = checkpoint.load(node.checkpoint, node.name)
+    assert cp.claims[uid].state == "ready"
+    lost = replace(cp.claims[uid], state="creating")  # as if the last write never landed
+    checkpoint.save(node.checkpoint, cp.with_claim(lost))
+    made = sorted(str(r.mig_uuid) for r in node.emu.instances())
+    cdi_file = next(node.cdi_dir.glob("instaslice.io-*.json"))
+    cdi_file.unlink()
+    async with running_agent(settings):
+
+        async def adopted() -> bool:
+            rec = checkpoint.load(node.checkpoint, node.name).claims.get(uid)
+            return rec is not None and rec.state == "ready" and cdi_file.exists()
+
+        await eventually(adopted, what="the slices adopted, the record ready, the CDI file back")
+        got = await wait_phase(agent_kube, alloc, "Ready")
+    assert sorted(str(r.mig_uuid) for r in node.emu.instances()) == made, "made twice or lost"
+    assert {s["migUUID"] for s in got["status"]["slices"]} == set(made)
+    assert sorted(node.instances()) == [(0, "1g.18gb", 0, 1, 0), (0, "2g.35gb", 4, 2, 0)]
+
+
+async def test_a_slice_takes_one_trip_to_its_gpus_nvml_lane(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """GI, CI and MIG UUID of a slice in one hand-off to the GPU's NVML thread (each hand-off
+    costs a thread switch and a wait for the lane on a busy event loop)."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    async with running_agent(settings) as agents:
+        gpus = agents[node.name].life.gpus
+        real_call = gpus.call_gpu
+        trips: list[str] = []
+
+        async def counted(index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            trips.append(getattr(fn, "__name__", repr(fn)))
+            return await real_call(index, fn, *args, **kwargs)
+
+        gpus.call_gpu = counted  # type: ignore[method-assign]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    making = {"create_gi", "create_ci", "mig_uuid", "_gi_ci_uuid"}  # (scans, listings aside)
+    assert [t for t in trips if t in making] == ["_gi_ci_uuid"], trips
+    assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]

@@ -1,0 +1,68 @@
+"""bench.floor's arithmetic and its watch helper, bench.latency_probe's admission metrics.
+
+The floor's links are measured against a control plane (`python -m bench.floor`); here only
+what turns them into the chain's floor, and the reading of /metrics, are checked."""
+
+from __future__ import annotations
+
+from bench.floor import LINKS, Seen, added, chain, phase_is, pin_patch
+from bench.latency_probe import admission_seconds
+
+_HOOK = "apiserver_admission_webhook_admission_duration_seconds"
+_STEP = "apiserver_admission_step_admission_duration_seconds"
+_OURS = 'name="pods.instaslice.io",operation="CREATE",rejected="false",type="admit"'
+ADMISSION = "\n".join(
+    [
+        f"{_HOOK}_sum{{{_OURS}}} 0.5",
+        f"{_HOOK}_count{{{_OURS}}} 100",
+        f'{_STEP}_sum{{operation="CREATE",rejected="false",type="admit"}} 0.8',
+        f'{_STEP}_count{{operation="CREATE",rejected="false",type="admit"}} 200',
+        f'{_STEP}_sum{{operation="UPDATE",rejected="false",type="admit"}} 9',
+        f'{_STEP}_count{{operation="UPDATE",rejected="false",type="admit"}} 9',
+        'instaslice_webhook_review_seconds_sum{outcome="patched"} 0.05',
+        'instaslice_webhook_review_seconds_count{outcome="patched"} 100',
+        'instaslice_webhook_review_seconds_bucket{le="0.001",outcome="patched"} 90',
+    ]
+)
+
+
+def test_admission_seconds_by_webhook_step_and_handler_creates_only() -> None:
+    assert admission_seconds(ADMISSION) == {
+        "webhook pods.instaslice.io": (0.5, 100.0),
+        "step admit": (0.8, 200.0),
+        "handler": (0.05, 100.0),
+    }
+
+
+def test_the_floor_is_the_sum_of_the_contracts_links_over_the_static_path() -> None:
+    p = dict.fromkeys(LINKS, 1.0)
+    p.update(
+        static=20.0, gated_seen=8.0, alloc_seen=6.0, status_answer=4.0, status_seen=6.0,
+        ungate_put=21.0, post_plain=5.0, post_noop=7.0, post_instaslice=9.5,
+    )  # fmt: skip
+    got = chain(p)
+    assert got["floor_ms"] == 8 + 6 + 4 + 6 + 21
+    assert got["floor_ratio"] == round(45 / 20, 2)
+    assert got["webhook_noop_extra_ms"] == 2.0
+    assert got["webhook_instaslice_extra_ms"] == 4.5
+
+
+def test_pin_patch_removes_every_gate_and_pins_by_name() -> None:
+    spec = pin_patch("gpu-3")["spec"]
+    assert spec["schedulingGates"] is None  # merge patch: null removes the list
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-3"]}]}
+    ]
+
+
+async def test_seen_completes_each_wait_once_on_the_first_matching_event() -> None:
+    ticks = iter([1.0, 2.0, 3.0])
+    seen = Seen(clock=lambda: next(ticks))
+    first = seen.expect("a", added)
+    creating = seen.expect("a", phase_is("Creating"))
+    await seen.on_event("ADDED", {"metadata": {"name": "b"}})  # another object: t=1
+    await seen.on_event("ADDED", {"metadata": {"name": "a"}})  # t=2
+    await seen.on_event("MODIFIED", {"metadata": {"name": "a"}, "status": {"phase": "Creating"}})
+    assert (await first, await creating) == (2.0, 3.0)
+    assert seen.waiting == []
