@@ -44,6 +44,7 @@ class InFlight:
         self.limit = limit
         self._by_node: dict[str, Counter[str]] = {}  # node -> GPU UUID -> slices in flight
         self._of: dict[str, tuple[str, tuple[str, ...]]] = {}  # allocation key -> counted
+        self._busy: set[GpuRef] = set()  # kept as the counts change: a decision reads it
 
     def put(self, view: SliceAllocation, *, assumed: bool) -> None:
         """Count `view` (replacing what its key counted before)."""
@@ -52,7 +53,10 @@ class InFlight:
             return
         uuids = tuple(s.gpu_uuid for s in view.slices)
         self._of[view.key] = (view.node, uuids)
-        self._by_node.setdefault(view.node, Counter()).update(uuids)
+        on_node = self._by_node.setdefault(view.node, Counter())
+        on_node.update(uuids)
+        if self.limit:
+            self._busy.update((view.node, u) for u in uuids if on_node[u] >= self.limit)
 
     def drop(self, key: str) -> None:
         counted = self._of.pop(key, None)
@@ -62,6 +66,8 @@ class InFlight:
         on_node = self._by_node[node]
         on_node.subtract(uuids)
         for uuid in uuids:
+            if on_node[uuid] < self.limit:
+                self._busy.discard((node, uuid))
             if on_node[uuid] <= 0:
                 del on_node[uuid]
         if not on_node:
@@ -79,9 +85,10 @@ class InFlight:
 
     def busy(self) -> frozenset[GpuRef]:
         """Every busy GPU, as (node, UUID) pairs (`ClusterState.snapshot`'s `exclude`)."""
-        if not self.limit:
-            return frozenset()
-        return frozenset((node, uuid) for node in self._by_node for uuid in self.busy_on(node))
+        return frozenset(self._busy)
+
+    def any_busy(self) -> bool:
+        return bool(self._busy)
 
 
 def calm_node(state: NodeState, busy_indexes: frozenset[int]) -> NodeState:

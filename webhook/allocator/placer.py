@@ -187,10 +187,10 @@ class Placer:
         making slices left out, or None (off, none busy, or no other GPU takes the pod: the
         normal pass decides). Whole GPUs never go to a GPU holding slices, and a MIG mode
         change is never chosen here: waiting behind a create beats a mode change."""
-        busy = self.state.busy_gpus()
-        if not busy or is_whole(request):
+        if not self.state.any_busy() or is_whole(request):
             return None
         if sized or excluded or name_label:  # the engine's scan of a snapshot of their own
+            busy = self.state.busy_gpus()
             calm = self.state.snapshot(exclude=excluded | busy, name_label=name_label)
             if sized:
                 found = place_sized(calm, request, sized, self.policy, self.catalog)

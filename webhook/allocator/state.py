@@ -429,6 +429,9 @@ class ClusterState:
         """The GPUs with `avoid_creates_in_flight` or more slices in flight (none when off)."""
         return self.in_flight.busy()
 
+    def any_busy(self) -> bool:
+        return self.in_flight.any_busy()
+
     def decide_calm(
         self, request: PodRequest, policy: Policy, catalog: Catalog | None
     ) -> Placement | Pending:
