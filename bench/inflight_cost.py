@@ -38,13 +38,9 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else math.nan
 
 
-def run(nodes: int, pods: int, limit: int, ready_after: int, life: int) -> dict[str, Any]:
-    state = ClusterState(avoid_creates_in_flight=limit)
-    for i in range(nodes):
-        name = f"n{i:05d}"
-        state.upsert_node(make_node(name, cpu="256", memory="2Ti", pods=250, gpus=8))
-        state.upsert_mig_node(make_mig_node(name, ["H100-80GB"] * 8))
-    placer = Placer(
+def quiet_placer(state: ClusterState) -> Placer:
+    """The allocator's placer on `state`, telling and kicking nobody (decisions only)."""
+    return Placer(
         state,
         Tracks(),
         AllocatorMetrics(),
@@ -53,6 +49,15 @@ def run(nodes: int, pods: int, limit: int, ready_after: int, life: int) -> dict[
         kick=lambda uid: None,
         tell=lambda pod, reason, message: None,
     )
+
+
+def run(nodes: int, pods: int, limit: int, ready_after: int, life: int) -> dict[str, Any]:
+    state = ClusterState(avoid_creates_in_flight=limit)
+    for i in range(nodes):
+        name = f"n{i:05d}"
+        state.upsert_node(make_node(name, cpu="256", memory="2Ti", pods=250, gpus=8))
+        state.upsert_mig_node(make_mig_node(name, ["H100-80GB"] * 8))
+    placer = quiet_placer(state)
     making: deque[tuple[int, Obj]] = deque()  # (ready at decision, allocation)
     living: deque[tuple[int, Obj]] = deque()  # (leaves at decision, allocation)
     cpu: list[float] = []
@@ -97,13 +102,18 @@ def run(nodes: int, pods: int, limit: int, ready_after: int, life: int) -> dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.inflight_cost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--pods", type=int, default=4000)
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(
+        "python -m bench.inflight_cost", None, __doc__, formatter_class=raw
+    )
+    for flag, default, what in (
+        ("--nodes", 1000, "fleet size (8 H100 each)"),
+        ("--pods", 4000, "pods decided one after another"),
+        ("--ready-after", 3, "decisions until a placed allocation is Ready"),
+        ("--life", 80, "decisions until a placed pod leaves"),
+    ):
+        ap.add_argument(flag, type=int, default=default, help=what)
     ap.add_argument("--limits", default="0,1,2", help="comma-separated settings to compare")
-    ap.add_argument("--ready-after", type=int, default=3, help="decisions until Ready")
-    ap.add_argument("--life", type=int, default=80, help="decisions until the pod leaves")
     args = ap.parse_args(argv)
     for limit in (int(x) for x in args.limits.split(",")):
         res = run(args.nodes, args.pods, limit, args.ready_after, args.life)

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from bench.inflight_cost import quiet_placer
 from common.objects import Phase
 from common.placement import Pending, Placement, Policy, Snapshot, engine
 from tests.integration.allocator_fixtures import (
@@ -32,10 +33,8 @@ from tests.integration.allocator_fixtures import (
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.inflight import InFlight, making
-from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import Tracks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,18 +117,6 @@ def test_off_counts_but_never_calls_a_gpu_busy() -> None:
 # --- the placer ----------------------------------------------------------------------------
 
 
-def placer_for(state: ClusterState) -> Placer:
-    return Placer(
-        state,
-        Tracks(),
-        AllocatorMetrics(),
-        Policy.INSTASLICE,
-        state.geometries.catalog,
-        kick=lambda uid: None,
-        tell=lambda pod, reason, message: None,
-    )
-
-
 def decide(placer: Placer, name: str, slices: dict[str, dict[str, int]] | None = None) -> Obj:
     """Place pod `name` as the placer does; its assumed SliceAllocation."""
     pod = make_pod(name, uid=name, claim=f"c-{name}", slices=slices)
@@ -153,14 +140,14 @@ def gpus_of(body: Obj) -> list[tuple[str, int]]:
     ],
 )
 def test_a_second_pod_avoids_a_busy_gpu(limit: int, second: tuple[str, int]) -> None:
-    placer = placer_for(fleet(2, 2, limit))
+    placer = quiet_placer(fleet(2, 2, limit))
     first = decide(placer, "a")
     assert gpus_of(first) == [("n0", 0)]
     assert gpus_of(decide(placer, "b")) == [second]
 
 
 def test_once_made_the_gpu_is_packed_again() -> None:
-    placer = placer_for(fleet(1, 2, limit=1))
+    placer = quiet_placer(fleet(1, 2, limit=1))
     first = decide(placer, "a")
     assert gpus_of(decide(placer, "b")) == [("n0", 1)]
     placer.state.upsert_allocation({**first, "status": {"phase": Phase.READY.value}})
@@ -169,13 +156,13 @@ def test_once_made_the_gpu_is_packed_again() -> None:
 
 
 def test_when_only_busy_gpus_fit_the_pod_is_placed_there() -> None:
-    placer = placer_for(fleet(1, 1, limit=1))
+    placer = quiet_placer(fleet(1, 1, limit=1))
     decide(placer, "a")
     assert gpus_of(decide(placer, "b")) == [("n0", 0)]  # nothing else: no waiting
 
 
 def test_failed_gpus_and_busy_gpus_are_both_avoided_first() -> None:
-    placer = placer_for(fleet(1, 3, limit=1))
+    placer = quiet_placer(fleet(1, 3, limit=1))
     decide(placer, "a")  # GPU 0 busy
     pod = make_pod("b", uid="b", claim="c-b")
     placer.state.upsert_pod(pod)
@@ -311,7 +298,7 @@ def test_the_setting_off_changes_no_decision(
     on, off = fleet(2, gpus, limit), fleet(2, gpus, 0)
     replay(on, events, gpus)
     replay(off, events, gpus)
-    placer = placer_for(off)
+    placer = quiet_placer(off)
     for i, profiles in enumerate(asks):
         pod = _asking(f"q{i}", profiles)
         req = podlib.pod_request(pod)
