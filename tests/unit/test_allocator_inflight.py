@@ -7,7 +7,8 @@ as before once it is made, or with the setting off), failed GPUs avoided too, an
 hypothesis properties over random fleets and event sequences: the second index answers as
 the engine's scan of the snapshot with the busy GPUs left out; the first pass never uses a
 busy GPU and only places where today's placement could; a pod today's placement places is
-always placed; the setting off changes no decision. Leaves out the API server
+always placed; the setting off changes no decision. The flag (default, value, bad
+values refused naming it). Leaves out the API server
 (tests/integration/test_allocator.py::test_a_second_pod_avoids_a_gpu_busy_making_a_slice)
 and the timing trade (bench/churn_sim.py, docs/benchmarks.md).
 """
@@ -35,6 +36,7 @@ from webhook.allocator import pods as podlib
 from webhook.allocator.inflight import InFlight, making
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState
+from webhook.main import parse_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -316,3 +318,22 @@ def test_the_setting_off_changes_no_decision(
             (s.gpu_index, s.start) for s in expected.slices
         ]
         on.assume(track.create)
+
+
+# --- the flag ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], 0), (["--avoid-creates-in-flight", "2"], 2)])
+def test_the_flag_sets_the_allocator_setting(argv: list[str], expected: int) -> None:
+    settings_ = parse_args(["--no-admission", *argv]).allocator
+    assert settings_ is not None and settings_.avoid_creates_in_flight == expected
+
+
+@pytest.mark.parametrize(("value", "says"), [("-1", "negative"), ("two", "not a whole number")])
+def test_a_bad_flag_value_is_refused_naming_the_flag(
+    value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--avoid-creates-in-flight", value])
+    err = capsys.readouterr().err
+    assert "--avoid-creates-in-flight" in err and says in err
