@@ -21,7 +21,12 @@ for alternatives (`--order`): `fifo` (today), `alloc` (a create's calls back to 
 GPU is handed over per allocation, not per call), `creates-first` (`alloc`, and a queued
 create goes before a queued release on the same GPU).
 
-    python -m bench.churn_sim [--seed 1] [--order fifo,alloc,creates-first]
+`--avoid-busy K` is the allocator's `--avoid-creates-in-flight K`: a GPU with K or more
+slices placed and not made yet is left out of a first placement pass (the allocator counts
+a slice until it sees the allocation `Ready`: `--ready-lag-s` adds that status write and
+watch to the time a GPU counts as busy).
+
+    python -m bench.churn_sim [--seed 1,2,3] [--order fifo,alloc,creates-first] [--avoid-busy 0,1,2]
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Lane:
 
     order: str
     busy_until: float = 0.0
+    made: int = 0  # creates done whose `Ready` the allocator has not seen yet (--ready-lag-s)
     queue: deque[Job] = field(default_factory=deque)  # jobs waiting to run their next call
     holder: Job | None = None  # `alloc`/`creates-first`: the job the GPU is handed to
     running: Job | None = None  # whose call runs now (or ran last)
@@ -121,6 +127,7 @@ def simulate(
     seed: int,
     avoid_busy: int = 0,
     keep_intact: bool = False,
+    ready_lag_s: float = 0.0,
 ) -> dict[str, Any]:
     rnd = random.Random(seed)
     gpus = tuple(Gpu(i, "H100-80GB") for i in range(8))
@@ -169,7 +176,7 @@ def simulate(
             req = PodRequest(data, 100, 2**27, (SliceRequest("main", "1g.10gb"),))
             placed: Placement | Pending | None = None
             if avoid_busy:  # GPUs with that many creates waiting are left out, if others fit
-                busy = {k for k, lane in lanes.items() if lane.creates() >= avoid_busy}
+                busy = {k for k, lane in lanes.items() if lane.creates() + lane.made >= avoid_busy}
                 if busy:
                     avoiding = _avoiding(cluster.snapshot, busy, keep_intact)
                     placed = place(avoiding, req, Policy.INSTASLICE)
@@ -195,15 +202,20 @@ def simulate(
                 if job.create:
                     create_s[job.pod] = now - job.asked
                     at(now + lifetimes[job.pod], "leave", job.pod)
+                    lane.made += 1
+                    at(now + ready_lag_s, "ready_seen", key)
                 else:
                     cluster.remove(job.pod)
             kick(key, now)
+        elif kind == "ready_seen":
+            lanes[data].made -= 1
         elif kind == "leave":
             ask(where[data], Job(data, False, deque(RELEASE), now), now)
     xs = list(create_s.values())
     return {
         "order": order,
         "avoid_busy": avoid_busy,
+        "ready_lag_s": ready_lag_s,
         "keep_intact": keep_intact,
         "seed": seed,
         "pods": n,
@@ -225,12 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=180.0)
     ap.add_argument("--life-s", type=float, default=20.0)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", default="1", help="comma-separated seeds, one run each")
     ap.add_argument("--order", default=",".join(ORDERS))
     ap.add_argument(
         "--avoid-busy",
         default="0",
         help="comma-separated K: place away from GPUs with K creates waiting (0: never)",
+    )
+    ap.add_argument(
+        "--ready-lag-s",
+        type=float,
+        default=0.0,
+        help="a made slice counts as in flight this much longer (the Ready write and watch)",
     )
     ap.add_argument(
         "--keep-intact",
@@ -242,17 +260,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if order not in ORDERS:
             ap.error(f"--order: {order!r} is not one of {', '.join(ORDERS)}")
         for k in (int(x) for x in args.avoid_busy.split(",")):
-            res = simulate(
-                order,
-                nodes=args.nodes,
-                rate=args.rate,
-                seconds=args.seconds,
-                life_s=args.life_s,
-                seed=args.seed,
-                avoid_busy=k,
-                keep_intact=args.keep_intact,
-            )
-            print(json.dumps(res))
+            for seed in (int(x) for x in args.seed.split(",")):
+                res = simulate(
+                    order,
+                    nodes=args.nodes,
+                    rate=args.rate,
+                    seconds=args.seconds,
+                    life_s=args.life_s,
+                    seed=seed,
+                    avoid_busy=k,
+                    keep_intact=args.keep_intact,
+                    ready_lag_s=args.ready_lag_s,
+                )
+                print(json.dumps(res))
     return 0
 
 

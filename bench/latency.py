@@ -351,7 +351,9 @@ def _leftovers(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
+def bring_up(
+    run_dir: Path, nodes: int, webhook_args: Sequence[str] = ()
+) -> tuple[DevSystem, dict[str, float]]:
     """Control plane, then the KWOK nodes (Ready, untainted), then InstaSlice (DevSystem.up
     attaches to the running control plane); seconds per phase."""
     _leftovers(run_dir)
@@ -381,6 +383,7 @@ def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
                 die_with_parent=True,
                 cluster_settings=cluster_settings(nodes),
                 agent_args=agent_args(nodes),
+                webhook_args=webhook_args,
             )
         phases["instaslice_ready_s"] = r3(time.monotonic() - t2)
     except BaseException:
@@ -395,13 +398,20 @@ def bring_up(run_dir: Path, nodes: int) -> tuple[DevSystem, dict[str, float]]:
 
 
 def with_fleet(
-    run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any, *, static: bool = False
+    run_dir: Path,
+    nodes: int,
+    idle_s: float,
+    body: Any,
+    log: Any,
+    *,
+    static: bool = False,
+    webhook_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
     down. Startup runs on the main thread, so the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed."""
     log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
-    system, phases = bring_up(run_dir, nodes)
+    system, phases = bring_up(run_dir, nodes, webhook_args)
     cs = cluster_settings(nodes)
     rec: dict[str, Any] = {
         "nodes": nodes,
@@ -411,6 +421,7 @@ def with_fleet(
             "kwok_node_lease_s": cs.node_lease_duration_s,
             "kcm_node_monitor_grace_s": cs.node_monitor_grace_s,
             "agent_args": agent_args(nodes),
+            "webhook_args": list(webhook_args),
         },
     }
     steps = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
@@ -605,6 +616,7 @@ class Bench:
     static: bool = True
     base: bool = True  # the variant at emulated NVML latency 0
     trace: Path | None = None  # per-pod milestones of each variant, one JSON line a pod
+    webhook_args: tuple[str, ...] = ()  # extra flags for the webhook/allocator process
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
@@ -674,7 +686,13 @@ class Bench:
                 add_ratios(doc["scenarios"], name)
 
         doc["fleets"][str(nodes)] = with_fleet(
-            self.run_dir, nodes, self.plan.idle_s, body, self.log, static=self.static
+            self.run_dir,
+            nodes,
+            self.plan.idle_s,
+            body,
+            self.log,
+            static=self.static,
+            webhook_args=self.webhook_args,
         )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
@@ -708,7 +726,9 @@ class Bench:
                 doc["scenarios"][key] = out
 
             try:
-                rec = with_fleet(self.run_dir, nodes, p.idle_s, body, self.log)
+                rec = with_fleet(
+                    self.run_dir, nodes, p.idle_s, body, self.log, webhook_args=self.webhook_args
+                )
             except Exception as exc:  # the largest fleet may not fit: record why, keep going
                 self.log(f"  {key}: FAILED: {exc!r}")
                 doc["scenarios"][key] = {"nodes": nodes, "error": repr(exc)}
@@ -831,6 +851,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="override a size of the plan, e.g. --set seq_pods=30 (see Plan)",
     )
+    ap.add_argument(
+        "--webhook-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to the webhook/allocator process, e.g. --webhook-arg=--policy=spread",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--dir", type=Path, default=RUN_DIR, help="where the system runs")
     ap.add_argument("--report", type=Path, default=None, help="write plots into this dir")
@@ -872,6 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         static=not args.no_static,
         base=not args.only_realistic,
         trace=args.trace,
+        webhook_args=tuple(args.webhook_arg),
     )
     # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
     # so the fleet is torn down; children die with this process anyway (PDEATHSIG)

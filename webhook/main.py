@@ -115,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="drain: ask the node agent for the MIG mode change (GPU drain and reset) a pod "
         "needs on Ampere GPUs; off: such pods wait with NeedsMigModeChange",
     )
+    p.add_argument(
+        "--avoid-creates-in-flight",
+        type=_count,
+        default=AllocatorSettings.avoid_creates_in_flight,
+        metavar="N",
+        help="place a pod away from a GPU with N or more slices still being made while "
+        "another GPU can take it (docs/allocator.md); 0: off",
+    )
     p.add_argument("--no-admission", action="store_true", help="run without the server")
     p.add_argument(
         "--slot-accounting",
@@ -132,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
         "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
     )
     return p
+
+
+def _count(text: str) -> int:
+    """A whole number >= 0 (argparse names the flag when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; 0 turns it off")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
@@ -170,6 +189,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,
             ampere_mode_changes=a.ampere_mode_changes,
+            avoid_creates_in_flight=a.avoid_creates_in_flight,
         )
     return Settings(
         a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth

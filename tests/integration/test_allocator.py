@@ -384,6 +384,32 @@ async def test_heterogeneous_nodes(env: AllocatorEnv) -> None:
     await env.wait_bound("big")
 
 
+async def test_a_second_pod_avoids_a_gpu_busy_making_a_slice(env: AllocatorEnv) -> None:
+    """`avoid_creates_in_flight=1`: while the first pod's slice is being made (the agent
+    holds its allocation Pending), the second pod goes to another GPU; once both are made,
+    the third packs onto a GPU already broken open (webhook/allocator/inflight.py)."""
+    node = await env.add_node("n1", gpus=[GpuSpec(), GpuSpec(), GpuSpec()])
+    env.agent.hold = True
+    env.start(avoid_creates_in_flight=1)
+
+    def gpus(allocations: list[Obj]) -> dict[str, int]:
+        return {a["spec"]["podName"]: a["spec"]["slices"][0]["gpuIndex"] for a in allocations}
+
+    await env.create_pod("a")
+    await env.wait_allocations(lambda items: len(items) == 1, what="a's")
+    await env.create_pod("b")
+    placed = gpus(await env.wait_allocations(lambda items: len(items) == 2, what="a's and b's"))
+    assert placed["a"] != placed["b"], placed  # packing alone puts both on one GPU
+    await env.agent.release()
+    for name in ("a", "b"):
+        assert podlib.pinned_node(await env.wait_ungated(name)) == node
+    await env.create_pod("c")
+    await env.wait_ungated("c")
+    placed = gpus(await env.allocations())
+    assert placed["c"] in (placed["a"], placed["b"]), placed  # no third GPU broken open
+    assert_no_double_booking(await env.allocations())
+
+
 async def test_cpu_short_node_is_skipped(env: AllocatorEnv) -> None:
     busy = await env.add_node("a-busy", cpu="4")
     free = await env.add_node("b-free", cpu="4")

@@ -57,3 +57,13 @@ def test_packing_queues_creates_on_one_gpu_and_avoiding_busy_gpus_spreads_them()
     assert packed["queued_creates_ahead_max"] >= 2
     assert spread["queued_creates_ahead_max"] == 0
     assert spread["create_p99_s"] < packed["create_p99_s"]
+
+
+def test_a_gpu_counts_as_busy_until_its_ready_is_seen() -> None:
+    """`ready_lag_s`: the allocator counts a slice in flight until it sees `Ready`, after the
+    create; the longer that, the more GPUs the first pass spreads over."""
+    kw = {"nodes": 20, "rate": 4.0, "seconds": 40.0, "life_s": 10.0, "seed": 1, "avoid_busy": 1}
+    prompt = simulate("fifo", **kw)  # type: ignore[arg-type]
+    lagged = simulate("fifo", ready_lag_s=1.0, **kw)  # type: ignore[arg-type]
+    assert lagged["gpus_used"] > prompt["gpus_used"]
+    assert lagged["queued_creates_ahead_max"] == 0

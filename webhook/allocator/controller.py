@@ -110,7 +110,9 @@ class Controller:
         self.settings = settings
         self.clock = settings.clock
         self.catalog = settings.catalog if settings.catalog is not None else load_catalog()
-        self.state = ClusterState(self.catalog)
+        self.state = ClusterState(
+            self.catalog, avoid_creates_in_flight=settings.avoid_creates_in_flight
+        )
         self.tracks = Tracks()
         self.agents = AgentWatch(self.state, self.clock, self.kick, self._after_change)
         self.placer = Placer(

@@ -4,7 +4,9 @@ Decisions are serialized on purpose (STYLE.md §3): each one sees every earlier 
 the model (assumed before its create is sent), so two pods are never promised the same
 slots. The placer writes nothing itself: a decision is recorded in the pod's record
 (`PodTrack.create`) and the pod's worker sends the create; a pod that does not fit is
-parked with its reason and told once per reason (`AllocationPending`).
+parked with its reason and told once per reason (`AllocationPending`). With
+`avoid_creates_in_flight` on, a first pass leaves out the GPUs busy making slices
+(`_calm`, webhook/allocator/inflight.py).
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class Placer:
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = self._place(snapshot, request, sized)
+        result = self._calm(request, sized, excluded, name_label) or self._place(
+            snapshot, request, sized
+        )
         if isinstance(result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
@@ -171,6 +175,30 @@ class Placer:
         return place_with_modes(
             snapshot, request, self.state.mode_view, self.policy, self.catalog, self.state.place
         ).result
+
+    def _calm(
+        self,
+        request: PodRequest,
+        sized: list[SizeAsk],
+        excluded: frozenset[tuple[str, str]],
+        name_label: bool,
+    ) -> Placement | None:
+        """The first pass of `avoid_creates_in_flight`: the decision with the GPUs busy
+        making slices left out, or None (off, none busy, or no other GPU takes the pod: the
+        normal pass decides). Whole GPUs never go to a GPU holding slices, and a MIG mode
+        change is never chosen here: waiting behind a create beats a mode change."""
+        if not self.state.any_busy() or is_whole(request):
+            return None
+        if sized or excluded or name_label:  # the engine's scan of a snapshot of their own
+            busy = self.state.busy_gpus()
+            calm = self.state.snapshot(exclude=excluded | busy, name_label=name_label)
+            if sized:
+                found = place_sized(calm, request, sized, self.policy, self.catalog)
+            else:
+                found = self.state.place(calm, request, self.policy, self.catalog)
+        else:
+            found = self.state.decide_calm(request, self.policy, self.catalog)
+        return found if isinstance(found, Placement) else None
 
     def ask_maintenance(self, snapshot: Snapshot, request: PodRequest, pending: Pending) -> Pending:
         """Ask for the MIG mode change the pod needs on Ampere GPUs (one ask in the cluster

@@ -45,6 +45,9 @@ class AllocatorSettings:
       its own workloads).
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
+    avoid_creates_in_flight: N > 0 places a pod away from a GPU that has N or more slices
+      placed but not made yet (allocations assumed, `Pending` or `Creating`) while another
+      GPU can take it (docs/allocator.md "Creates in flight"); 0: off.
     ampere_mode_changes: `drain` asks node agents for the MIG mode change (a GPU reset) a
       pod needs on Ampere GPUs (docs/allocator.md "Ampere maintenance"); `off`: it waits.
     clock: injectable for tests.
@@ -70,6 +73,7 @@ class AllocatorSettings:
     preempt_kueue_pods: bool = False
     preemption_wait_s: float = 180.0
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
+    avoid_creates_in_flight: int = 0
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:

@@ -28,6 +28,10 @@ not on a timer.
 It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
 changed, and the placeable ones are kept in a `FleetIndex` (common/placement/index.py), so a
 decision on the state's own snapshot (`place`) neither rebuilds it nor scans every node.
+
+With `avoid_creates_in_flight` on, it also counts the slices in flight per GPU (inflight.py)
+and keeps a second index of the same nodes with their busy GPUs left out (`decide_calm`), so
+the placer's first pass costs what a decision costs.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from common.placement.index import FleetIndex
 from common.placement.modes import ModeView
 from common.placement.whole import WholeView
 from webhook.allocator import pods as podlib
+from webhook.allocator.inflight import GpuRef, InFlight, calm_node
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
 from webhook.allocator.views import GpuView, NodeView, PodView, gpus_of
 
@@ -62,7 +67,7 @@ Obj = dict[str, Any]
 
 
 class ClusterState:
-    def __init__(self, catalog: Catalog | None = None) -> None:
+    def __init__(self, catalog: Catalog | None = None, *, avoid_creates_in_flight: int = 0) -> None:
         # What each GPU is planned with: its catalog entry, or the table its node published.
         self.geometries = Geometries(catalog if catalog is not None else load_catalog())
         self.pods: dict[str, PodView] = {}  # by uid
@@ -87,6 +92,11 @@ class ClusterState:
         self.epoch = 0
         # For metrics: slices of watched allocations by (profile, node, gpu uuid).
         self.slice_counts: Counter[tuple[str, str, str]] = Counter()
+        # Slices in flight per GPU; with a limit, the nodes with busy GPUs left out (by name)
+        self.in_flight = InFlight(avoid_creates_in_flight)
+        self._calm_index = FleetIndex() if avoid_creates_in_flight else None
+        self._calm_nodes: dict[str, NodeState] = {}
+        self._calm_plain: Snapshot | None = None
 
     # --- pods ---------------------------------------------------------------------------
 
@@ -177,6 +187,7 @@ class ClusterState:
         self.allocations[view.key] = view
         if assumed:
             self._assumed.add(view.key)
+        self.in_flight.put(view, assumed=assumed)
         self._allocs_by_pod.setdefault(view.pod_uid, set()).add(view.key)
         self._allocs_by_node.setdefault(view.node, set()).add(view.key)
         self._live_claims[(view.node, view.name)] += 1
@@ -196,6 +207,7 @@ class ClusterState:
         return view
 
     def _unindex(self, view: SliceAllocation) -> None:
+        self.in_flight.drop(view.key)
         keys = self._allocs_by_pod.get(view.pod_uid)
         if keys is not None:
             keys.discard(view.key)
@@ -364,9 +376,26 @@ class ClusterState:
                 self._index.remove(name)
             else:
                 self._index.put(state, name)
+            if self._calm_index is not None:
+                self._refresh_calm(name, state)
         self._dirty.clear()
         self._nodes_sorted = None
         self._plain = None
+        self._calm_plain = None
+
+    def _refresh_calm(self, name: str, state: NodeState | None) -> None:
+        assert self._calm_index is not None
+        if state is None:
+            self._calm_nodes.pop(name, None)
+            self._calm_index.remove(name)
+            return
+        busy = self.in_flight.busy_on(name)
+        indexes = frozenset(g.index for g in self.gpus.get(name, ()) if g.uuid in busy)
+        calm = self._calm_nodes[name] = calm_node(state, indexes)
+        if name in self.agents_down:
+            self._calm_index.remove(name)
+        else:
+            self._calm_index.put(calm, name)
 
     def node_states(self) -> tuple[NodeState, ...]:
         """Every node that has both a Node and a MigNode, by name (agents down included)."""
@@ -395,6 +424,29 @@ class ClusterState:
     ) -> Placement | Pending:
         """`place` on the state's own current snapshot: the fleet index answers."""
         return self.place(self.snapshot(), request, policy, catalog)
+
+    def busy_gpus(self) -> frozenset[GpuRef]:
+        """The GPUs with `avoid_creates_in_flight` or more slices in flight (none when off)."""
+        return self.in_flight.busy()
+
+    def any_busy(self) -> bool:
+        return self.in_flight.any_busy()
+
+    def decide_calm(
+        self, request: PodRequest, policy: Policy, catalog: Catalog | None
+    ) -> Placement | Pending:
+        """`engine.place` on the state's own snapshot with the busy GPUs shown unhealthy
+        (`snapshot(exclude=busy_gpus())`, same answers), from the second index."""
+        if self._calm_index is None:
+            raise RuntimeError("decide_calm needs avoid_creates_in_flight > 0")
+        self._refresh()
+        return self._calm_index.place(request, policy, catalog, self._calm_snapshot)
+
+    def _calm_snapshot(self) -> Snapshot:
+        if self._calm_plain is None:
+            nodes = self.snapshot().nodes
+            self._calm_plain = Snapshot(nodes=tuple(self._calm_nodes[n.name] for n in nodes))
+        return self._calm_plain
 
     def snapshot(
         self,
