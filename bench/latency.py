@@ -48,7 +48,10 @@ from bench.latency_track import (
     Tracker,
     api_writes,
     load,
+    machine_busy_s,
     mem_mb,
+    occupancy,
+    peaks,
     r3,
     summary,
     writes_summary,
@@ -265,6 +268,7 @@ class Fleet:
         before = await self.api_writes()
         s = self.sampler()
         s.start()
+        busy0, own0 = machine_busy_s(), time.process_time()
         t0 = time.monotonic()
         try:
             await coro
@@ -279,6 +283,10 @@ class Fleet:
             res["system_cpu_s_per_pod"] = r3(total / pods) if pods else math.nan
             res["system_cores_used"] = r3(total / wall) if wall > 0 else math.nan
             res["wall_s"] = r3(wall)
+            # what else ran meanwhile: this benchmark process (its watches and clients),
+            # and every core-second the machine was busy (the other engineers' work too)
+            res["bench_cpu_s"] = r3(time.process_time() - own0)
+            res["machine_busy_cores"] = r3((machine_busy_s() - busy0) / wall) if wall else 0.0
             res["load_end"] = load()
 
     def set_latency(self, create_ms: int, destroy_ms: int) -> None:
@@ -498,8 +506,10 @@ async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout
     res = _head(len(fleet.system.nodes), pods, create_ms)
     names: list[str] = []
     tr = fleet.tr
+    t0 = math.nan  # set as the first create is sent
 
     async def run() -> None:
+        nonlocal t0
         t0 = tr.clock()
         sem = asyncio.Semaphore(in_flight)
         names.extend(await asyncio.gather(*(fleet.create(sem) for _ in range(pods))))
@@ -517,6 +527,7 @@ async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout
         res["all_running_s"] = r3(max(ran) - t0) if ok and ran else math.nan
 
     await fleet.measured(res, pods, run())
+    res["occupancy"] = occupancy(tr, names, t0)
     await finish(fleet, res, names)
     return res
 
@@ -785,6 +796,8 @@ def line(key: str, r: Obj) -> str:
         parts.append(f"system CPU {r['system_cpu_s_per_pod']:.3f} s/pod")
     if "ratio_to_static" in r:
         parts.append("vs static " + ", ".join(f"{k} x{v}" for k, v in r["ratio_to_static"].items()))
+    if "occupancy" in r:
+        parts.append("deepest queues " + peaks(r["occupancy"]))
     steps = [k.removesuffix("_p50_s") for k in r if k.endswith("_p50_s")]
     brk = ", ".join(f"{k} {r[k + '_p50_s']:.3f}" for k in steps if k not in ("ungate", "running"))
     return "; ".join(parts) + f"  [p50 steps: {brk}]"
