@@ -257,15 +257,21 @@ class Fleet:
         raise TimeoutError(f"bench namespace not clean after {timeout_s}s")
 
     async def api_writes(self) -> Counter[str]:
+        return api_writes(await self.api_metrics())
+
+    async def api_metrics(self) -> str:
         proc = await asyncio.to_thread(
             self.system.cp.kubectl, "get", "--raw", "/metrics", check=False
         )
-        return api_writes(proc.stdout)
+        return proc.stdout
 
     async def measured(self, res: Obj, pods: int, coro: Any) -> None:
         """Run `coro` with process CPU/RSS and API-server writes recorded into `res`."""
+        from bench.latency_probe import latency_delta, request_seconds  # imports this module
+
         res["load_start"] = load()
-        before = await self.api_writes()
+        text = await self.api_metrics()
+        before, seconds = api_writes(text), request_seconds(text)
         s = self.sampler()
         s.start()
         busy0, own0 = machine_busy_s(), time.process_time()
@@ -275,7 +281,13 @@ class Fleet:
         finally:
             wall = time.monotonic() - t0
             res["processes"] = procs = s.stop()
-            res["api"] = writes_summary(before, await self.api_writes(), pods, wall)
+            text = await self.api_metrics()
+            res["api"] = writes_summary(before, api_writes(text), pods, wall)
+            # mean latency per request kind: the API server's own time for each (watches
+            # left out), so a queue in a client shows as the gap to the step's time
+            res["api"]["latency"] = dict(
+                list(latency_delta(seconds, request_seconds(text)).items())[:12]
+            )
             # load-independent cost: CPU seconds every process of the system spent, per pod,
             # and how many cores the system actually got (the machine is shared)
             total = sum(p["cpu_s"] for p in procs.values() if math.isfinite(p["cpu_s"]))
@@ -751,7 +763,7 @@ def write_trace(path: Path, tr: Tracker, first: int, last: int) -> None:
     create was sent (None: not reached), one JSON object a line: the tail's pods can be
     looked at one by one (which node, which step)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    steps = ("admitted", "allocated", "ready", "ungated", "running", "deleted", "released")
+    steps = ("admitted", "allocated", "ready", "ungated", "bound", "running", "deleted", "released")
     with path.open("w") as f:
         for i in range(first, last + 1):
             t = tr.pods.get(f"p{i:05d}")

@@ -40,6 +40,7 @@ class PodTimes:
     allocated: float | None = None
     ready: float | None = None
     ungated: float | None = None
+    bound: float | None = None  # spec.nodeName seen: the scheduler's binding
     running: float | None = None
     deleted: float | None = None
     released: float | None = None
@@ -85,6 +86,8 @@ class Tracker:
         if claim and GATE_NAME not in gates and t.ungated is None:
             t.ungated = now
             t.node = _pinned_node(p)
+        if p.get("spec", {}).get("nodeName") and t.bound is None:
+            t.bound = now
         if p.get("status", {}).get("phase") == "Running" and t.running is None:
             t.running = now
         self.changed.set()
@@ -179,6 +182,8 @@ def summary(tr: Tracker, names: list[str]) -> dict[str, Any]:
         "agent": ("allocated", "ready"),
         "pin": ("ready", "ungated"),
         "bind_run": ("ungated", "running"),
+        "bind": ("ungated", "bound"),  # bind_run split: the scheduler's part...
+        "start": ("bound", "running"),  # ...and the (KWOK) kubelet's
         "release": ("deleted", "released"),
     }
     for step, (a, b) in steps.items():
@@ -197,7 +202,8 @@ STEP_ENDS = (
     ("place", "allocated"),
     ("agent", "ready"),
     ("pin", "ungated"),
-    ("bind_run", "running"),
+    ("bind", "bound"),
+    ("start", "running"),
 )
 
 
@@ -206,7 +212,7 @@ def occupancy(tr: Tracker, names: list[str], t0: float, step_s: float = 1.0) -> 
     clock), and how many were Running: where a burst queues, and when. A pod is in the
     step whose ending milestone it has not reached yet; milestones it never has (a static
     pod has no allocation, Ready or gate) are skipped, so a static pod goes from `admit`
-    straight to `bind_run`. Sampled until the last pod ran (or its last milestone)."""
+    straight to `bind`. Sampled until the last pod ran (or its last milestone)."""
     rows: list[tuple[float, list[float]]] = []  # (sent, end time of each step; inf: never)
     last = t0
     for n in names:

@@ -16,7 +16,9 @@ def _tracker(**pods: PodTimes) -> Tracker:
 
 def test_each_pod_counts_in_the_step_it_has_not_finished() -> None:
     tr = _tracker(
-        a=PodTimes(sent=0.0, admitted=0.5, allocated=1.5, ready=2.5, ungated=3.5, running=4.5),
+        a=PodTimes(
+            sent=0.0, admitted=0.5, allocated=1.5, ready=2.5, ungated=3.5, bound=3.7, running=4.5
+        ),
         b=PodTimes(sent=1.2, admitted=1.6, allocated=2.2),  # still with the agent at the end
     )
     occ = occupancy(tr, ["a", "b"], t0=0.0, step_s=1.0)
@@ -25,31 +27,33 @@ def test_each_pod_counts_in_the_step_it_has_not_finished() -> None:
     assert occ["place"] == [0, 1, 1, 0, 0, 0]  # a at 1 s, b (sent at 1.2 s) at 2 s
     assert occ["agent"] == [0, 0, 1, 1, 1, 1]
     assert occ["pin"] == [0, 0, 0, 1, 0, 0]
-    assert occ["bind_run"] == [0, 0, 0, 0, 1, 0]
+    assert occ["bind"] == [0, 0, 0, 0, 0, 0]  # bound before the 4 s sample
+    assert occ["start"] == [0, 0, 0, 0, 1, 0]
     assert occ["running"] == [0, 0, 0, 0, 0, 1]
 
 
-def test_a_static_pod_goes_from_admit_to_bind_run() -> None:
+def test_a_static_pod_goes_from_admit_to_bind() -> None:
     """No allocation, Ready or gate: the steps it never had are passed at once."""
-    tr = _tracker(s=PodTimes(sent=0.0, admitted=0.4, running=2.6))
+    tr = _tracker(s=PodTimes(sent=0.0, admitted=0.4, bound=1.5, running=2.6))
     occ = occupancy(tr, ["s"], t0=0.0, step_s=1.0)
     assert occ["admit"] == [1, 0, 0, 0]
     assert occ["place"] == occ["agent"] == occ["pin"] == [0, 0, 0, 0]
-    assert occ["bind_run"] == [0, 1, 1, 0]
+    assert occ["bind"] == [0, 1, 0, 0]
+    assert occ["start"] == [0, 0, 1, 0]
     assert occ["running"] == [0, 0, 0, 1]
 
 
 def test_a_pod_not_yet_sent_is_nowhere_and_unknown_names_are_ignored() -> None:
     tr = _tracker(late=PodTimes(sent=2.5, admitted=2.7, running=3.1))
     occ = occupancy(tr, ["late", "never-created"], t0=0.0, step_s=1.0)
-    assert [occ[k][:3] for k in ("admit", "bind_run", "running")] == [[0, 0, 0]] * 3
+    assert [occ[k][:3] for k in ("admit", "bind", "running")] == [[0, 0, 0]] * 3
     assert occ["running"][-1] == 1
 
 
 def test_peaks_name_the_deepest_queue_and_when() -> None:
     occ = {"t_s": [0.0, 1.0, 2.0], "admit": [5, 9, 1], "place": [0, 0, 0], "agent": [0, 3, 3],
-           "pin": [0, 0, 0], "bind_run": [0, 0, 0]}  # fmt: skip
-    assert peaks(occ) == "admit 9@1s, place 0, agent 3@1s, pin 0, bind_run 0"
+           "pin": [0, 0, 0], "bind": [0, 0, 0], "start": [0, 2, 0]}  # fmt: skip
+    assert peaks(occ) == "admit 9@1s, place 0, agent 3@1s, pin 0, bind 0, start 2@1s"
 
 
 def test_machine_busy_seconds_grow() -> None:
