@@ -231,14 +231,7 @@ class Fleet:
 
     async def _create(self, name: str, body: Obj) -> None:
         t = self.tr.sent(name)
-        for attempt in range(5):
-            try:
-                await self.kube.create(core_path("pods", self.ns), body)
-                break
-            except ApiError as exc:
-                if not exc.retryable or attempt == 4:
-                    raise
-                await asyncio.sleep(0.2 * (attempt + 1))
+        await create_pod(self.kube, core_path("pods", self.ns), body)
         t.admitted = self.tr.clock()
 
     async def delete(self, name: str) -> None:
@@ -304,6 +297,22 @@ class Fleet:
     def set_latency(self, create_ms: int, destroy_ms: int) -> None:
         for node in self.system.nodes:
             EmulatorControl(self.system.gpu_state, node).set_latency(create_ms, destroy_ms)
+
+
+async def create_pod(kube: Kube, path: str, body: Obj, attempts: int = 5) -> None:
+    """POST the pod, retrying what may pass on a retry (timeouts, 429, 5xx). A retry that
+    finds the pod already there (409) means an earlier attempt landed after all (its answer
+    was lost to a timeout on a loaded machine): done, not an error."""
+    for attempt in range(attempts):
+        try:
+            await kube.create(path, body)
+            return
+        except ApiError as exc:
+            if attempt > 0 and exc.conflict:
+                return
+            if not exc.retryable or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
 
 
 async def opt_in(kube: Kube) -> None:
