@@ -63,3 +63,19 @@ def test_machine_busy_seconds_grow() -> None:
     for i in range(2_000_000):  # burn a little CPU
         x += i
     assert machine_busy_s() > a
+
+
+async def test_the_scheduler_binding_is_seen_once_from_the_pod_watch() -> None:
+    now = [1.0]
+    tr = Tracker(clock=lambda: now[0])
+    tr.sent("p")
+    pod = {"metadata": {"name": "p"}, "spec": {}, "status": {"phase": "Pending"}}
+    await tr.on_pod("MODIFIED", pod)
+    assert tr.pods["p"].bound is None
+    now[0] = 2.0
+    await tr.on_pod("MODIFIED", {**pod, "spec": {"nodeName": "gpu-0"}})
+    now[0] = 3.0
+    bound_running = {**pod, "spec": {"nodeName": "gpu-0"}, "status": {"phase": "Running"}}
+    await tr.on_pod("MODIFIED", bound_running)
+    seen = tr.pods["p"]
+    assert (seen.bound, seen.running) == (2.0, 3.0)
