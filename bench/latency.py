@@ -48,7 +48,10 @@ from bench.latency_track import (
     Tracker,
     api_writes,
     load,
+    machine_busy_s,
     mem_mb,
+    occupancy,
+    peaks,
     r3,
     summary,
     writes_summary,
@@ -228,14 +231,7 @@ class Fleet:
 
     async def _create(self, name: str, body: Obj) -> None:
         t = self.tr.sent(name)
-        for attempt in range(5):
-            try:
-                await self.kube.create(core_path("pods", self.ns), body)
-                break
-            except ApiError as exc:
-                if not exc.retryable or attempt == 4:
-                    raise
-                await asyncio.sleep(0.2 * (attempt + 1))
+        await create_pod(self.kube, core_path("pods", self.ns), body)
         t.admitted = self.tr.clock()
 
     async def delete(self, name: str) -> None:
@@ -254,24 +250,37 @@ class Fleet:
         raise TimeoutError(f"bench namespace not clean after {timeout_s}s")
 
     async def api_writes(self) -> Counter[str]:
+        return api_writes(await self.api_metrics())
+
+    async def api_metrics(self) -> str:
         proc = await asyncio.to_thread(
             self.system.cp.kubectl, "get", "--raw", "/metrics", check=False
         )
-        return api_writes(proc.stdout)
+        return proc.stdout
 
     async def measured(self, res: Obj, pods: int, coro: Any) -> None:
         """Run `coro` with process CPU/RSS and API-server writes recorded into `res`."""
+        from bench.latency_probe import latency_delta, request_seconds  # imports this module
+
         res["load_start"] = load()
-        before = await self.api_writes()
+        text = await self.api_metrics()
+        before, seconds = api_writes(text), request_seconds(text)
         s = self.sampler()
         s.start()
+        busy0, own0 = machine_busy_s(), time.process_time()
         t0 = time.monotonic()
         try:
             await coro
         finally:
             wall = time.monotonic() - t0
             res["processes"] = procs = s.stop()
-            res["api"] = writes_summary(before, await self.api_writes(), pods, wall)
+            text = await self.api_metrics()
+            res["api"] = writes_summary(before, api_writes(text), pods, wall)
+            # mean latency per request kind: the API server's own time for each (watches
+            # left out), so a queue in a client shows as the gap to the step's time
+            res["api"]["latency"] = dict(
+                list(latency_delta(seconds, request_seconds(text)).items())[:12]
+            )
             # load-independent cost: CPU seconds every process of the system spent, per pod,
             # and how many cores the system actually got (the machine is shared)
             total = sum(p["cpu_s"] for p in procs.values() if math.isfinite(p["cpu_s"]))
@@ -279,11 +288,31 @@ class Fleet:
             res["system_cpu_s_per_pod"] = r3(total / pods) if pods else math.nan
             res["system_cores_used"] = r3(total / wall) if wall > 0 else math.nan
             res["wall_s"] = r3(wall)
+            # what else ran meanwhile: this benchmark process (its watches and clients),
+            # and every core-second the machine was busy (the other engineers' work too)
+            res["bench_cpu_s"] = r3(time.process_time() - own0)
+            res["machine_busy_cores"] = r3((machine_busy_s() - busy0) / wall) if wall else 0.0
             res["load_end"] = load()
 
     def set_latency(self, create_ms: int, destroy_ms: int) -> None:
         for node in self.system.nodes:
             EmulatorControl(self.system.gpu_state, node).set_latency(create_ms, destroy_ms)
+
+
+async def create_pod(kube: Kube, path: str, body: Obj, attempts: int = 5) -> None:
+    """POST the pod, retrying what may pass on a retry (timeouts, 429, 5xx). A retry that
+    finds the pod already there (409) means an earlier attempt landed after all (its answer
+    was lost to a timeout on a loaded machine): done, not an error."""
+    for attempt in range(attempts):
+        try:
+            await kube.create(path, body)
+            return
+        except ApiError as exc:
+            if attempt > 0 and exc.conflict:
+                return
+            if not exc.retryable or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
 
 
 async def opt_in(kube: Kube) -> None:
@@ -509,8 +538,10 @@ async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout
     res = _head(len(fleet.system.nodes), pods, create_ms)
     names: list[str] = []
     tr = fleet.tr
+    t0 = math.nan  # set as the first create is sent
 
     async def run() -> None:
+        nonlocal t0
         t0 = tr.clock()
         sem = asyncio.Semaphore(in_flight)
         names.extend(await asyncio.gather(*(fleet.create(sem) for _ in range(pods))))
@@ -528,6 +559,7 @@ async def burst(fleet: Fleet, pods: int, create_ms: int, in_flight: int, timeout
         res["all_running_s"] = r3(max(ran) - t0) if ok and ran else math.nan
 
     await fleet.measured(res, pods, run())
+    res["occupancy"] = occupancy(tr, names, t0)
     await finish(fleet, res, names)
     return res
 
@@ -760,7 +792,7 @@ def write_trace(path: Path, tr: Tracker, first: int, last: int) -> None:
     create was sent (None: not reached), one JSON object a line: the tail's pods can be
     looked at one by one (which node, which step)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    steps = ("admitted", "allocated", "ready", "ungated", "running", "deleted", "released")
+    steps = ("admitted", "allocated", "ready", "ungated", "bound", "running", "deleted", "released")
     with path.open("w") as f:
         for i in range(first, last + 1):
             t = tr.pods.get(f"p{i:05d}")
@@ -805,6 +837,8 @@ def line(key: str, r: Obj) -> str:
         parts.append(f"system CPU {r['system_cpu_s_per_pod']:.3f} s/pod")
     if "ratio_to_static" in r:
         parts.append("vs static " + ", ".join(f"{k} x{v}" for k, v in r["ratio_to_static"].items()))
+    if "occupancy" in r:
+        parts.append("deepest queues " + peaks(r["occupancy"]))
     steps = [k.removesuffix("_p50_s") for k in r if k.endswith("_p50_s")]
     brk = ", ".join(f"{k} {r[k + '_p50_s']:.3f}" for k in steps if k not in ("ungate", "running"))
     return "; ".join(parts) + f"  [p50 steps: {brk}]"

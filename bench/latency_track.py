@@ -40,6 +40,7 @@ class PodTimes:
     allocated: float | None = None
     ready: float | None = None
     ungated: float | None = None
+    bound: float | None = None  # spec.nodeName seen: the scheduler's binding
     running: float | None = None
     deleted: float | None = None
     released: float | None = None
@@ -85,6 +86,8 @@ class Tracker:
         if claim and GATE_NAME not in gates and t.ungated is None:
             t.ungated = now
             t.node = _pinned_node(p)
+        if p.get("spec", {}).get("nodeName") and t.bound is None:
+            t.bound = now
         if p.get("status", {}).get("phase") == "Running" and t.running is None:
             t.running = now
         self.changed.set()
@@ -179,6 +182,8 @@ def summary(tr: Tracker, names: list[str]) -> dict[str, Any]:
         "agent": ("allocated", "ready"),
         "pin": ("ready", "ungated"),
         "bind_run": ("ungated", "running"),
+        "bind": ("ungated", "bound"),  # bind_run split: the scheduler's part...
+        "start": ("bound", "running"),  # ...and the (KWOK) kubelet's
         "release": ("deleted", "released"),
     }
     for step, (a, b) in steps.items():
@@ -187,6 +192,81 @@ def summary(tr: Tracker, names: list[str]) -> dict[str, Any]:
             out[f"{step}_p50_s"] = r3(pct(xs, 0.5))
             out[f"{step}_p99_s"] = r3(pct(xs, 0.99))
     return out
+
+
+# ---- where pods wait, over time ---------------------------------------------------------------
+
+# each step named by the milestone that ends it (as in `summary`), in protocol order
+STEP_ENDS = (
+    ("admit", "admitted"),
+    ("place", "allocated"),
+    ("agent", "ready"),
+    ("pin", "ungated"),
+    ("bind", "bound"),
+    ("start", "running"),
+)
+
+
+def occupancy(tr: Tracker, names: list[str], t0: float, step_s: float = 1.0) -> Obj:
+    """How many of `names` sat in each step every `step_s` seconds after `t0` (the bench's
+    clock), and how many were Running: where a burst queues, and when. A pod is in the
+    step whose ending milestone it has not reached yet; milestones it never has (a static
+    pod has no allocation, Ready or gate) are skipped, so a static pod goes from `admit`
+    straight to `bind`. Sampled until the last pod ran (or its last milestone)."""
+    rows: list[tuple[float, list[float]]] = []  # (sent, end time of each step; inf: never)
+    last = t0
+    for n in names:
+        t = tr.pods.get(n)
+        if t is None:
+            continue
+        ends: list[float] = []
+        for _, attr in STEP_ENDS:
+            v = getattr(t, attr)
+            if v is not None:
+                last = max(last, v)
+            ends.append(math.inf if v is None else v)
+        # a milestone not reached while a later one was is a step this pod never had
+        later = False
+        for i in range(len(ends) - 1, -1, -1):
+            if ends[i] < math.inf:
+                later = True
+            elif later:
+                ends[i] = -math.inf  # skipped: passed at once
+        rows.append((t.sent, ends))
+    out: Obj = {"step_s": step_s, "t_s": []}
+    out.update({name: [] for name, _ in STEP_ENDS})
+    out["running"] = []
+    k = 0
+    while True:
+        at = t0 + k * step_s
+        counts = [0] * len(STEP_ENDS)
+        done = 0
+        for sent, ends in rows:
+            if sent > at:
+                continue
+            for i, end in enumerate(ends):
+                if end > at:
+                    counts[i] += 1
+                    break
+            else:
+                done += 1
+        out["t_s"].append(round(k * step_s, 3))
+        for (name, _), c in zip(STEP_ENDS, counts, strict=True):
+            out[name].append(c)
+        out["running"].append(done)
+        if at >= last or k > 100_000:
+            return out
+        k += 1
+
+
+def peaks(occ: Obj) -> str:
+    """`step max@t` for each step of an `occupancy`: the deepest each queue got, and when."""
+    parts = []
+    for name, _ in STEP_ENDS:
+        xs = occ.get(name) or [0]
+        m = max(xs)
+        parts.append(f"{name} {m}@{occ['t_s'][xs.index(m)]:.0f}s" if m else f"{name} 0")
+    return ", ".join(parts)
 
 
 # ---- API server requests ---------------------------------------------------------------------
@@ -249,6 +329,18 @@ def mem_mb(pid: int) -> tuple[float, float]:
     except OSError:
         pass
     return rss, hwm
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has been busy since boot (/proc/stat: all
+    but idle and iowait); NaN where unreadable."""
+    try:
+        head = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return math.nan
+    ticks = [int(x) for x in head[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / _TICK
 
 
 def load() -> list[float]:

@@ -12,6 +12,11 @@ writer gives every new file a modification time strictly above the previous one,
 unchanged costs one stat() instead of a parse (the MIG-handle walk makes dozens of NVML
 calls per GPU, and one process may serve a thousand emulated nodes). No fsync: the state
 models GPUs, which do not survive a host crash either.
+
+A write costs what a burst can afford (every GI and CI create is one): the temporary file
+has a fixed name (the writer holds the lock; a crash's leftover is simply truncated), and
+each GPU's JSON form is kept with the GPU object it was made from, so a write re-encodes
+only the GPUs that changed (states are frozen: an unchanged GPU is the same object).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +67,9 @@ class NodeStore:
         self.node = node
         self.path = self.dir / f"{node}.json"
         self._lock_path = self.dir / f"{node}.lock"
+        self._tmp_path = self.dir / f".{node}.json.tmp"
+        # id(gpu) -> (that GPU, its JSON form) for the GPUs of the last state written
+        self._plain_gpus: dict[int, tuple[Gpu, dict[str, Any]]] = {}
         # (inode, mtime_ns, size) -> the state parsed from that file; states are frozen,
         # so sharing one between calls and threads is safe
         self._cache: tuple[tuple[int, int, int], EmulatorState] | None = None
@@ -115,19 +122,33 @@ class NodeStore:
         except FileNotFoundError:
             previous = 0
         mtime = max(time.time_ns(), previous + 1)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.node}.", suffix=".tmp")
+        # one compact line: json.dumps without indent runs the C encoder, while
+        # json.dump(indent=...) streams through the pure-Python one (10x slower)
+        data = json.dumps(self._encode(state), separators=(",", ":")).encode()
+        tmp = self._tmp_path
         try:
-            with os.fdopen(fd, "w") as f:
-                # one compact line: json.dumps without indent runs the C encoder, while
-                # json.dump(indent=...) streams through the pure-Python one (10x slower)
-                f.write(json.dumps(encode(state), separators=(",", ":")))
-            os.utime(tmp, ns=(mtime, mtime))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, data)
+                os.utime(fd, ns=(mtime, mtime))
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         st = os.stat(self.path)
         self._cache = ((st.st_ino, st.st_mtime_ns, st.st_size), state)
+
+    def _encode(self, state: EmulatorState) -> dict[str, Any]:
+        """`encode(state)`, reusing the JSON form of every GPU unchanged since the last write."""
+        known = self._plain_gpus
+        fresh: dict[int, tuple[Gpu, dict[str, Any]]] = {}
+        for gpu in state.gpus:
+            hit = known.get(id(gpu))
+            fresh[id(gpu)] = hit if hit is not None and hit[0] is gpu else (gpu, _plain(gpu))
+        self._plain_gpus = fresh  # holds the GPUs, so their ids stay theirs
+        return encode(state, [fresh[id(g)][1] for g in state.gpus])
 
     def read(self) -> EmulatorState:
         return self._load()
@@ -159,8 +180,12 @@ class NodeStore:
 # ---- JSON codec ----------------------------------------------------------------------------
 
 
-def encode(state: EmulatorState) -> dict[str, Any]:
-    plain: dict[str, Any] = _plain(state)
+def encode(state: EmulatorState, gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The state file's JSON form; `gpus`: the GPUs' forms when already known."""
+    plain: dict[str, Any] = {
+        f: (gpus if f == "gpus" and gpus is not None else _plain(getattr(state, f)))
+        for f in state.__dataclass_fields__
+    }
     tables = {g.table.name: model_to_json(g.table) for g in state.gpus if g.table is not None}
     return {"schema": SCHEMA, **plain, **({"tables": tables} if tables else {})}
 
