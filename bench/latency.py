@@ -10,8 +10,9 @@ per GI/CI create/destroy call, so one slice costs 600 ms to make and 400 ms to d
 - sequential: 100 pods one after another (each waits for the previous to run), 10 nodes;
 - burst: 1000 pods created at once (64 creates in flight), 100 nodes;
 - churn: Poisson arrivals, each pod deleted a random lifetime after it runs, 500 nodes;
-- scale: the largest fleets (1000, 2000 nodes): startup, idle cost, then a sequential probe
-  and a burst; allocator and agent CPU seconds and peak RSS.
+- scale: the largest fleets (1000, 2000, 5000 nodes x 8 GPUs; the largest that completes is
+  the `scale` entry): startup, idle cost, then a sequential probe and a burst; allocator
+  and agent CPU seconds and peak RSS.
 
 Every fleet also records its idle cost (CPU share of each process with no pods) and peak
 RSS, which is what "cost against fleet size" plots. Times are from the create request
@@ -84,7 +85,7 @@ class Plan:
     churn_s: float = 180.0
     churn_rate: float = 4.0  # arrivals per second
     churn_life_s: float = 20.0  # mean lifetime once Running (exponential)
-    scale_nodes: tuple[int, ...] = (1000, 2000)
+    scale_nodes: tuple[int, ...] = (1000, 2000, 5000)
     scale_probe: int = 20
     scale_burst: int = 500
     idle_s: float = 30.0
