@@ -22,7 +22,9 @@ from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent import checkpoint, lifecycle
 from nodeagent.report import CONFLICT_FREE
+from nodeagent.settings import Settings
 from tests.integration.agent_fixtures import (
+    GpuNode,
     agent_settings,
     create_allocation,
     eventually,
@@ -35,13 +37,20 @@ from tests.integration.agent_fixtures import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 H200 = "H200-141GB"
+NodeAndAgent = tuple[GpuNode, Settings]
+
+
+@pytest.fixture
+async def h200(agent_kube: Kube, tmp_path: Path, control_plane: ControlPlane) -> NodeAndAgent:
+    """One emulated H200 node and the settings of an agent serving it (every test here)."""
+    node = await gpu_node(agent_kube, tmp_path, [H200])
+    return node, agent_settings([node], control_plane.kubeconfig)
 
 
 async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nvml(
-    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
 ) -> None:
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     seen: dict[str, Any] = {}
     async with running_agent(settings) as agents:
         life = agents[node.name].life
@@ -73,13 +82,11 @@ async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nv
 async def test_slices_made_are_listed_together_and_slots_freed_at_once(
     agent_kube: Kube,
     alloc_ns: str,
-    tmp_path: Path,
-    control_plane: ControlPlane,
+    h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 6.0)
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
 
     async def listed() -> list[str]:
         mn = await mig_node(agent_kube, node.name)
@@ -137,15 +144,13 @@ async def test_slices_made_are_listed_together_and_slots_freed_at_once(
 async def test_a_failed_creating_write_lets_the_intent_write_finish(
     agent_kube: Kube,
     alloc_ns: str,
-    tmp_path: Path,
-    control_plane: ControlPlane,
+    h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The status write fails while the intent record is being written: the create gives up
     only once that write has ended. Cutting it short would free the checkpoint's lock while
     its thread still writes, and another allocation's write could start beside it."""
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     async with running_agent(settings) as agents:
         life = agents[node.name].life
         ended: list[bool] = []
@@ -172,16 +177,14 @@ async def test_a_failed_creating_write_lets_the_intent_write_finish(
 async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
     agent_kube: Kube,
     alloc_ns: str,
-    tmp_path: Path,
-    control_plane: ControlPlane,
+    h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A stopped agent writes no MigNode until it is back: a slice made just before the stop
     and not listed yet would be drawn free (`kubectl instaslice nodes`) meanwhile, although
     the GPU holds it (seen in the troubleshooting e2e test)."""
     monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 60.0)
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
     async with running_agent(settings):
         await create_allocation(agent_kube, alloc)
@@ -194,14 +197,12 @@ async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
 async def test_the_ready_write_does_not_wait_for_the_ready_record(
     agent_kube: Kube,
     alloc_ns: str,
-    tmp_path: Path,
-    control_plane: ControlPlane,
+    h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The record's `ready` is written beside the Ready status write, not before it: nothing
     waits for it (a restart that lost it adopts the slices: the next test)."""
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     saves: list[tuple[str, float]] = []
     real_save = checkpoint.save
 
@@ -238,14 +239,13 @@ async def test_the_ready_write_does_not_wait_for_the_ready_record(
 
 
 async def test_a_ready_allocation_whose_record_still_says_creating_is_adopted(
-    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
 ) -> None:
     """The window the previous test opens: the agent stops after its Ready write and before
     the record's `ready` reached the disk. The next start finds the allocation Ready and the
     record `creating`: it adopts the slices the record claims (the status names their MIG
     UUIDs), makes nothing twice, leaks nothing, and the CDI file is there."""
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1), ("c", "2g.35gb", 0, 4, 2)])
     async with running_agent(settings):
         await create_allocation(agent_kube, alloc)
@@ -272,12 +272,11 @@ async def test_a_ready_allocation_whose_record_still_says_creating_is_adopted(
 
 
 async def test_a_slice_takes_one_trip_to_its_gpus_nvml_lane(
-    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
 ) -> None:
     """GI, CI and MIG UUID of a slice in one hand-off to the GPU's NVML thread (each hand-off
     costs a thread switch and a wait for the lane on a busy event loop)."""
-    node = await gpu_node(agent_kube, tmp_path, [H200])
-    settings = agent_settings([node], control_plane.kubeconfig)
+    node, settings = h200
     async with running_agent(settings) as agents:
         gpus = agents[node.name].life.gpus
         real_call = gpus.call_gpu
