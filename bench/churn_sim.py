@@ -9,7 +9,8 @@ latency (300 ms per GI or CI create, 200 ms per destroy, 0 for reads). Each allo
 worker asks for its calls one after another, so the calls of allocations queued on the same
 GPU interleave, as in the agent:
 
-- create: instance scan (0), create GI (300), create CI (300), MIG UUID (0);
+- create: instance scan (0), then GI (300) + CI (300) + MIG UUID (0) in one trip
+  (`lifecycle._gi_ci_uuid`; `--split-create`: three calls, as the agent asked before);
 - release: instance scan (0), destroy CI (200), destroy GI (200); the slots are free for
   placement once the release is done (the allocation is deleted after its finalizer goes).
 
@@ -17,16 +18,18 @@ The API server, watches and CPU are left out (`--overhead-s` adds a constant per
 them): what is left is the queueing that per-GPU serial NVML and packing placement make.
 It prints the create time (placement decided → slices made) per percentile and how many
 creates were queued on the GPU when each one was asked for, for the current lane order and
-for alternatives (`--order`): `fifo` (today), `alloc` (a create's calls back to back: the
-GPU is handed over per allocation, not per call), `creates-first` (`alloc`, and a queued
-create goes before a queued release on the same GPU).
+for alternatives (`--order`): `fifo` (the agent before issue 25's lane work), `creates-first`
+(the agent now, nodeagent/lane.py: per call, a queued create's call goes before the queued
+calls of releases on the same GPU), `alloc` (a create's calls back to back: the GPU is handed
+over per allocation, not per call), `alloc-creates-first` (`alloc`, and a queued create goes
+before a queued release).
 
 `--avoid-busy K` is the allocator's `--avoid-creates-in-flight K`: a GPU with K or more
 slices placed and not made yet is left out of a first placement pass (the allocator counts
 a slice until it sees the allocation `Ready`: `--ready-lag-s` adds that status write and
 watch to the time a GPU counts as busy).
 
-    python -m bench.churn_sim [--seed 1,2,3] [--order fifo,alloc,creates-first] [--avoid-busy 0,1,2]
+    python -m bench.churn_sim [--seed 1,2,3] [--order fifo,creates-first] [--avoid-busy 0,1,2]
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ from common.placement.model import (
 )
 from common.placement.replay import Cluster, TraceNode
 
-ORDERS = ("fifo", "alloc", "creates-first")
-CREATE = (0.0, 0.3, 0.3, 0.0)  # scan, GI, CI, MIG UUID
+ORDERS = ("fifo", "creates-first", "alloc", "alloc-creates-first")
+CREATE = (0.0, 0.6)  # scan, then GI + CI + MIG UUID in one trip
+SPLIT_CREATE = (0.0, 0.3, 0.3, 0.0)  # scan, GI, CI, MIG UUID
 RELEASE = (0.0, 0.2, 0.2)  # scan, destroy CI, destroy GI
 
 
@@ -89,7 +93,7 @@ class Lane:
             return self.holder
         if not self.queue:
             return None
-        if self.order == "creates-first":
+        if self.order.endswith("creates-first"):
             for job in self.queue:
                 if job.create:
                     self.queue.remove(job)
@@ -128,6 +132,7 @@ def simulate(
     avoid_busy: int = 0,
     keep_intact: bool = False,
     ready_lag_s: float = 0.0,
+    split_create: bool = False,
 ) -> dict[str, Any]:
     rnd = random.Random(seed)
     gpus = tuple(Gpu(i, "H100-80GB") for i in range(8))
@@ -162,7 +167,7 @@ def simulate(
         cost = job.calls.popleft()
         lane.running = job
         lane.busy_until = now + cost
-        lane.holder = job if job.calls and order != "fifo" else None
+        lane.holder = job if job.calls and order.startswith("alloc") else None
         at(now + cost, "call_done", (key, job))
 
     def ask(key: tuple[str, int], job: Job, now: float) -> None:
@@ -190,13 +195,13 @@ def simulate(
             where[data] = key
             lane = lanes.setdefault(key, Lane(order))
             queued_ahead[data] = lane.creates()
-            ask(key, Job(data, True, deque(CREATE), now), now)
+            ask(key, Job(data, True, deque(SPLIT_CREATE if split_create else CREATE), now), now)
         elif kind == "call_done":
             key, job = data
             lane = lanes[key]
             lane.running = None
             if job.calls:
-                if order == "fifo":
+                if not order.startswith("alloc"):
                     lane.queue.append(job)  # the worker asks for its next call: at the back
             else:
                 if job.create:
@@ -214,6 +219,7 @@ def simulate(
     xs = list(create_s.values())
     return {
         "order": order,
+        "split_create": split_create,
         "avoid_busy": avoid_busy,
         "ready_lag_s": ready_lag_s,
         "keep_intact": keep_intact,
@@ -255,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with --avoid-busy: never break an intact GPU to avoid waiting",
     )
+    ap.add_argument(
+        "--split-create",
+        action="store_true",
+        help="a create's GI, CI and MIG UUID as three lane calls (the agent before one trip)",
+    )
     args = ap.parse_args(argv)
     for order in args.order.split(","):
         if order not in ORDERS:
@@ -271,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     avoid_busy=k,
                     keep_intact=args.keep_intact,
                     ready_lag_s=args.ready_lag_s,
+                    split_create=args.split_create,
                 )
                 print(json.dumps(res))
     return 0

@@ -19,7 +19,8 @@ runs it alone. Pure simulation of the allocator's decisions (the engine and
   brute-force minimum cost set's, and against the fewest victims that free any placement
   (ignoring priorities).
 - **speed**: one plan on a full 100-node x 8-GPU fleet of 1g pods (ms; the allocator runs it
-  only for a pod that does not fit).
+  only for a pod that does not fit), for MIG profiles and for 1 and 4 whole GPUs
+  (`plan_whole_preemption`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from common.catalog import load_catalog
+from common.constants import WHOLE_GPU_PROFILE
 from common.placement.engine import place
 from common.placement.model import (
     Gpu,
@@ -48,6 +50,7 @@ from common.placement.model import (
     Snapshot,
 )
 from common.placement.preempt import Holder, plan_preemption, victim_cost
+from common.placement.preempt_whole import plan_whole_preemption
 
 MODEL = "H100-80GB"
 GRACE_S = 35.0
@@ -331,6 +334,19 @@ def speed(nodes: int = 100, repeats: int = 5) -> dict[str, Any]:
             "cpu_ms_median": round(statistics.median(times) * 1000, 1),
             "victims": len(plan.victims),
         }
+    every = frozenset((n.name, g.index) for n in snapshot.nodes for g in n.gpus)
+    for count in (1, 4):  # whole GPUs: every holder of `count` GPUs of one node
+        request = PodRequest("hi", 0, 0, (SliceRequest("main", WHOLE_GPU_PROFILE, count),))
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            whole = plan_whole_preemption(snapshot, request, holders, every)
+            times.append(time.process_time() - t0)
+        assert whole is not None
+        out[f"whole x{count}"] = {
+            "cpu_ms_median": round(statistics.median(times) * 1000, 1),
+            "victims": len(whole.victims),
+        }
     return {"fleet": f"{nodes} nodes x 8 {MODEL}, every GPU 7 x 1g", **out}
 
 
@@ -375,6 +391,8 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"plan speed ({s['fleet']}): "
         + ", ".join(f"{p} {s[p]['cpu_ms_median']} ms" for p in ("1g.10gb", "3g.40gb", "7g.80gb"))
+        + "; whole GPUs: "
+        + ", ".join(f"{n} {s[f'whole x{n}']['cpu_ms_median']} ms" for n in (1, 4))
     )
     return "\n".join(lines)
 

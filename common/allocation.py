@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.constants import API_VERSION, NODE_LABEL, RELEASE_FINALIZER, SLICE_ALLOCATION_KIND
-from common.objects import Phase, SliceSpec
+from common.objects import Phase, SliceSpec, node_label_value
 
 Obj = dict[str, Any]
 
@@ -133,7 +133,9 @@ def build_allocation(
         "metadata": {
             "name": claim,
             "namespace": namespace,
-            "labels": {NODE_LABEL: node},
+            # a label value has at most 63 characters, a node name up to 253: a longer one
+            # is cut and hashed (common.objects.node_label_value), as on the Node itself
+            "labels": {NODE_LABEL: node_label_value(node)},
             "finalizers": [RELEASE_FINALIZER],
             "ownerReferences": [
                 {

@@ -53,6 +53,8 @@ MIG_NODE_PLURAL: Final = "mignodes"
 # MigNodes are listed 100 at a time (not the informers' 500): one decodes to ~83 KB (8 GPUs'
 # profile tables), and a page is decoded whole before its objects are parsed and let go
 MIG_NODE_PAGE_SIZE: Final = 100
+# On a SliceAllocation: the node it is bound to. On a Node: the node's own name, written by its
+# agent, which a Karpenter placeholder's `NotIn` keeps it off by (docs/autoscaling.md).
 NODE_LABEL: Final = "instaslice.io/node"
 # On an autoscaler placeholder pod or ProvisioningRequest: the uid of the gated pod it stands for.
 SCALE_UP_LABEL: Final = "instaslice.io/scale-up-for"
@@ -71,6 +73,9 @@ GPU_COUNT_LABEL: Final = "instaslice.io/gpu-count"
 # Set by an operator on a node: the MIG mode its idle Hopper+ GPUs rest in (enabled, disabled,
 # or any = left as the last allocation needed; docs/nodeagent.md "Resting mode").
 IDLE_MIG_MODE_LABEL: Final = "instaslice.io/idle-mig-mode"
+# MigNode status.gpus[].modeChange.reason of a maintenance ask the node agent gave up (its drain
+# ran past --maintenance-drain-timeout-s): the only Failed that frees the GPU while it is asked
+DRAIN_TIMED_OUT: Final = "DrainTimedOut"
 
 # Event reasons (docs/contract.md §4).
 REASON_ALLOCATED: Final = "SliceAllocated"

@@ -3,8 +3,9 @@
 Everything else sees Kubernetes objects as plain JSON dicts in wire format (camelCase, as
 in YAML) and calls a handful of verbs on `Kube`. kubernetes_asyncio supplies what it does
 well — kubeconfig / in-cluster loading, auth, TLS, the aiohttp session — and nothing of its
-generated models: raw dicts are faster to decode, match the manifests one to one, and keep
-one code path for core objects and our CRDs alike.
+generated models or its request plumbing (`Kube._call` sends on its session directly): raw
+dicts are faster to decode, match the manifests one to one, and keep one code path for core
+objects and our CRDs alike.
 
 Errors are classified once, here: `ApiError.status` plus the predicates `not_found`,
 `conflict`, `gone`, `retryable`. Watches follow STYLE.md §4 (`Informer`): list, then watch
@@ -20,7 +21,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import aiohttp
 import structlog
@@ -159,23 +160,46 @@ class Kube:
         wait for a free pooled connection: in a burst hundreds of requests queue for the
         pool, and a total deadline timed them out there and had them retried, a storm that
         kept 1000 emulated nodes from publishing for minutes (docs/benchmarks.md).
+
+        The request goes straight to kubernetes_asyncio's aiohttp session, past its
+        `ApiClient.call_api`: that walks every body (`sanitize_for_serialization`, for its
+        generated models, which nothing here uses) and the headers and query before sending,
+        and was 12-15 % of the node agent's Python time in a 1000-pod burst, most of it on
+        MigNode status bodies (docs/benchmarks.md). Its auth layer is kept (the bearer token
+        and its refresh hook); the body goes out as compact JSON (`encode`).
         """
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
         timeout = (
-            None
+            aiohttp.ClientTimeout()
             if request_timeout is None
             else aiohttp.ClientTimeout(sock_connect=request_timeout, sock_read=request_timeout)
         )
+        api = self._api
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        headers.update(api.default_headers)
+        if api.cookie:
+            headers["Cookie"] = api.cookie
         try:
-            return await self._api.call_api(
-                path,
+            # kubernetes_asyncio's auth layer: a bearer token, refreshed by its hook if any
+            await api.update_params_for_auth(headers, params, ["BearerToken"])
+            url = f"{api.configuration.host}{path}"
+            if params:
+                url += "?" + urlencode(params)
+            rest = api.rest_client
+            extra: dict[str, Any] = {}
+            if rest.proxy:
+                extra["proxy"] = rest.proxy
+            if rest.proxy_headers:
+                extra["proxy_headers"] = rest.proxy_headers
+            if rest.server_hostname:
+                extra["server_hostname"] = rest.server_hostname
+            return await rest.pool_manager.request(
                 method,
-                query_params=params,
-                header_params={"Content-Type": content_type, "Accept": "application/json"},
-                body=body,
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                _request_timeout=timeout,
+                url,
+                data=None if body is None else encode(body),
+                headers=headers,
+                timeout=timeout,
+                **extra,
             )
         except ApiException as exc:  # raised by the auth/refresh layers
             raise ApiError(exc.status or 0, exc.reason or "", str(exc)) from exc
@@ -298,13 +322,26 @@ class Kube:
             resp.release()
 
 
+# How long an idle pooled connection to the API server is kept (aiohttp's default: 15 s).
+# In a 1000-pod burst the node agent's and the allocator's request rates pause for longer
+# than 15 s between waves: each pause closed the pool, and the next wave opened ~60 new TLS
+# connections, each a handshake (12 % of the agent's event-loop time in a burst's first 30 s,
+# docs/benchmarks.md). Below kube-apiserver's own idle timeout (90 s, its http.Server
+# IdleTimeout), so the client, not the server, ends an idle connection.
+KEEPALIVE_S = 60.0
+
+
 def harden(api: k8s_client.ApiClient) -> k8s_client.ApiClient:
     """What `Kube` does to its kubernetes_asyncio client, for code that uses one directly
-    (tests, hack/): no ~/.netrc lookup per request, closed TLS connections aborted."""
+    (tests, hack/): no ~/.netrc lookup per request, closed TLS connections aborted, idle
+    connections kept `KEEPALIVE_S`."""
     session = api.rest_client.pool_manager
     assert hasattr(session, "_trust_env"), "aiohttp renamed ClientSession._trust_env"
     session._trust_env = False
-    _abort_closed_tls(session.connector)
+    connector = session.connector
+    assert connector is not None and hasattr(connector, "_keepalive_timeout"), "aiohttp changed"
+    connector._keepalive_timeout = KEEPALIVE_S
+    _abort_closed_tls(connector)
     return api
 
 
@@ -332,6 +369,12 @@ def _transport_error(exc: Exception) -> ApiError | None:
     if isinstance(exc, OSError) or type(exc).__module__.startswith("aiohttp"):
         return ApiError(0, type(exc).__name__, str(exc))
     return None
+
+
+def encode(body: Any) -> bytes:
+    """A request body as the API server gets it: compact JSON (no blanks after `,` and
+    `:`), ASCII with escapes as `json.dumps` writes by default."""
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _query_value(v: Any) -> str:

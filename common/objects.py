@@ -7,12 +7,13 @@ validating source of truth. The SliceAllocation model (parse and build) is commo
 from __future__ import annotations
 
 import enum
+import hashlib
 import secrets
 import string
 from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
-from common.constants import API_VERSION, MIG_NODE_KIND
+from common.constants import API_VERSION, MIG_NODE_KIND, NODE_LABEL
 
 Obj = dict[str, Any]
 
@@ -100,6 +101,7 @@ class MigMode(TypedDict):
 class ModeChangeStatus(TypedDict):
     phase: str  # Changing | Draining | Resetting | Failed
     target: NotRequired[str]
+    reason: NotRequired[str]  # DrainTimedOut: a Failed ask given up (not retried)
     message: NotRequired[str]
     time: NotRequired[str]
 
@@ -153,6 +155,26 @@ def desired_modes(mig_node: Mapping[str, Any]) -> dict[str, str]:
         if isinstance(g, dict) and g.get("desiredMigMode") in DESIRED_MIG_MODES:
             out[str(g.get("uuid", ""))] = str(g["desiredMigMode"])
     return out
+
+
+_LABEL_VALUE_MAX = 63
+_DIGEST_LEN = 12
+
+
+def node_label_value(node: str) -> str:
+    """The value of the label `instaslice.io/node` on Node `node` (docs/contract.md §3): its
+    name when that is a label value (at most 63 characters); a longer name (a DNS subdomain
+    may have 253) is cut to 50 and ends with `-` and 12 hex digits of its sha256, so every
+    node has one value and the allocator computes the same as the agent."""
+    if len(node) <= _LABEL_VALUE_MAX:
+        return node
+    digest = hashlib.sha256(node.encode()).hexdigest()[:_DIGEST_LEN]
+    return f"{node[: _LABEL_VALUE_MAX - _DIGEST_LEN - 1]}-{digest}"
+
+
+def node_labelled(labels: Mapping[str, str], node: str) -> bool:
+    """Node `node` carries its own `instaslice.io/node` (its agent wrote it)."""
+    return labels.get(NODE_LABEL) == node_label_value(node)
 
 
 def mig_node(node: str) -> Obj:

@@ -13,21 +13,24 @@ satisfy `memory>=20Gi`. `multiprocessors` (optional) is NVML's SM count of the G
 On one GPU model the ask resolves to its *smallest* fitting profile (least memory, then fewest
 memory slots, then fewest compute slices); media-extension profiles (`+me`, `-me`, `+gfx`) are
 never chosen. `place_sized` tries every model of the snapshot, each on that model's GPUs only
-(all of a pod's slices share a node), and keeps the placement that gives least memory. Pure.
+(all of a pod's slices share a node), with the same MIG mode rules as a profile ask
+(common/placement/modes.py: GPUs in MIG mode first, a mode change only when nothing else
+fits, the same pending reasons), and keeps the decision that gives least memory. Pure.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Final
 
 from common.catalog import Catalog, GpuModel, Profile
 from common.constants import SIZE_ANNOTATION_PREFIX
-from common.placement import Pending, Placement, Policy, place
+from common.placement import Pending, Policy, engine
 from common.placement.model import PendingReason, PodRequest, SliceRequest, Snapshot
+from common.placement.modes import ModePlacement, ModeView, PlaceFn, mode_steps
 from common.quantity import parse_quantity
 
 MIB: Final = 1024 * 1024
@@ -151,46 +154,92 @@ def place_sized(
     asks: Iterable[SizeAsk],
     policy: Policy,
     catalog: Catalog,
-) -> Placement | Pending:
-    """Place `request` plus the size `asks`, resolved on each GPU model of `snapshot`."""
+    modes: ModeView | Callable[[Snapshot], ModeView],
+    place: PlaceFn = engine.place,
+) -> ModePlacement:
+    """Place `request` plus the size `asks`, resolved on each GPU model of `snapshot` (its
+    GPUs in any MIG mode), with `place_with_modes`'s rules and reasons across the models:
+    every model's GPUs in MIG mode first, then its GPUs whose MIG mode the agent would change
+    (`modes`: as for `place_with_modes`; a function is given each model's own snapshot), and
+    so on, one attempt at a time (`mode_steps`); among the models an attempt decides for, the
+    least memory wins, then the fewest memory slots, then the model's name (when none
+    places, the most advanced reason first, as the engine ranks its own)."""
     asks = list(asks)
     models = sorted({g.model for n in snapshot.nodes for g in n.gpus})
-    best: tuple[tuple[int, int, str], Placement] | None = None
-    pending: Pending | None = None
+    offered: list[GpuModel] = []
+    runs: list[tuple[tuple[int, int, str], Iterator[ModePlacement | None]]] = []
     for name in models:
         model = catalog.model(name)
         if model is None:
             continue
-        resolved = [(a, resolve(model, a.size)) for a in asks]
-        if any(p is None for _, p in resolved):
+        offered.append(model)
+        resolved = [(a, p) for a in asks if (p := resolve(model, a.size)) is not None]
+        if len(resolved) < len(asks):
             continue
-        extra = tuple(SliceRequest(a.container, p.name, a.size.count) for a, p in resolved if p)
-        sub = Snapshot(
-            tuple(
-                replace(n, gpus=tuple(g for g in n.gpus if g.model == name))
-                for n in snapshot.nodes
-                if any(g.model == name for g in n.gpus)
-            )
+        extra = tuple(SliceRequest(a.container, p.name, a.size.count) for a, p in resolved)
+        memory = sum(p.memory_mib * a.size.count for a, p in resolved)
+        slots = sum(p.memory_slots * a.size.count for a, p in resolved)
+        sub = _of_model(snapshot, name)
+        view = modes if callable(modes) else _within(modes, sub)
+        steps = mode_steps(
+            sub, replace(request, slices=request.slices + extra), view, policy, catalog, place
         )
-        result = place(sub, replace(request, slices=request.slices + extra), policy, catalog)
-        if isinstance(result, Pending):
-            pending = pending or result
-            continue
-        waste = sum(p.memory_mib * a.size.count for a, p in resolved if p)
-        slots = sum(p.memory_slots * a.size.count for a, p in resolved if p)
-        key = (waste, slots, name)
-        if best is None or key < best[0]:
-            best = (key, result)
-    if best is not None:
-        return best[1]
-    if pending is not None:
-        return pending
-    offered = [m for n in models if (m := catalog.model(n)) is not None]
+        runs.append(((memory, slots, name), steps))
+    while runs:  # each run's i-th step is the same attempt; the last attempt always decides
+        decided = [(key, step) for key, steps in runs if (step := next(steps)) is not None]
+        if decided:
+            return min(decided, key=lambda d: (_advanced(d[1]), d[0]))[1]
     for a in asks:
         if all(resolve(m, a.size) is None for m in offered):
             why = unsatisfiable(a.size, offered, "the cluster")
-            return Pending(PendingReason.NO_PROFILE, f"container {a.container!r}: {why}")
-    return Pending(
-        PendingReason.NO_PROFILE,
-        "no GPU model in the cluster offers every size this pod asks for on one GPU model",
+            return ModePlacement(
+                Pending(PendingReason.NO_PROFILE, f"container {a.container!r}: {why}")
+            )
+    return ModePlacement(
+        Pending(
+            PendingReason.NO_PROFILE,
+            "no GPU model in the cluster offers every size this pod asks for on one GPU model",
+        )
     )
+
+
+# The engine's precedence among its own reasons (explain.py), most advanced first: what would
+# unblock the pod. Among the models' plain Pendings (the last attempt) the most advanced one
+# tells, so a model the pod's selector leaves out never hides the one it picked being full.
+_PRECEDENCE: Final = (
+    PendingReason.NODE_RESOURCES,
+    PendingReason.FRAGMENTED,
+    PendingReason.FULL,
+    PendingReason.GPU_UNAVAILABLE,
+)
+
+
+def _advanced(step: ModePlacement) -> int:
+    """-1 for a placement (before any Pending); a Pending's place in `_PRECEDENCE` (the
+    other reasons after)."""
+    result = step.result
+    if not isinstance(result, Pending):
+        return -1
+    return _PRECEDENCE.index(result.reason) if result.reason in _PRECEDENCE else len(_PRECEDENCE)
+
+
+def _of_model(snapshot: Snapshot, name: str) -> Snapshot:
+    """`snapshot` with the GPUs of model `name` only, and only the nodes that have one;
+    `snapshot` itself when that is all of it (the allocator's fleet index answers then)."""
+    if all(n.gpus and all(g.model == name for g in n.gpus) for n in snapshot.nodes):
+        return snapshot
+    return Snapshot(
+        tuple(
+            replace(n, gpus=tuple(g for g in n.gpus if g.model == name))
+            for n in snapshot.nodes
+            if any(g.model == name for g in n.gpus)
+        )
+    )
+
+
+def _within(view: ModeView, snapshot: Snapshot) -> ModeView:
+    """`view` less the GPUs not in `snapshot` (its messages count the GPUs in a state)."""
+    if not (view.flex or view.needs_reset or view.under_way):
+        return view
+    gpus = {(n.name, g.index) for n in snapshot.nodes for g in n.gpus}
+    return ModeView(view.flex & gpus, view.needs_reset & gpus, view.under_way & gpus)

@@ -54,7 +54,7 @@ from hack.cluster.nodes import (
     load_spec,
     wait_nodes_ready,
 )
-from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from hack.cluster.procs import ProcessRecord, free_ports, spawn, stop_process
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode, Runtime
 from hack.kueue import KueueSettings
 from nodeagent.emulator import provision
@@ -168,13 +168,14 @@ class DevSystem:
                 "--scale-up-delay=2",
                 "--karpenter-do-not-disrupt",
             ]
+        webhook_port, metrics_port, agent_metrics_port = free_ports(3)
         system = cls(
             dir,
             cp,
             spec.node_names(),
-            free_port(),
-            free_port(),
-            free_port(),
+            webhook_port,
+            metrics_port,
+            agent_metrics_port,
             agent_args=tuple(agent_args),
             webhook_args=tuple(webhook_args),
             real_binding=real_binding,
@@ -282,7 +283,7 @@ class DevSystem:
         (certs / "tls.crt").write_bytes(issued.cert_pem)
         (certs / "tls.key").write_bytes(issued.key_pem)
         kueue.ensure_metrics_cert(issued.cert_pem, issued.key_pem)
-        self.kueue_port, health = free_port(), free_port()
+        self.kueue_port, health = free_ports(2)
         config = self.dir / "kueue-config.yaml"
         config.write_text(
             yaml.safe_dump(
@@ -368,7 +369,7 @@ class DevSystem:
         types.write_text(json.dumps(karpenter.instance_types(groups, load_catalog()), indent=1))
         objs = yaml.safe_dump_all(karpenter.karpenter_objects(groups))
         self.cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=objs)
-        env = karpenter.karpenter_env(self.kubeconfig, types, free_port(), free_port())
+        env = karpenter.karpenter_env(self.kubeconfig, types, *free_ports(2))
         self._spawn("karpenter", [str(built / "bin" / "karpenter-kwok")], die_with_parent, env)
         argv = [
             sys.executable, "-m", "hack.cluster.autonodes",

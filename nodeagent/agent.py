@@ -27,7 +27,7 @@ from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
-from nodeagent import cdi, checkpoint, modes, writes
+from nodeagent import cdi, checkpoint, heartbeat, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.lifecycle import Lifecycle
@@ -41,9 +41,9 @@ from nodeagent.report import (
     capacity_patch,
     conflict_condition,
     conflicts,
-    gpu_labels,
     label_patch,
     mig_node_status,
+    node_labels,
     slot_capacity,
     stamped,
     with_condition,
@@ -114,6 +114,7 @@ class NodeAgent:
             changer=self.life.modes,
             reset=reset,
             wait_s=settings.maintenance_wait_s,
+            drain_timeout_s=settings.maintenance_drain_timeout_s,
             clock=self.clock,
         )
         self.started = asyncio.Event()
@@ -121,6 +122,7 @@ class NodeAgent:
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
         self._last_capacity: dict[str, str] | None = None
+        self._capacity_written = False  # once: later writes undo another writer's (logged)
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
         self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
@@ -155,7 +157,7 @@ class NodeAgent:
             self._node_uid = uid
         labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
         self.note_idle_mode(labels)
-        # the instaslice.io/gpu-* labels, likewise
+        # the instaslice.io/gpu-* and instaslice.io/node labels, likewise
         if self._last_labels is not None and label_patch(self._last_labels, labels) is not None:
             self._last_labels = None
             self.st.publish.set()
@@ -163,7 +165,8 @@ class NodeAgent:
             return
         current = {} if etype == "DELETED" else obj.get("status", {}).get("capacity") or {}
         if capacity_patch(self._last_capacity, current, prune=self._prune) is not None:
-            log.info("Node capacity differs from what we wrote; writing it again", node=self.node)
+            # Often only an event older than our own write (at 5000 nodes, once per node at
+            # start): the publisher reads the Node and writes, and says so, only if it must.
             self._last_capacity = None
             self.st.publish.set()
 
@@ -230,7 +233,22 @@ class NodeAgent:
             )
         healthy = [g.index for g in st.inv.gpus if g.index not in st.inv.lost]
         self.hub.add(self.node, self.gpus.event_session(), healthy, self._health_q.put_nowait)
+        await self._first_conflict_check()
         st.publish.set()
+
+    async def _first_conflict_check(self) -> None:
+        """Before the first publish, so that its MigNode status carries ConflictFree: one
+        status write per node at start. Left to the first GC pass, the condition was a second
+        write of every MigNode; at 5000 nodes that wave was still flowing 15 minutes after
+        startup (issue 25). The Node not there yet, or the API server refusing: that pass
+        checks."""
+        try:
+            checked = await self.check_conflicts()
+        except ApiError as exc:
+            log.warning("conflict check failed", node=self.node, error=str(exc))
+            return
+        if checked:
+            self._conflicts_checked = self.clock.monotonic()
 
     # ---- publishing ----------------------------------------------------------------------------
 
@@ -303,7 +321,7 @@ class NodeAgent:
             # without their slice (seen on the real node, tests/e2e/test_realnode.py). Memory
             # slots are no device: written directly in both modes.
             desired |= capacity(st.inv, st.health, modes.can_enable, modes.can_be_whole)
-        labels = gpu_labels(st.inv)
+        labels = node_labels(self.node, st.inv)
         if desired == self._last_capacity and labels == self._last_labels:
             return None
         node = await writes.get_node(self.kube, self.node)
@@ -313,16 +331,21 @@ class NodeAgent:
         current = node.get("status", {}).get("capacity") or {}
         body = capacity_patch(desired, current, prune=self._prune)
         if body is not None:
+            if self._capacity_written:
+                log.info("Node capacity is not what we wrote; writing it again", node=self.node)
             await writes.patch_node_status(self.kube, self.node, body)
         self._last_capacity = desired
+        self._capacity_written = True
         body = label_patch(labels, node.get("metadata", {}).get("labels") or {})
-        if body is not None:  # instaslice.io/gpu-model for Kueue flavors (docs/kueue.md)
+        if body is not None:  # gpu-model for Kueue flavors, node for placeholders' NotIn
             await writes.patch_node(self.kube, self.node, body)
         self._last_labels = labels
         return None
 
     async def _lease(self) -> None:
-        period = max(1.0, self.settings.lease_duration_s / 4)
+        """Renew the Lease at once, then on this node's cadence (nodeagent/heartbeat.py)."""
+        period = heartbeat.renewal_period(self.settings.lease_duration_s)
+        cadence = heartbeat.phase(self.clock.monotonic(), period)
         while True:
             try:
                 await writes.renew_lease(
@@ -330,7 +353,8 @@ class NodeAgent:
                 )
             except ApiError as exc:
                 log.warning("lease renewal failed", node=self.node, error=str(exc))
-            await asyncio.sleep(period)
+            now = self.clock.monotonic()
+            await asyncio.sleep(heartbeat.next_renewal(now, cadence, period) - now)
 
     # ---- garbage collection ----------------------------------------------------------------------
 
@@ -402,14 +426,14 @@ class NodeAgent:
             log.warning("instances vanished (driver reload or GPU reset?)", claim=uid)
             self.queue.kick(uid)
 
-    async def check_conflicts(self) -> None:
+    async def check_conflicts(self) -> bool:
         """Another MIG manager on this node (NVIDIA's device plugin, MIG Manager, instances we
         did not create): the MigNode condition ConflictFree, a Warning event when it turns
-        False, and the conflicts gauge. Checked by the GC pass every conflict_check_period_s
-        (the agent may get, not watch, its Node)."""
+        False, and the conflicts gauge. Checked at start and by the GC pass every
+        conflict_check_period_s; False when the Node does not exist (yet)."""
         labels = await writes.node_labels(self.kube, self.node)
         if labels is None:
-            return
+            return False
         found = conflicts(labels, len(self.st.foreign))
         for kind in CONFLICT_KINDS:
             self.metrics.conflicts.labels(self.node, kind).set(kind in found)
@@ -417,12 +441,13 @@ class NodeAgent:
         new = conflict_condition(found, now)
         old = next((c for c in self.node_conditions if c["type"] == new["type"]), None)
         if old is not None and (old["status"], old["message"]) == (new["status"], new["message"]):
-            return
+            return True
         self.node_conditions = with_condition(self.node_conditions, new)
         self.st.publish.set()
         if new["status"] == "False":
             log.warning("another manager on this node's GPUs", node=self.node, reason=new["reason"])
             await writes.mig_node_event(self.kube, self.node, new)
+        return True
 
     async def _gc_cdi(self) -> None:
         """Remove CDI files no allocation owns. A file naming its allocation's UID is kept

@@ -110,12 +110,30 @@ class MaintenanceIntent:
 
 
 @dataclass(frozen=True, slots=True)
+class DrainClock:
+    """An Ampere maintenance drain (nodeagent/maintenance.py) of one GPU: kept across restarts
+    so a restarted (or crash-looping) agent neither starts the clock afresh nor carries out an
+    ask it gave up. `since`: when the drain began (wall time, seconds since the epoch: the
+    monotonic clock does not survive a restart). `given_up`: the failure's message once the
+    drain ran out (empty while it runs), `given_up_time` its RFC 3339 time."""
+
+    target: str  # enabled | disabled
+    since: float
+    given_up: str = ""
+    given_up_time: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     node: str
     boot_id: str = ""
     claims: Mapping[str, ClaimRecord] = field(default_factory=dict)  # by uid
     mode_changes: Mapping[str, ModeIntent] = field(default_factory=dict)  # by GPU UUID
     maintenance: MaintenanceIntent | None = None
+    drains: Mapping[str, DrainClock] = field(default_factory=dict)  # by GPU UUID
+
+    def with_drains(self, drains: Mapping[str, DrainClock]) -> Checkpoint:
+        return replace(self, drains=drains)
 
     def with_maintenance(self, intent: MaintenanceIntent | None) -> Checkpoint:
         return replace(self, maintenance=intent)
@@ -156,6 +174,15 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
             if cp.maintenance is None
             else {"modes": dict(cp.maintenance.modes), "labels": dict(cp.maintenance.labels)}
         ),
+        "drains": {
+            uuid: {
+                "target": d.target,
+                "since": d.since,
+                "givenUp": d.given_up,
+                "givenUpTime": d.given_up_time,
+            }
+            for uuid, d in sorted(cp.drains.items())
+        },
     }
 
 
@@ -182,6 +209,15 @@ def from_json(doc: Mapping[str, Any]) -> Checkpoint:
         claims[rec.uid] = rec
     modes = [ModeIntent(**m) for m in doc.get("modeChanges", [])]  # added later: optional
     maint = doc.get("maintenance")  # added later still
+    drains = {  # and later again
+        uuid: DrainClock(
+            str(d["target"]),
+            float(d["since"]),
+            str(d.get("givenUp", "")),
+            str(d.get("givenUpTime", "")),
+        )
+        for uuid, d in (doc.get("drains") or {}).items()
+    }
     return Checkpoint(
         node=doc["node"],
         boot_id=doc.get("bootID", ""),
@@ -192,6 +228,7 @@ def from_json(doc: Mapping[str, Any]) -> Checkpoint:
             if not maint
             else MaintenanceIntent(dict(maint["modes"]), dict(maint.get("labels") or {}))
         ),
+        drains=drains,
     )
 
 
@@ -216,7 +253,7 @@ def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
     may be lost with the page cache: the restart then re-derives them from NVML."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    data = json.dumps(to_json(cp)).encode()  # compact: indent would use the slow encoder
+    data = encode(cp, path).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
@@ -231,3 +268,36 @@ def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+# The JSON text of each claim of the last checkpoint saved to a path, by the record's id
+# (records are frozen: an unchanged claim is the same object from one save to the next).
+# A node saves ~3 times per pod and every save wrote all its claims: at 56 claims the
+# encoding was most of a save's CPU; now a save encodes only the claims that changed.
+_claim_texts: dict[Path, dict[int, tuple[ClaimRecord, str]]] = {}
+
+
+def encode(cp: Checkpoint, path: Path | None = None) -> str:
+    """`json.dumps(to_json(cp))`, compact; with `path`, each claim's text is reused from
+    the previous save to that path when the claim is the same record."""
+    known = _claim_texts.get(path, {}) if path is not None else {}
+    fresh: dict[int, tuple[ClaimRecord, str]] = {}
+    texts = []
+    for c in sorted(cp.claims.values(), key=lambda c: c.key):
+        if c.state == "failed":
+            continue
+        hit = known.get(id(c))
+        if hit is None or hit[0] is not c:
+            hit = (c, json.dumps(_claim_json(c), separators=_COMPACT))
+        fresh[id(c)] = hit  # holds the record, so its id stays its own
+        texts.append(hit[1])
+    if path is not None:
+        _claim_texts[path] = fresh
+    doc = to_json(replace(cp, claims={}))
+    head = json.dumps(doc, separators=_COMPACT)
+    marker = '"claims":[]'
+    assert head.count(marker) == 1, "a checkpoint field's text looks like the claims list"
+    return head.replace(marker, '"claims":[' + ",".join(texts) + "]")
+
+
+_COMPACT = (",", ":")

@@ -24,13 +24,13 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import structlog
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.clock import Clock, SystemClock, kube_time
+from common.clock import Clock, SystemClock, kube_time, wait_or_sleep
 from common.constants import REASON_READY, REASON_RELEASED, qualified_cdi_device
 from common.kubeapi import ApiError, Kube
 from common.objects import Phase, SliceStatus
@@ -47,6 +47,7 @@ from nodeagent.reconcile import (
     adopt_from_status,
     blocked,
     decide,
+    held_by_release,
     match,
     merge_plan,
     plan,
@@ -79,6 +80,38 @@ API_RETRY_S = 1.0
 # schema-validated) right after Ready competed with the pod's pin for the API server: one
 # per pod in the sequential benchmark, the costliest write of the path (docs/benchmarks.md).
 SLICES_LISTED_WITHIN_S = 1.0
+# A create waits this long at most for a release holding its slots (`wait_for_releases`);
+# after that the placement check fails it, as it did before creates went first.
+RELEASE_WAIT_S = 30.0
+# After such a wait the claim is decided afresh (its allocation, the plan may have changed
+# meanwhile): `work` runs again after this delay.
+AFTER_RELEASE_WAIT_S = 0.0
+WaitOutcome = Literal["free", "released", "still held"]
+
+
+async def wait_for_releases(
+    st: AgentNode, clock: Clock, key: str, uid: str, fresh: list[SliceRecord], cap_s: float
+) -> WaitOutcome:
+    """Until no other record still being released (`releasing`) holds slots `fresh` needs
+    ("released"), or `cap_s` of `clock` have passed ("still held"); "free" when none held
+    any. A create's NVML calls go ahead of a release's on the GPU's lane (nodeagent/lane.py),
+    so one that needs the release's slots waits for it here, outside the lane. (The
+    allocator places on slots only once their allocation is gone, after its release: this
+    guards what it cannot see, such as a rollback still destroying.)"""
+    holder = held_by_release(st.cp, uid, fresh)
+    if holder is None:
+        return "free"
+    t0 = clock.monotonic()
+    log.info("create waits for a release holding its slots", claim=key, release_uid=holder)
+    while holder is not None and (left := t0 + cap_s - clock.monotonic()) > 0:
+        await wait_or_sleep(clock, st.next_drop(), left)
+        holder = held_by_release(st.cp, uid, fresh)
+    ms = round((clock.monotonic() - t0) * 1000, 1)
+    if holder is None:
+        log.info("create's slots released", claim=key, ms=ms)
+        return "released"
+    log.warning("create's slots still held by a release", claim=key, release_uid=holder, ms=ms)
+    return "still held"
 
 
 async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
@@ -115,6 +148,16 @@ def _gi_ci_uuid(
     return gi, ci, nv.mig_uuid(i, gi, ci)
 
 
+async def _timed(aw: Awaitable[A], took: dict[str, float], name: str, clock: Clock) -> A:
+    """`aw`'s result; how long it took (ms) in `took[name]`, for the "slices ready" log: a
+    phase runs a write and a record side by side, and only this tells which one it waited on."""
+    t0 = clock.monotonic()
+    try:
+        return await aw
+    finally:
+        took[name] = round((clock.monotonic() - t0) * 1000, 1)
+
+
 def _steps(t0: float, marks: dict[str, float] | None) -> dict[str, float] | None:
     """ms each phase of a create took (`marks`: when each ended, in order), for the log: where
     an agent's share of a pod's time to slice goes (docs/benchmarks.md)."""
@@ -141,6 +184,8 @@ class Lifecycle:
     clock: Clock = field(default_factory=SystemClock)
     cdi_dir: Path = field(init=False)
     modes: ModeChanger = field(init=False)
+    # claims whose wait for a release ran RELEASE_WAIT_S: the next create goes on at once
+    waited_out: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.cdi_dir = self.settings.node_cdi_dir(self.st.node)
@@ -151,14 +196,15 @@ class Lifecycle:
     async def work(self, uid: str) -> float | None:
         obj = self.st.allocs.get(uid)
         if obj is None:
+            self.waited_out.discard(uid)
             return None  # gone from the API; an orphaned record is garbage collection's
         alloc = SliceAllocation.parse(obj)
         d = decide(alloc, self.st.cp.claims.get(uid), self.st.boot_id)
         try:
             if d.action in (Action.CREATE, Action.RECREATE):
-                await self.create(alloc, d.reason)
+                return await self.create(alloc, d.reason)
             elif d.action is Action.VERIFY:
-                await self.verify(alloc)
+                return await self.verify(alloc)
             elif d.action is Action.ROLLBACK:
                 rec = self.st.cp.claims[alloc.uid]
                 why = rec.message or "creating failed; its slices were destroyed on a retry"
@@ -189,12 +235,28 @@ class Lifecycle:
                 self.st.health[gpu_index] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
                 self.st.publish.set()
 
-    async def instances(self, gpu_indexes: set[int]) -> list[Instance]:
+    async def instances(self, gpu_indexes: set[int], first: bool = False) -> list[Instance]:
+        """The GPUs' instances; `first`: a create's scan, ahead of other queued calls."""
+        call = self.gpus.call_gpu_first if first else self.gpus.call_gpu
         out: list[Instance] = []
         for g in self.st.inv.gpus:
             if g.index in gpu_indexes and not self.st.is_lost(g.index):
-                out += await self.gpus.call_gpu(g.index, self.gpus.s.instances, g)
+                out += await call(g.index, self.gpus.s.instances, g)
         return out
+
+    async def waited_for_releases(self, alloc: SliceAllocation, fresh: list[SliceRecord]) -> bool:
+        """Whether the create waited for a release (`wait_for_releases`): it is then decided
+        afresh. A claim whose wait ran its cap goes on at once the next time (the placement
+        check then fails it, as before creates went first)."""
+        if alloc.uid in self.waited_out:
+            self.waited_out.discard(alloc.uid)
+            return False
+        got = await wait_for_releases(
+            self.st, self.clock, alloc.key, alloc.uid, fresh, RELEASE_WAIT_S
+        )
+        if got == "still held":
+            self.waited_out.add(alloc.uid)
+        return got != "free"
 
     async def status(self, alloc: SliceAllocation, body: cdi.Obj) -> bool:
         """False when the allocation is gone."""
@@ -259,7 +321,9 @@ class Lifecycle:
 
     # ---- create ------------------------------------------------------------------------------
 
-    async def create(self, alloc: SliceAllocation, reason: str = "") -> None:
+    async def create(self, alloc: SliceAllocation, reason: str = "") -> float | None:
+        """Make the allocation's slices; a delay when it is to be decided afresh after it
+        (it waited for a release: its allocation or plan may have changed meanwhile)."""
         t0 = self.clock.monotonic()
         uid = alloc.uid
         rec = self.st.cp.claims.get(uid)
@@ -271,23 +335,26 @@ class Lifecycle:
         ):
             # made already (a crash before the Ready write): say so again
             await self.ready(alloc, rec, t0)
-            return
+            return None
         if alloc.node != self.st.node:  # the node label says us; spec.nodeName does not
             await self.fail(alloc, f"spec.nodeName {alloc.node} is not on node {self.st.node}")
-            return
+            return None
         fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if isinstance(fresh, str):
             cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
             await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
-            return
-        intent = self.intent(alloc, rec, fresh)
+            return None
+        if await self.waited_for_releases(alloc, fresh):
+            return AFTER_RELEASE_WAIT_S
+        took: dict[str, float] = {}
+        intent = _timed(self.intent(alloc, rec, fresh), took, "intent_record", self.clock)
         if alloc.phase != Phase.CREATING or reason:
             # The Creating status and the intent record side by side (an API round trip
             # beside a placement check and an fsync): both are done before NVML makes
             # anything, which is all their order has to guarantee.
-            alive, (made, instances) = await _both(
-                self.status(alloc, status_creating(reason)), intent
-            )
+            write = self.status(alloc, status_creating(reason))
+            creating = _timed(write, took, "creating_write", self.clock)
+            alive, (made, instances) = await _both(creating, intent)
         else:
             alive, (made, instances) = True, await intent
         marks = {"intent": self.clock.monotonic()}  # phase ends, for the "slices ready" log
@@ -295,20 +362,20 @@ class Lifecycle:
             if rec is None and isinstance(made, ClaimRecord):
                 self.st.drop(uid)  # the record written beside the status write claims nothing
                 await self.st.persist()
-            return
+            return None
         if isinstance(made, str):
             await self.fail(alloc, made)
-            return
+            return None
         rec = made
         own = match(self.st.cp, instances)
         why = blocked(rec.slices, uid, instances, own)
         if why:
             await self.give_up(alloc, rec, why)
-            return
+            return None
         why = await self.modes.ensure(uid, rec.slices)  # MIG mode on demand, lazily
         if why:
             await self.give_up(alloc, rec, f"{reason}; cannot re-create: {why}" if reason else why)
-            return
+            return None
         slices = list(rec.slices)
         marks["modes"] = self.clock.monotonic()
         for i, s in enumerate(slices):
@@ -326,7 +393,7 @@ class Lifecycle:
                     f"at {s.start}:{s.size}): {exc}"
                 )
                 await self.give_up(alloc, self.st.cp.claims[uid], msg)
-                return
+                return None
         rec = replace(rec, slices=tuple(slices))
         self.st.put(rec)
         marks["nvml"] = self.clock.monotonic()
@@ -334,11 +401,12 @@ class Lifecycle:
             await self.write_cdi(rec)
         except (cdi.CdiError, OSError) as exc:  # e.g. mig-minors lacks the new GI
             await self.give_up(alloc, rec, f"writing the CDI spec: {exc}")
-            return
+            return None
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
         marks["cdi"] = self.clock.monotonic()
-        await self.ready(alloc, rec, t0, persist=True, marks=marks)
+        await self.ready(alloc, rec, t0, persist=True, marks=marks, took=took)
+        return None
 
     async def intent(
         self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
@@ -346,7 +414,7 @@ class Lifecycle:
         """The create's intent record, on disk before NVML makes anything, and the GPUs'
         instances; or why not. Intent first, but only for placements that are free: an
         instance already at one is not ours, and a new record would otherwise claim it."""
-        instances = await self.instances({s.gpu_index for s in fresh})
+        instances = await self.instances({s.gpu_index for s in fresh}, first=True)
         if rec is None:
             why = blocked(fresh, alloc.uid, instances, match(self.st.cp, instances))
             if why:
@@ -380,7 +448,7 @@ class Lifecycle:
         hint = known.default_ci if known else None
         gi = None if inst is None else inst.gi_id
         i = s.gpu_index
-        made = await self.gpus.call_gpu(
+        made = await self.gpus.call_gpu_first(
             i,
             _gi_ci_uuid,
             self.gpus.s,
@@ -401,10 +469,13 @@ class Lifecycle:
         t0: float,
         persist: bool = False,
         marks: dict[str, float] | None = None,
+        took: dict[str, float] | None = None,
     ) -> None:
-        """Status Ready (and, with `persist`, the record's `ready` written beside it: nothing
-        waits for that write, a restart that lost it finds a `creating` record whose slices
-        exist and a Ready allocation, adopts them and says Ready again; see decide/verify)."""
+        """Status Ready (and, with `persist`, the record's `ready` written once that write is
+        answered: nothing waits for the record, a restart that lost it finds a `creating`
+        record whose slices exist and a Ready allocation, adopts them and says Ready again;
+        see decide/verify). Not beside the write: the record's JSON on a worker thread held
+        the interpreter while the write's answer waited for it (docs/benchmarks.md)."""
         slices: list[SliceStatus] = [
             {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
             if s.whole  # the device the container sees is the GPU itself
@@ -423,14 +494,17 @@ class Lifecycle:
         )
         gpu_idx = [s.gpu_index for s in rec.slices]
         conds = with_condition(conds, gpu_condition(self.st.health, gpu_idx, now))
+        took = {} if took is None else took
+        # the binding knows the slices before Ready is written: Ready ungates the pod, and a
+        # kubelet's Allocate can follow within milliseconds (it was refused once, in the
+        # window of the record's write, and the pod failed UnexpectedAdmissionError)
+        await self.announce(alloc)
         write = self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        if persist:
-            await _both(write, self.st.persist())
-        else:
-            await write
+        await _timed(write, took, "ready_write", self.clock)
         if marks is not None:
             marks["ready"] = self.clock.monotonic()
-        await self.announce(alloc)
+        if persist:
+            await _timed(self.st.persist(), took, "ready_record", self.clock)
         self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
             return
@@ -438,7 +512,10 @@ class Lifecycle:
         self.metrics.creates.labels(self.st.node, "ready").inc()
         self.metrics.create_seconds.labels(self.st.node).observe(self.clock.monotonic() - t0)
         ms = round((self.clock.monotonic() - t0) * 1000, 1)
-        log.info("slices ready", claim=alloc.key, uuids=uuids, ms=ms, steps=_steps(t0, marks))
+        log.info(
+            "slices ready", claim=alloc.key, uuids=uuids, ms=ms, steps=_steps(t0, marks),
+            took=took or None,
+        )  # fmt: skip
         await writes.event(
             self.kube,
             alloc.namespace,
@@ -522,12 +599,14 @@ class Lifecycle:
 
     # ---- verify (Ready) -----------------------------------------------------------------------
 
-    async def verify(self, alloc: SliceAllocation) -> None:
+    async def verify(self, alloc: SliceAllocation) -> float | None:
+        """A Ready allocation's slices and files as they should be; re-created if they
+        vanished (a delay as `create`'s)."""
         rec = self.st.cp.claims.get(alloc.uid)
         if rec is not None and rec.state == "ready" and all(s.done for s in rec.slices):
             if alloc.uid in self.st.vanished:
                 await self.mark_vanished(alloc)
-                return
+                return None
             on_disk = await asyncio.to_thread(cdi.spec_uid, self.cdi_dir, rec.namespace, rec.name)
             if on_disk != rec.uid:  # missing, written before specs carried UIDs, or another's
                 log.warning("CDI file missing or not this allocation's; rewriting",
@@ -537,7 +616,7 @@ class Lifecycle:
                 await self.announce(alloc)
                 self.st.put(replace(rec, announced=True))
             await self.sync_health(alloc, rec)
-            return
+            return None
         fresh = plan(alloc, self.st.inv, self.st.health, self.modes.problem)
         if not isinstance(fresh, str):
             instances = await self.instances({s.gpu_index for s in fresh})
@@ -559,8 +638,8 @@ class Lifecycle:
                 self.st.put(replace(rec, announced=True))
                 self.st.publish.set()
                 log.info("adopted slices from allocation status", claim=alloc.key)
-                return
-        await self.create(alloc, "slices vanished from the GPU; re-creating")
+                return None
+        return await self.create(alloc, "slices vanished from the GPU; re-creating")
 
     async def mark_vanished(self, alloc: SliceAllocation) -> None:
         """The allocation's instances are gone while its pod runs (agent.note_vanished): say

@@ -42,6 +42,7 @@ from common.kubeapi import (
     lean,
 )
 from common.metricsauth import MetricsAuth
+from common.objects import node_label_value
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
@@ -122,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         "clients still holding the GPU) before the change counts as failed",
     )
     p.add_argument(
+        "--maintenance-drain-timeout-s",
+        type=float,
+        default=1800.0,
+        help="Ampere maintenance: how long a drain may wait for the work on an asked GPU "
+        "that needs a reset (a reset-less GPU's ask waits as long as the work runs) before "
+        "the ask is given up (MigNode modeChange.phase Failed, reason DrainTimedOut; nothing "
+        "is evicted); 0: wait as long as the work runs",
+    )
+    p.add_argument(
         "--idle-mig-mode-after-s",
         type=float,
         default=600.0,
@@ -179,6 +189,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         p.error("--dev-root needs --emulate (a real node's device files are in /dev)")
     if len(nodes) > 1 and a.cdi_root is None and not a.discover_only:
         p.error("several nodes need --cdi-root (each node gets ROOT/<node>/cdi)")
+    if not a.maintenance_drain_timeout_s >= 0:  # NaN too
+        p.error("--maintenance-drain-timeout-s must be 0 (no timeout) or more seconds")
     settings = Settings(
         nodes=nodes,
         kubeconfig=a.kubeconfig,
@@ -194,6 +206,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         gc_period_s=a.gc_period_s,
         idle_mig_mode_after_s=a.idle_mig_mode_after_s,
         maintenance_wait_s=a.maintenance_wait_s,
+        maintenance_drain_timeout_s=a.maintenance_drain_timeout_s,
         lease_duration_s=a.lease_duration_s,
         nvidia_cdi_spec=a.nvidia_cdi_spec,
         mig_minors=a.mig_minors,
@@ -305,10 +318,11 @@ def _slice_info(agent: NodeAgent) -> list[tuple[str, ...]]:
 
 
 def selector(nodes: Sequence[str]) -> str:
-    if len(nodes) == 1:
-        return f"{NODE_LABEL}={nodes[0]}"
-    if len(nodes) <= MAX_IN_SELECTOR:
-        return f"{NODE_LABEL} in ({','.join(nodes)})"
+    values = [node_label_value(n) for n in nodes]  # a long name's label is cut and hashed
+    if len(values) == 1:
+        return f"{NODE_LABEL}={values[0]}"
+    if len(values) <= MAX_IN_SELECTOR:
+        return f"{NODE_LABEL} in ({','.join(values)})"
     return NODE_LABEL  # many nodes: every bound allocation, filtered here
 
 
@@ -360,9 +374,11 @@ async def serve(
     agents: dict[str, NodeAgent] = {}
     metrics = AgentMetrics()
 
+    by_label = {node_label_value(n): n for n in settings.nodes}  # a long name's is cut
+
     async def on_alloc(etype: EventType, obj: Obj) -> None:
-        node = (obj.get("metadata", {}).get("labels") or {}).get(NODE_LABEL, "")
-        agent = agents.get(node)
+        label = (obj.get("metadata", {}).get("labels") or {}).get(NODE_LABEL, "")
+        agent = agents.get(by_label.get(label, ""))
         if agent is not None:
             agent.on_event(etype, obj)
 

@@ -9,7 +9,16 @@ the asked GPUs whose mode only a reset changes (docs/nodeagent.md "Ampere mainte
 
 1. Drain: the allocator stops placing on a GPU that has a desired mode (docs/allocator.md);
    the agent waits (MigNode `modeChange.phase: Draining`, checked with each GC pass) until no
-   SliceAllocation, record, instance or compute process is on it.
+   SliceAllocation, record, instance or compute process is on it — for a GPU that needs a
+   reset (Ampere), at most `--maintenance-drain-timeout-s`; a reset-less (Hopper) ask waits
+   as long as the work runs. Nothing is evicted: a drain that runs out gives the ask up
+   (`modeChange.phase: Failed`, `reason: DrainTimedOut`, naming what is still on the GPU; a
+   Warning event `MigModeDrainTimedOut` on the MigNode), the GPU serves its current mode
+   again, and the same ask is not carried out again until it is written anew. (Only
+   `kubectl drain --timeout`'s giving up compares: kubectl drain does evict, and this
+   drain never does.) The drain's start and the give-up are kept in the checkpoint
+   (`checkpoint.DrainClock`): a restarted agent neither starts the clock afresh nor
+   carries out an ask it gave up.
 2. The intent record (`checkpoint.MaintenanceIntent`: the targets and the GPU Operator
    labels as they were), fsynced, before anything is touched.
 3. Pause the Operator's clients on this node through its own labels:
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -44,10 +54,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.clock import Clock, SystemClock, kube_time
+from common.constants import DRAIN_TIMED_OUT as GIVEN_UP_REASON
 from common.kubeapi import ApiError, Kube
 from common.objects import desired_modes
 from nodeagent import modes, writes
-from nodeagent.checkpoint import MaintenanceIntent
+from nodeagent.checkpoint import DrainClock, MaintenanceIntent
 from nodeagent.device import NodeGpus
 from nodeagent.modechange import ModeChanger, NotIdle
 from nodeagent.model import MIG_DISABLED, MIG_ENABLED, NVML_RESET_REQUIRED, GpuInfo, NvmlFailure
@@ -61,6 +72,7 @@ OPERATOR_COMPONENTS = ("device-plugin", "gpu-feature-discovery", "dcgm-exporter"
 DEPLOY_LABEL_PREFIX = "nvidia.com/gpu.deploy."
 PAUSED = "paused-for-mig-change"
 DESIRED_CLAIM = "desired-mig-mode"  # the `claim` of a reset-less change's intent record
+DRAIN_TIMED_OUT = "MigModeDrainTimedOut"  # the Warning event's reason (docs/contract.md)
 
 
 class ResetRefused(Exception):
@@ -108,6 +120,24 @@ def due(
             continue
         out[g.uuid] = target
     return out
+
+
+def drain_clocks(
+    draining: Mapping[str, str],
+    started: Mapping[str, tuple[str, float]],
+    now: float,
+    timeout_s: float,
+) -> tuple[dict[str, tuple[str, float]], set[str]]:
+    """The drain clocks to keep (GPU UUID → (target, wall-time start)) for the GPUs draining
+    now (UUID → target), and those whose drain has run `timeout_s` or longer (0: never). A
+    GPU that stopped draining, or whose target changed, starts afresh."""
+    clocks = {}
+    for uuid, target in draining.items():
+        was = started.get(uuid)
+        clocks[uuid] = was if was is not None and was[0] == target else (target, now)
+    if timeout_s <= 0:
+        return clocks, set()
+    return clocks, {u for u, (_, since) in clocks.items() if now - since >= timeout_s}
 
 
 # ---- in a GPU's NVML queue -------------------------------------------------------------------
@@ -163,15 +193,47 @@ class Maintenance:
     changer: ModeChanger
     reset: Reset | None  # None: this node cannot reset GPUs (nothing is done)
     wait_s: float = 300.0
+    drain_timeout_s: float = 1800.0  # 0: a drain waits as long as the workload runs
     clock: Clock = field(default_factory=SystemClock)
     desired: dict[str, str] = field(default_factory=dict)  # from the MigNode's spec
+    # drain_clocks, by wall time (they outlive a restart: the checkpoint's `drains`)
+    drains: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # GPU UUID → an ask whose drain ran out: not carried out again while the MigNode asks the
+    # same (an ask removed, or changed, is forgotten here); in the checkpoint too
+    given_up: dict[str, DrainClock] = field(default_factory=dict)
     kick: asyncio.Event = field(default_factory=asyncio.Event)
+    restored: bool = False  # drains and given_up read from the checkpoint (once, at start)
 
     def on_mig_node(self, obj: Mapping[str, object]) -> None:
         desired = desired_modes(obj)
-        if desired != self.desired:
+        # a recorded drain or give-up is checked against every spec (an ask removed while
+        # the agent was down is forgotten then, not when it is written anew)
+        if desired != self.desired or self.st.cp.drains:
             self.desired = desired
             self.kick.set()
+
+    def restore(self) -> None:
+        """The drain clocks and given-up asks from the checkpoint, once it is loaded."""
+        if self.restored:
+            return
+        self.restored = True
+        for uuid, rec in self.st.cp.drains.items():
+            if rec.given_up:
+                self.given_up[uuid] = rec
+            else:
+                self.drains[uuid] = (rec.target, rec.since)
+
+    async def _save_drains(self) -> None:
+        st = self.st
+        drains = {u: DrainClock(t, since) for u, (t, since) in self.drains.items()}
+        drains.update(self.given_up)
+        if drains != st.cp.drains:
+            st.set_checkpoint(st.cp.with_drains(drains))
+            await st.persist()
+
+    def _resets(self, uuid: str) -> bool:
+        gpu = self.st.inv.gpu_by_uuid(uuid)
+        return gpu is not None and self.changer.toggle_of(gpu) == "reset"
 
     async def run(self) -> None:
         while True:
@@ -186,17 +248,28 @@ class Maintenance:
     async def step(self) -> None:
         """Carry out what is asked and due (module docstring); idempotent."""
         st = self.st
+        self.restore()
         if st.cp.maintenance is not None:
             await self.recover()
-        todo = due(
-            self.desired,
-            st.inv.gpus,
-            self.changer.toggle_of,
-            st.mode_failures,
-            self.clock.monotonic(),
-        )
+        now = self.clock.monotonic()
+        self.given_up = {
+            u: rec for u, rec in self.given_up.items() if self.desired.get(u) == rec.target
+        }
+        for uuid, rec in self.given_up.items():
+            self._keep_failed(uuid, rec, now)
+        todo = due(self.desired, st.inv.gpus, self.changer.toggle_of, st.mode_failures, now)
+        todo = {u: t for u, t in todo.items() if u not in self.given_up}
         busy = self.changer.busy_now() | {g.uuid for g in st.inv.gpus if g.compute_processes}
-        phase = {u: "Draining" for u in todo if u in busy}
+        draining = {u: t for u, t in todo.items() if u in busy}
+        # the clock runs only where a reset is needed (Ampere): a reset-less (Hopper) ask is
+        # carried out once the GPU is idle, however long its work runs
+        timed = {u: t for u, t in draining.items() if self._resets(u)}
+        wall = self.clock.wall().timestamp()
+        self.drains, ran_out = drain_clocks(timed, self.drains, wall, self.drain_timeout_s)
+        for uuid in sorted(ran_out):
+            await self._give_up(uuid, draining[uuid])
+        await self._save_drains()
+        phase = {u: "Draining" for u in draining if u not in ran_out}
         ready = {u: t for u, t in todo.items() if u not in busy}
         if phase != st.mode_phase:
             st.mode_phase = phase
@@ -232,6 +305,63 @@ class Maintenance:
             st.mode_phase = phase
             st.publish.set()
 
+    async def _give_up(self, uuid: str, target: str) -> None:
+        """The drain ran out: the ask is given up (module docstring); nothing is evicted."""
+        st = self.st
+        _, since = self.drains.pop(uuid, (target, 0.0))
+        gpu = st.inv.gpu_by_uuid(uuid)
+        if gpu is None:
+            return
+        message = (
+            f"drain timed out after {self.drain_timeout_s:g} s (--maintenance-drain-timeout-s): "
+            f"{self._occupants(gpu)} still on GPU {gpu.index}; nothing was evicted, the GPU "
+            f"serves its current mode again, and this ask ({target}) is not carried out again "
+            "until spec.gpus[].desiredMigMode is written anew"
+        )
+        self.given_up[uuid] = DrainClock(target, since, message, kube_time())
+        await self.changer.failed(gpu, target, message, reason=GIVEN_UP_REASON)
+        await writes.mig_node_warning(self.kube, st.node, DRAIN_TIMED_OUT, message)
+
+    def _keep_failed(self, uuid: str, rec: DrainClock, now: float) -> None:
+        """A given-up ask still asked: its failure stays shown (the allocator leaves the GPU's
+        mode alone); it ends one back-off after the ask goes. After a restart it is shown
+        again from the checkpoint."""
+        st = self.st
+        failure = st.mode_failures.get(uuid)
+        if failure is None or failure.reason != GIVEN_UP_REASON:
+            failure = modes.ModeFailure(
+                rec.target, rec.given_up, rec.given_up_time, now, GIVEN_UP_REASON
+            )
+            st.publish.set()
+        elif failure.until - now >= modes.BACKOFF_S / 2:
+            return
+        st.mode_failures[uuid] = dataclasses.replace(failure, until=now + modes.BACKOFF_S)
+        asyncio.get_running_loop().call_later(modes.BACKOFF_S, st.publish.set)
+
+    def _occupants(self, gpu: GpuInfo) -> str:
+        """What keeps `gpu` busy, for the failure's message."""
+        st = self.st
+        allocs = sorted(
+            f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            for obj in st.allocs.values()
+            for meta in [obj.get("metadata") or {}]
+            if any(
+                s.get("gpuUUID") == gpu.uuid for s in (obj.get("spec") or {}).get("slices") or []
+            )
+        )
+        parts = [f"SliceAllocation {', '.join(allocs[:5])}"] if allocs else []
+        if len(allocs) > 5:
+            parts[-1] += f" and {len(allocs) - 5} more"
+        if gpu.compute_processes:
+            parts.append(f"{gpu.compute_processes} compute process(es)")
+        if any(f.gpu_index == gpu.index for f in st.foreign):
+            parts.append("instances InstaSlice did not make")
+        if not allocs and any(
+            s.gpu_uuid == gpu.uuid for r in st.cp.claims.values() for s in r.slices
+        ):
+            parts.append("slices still being released")
+        return "; ".join(parts) or "work"
+
     async def _one(self, uuid: str, target: str) -> None:
         st, reset = self.st, self.reset
         assert reset is not None
@@ -266,6 +396,7 @@ class Maintenance:
         exactly, take back a mode left pending, drop the record. At start (a crash mid-way)
         and at the end of every run."""
         st = self.st
+        self.restore()
         intent = st.cp.maintenance
         if intent is None:
             return

@@ -208,10 +208,11 @@ class ModeChanger:
         log.info("MIG mode changed", gpu=gpu.index, mode=target, claim_uid=uid)
         return None
 
-    async def failed(self, gpu: GpuInfo, target: str, message: str) -> str:
+    async def failed(self, gpu: GpuInfo, target: str, message: str, reason: str = "") -> str:
         st = self.st
         until = self.clock.monotonic() + modes.BACKOFF_S
-        st.mode_failures[gpu.uuid] = modes.ModeFailure(target, message, kube_time(), until)
+        failure = modes.ModeFailure(target, message, kube_time(), until, reason)
+        st.mode_failures[gpu.uuid] = failure
         st.set_checkpoint(st.cp.without_mode_intent(gpu.uuid))
         await st.persist()
         st.publish.set()

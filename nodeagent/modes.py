@@ -43,6 +43,9 @@ class ModeFailure:
     message: str
     time: str  # RFC 3339, for MigNode
     until: float
+    # MigNode `modeChange.reason`: constants.DRAIN_TIMED_OUT for an ask given up (final while
+    # it stands); empty for a failure retried after the back-off
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,8 @@ def mode_status(
             "message": failure.message[:1000],
             "time": failure.time,
         }
+        if failure.reason:
+            out["modeChange"]["reason"] = failure.reason
     if changed is not None:
         out["lastModeChange"] = {
             "from": changed.from_mode,

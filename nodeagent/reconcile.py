@@ -130,6 +130,11 @@ def overlaps(a_start: int, a_size: int, b_start: int, b_size: int) -> bool:
     return a_start < b_start + b_size and b_start < a_start + a_size
 
 
+def clashes(s: SliceRecord, gpu_uuid: str, start: int, size: int) -> bool:
+    """Does planned slice `s` need a slot of what sits at `start:size` on GPU `gpu_uuid`?"""
+    return s.gpu_uuid == gpu_uuid and overlaps(s.start, s.size, start, size)
+
+
 def blocked(
     plan: Sequence[SliceRecord], uid: str, instances: Sequence[Instance], own: Ownership
 ) -> str | None:
@@ -137,7 +142,7 @@ def blocked(
     overlaps its memory slots. None when every placement is free or already ours."""
     for i, s in enumerate(plan):
         for inst in instances:
-            if inst.gpu_uuid != s.gpu_uuid or not overlaps(s.start, s.size, inst.start, inst.size):
+            if not clashes(s, inst.gpu_uuid, inst.start, inst.size):
                 continue
             holder = own.owner.get(inst.key)
             if holder == (uid, i):
@@ -151,6 +156,21 @@ def blocked(
                 f"slice {i} ({s.profile} at GPU {s.gpu_index} slots {s.start}:{s.size}) "
                 f"overlaps {who}: GI {inst.gi_id} at {inst.start}:{inst.size}"
             )
+    return None
+
+
+def held_by_release(cp: Checkpoint, uid: str, plan: Sequence[SliceRecord]) -> str | None:
+    """The uid of another claim still being released (`releasing`) whose MIG slices overlap
+    a slot `plan` needs; None when no release holds one. A create waits for it (its calls
+    go ahead of a release's on the GPU: nodeagent/lane.py)."""
+    for other in cp.claims.values():
+        if other.uid == uid or other.state != "releasing":
+            continue
+        for held in other.slices:
+            if held.whole:
+                continue  # no instance: nothing to destroy
+            if any(clashes(s, held.gpu_uuid, held.start, held.size) for s in plan):
+                return other.uid
     return None
 
 
@@ -294,8 +314,15 @@ def after_reboot(cp: Checkpoint, boot_id: str) -> Checkpoint:
         uid: replace(rec, slices=tuple(s.cleared() for s in rec.slices))
         for uid, rec in cp.claims.items()
     }
-    # a maintenance record survives: the Operator labels it paused must still be restored
-    return Checkpoint(node=cp.node, boot_id=boot_id, claims=claims, maintenance=cp.maintenance)
+    # a maintenance record survives: the Operator labels it paused must still be restored;
+    # so do the drain clocks (a given-up ask stays given up)
+    return Checkpoint(
+        node=cp.node,
+        boot_id=boot_id,
+        claims=claims,
+        maintenance=cp.maintenance,
+        drains=cp.drains,
+    )
 
 
 def orphans(

@@ -21,6 +21,7 @@ from common.constants import (
     INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
     MEMORY_SLOTS_RESOURCE,
+    NODE_LABEL,
 )
 from common.objects import (
     GpuStatus,
@@ -28,6 +29,7 @@ from common.objects import (
     MigSliceStatus,
     Phase,
     SliceStatus,
+    node_label_value,
 )
 from common.profiles import ProfileNameError, instaslice_resource
 from nodeagent.checkpoint import Checkpoint
@@ -223,6 +225,15 @@ def gpu_labels(inv: NodeInventory) -> dict[str, str | None]:
     models = {g.model for g in inv.gpus}
     model = label_value(next(iter(models))) if len(models) == 1 else None
     return {GPU_MODEL_LABEL: model, GPU_COUNT_LABEL: str(len(inv.gpus))}
+
+
+def node_labels(node: str, inv: NodeInventory) -> dict[str, str | None]:
+    """`gpu_labels` and `instaslice.io/node` (`node_label_value`: the name, or a long one
+    cut and hashed): Karpenter refuses a pod naming `kubernetes.io/hostname`, so the
+    allocator keeps its placeholders off the nodes that cannot serve their pod by `NotIn` on
+    this label (docs/autoscaling.md). Karpenter sets it to a random number on a node it made
+    for such a placeholder; the agent writes it back (`NodeAgent.on_node`)."""
+    return {**gpu_labels(inv), NODE_LABEL: node_label_value(node)}
 
 
 _NOT_IN_LABEL_VALUES = re.compile(r"[^A-Za-z0-9_.-]+")

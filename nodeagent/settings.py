@@ -46,6 +46,9 @@ class Settings:
     # GPU Operator's paused clients still holding the GPU) before it counts as failed; the
     # command that resets GPU {index} on a real node
     maintenance_wait_s: float = 300.0
+    # how long a drain may wait for what runs on an asked GPU before the ask is given up
+    # (never evicted); 0: as long as it runs
+    maintenance_drain_timeout_s: float = 1800.0
     gpu_reset_command: tuple[str, ...] = ("nvidia-smi", "--gpu-reset", "-i", "{index}")
     lease_duration_s: int = AGENT_LEASE_DURATION_S
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s

@@ -50,6 +50,7 @@ class AgentNode:
         self._durable = 0
         self._lock = asyncio.Lock()
         self._soon: asyncio.TimerHandle | None = None
+        self._dropped = asyncio.Event()
 
     def publish_soon(self, within_s: float) -> None:
         """Publish within `within_s`, together with whatever else changes meanwhile: for a
@@ -80,6 +81,12 @@ class AgentNode:
     def drop(self, uid: str) -> None:
         if uid in self.cp.claims:
             self.set_checkpoint(self.cp.without(uid))
+            self._dropped.set()  # wakes the `next_drop` waiters (a create waiting for a release)
+            self._dropped = asyncio.Event()
+
+    def next_drop(self) -> asyncio.Event:
+        """An event set when a record is dropped next."""
+        return self._dropped
 
     async def persist(self, durable: bool = False) -> None:
         """Write the checkpoint if it changed; `durable` (fsync) for intent records."""

@@ -161,6 +161,14 @@ async def event(
     )
 
 
+async def mig_node_warning(kube: Kube, node: str, reason: str, message: str) -> None:
+    """A Warning event on the node's MigNode (best effort)."""
+    involved = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "name": node}
+    await object_event(
+        kube, involved, reason, message, component=NODEAGENT_COMPONENT, type_="Warning"
+    )
+
+
 async def mig_node_event(kube: Kube, node: str, condition: Obj) -> None:
     """A Warning event on the node's MigNode for a condition that is False (best effort);
     the event's reason is the condition's."""

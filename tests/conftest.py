@@ -1,5 +1,6 @@
 """Hooks for every test: a test stopped by pytest-timeout reports where each asyncio task
-waits, since the thread stacks pytest-timeout prints show only the event loop's select()."""
+waits, since the thread stacks pytest-timeout prints show only the event loop's select();
+components run in the test's process log exceptions as plain tracebacks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import io
 from collections.abc import Generator
 
 import pytest
+import structlog
 
 
 def _pending_task_stacks() -> str:
@@ -20,6 +22,18 @@ def _pending_task_stacks() -> str:
         out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
         task.print_stack(limit=12, file=out)
     return out.getvalue() or "no pending tasks"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """structlog's defaults, but a logged exception is a plain traceback. The default (rich,
+    with every frame's locals: the allocator's whole state) rendered synchronously on the
+    event loop of the in-process allocator or agent: one `log.exception` held it 3 s at
+    load 4, longer than the integration allocator's 2.5 s renew deadline, and made a 30 s
+    wait of test_bad_input take 13.8 s at load 8. The components' own processes configure
+    their logs themselves (JSON); this only changes how tests render them."""
+    renderer = structlog.get_config()["processors"][-1]
+    if isinstance(renderer, structlog.dev.ConsoleRenderer):
+        renderer.exception_formatter = structlog.dev.plain_traceback
 
 
 @pytest.hookimpl(wrapper=True)

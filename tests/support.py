@@ -9,6 +9,12 @@
   went through unmutated). Nothing watchable says when that cache caught up, so a dry-run
   create of `probe` (admission runs, nothing is stored) is tried until admission answers as
   for an opted-in namespace.
+- `avoid_creates_in_flight()`: the allocator's `--avoid-creates-in-flight` for the whole
+  run, from the environment variable `INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT` (unset: 0,
+  the product's default). The allocator the integration tests start
+  (tests/integration/allocator_fixtures.py) and the webhook/allocator process of the e2e
+  systems (tests/e2e/conftest.py) run with it; a test that passes its own value keeps it.
+  E.g. `INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT=2 pytest tests/integration/test_allocator.py`.
 - `on_the_session_loop(items, folder)` and `log_tails(logs, lines)`: the conftest hooks of
   the two tiers (their async tests share the session's event loop; a failing test's report
   carries the tail of each log of the processes it ran against).
@@ -17,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -27,6 +34,19 @@ import pytest
 from common.kubeapi import ApiError, Kube, Obj, core_path
 
 T = TypeVar("T")
+AVOID_CREATES_ENV = "INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT"
+
+
+def avoid_creates_in_flight() -> int:
+    """The allocator's `--avoid-creates-in-flight` for this test run (module docstring)."""
+    raw = os.environ.get(AVOID_CREATES_ENV, "").strip()
+    try:
+        value = int(raw or "0")
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise pytest.UsageError(f"{AVOID_CREATES_ENV}={raw!r}: expected a whole number >= 0")
+    return value
 
 
 async def eventually(

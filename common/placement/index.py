@@ -55,6 +55,7 @@ from common.placement.search import (
     CatalogTables,
     Context,
     NodeFit,
+    loss_table,
     node_single,
     prune,
     rank_table,
@@ -150,18 +151,24 @@ class FleetIndex:
 
     def put(self, node: NodeState, key: Any) -> None:
         """Add or replace a node; `key` sorts it as its position in the caller's snapshot."""
+        old = self._nodes.get(node.name)
         self._nodes[node.name] = (node, key)
-        self._changed(node.name, node)
+        self._changed(node.name, node, old[0] if old is not None and old[1] == key else None)
 
     def remove(self, name: str) -> None:
         if self._nodes.pop(name, None) is not None:
-            self._changed(name, None)
+            self._changed(name, None, None)
 
-    def _changed(self, name: str, node: NodeState | None) -> None:
-        for order in self._orders.values():
-            order.touch(name, node)
+    def _changed(self, name: str, node: NodeState | None, before: NodeState | None) -> None:
+        """Mark `name` stale where its change matters. `before`: the state the index held
+        under the same sort key (None: none). An order ranks a node by its GPUs alone, so
+        a change that leaves them as they were (cpu, memory, pods, taints) re-scores
+        nothing; the candidate filters read the node's current state."""
+        if before is None or node is None or before.gpu_key != node.gpu_key:
+            for order in self._orders.values():
+                order.touch(name, node)
         for why in self._whys.values():
-            why.stale.add(name)
+            why.touch(name, node, before)
 
     def place(
         self,
@@ -287,11 +294,16 @@ class FleetIndex:
         """The nodes by (loss of one `profile` slice there, sort key): one per profile,
         shared by every multi-slice shape that asks for it (`_by_bound`)."""
 
-        def score(key: str) -> int:
-            fit = node_single(ct, key, profile, Policy.INSTASLICE)
-            return -1 if fit is None else fit.loss
+        losses = loss_table(ct, profile)
 
-        return self._order(("loss", ct, profile), score, None, ct, profile)
+        def score(key: str) -> int:
+            loss = losses.get(key)
+            if loss is None:
+                fit = node_single(ct, key, profile, Policy.INSTASLICE)
+                loss = losses[key] = -1 if fit is None else fit.loss
+            return loss
+
+        return self._order(("loss", ct, profile), score, losses, ct, profile)
 
     def _by_bound(self, ctx: Context) -> Generator[Entry]:
         """The nodes by (`search.node_bound` of the pod's profiles, sort key) — the order in

@@ -14,7 +14,11 @@ are never placed on; when they alone could serve the pod, the pending reason say
 names them (`NeedsMigModeChange`). A third kind, `under_way`: GPUs whose change to MIG on
 was asked (Ampere maintenance) and is not done; they take nothing new, but a pod that would
 fit there once it is done waits for it, and the reason names them
-(`MigModeChangeUnderWay`), before any new reset is considered.
+(`MigModeChangeUnderWay`), before any new reset is considered. A pod that needs both a
+GPU under way and a GPU that needs a reset on the same node (and no reset alone would do)
+waits `MigModeChangeUnderWay` too, naming the reset it needs after. `mode_steps` yields
+these attempts one by one, for callers that weigh several requests attempt by attempt (size
+asks, one request per GPU model: common/sizing.py).
 
 Pure: snapshots in, a decision out. No I/O, no clock.
 """
@@ -22,7 +26,7 @@ Pure: snapshots in, a decision out. No I/O, no clock.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from common.catalog import Catalog
@@ -91,27 +95,58 @@ def place_with_modes(
     """`modes`: the view, or how to derive it from `snapshot` (only after a Pending, so the
     common case is one engine call). `place`: the engine's `place`, or an equal function (the
     allocator's answers its own snapshot from the fleet index, index.py)."""
+    steps = mode_steps(snapshot, request, modes, policy, catalog, place)
+    return next(step for step in steps if step is not None)
+
+
+def mode_steps(
+    snapshot: Snapshot,
+    request: PodRequest,
+    modes: ModeView | Callable[[Snapshot], ModeView],
+    policy: Policy = Policy.INSTASLICE,
+    catalog: Catalog | None = None,
+    place: PlaceFn = engine.place,
+) -> Iterator[ModePlacement | None]:
+    """`place_with_modes`'s attempts in its order of preference, lazily, one item each: None
+    while an attempt decides nothing, then the first decision (the last attempt, the plain
+    Pending, always decides). So the i-th item of two requests' steps comes from the same
+    attempt: a caller weighing several requests (a size ask resolved per GPU model,
+    common/sizing.py) advances them together and chooses among the first decisions."""
     first = place(snapshot, request, policy, catalog)
     if isinstance(first, Placement):
-        return ModePlacement(first)
+        yield ModePlacement(first)
+        return
+    yield None
     if callable(modes):
         modes = modes(snapshot)
     if modes.flex:
         second = place(with_mig(snapshot, modes.flex), request, policy, catalog)
         if isinstance(second, Placement):
             used = {s.gpu_index for s in second.slices if (second.node, s.gpu_index) in modes.flex}
-            return ModePlacement(second, tuple(sorted(used)))
+            yield ModePlacement(second, tuple(sorted(used)))
+            return
+    yield None
     if modes.under_way:
         waits = _under_way(snapshot, request, modes, policy, catalog, place)
         if waits is not None:
-            return ModePlacement(waits)
+            yield ModePlacement(waits)
+            return
+    yield None
     if modes.needs_reset:
         hypothetical = with_mig(snapshot, modes.flex | modes.needs_reset)
         third = place(hypothetical, request, policy, catalog)
         if isinstance(third, Placement):
             resets = sorted({(third.node, s.gpu_index) for s in third.slices} & modes.needs_reset)
-            return ModePlacement(_needs_reset(third, modes, first), resets=tuple(resets))
-    return ModePlacement(first)
+            yield ModePlacement(_needs_reset(third, modes, first), resets=tuple(resets))
+            return
+    yield None
+    if modes.under_way and modes.needs_reset:  # only the change under way and a reset: wait
+        waits = _under_way(snapshot, request, modes, policy, catalog, place, resets=True)
+        if waits is not None:
+            yield ModePlacement(waits)
+            return
+    yield None
+    yield ModePlacement(first)
 
 
 def _under_way(
@@ -121,10 +156,13 @@ def _under_way(
     policy: Policy,
     catalog: Catalog | None,
     place: PlaceFn,
+    resets: bool = False,
 ) -> Pending | None:
     """MigModeChangeUnderWay when the pod would fit once the changes under way are done.
     Only their nodes are tried (anywhere else it would fit now, or after a toggle: tried
-    first), with those GPUs shown healthy and in MIG mode (their asked mode)."""
+    first), with those GPUs shown healthy and in MIG mode (their asked mode). `resets`: the
+    GPUs that need a reset shown in MIG mode too (tried only once no reset alone would do):
+    the pod waits for the change under way first, and the message names the resets after."""
     nodes = {name for name, _ in modes.under_way}
     after = []
     for n in snapshot.nodes:
@@ -136,21 +174,34 @@ def _under_way(
                 for g in n.gpus
             )
             after.append(dataclasses.replace(n, gpus=gpus))
-    would = place(with_mig(Snapshot(tuple(after)), modes.flex), request, policy, catalog)
+    shown = modes.flex | modes.needs_reset if resets else modes.flex
+    would = place(with_mig(Snapshot(tuple(after)), shown), request, policy, catalog)
     if not isinstance(would, Placement):
         return None
-    used = sorted({(would.node, s.gpu_index) for s in would.slices} & modes.under_way)
-    return under_way_pending("it fits", used, "on") if used else None
+    on = {(would.node, s.gpu_index) for s in would.slices}
+    used = sorted(on & modes.under_way)
+    then = sorted(on & modes.needs_reset) if resets else []
+    return under_way_pending("it fits", used, "on", then) if used else None
 
 
-def under_way_pending(what: str, gpus: Collection[GpuRef], mode: str) -> Pending:
-    """The pod waits for the MIG mode changes under way on `gpus` (Ampere maintenance)."""
+def under_way_pending(
+    what: str, gpus: Collection[GpuRef], mode: str, resets: Collection[GpuRef] = ()
+) -> Pending:
+    """The pod waits for the MIG mode changes under way on `gpus` (Ampere maintenance);
+    `resets`: the GPUs it needs changed too after that, each by a GPU reset of its own."""
     names = ", ".join(f"{node}/GPU {i}" for node, i in gpus)
+    after = ""
+    if resets:
+        more = ", ".join(f"{node}/GPU {i}" for node, i in resets)
+        after = (
+            f", and then a MIG mode change on {more} too (MIG {mode}), which needs a GPU reset "
+            "of its own (one change is asked at a time)"
+        )
     return Pending(
         PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
         f"{what} once the MIG mode change under way on {names} is done (MIG {mode}; Ampere "
-        "maintenance: the GPU takes nothing new while its node agent drains and resets it); "
-        "the pod is placed then",
+        f"maintenance: the GPU takes nothing new while its node agent drains and resets it)"
+        f"{after}; the pod is placed then",
     )
 
 

@@ -48,7 +48,7 @@ from common.placement.model import (
     Policy,
     Snapshot,
 )
-from common.placement.search import catalog_tables, profile_order
+from common.placement.search import CatalogTables, catalog_tables, profile_order
 from common.placement.selectors import mismatch
 
 # Bounds on one plan: depth-first steps and engine confirmations. Past either the best plan
@@ -159,7 +159,7 @@ class _Search:
 
     def node(self, order: int, node: NodeState, holders: list[Holder]) -> None:
         self.tried: set[frozenset[str]] = set()  # victim sets confirmed on this node
-        freed, owner_of, blocked = _free_doomed(node, holders)
+        freed, owner_of, blocked = free_doomed(node, holders)
         self.owner_of = owner_of
         victims = {h.uid: h for h in holders if h.preemptible and not h.doomed}
         request_slots = 0
@@ -245,7 +245,7 @@ class _Search:
         if self.best_key is not None and terms > self.best_key[0][:5]:
             return  # dearer whatever the placement: no need to ask the engine
         self.confirms -= 1
-        after = _without(freed, chosen, self.owner_of)
+        after = without(freed, chosen, self.owner_of)
         result = place(Snapshot((after,)), self.request, self.policy, self.catalog)
         if not isinstance(result, Placement):
             return
@@ -258,23 +258,28 @@ class _Search:
         self.best = PreemptionPlan(
             placement=result,
             victims=tuple(sorted(owners)),
-            waits_for=_waits_for(holders, result),
+            waits_for=waits_for_doomed(holders, result),
             cost=cost,
         )
 
     def _potential(self, node: NodeState, placement: Placement) -> int:
-        masks = {g.index: g.mask for g in node.gpus}
-        for s in placement.slices:
-            masks[s.gpu_index] |= ((1 << s.size) - 1) << s.start
-        total = 0
-        for g in node.gpus:
-            t = self.ct.tables(g.model) if g.usable else None
-            if t is not None:
-                total += t.potential[masks[g.index]]
-        return total
+        return potential_after(self.ct, node, placement)
 
 
-def _free_doomed(
+def potential_after(ct: CatalogTables, node: NodeState, placement: Placement) -> int:
+    """Cost term 6: the node's free-slot potential left once `placement` is on it."""
+    masks = {g.index: g.mask for g in node.gpus}
+    for s in placement.slices:
+        masks[s.gpu_index] |= ((1 << s.size) - 1) << s.start
+    total = 0
+    for g in node.gpus:
+        t = ct.tables(g.model) if g.usable else None
+        if t is not None:
+            total += t.potential[masks[g.index]]
+    return total
+
+
+def free_doomed(
     node: NodeState, holders: list[Holder]
 ) -> tuple[NodeState, dict[tuple[int, int, int], str], dict[int, int]]:
     """The node with the slots only doomed holders hold made free; which preemptible holder
@@ -315,7 +320,7 @@ def _free_doomed(
     return replace(node, gpus=tuple(gpus), pods_free=max(1, node.pods_free)), owner_of, blocked
 
 
-def _without(
+def without(
     node: NodeState, victims: list[Holder], owner_of: dict[tuple[int, int, int], str]
 ) -> NodeState:
     """The node with the instances the victims alone hold removed."""
@@ -327,7 +332,7 @@ def _without(
     return replace(node, gpus=tuple(gpus))
 
 
-def _waits_for(holders: list[Holder], placement: Placement) -> tuple[str, ...]:
+def waits_for_doomed(holders: list[Holder], placement: Placement) -> tuple[str, ...]:
     """Doomed holders whose slots the placement takes: it waits until they are gone."""
     out = set()
     for h in holders:

@@ -1,7 +1,13 @@
 """The node search behind `place`: how each policy hosts a pod's slices on one node.
 
 Per node the pod's slices are split between its GPUs by a small dynamic programme over
-(GPU, slices still to place); each GPU's share is packed exactly by `tables.mask_fit`.
+(GPU, slices still to place); each GPU's share is packed exactly by `tables.pack`. The
+split is the one part of a decision that is computed, not looked up, for every candidate
+node whose GPUs changed, so its pieces are cheap by construction: a demand's shares and
+what each adds to a GPU are listed once per demand (`_shares`), a GPU whose free slots
+hold no share is skipped before any lookup, the limits of a GPU that can take the whole
+demand are not checked share by share, and every packing of (slots, slices still to place)
+is solved once whichever GPU, share or demand reached it first.
 
 Speed comes from keys, not from shortcuts. A node's GPU state is one string
 (`NodeState.gpu_key`, hash cached by Python), and every node-level answer is a pure function
@@ -20,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import product
-from typing import Any
+from typing import Any, NamedTuple
 
 from common.catalog import Catalog, load_catalog
 from common.placement import geometry
@@ -36,15 +42,19 @@ from common.placement.tables import (
     FitMode,
     GpuState,
     ModelTables,
+    Needs,
+    ProfileTable,
+    SingleFit,
     add,
     addable,
     demand_needs,
+    free_spots,
     free_starts,
     gpu_state,
-    mask_fit,
     model_tables,
+    needs_allowed,
+    pack,
     single_table,
-    within_limits,
 )
 from common.profiles import ProfileNameError, parse_profile
 
@@ -59,6 +69,7 @@ Assignment = tuple[tuple[int, str, int], ...]  # (position in node.gpus, profile
 Demand = tuple[tuple[str, int], ...]  # (profile, count), largest profile first
 
 
+@lru_cache(maxsize=1 << 10)
 def profile_order(name: str) -> tuple[int, int, str]:
     """Largest first (memory, then compute), a model-independent proxy for slot size."""
     try:
@@ -103,13 +114,13 @@ def catalog_tables(catalog: Catalog | None) -> CatalogTables:
     return _custom_tables(catalog)
 
 
-@dataclass(frozen=True, slots=True)
-class UsableGpu:
+class UsableGpu(NamedTuple):  # a tuple: eight are built for every new node state
     pos: int  # position in node.gpus
     tables: ModelTables
     state: GpuState
     free: int  # free memory slots
     addable: int  # bit per profile index: count / engine / SM limits allow one more
+    room: tuple[int, ...]  # per profile index: `gpu_room`, what `node_may_fit` adds up
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +152,14 @@ def node_info(ct: CatalogTables, node_key: str) -> NodeInfo:
         models.append(model)
         usable.append(ok)
         if part is not None:
-            t, st, free, bits, pot = part
-            gpus.append(UsableGpu(pos, t, st, free, bits))
+            t, st, free, bits, pot, room = part
+            gpus.append(UsableGpu(pos, t, st, free, bits, room))
             potential += pot
     return NodeInfo(tuple(gpus), potential, tuple(models), tuple(usable))
 
 
-GpuPart = tuple[ModelTables, GpuState, int, int, int]  # tables, state, free, addable, potential
+# tables, state, free slots, addable, potential, room
+GpuPart = tuple[ModelTables, GpuState, int, int, int, tuple[int, ...]]
 
 
 @lru_cache(maxsize=1 << 15)
@@ -160,7 +172,20 @@ def gpu_info(ct: CatalogTables, gpu_key: str) -> tuple[str, bool, GpuPart | None
         return model, usable, None
     st = gpu_state(t, occupied)
     free = t.slots - bin(st.mask).count("1")
-    return model, usable, (t, st, free, addable(t, st), t.potential[st.mask])
+    bits = addable(t, st)
+    return model, usable, (t, st, free, bits, t.potential[st.mask], gpu_room(t, st, bits))
+
+
+def gpu_room(tables: ModelTables, state: GpuState, bits: int) -> tuple[int, ...]:
+    """Per profile index, how many instances of it a GPU in `state` has room for by
+    `node_may_fit`'s count: its free starts, at most what the count limit still allows;
+    0 where `bits` (`addable`) says no instance may be added."""
+    return tuple(
+        min(free_spots(tables, t.name)[state.mask], t.max_count - state.counts[t.index])
+        if bits >> t.index & 1
+        else 0
+        for t in tables.by_index
+    )
 
 
 def _spread_order(gpus: tuple[UsableGpu, ...] | list[UsableGpu]) -> list[UsableGpu]:
@@ -173,20 +198,29 @@ def node_single(ct: CatalogTables, node_key: str, profile: str, policy: Policy) 
     info = node_info(ct, node_key)
     mode = _MODE[policy]
     gpus = _spread_order(info.gpus) if policy is Policy.SPREAD else info.gpus
-    best: NodeFit | None = None
+    best: SingleFit | None = None  # (cost, loss, start) of the first cheapest GPU
+    at = 0
+    tables: ModelTables | None = None  # the GPU before's: its lookups are reused
+    t: ProfileTable | None = None
+    fits: tuple[SingleFit | None, ...] | None = None
     for u in gpus:
-        t = u.tables.profiles.get(profile)
-        if t is None or not u.addable >> t.index & 1:
+        if u.tables is not tables:
+            tables = u.tables
+            t = tables.profiles.get(profile)
+            fits = single_table(tables, profile, mode) if t is not None else None
+        if t is None or fits is None or not u.addable >> t.index & 1:
             continue
-        fit = single_table(u.tables, profile, mode)[u.state.mask]
+        fit = fits[u.state.mask]
         if fit is None:
             continue
-        cost, loss, start = fit
         if mode is not FitMode.BEST:
-            return NodeFit(0, 0, ((u.pos, profile, start),))
-        if best is None or cost < best.cost:
-            best = NodeFit(cost, loss, ((u.pos, profile, start),), (cost, info.potential))
-    return best
+            return NodeFit(0, 0, ((u.pos, profile, fit[2]),))
+        if best is None or fit[0] < best[0]:
+            best, at = fit, u.pos
+    if best is None:
+        return None
+    cost, loss, start = best
+    return NodeFit(cost, loss, ((at, profile, start),), (cost, info.potential))
 
 
 # A node's single-slice rank as one int, cost * RANK_SCALE + node potential (potentials of
@@ -219,13 +253,18 @@ def clear_caches() -> None:
         gpu_options,
         mask_options,
         rank_table,
+        loss_table,
         bound_table,
         _builtin_tables,
         _custom_tables,
-        mask_fit,
+        _shares,
+        _radix,
+        pack,
         demand_needs,
         single_table,
+        free_spots,
         model_tables,
+        profile_order,
     ):
         f.cache_clear()
 
@@ -235,6 +274,13 @@ def rank_table(ct: CatalogTables, profile: str, policy: Policy) -> dict[str, int
     """Memo of node key -> single-slice rank (-1: does not fit) for one (profile, policy):
     a plain dict, so the per-node lookup in `place` is one dictionary probe. The caller
     fills it from `node_single` and prunes it with `prune`."""
+    return {}
+
+
+@lru_cache(maxsize=256)
+def loss_table(ct: CatalogTables, profile: str) -> dict[str, int]:
+    """Memo of node key -> the instaslice loss of one `profile` slice there (-1: does not
+    fit), like rank_table: what the fleet index orders a multi-slice pod's nodes by."""
     return {}
 
 
@@ -268,12 +314,15 @@ def node_may_fit(ct: CatalogTables, node_key: str, demand: Demand) -> bool:
     for p, count in demand:
         room = 0
         size = 0
+        tables: ModelTables | None = None  # the GPU before's: its lookup is reused
+        t: ProfileTable | None = None
         for u in info.gpus:
-            t = u.tables.profiles.get(p)
+            if u.tables is not tables:
+                tables = u.tables
+                t = tables.profiles.get(p)
             if t is None or not u.addable >> t.index & 1:
                 continue
-            free = sum(1 for m in t.masks if not u.state.mask & m)
-            room += min(free, t.max_count - u.state.counts[t.index])
+            room += u.room[t.index]
             size = t.size if not size else min(size, t.size)
         if room < count:
             return False
@@ -310,6 +359,8 @@ class _Radix:
     size: int  # number of vectors 0 <= v <= counts
     subs: tuple[tuple[int, ...], ...]  # by index
     fits: tuple[tuple[bool, ...], ...]  # fits[r][s]: vector s <= vector r
+    # pairs[s]: (r, r - s) for every non-zero r >= s: where a share s can be taken from
+    pairs: tuple[tuple[tuple[int, int], ...], ...]
 
 
 @lru_cache(maxsize=256)
@@ -318,7 +369,44 @@ def _radix(counts: tuple[int, ...]) -> _Radix:
     fits = tuple(
         tuple(all(a <= b for a, b in zip(s, r, strict=True)) for s in vectors) for r in vectors
     )
-    return _Radix(len(vectors), tuple(vectors), fits)
+    pairs = tuple(
+        tuple((r, r - s) for r in range(1, len(vectors)) if fits[r][s]) for s in range(len(vectors))
+    )
+    return _Radix(len(vectors), tuple(vectors), fits, pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shares:
+    """The non-empty shares of a demand a GPU of one model could take at all, largest index
+    first — (share index, its slices in demand order, the slots they need); a share with a
+    profile the model does not offer is left out — and what each adds to a GPU's counts,
+    engines and SMs (`needs`, by share index; `cover`: the largest of them, which holds
+    every other)."""
+
+    entries: tuple[tuple[int, tuple[str, ...], int], ...]
+    needs: dict[int, Needs]
+    cover: Needs | None
+    smallest: int  # the fewest slots a share needs (more than the GPU has: none)
+
+
+@lru_cache(maxsize=1 << 10)
+def _shares(tables: ModelTables, profiles: tuple[str, ...], counts: tuple[int, ...]) -> _Shares:
+    sizes = [tables.profiles[p].size if p in tables.profiles else 0 for p in profiles]
+    radix = _radix(counts)
+    entries = []
+    for index in range(radix.size - 1, 0, -1):
+        sub = radix.subs[index]
+        if any(c and not z for c, z in zip(sub, sizes, strict=True)):
+            continue
+        slots = sum(c * z for c, z in zip(sub, sizes, strict=True))
+        entries.append((index, _expand(profiles, sub), slots))
+    needs = {index: demand_needs(tables, demand) for index, demand, _ in entries}
+    return _Shares(
+        tuple(entries),
+        needs,
+        needs[entries[0][0]] if entries else None,
+        min((slots for _, _, slots in entries), default=tables.slots + 1),
+    )
 
 
 Share = tuple[int, int, tuple[str, ...], tuple[int, ...]]  # sub index, cost, demand, starts
@@ -334,12 +422,16 @@ def gpu_options(
 ) -> tuple[Share, ...]:
     """Every non-empty share of the demand one GPU in `state` can take, with its packing,
     largest share first: the shares its free slots can take (`mask_options`) that the
-    GPU's count, engine and SM limits allow."""
-    return tuple(
-        share
-        for share in mask_options(tables, state.mask, profiles, counts, mode)
-        if within_limits(tables, state, share[2])
-    )
+    GPU's count, engine and SM limits allow (all of them when the largest share passes)."""
+    options = mask_options(tables, state.mask, profiles, counts, mode)
+    if not options:
+        return options
+    shares = _shares(tables, profiles, counts)
+    assert shares.cover is not None
+    if needs_allowed(tables, state, shares.cover):
+        return options
+    needs = shares.needs
+    return tuple(share for share in options if needs_allowed(tables, state, needs[share[0]]))
 
 
 @lru_cache(maxsize=1 << 14)
@@ -352,20 +444,17 @@ def mask_options(
 ) -> tuple[Share, ...]:
     """`gpu_options` by slots alone: keyed by the occupied slots, not the whole GPU state,
     so the searches are shared by every GPU state with the same mask."""
-    free = tables.slots - bin(occupied).count("1")
-    sizes = [tables.profiles[p].size if p in tables.profiles else 0 for p in profiles]
-    radix = _radix(counts)
+    free = tables.slots - occupied.bit_count()
+    pot = tables.potential
+    before = pot[occupied]
     out = []
-    for index in range(radix.size - 1, 0, -1):
-        sub = radix.subs[index]
-        if any(c and not z for c, z in zip(sub, sizes, strict=True)):
+    for index, demand, slots in _shares(tables, profiles, counts).entries:
+        if slots > free:
             continue
-        if sum(c * z for c, z in zip(sub, sizes, strict=True)) > free:
-            continue
-        demand = _expand(profiles, sub)
-        fit = mask_fit(tables, occupied, demand, mode)
-        if fit is not None:
-            out.append((index, fit.cost, demand, fit.starts))
+        found = pack(tables, occupied, demand, mode)  # mask_fit, without its GpuFit
+        if found is not None:
+            after = pot[found[0]]
+            out.append((index, (before - after) * COST_SCALE + after, demand, found[1]))
     return tuple(out)
 
 
@@ -378,12 +467,21 @@ def _split(
 ) -> tuple[int, Assignment] | None:
     """Split the slices over the GPUs: the cheapest split (want_best) or the first one in
     GPU order, largest share first. A dynamic programme over (GPU, slices still to place),
-    run backwards over the GPUs; each GPU's shares are memoised per GPU state, so GPUs in
-    the same state anywhere in the cluster are packed once."""
+    run backwards over the GPUs, each GPU's shares tried only where they fit what is left
+    (`_Radix.pairs`); each GPU's shares are memoised per GPU state, so GPUs in the same
+    state anywhere in the cluster are packed once. On equal cost the first GPU takes its
+    largest share that still leads to the least total (test_placement_search.py checks it
+    against brute force)."""
     radix = _radix(counts)
-    size, fits = radix.size, radix.fits
+    size, fits, pairs = radix.size, radix.fits, radix.pairs
     table = []
+    smallest: dict[ModelTables, int] = {}
     for u in gpus:
+        least = smallest.get(u.tables)
+        if least is None:
+            least = smallest[u.tables] = _shares(u.tables, profiles, counts).smallest
+        if u.free < least:
+            continue  # no share fits its free slots: it has no options
         opts = gpu_options(u.tables, u.state, profiles, counts, mode)
         if opts:
             table.append((u, opts))
@@ -393,16 +491,16 @@ def _split(
     after = [nothing]
     for _, opts in reversed(table):
         nxt = after[-1]
-        row = list(nxt)
-        for r in range(1, size):
-            fit_r = fits[r]
-            best = row[r]
-            for s, cost, _, _ in opts:
-                if fit_r[s]:
-                    rest = nxt[r - s]
-                    if rest is not None and (best is None or cost + rest < best):
-                        best = cost + rest if want_best else 0
-            row[r] = best
+        row = nxt.copy()
+        for s, cost, _, _ in opts:
+            if not want_best:
+                cost = 0
+            for r, rest_at in pairs[s]:
+                rest = nxt[rest_at]
+                if rest is not None:
+                    best = row[r]
+                    if best is None or cost + rest < best:
+                        row[r] = cost + rest
         after.append(row)
     after.reverse()
     total = after[0][size - 1]
@@ -445,7 +543,9 @@ def _sequential(
                 if mode is FitMode.STATIC and (profile, t.starts[i]) not in u.tables.layout:
                     continue
                 st = add(u.state, t, i)
-                after = UsableGpu(u.pos, u.tables, st, u.free - t.size, addable(u.tables, st))
+                bits = addable(u.tables, st)
+                room = gpu_room(u.tables, st, bits)
+                after = UsableGpu(u.pos, u.tables, st, u.free - t.size, bits, room)
                 trial = [after if g.pos == u.pos else g for g in current]
                 if _split(trial, profiles, tuple(rem), mode, want_best=False) is not None:
                     current = trial

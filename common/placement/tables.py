@@ -10,9 +10,10 @@ a slot (slot 5 on an empty 8-slot GPU: the 4g start survives, and slot 7 stays u
 the 1g(2xmem) at 6), and a GPU that is already broken is preferred to an intact one.
 
 `mask_fit(tables, mask, demand, mode)` packs a small multiset of profiles into a GPU's free
-slots — exhaustively, with memoisation over (depth, mask) — and is LRU-cached, so each
-distinct (model, occupied slots, demand) triple is solved once however many GPUs share it;
-`within_limits` checks the count, engine and SM limits apart.
+slots — exhaustively, by the first slice's start and then the rest's own packing (`pack`,
+LRU-cached), so each distinct (model, occupied slots, slices still to place) is solved once
+however many GPUs, shares and demands reach it; `within_limits` checks the count, engine
+and SM limits apart.
 These caches are pure memoisation of pure functions; nothing else is kept between calls.
 """
 
@@ -248,6 +249,14 @@ def single_table(tables: ModelTables, profile: str, mode: FitMode) -> tuple[Sing
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
+def free_spots(tables: ModelTables, profile: str) -> tuple[int, ...]:
+    """For every occupancy mask: at how many of its starts one `profile` instance would
+    find its slots free (the count, engine and SM limits are a separate question)."""
+    masks = tables.profiles[profile].masks
+    return tuple(sum(1 for m in masks if not mask & m) for mask in range(1 << tables.slots))
+
+
 def can_add(tables: ModelTables, state: GpuState, t: ProfileTable, i: int) -> bool:
     """Whether an instance of `t` at its i-th start is legal on a GPU in `state`."""
     if state.mask & t.masks[i] or state.counts[t.index] >= t.max_count:
@@ -276,20 +285,29 @@ def free_starts(tables: ModelTables, state: GpuState, t: ProfileTable) -> list[i
 
 def within_limits(tables: ModelTables, state: GpuState, demand: tuple[str, ...]) -> bool:
     """Whether the count, engine and SM limits let `demand` join a GPU in `state`."""
-    counts, compute, engines = demand_needs(tables, demand)
+    return needs_allowed(tables, state, demand_needs(tables, demand))
+
+
+Needs = tuple[tuple[tuple[int, int, int], ...], int, tuple[int, ...]]  # demand_needs
+
+
+def needs_allowed(tables: ModelTables, state: GpuState, needs: Needs) -> bool:
+    """`within_limits` for a demand whose `demand_needs` the caller already has."""
+    caps, compute, engines = needs
+    if state.compute + compute > tables.compute_total:
+        return False
     have = state.counts
-    for index, n, cap in counts:
+    for index, n, cap in caps:
         if have[index] + n > cap:
             return False
-    return state.compute + compute <= tables.compute_total and all(
-        a + b <= c for a, b, c in zip(state.engines, engines, tables.full_engines, strict=True)
-    )
+    for a, b, c in zip(state.engines, engines, tables.full_engines, strict=True):
+        if a + b > c:
+            return False
+    return True
 
 
 @lru_cache(maxsize=1 << 12)
-def demand_needs(
-    tables: ModelTables, demand: tuple[str, ...]
-) -> tuple[tuple[tuple[int, int, int], ...], int, tuple[int, ...]]:
+def demand_needs(tables: ModelTables, demand: tuple[str, ...]) -> Needs:
     """What `demand` adds to a GPU: (profile index, instances, the profile's cap) per
     profile, SMs, engines."""
     counts: dict[int, int] = {}
@@ -305,7 +323,6 @@ def demand_needs(
     return caps, compute, tuple(engines)
 
 
-@lru_cache(maxsize=1 << 16)
 def mask_fit(
     tables: ModelTables, occupied: int, demand: tuple[str, ...], mode: FitMode
 ) -> GpuFit | None:
@@ -319,61 +336,51 @@ def mask_fit(
     Slots only: counts, engines and SMs depend on which profiles are added, not where, and
     are checked apart (`within_limits`). So the search is keyed by the mask, not the whole
     GPU state, and shared by every GPU state that covers the same slots (256 masks on an
-    8-slot part). Exhaustive, memoised on (depth, mask), which also merges the permutations
-    of identical profiles."""
-    ts = [tables.profiles[name] for name in demand]
-    options = [list(zip(t.starts, t.masks, strict=True)) for t in ts]
-    if mode is FitMode.STATIC:
-        layout = set(tables.layout)
-        options = [
-            [(s, m) for s, m in o if (t.name, s) in layout]
-            for t, o in zip(ts, options, strict=True)
-        ]
+    8-slot part). The search itself is `pack`'s."""
+    found = pack(tables, occupied, demand, mode)
+    if found is None:
+        return None
     pot = tables.potential
-    before = pot[occupied]
-    n = len(ts)
+    before, after = pot[occupied], pot[found[0]]
+    return GpuFit((before - after) * COST_SCALE + after, before - after, after, found[1])
 
-    def fit_of(mask: int, starts: tuple[int, ...]) -> GpuFit:
-        after = pot[mask]
-        return GpuFit((before - after) * COST_SCALE + after, before - after, after, starts)
 
-    if mode is not FitMode.BEST:
-        failed: set[tuple[int, int]] = set()
+@lru_cache(maxsize=1 << 16)
+def pack(
+    tables: ModelTables, occupied: int, demand: tuple[str, ...], mode: FitMode
+) -> tuple[int, tuple[int, ...]] | None:
+    """`mask_fit`'s packing as (occupied slots after, starts), or None. Exhaustive, by the
+    first slice's start then the rest's own packing, which is this same function: every
+    (slots, slices still to place) is solved once, whichever GPU, demand or share reached
+    it first (the memo is this LRU cache).
 
-        def first(depth: int, mask: int) -> tuple[int, tuple[int, ...]] | None:
-            if depth == n:
-                return mask, ()
-            if (depth, mask) in failed:
-                return None
-            for s, m in options[depth]:
-                if not mask & m:
-                    found = first(depth + 1, mask | m)
-                    if found is not None:
-                        return found[0], (s, *found[1])
-            failed.add((depth, mask))
+    BEST ranks a packing by the potential left, then by the slots taken as a number (higher
+    slots win), first in start order on a tie — the least loss, whatever the potential
+    before (so a packing's rank does not depend on where the search started). One slice is
+    `single_table`'s answer, which ranks its spots the same way."""
+    if not demand:
+        return occupied, ()
+    t = tables.profiles[demand[0]]
+    if len(demand) == 1:
+        fit = single_table(tables, demand[0], mode)[occupied]
+        if fit is None:
             return None
-
-        done = first(0, occupied)
-        return None if done is None else fit_of(done[0], done[1])
-
-    memo: dict[tuple[int, int], tuple[int, int, tuple[int, ...]] | None] = {}
-
-    def best(depth: int, mask: int) -> tuple[int, int, tuple[int, ...]] | None:
-        """(cost, -final mask, starts) of the best completion from here."""
-        if depth == n:
-            after = pot[mask]
-            return (before - after) * COST_SCALE + after, -mask, ()
-        key = (depth, mask)
-        if key in memo:
-            return memo[key]
-        result: tuple[int, int, tuple[int, ...]] | None = None
-        for s, m in options[depth]:
-            if not mask & m:
-                sub = best(depth + 1, mask | m)
-                if sub is not None and (result is None or sub[:2] < result[:2]):
-                    result = (sub[0], sub[1], (s, *sub[2]))
-        memo[key] = result
-        return result
-
-    found = best(0, occupied)
-    return None if found is None else fit_of(-found[1], found[2])
+        start = fit[2]
+        return occupied | t.masks[t.starts.index(start)], (start,)
+    rest = demand[1:]
+    layout = tables.layout if mode is FitMode.STATIC else None
+    pot = tables.potential
+    best: tuple[int, tuple[int, ...]] | None = None
+    rank = (-1, -1)
+    for s, m in zip(t.starts, t.masks, strict=True):
+        if occupied & m or (layout is not None and (t.name, s) not in layout):
+            continue
+        sub = pack(tables, occupied | m, rest, mode)
+        if sub is None:
+            continue
+        if mode is not FitMode.BEST:
+            return sub[0], (s, *sub[1])
+        got = (pot[sub[0]], sub[0])
+        if got > rank:
+            best, rank = (sub[0], (s, *sub[1])), got
+    return best

@@ -16,7 +16,9 @@ GPUs in the right mode suffice), then the tightest fit (fewest spare whole GPUs 
 keeps other nodes' GPUs for MIG), then snapshot order. GPUs that need a reset are never
 chosen; when only they would do, the reason is NeedsMigModeChange, naming them. GPUs under
 way take nothing new; when they would complete a node, the pod waits for them
-(MigModeChangeUnderWay, naming them), whatever else it waits for.
+(MigModeChangeUnderWay, naming them), whatever else it waits for; when they would complete
+a node only together with GPUs that need a reset (and no reset alone would do), it waits
+for them too, the message naming the resets needed after.
 
 Pure: data in, a decision out. A pod asking MIG slices and whole GPUs together is refused at
 admission (not supported yet), so it never reaches here.
@@ -81,6 +83,9 @@ def place_whole(
     reset_refs: list[GpuRef] = []
     resets: tuple[GpuRef, ...] = ()
     waits: tuple[GpuRef, ...] = ()  # the first node's GPUs under way that would complete it
+    # the first node that GPUs under way and GPUs needing a reset would complete together:
+    # (those under way, those to reset after)
+    mixed: tuple[tuple[GpuRef, ...], tuple[GpuRef, ...]] | None = None
     for order, node in enumerate(snapshot.nodes):
         if mismatch(node, request) is not None:
             continue
@@ -93,6 +98,10 @@ def place_whole(
             short = n - len(right) - len(toggle)
             if not waits and len(under) >= short and resources_fit(node, request):
                 waits = tuple((node.name, g.index) for g in under[:short])
+            elif mixed is None and under and len(under) + len(reset) >= short:
+                rest = reset[: short - len(under)] if resources_fit(node, request) else None
+                if rest is not None:
+                    mixed = (_refs(node, under), _refs(node, rest))
             if len(right) + len(toggle) + len(reset) >= n:
                 reset_refs += [(node.name, g.index) for g in reset]
                 if not resets and resources_fit(node, request):
@@ -113,6 +122,8 @@ def place_whole(
         return WholePlacement(Placement(node.name, _slices(request, chosen, cat)), toggled)
     if waits:
         return WholePlacement(under_way_pending(f"{_what(n)} fit", waits, "off"))
+    if mixed is not None and not resets:  # the change under way first, then a reset
+        return WholePlacement(under_way_pending(f"{_what(n)} fit", mixed[0], "off", mixed[1]))
     return WholePlacement(_pending(n, eligible, fits_gpus, reset_refs), resets=resets)
 
 
@@ -126,6 +137,10 @@ def _slices(request: PodRequest, gpus: Sequence[Gpu], cat: Catalog) -> tuple[Pla
             slots = model.memory_slots if model is not None else 8
             out.append(PlacedSlice(s.container, WHOLE_GPU_PROFILE, g.index, 0, slots))
     return tuple(out)
+
+
+def _refs(node: NodeState, gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
+    return tuple((node.name, g.index) for g in gpus)
 
 
 def _what(n: int) -> str:

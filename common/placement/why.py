@@ -19,7 +19,7 @@ GPU models, with equal counts). All rare on a live fleet.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,16 +77,19 @@ class _Record:
     offered: frozenset[str]
     verdict: Verdict | None  # None: its models do not offer every requested profile
     unusable: tuple[int, int]
-    gpus: tuple[tuple[int, str], ...]  # FRAGMENTED: (-free slots, text) per free GPU, sorted
+    # FRAGMENTED: its GPUs with free slots, and the most free slots on one of them (the
+    # texts `_fragmented` lists are worded from the verdict there, for the few listed)
+    free_gpus: int
+    most_free: int
+    models: tuple[tuple[str, int], ...]  # FULL: its GPUs' models, counted, first seen first
 
 
-def _add(counter: Counter[Any], items: Iterable[Any], sign: int) -> None:
-    for item in items:
-        n = counter[item] + sign
-        if n:
-            counter[item] = n
-        else:
-            del counter[item]
+def _add(counter: Counter[Any], item: Any, n: int) -> None:
+    left = counter[item] + n
+    if left:
+        counter[item] = left
+    else:
+        del counter[item]
 
 
 def _tied(counts: Counter[Any]) -> bool:
@@ -104,7 +107,31 @@ class ShapeWhy:
         self.offered: Counter[frozenset[str]] = Counter()  # every node's offered profiles
         self.records: dict[str, _Record] = {}
         self.stale: set[str] = set(nodes)
+        self._offers: dict[str, bool] = {}  # hardware key -> it offers every profile
         self.refresh(nodes)
+
+    def touch(self, name: str, node: NodeState | None, before: NodeState | None) -> None:
+        """Note that `name` changed (`node`: its new state, None when it left; `before`:
+        the state it replaced, None if unknown). A node's record reads its taints and
+        cordon, its hardware and, where its models offer every requested profile, its
+        GPUs: a change to anything else leaves the record as it is."""
+        if (
+            before is None
+            or node is None
+            or node.hw_key != before.hw_key
+            or node.taints != before.taints
+            or node.unschedulable != before.unschedulable
+            or (node.gpu_key != before.gpu_key and self._offers_all(node.hw_key))
+        ):
+            self.stale.add(name)
+
+    def _offers_all(self, hw_key: str) -> bool:
+        found = self._offers.get(hw_key)
+        if found is None:
+            ctx = self.ctx
+            offered = _models_offer(ctx.ct, hw_key, ctx.demand, ctx.policy)[0]
+            found = self._offers[hw_key] = len(offered) == len(ctx.profiles)
+        return found
 
     def refresh(self, nodes: Nodes, limit: int | None = None) -> int:
         """Bring the sums up to date with the nodes changed since (at most `limit` of them:
@@ -137,7 +164,8 @@ class ShapeWhy:
         offered = _models_offer(ctx.ct, hw, ctx.demand, ctx.policy)[0]
         v: Verdict | None = None
         unusable = (0, 0)
-        gpus: tuple[tuple[int, str], ...] = ()
+        free = most = 0
+        models: tuple[tuple[str, int], ...] = ()
         if len(offered) == len(ctx.profiles):
             key = node.gpu_key
             v = verdicts.get(key)
@@ -146,12 +174,18 @@ class ShapeWhy:
             if v.unusable:
                 unusable = unusable_gpus(node, ctx)
             if v.klass == NodeClass.FRAGMENTED:
-                gpus = tuple(sorted(free_gpus(node, v)))
-        return _Record((node.taints, node.unschedulable), hw, offered, v, unusable, gpus)
+                for _, mask in v.gpu_free:
+                    if mask:
+                        free += 1
+                        most = max(most, mask.bit_count())
+            elif v.klass == NodeClass.FULL:
+                models = tuple(Counter(v.models).items())
+        sig = (node.taints, node.unschedulable)
+        return _Record(sig, hw, offered, v, unusable, free, most, models)
 
     def _count(self, name: str, r: _Record, key: Any, sign: int) -> None:
-        _add(self.hw, (r.hw,), sign)
-        _add(self.offered, (r.offered,), sign)
+        _add(self.hw, r.hw, sign)
+        _add(self.offered, r.offered, sign)
         g = self.groups.get(r.sig)
         if g is None:
             assert sign > 0
@@ -172,16 +206,17 @@ class ShapeWhy:
                 g.fits.discard(name)
         elif v.klass == NodeClass.FRAGMENTED:
             g.fragmented_nodes += sign
-            g.free_gpus += sign * len(r.gpus)
-            if sign > 0 and r.gpus:
-                g.fragmented.set(name, r.gpus[0][0], key)
+            g.free_gpus += sign * r.free_gpus
+            if sign > 0 and r.free_gpus:
+                g.fragmented.set(name, -r.most_free, key)
             else:
                 g.fragmented.discard(name)
         elif v.klass == NodeClass.FULL:
             g.full += sign
-            _add(g.models, v.models, sign)
-            _add(g.free, (v.free,), sign)
-            _add(g.needed, (v.needed,), sign)
+            for model, n in r.models:
+                _add(g.models, model, sign * n)
+            _add(g.free, v.free, sign)
+            _add(g.needed, v.needed, sign)
 
     def explain(self, request: PodRequest, nodes: Nodes) -> Pending | None:
         """explain.explain's answer for `request` (which fits on no indexed node), or None
@@ -219,7 +254,7 @@ class ShapeWhy:
         unhealthy = sum(g.unhealthy for g in matching)
         disabled = sum(g.disabled for g in matching)
         if any(g.fragmented_nodes for g in matching):
-            return self._fragmented(matching)
+            return self._fragmented(matching, nodes)
         if any(g.full for g in matching):
             by_model: Counter[str] = Counter()
             free: set[int] = set()
@@ -233,7 +268,7 @@ class ShapeWhy:
             return full_pending(ctx, by_model, max(free), max(needed), unhealthy, disabled)
         return unavailable_pending(ctx, unhealthy, disabled, offering)
 
-    def _fragmented(self, matching: list[_Group]) -> Pending | None:
+    def _fragmented(self, matching: list[_Group], nodes: Nodes) -> Pending | None:
         ctx = self.ctx
         shapes = []
         models = {m for hw in self.hw for m, _ in parse_hw_key(hw)}
@@ -259,7 +294,9 @@ class ShapeWhy:
                 (neg, key, name), i = heads[0]
                 if len(listed) >= _LISTED and (neg, key) > listed[_LISTED - 1][:2]:
                     break  # no later node has a GPU as free as the last one listed
-                listed.extend((n, key, text) for n, text in self.records[name].gpus)
+                v = self.records[name].verdict
+                assert v is not None
+                listed.extend((n, key, text) for n, text in free_gpus(nodes[name][0], v))
                 listed.sort()
                 del listed[_LISTED:]
                 after = next(orders[i], None)

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hack.cluster.bins import find_bin_dir, stages_dir
 from hack.cluster.kubeconfig import read_state_dir, write_kubeconfig
 from hack.cluster.pki import CertificateAuthority, IssuedCert, write_service_account_key
-from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from hack.cluster.procs import ProcessRecord, free_ports, spawn, stop_process
 
 __all__ = ["KWOK_NODE_ANNOTATION", "ClusterSettings", "ControlPlane", "ControlPlaneError"]
 
@@ -128,12 +128,26 @@ class ControlPlane:
         """A serving certificate (e.g. for a webhook) that the apiserver trusts."""
         return self.ca.issue_serving(hosts)
 
+    @property
+    def kubectl_cache_dir(self) -> Path:
+        """kubectl's discovery (and HTTP) cache for this cluster alone: pass it as
+        `--cache-dir` or KUBECACHEDIR. kubectl keys its cache by host:port only and trusts it
+        for 6 h, so a cluster on a loopback port an earlier one used reads that one's list of
+        resources: a kind this cluster does not serve then maps, and its request fails with a
+        404 that `--ignore-not-found` swallows (rc 0), where "no matches for kind" was due."""
+        return self.workdir / "kubectl-cache"
+
     def kubectl(
         self, *args: str, check: bool = True, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """Run kubectl as admin against this cluster."""
+        """Run kubectl as admin against this cluster (with the cluster's own cache)."""
         return subprocess.run(
-            [str(self.kubectl_path), f"--kubeconfig={self.kubeconfig}", *args],
+            [
+                str(self.kubectl_path),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--cache-dir={self.kubectl_cache_dir}",
+                *args,
+            ],
             input=stdin,
             capture_output=True,
             text=True,
@@ -252,7 +266,7 @@ class ControlPlane:
         ca.issue_client(*_ADMIN).write(pki / "admin.crt", pki / "admin.key")
         write_service_account_key(pki / "sa.key", pki / "sa.pub")
 
-        etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        etcd_port, etcd_peer, api_port = free_ports(3)
         server = f"https://127.0.0.1:{api_port}"
         shm = Path("/dev/shm")
         data_root = shm if shm.is_dir() and os.access(shm, os.W_OK) else workdir

@@ -23,17 +23,35 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProcessRecord", "free_port", "spawn", "stop_process"]
+__all__ = ["ProcessRecord", "free_port", "free_ports", "spawn", "stop_process"]
 
 _PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (the kernel picks it; small race accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 free right now (the kernel picks it; small race accepted).
+    For several ports at once use `free_ports`: this one may return the same port twice."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports on 127.0.0.1, free right now. Each socket stays bound until all
+    are picked: ports asked for one by one, each released before the next, can come back the
+    same (1 in 10^4 triples here: a control plane whose etcd and apiserver got one port)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            if port not in ports:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def _start_time(pid: int) -> int | None:

@@ -48,7 +48,7 @@ from hack.cluster.controlplane import ControlPlane
 from hack.cluster.kubeconfig import write_kubeconfig
 from hack.cluster.nodes import REAL_NODE_TAINT, NodeGroup, node_labels, wait_nodes_ready
 from hack.cluster.ociimage import busybox_image, pause_image
-from hack.cluster.procs import ProcessRecord, free_port, spawn, stop_process
+from hack.cluster.procs import ProcessRecord, free_ports, spawn, stop_process
 from hack.cluster.realnode_config import (
     RUNC,
     SHIM_SOCKET_DIR,
@@ -214,7 +214,7 @@ class RealNode:
         return self.containerd_socket.exists() and self.ctr("version", check=False).returncode == 0
 
     def _start_kubelet(self, cp: ControlPlane, group: NodeGroup, die_with_parent: bool) -> None:
-        port, healthz = free_port(), free_port()
+        port, healthz = free_ports(2)
         key, value, effect = REAL_NODE_TAINT
         taints = [{"key": key, "value": value, "effect": effect}]
         taints += [{"key": t.key, "value": t.value, "effect": t.effect} for t in group.taints]

@@ -25,7 +25,9 @@ others. The node agent destroys instances whose allocation vanished (records pro
 its own) after 5 s instead of 60 s, so the documented force-removal case ends within a test,
 and its Lease lasts 10 s instead of 40 s, so a stopped agent's nodes are left out within one.
 Nodes carry `nvidia.com/mig.capable=true`, the label InstaSlice's DaemonSet selects. On a
-failing test the tail of every log is attached to the report.
+failing test the tail of every log is attached to the report. The allocator runs with
+`--avoid-creates-in-flight N` when INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT=N is set
+(tests/support.py).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tests.e2e.helpers import (
     wait_for,
     wait_opted_in,
 )
-from tests.support import log_tails, on_the_session_loop
+from tests.support import avoid_creates_in_flight, log_tails, on_the_session_loop
 
 _HERE = Path(__file__).parent
 X10_TABLE = _HERE.parents[1] / "hack" / "specs" / "models" / "x10-120gb.yaml"
@@ -112,8 +114,15 @@ def system(
 def running_system(
     config: pytest.Config, where: Path, spec: dict[str, Any], **up: Any
 ) -> Iterator[DevSystem]:
-    """`DevSystem.up` of `spec` with the e2e agents' settings (`up`: more of its keywords);
-    its logs go into a failing test's report; always torn down."""
+    """`DevSystem.up` of `spec` with the e2e agents' settings (`up`: more of its keywords;
+    the allocator gets `--avoid-creates-in-flight` from INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT,
+    tests/support.py, unless `webhook_args` has its own); its logs go into a failing test's
+    report; always torn down."""
+    webhook_args = list(up.pop("webhook_args", ()))
+    avoid = avoid_creates_in_flight()
+    if avoid and not any(a.startswith("--avoid-creates-in-flight") for a in webhook_args):
+        webhook_args.append(f"--avoid-creates-in-flight={avoid}")
+    up["webhook_args"] = webhook_args
     try:
         started = DevSystem.up(
             where, parse_spec(spec), die_with_parent=True, agent_args=AGENT_ARGS, **up

@@ -405,6 +405,7 @@ async def kubectl(system: DevSystem, *args: str, stdin: str | None = None) -> Re
     proc = await asyncio.create_subprocess_exec(
         str(system.cp.kubectl_path),
         f"--kubeconfig={system.kubeconfig}",
+        f"--cache-dir={system.cp.kubectl_cache_dir}",
         *args,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,

@@ -8,7 +8,11 @@ Covers: one pod asking `nvidia.com/mig-3g.40gb` gets a new node, a slice on it a
 placeholder goes, and the empty node is removed with nothing of InstaSlice left; a burst
 larger than one node gets exactly the fewest nodes that serve it (bench.autoscale.run_burst,
 nodes created == minimum) and they all go afterwards; a pod no instance type can serve is
-told `ScaleUpFailed` with Karpenter's reason. Leaves out cluster-autoscaler
+told `ScaleUpFailed` with Karpenter's reason; a node whose two GPUs are full of 7g.80gb
+still advertises room for 1g.10gb (the fixed upper bound), yet a pod asking 1g.10gb gets a
+new node and runs (its placeholder is kept off the full node by `instaslice.io/node NotIn`,
+which Karpenter accepts; without it the scheduler bound the placeholder to the full node and
+Karpenter never scaled up). Leaves out cluster-autoscaler
 (tests/integration/test_provisioning_request.py) and the number at scale (bench/autoscale.py).
 """
 
@@ -21,11 +25,11 @@ from typing import Any
 import pytest
 
 from bench.autoscale import leftovers, pod, run_burst, spec
-from common.constants import NODE_LABEL
+from common.constants import NODE_LABEL, SCALE_UP_LABEL
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster.karpenter import GROUP_LABEL
 from tests.e2e.helpers import wait_for
-from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED
+from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED, signal_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -127,3 +131,65 @@ async def test_a_pod_no_instance_type_serves_is_told_why(own_kube: Kube, own_ns:
     )
     assert failed["type"] == "Warning" and failed["message"].startswith("Karpenter: ")
     assert set(await group_nodes(own_kube)) <= before  # no node was made for it
+
+
+def asking(name: str, profile: str) -> dict[str, Any]:
+    body = pod(name)
+    body["spec"]["containers"][0]["resources"]["limits"] = {f"nvidia.com/mig-{profile}": 1}
+    return body
+
+
+async def test_a_node_full_of_one_profile_does_not_keep_another_from_a_new_node(
+    own_kube: Kube, own_ns: str
+) -> None:
+    """Two 7g.80gb pods fill both GPUs of one node; the node still advertises
+    `instaslice.io/mig-1g.10gb: 14` (the fixed upper bound, contract §3) and no pod asks
+    for it, so in the kube-scheduler's eyes a 1g.10gb placeholder fits there. The pod
+    asking 1g.10gb must still get a new node from Karpenter and run: its placeholder
+    carries `instaslice.io/node NotIn [the full node]` (the label the node's agent wrote).
+    Without it the scheduler bound the placeholder to the full node, Karpenter counted it
+    served, and the pod waited for good."""
+    pods = core_path("pods", own_ns)
+    await own_kube.create(pods, asking("big-0", "7g.80gb"))
+    first = await wait_for(own_kube, pods, running("big-0"), what="big-0 Running", timeout_s=180)
+    full = first["spec"]["nodeName"]
+    await own_kube.create(pods, asking("big-1", "7g.80gb"))  # the node's other GPU
+    second = await wait_for(own_kube, pods, running("big-1"), what="big-1 Running", timeout_s=120)
+    assert second["spec"]["nodeName"] == full
+    node = await own_kube.get(core_path("nodes", name=full))
+    assert node["status"]["allocatable"]["instaslice.io/mig-1g.10gb"] == str(7 * GPUS)
+
+    small = await own_kube.create(pods, asking("small", "1g.10gb"))
+    placeholder = await wait_for(
+        own_kube,
+        pods,
+        lambda items: items.get(signal_name(small["metadata"]["uid"])),
+        what="small's placeholder",
+        timeout_s=60,
+    )
+    ran = await wait_for(own_kube, pods, running("small"), what="small Running", timeout_s=240)
+    assert ran["spec"]["nodeName"] not in ("", full)
+    assert ran["spec"]["nodeName"] in await group_nodes(own_kube)  # one Karpenter made
+    node = await own_kube.get(core_path("nodes", name=full))
+    assert node["metadata"]["labels"][NODE_LABEL] == full  # its agent's
+    (term,) = placeholder["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    (keep_off,) = [e for e in term["matchExpressions"] if e["key"] == NODE_LABEL]
+    assert keep_off["operator"] == "NotIn" and full in keep_off["values"], keep_off
+    await wait_for(
+        own_kube,
+        pods,
+        lambda items: not [p for p in items.values()
+                           if SCALE_UP_LABEL in (p["metadata"].get("labels") or {})],
+        what="the placeholder deleted once small is placed",
+    )  # fmt: skip
+    for name in ("big-0", "big-1", "small"):
+        await own_kube.delete_ignore_missing(core_path("pods", own_ns, name))
+    await wait_for(
+        own_kube,
+        core_path("nodes"),
+        lambda nodes: not [n for n in nodes if n in (full, ran["spec"]["nodeName"])],
+        what="both nodes removed by Karpenter once empty",
+        timeout_s=180,
+    )

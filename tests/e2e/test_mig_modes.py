@@ -6,7 +6,8 @@ binding (the full invariant of `assert_holds_slices`); MigNode shows each GPU's 
 (one enabled, one still disabled: no needless toggle) with architecture and modeToggle; a
 second MIG pod goes to the GPU already in MIG mode; a pod whose profile only an Ampere GPU
 with MIG off offers stays Pending with an AllocationPending event naming the GPU
-(NeedsMigModeChange); `kubectl instaslice nodes` shows the modes.
+(NeedsMigModeChange), and so does a pod asking by size that only that GPU's model serves;
+`kubectl instaslice nodes` shows the modes.
 In a namespace that also carries `instaslice.io/whole-gpu: "true"`, two `nvidia.com/gpu: 1`
 pods each run on a GPU of their own with MIG off (left off, or turned off on demand), the
 CDI device naming exactly that GPU (its UUID and device node, no capability nodes); in a
@@ -29,9 +30,11 @@ import pytest
 from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
+    GPU_MODEL_LABEL,
     INSTASLICE_GPU,
     NVIDIA_GPU,
     REASON_PENDING,
+    SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
     WHOLE_GPU_KEY,
     qualified_cdi_device,
@@ -138,6 +141,18 @@ async def test_ampere_gpu_with_mig_off_is_named_in_the_pending_reason(
     assert "amp-0/GPU 0" in event["message"] and "needs a GPU reset" in event["message"], event
     pod = await own_kube.get(pods_path(own_ns, "amp"))
     assert pod["status"].get("phase") == "Pending" and not pod["spec"].get("nodeName")
+
+
+async def test_a_sized_pod_only_an_ampere_gpu_with_mig_off_serves_is_named_too(
+    own_kube: Kube, own_ns: str
+) -> None:
+    """As the pod above, asking by size (`memory>=4Gi`, resolved on the A100-40GB: 1g.5gb)."""
+    pod = make_pod("amp-sized", slices={}, node_selector={GPU_MODEL_LABEL: "A100-40GB"})
+    pod["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
+    pod["metadata"]["annotations"] = {SIZE_ANNOTATION_PREFIX + "main": "memory>=4Gi"}
+    await own_kube.create(pods_path(own_ns), pod)
+    event = await wait_event(own_kube, own_ns, "amp-sized", REASON_PENDING)
+    assert "amp-0/GPU 0" in event["message"] and "needs a GPU reset" in event["message"], event
 
 
 async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(

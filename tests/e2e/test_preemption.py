@@ -19,7 +19,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.constants import REASON_PENDING, REASON_PREEMPTED, REASON_PREEMPTING
+from common.constants import (
+    GPU_MODEL_LABEL,
+    REASON_PENDING,
+    REASON_PREEMPTED,
+    REASON_PREEMPTING,
+)
 from common.kubeapi import Kube, Obj, core_path, group_path
 from hack.cluster.priority import ensure_priority_classes
 from hack.dev import DevSystem
@@ -48,17 +53,22 @@ async def priority_classes(kube: Kube) -> AsyncIterator[None]:
     yield
 
 
-async def create(kube: Kube, ns: str, name: str, klass: str, profile: str) -> Obj:
-    body = make_pod(name, slices={"main": {profile: 1}})
+async def create(
+    kube: Kube, ns: str, name: str, klass: str, profile: str, on: dict[str, str] | None = None
+) -> Obj:
+    body = make_pod(name, slices={"main": {profile: 1}}, node_selector=on)
     body["spec"]["priorityClassName"] = klass
     return await kube.create(pods_path(ns), body)
 
 
 async def fill_h100s(kube: Kube, ns: str) -> dict[str, str]:
-    """7 low-priority 1g.10gb pods per H100 GPU, all Running; their GPU uuid by pod name."""
+    """7 low-priority 1g.10gb pods per H100 GPU, all Running; their GPU uuid by pod name.
+    They are held to the H100s: the A100-40GB offers 1g.10gb too, and the allocator's
+    `--avoid-creates-in-flight` (INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT, tests/support.py)
+    rightly sends part of such a burst there while the H100s are busy making slices."""
     names = [f"low{i:02d}" for i in range(7 * H100_GPUS)]
     for name in names:
-        await create(kube, ns, name, LOW, "1g.10gb")
+        await create(kube, ns, name, LOW, "1g.10gb", on={GPU_MODEL_LABEL: "H100-80GB"})
     for name in names:
         await wait_pod_running(kube, ns, name)
     allocs = (await kube.list(allocs_path(ns)))["items"]

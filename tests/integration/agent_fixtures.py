@@ -339,6 +339,15 @@ async def wait_phase(kube: Kube, obj: Obj, phase: str, within: float = 20) -> Ob
     return await eventually(check, within=within, what=f"{ns}/{name} {phase}")
 
 
+async def delete_allocation(kube: Kube, obj: Obj, wait: bool = False) -> None:
+    """Delete it (the agent's finalizer keeps it until its slices are released); `wait`:
+    until it is gone."""
+    meta = obj["metadata"]
+    await kube.delete(instaslice_path("sliceallocations", meta["namespace"], meta["name"]))
+    if wait:
+        await wait_gone(kube, obj)
+
+
 async def wait_gone(kube: Kube, obj: Obj, within: float = 20) -> None:
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
 
@@ -362,6 +371,21 @@ async def mig_node(kube: Kube, node: str) -> Obj | None:
         if exc.not_found:
             return None
         raise
+
+
+async def mig_node_warning(kube: Kube, node: str, reason: str) -> Obj:
+    """The first Warning event `reason` on MigNode `node` (the agent's are best effort,
+    written in the background: waited for)."""
+
+    async def event() -> Obj | None:
+        got = await kube.list(
+            core_path("events", "default"), fieldSelector=f"involvedObject.name={node}"
+        )
+        return next((e for e in got["items"] if e["reason"] == reason), None)
+
+    found: Obj = await eventually(event, what=f"{reason} event")
+    assert found["type"] == "Warning" and found["involvedObject"]["kind"] == "MigNode", found
+    return found
 
 
 def node_label_selector(node: str) -> str:

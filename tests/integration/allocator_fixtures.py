@@ -49,6 +49,7 @@ from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_
 from common.objects import Phase, SliceSpec, new_claim_id
 from common.profiles import instaslice_resource
 from hack.cluster import ControlPlane
+from tests.support import avoid_creates_in_flight
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
@@ -181,7 +182,12 @@ def make_node(
         "kind": "Node",
         "metadata": {
             "name": name,
-            "labels": {"type": "kwok", "kubernetes.io/hostname": name, **(labels or {})},
+            # a label value has at most 63 characters, a node name up to 253
+            "labels": {
+                "type": "kwok",
+                "kubernetes.io/hostname": name[:63].rstrip("-."),
+                **(labels or {}),
+            },
             "annotations": dict(KWOK_ANNOTATION),
         },
         "spec": spec,
@@ -637,6 +643,8 @@ class AllocatorEnv:
             "retry_interval_s": 0.2,
             "max_backoff_s": 1.0,
             "pinned_unschedulable_timeout_s": 30.0,
+            # INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT (tests/support.py); a test's own wins
+            "avoid_creates_in_flight": avoid_creates_in_flight(),
         }
         values.update(overrides)
         return AllocatorSettings(**values)

@@ -13,7 +13,10 @@ KWOK GPU nodes: `await hack.cluster.nodes.create_nodes(kube_api, load_spec(path)
 
 Every async test under tests/integration runs in the session event loop, the loop the
 session-scoped `kube_api` lives in (aiohttp sessions cannot cross loops). On a failing test
-the tail of every control-plane log is attached to the report.
+the tail of every control-plane log is attached to the report, of the session's control plane
+and of any private one the test's fixtures started. The allocator the tests start
+(allocator_fixtures.AllocatorEnv) runs with `--avoid-creates-in-flight N` when
+INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT=N is set (tests/support.py).
 """
 
 from __future__ import annotations
@@ -44,10 +47,29 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    cp = item.config.stash.get(_CP_KEY, None)
-    if cp is not None and report.failed and _HERE in Path(str(item.path)).parents:
-        parts = [f"logs dir: {cp.logs_dir}", *log_tails(cp.logs_dir.glob("*.log"), _LOG_TAIL_LINES)]
-        report.sections.append(("control plane logs", "\n".join(parts)))
+    if not report.failed or _HERE not in Path(str(item.path)).parents:
+        return report
+    shared = item.config.stash.get(_CP_KEY, None)
+    # the session's control plane, and any private one the test started (a fixture value)
+    cps = [] if shared is None else [shared]
+    for v in getattr(item, "funcargs", {}).values():
+        if isinstance(v, ControlPlane) and all(v is not c for c in cps):
+            cps.append(v)
+    for cp in cps:
+        # which component exited (a dead controller manager deletes no namespace) is the
+        # first thing to know; its log's tail then says why
+        states = ", ".join(f"{p.name} {'up' if p.alive() else 'EXITED'}" for p in cp.processes)
+        parts = [
+            f"logs dir: {cp.logs_dir}",
+            f"processes: {states}",
+            *log_tails(cp.logs_dir.glob("*.log"), _LOG_TAIL_LINES),
+        ]
+        title = (
+            "control plane logs"
+            if cp is shared
+            else f"private control plane logs ({cp.workdir.name})"
+        )
+        report.sections.append((title, "\n".join(parts)))
     return report
 
 

@@ -403,6 +403,212 @@ async def test_controller_made_pods_pass_webhook_and_policy(
     assert all(is_rewritten(p) for p in pods)
 
 
+# --- what the policy skips (matchConditions, issue 25) ----------------------------------------
+
+
+async def test_updates_that_change_nothing_guarded_are_not_evaluated(
+    kube: Kube, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """An UPDATE (of the pod or its status) that changes no annotation, of a pod that does
+    not carry InstaSlice's gate, cannot change anything the policy guards: env and
+    ephemeral containers cannot change through it, gates can only be removed, status writes
+    keep the spec. The policy's matchConditions skip those (kubelets' status writes, most of
+    a cluster's pod writes). Shown on a pod written while the policy was unbound (a pod from
+    before InstaSlice): its env names another pod's device and a CDI annotation names one
+    too. Its status and label updates go through; any annotation change is still checked,
+    and refused."""
+    mallory = users["mallory"]
+    binding_path = group_path(ADMISSIONREG, "validatingadmissionpolicybindings", name=POLICY)
+    binding = await kube.get(binding_path)
+    foreign = _device("team-b", "cvictim", "main")
+    probe = make_pod(container("main", env=[{"name": "X", "value": foreign}]))
+
+    async def enforced(want: bool) -> bool:
+        try:
+            await dry_run_create(kube, namespace, probe)
+        except ApiError as exc:
+            return want and POLICY_DENIED in exc.message
+        return not want
+
+    await kube.delete(binding_path)
+    try:
+        await eventually(lambda: enforced(False), timeout_s=30)
+        old = make_pod(
+            container("main", env=[{"name": "D", "value": foreign}]),
+            annotations={"cdi.k8s.io/gpu": foreign},
+        )
+        pod = await kube.create(core_path("pods", namespace), old)
+    finally:
+        meta = binding["metadata"]
+        binding["metadata"] = {"name": meta["name"], "labels": meta.get("labels", {})}
+        await kube.create(group_path(ADMISSIONREG, "validatingadmissionpolicybindings"), binding)
+    await eventually(lambda: enforced(True), timeout_s=30)
+    path = core_path("pods", namespace, pod["metadata"]["name"])
+    cond = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-12-02T00:00:00Z"}
+    await mallory.patch(path + "/status", {"status": {"conditions": [cond]}})
+    await mallory.patch(path, {"metadata": {"labels": {"team": "a"}}})
+    await mallory.patch(path + "/status", {"metadata": {"labels": {"team": "b"}}})
+    # an annotation change: evaluated, and refused as before (the first rule broken speaks:
+    # the env rule on the pod, the CDI annotation rule on its status, which env rules skip)
+    for sub, words in (("", "not their own"), ("/status", "cdi.k8s.io/")):
+        await _refused(
+            mallory.patch(path + sub, {"metadata": {"annotations": {"note": "x"}}}), words
+        )
+    # a plain pod: an annotation written through its status is checked too
+    plain = await kube.create(core_path("pods", namespace), make_pod(container("main")))
+    plain_status = core_path("pods", namespace, plain["metadata"]["name"]) + "/status"
+    await _refused(
+        mallory.patch(plain_status, {"metadata": {"annotations": {"cdi.k8s.io/x": foreign}}}),
+        "cdi.k8s.io/",
+    )
+    await _refused(
+        mallory.patch(plain_status, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cmine"}}}),
+        "only InstaSlice may set or change it",
+    )
+    await mallory.patch(plain_status, {"status": {"conditions": [cond]}})
+
+
+def _env(*pairs: tuple[str, str]) -> list[Obj]:
+    return [{"name": n, "value": v} for n, v in pairs]
+
+
+def _from_secret(name: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+
+
+async def test_a_create_is_checked_wherever_a_mark_hides(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """A create is evaluated only when it carries something a rule looks at (matchConditions,
+    issue 25), and env is walked once for both env rules before the offenders are listed:
+    a mark that only an init container carries, or a later container, or a later env entry,
+    or an annotation among others, is still refused, with the offending container named."""
+    device = _device(namespace, "c1", "side")
+    no_env = container("empty")
+    no_env["env"] = []
+    cases: dict[str, tuple[Obj, tuple[str, ...]]] = {
+        "a slice asked by an init container only": (
+            make_pod(container("main"), init=[container("prep", limits={ISL: "1"})]),
+            ("gate",),
+        ),
+        "a device in a later container's later env entry": (
+            make_pod(
+                container("main", env=_env(("A", "1"))),
+                no_env,
+                container("side", env=_env(("X", "1"), ("D", device))),
+            ),
+            ("containers side:", "not their own"),
+        ),
+        "NVIDIA_VISIBLE_DEVICES from a Secret, in an init container": (
+            make_pod(
+                container("main"),
+                init=[
+                    container("prep", env=[_from_secret("X"), _from_secret(VISIBLE_DEVICES_ENV)])
+                ],
+            ),
+            ("containers prep:", SELF_SELECTING),
+        ),
+        "a claim among other annotations": (
+            make_pod(container("main"), annotations={"team": "a", CLAIM_ANNOTATION: "c1"}),
+            ("gate",),
+        ),
+        "a CDI annotation among others": (
+            make_pod(container("main"), annotations={"team": "a", "cdi.k8s.io/x": device}),
+            ("cdi.k8s.io/",),
+        ),
+        "every offending container, in order": (
+            make_pod(
+                container("main", env=_env((VISIBLE_DEVICES_ENV, "all"))),
+                container("ok", env=_env((VISIBLE_DEVICES_ENV, "void"))),
+                no_env,
+                container("side", env=_env(("X", "1"), (VISIBLE_DEVICES_ENV, "0"))),
+            ),
+            ("containers main, side:", SELF_SELECTING),
+        ),
+        "every container naming a device": (
+            make_pod(
+                container("main", env=_env(("D", device))),
+                container("side", env=_env(("D", device))),
+            ),
+            ("containers main, side:", "not their own"),
+        ),
+    }
+    pods = core_path("pods", namespace)
+    for what, (pod, words) in cases.items():
+        with pytest.raises(ApiError) as exc:
+            await kube.create(pods, pod, dryRun="All")
+        assert POLICY_DENIED in exc.value.message, (what, exc.value.message)
+        assert all(w in exc.value.message for w in words), (what, exc.value.message)
+
+
+async def test_a_create_without_marks_passes_however_busy(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """What the create-time matchCondition lets through unevaluated breaks no rule: many
+    env entries (values from fields and Secrets, empty ones, text that mentions InstaSlice
+    without naming a device), annotations, init containers, other extended resources."""
+    env = [
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        _from_secret("TOKEN"),
+        {"name": "EMPTY"},
+        *_env(("NOTE", "see instaslice.io/mig-1g.10gb"), ("CUDA_VISIBLE_DEVICES", "0")),
+    ]
+    busy = make_pod(
+        container("main", env=env, limits={"nvidia.com/gpu": "1", "cpu": "1"}),
+        container("side", env=_env(("A", "1"))),
+        init=[container("prep", env=env)],
+        annotations={"team": "a", "instaslice.io/note": "x", "cdi.example.com/x": "y"},
+        gates=["example.com/hold"],
+    )
+    made = await kube.create(core_path("pods", namespace), busy, dryRun="All")
+    assert len(made["spec"]["containers"][0]["env"]) == len(env)
+
+
+async def test_own_devices_pass_and_a_neighbours_does_not(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """Several containers of an InstaSlice pod each naming their own device (the one walk
+    finds nothing to refuse); one naming its neighbour's is refused, and named."""
+    await _opt_in(kube, namespace)
+    own = {c: _device(namespace, "c1", c) for c in ("main", "side")}
+
+    def pod(side_device: str) -> Obj:
+        return make_pod(
+            container("main", env=_env(("A", "1"), (VISIBLE_DEVICES_ENV, own["main"]))),
+            container("side", env=_env((VISIBLE_DEVICES_ENV, side_device), ("D", side_device))),
+            container("plain"),
+            annotations={CLAIM_ANNOTATION: "c1"},
+            gates=[GATE_NAME],
+        )
+
+    pods = core_path("pods", namespace)
+    await kube.create(pods, pod(own["side"]), dryRun="All")
+    await _refused(kube.create(pods, pod(own["main"]), dryRun="All"), "containers side:")
+
+
+async def test_gate_and_claim_taken_at_once_name_the_gate(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """The gate rule and the claim rule are one validation (issue 25): an update breaking
+    both is refused naming the gate, as when they were two (the first refusal speaks);
+    one breaking only the claim names the claim."""
+    await _opt_in(kube, namespace)
+    bare = _wired_pod(namespace, "cboth", asks=False)
+    del bare["spec"]["containers"][0]["env"]  # no env: the env rule stays out of it
+    made = await kube.create(core_path("pods", namespace), bare)
+    path = core_path("pods", namespace, made["metadata"]["name"])
+    claim = "/metadata/annotations/instaslice.io~1claim"
+    both = [{"op": "remove", "path": "/spec/schedulingGates/0"},
+            {"op": "replace", "path": claim, "value": "cother"}]  # fmt: skip
+    message = await _refused(kube.patch(path, both, "json"), "only InstaSlice may remove")
+    assert "set or change" not in message, message
+    message = await _refused(
+        kube.patch(path, [{"op": "remove", "path": claim}], "json"),
+        "metadata.annotations[instaslice.io/claim]: only InstaSlice may set or change it (user",
+    )
+    assert "schedulingGates" not in message, message
+
+
 # --- opt-in (issue 17 item 3) ----------------------------------------------------------------
 
 

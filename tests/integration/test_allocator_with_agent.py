@@ -8,7 +8,10 @@ needs a whole GPU is then pending), and Ampere maintenance: an A100 with MIG off
 MIG pod after the allocator asked for the mode change (`--ampere-mode-changes=drain`) and the
 agent reset the GPU (meanwhile the asking pod, and another that fits only there, are told
 they wait for the change under way), while with the flag off the pod keeps waiting
-`NeedsMigModeChange`.
+`NeedsMigModeChange`; an admin's ask on a busy A100 whose drain runs past the agent's
+timeout is withdrawn, the running pod is left alone, and the GPU takes a new pod again; a
+pod that needs both the GPU under way and another a reset away waits for the change under
+way.
 The fake-agent suite (test_allocator.py) covers the failure paths; the e2e suite covers the
 webhook and agent processes as deployed.
 """
@@ -18,13 +21,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
 from common.clock import cancel_until_done
-from common.constants import MIG_NODE_PLURAL, REASON_PENDING
+from common.constants import MIG_NODE_PLURAL, NODE_LABEL, REASON_PENDING
 from common.kubeapi import Kube, Obj, instaslice_path
+from common.objects import node_label_value
 from hack.cluster import ControlPlane
 from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import serve
@@ -57,8 +61,10 @@ class AgentWorld:
         model: str = "H100-80GB",
         gpus: int = 1,
         mig_mode: Literal["enabled", "disabled"] = "enabled",
+        **agent: Any,
     ) -> list[str]:
-        """KWOK nodes whose GPUs are emulated and served by one in-process node agent."""
+        """KWOK nodes whose GPUs are emulated and served by one in-process node agent
+        (`agent`: its Settings overrides)."""
         names = []
         for short in shorts:
             name = await self.env.add_node(short, model=None, mig_node=False)
@@ -71,6 +77,7 @@ class AgentWorld:
             emu_state=self.gpus,
             cdi_root=self.cdi,
             namespace=self.env.namespace,
+            **agent,
         )
         self.task = asyncio.create_task(serve(settings), name="nodeagent")
 
@@ -125,6 +132,26 @@ async def test_one_pod_through_the_real_agent(world: AgentWorld) -> None:
     assert record["status"]["phase"] == "Ready"
     assert record["status"]["slices"][0]["migUUID"].startswith("MIG-")
     assert world.instances(node) == decided([record], node)
+    await env.delete_pod("p")
+    await env.wait_allocations(lambda items: not items, within=60, what="released")
+    assert world.instances(node) == set()
+
+
+async def test_a_node_named_longer_than_a_label_value_gets_its_slice(world: AgentWorld) -> None:
+    """A node name may have 253 characters, a label value 63 (Karpenter's KWOK nodes reached
+    65 in CI): the SliceAllocation's `instaslice.io/node` is then the name cut and hashed,
+    and the agent's watch selects on that. Before, the API server refused the allocation
+    (422) and the pod waited for good."""
+    (node,) = await world.nodes("a-node-named-longer-than-any-label-value-may-be-" + "x" * 20)
+    assert len(node) > 63
+    env = world.env
+    env.start()
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    bound = await env.wait_bound("p", within=60)
+    assert podlib.bound_node(bound) == node
+    (record,) = await env.allocations()
+    assert record["metadata"]["labels"][NODE_LABEL] == node_label_value(node)
+    assert record["status"]["phase"] == "Ready"
     await env.delete_pod("p")
     await env.wait_allocations(lambda items: not items, within=60, what="released")
     assert world.instances(node) == set()
@@ -191,6 +218,85 @@ async def test_ampere_maintenance_serves_a_mig_pod_on_an_a100_with_mig_off(
         return await _desired(env, node) == []
 
     await eventually(withdrawn, what="the ask withdrawn")
+
+
+@pytest.mark.parametrize("flag", ["drain", "off"])
+async def test_a_drain_that_runs_out_is_given_up_and_the_gpu_takes_work_again(
+    world: AgentWorld, flag: str
+) -> None:
+    """With `drain` the allocator withdraws the failed ask; with `off` the admin's ask stays
+    in the spec, and the GPU serves anyway (the agent gave that ask up)."""
+    (node,) = await world.nodes(
+        "a1", model="A100-80GB", gc_period_s=0.5, maintenance_drain_timeout_s=2.0
+    )
+    env = world.env
+    env.start(ampere_mode_changes=flag)
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    await env.wait_bound("p", within=60)
+    gpu = EmulatorControl(world.gpus, node).state().gpus[0]
+    path = instaslice_path(MIG_NODE_PLURAL, name=node)
+    ask = {"uuid": gpu.uuid, "desiredMigMode": "disabled"}  # an admin's, by hand
+    await env.kube.patch(path, {"spec": {"gpus": [ask]}})
+
+    async def draining() -> bool:
+        g = (await env.kube.get(path))["status"]["gpus"][0]
+        return bool(g.get("modeChange", {}).get("phase") == "Draining")
+
+    await eventually(draining, what="Draining")
+    await env.create_pod("q", slices={"main": {"1g.10gb": 1}})  # fits as the GPU is
+    await env.wait_event("q", REASON_PENDING)  # nothing new while it drains
+
+    async def failed() -> Obj | None:
+        g: Obj = (await env.kube.get(path))["status"]["gpus"][0]
+        return g if g.get("modeChange", {}).get("phase") == "Failed" else None
+
+    g = await eventually(failed, what="the ask failed", within=30)
+    assert "drain timed out" in g["modeChange"]["message"]
+    bound = await env.wait_bound("q", within=30)  # the GPU takes work again
+    assert podlib.bound_node(bound) == node
+    assert podlib.bound_node(await env.pod("p")) == node  # never evicted
+    assert [p for _, p, _, _ in world.instances(node)] == ["1g.10gb"] * 2
+    assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 1
+    if flag == "drain":
+
+        async def withdrawn() -> bool:
+            return await _desired(env, node) == []
+
+        await eventually(withdrawn, what="the ask withdrawn")
+    else:
+        assert await _desired(env, node) == [ask]  # the allocator writes nothing
+
+
+async def test_a_pod_needing_the_change_under_way_and_a_reset_waits_for_the_change(
+    world: AgentWorld,
+) -> None:
+    """GPU 0 is asked for one pod; a pod of two full-GPU slices needs GPU 0 once it is done
+    and GPU 1 after a reset of its own: it is told it waits for the change under way (not
+    a plainer reason), and nothing more is asked meanwhile."""
+    (node,) = await world.nodes("a1", model="A100-80GB", gpus=2, mig_mode="disabled")
+    emu = EmulatorControl(world.gpus, node)
+    emu.set_driver_client(0, True)  # the reset waits until the test lets go
+    emu.set_driver_client(1, True)
+    env = world.env
+    env.start(ampere_mode_changes="drain")
+    try:
+        await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+        await env.wait_event("p", REASON_PENDING, saying="asked for (Ampere maintenance")
+        # the allocator has seen its ask (its informer may lag the write)
+        await env.wait_event("p", REASON_PENDING, saying=f"under way on {node}/GPU 0")
+        await env.create_pod("q", slices={"main": {"7g.80gb": 2}})
+        told = await env.wait_event("q", REASON_PENDING)
+        assert f"under way on {node}/GPU 0 is done" in told["message"], told["message"]
+        assert f"then a MIG mode change on {node}/GPU 1 too" in told["message"]
+        assert [e["message"] for e in await env.events("q", REASON_PENDING)] == [
+            told["message"]
+        ]  # never a plainer reason first
+        assert [g["uuid"] for g in await _desired(env, node)] == [emu.state().gpus[0].uuid]
+    finally:
+        emu.set_driver_client(0, False)
+        emu.set_driver_client(1, False)
+    bound = await env.wait_bound("p", within=60)
+    assert podlib.bound_node(bound) == node
 
 
 async def test_without_the_flag_an_ampere_pod_keeps_waiting(world: AgentWorld) -> None:

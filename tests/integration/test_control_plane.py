@@ -270,3 +270,40 @@ async def test_service_account_identity(
     info = review.status.user_info
     assert info.username == f"system:serviceaccount:{namespace}:agent"
     assert f"system:serviceaccounts:{namespace}" in info.groups
+
+
+def test_kubectl_keeps_its_own_discovery_cache(
+    control_plane: ControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ControlPlane.kubectl` reads only this cluster's discovery cache. kubectl keys the cache
+    by host:port alone (6 h TTL); here the shared one (KUBECACHEDIR) holds what an earlier
+    cluster on the same loopback port served, a kind this cluster lacks. Read, it would map
+    the kind and `delete --ignore-not-found` would swallow the server's 404 (rc 0, nothing
+    said) instead of "no matches for kind"."""
+    shared = tmp_path / "shared-cache"
+    host = control_plane.server.removeprefix("https://").replace(":", "_")
+    gv = {"groupVersion": "flakes.example.com/v1", "version": "v1"}
+    files = {
+        "servergroups.json": {
+            "kind": "APIGroupList", "apiVersion": "v1",
+            "groups": [{"name": "flakes.example.com", "versions": [gv], "preferredVersion": gv}],
+        },
+        "flakes.example.com/v1/serverresources.json": {
+            "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv["groupVersion"],
+            "resources": [{"name": "widgets", "singularName": "widget", "namespaced": True,
+                           "kind": "Widget", "verbs": ["get", "list", "delete"]}],
+        },
+    }  # fmt: skip
+    for rel, doc in files.items():
+        path = shared / "discovery" / host / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+    monkeypatch.setenv("KUBECACHEDIR", str(shared))
+    widget = {"apiVersion": "flakes.example.com/v1", "kind": "Widget",
+              "metadata": {"name": "w", "namespace": "default"}}  # fmt: skip
+    proc = control_plane.kubectl(
+        "delete", "-f", "-", "--ignore-not-found", check=False, stdin=json.dumps(widget)
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert 'no matches for kind "Widget"' in proc.stderr
+    assert not (shared / "discovery" / host / "v1").exists()  # the shared cache untouched

@@ -32,6 +32,7 @@ from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2 as dp
 from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2 as pr
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2_grpc as pr_grpc
+from nodeagent.state import AgentNode
 from tests.integration.agent_fixtures import (
     agent_settings,
     create_allocation,
@@ -399,3 +400,35 @@ async def test_whole_gpus_are_bound_with_the_same_rules(
             await kube.delete(instaslice_path("sliceallocations", ns, "cw"))
             await wait_gone(kube, owned)
             assert not (node.cdi_dir / "instaslice.io-plugin-gpu-1.json").exists()
+
+
+async def test_a_slice_is_allocatable_as_soon_as_its_allocation_says_ready(
+    kube: Kube,
+    namespace: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ready lets the allocator ungate the pod, and a real kubelet may call Allocate a few
+    milliseconds later: the binding must know the slice by then. The agent told it only after
+    the Ready write and the record's write, and a loaded machine (the e2e real-node test under
+    three CPU hogs) saw Allocate refused 3 ms before the agent's "slices ready": the pod failed
+    with UnexpectedAdmissionError. Here the record's write is held 2 s to open that window."""
+    persist = AgentNode.persist
+
+    async def slow_persist(self: AgentNode, durable: bool = False) -> None:
+        await asyncio.sleep(2.0)
+        await persist(self, durable)
+
+    node = await gpu_node(kube, tmp_path, [H200])
+    async with running_agent(dp_settings(node, control_plane, kubelet)):
+        await eventually(registered(kubelet), what="registration")
+        monkeypatch.setattr(AgentNode, "persist", slow_persist)
+        ch, stub = kubelet.plugin(RES)
+        async with ch:
+            a = slice_allocation(namespace, node, [("main", "1g.18gb", 0, 0, 1)], claim="cnow")
+            await create_allocation(kube, a)
+            await wait_phase(kube, a, "Ready")
+            got = await stub.Allocate(one_id("1g.18gb-0"))  # refused before the fix
+            assert got.container_responses[0].cdi_devices[0].name

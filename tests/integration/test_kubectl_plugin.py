@@ -155,7 +155,8 @@ def test_a_tenant_reads_only_their_own_allocations(
     rc, _, err = _run(capsys, "pods", "--kubeconfig", kc)
     assert rc == 1 and "403" in err and "-n <namespace>" in err
     proc = subprocess.run(
-        [str(cp.kubectl_path), "--kubeconfig", kc, "-n", NS, "get", "slicealloc"],
+        [str(cp.kubectl_path), "--kubeconfig", kc, f"--cache-dir={cp.kubectl_cache_dir}",
+         "-n", NS, "get", "slicealloc"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and "claim-p1" in proc.stdout, proc.stderr

@@ -27,9 +27,10 @@ import aiohttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from common.allocation import SliceAllocation
-from common.constants import RELEASE_FINALIZER
+from common.constants import NODE_LABEL, RELEASE_FINALIZER
 from common.kubeapi import ApiError, Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
@@ -42,12 +43,14 @@ from tests.integration.agent_fixtures import (
     agent_settings,
     cdi_inject,
     create_allocation,
+    delete_allocation,
     eventually,
     get_allocation,
     gpu_node,
     injected_devices,
     injected_env,
     mig_node,
+    mig_node_warning,
     pod_events,
     process_args,
     running_agent,
@@ -70,11 +73,6 @@ def kube(agent_kube: Kube) -> Kube:
 def ns(alloc_ns: str) -> str:
     """The test namespace; leftover allocations lose their finalizer so it can go."""
     return alloc_ns
-
-
-def _delete(kube: Kube, alloc: Obj) -> Any:
-    m = alloc["metadata"]
-    return kube.delete(instaslice_path("sliceallocations", m["namespace"], m["name"]))
 
 
 async def _event(kube: Kube, ns: str, pod: str, reason: str, text: str = "") -> Obj:
@@ -183,7 +181,7 @@ async def test_allocation_ready_and_released(
         assert {s["claim"] for s in slices} == {claim}
         await _event(kube, ns, f"pod-{claim}", "SliceReady", str(want[2].mig_uuid))
 
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
         assert node.instances() == []
         assert node.cdi_files() == []
@@ -222,7 +220,7 @@ async def test_release_repeated_from_a_stale_view_is_quiet(
         path = instaslice_path("sliceallocations", ns, alloc["metadata"]["name"])
         hold = "test.instaslice.io/hold"  # keeps the object after our finalizer is gone
         await kube.patch(path, {"metadata": {"finalizers": [RELEASE_FINALIZER, hold]}})
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
 
         async def released() -> Obj | None:
             obj = await get_allocation(kube, ns, alloc["metadata"]["name"])
@@ -264,7 +262,7 @@ async def test_an_allocation_for_another_node_is_failed_not_made(
         failed = await wait_phase(kube, alloc, "Failed")
         assert "spec.nodeName some-other-node is not on node" in failed["status"]["message"]
         assert node.instances() == []
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
 
 
@@ -288,7 +286,7 @@ async def test_a_stale_creating_view_after_failed_makes_nothing(
         assert node.instances() == []
         got = await get_allocation(kube, ns, alloc["metadata"]["name"])
         assert got is not None and got["status"]["phase"] == "Failed"
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
 
 
@@ -346,7 +344,8 @@ async def test_nvml_failure_rolls_back_and_fails(
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
         ev = await _event(kube, ns, f"pod-{alloc['metadata']['name']}", "SliceCreateFailed")
         assert ev["type"] == "Warning"
-        await _delete(kube, alloc)  # the allocator deletes Failed allocations; release is a no-op
+        # the allocator deletes Failed allocations; release is a no-op
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
 
 
@@ -373,7 +372,7 @@ async def test_foreign_instance_is_reported_and_never_touched(
 
         foreign = await eventually(reported, what="foreign slice in MigNode")
         assert (foreign["start"], foreign["size"]) == (5, 1) and "claim" not in foreign
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
         await asyncio.sleep(1.0)  # two garbage collection passes (gc_period_s = 0.5)
         assert node.instances() == [(0, "1g.18gb", 5, 1, None)]  # GC leaves it alone too
@@ -406,7 +405,7 @@ async def test_instance_appearing_after_the_check_is_not_rolled_back(
         assert "INSUFFICIENT_RESOURCES" in failed["status"]["message"]
         assert node.instances() == [(0, "1g.18gb", 4, 1, None)]  # the other one survived
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
 
 
@@ -420,7 +419,7 @@ async def test_release_waits_while_in_use(
         ready = await wait_phase(kube, alloc, "Ready")
         uuid = ready["status"]["slices"][0]["migUUID"]
         pid = node.emu.add_process(uuid)
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
 
         async def says_in_use() -> Obj | None:
             got = await get_allocation(kube, ns, alloc["metadata"]["name"])
@@ -486,8 +485,8 @@ async def test_xid_and_gpu_lost_mark_gpus_unhealthy(
         await create_allocation(kube, bad)
         failed = await wait_phase(kube, bad, "Failed")
         assert "unhealthy" in failed["status"]["message"]
-        await _delete(kube, alloc)
-        await _delete(kube, bad)
+        await delete_allocation(kube, alloc)
+        await delete_allocation(kube, bad)
         await wait_gone(kube, alloc)
 
 
@@ -526,7 +525,7 @@ async def test_sigkill_during_create_then_restart(
         assert len(node.emu.instances()) == 2  # adopted the half-made GI, made nothing twice
         uuids = {r.mig_uuid for r in node.emu.instances()}
         assert {s["migUUID"] for s in ready["status"]["slices"]} == uuids
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
         assert node.instances() == []
         assert proc2.stop() == 0, proc2.tail()  # SIGTERM: a clean exit
@@ -546,7 +545,7 @@ async def test_sigkill_during_destroy_then_restart(
         await create_allocation(kube, alloc)
         await wait_phase(kube, alloc, "Ready", within=30)
         node.emu.set_latency(destroy_ms=700)
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
 
         async def half_destroyed() -> bool:
             return any(r.ci_id is None for r in node.emu.instances())
@@ -596,7 +595,7 @@ async def test_reboot_recreates_ready_allocations(
         assert new_uuid in json.dumps(_cdi_doc(node, alloc)) and old_uuid not in json.dumps(
             _cdi_doc(node, alloc)
         )
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
 
 
@@ -616,7 +615,7 @@ async def test_reboot_that_cannot_be_recreated_fails_explicitly(
         msg = failed["status"]["message"]
         assert "rebooted" in msg and "RESET_REQUIRED" in msg, msg
         assert node.emu.state().gpus[0].mig_pending == 0  # the pending change taken back
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
         assert checkpoint.load(node.checkpoint, node.name).claims == {}
         assert node.cdi_files() == []
@@ -695,7 +694,7 @@ async def test_one_process_serves_many_nodes(
             assert n.instances() == [(0, "1g.18gb", i, 1, 0)]
             assert len(n.cdi_files()) == 1
         for a in allocs:
-            await _delete(kube, a)
+            await delete_allocation(kube, a)
         for a in allocs:
             await wait_gone(kube, a)
         assert all(n.instances() == [] for n in nodes)
@@ -719,31 +718,53 @@ async def test_node_registered_again_gets_its_capacity_back(
             return (await _capacity(kube, node.name)).get("instaslice.io/mig-1g.18gb") == "7"
 
         await eventually(capacity_written, what="capacity written at start")
-        manifest = await kube.get(core_path("nodes", name=node.name))
-        await kube.delete_ignore_missing(core_path("nodes", name=node.name))
-        await kube.delete_ignore_missing(instaslice_path("mignodes", name=node.name))
-        fresh = {"apiVersion": "v1", "kind": "Node",
-                 "metadata": {k: manifest["metadata"][k] for k in ("name", "labels", "annotations")
-                              if k in manifest["metadata"]},
-                 "spec": manifest.get("spec", {})}  # fmt: skip
-        created: Obj = {}
-        for _ in range(40):  # the old object may take a moment to go
-            try:
-                created = await kube.create(core_path("nodes"), fresh)
-                break
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
-                await asyncio.sleep(0.25)
-        cap = created.get("status", {}).get("capacity") or {}
-        assert not any(k.startswith("instaslice.io/") for k in cap), "registered without ours"
-        await eventually(capacity_written, what="capacity written again after re-registration")
+        with capture_logs() as logs:  # the re-registration, and only it, re-writes
+            manifest = await kube.get(core_path("nodes", name=node.name))
+            await kube.delete_ignore_missing(core_path("nodes", name=node.name))
+            await kube.delete_ignore_missing(instaslice_path("mignodes", name=node.name))
+            meta = manifest["metadata"]
+            keep = {k: meta[k] for k in ("name", "labels", "annotations") if k in meta}
+            fresh = {"apiVersion": "v1", "kind": "Node", "metadata": keep,
+                     "spec": manifest.get("spec", {})}  # fmt: skip
+            created: Obj = {}
+            for _ in range(40):  # the old object may take a moment to go
+                try:
+                    created = await kube.create(core_path("nodes"), fresh)
+                    break
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+                    await asyncio.sleep(0.25)
+            cap = created.get("status", {}).get("capacity") or {}
+            assert not any(k.startswith("instaslice.io/") for k in cap), "registered without ours"
+            await eventually(capacity_written, what="capacity written again after re-registration")
+        again = [e for e in logs if e["event"].startswith("Node capacity is not what we wrote")]
+        assert [e["node"] for e in again] == [node.name], logs  # the real re-write, told once
 
         async def mig_node_back() -> bool:
             mn = await mig_node(kube, node.name)
             return bool(mn and mn.get("status", {}).get("gpuCount") == 1)
 
         await eventually(mig_node_back, what="MigNode written again after re-registration")
+
+
+async def test_the_agent_labels_its_node_with_its_name_and_writes_it_back(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """`instaslice.io/node=<node>`, which Karpenter placeholders are kept off by
+    (docs/autoscaling.md); Karpenter sets it to a random number on a node it made for such
+    a placeholder (once, at registration), and the agent writes its own back."""
+    node = await gpu_node(kube, tmp_path, [H200], prefix="lbl")
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+
+        async def labelled() -> bool:
+            got = await kube.get(core_path("nodes", name=node.name))
+            return bool(got["metadata"]["labels"].get(NODE_LABEL) == node.name)
+
+        await eventually(labelled, what="the node labelled with its name")
+        patch = {"metadata": {"labels": {NODE_LABEL: "5577006791947779410"}}}
+        await kube.patch(core_path("nodes", name=node.name), patch)  # as Karpenter does
+        await eventually(labelled, what="its name written back over Karpenter's value")
 
 
 @pytest.mark.parametrize("create_ms", [0, 300])
@@ -807,14 +828,7 @@ async def test_base_cdi_spec_missing_then_found_on_the_mignode(
         assert all(str(t) in cond["message"] for t in tried)
         assert cond["lastTransitionTime"]
 
-        async def event() -> Obj | None:
-            got = await kube.list(
-                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
-            )
-            return next((e for e in got["items"] if e["reason"] == "BaseCdiSpecNotFound"), None)
-
-        ev = await eventually(event, what="BaseCdiSpecNotFound event")
-        assert ev["type"] == "Warning" and ev["involvedObject"]["kind"] == "MigNode"
+        await mig_node_warning(kube, node.name, "BaseCdiSpecNotFound")
 
     tried[1].write_text(yaml.safe_dump(cdi.fake_nvidia_spec("580.159.04", [0])))
     async with running_agent(settings, cdi_facts_for=facts):
@@ -856,13 +870,7 @@ async def test_gpu_operator_device_plugin_on_a_managed_node_is_a_conflict(
         assert cond["reason"] == "DevicePluginActive"
         assert "nvidia.com/gpu.deploy.device-plugin=false" in cond["message"]
 
-        async def event() -> Obj | None:
-            got = await kube.list(
-                core_path("events", "default"), fieldSelector=f"involvedObject.name={node.name}"
-            )
-            return next((e for e in got["items"] if e["reason"] == "DevicePluginActive"), None)
-
-        assert (await eventually(event, what="DevicePluginActive event"))["type"] == "Warning"
+        await mig_node_warning(kube, node.name, "DevicePluginActive")
         async with (
             aiohttp.ClientSession() as http,
             http.get(f"http://127.0.0.1:{port}/metrics") as resp,
@@ -920,6 +928,6 @@ async def test_instances_vanishing_under_a_running_pod_are_marked_and_told(
         got = await get_allocation(kube, ns, name)
         assert got is not None and got["status"]["phase"] == "Ready"
 
-        await _delete(kube, alloc)
+        await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
         assert node.cdi_files() == []

@@ -1,7 +1,8 @@
 """The node agent's share of a pod's time to slice (issue 25), against a real API server.
 
 - A create's `Creating` status write and its intent record (placement check, record on disk)
-  run side by side, and NVML makes nothing before both are done.
+  run side by side, and NVML makes nothing before both are done; the `Ready` write goes
+  first and its record's `ready` after it is answered, not beside it.
 - A slice made is listed on the MigNode within `SLICES_LISTED_WITHIN_S`, coalesced with the
   slices made meanwhile (one status write for several pods, not one each); slots freed are
   listed at once, as before.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,36 +49,79 @@ async def h200(agent_kube: Kube, tmp_path: Path, control_plane: ControlPlane) ->
     return node, agent_settings([node], control_plane.kubeconfig)
 
 
-async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nvml(
-    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
+async def _one_slice_with_held_writes(
+    kube: Kube,
+    namespace: str,
+    h200: NodeAndAgent,
+    before_write: Callable[[SliceAllocation, dict[str, Any]], Awaitable[None]],
+    then: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
+    """One 1g.18gb allocation made by a running agent whose status writes each await
+    `before_write(alloc, body)` first; `then` runs once it is Ready, the agent still up."""
     node, settings = h200
-    seen: dict[str, Any] = {}
     async with running_agent(settings) as agents:
         life = agents[node.name].life
         real_status = life.status
 
         async def held_status(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
-            if body["status"].get("phase") == "Creating" and "record" not in seen:
-                # held until the intent record is on disk: it must get there meanwhile
-                for _ in range(200):
-                    if alloc.uid in checkpoint.load(node.checkpoint, node.name).claims:
-                        seen["record"] = True
-                        break
-                    await asyncio.sleep(0.05)
-                else:
-                    seen["record"] = False
-                await asyncio.sleep(0.3)  # time enough for an NVML create that did not wait
-                seen["instances"] = node.instances()
+            await before_write(alloc, body)
             return await real_status(alloc, body)
 
         life.status = held_status  # type: ignore[method-assign]
-        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
-        await create_allocation(agent_kube, alloc)
-        await wait_phase(agent_kube, alloc, "Ready")
+        alloc = slice_allocation(namespace, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(kube, alloc)
+        await wait_phase(kube, alloc, "Ready")
+        if then is not None:
+            await then()
+
+
+async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nvml(
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
+) -> None:
+    node, _ = h200
+    seen: dict[str, Any] = {}
+
+    async def hold(alloc: SliceAllocation, body: dict[str, Any]) -> None:
+        if body["status"].get("phase") == "Creating" and "record" not in seen:
+            # held until the intent record is on disk: it must get there meanwhile
+            for _ in range(200):
+                if alloc.uid in checkpoint.load(node.checkpoint, node.name).claims:
+                    seen["record"] = True
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                seen["record"] = False
+            await asyncio.sleep(0.3)  # time enough for an NVML create that did not wait
+            seen["instances"] = node.instances()
+
+    await _one_slice_with_held_writes(agent_kube, alloc_ns, h200, hold)
     assert seen["record"], "the intent record waited for the Creating write"
     assert seen["instances"] == [], "NVML made a slice before Creating was written"
     assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
+
+
+async def test_the_ready_record_is_written_after_the_ready_write_not_beside_it(
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
+) -> None:
+    """The record's `ready` waits for the `Ready` write's answer: beside it, the record's
+    JSON on a worker thread held the interpreter while the answer waited (issue 25)."""
+    node, _ = h200
+    seen: dict[str, Any] = {}
+
+    async def hold(alloc: SliceAllocation, body: dict[str, Any]) -> None:
+        if body["status"].get("phase") == "Ready" and "state" not in seen:
+            await asyncio.sleep(0.3)  # time enough for a record written beside it
+            seen["state"] = checkpoint.load(node.checkpoint, node.name).claims[alloc.uid].state
+
+    async def record_ready() -> bool:
+        claims = checkpoint.load(node.checkpoint, node.name).claims
+        return any(r.state == "ready" for r in claims.values())
+
+    async def then() -> None:
+        await eventually(record_ready, what="the record ready after the write")
+
+    await _one_slice_with_held_writes(agent_kube, alloc_ns, h200, hold, then)
+    assert seen["state"] == "creating", "the record was written beside the Ready write"
 
 
 async def test_slices_made_are_listed_together_and_slots_freed_at_once(
@@ -200,7 +245,7 @@ async def test_the_ready_write_does_not_wait_for_the_ready_record(
     h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The record's `ready` is written beside the Ready status write, not before it: nothing
+    """The record's `ready` is written after the Ready status write, not before it: nothing
     waits for it (a restart that lost it adopts the slices: the next test)."""
     node, settings = h200
     saves: list[tuple[str, float]] = []
@@ -279,14 +324,18 @@ async def test_a_slice_takes_one_trip_to_its_gpus_nvml_lane(
     node, settings = h200
     async with running_agent(settings) as agents:
         gpus = agents[node.name].life.gpus
-        real_call = gpus.call_gpu
         trips: list[str] = []
 
-        async def counted(index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-            trips.append(getattr(fn, "__name__", repr(fn)))
-            return await real_call(index, fn, *args, **kwargs)
+        def counting(real_call: Any) -> Any:
+            async def counted(index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+                trips.append(getattr(fn, "__name__", repr(fn)))
+                return await real_call(index, fn, *args, **kwargs)
 
-        gpus.call_gpu = counted  # type: ignore[method-assign]
+            return counted
+
+        # a create's calls go through call_gpu_first (ahead of releases: nodeagent/lane.py)
+        gpus.call_gpu = counting(gpus.call_gpu)  # type: ignore[method-assign]
+        gpus.call_gpu_first = counting(gpus.call_gpu_first)  # type: ignore[method-assign]
         alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
         await create_allocation(agent_kube, alloc)
         await wait_phase(agent_kube, alloc, "Ready")

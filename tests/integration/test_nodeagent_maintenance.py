@@ -7,9 +7,13 @@ reset is refused until the paused DCGM lets go: a fake Operator in the test drop
 emulator's driver client when it sees the label paused), verifies the mode, restores the
 labels exactly as they were, and republishes MigNode; a GPU with an allocation on it is
 drained first (MigNode `modeChange.phase: Draining`, nothing touched) and changed once the
-allocation is gone; a reset that stays refused fails with a back-off and the labels are
-restored; SIGKILL after the labels were paused, then a restart, restores them from the
-fsynced record before anything else and then carries out the asked change.
+allocation is gone; a drain that runs past `--maintenance-drain-timeout-s` gives the ask up
+(`Failed` naming the allocation, a Warning event on the MigNode, the allocation left Ready,
+labels and mode untouched, and not carried out once the GPU is free while the same ask
+stands; removed and written anew after the back-off, it is carried out); a reset that stays
+refused fails with a back-off and the labels are restored; SIGKILL after the labels were
+paused, then a restart, restores them from the fsynced record before anything else and then
+carries out the asked change.
 Leaves out: the allocator's asks (test_allocator_with_agent.py), real hardware.
 """
 
@@ -26,18 +30,20 @@ import pytest
 
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster import ControlPlane
+from nodeagent import modes
 from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
     agent_settings,
     create_allocation,
+    delete_allocation,
     eventually,
     gpu_node,
     mig_node,
+    mig_node_warning,
     process_args,
     running_agent,
     slice_allocation,
-    wait_gone,
     wait_phase,
 )
 
@@ -107,6 +113,17 @@ async def _operator_node(kube: Kube, tmp: Path, mig_mode: str = "disabled") -> G
     return node
 
 
+async def _drain_busy_gpu(kube: Kube, alloc_ns: str, node: GpuNode) -> Obj:
+    """A Ready allocation on GPU 0, then MIG off asked there: the agent drains (the
+    allocation is returned)."""
+    alloc = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 0, 6, 1)])
+    await create_allocation(kube, alloc)
+    await wait_phase(kube, alloc, "Ready")
+    await _desire(kube, node, {0: "disabled"})
+    await _gpus(kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Draining")
+    return alloc
+
+
 async def test_maintenance_pauses_operator_clients_resets_and_restores_labels(
     agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
@@ -151,25 +168,149 @@ async def test_a_busy_gpu_is_drained_first(
     node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
     settings = agent_settings([node], control_plane.kubeconfig, maintenance_wait_s=5.0)
     async with running_agent(settings):
-        alloc = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 0, 6, 1)])
-        await create_allocation(agent_kube, alloc)
-        await wait_phase(agent_kube, alloc, "Ready")
-        await _desire(agent_kube, node, {0: "disabled"})
-        await _gpus(
-            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Draining"
-        )
+        alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
         await asyncio.sleep(1.0)  # several GC passes: still waiting, nothing touched
         assert node.emu.state().gpus[0].mig_pending == 1
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
-        await agent_kube.delete(
-            instaslice_path("sliceallocations", alloc_ns, alloc["metadata"]["name"])
-        )
-        await wait_gone(agent_kube, alloc)
+        await delete_allocation(agent_kube, alloc, wait=True)
         await _gpus(  # the phase goes with the same or the next publish
             agent_kube,
             node.name,
             lambda g: g[0]["migMode"]["current"] == "disabled" and "modeChange" not in g[0],
         )
+        assert await _operator_labels(agent_kube, node.name) == OPERATOR
+
+
+async def test_a_drain_past_its_timeout_gives_the_ask_up_and_evicts_nothing(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
+    settings = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=1.0)
+    async with running_agent(settings):
+        alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
+        gpus = await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
+        )
+        failed = gpus[0]["modeChange"]
+        assert failed["target"] == "disabled" and failed["reason"] == "DrainTimedOut"
+        assert "drain timed out after 1 s" in failed["message"]
+        assert f"{alloc_ns}/{alloc['metadata']['name']}" in failed["message"]
+        assert "nothing was evicted" in failed["message"]
+        assert gpus[0]["migMode"] == {"current": "enabled", "pending": "enabled"}
+
+        told = await mig_node_warning(agent_kube, node.name, "MigModeDrainTimedOut")
+        assert "drain timed out" in told["message"]
+        await wait_phase(agent_kube, alloc, "Ready")  # still there, untouched
+        assert await _operator_labels(agent_kube, node.name) == OPERATOR
+
+        # the GPU frees up while the same ask stands: given up, not carried out after all
+        await delete_allocation(agent_kube, alloc, wait=True)
+        await asyncio.sleep(1.5)  # several GC passes
+        gpus = await _gpus(agent_kube, node.name, lambda g: True)
+        assert gpus[0]["modeChange"]["phase"] == "Failed"
+        assert gpus[0]["migMode"] == {"current": "enabled", "pending": "enabled"}
+        assert node.emu.state().gpus[0].mig_pending == 1
+        assert await _operator_labels(agent_kube, node.name) == OPERATOR
+
+
+def _drain_record(node: GpuNode, gpu: int) -> Obj | None:
+    drains: Obj = json.loads(node.checkpoint.read_text()).get("drains") or {}
+    return drains.get(node.gpu_uuid(gpu))
+
+
+async def test_a_drain_clock_and_a_given_up_ask_outlive_a_restart(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The drain's start is in the checkpoint: a restarted agent goes on with it (a
+    crash-looping agent still runs out); a given-up ask stays given up across a restart,
+    shown `Failed` again and not carried out once the GPU is free."""
+    node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
+    slow = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=3600)
+    async with running_agent(slow):
+        alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
+        first = await eventually(
+            lambda: asyncio.to_thread(_drain_record, node, 0), what="the drain's clock on disk"
+        )
+    assert first["target"] == "disabled" and not first["givenUp"]
+    async with running_agent(slow):  # restarted: still draining, on the same clock
+        await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Draining"
+        )
+        await asyncio.sleep(0.5)  # several GC passes
+        assert _drain_record(node, 0) == first
+    await asyncio.sleep(1.0)
+    quick = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=1.0)
+    async with running_agent(quick):  # the clock started > 1 s ago, before this process
+        await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
+        )
+        given_up = await eventually(
+            lambda: asyncio.to_thread(lambda: (_drain_record(node, 0) or {}).get("givenUp")),
+            what="the give-up on disk",
+        )
+        assert "drain timed out" in given_up
+    async with running_agent(quick):  # restarted: the ask is still given up
+        gpus = await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
+        )
+        assert gpus[0]["modeChange"]["reason"] == "DrainTimedOut"
+        assert gpus[0]["modeChange"]["message"] == given_up
+        await delete_allocation(agent_kube, alloc, wait=True)  # the GPU frees up
+        await asyncio.sleep(1.5)  # several GC passes: not carried out after all
+        gpus = await _gpus(agent_kube, node.name, lambda g: True)
+        assert gpus[0]["modeChange"]["phase"] == "Failed"
+        assert gpus[0]["migMode"] == {"current": "enabled", "pending": "enabled"}
+        assert node.emu.state().gpus[0].mig_pending == 1
+        assert await _operator_labels(agent_kube, node.name) == OPERATOR
+
+
+async def test_a_hopper_ask_waits_past_the_drain_timeout_and_is_carried_out_once_idle(
+    agent_kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The drain timeout is Ampere's: an ask on a reset-less GPU is never given up; it waits
+    for the work and is carried out once the GPU is idle (docs/nodeagent.md)."""
+    node = await gpu_node(agent_kube, tmp_path, ["H100-80GB"], mig_mode="enabled")
+    settings = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=0.3)
+    async with running_agent(settings):
+        alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
+        await asyncio.sleep(1.5)  # five timeouts, several GC passes
+        gpus = await _gpus(agent_kube, node.name, lambda g: True)
+        assert gpus[0]["modeChange"] == {"phase": "Draining"}
+        assert _drain_record(node, 0) is None  # no clock runs for it
+        await delete_allocation(agent_kube, alloc, wait=True)
+        gpus = await _gpus(
+            agent_kube,
+            node.name,
+            lambda g: g[0]["migMode"]["current"] == "disabled" and "modeChange" not in g[0],
+        )
+        assert gpus[0]["lastModeChange"]["to"] == "disabled"
+
+
+async def test_a_given_up_ask_written_anew_after_the_backoff_is_carried_out(
+    agent_kube: Kube,
+    alloc_ns: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(modes, "BACKOFF_S", 1.0)  # the in-process agent reads it per failure
+    node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
+    settings = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=0.5)
+    async with running_agent(settings):
+        alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
+        await _gpus(
+            agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
+        )
+        await delete_allocation(agent_kube, alloc, wait=True)
+        await _desire(agent_kube, node, {})  # the admin gives up too: forgotten
+        await _gpus(agent_kube, node.name, lambda g: "modeChange" not in g[0])  # back-off over
+        await _desire(agent_kube, node, {0: "disabled"})  # asked anew, the GPU idle now
+        gpus = await _gpus(
+            agent_kube,
+            node.name,
+            lambda g: g[0]["migMode"]["current"] == "disabled" and "modeChange" not in g[0],
+        )
+        assert gpus[0]["lastModeChange"]["to"] == "disabled"
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
 
 
@@ -185,6 +326,7 @@ async def test_a_reset_still_refused_fails_with_a_backoff_and_restores_labels(
             agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
         )
         assert "driver client" in gpus[0]["modeChange"]["message"]
+        assert "reason" not in gpus[0]["modeChange"]  # retried after the back-off: not given up
         assert gpus[0]["migMode"] == {"current": "disabled", "pending": "disabled"}
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
         node.emu.set_driver_client(0, False)

@@ -58,6 +58,7 @@ from common.constants import (
     RELEASE_FINALIZER,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
+from common.objects import node_label_value
 from hack.cluster import ControlPlane
 from hack.cluster.nodes import NodeGroup, node_manifest
 from tests.integration.agent_fixtures import (
@@ -460,6 +461,11 @@ async def _confined(kube: Kube, agent: Kube, nodes: Nodes, ns: str) -> None:
     # Node itself: only its instaslice.io/gpu-* labels (Kueue flavors select on them)
     mine = {"metadata": {"labels": {"instaslice.io/gpu-model": "H100-80GB"}}}
     await agent.patch(core_path("nodes", name=nodes.a), mine)
+    # and instaslice.io/node as its own name only (placeholders' NotIn): an agent naming its
+    # node after another would draw the other's placeholders onto it
+    await agent.patch(
+        core_path("nodes", name=nodes.a), {"metadata": {"labels": {NODE_LABEL: nodes.a}}}
+    )
     await _refused(agent.patch(core_path("nodes", name=nodes.b), mine),
                    "may only update the status of Node")  # fmt: skip
     # the GPU Operator's deploy labels: an existing one paused and restored (Ampere
@@ -474,6 +480,8 @@ async def _confined(kube: Kube, agent: Kube, nodes: Nodes, ns: str) -> None:
     for bad in (
         {"metadata": {"labels": {"x": "y"}}},
         {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+        {"metadata": {"labels": {NODE_LABEL: nodes.b}}},
+        {"metadata": {"labels": {NODE_LABEL: None}}},
         {"metadata": {"labels": {dcgm: "false"}}},  # only to or from paused
         {"metadata": {"labels": {dcgm: None}}},  # never removed
         {"metadata": {"labels": {"nvidia.com/gpu.deploy.nvsm": "paused-for-mig-change"}}},
@@ -509,6 +517,31 @@ async def test_agent_node_certificate_is_confined_to_its_node(
     kube: Kube, agents: dict[str, Kube], nodes: Nodes, namespace: str
 ) -> None:
     await _confined(kube, agents["cert"], nodes, namespace)
+
+
+async def test_agent_of_a_long_named_node_sets_only_its_cut_and_hashed_name(
+    control_plane: ControlPlane, kube: Kube, agents: dict[str, Kube], tmp_path: Path
+) -> None:
+    """A node name over 63 characters is no label value: the agent writes its first 50,
+    `-` and 12 hex digits of its sha256 (common.objects.node_label_value). CEL cannot hash,
+    so the policy checks the cut and the length: another cut, or the name's first 63, is
+    refused. (A per-node certificate cannot name such a node: a CN holds 64 characters.)"""
+    name = f"rbac-long-{secrets.token_hex(2)}.{'x' * 60}"
+    body = _kwok_node(name)
+    body["metadata"]["labels"]["kubernetes.io/hostname"] = name[:63]  # a hostname is a label
+    await kube.create(core_path("nodes"), body)
+    kc = _token_kubeconfig(control_plane, tmp_path / "long.kc", await _agent_token(kube, name))
+    try:
+        async with await Kube.connect(str(kc)) as agent:
+            path = core_path("nodes", name=name)
+            own = node_label_value(name)
+            assert len(own) == 63 and own != name[:63]
+            await agent.patch(path, {"metadata": {"labels": {NODE_LABEL: own}}})
+            for bad in (name[:63], f"rbac-long-{'y' * 40}-{'0' * 12}"):
+                body = {"metadata": {"labels": {NODE_LABEL: bad}}}
+                await _refused(agent.patch(path, body), "may change only")
+    finally:
+        await kube.delete_ignore_missing(core_path("nodes", name=name))
 
 
 async def test_agent_token_without_a_node_writes_nothing(

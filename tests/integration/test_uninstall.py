@@ -6,7 +6,10 @@ release finalizer, as a node agent would) and a Node advertising `instaslice.io/
 the uninstall takes the namespace out but stops at its check, deleting nothing; once the
 allocation is released (the finalizer dropped, as the agent does), it runs to the end: no
 object of InstaSlice's is left (CRDs, hooks, policies, namespace) and the Node's capacity is
-clean.
+clean. A second test holds the namespace with a finalizer: the uninstall must stop at step 4
+within its --timeout and say what is still terminating, then finish once that is gone. A third
+stops kube-controller-manager: step 4 must say that no namespace controller acted. A fourth
+holds the webhook configuration: step 4's first delete must stop within --timeout too.
 
 Uses a private control plane (not the session's): it deletes InstaSlice's CRDs, which the
 other integration tests share. Leaves out: node-side files (no host), running webhook pods
@@ -16,6 +19,8 @@ other integration tests share. Leaves out: node-side files (no host), running we
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,7 +32,7 @@ import yaml
 from hack.cluster import BinariesMissing, ControlPlane
 from tests.integration.test_manifests import _fetch_dir
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "manifests" / "overlays" / "kubernetes"
 NODE = "gpu-uninstall-0"
@@ -49,13 +54,29 @@ def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
     return proc.stdout
 
 
-def _uninstall(cp: ControlPlane) -> subprocess.CompletedProcess[str]:
+def _uninstall(cp: ControlPlane, timeout_s: int = 60) -> subprocess.CompletedProcess[str]:
+    # step 3 and each of step 4's two waits poll at most timeout_s; the rest are single
+    # requests. kubectl's cache is the cluster's own (ControlPlane.kubectl_cache_dir).
     return subprocess.run(
         [sys.executable, "-m", "hack.uninstall", "--overlay", str(OVERLAY),
          "--kubectl", str(cp.kubectl_path), "--kubeconfig", str(cp.kubeconfig),
-         "--timeout", "60s"],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=200,
+         "--timeout", f"{timeout_s}s"],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=4 * timeout_s + 60,
+        env={**os.environ, "KUBECACHEDIR": str(cp.kubectl_cache_dir)},
     )  # fmt: skip
+
+
+def _install(cp: ControlPlane) -> None:
+    for f in sorted((_fetch_dir() / "cert-manager").glob("*.yaml")):
+        _kubectl(cp, "apply", "--server-side", "-f", str(f))
+    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    rendered = _kubectl(cp, "kustomize", str(OVERLAY))
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(crds))
+    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=rendered)
+    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in (_ours(cp))
 
 
 def _ours(cp: ControlPlane) -> list[str]:
@@ -70,17 +91,7 @@ def test_uninstall_stops_while_slices_are_held_then_removes_everything(
     cluster: ControlPlane,
 ) -> None:
     cp = cluster
-    fetched = _fetch_dir()
-    for f in sorted((fetched / "cert-manager").glob("*.yaml")):
-        _kubectl(cp, "apply", "--server-side", "-f", str(f))
-    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-    rendered = _kubectl(cp, "kustomize", str(OVERLAY))
-    docs = [d for d in yaml.safe_load_all(rendered) if d]
-    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
-    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(crds))
-    _kubectl(cp, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-    _kubectl(cp, "apply", "--server-side", "-f", "-", stdin=rendered)
-    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in (_ours(cp))
+    _install(cp)
 
     # a tenant namespace, a slice held there, a node advertising slices
     _kubectl(cp, "create", "namespace", "team-a")
@@ -123,3 +134,76 @@ def test_uninstall_stops_while_slices_are_held_then_removes_everything(
     status = json.loads(_kubectl(cp, "get", "node", NODE, "-o", "json"))["status"]
     assert not [r for r in status.get("capacity", {}) if r.startswith("instaslice.io/")]
     assert status["capacity"].get("example.com/other") == "1"  # others' resources untouched
+
+
+def test_uninstall_says_what_holds_the_namespace_when_its_deletion_does_not_finish(
+    cluster: ControlPlane,
+) -> None:
+    """Step 4 waits at most --timeout, then names what is still terminating and why (here a
+    ConfigMap whose finalizer nobody removes keeps the namespace); run again once it is gone."""
+    cp = cluster
+    _install(cp)
+    held = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "held", "namespace": "instaslice-system",
+                         "finalizers": ["example.com/hold"]}}  # fmt: skip
+    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(held))
+
+    stuck = _uninstall(cp, timeout_s=15)
+    assert stuck.returncode == 1, stuck.stdout + stuck.stderr
+    assert "[4/5]" not in stuck.stdout  # stopped in step 4, step 5 not run
+    assert "still there:" in stuck.stderr, stuck.stderr
+    assert "Namespace instaslice-system: " in stuck.stderr
+    assert "NamespaceFinalizersRemaining" in stuck.stderr  # the namespace's own why
+
+    _kubectl(cp, "-n", "instaslice-system", "patch", "configmap", "held", "--type=merge",
+             "-p", '{"metadata":{"finalizers":null}}')  # fmt: skip
+    again = _uninstall(cp)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _ours(cp) == []
+
+
+def test_uninstall_says_when_no_namespace_controller_acts_on_the_namespace(
+    cluster: ControlPlane,
+) -> None:
+    """With kube-controller-manager gone, nothing empties and finalizes the namespace: step 4
+    stops at its --timeout and says the namespace controller has not acted (the namespace has
+    no condition at all), not a bare "no condition"; with it back, the rerun finishes."""
+    cp = cluster
+    _install(cp)
+    kcm = next(p for p in cp.processes if p.name == "kube-controller-manager")
+    os.killpg(kcm.pid, signal.SIGKILL)
+    try:
+        stuck = _uninstall(cp, timeout_s=15)
+        assert stuck.returncode == 1, stuck.stdout + stuck.stderr
+        assert "[4/5]" not in stuck.stdout
+        assert "Namespace instaslice-system: no condition at all" in stuck.stderr, stuck.stderr
+        assert "is kube-controller-manager running?" in stuck.stderr
+    finally:
+        assert cp.restart_exited() == ["kube-controller-manager"]
+    again = _uninstall(cp)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _ours(cp) == []
+
+
+def test_uninstall_bounds_the_wait_for_the_admission_hooks_too(cluster: ControlPlane) -> None:
+    """Step 4's first delete (the webhook configuration, the policies) waits for what it
+    deleted as well: held by a finalizer, the uninstall stops within --timeout naming it,
+    deleting nothing else (it once waited kubectl's default of a week)."""
+    cp = cluster
+    _install(cp)
+    hook = "mutatingwebhookconfiguration/instaslice"
+    _kubectl(cp, "patch", hook, "--type=merge", "-p",
+             '{"metadata":{"finalizers":["example.com/hold"]}}')  # fmt: skip
+
+    stuck = _uninstall(cp, timeout_s=10)
+    assert stuck.returncode == 1, stuck.stdout + stuck.stderr
+    assert (
+        "the admission hooks are still there after 10s: "
+        "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice"
+    ) in stuck.stderr, stuck.stderr
+    assert "namespace/instaslice-system" in _ours(cp)  # the overlay's delete was not reached
+
+    _kubectl(cp, "patch", hook, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+    again = _uninstall(cp)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _ours(cp) == []

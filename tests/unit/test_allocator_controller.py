@@ -46,6 +46,7 @@ from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.preemption import Preemption
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -783,3 +784,29 @@ async def test_a_decision_whose_pod_left_before_its_create_frees_the_slots() -> 
     await c._work("p")  # the pod is not in the cache any more
     assert c.state.allocations == {} and c.tracks.get("p") is None
     assert kube.writes() == []
+
+
+# --- whole-GPU preemption on Ampere, given up ---------------------------------------------
+
+
+async def test_a_given_up_whole_gpu_preemption_withdraws_its_ampere_reset() -> None:
+    """A whole-GPU preemption on an A100 asked the maintenance to turn its MIG mode off;
+    given up (a victim's eviction refused, or its deadline), the ask is withdrawn while the
+    GPU is still in MIG mode: left standing, the agent would drain the GPU for up to its
+    drain timeout (no other Ampere change meanwhile) and reset it for nobody. A GPU already
+    off keeps its entry (the reached ask goes by the MigNode event's own path)."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    await c._on_node("ADDED", make_node("n1", gpus=2))
+    mig = make_mig_node("n1", [GpuSpec(model="A100-40GB"), GpuSpec(model="A100-40GB", mig=False)])
+    mig["spec"] = {"gpus": [{"uuid": gpu_uuid("n1", i), "desiredMigMode": "disabled"}
+                            for i in range(2)]}  # fmt: skip
+    await c._on_mig_node("ADDED", mig)
+    written: list[tuple[str, dict[str, str], set[str]]] = []
+    c._set_modes = lambda node, add, drop: written.append((node, add, drop))  # type: ignore[method-assign]
+    track = c.tracks.ensure("p1")
+    p = Preemption({}, "ns/claim", "n1", (), frozenset(), 0.0, resets=(("n1", 0), ("n1", 1)))
+    c.tracks.begin_preempt(track, p)
+    c._give_up(track, "refused", frozenset())
+    assert written == [("n1", {}, {gpu_uuid("n1", 0)})]
+    assert c.tracks.get("p1") is None or c.tracks.get("p1").preempt is None  # type: ignore[union-attr]

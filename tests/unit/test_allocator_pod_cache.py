@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from bench.pod_cache import gpu_pod, realistic_pod
-from common.constants import GATE_NAME
+from common.constants import GATE_NAME, SCALE_UP_LABEL
 from tests.integration.allocator_fixtures import make_pod
 from webhook.allocator import controller
 from webhook.allocator import pods as podlib
@@ -39,6 +39,7 @@ READERS = (
     podlib.is_unschedulable,
     podlib.pod_resources,
     podlib.uses_name_field,
+    podlib.is_placeholder,
 )
 
 
@@ -75,16 +76,22 @@ def _variants() -> list[Obj]:
     done = realistic_pod(10, "node-1")
     done["status"]["phase"] = "Succeeded"
     bare = {"metadata": {"name": "bare", "namespace": "x", "uid": "u"}, "spec": {}}
-    return [plain, pending, pinned, done, bare]
+    placeholder = realistic_pod(12, "node-2")  # an autoscaler placeholder of ours, bound
+    placeholder["metadata"]["labels"][SCALE_UP_LABEL] = "u-gated"
+    return [plain, pending, pinned, done, bare, placeholder]
 
 
-@pytest.mark.parametrize("pod", _variants(), ids=["running", "gated", "pinned", "done", "bare"])
+@pytest.mark.parametrize(
+    "pod", _variants(), ids=["running", "gated", "pinned", "done", "bare", "placeholder"]
+)
 def test_a_pod_we_do_not_serve_is_cut_to_what_every_reader_reads(pod: Obj) -> None:
     cut = podlib.slim(pod)
     for read in READERS:
         assert read(cut) == read(pod), read.__name__
     assert podlib.slim(cut) == cut  # idempotent: the informer may apply it again
-    assert "managedFields" not in cut["metadata"] and "labels" not in cut["metadata"]
+    assert "managedFields" not in cut["metadata"]
+    labels = {SCALE_UP_LABEL: "u-gated"} if podlib.is_placeholder(pod) else None
+    assert cut["metadata"].get("labels") == labels  # only the label a reader reads
     assert len(json.dumps(cut)) < 1500 < len(json.dumps(pod)) or pod["metadata"]["name"] == "bare"
 
 

@@ -161,6 +161,20 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
         "victims did not release their slices in time",
     ),
     (
+        "preempt-victims-gone-but-the-ampere-mode-change-not-done",
+        preempting(evicted=frozenset({"v1", "v2"})),
+        waiting(modes_pending=True),
+        AwaitVictims,
+        None,
+    ),
+    (
+        "preempt-ampere-mode-change-past-the-deadline",
+        preempting(evicted=frozenset({"v1", "v2"})),
+        waiting(modes_pending=True, now=100.0),
+        GiveUp,
+        "the MIG mode change (Ampere maintenance) was not done in time",
+    ),
+    (
         "preempt-eviction-refused",
         preempting(refused="v1"),
         waiting(victims_alive=frozenset({"v1", "v2"}), holding=frozenset({"v1", "v2"})),

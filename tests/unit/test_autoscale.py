@@ -5,7 +5,11 @@ pieces that feed Karpenter (hack.cluster.karpenter, the spec's `autoscaled` key)
 Covers: the classification table (every PendingReason; fits once releases complete); which
 slices count as being released; `after_releases` (hypothesis: exactly the freed slots go);
 placeholder and ProvisioningRequest rendering; raise after the delay, withdraw when placed,
-gone, ungated or now waiting; instance types carrying the agent's capacity rule.
+gone, ungated or now waiting; instance types carrying the agent's capacity rule; keeping
+placeholders off nodes that cannot serve their pod (`kept_off`, `misplaced`: a table and
+hypothesis properties, every node name a label value of its own, no flapping) and the loop
+replacing one bound to such a node (once, at once, not against make_room's lost wait, late
+events of the old one ignored).
 Leaves out: the API writes and Karpenter itself (tests/integration/test_provisioning_request.py,
 tests/e2e/test_autoscaling.py).
 """
@@ -14,16 +18,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hashlib
+import json
+import re
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.allocation import SliceAllocation
 from common.catalog import load_catalog
-from common.constants import SCALE_UP_LABEL
-from common.objects import Phase
+from common.constants import NODE_LABEL, SCALE_UP_LABEL
+from common.kubeapi import ApiError
+from common.objects import Phase, node_label_value, node_labelled
 from common.placement import (
     Gpu,
     NodeState,
@@ -32,7 +41,9 @@ from common.placement import (
     PendingReason,
     Policy,
     Snapshot,
+    place,
 )
+from common.placement.modes import ModeView
 from hack.cluster.autonodes import Group
 from hack.cluster.karpenter import instance_types, karpenter_objects, mig_capacity
 from hack.cluster.nodes import SpecError, parse_spec
@@ -53,6 +64,9 @@ from webhook.allocator.autoscale import (
     after_releases,
     classify,
     condition,
+    kept_off,
+    misplaced,
+    placeholder_identity,
     placeholder_pod,
     provisioning_request,
     releasing,
@@ -61,7 +75,7 @@ from webhook.allocator.autoscale import (
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer, PreemptionSettings
 from webhook.allocator.preemption import Budgets
-from webhook.allocator.scaleup import Need, ScaleUp
+from webhook.allocator.scaleup import LOST_BACKOFF_S, Need, ScaleUp
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Tracks
 
@@ -202,7 +216,8 @@ def test_placeholder_asks_for_what_the_new_node_must_offer() -> None:
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    keep_off = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]}
+    # Karpenter refuses kubernetes.io/hostname: the agents' own label (docs/autoscaling.md)
+    keep_off = {"key": "instaslice.io/node", "operator": "NotIn", "values": ["n1", "n2"]}
     assert [t["matchExpressions"][-1] for t in terms] == [keep_off, keep_off]
     assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"]]
     assert pod["spec"]["affinity"]["nodeAffinity"][
@@ -228,6 +243,192 @@ def test_provisioning_request_names_its_template() -> None:
     assert template["metadata"]["ownerReferences"][0]["uid"] == "abc"
     spec = template["template"]["spec"]
     assert spec["containers"][0]["resources"]["requests"]["instaslice.io/mig-3g.40gb"] == "2"
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]  # cluster-autoscaler takes the hostname
+    assert term["matchExpressions"] == [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}
+    ]
+
+
+# --- keeping placeholders off nodes that cannot serve them (mixed profiles) -----------------
+
+LONG = "n" * 64  # a node name too long for a label value: its value is cut and hashed
+
+
+def labelled(name: str, value: str | None = "self", **labels: str) -> dict[str, str]:
+    """Node labels with `instaslice.io/node` = its agent's value, `value`, or none."""
+    own = (
+        {} if value is None else {NODE_LABEL: node_label_value(name) if value == "self" else value}
+    )
+    return {**labels, **own}
+
+
+def h100(
+    name: str,
+    occupied: tuple[Occupied, ...] = (),
+    *,
+    gpus: int = 1,
+    label: str | None = "self",
+    **labels: str,
+) -> NodeState:
+    return NodeState(
+        name,
+        labelled(name, label, **labels),
+        (),
+        False,
+        64_000,
+        1 << 40,
+        110,
+        tuple(Gpu(i, "H100-80GB", True, True, occupied) for i in range(gpus)),
+    )
+
+
+SEVEN_G = (Occupied(0, 8, "7g.80gb"),)
+NO_MODES = ModeView()  # every GPU in MIG mode, or off for good
+
+
+@pytest.mark.parametrize(
+    ("node", "profile", "freed", "expected"),
+    [
+        # the gap: its GPUs full of 7g.80gb, its upper bound still shows room for 1g.10gb
+        (h100("n1", SEVEN_G, gpus=2), "1g.10gb", (), True),
+        (h100("n1", FULL_GPU), "3g.40gb", (), True),
+        (h100("n1", FULL_GPU[:1]), "3g.40gb", (), False),  # room: the pod goes there soon
+        (h100("n1", FULL_GPU), "3g.40gb", ((0, 4, 4),), False),  # room once released
+        (h100("n1", FULL_GPU, label=None), "3g.40gb", (), False),  # no label: would flap
+        (h100("n1", FULL_GPU, label="4242"), "3g.40gb", (), False),  # Karpenter's, not back
+        (h100(LONG, FULL_GPU), "3g.40gb", (), True),  # its value cut and hashed
+        (h100(LONG, FULL_GPU, label=LONG[:63]), "3g.40gb", (), False),  # not its agent's
+        (NodeState("n1", labelled("n1")), "3g.40gb", (), False),  # coming up: no GPUs yet
+        (None, "3g.40gb", (), False),  # unknown to the allocator, or its agent is down
+    ],
+    ids=["mixed-profiles", "full", "room", "releasing", "unlabelled", "karpenter-value",
+         "long-name", "long-name-cut-only", "no-gpus", "unknown"],
+)  # fmt: skip
+def test_misplaced(
+    node: NodeState | None, profile: str, freed: tuple[tuple[int, int, int], ...], expected: bool
+) -> None:
+    assert (
+        misplaced(node, request(profile), freed, Policy.INSTASLICE, CATALOG, NO_MODES) is expected
+    )
+
+
+MIG_OFF = h100("n1", (), gpus=2)
+MIG_OFF = dataclasses.replace(
+    MIG_OFF, gpus=tuple(dataclasses.replace(g, mig_enabled=False) for g in MIG_OFF.gpus)
+)
+FLEX = ModeView(flex=frozenset({("n1", 0), ("n1", 1)}))
+UNDER_WAY = ModeView(
+    needs_reset=frozenset({("n1", 0), ("n1", 1)}), under_way=frozenset({("n1", 0)})
+)
+
+
+@pytest.mark.parametrize(
+    ("modes", "expected"),
+    [
+        (FLEX, False),  # Karpenter's new node: MIG off, turned on for the pod without a reset
+        (UNDER_WAY, False),  # a change to MIG on under way: the pod goes there once done
+        (NO_MODES, True),  # MIG off and nothing will turn it on: it cannot go there
+    ],
+    ids=["flex", "under-way", "off-for-good"],
+)
+def test_misplaced_counts_mig_mode_on_demand(modes: ModeView, expected: bool) -> None:
+    """By the placer's own rule: a labelled node whose GPUs have MIG off, which its agent
+    turns on for the pod, is where the pod goes; replacing its placeholder there would send
+    Karpenter for a second node."""
+    assert misplaced(MIG_OFF, request("1g.10gb"), (), Policy.INSTASLICE, CATALOG, modes) is expected
+
+
+def test_kept_off_names_the_known_nodes_the_pod_could_be_sent_to() -> None:
+    nodes = [
+        h100("b", FULL_GPU, zone="a"),
+        h100("a", zone="a"),  # room today: classify said none serves it, so kept off too
+        h100("c", FULL_GPU, label=None, zone="a"),  # not labelled yet: named all the same
+        h100("other-zone", FULL_GPU, zone="b"),  # its own selector keeps it off
+        NodeState("coming-up", labelled("coming-up", zone="a")),  # no GPUs known
+        h100(LONG, FULL_GPU, zone="a"),  # named by its cut and hashed value
+    ]
+    pod = make_pod("p", slices={"main": {"3g.40gb": 1}}, uid="u1", node_selector={"zone": "a"})
+    assert kept_off(nodes, podlib.pod_request(pod)) == ["a", "b", "c", node_label_value(LONG)]
+
+
+def test_a_nodes_label_value_is_its_name_when_it_can_be_one() -> None:
+    assert node_label_value("ip-10-0-0-1.ec2.internal") == "ip-10-0-0-1.ec2.internal"
+    assert node_label_value("n" * 63) == "n" * 63
+    assert node_label_value(LONG) == "n" * 50 + "-" + hashlib.sha256(LONG.encode()).hexdigest()[:12]
+    assert node_labelled({NODE_LABEL: "n1"}, "n1")
+    assert not node_labelled({NODE_LABEL: "4242"}, "n1") and not node_labelled({}, "n1")
+    assert not node_labelled({NODE_LABEL: LONG[:63]}, LONG)
+
+
+dns_label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?", fullmatch=True)
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+@settings(deadline=None)
+@given(parts=st.lists(dns_label, min_size=1, max_size=8), other=st.lists(dns_label, min_size=1))
+def test_every_node_name_has_one_label_value_of_its_own(parts: list[str], other: list[str]) -> None:
+    """Any node name (a DNS subdomain) gets a valid label value: itself when short enough,
+    else cut and hashed; two names never share one (a node kept off for another's sake
+    would be a node lost to the autoscaler)."""
+    name = ".".join(parts)
+    value = node_label_value(name)
+    assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
+    assert (value == name) is (len(name) <= 63)
+    second = ".".join(other)
+    if second != name:
+        assert node_label_value(second) != value
+
+
+occupancy = st.lists(
+    st.sampled_from([(0, 8, "7g.80gb"), (0, 4, "3g.40gb"), (4, 4, "3g.40gb"), (0, 1, "1g.10gb"),
+                     (6, 1, "1g.10gb"), (4, 2, "2g.20gb")]),
+    max_size=3,
+    unique=True,
+)  # fmt: skip
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # the engine's first
+@given(  # call fills its tables: slow on a loaded machine, which a deadline calls flaky
+    occupied=st.lists(occupancy, min_size=1, max_size=2),
+    profile=st.sampled_from(["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]),
+    label=st.sampled_from(["self", None, "4242"]),
+    zone=st.sampled_from(["a", "b"]),
+    freed=st.sets(
+        st.tuples(st.integers(0, 1), st.sampled_from([0, 4, 6]), st.sampled_from([1, 4, 8]))
+    ),
+)
+def test_a_replaced_placeholder_cannot_land_where_it_stood(
+    occupied: list[list[tuple[int, int, str]]],
+    profile: str,
+    label: str | None,
+    zone: str,
+    freed: set[tuple[int, int, int]],
+) -> None:
+    """No flapping: a placeholder is replaced only when its pod fits nowhere on that node,
+    even once its releases are gone, and the replacement is kept off that node — by the
+    `NotIn` (the node is in `kept_off`) or by the pod's own selector, which it copies."""
+    gpus = tuple(
+        Gpu(i, "H100-80GB", True, True, tuple(Occupied(s, n, p) for s, n, p in occ))
+        for i, occ in enumerate(occupied)
+    )
+    node = NodeState("n1", labelled("n1", label, zone=zone), gpus=gpus)
+    pod = make_pod("p", slices={"main": {profile: 1}}, uid="u1", node_selector={"zone": "a"})
+    req = podlib.pod_request(pod)
+    if misplaced(node, req, freed, Policy.INSTASLICE, CATALOG, NO_MODES):
+        alone = after_releases(Snapshot((node,)), {"n1": freed})
+        assert isinstance(place(alone, req, Policy.INSTASLICE, CATALOG), Pending)
+        body = placeholder_pod(pod, req, kept_off([node], req))
+        assert "n1" in kept_off([node], req) or zone != "a"
+        assert label == "self"  # the NotIn matches the node's label
+        if zone == "a":
+            term = body["spec"]["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"][0]
+            assert {"key": NODE_LABEL, "operator": "NotIn", "values": ["n1"]} in term[
+                "matchExpressions"
+            ]
 
 
 def test_condition_reads_only_true_conditions() -> None:
@@ -278,6 +479,21 @@ def _full_cluster() -> tuple[ClusterState, dict[str, Any]]:
     pod = make_pod("want", slices={"main": {"3g.40gb": 1}}, uid="want")
     state.upsert_pod(pod)
     return state, pod
+
+
+def test_a_pod_whose_affinity_names_its_nodes_waits() -> None:
+    """A pod that selects nodes by `matchFields metadata.name` asks for no node: a new one,
+    named by its provisioner, never matches, and a placeholder copying the names would bind
+    on a named node it cannot serve and be replaced every round."""
+    state, pod = _full_cluster()
+    clock = FakeClock()
+    s = _scale_up(state, clock)
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), True)
+    clock.t += 60
+    assert s.wanted(clock.monotonic()) == (set(), set()) and s.waits == {"want"}
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    clock.t += 60
+    assert s.wanted(clock.monotonic()) == ({"want"}, set())  # by labels, it asks
 
 
 def test_raise_after_the_delay_and_withdraw_once_placed() -> None:
@@ -468,3 +684,392 @@ def test_autonodes_group_argument() -> None:
     for bad in ("auto", "auto=H100-80GB:8", "auto=H100-80GB:8:on"):
         with pytest.raises(argparse.ArgumentTypeError, match="--group"):
             Group.parse(bad)
+
+
+def _bound(uid: str, node: str | None) -> dict[str, Any]:
+    """A placeholder signal as the informer holds it, bound to `node` (None: not yet)."""
+    spec = {"nodeName": node} if node else {}
+    return {"metadata": {"namespace": "ns", "labels": {SCALE_UP_LABEL: uid}}, "spec": spec}
+
+
+def test_the_signals_in_a_pins_way() -> None:
+    """Before `own` is pinned to n2: its own signal (wherever it stands), every
+    placeholder on n2, also that of a pod still waiting for a node (left there, the
+    kube-scheduler preempts it, kubernetes#141694), and every unwanted one wherever it
+    stands (the scheduler may bind it to n2 meanwhile) go; a waiting pod's placeholder on
+    another node stays."""
+    state, _ = _full_cluster()
+    clock = FakeClock()
+    s = _scale_up(state, clock, delay=0)
+    for uid in ("own", "decided", "elsewhere", "unbound", "needs", "far", "gone"):
+        state.upsert_pod(make_pod(uid, slices={"main": {"3g.40gb": 1}}, uid=uid))
+    for uid, node in (("own", "n2"), ("decided", "n2"), ("elsewhere", "n3"), ("unbound", "n2")):
+        pod = state.pods[uid].obj
+        state.upsert_allocation(make_allocation(pod, node, [("main", "3g.40gb", 0, 0, 4)]))
+    for uid in ("needs", "far"):
+        req = podlib.pod_request(state.pods[uid].obj)
+        s.pending(state.pods[uid], req, Pending(PendingReason.FULL, "full"), False)
+    state.remove_pod(state.pods["gone"].obj)
+    s.signals = {
+        "own": _bound("own", "n1"),
+        "decided": _bound("decided", "n2"),
+        "elsewhere": _bound("elsewhere", "n3"),
+        "unbound": _bound("unbound", None),
+        "needs": _bound("needs", "n2"),
+        "far": _bound("far", "n3"),
+        "gone": _bound("gone", "n2"),
+    }
+    unwanted = ["decided", "elsewhere", "gone", "own", "unbound"]  # own: decided too
+    assert s.in_the_way("own", "n2") == sorted([*unwanted, "needs"])
+    assert s.in_the_way("nobody", "n4") == unwanted
+
+
+class _Kube:
+    """Records creates and deletes; a delete of a name in `refuse` fails (500), a create
+    answers once `answer` is set."""
+
+    def __init__(self, refuse: tuple[str, ...] = (), bound: tuple[Any, ...] = ()) -> None:
+        self.calls: list[str] = []
+        self.refuse = refuse
+        self.answer = asyncio.Event()
+        self.bound = bound  # what a list of placeholders on a node answers
+        self.created: list[dict[str, Any]] = []
+
+    async def list(self, path: str, **query: Any) -> dict[str, Any]:
+        self.calls.append(f"list {query.get('fieldSelector')}")
+        return {"items": list(self.bound)}
+
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(f"create {body['metadata']['name']}")
+        self.created.append(body)
+        await self.answer.wait()
+        return body
+
+    async def delete_ignore_missing(self, path: str, **query: Any) -> None:
+        name = path.rsplit("/", 1)[-1]
+        await asyncio.sleep(0)
+        if name in self.refuse:
+            raise ApiError(500, "InternalError", "refused")
+        self.calls.append(f"delete {name}")
+
+
+def _decided(state: ClusterState, uid: str, node: str) -> None:
+    state.upsert_pod(make_pod(uid, slices={"main": {"3g.40gb": 1}}, uid=uid))
+    state.upsert_allocation(
+        make_allocation(state.pods[uid].obj, node, [("main", "3g.40gb", 0, 0, 4)])
+    )
+
+
+def test_make_room_deletes_before_it_returns() -> None:
+    """`make_room` awaits each delete (the pin is written after it returns), callers at
+    the same time share one, and the signal is forgotten."""
+    state, _ = _full_cluster()
+    kube = _Kube()
+    s = _scale_up(state, FakeClock(), delay=0)
+    s.kube = kube  # type: ignore[assignment]
+    state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
+    own = state.pods["own"].obj
+    state.upsert_allocation(make_allocation(own, "n1", [("main", "3g.40gb", 0, 0, 4)]))
+    s.signals = {"own": _bound("own", "n1")}
+
+    async def two_pins_and_the_round() -> None:  # at once: they share one delete
+        s.synced.set()
+        await asyncio.gather(s.make_room("own", "n1"), s.make_room("own", "n1"), s.reconcile())
+
+    asyncio.run(two_pins_and_the_round())
+    assert kube.calls == [f"delete {signal_name('own')}"]
+    assert s.signals == {}
+
+
+def test_a_waiting_pods_placeholder_made_room_for_asks_again_after_the_lost_wait() -> None:
+    """The placeholder of a pod still waiting for a node, withdrawn from the node other
+    pods are pinned to, is raised again only after `lost`'s wait (at once, it would take the
+    pinned pods' room back), counted once for two pins at once and not again when its
+    DELETED event comes."""
+    state, _ = _full_cluster()
+    kube = _Kube()
+    clock = FakeClock()
+    s = _scale_up(state, clock, delay=0)
+    s.kube = kube  # type: ignore[assignment]
+    state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
+    own = state.pods["own"].obj
+    state.upsert_allocation(make_allocation(own, "n2", [("main", "3g.40gb", 0, 0, 4)]))
+    req = podlib.pod_request(state.pods["want"].obj)
+    s.pending(state.pods["want"], req, Pending(PendingReason.FULL, "full"), False)
+    state.upsert_pod(make_pod("other", slices={"main": {"3g.40gb": 1}}, uid="other"))
+    other = state.pods["other"].obj
+    state.upsert_allocation(make_allocation(other, "n2", [("main", "3g.40gb", 0, 4, 4)]))
+    s.signals = {"want": _bound("want", "n2")}
+
+    async def two_pins_to_n2() -> None:  # at once: one delete, counted once
+        s.synced.set()
+        await asyncio.gather(s.make_room("own", "n2"), s.make_room("other", "n2"))
+
+    asyncio.run(two_pins_to_n2())
+    assert kube.calls == [f"delete {signal_name('want')}"] and s.signals == {}
+    asyncio.run(s._on_signal("DELETED", _bound("want", "n2")))
+    assert s.needs["want"].lost == 1
+    clock.t += LOST_BACKOFF_S - 1
+    assert s.wanted(clock.monotonic()) == (set(), set())  # not at once: the room is own's
+    clock.t += 1
+    assert s.wanted(clock.monotonic()) == ({"want"}, set())
+
+
+def test_make_room_asks_the_api_server_where_a_placeholder_unbound_to_it_stands() -> None:
+    """The watch still shows `want`'s placeholder unbound, but the scheduler has bound it to
+    n2 (the event on its way to a busy allocator): before `own`'s pin to n2 make_room lists
+    the placeholders bound to n2 and deletes it too, counted as lost like one it knew was
+    there. With every signal bound as far as the watch told, nothing is listed."""
+    state, _ = _full_cluster()
+    now = {**_bound("want", "n2"), "metadata": {**_bound("want", "n2")["metadata"], "name": "x"}}
+    kube = _Kube(bound=(now,))
+    clock = FakeClock()
+    s = _scale_up(state, clock, delay=0)
+    s.kube = kube  # type: ignore[assignment]
+    state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
+    own = state.pods["own"].obj
+    state.upsert_allocation(make_allocation(own, "n2", [("main", "3g.40gb", 0, 0, 4)]))
+    req = podlib.pod_request(state.pods["want"].obj)
+    s.pending(state.pods["want"], req, Pending(PendingReason.FULL, "full"), False)
+    s.signals = {"want": _bound("want", None)}
+
+    async def pin_to_n2() -> None:
+        s.synced.set()
+        await s.make_room("own", "n2")
+
+    asyncio.run(pin_to_n2())
+    assert kube.calls == ["list spec.nodeName=n2", f"delete {signal_name('want')}"]
+    assert s.signals == {}
+    asyncio.run(s._on_signal("DELETED", now))
+    assert s.needs["want"].lost == 1
+
+    kube.calls.clear()
+    s.signals = {"want": _bound("want", "n1")}  # bound elsewhere, as far as the watch told
+    asyncio.run(pin_to_n2())
+    assert kube.calls == []  # nothing unbound: no list, and n1's placeholder stays
+    assert set(s.signals) == {"want"}
+
+
+def test_make_room_waits_for_the_terms_listing() -> None:
+    """A new term's first pins come before its watches listed the placeholders: make_room
+    waits for the listing, then deletes the pod's own (which was there all along)."""
+    state, _ = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    kube = _Kube()
+    s.kube = kube  # type: ignore[assignment]
+    _decided(state, "own", "n1")
+
+    async def pin_then_listing() -> None:
+        room = asyncio.create_task(s.make_room("own", "n1"))
+        await asyncio.sleep(0.01)
+        assert not room.done() and kube.calls == []  # waits: nothing known yet
+        await s._on_signal("ADDED", _bound("own", "n1"))  # the listing
+        s.synced.set()
+        await room
+
+    asyncio.run(pin_then_listing())
+    assert kube.calls == [f"delete {signal_name('own')}"]
+
+
+def test_make_room_waits_for_the_pods_own_create_in_flight() -> None:
+    """The pod was decided and is pinned while its placeholder's create is in flight:
+    make_room waits for the create's answer, then deletes it before the pin."""
+    state, pod = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    kube = _Kube()
+    s.kube = kube  # type: ignore[assignment]
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    name = signal_name("want")
+
+    async def raise_decide_pin() -> None:
+        s.synced.set()
+        raising = asyncio.create_task(s.reconcile())
+        await asyncio.sleep(0.01)
+        assert kube.calls == [f"create {name}"]  # in flight
+        state.upsert_allocation(make_allocation(pod, "n1", [("main", "3g.40gb", 0, 0, 4)]))
+        s.placed("want")  # decided meanwhile
+        room = asyncio.create_task(s.make_room("want", "n1"))
+        await asyncio.sleep(0.01)
+        assert not room.done()  # waits for the create's answer
+        kube.answer.set()
+        await room
+        await raising
+
+    asyncio.run(raise_decide_pin())
+    assert kube.calls == [f"create {name}", f"delete {name}"]
+    assert s.signals == {}
+
+
+def test_make_room_needs_only_its_own_delete_to_succeed() -> None:
+    """Another pod's placeholder whose delete fails does not hold the pin back (logged;
+    the round tries it again); the pod's own failing does."""
+    state, _ = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    _decided(state, "own", "n1")
+    _decided(state, "other", "n1")
+    s.signals = {"own": _bound("own", "n1"), "other": _bound("other", "n1")}
+    s.kube = _Kube(refuse=(signal_name("other"),))  # type: ignore[assignment]
+
+    async def pin(uid: str) -> None:
+        s.synced.set()
+        await s.make_room(uid, "n1")
+
+    asyncio.run(pin("own"))
+    assert set(s.signals) == {"other"}
+    with pytest.raises(ApiError):
+        asyncio.run(pin("other"))
+    assert set(s.signals) == {"other"}
+
+
+def _full_labelled_cluster(label: bool = True) -> tuple[ClusterState, ScaleUp, _Kube]:
+    """`_full_cluster` with n1 labelled by its agent (or not), `want` needing a node, and
+    its placeholder bound to n1 (raised before n1 filled): the kube-scheduler put it there,
+    as n1's upper bound still shows room."""
+    state, pod = _full_cluster()
+    labels = {NODE_LABEL: "n1"} if label else {}
+    state.upsert_node(make_node("n1", gpus=1, labels=labels))
+    kube = _Kube()
+    kube.answer.set()
+    s = _scale_up(state, FakeClock(), delay=0)
+    s.kube = kube  # type: ignore[assignment]
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    old = _bound("want", "n1")
+    old["metadata"].update(uid="old", resourceVersion="10")
+    s.signals = {"want": old}
+    s.synced.set()
+    return state, s, kube
+
+
+def _keep_off(body: dict[str, Any]) -> list[dict[str, Any]]:
+    terms = body["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    return [e for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]]
+
+
+def test_a_placeholder_bound_to_a_node_that_cannot_serve_its_pod_is_replaced_once() -> None:
+    """Bound to n1 before n1 filled: deleted and raised again at once (no lost wait: it
+    was ours to delete), kept off n1; the old one's late DELETED changes nothing, and the
+    next rounds leave the replacement be (unbound, it cannot land on n1 again)."""
+    _, s, kube = _full_labelled_cluster()
+    told: list[str] = []
+    s.tell = lambda pod, reason, message, type_: told.append(message)
+    name = signal_name("want")
+    asyncio.run(s.reconcile())
+    assert kube.calls == [f"delete {name}", f"create {name}"]
+    made = s.signals["want"]
+    assert {"key": NODE_LABEL, "operator": "NotIn", "values": ["n1"]} in _keep_off(kube.created[-1])
+    assert made == placeholder_identity(kube.created[-1])  # only who it is and where is kept
+    assert s.needs["want"].lost == 0
+    assert told and "replaces the one bound to n1" in told[-1]
+    gone = _bound("want", "n1")
+    gone["metadata"].update(uid="old", resourceVersion="11")  # before the create (rv 12)
+    made["metadata"].update(uid="new", resourceVersion="12")
+    asyncio.run(s._on_signal("DELETED", gone))
+    asyncio.run(s._on_signal("MODIFIED", gone))
+    assert s.signals["want"] is made and s.needs["want"].lost == 0
+    asyncio.run(s.reconcile())
+    asyncio.run(s.reconcile())
+    assert kube.calls == [f"delete {name}", f"create {name}"]
+
+
+@pytest.mark.parametrize(
+    ("label", "room"),
+    [(False, False), (True, True)],
+    ids=["n1-not-labelled", "n1-has-room"],
+)
+def test_a_placeholder_is_left_where_it_stands_unless_replacing_it_helps(
+    label: bool, room: bool
+) -> None:
+    """Not labelled (an older agent, or Karpenter's value not yet written back), the
+    replacement's NotIn could not keep it off n1: replacing it would flap. Room on n1:
+    the pod goes there soon."""
+    state, s, kube = _full_labelled_cluster(label)
+    if room:
+        holder = state.pods["holder"].obj
+        state.upsert_allocation(
+            make_allocation(holder, "n1", [("main", "3g.40gb", 0, 0, 4)], phase=Phase.READY)
+        )  # one of its two slices only
+    asyncio.run(s.reconcile())
+    assert kube.calls == []
+    assert s.misplaced() == {}
+
+
+def test_a_replacement_waits_out_the_lost_wait_of_a_make_room_at_the_same_time() -> None:
+    """A pin to n1 withdraws the same placeholder meanwhile: one delete, shared; the pod
+    asks again only after `lost`'s wait (make_room's rule), not at once."""
+    state, s, kube = _full_labelled_cluster()
+    _decided(state, "own", "n1")
+    name = signal_name("want")
+
+    async def pin_and_round() -> None:
+        await asyncio.gather(s.make_room("own", "n1"), s.reconcile())
+
+    asyncio.run(pin_and_round())
+    assert kube.calls == [f"delete {name}"]
+    assert s.needs["want"].lost == 1 and "want" not in s.signals
+    assert s.wanted(s.clock.monotonic()) == (set(), set())
+
+
+def test_a_deleted_event_of_our_own_delete_in_flight_is_no_loss() -> None:
+    """The watch's DELETED can come before the delete's answer: still no lost wait."""
+    _, s, _ = _full_labelled_cluster()
+    s.needs["want"].since = 0.0
+    held = s.signals["want"]
+
+    async def withdraw_with_the_event_first() -> None:
+        task = s._withdrawal("want")
+        await s._on_signal("DELETED", held)
+        await task
+
+    asyncio.run(withdraw_with_the_event_first())
+    assert s.needs["want"].lost == 0 and "want" not in s.signals
+
+
+def test_placeholder_identity_keeps_who_and_where_only() -> None:
+    """The allocator keeps of a placeholder only what it reads: identity, labels and its
+    binding; the NotIn list (the body's bulk at scale) is dropped."""
+    pod = make_pod("p", slices={"main": {"1g.10gb": 1}}, uid="u1")
+    req = podlib.pod_request(pod)
+    body = placeholder_pod(pod, req, [f"n{i}" for i in range(5000)])
+    body["metadata"].update(uid="ph", resourceVersion="7")
+    kept = placeholder_identity(body)
+    assert kept["spec"] == {} and kept["metadata"]["uid"] == "ph"
+    assert kept["metadata"]["labels"][SCALE_UP_LABEL] == "u1"
+    assert placeholder_identity({**body, "spec": {**body["spec"], "nodeName": "n9"}})["spec"] == {
+        "nodeName": "n9"
+    }
+    assert len(json.dumps(kept)) < 500 < 40_000 < len(json.dumps(body))
+
+
+def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst's pods of one node selection share the round's `NotIn` list (3 ms at 5000
+    nodes, each); a pod selecting otherwise gets its own."""
+    from webhook.allocator import scaleup  # the module, to patch it
+
+    state, _ = _full_cluster()
+    for uid, selector in (("want2", {}), ("zoned", {"zone": "a"})):
+        state.upsert_pod(
+            make_pod(uid, slices={"main": {"3g.40gb": 1}}, uid=uid, node_selector=selector)
+        )
+    calls: list[str] = []
+
+    def counting(nodes: Any, request: Any) -> list[str]:
+        calls.append(request.name)
+        return kept_off(nodes, request)
+
+    monkeypatch.setattr(scaleup, "kept_off", counting)
+    kube = _Kube()
+    kube.answer.set()
+    clock = FakeClock()
+    s = _scale_up(state, clock, delay=0)
+    s.kube = kube  # type: ignore[assignment]
+    s.tell = lambda pod, reason, message, type_: None
+    for uid in ("want", "want2", "zoned"):
+        req = podlib.pod_request(state.pods[uid].obj)
+        s.pending(state.pods[uid], req, Pending(PendingReason.FULL, "full"), False)
+    asyncio.run(s.reconcile())
+    assert len(kube.created) == 3 and len(calls) == 2
+    assert _keep_off(kube.created[0]) == _keep_off(kube.created[1])

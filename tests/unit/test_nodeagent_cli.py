@@ -21,6 +21,9 @@ def test_settings_from_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert s.node_cdi_dir("n1") == Path("/var/run/cdi")
     assert s.checkpoint_path("n1") == Path("/var/lib/instaslice/n1.agent.json")
     assert extra == "text:info"
+    assert s.maintenance_drain_timeout_s == 1800.0
+    s, _ = parse_args(["--node", "n1", "--maintenance-drain-timeout-s", "0"])
+    assert s.maintenance_drain_timeout_s == 0.0  # no timeout
     monkeypatch.setenv("NODE_NAME", "from-env")
     s, _ = parse_args([])
     assert s.nodes == ("from-env",)
@@ -40,6 +43,8 @@ def test_settings_from_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
         (["--node", "a", "--emulate"], "needs --emu-state"),
         (["--nodes", "a,b", "--emulate", "--emu-state", "/x"], "--cdi-root"),
         (["--node", "a", "--binding", "dra"], "invalid choice"),
+        (["--node", "a", "--maintenance-drain-timeout-s", "-1"], "--maintenance-drain-timeout-s"),
+        (["--node", "a", "--maintenance-drain-timeout-s", "nan"], "--maintenance-drain-timeout-s"),
     ],
 )
 def test_bad_arguments(

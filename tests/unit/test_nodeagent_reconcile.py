@@ -22,6 +22,7 @@ from nodeagent.reconcile import (
     after_reboot,
     blocked,
     decide,
+    held_by_release,
     match,
     merge_plan,
     orphans,
@@ -329,3 +330,28 @@ def test_vanished_claims_are_ready_records_missing_an_instance() -> None:
     own = match(cp, [inst(G0, 5, 15, 4, 2)])
     assert vanished_claims(cp, own, lambda i: i == 1, before=50.0) == {"gone"}
     assert vanished_claims(cp, own, lambda i: False, before=50.0) == {"gone", "lost"}
+
+
+@pytest.mark.parametrize(
+    ("held", "state", "want"),
+    [
+        ([srec(G0, 9, 4, 4)], "releasing", "u2"),  # the same slots
+        ([srec(G0, 19, 5, 1)], "releasing", "u2"),  # one slot of ours
+        ([srec(G0, 19, 3, 1)], "releasing", None),  # the slot before ours
+        ([srec(G0, 19, 0, 4)], "releasing", None),  # next to ours, not on them
+        ([srec(G1, 9, 4, 4)], "releasing", None),  # another GPU
+        ([srec(G0, 9, 4, 4)], "ready", None),  # not being released: the placement check's
+        ([srec(G0, 9, 4, 4)], "creating", None),
+        ([srec(G0, 19, 0, 1), srec(G0, 19, 7, 1)], "releasing", "u2"),  # its second slice
+        ([replace(srec(G0, 0, 0, 8), kind="gpu")], "releasing", None),  # a whole GPU: no instance
+    ],
+)
+def test_held_by_release(held: list[SliceRecord], state: str, want: str | None) -> None:
+    fresh = [srec(G1, 14, 0, 2), srec(G0, 9, 4, 4)]
+    cp = Checkpoint("n1", "b1", {"u2": rec("u2", *held, state=state)})
+    assert held_by_release(cp, "u1", fresh) == want
+
+
+def test_held_by_release_ignores_the_claims_own_record() -> None:
+    cp = Checkpoint("n1", "b1", {"u1": rec("u1", srec(G0, 9, 4, 4), state="releasing")})
+    assert held_by_release(cp, "u1", [srec(G0, 9, 4, 4)]) is None

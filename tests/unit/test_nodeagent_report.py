@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.objects import node_label_value
 from nodeagent import checkpoint
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
 from nodeagent.model import Health, Instance, NodeInventory
@@ -24,6 +25,7 @@ from nodeagent.report import (
     label_patch,
     label_value,
     mig_node_status,
+    node_labels,
     slot_capacity,
     with_condition,
 )
@@ -87,6 +89,20 @@ def test_gpu_model_label_only_when_every_gpu_is_one_model() -> None:
     }
     assert label_patch(gpu_labels(one), {"instaslice.io/gpu-model": "H200-141GB",
                                          "instaslice.io/gpu-count": "2"}) is None  # fmt: skip
+
+
+def test_node_labels_add_the_nodes_own_name() -> None:
+    """`instaslice.io/node`, which Karpenter placeholders are kept off by; Karpenter's
+    random value on a node it made is patched back."""
+    one = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))
+    assert node_labels("gpu-7", one) == {**gpu_labels(one), "instaslice.io/node": "gpu-7"}
+    long = "n" * 70
+    assert node_labels(long, one)["instaslice.io/node"] == node_label_value(long)
+    current = {"instaslice.io/gpu-model": "H200-141GB", "instaslice.io/gpu-count": "2",
+               "instaslice.io/node": "5577006791947779410"}  # fmt: skip
+    assert label_patch(node_labels("gpu-7", one), current) == {
+        "metadata": {"labels": {"instaslice.io/node": "gpu-7"}}
+    }
 
 
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")  # the API server's

@@ -3,8 +3,10 @@
 Covers: hypothesis sequences of adds and removes on random fleets (models, occupancy,
 labels, taints, cordons, cpu / memory / pod slots, selectors, several slices per pod),
 replayed twice — through the index and by `engine.place` on the snapshot — with every
-answer equal, placements and Pending messages alike; every trace of the placement
-benchmark's suite under every policy, replayed both ways; and the allocator's
+answer equal, placements and Pending messages alike; hypothesis sequences of the node
+changes the index may skip (free cpu / pods, taints, cordons, one GPU's slices, GPU sets,
+nodes leaving and coming back) between pods of a few repeated shapes; every trace of the
+placement benchmark's suite under every policy, replayed both ways; and the allocator's
 `ClusterState.decide`: the index follows assume / forget, node removal and agents going
 down and coming back. Leaves out: the decisions' quality (test_placement*.py) and speed
 (`make bench-placement`).
@@ -13,6 +15,7 @@ down and coming back. Leaves out: the decisions' quality (test_placement*.py) an
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 from unittest.mock import patch
 
@@ -143,6 +146,108 @@ def _decide_alike(case: tuple[Cluster, list[PodRequest | int]]) -> None:
         if isinstance(indexed, Placement):
             cluster.assume(ev, indexed)
             held.append(ev.name)
+
+
+Change = PodRequest | NodeState | str  # a pod to decide, a node's new state, a node gone
+
+
+@st.composite
+def fleets_and_changes(draw: st.DrawFn) -> tuple[list[NodeState], list[Change]]:
+    """Random nodes, then pods to decide between the changes a live fleet sees: a node's
+    free cpu / pods alone (its GPUs as they were), its taints, its cordon, its slices alone
+    (one GPU emptied or filled whole), its GPUs (health, MIG mode, occupancy, models), a
+    node leaving and coming back. What the index may skip (an order re-scores a node only
+    when its GPUs changed; a kept explanation re-records it only when something it reads
+    changed) must not change an answer."""
+    fleet = [draw(nodes(i)) for i in range(draw(st.integers(1, 5)))]
+    current: dict[str, NodeState | None] = {n.name: n for n in fleet}
+    names = [p.name for n in fleet for g in n.gpus for p in spec(g).profiles] or ["1g.10gb"]
+    shapes = [  # a few shapes, each asked again and again: what the explanations are kept for
+        tuple(
+            SliceRequest(f"c{c}", draw(st.sampled_from(names)), draw(st.sampled_from([1, 2])))
+            for c in range(draw(st.sampled_from([1, 1, 2])))
+        )
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    kinds = ["pod", "pod", "resources", "taints", "cordon", "gpus", "slices", "slices", "leave"]
+    changes: list[Change] = []
+    for k in range(draw(st.integers(1, 30))):
+        name = draw(st.sampled_from(sorted(current)))
+        node = current[name]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "leave" and node is None:  # it comes back as it first was
+            node = fleet[int(name[1:])]
+        elif kind == "leave":
+            changes.append(name)
+            current[name] = None
+            continue
+        elif kind == "resources" and node is not None:
+            cpu = draw(st.sampled_from([0, 1000, 8000]))
+            pods = draw(st.sampled_from([0, 1, 10]))
+            node = replace(node, cpu_millis_free=cpu, pods_free=pods)
+        elif kind == "taints" and node is not None:
+            node = replace(node, taints=() if node.taints else TAINT)
+        elif kind == "cordon" and node is not None:
+            node = replace(node, unschedulable=not node.unschedulable)
+        elif kind == "gpus" and node is not None:
+            node = replace(node, gpus=draw(nodes(0)).gpus)
+        elif kind == "slices" and node is not None:  # one GPU emptied, or filled whole
+            k = draw(st.integers(0, len(node.gpus) - 1))
+            g = node.gpus[k]
+            whole = max(spec(g).profiles, key=lambda p: p.memory_slots)
+            occupied = (
+                () if g.occupied else (Occupied(whole.starts[0], whole.memory_slots, whole.name),)
+            )
+            gpus = list(node.gpus)
+            gpus[k] = replace(g, occupied=occupied)
+            node = replace(node, gpus=tuple(gpus))
+        else:
+            slices = draw(st.sampled_from(shapes))
+            tolerations = draw(st.sampled_from(TOLERATIONS))
+            cpu = draw(st.sampled_from([0, 500, 4000]))
+            changes.append(PodRequest(f"p{k}", cpu, 0, slices, tolerations=tolerations))
+            continue
+        changes.append(node)
+        current[name] = node
+    return fleet, changes
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleets_and_changes())
+def test_index_and_scan_decide_alike_through_node_changes(
+    case: tuple[list[NodeState], list[Change]],
+) -> None:
+    fleet, changes = case
+    for tidy_one in (False, True):  # with the default budgets, and one node per decision
+        with (
+            patch.object(index_module, "ORDER_STALE_KEPT", 0 if tidy_one else 16),
+            patch.object(index_module, "ORDER_TIDY_NODES", 1 if tidy_one else 8),
+            patch.object(index_module, "WHY_TIDY_NODES", 1 if tidy_one else 8),
+        ):
+            index = FleetIndex()
+            current: dict[str, NodeState] = {}
+            for node in fleet:
+                index.put(node, _position(node))
+                current[node.name] = node
+            for change in changes:
+                if isinstance(change, str):
+                    index.remove(change)
+                    del current[change]
+                elif isinstance(change, NodeState):
+                    index.put(change, _position(change))
+                    current[change.name] = change
+                else:
+                    snap = Snapshot(tuple(sorted(current.values(), key=_position)))
+                    got = index.place(change, Policy.INSTASLICE, None, partial(_same, snap))
+                    assert got == place(snap, change)
+
+
+def _position(node: NodeState) -> int:
+    return int(node.name[1:])
+
+
+def _same(snap: Snapshot) -> Snapshot:
+    return snap
 
 
 def test_every_benchmark_trace_replays_alike_under_every_policy() -> None:

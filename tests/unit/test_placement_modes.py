@@ -9,8 +9,8 @@ MigNode → class derivation (views.mode_class). As hypothesis properties on ran
 snapshots, against the brute-force oracle of test_placement_properties.py: no toggle when a
 GPU in the right mode fits; a toggle only on a flex GPU and only when nothing fits without
 one; never a slice on a GPU needing a reset or under way; MigModeChangeUnderWay exactly when
-the changes under way would serve it, else NeedsMigModeChange exactly when only GPUs
-needing a reset would.
+the changes under way would serve it, or would together with resets while no reset alone
+would, else NeedsMigModeChange exactly when only GPUs needing a reset would.
 Leaves out: whole-GPU requests (not built yet), the agent's side
 (tests/integration/test_nodeagent_modes.py).
 """
@@ -137,6 +137,29 @@ UNDER_WAY = make_node(
             make_pod(("c", "7g.80gb", 2)),
             PendingReason.GPU_UNAVAILABLE,
             "",
+        ),
+        # it needs GPU 0 under way and GPU 1 a reset away: it waits for the change under
+        # way, naming the reset after (the older answer was GpuUnavailable)
+        (
+            [UNDER_WAY],
+            ModeView(needs_reset=frozenset({("a", 1)}), under_way=frozenset({("a", 0)})),
+            make_pod(("c", "7g.80gb", 2)),
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "under way on a/GPU 0 is done (MIG on; Ampere maintenance: the GPU takes nothing "
+            "new while its node agent drains and resets it), and then a MIG mode change on "
+            "a/GPU 1 too (MIG on), which needs a GPU reset",
+        ),
+        # the same with a flex GPU it may toggle: still the wait, named alone
+        (
+            [UNDER_WAY, make_node("h", [make_gpu(H100, mig=False)])],
+            ModeView(
+                flex=frozenset({("h", 0)}),
+                needs_reset=frozenset({("a", 1)}),
+                under_way=frozenset({("a", 0)}),
+            ),
+            make_pod(("c", "7g.80gb", 2)),
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "a/GPU 0 is done",
         ),
         # a reset elsewhere would serve it, the change under way would not: a reset it is
         (
@@ -268,7 +291,60 @@ def test_modes_properties(data: st.DataObject) -> None:
             assert g.usable or (p.node, sl.gpu_index) in view.flex
     else:
         assert not fits_flex
+        fits_both = brute_force(  # the changes under way done and the resets too
+            once_done(with_mig(s, view.flex | view.needs_reset), view.under_way),
+            req,
+            Policy.INSTASLICE,
+        )
         under = got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
-        assert under == fits_under
+        assert under == (fits_under or (fits_both and not fits_reset))
         needs = got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
         assert needs == (fits_reset and not fits_under)
+
+
+@st.composite
+def ampere_cases(draw: st.DrawFn) -> tuple[Snapshot, ModeView, PodRequest]:
+    """Ampere nodes whose GPUs are in MIG mode (some holding a slice), MIG off a reset away,
+    or under way to MIG on (shown unhealthy); pods of several large slices, so that a pod
+    needing both a GPU under way and a reset is common."""
+    nodes, reset, under = [], set(), set()
+    for i in range(draw(st.integers(1, 2))):
+        gpus = []
+        for k in range(draw(st.integers(1, 4))):
+            kind = draw(st.sampled_from(["mig", "used", "reset", "under"]))
+            if kind == "reset":
+                reset.add((f"n{i}", k))
+            if kind == "under":
+                under.add((f"n{i}", k))
+            used = [("3g.40gb", 0, 4)] if kind == "used" else []
+            gpus.append(
+                make_gpu(A100, k, used, mig=kind in ("mig", "used"), healthy=kind != "under")
+            )
+        nodes.append(make_node(f"n{i}", gpus))
+    profile = draw(st.sampled_from(["7g.80gb", "4g.40gb", "3g.40gb"]))
+    pod = make_pod(("c", profile, draw(st.integers(1, 4))))
+    return snap(*nodes), ModeView(needs_reset=frozenset(reset), under_way=frozenset(under)), pod
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ampere_cases())
+def test_changes_under_way_and_resets_together(case: tuple[Snapshot, ModeView, PodRequest]) -> None:
+    """MigModeChangeUnderWay exactly when the changes under way alone would serve the pod, or
+    would together with resets while resets alone would not; NeedsMigModeChange exactly when
+    resets alone would (and the changes under way alone would not)."""
+    s, view, req = case
+    got = place_with_modes(s, req, view)
+    if isinstance(got.result, Placement):
+        assert brute_force(s, req, Policy.INSTASLICE)
+        return
+    fits_under = brute_force(once_done(s, view.under_way), req, Policy.INSTASLICE)
+    fits_reset = brute_force(with_mig(s, view.needs_reset), req, Policy.INSTASLICE)
+    fits_both = brute_force(
+        once_done(with_mig(s, view.needs_reset), view.under_way), req, Policy.INSTASLICE
+    )
+    under = got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+    assert under == (fits_under or (fits_both and not fits_reset)), got.result
+    needs = got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
+    assert needs == (fits_reset and not fits_under), got.result
+    if under and not fits_under:
+        assert "which needs a GPU reset" in got.result.message

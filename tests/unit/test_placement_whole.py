@@ -9,8 +9,9 @@ naming them); the MigNode → class derivation (views.whole_class). As hypothesi
 random small clusters: every chosen GPU is in the view and healthy (so never one holding a MIG
 slice or another whole GPU, which the caller keeps out of the view); the count is exact; the
 number of toggles is the least any eligible node needs (a brute-force minimum);
-MigModeChangeUnderWay exactly when GPUs under way would complete an eligible node, else
-NeedsMigModeChange exactly when only reset GPUs would complete a node.
+MigModeChangeUnderWay exactly when GPUs under way would complete an eligible node, or would
+together with GPUs needing a reset while no reset alone would, else NeedsMigModeChange
+exactly when only reset GPUs would complete a node.
 Leaves out: the agent's side (tests/integration/test_nodeagent_modes.py).
 """
 
@@ -107,6 +108,77 @@ def test_a_pod_waits_for_the_change_to_mig_off_under_way() -> None:
     short = place_whole(snap(a), whole_pod(1, cpu=4000), view)  # it would not fit there
     assert isinstance(short.result, Pending)
     assert short.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
+
+
+@pytest.mark.parametrize(
+    ("gpus", "view", "n", "reason", "says"),
+    [
+        # GPU 0 under way, GPU 1 a reset away: 2 whole GPUs need both, the change under way
+        # first (the older answer was Full)
+        (
+            [make_gpu(A100, 0, healthy=False), make_gpu(A100, 1)],
+            WholeView(needs_reset=frozenset({("amp", 1)}), under_way=frozenset({("amp", 0)})),
+            2,
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "under way on amp/GPU 0 is done (MIG off; Ampere maintenance: the GPU takes nothing "
+            "new while its node agent drains and resets it), and then a MIG mode change on "
+            "amp/GPU 1 too",
+        ),
+        # two under way, one reset, three asked: all three named
+        (
+            [make_gpu(A100, 0, healthy=False), make_gpu(A100, 1, healthy=False), make_gpu(A100, 2)],
+            WholeView(
+                needs_reset=frozenset({("amp", 2)}),
+                under_way=frozenset({("amp", 0), ("amp", 1)}),
+            ),
+            3,
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "under way on amp/GPU 0, amp/GPU 1 is done (MIG off; Ampere maintenance: the GPU "
+            "takes nothing new while its node agent drains and resets it), and then a MIG mode "
+            "change on amp/GPU 2 too",
+        ),
+        # a right-mode GPU, one under way, one a reset away: three fit after both
+        (
+            [make_gpu(A100, 0, mig=False), make_gpu(A100, 1, healthy=False), make_gpu(A100, 2)],
+            WholeView(
+                right_mode=frozenset({("amp", 0)}),
+                needs_reset=frozenset({("amp", 2)}),
+                under_way=frozenset({("amp", 1)}),
+            ),
+            3,
+            PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+            "amp/GPU 1 is done",
+        ),
+        # resets alone would do (two reset GPUs): a new reset is named, not the wait
+        (
+            [make_gpu(A100, 0, healthy=False), make_gpu(A100, 1), make_gpu(A100, 2)],
+            WholeView(
+                needs_reset=frozenset({("amp", 1), ("amp", 2)}),
+                under_way=frozenset({("amp", 0)}),
+            ),
+            2,
+            PendingReason.NEEDS_MIG_MODE_CHANGE,
+            "amp/GPU 1",
+        ),
+        # even together not enough: Full
+        (
+            [make_gpu(A100, 0, healthy=False), make_gpu(A100, 1)],
+            WholeView(needs_reset=frozenset({("amp", 1)}), under_way=frozenset({("amp", 0)})),
+            3,
+            PendingReason.FULL,
+            "no node has 3 whole GPUs free",
+        ),
+    ],
+)
+def test_a_pod_needing_a_change_under_way_and_a_reset_waits_for_the_change(
+    gpus: list[Gpu], view: WholeView, n: int, reason: PendingReason, says: str
+) -> None:
+    got = place_whole(snap(make_node("amp", gpus, cpu=2000)), whole_pod(n), view)
+    assert isinstance(got.result, Pending), got.result
+    assert got.result.reason is reason, got.result
+    assert says in got.result.message, got.result.message
+    if reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY:
+        assert got.resets == ()  # nothing new asked while one is under way
 
 
 def test_is_whole_and_wanted() -> None:
@@ -207,8 +279,22 @@ def test_whole_properties(case: tuple[Snapshot, WholeView, PodRequest]) -> None:
             < n
             <= count(node, view.right_mode) + count(node, view.toggle) + count(node, view.under_way)
         ]
+        have = {
+            node.name: count(node, view.right_mode) + count(node, view.toggle) for node in eligible
+        }
+        resets = [  # a reset alone completes it: NeedsMigModeChange comes first
+            node
+            for node in eligible
+            if have[node.name] < n <= have[node.name] + count(node, view.needs_reset)
+        ]
+        mixed = [  # the change under way and a reset together complete it
+            node
+            for node in eligible
+            if count(node, view.under_way)
+            and n <= have[node.name] + count(node, view.under_way) + count(node, view.needs_reset)
+        ]
         waits = got.result.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
-        assert waits == bool(under)
+        assert waits == (bool(under) or (bool(mixed) and not resets))
         with_reset = [
             node
             for node in s.nodes
@@ -224,7 +310,7 @@ def test_whole_properties(case: tuple[Snapshot, WholeView, PodRequest]) -> None:
             for node in s.nodes
             if all(node.labels.get(k) == v for k, v in req.node_selector.items())
         )
-        if not fits_but_short and not under:
+        if not fits_but_short and not under and not (mixed and not resets):
             reset = got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
             assert reset == bool(with_reset)
 

@@ -208,6 +208,15 @@ PROFILES = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]  #
 PREEMPTOR = 2
 
 
+def draw_free(draw: st.DrawFn, profiles: list[str], used: int) -> tuple[str, int, int] | None:
+    """A drawn profile at its first legal start clear of the `used` slots, and the slots used
+    then; None when it has none."""
+    profile = draw(st.sampled_from(profiles))
+    size = SIZE[profile]
+    start = next((s for s in STARTS[profile] if not used & (((1 << size) - 1) << s)), None)
+    return None if start is None else (profile, start, used | ((1 << size) - 1) << start)
+
+
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[Snapshot, list[Holder], PodRequest, dict[str, int]]:
     nodes = {f"n{i}": draw(st.integers(1, 2)) for i in range(draw(st.integers(1, 2)))}
@@ -216,21 +225,17 @@ def scenarios(draw: st.DrawFn) -> tuple[Snapshot, list[Holder], PodRequest, dict
         for g in range(count):
             used = 0
             for k in range(draw(st.integers(0, 6))):
-                profile = draw(st.sampled_from(PROFILES))
-                size = SIZE[profile]
-                start = next(
-                    (s for s in STARTS[profile] if not used & (((1 << size) - 1) << s)), None
-                )
-                if start is None:
+                found = draw_free(draw, PROFILES, used)
+                if found is None:
                     continue
-                used |= ((1 << size) - 1) << start
+                profile, start, used = found
                 NAMES[(name, g, start)] = profile
                 prio = draw(st.integers(0, 3))
                 holders.append(
                     Holder(
                         f"{name}-{g}-{k}",
                         name,
-                        ((g, start, size),),
+                        ((g, start, SIZE[profile]),),
                         prio,
                         start_time=float(draw(st.integers(0, 3))),
                         pdbs=("pdb",) if draw(st.booleans()) else (),

@@ -38,3 +38,4 @@ def test_the_table_names_every_number() -> None:
     }
     text = bench.table(results)
     assert "7g.80gb" in text and "victims vs brute force" in text and "plan speed" in text
+    assert "whole GPUs: 1 " in text and results["speed"]["whole x4"]["victims"] == 28

@@ -25,6 +25,7 @@ from common.placement.model import (
     SliceRequest,
     Snapshot,
 )
+from common.placement.modes import ModeView
 from common.quota import flavor_name, kueue_resources, min_slots, profile_slots, resource_flavors
 from common.sizing import Size, SizeAsk, SizeError, parse_size, place_sized, resolve, size_asks
 from tests.unit.test_admission import NS, claims, container, make_pod, make_request
@@ -134,13 +135,14 @@ def node(
 
 
 ASK20 = [SizeAsk("main", Size(20 * GIB))]
+NO_MODES = ModeView()  # every GPU as the snapshot shows it (no MIG mode change)
 
 
 def test_the_model_wasting_least_memory_wins_and_its_smallest_profile_is_used() -> None:
     snap = Snapshot(
         (node("a100-0", "A100-40GB"), node("h100-0", "H100-80GB"), node("h200-0", "H200-141GB"))
     )
-    got = place_sized(snap, PodRequest("ns/p"), ASK20, Policy.INSTASLICE, CAT)
+    got = place_sized(snap, PodRequest("ns/p"), ASK20, Policy.INSTASLICE, CAT, NO_MODES).result
     assert isinstance(got, Placement)
     assert (got.node, [s.profile for s in got.slices]) == ("h200-0", ["1g.35gb"])
 
@@ -148,7 +150,7 @@ def test_the_model_wasting_least_memory_wins_and_its_smallest_profile_is_used() 
 def test_a_selector_for_one_model_gets_that_models_smallest_fit() -> None:
     snap = Snapshot((node("h100-0", "H100-80GB"), node("h200-0", "H200-141GB")))
     req = PodRequest("ns/p", node_selector={"instaslice.io/gpu-model": "H100-80GB"})
-    got = place_sized(snap, req, ASK20, Policy.INSTASLICE, CAT)
+    got = place_sized(snap, req, ASK20, Policy.INSTASLICE, CAT, NO_MODES).result
     assert isinstance(got, Placement)
     assert (got.node, got.slices[0].profile, got.slices[0].size) == ("h100-0", "3g.40gb", 4)
 
@@ -156,15 +158,14 @@ def test_a_selector_for_one_model_gets_that_models_smallest_fit() -> None:
 def test_a_full_model_falls_back_to_the_next_one() -> None:
     full = (Occupied(0, 8, "7g.141gb"),)
     snap = Snapshot((node("h100-0", "H100-80GB"), node("h200-0", "H200-141GB", occupied=full)))
-    got = place_sized(snap, PodRequest("ns/p"), ASK20, Policy.INSTASLICE, CAT)
+    got = place_sized(snap, PodRequest("ns/p"), ASK20, Policy.INSTASLICE, CAT, NO_MODES).result
     assert isinstance(got, Placement) and got.slices[0].profile == "3g.40gb"
 
 
 def test_no_model_large_enough_is_named_with_the_largest_slice() -> None:
     snap = Snapshot((node("a30-0", "A30-24GB"),))
-    got = place_sized(
-        snap, PodRequest("ns/p"), [SizeAsk("main", Size(24 * GIB))], Policy.INSTASLICE, CAT
-    )
+    ask = [SizeAsk("main", Size(24 * GIB))]
+    got = place_sized(snap, PodRequest("ns/p"), ask, Policy.INSTASLICE, CAT, NO_MODES).result
     assert isinstance(got, Pending) and got.reason is PendingReason.NO_PROFILE
     assert "A30-24GB 4g.24gb = 24000 MiB" in got.message and "'main'" in got.message
 
@@ -313,9 +314,8 @@ def test_place_sized_takes_the_least_memory_any_model_can_place(
         for i, m in enumerate(models)
     )
     size = Size(gib * GIB)
-    got = place_sized(
-        Snapshot(nodes), PodRequest("ns/p"), [SizeAsk("main", size)], Policy.INSTASLICE, CAT
-    )
+    ask = [SizeAsk("main", size)]
+    got = place_sized(Snapshot(nodes), PodRequest("ns/p"), ask, Policy.INSTASLICE, CAT, NO_MODES)
     feasible = []
     for n in nodes:
         p = resolve(model(n.gpus[0].model), size)
@@ -330,12 +330,12 @@ def test_place_sized_takes_the_least_memory_any_model_can_place(
         if isinstance(r, Placement):
             feasible.append(p.memory_mib)
     if not feasible:
-        assert isinstance(got, Pending)
+        assert isinstance(got.result, Pending)
         return
-    assert isinstance(got, Placement)
-    chosen_model = next(n.gpus[0].model for n in nodes if n.name == got.node)
+    assert isinstance(got.result, Placement)
+    chosen_model = next(n.gpus[0].model for n in nodes if n.name == got.result.node)
     chosen = resolve(model(chosen_model), size)
-    assert chosen is not None and got.slices[0].profile == chosen.name
+    assert chosen is not None and got.result.slices[0].profile == chosen.name
     assert chosen.memory_mib == min(feasible)
 
 

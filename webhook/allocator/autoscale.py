@@ -12,10 +12,20 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
   NoMatchingNode, NeedsMigModeChange);
 - `placeholder_pod` renders the Karpenter signal: an ungated pod asking for what the new node
   must offer (the pod's cpu/memory and `instaslice.io/mig-*` counts, its node selector,
-  affinity and tolerations) and kept off every node the allocator already tried
-  (`kubernetes.io/hostname NotIn`), owned by the real pod;
+  affinity and tolerations) and kept off the nodes the allocator knows cannot serve it
+  (`instaslice.io/node NotIn`, the label each node agent puts on its Node: Karpenter refuses
+  `kubernetes.io/hostname`), owned by the real pod;
 - `provisioning_request` renders the cluster-autoscaler signal: a PodTemplate of the same
-  shape and a ProvisioningRequest (`autoscaling.x-k8s.io/v1`) naming it.
+  shape and a ProvisioningRequest (`autoscaling.x-k8s.io/v1`) naming it, kept off those
+  nodes by `kubernetes.io/hostname NotIn`;
+- `kept_off` lists those nodes; `misplaced` tells a placeholder the kube-scheduler bound to a
+  node that cannot serve its pod (one raised before the node filled, or before its agent
+  labelled it), which the shell replaces.
+
+Each node's advertised `instaslice.io/mig-<profile>` is a fixed upper bound (contract §3),
+so with mixed profiles a node whose GPUs are full of one profile still shows room for
+another: without the `NotIn` the scheduler binds the placeholder there, Karpenter counts it
+served and never adds a node, and the real pod waits for good.
 
 No I/O and no clock: `webhook.allocator.scaleup` keeps the records, writes and withdraws.
 """
@@ -23,15 +33,26 @@ No I/O and no clock: `webhook.allocator.scaleup` keeps the records, writes and w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.constants import SCALE_UP_LABEL
-from common.placement import Pending, PendingReason, PodRequest, Policy, Snapshot, place
+from common.constants import NODE_LABEL, SCALE_UP_LABEL
+from common.objects import node_label_value, node_labelled
+from common.placement import (
+    NodeState,
+    Pending,
+    PendingReason,
+    PodRequest,
+    Policy,
+    Snapshot,
+    place,
+)
+from common.placement.modes import ModeView, place_with_modes
+from common.placement.selectors import mismatch
 from common.profiles import instaslice_resource
 
 Obj = dict[str, Any]
@@ -143,6 +164,67 @@ def classify(
     return Verdict(True, f"no existing node can serve it now ({result.reason.value})")
 
 
+def kept_off(nodes: Iterable[NodeState], request: PodRequest) -> list[str]:
+    """The `instaslice.io/node` values a placeholder for `request` is kept off, sorted: every
+    node the allocator knows (a MigNode with GPUs) that the pod's selection admits (its own
+    selector, affinity and tolerations, copied to the placeholder, keep it off the others).
+    Called for a pod no node can serve (`classify`), so none of them can."""
+    return sorted(
+        node_label_value(n.name) for n in nodes if n.gpus and mismatch(n, request) is None
+    )
+
+
+def selection(request: PodRequest) -> Hashable:
+    """What `kept_off` reads of a pod: its node selector, required affinity and
+    tolerations (pods equal here are kept off the same nodes)."""
+    return (
+        tuple(sorted(request.node_selector.items())),
+        request.required_affinity,
+        request.tolerations,
+    )
+
+
+def misplaced(
+    node: NodeState | None,
+    request: PodRequest,
+    freed: Collection[tuple[int, int, int]],
+    policy: Policy,
+    catalog: Catalog,
+    modes: ModeView | Callable[[Snapshot], ModeView],
+) -> bool:
+    """Does a placeholder for `request`, bound to `node` (its current state, None when the
+    allocator knows no such node or its agent is down), stand where its pod cannot go? Yes
+    when the node has GPUs, the pod fits there neither now nor once the slices `freed`
+    (`releasing`, this node's) are gone, by the placer's own rule (`modes`: GPUs with MIG
+    off that the agent turns on for it count, as on the new node Karpenter made for it; a
+    mode change under way counts as room), and the node carries `instaslice.io/node=<name>`:
+    a replacement's `NotIn` then keeps it off, so replacing it cannot flap. A node still
+    coming up (no GPUs known) or not labelled (its agent older, or Karpenter's random value
+    not yet written back) is left alone."""
+    if node is None or not node.gpus or not node_labelled(node.labels, node.name):
+        return False
+    alone = after_releases(Snapshot((node,)), {node.name: freed} if freed else {})
+    result = place_with_modes(alone, request, modes, policy, catalog).result
+    return (
+        isinstance(result, Pending) and result.reason is not PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+    )
+
+
+def placeholder_identity(obj: Obj) -> Obj:
+    """What the allocator keeps of a placeholder pod: who it is (name, namespace, uid,
+    resourceVersion, labels) and where it is bound. Its body carries the `NotIn` list of
+    every node that cannot serve its pod (up to ~150 KB at 5000 nodes), which nothing reads
+    back: held for every pending pod it would be most of the allocator's memory in a burst."""
+    meta = obj.get("metadata") or {}
+    keep = ("name", "namespace", "uid", "resourceVersion", "labels")
+    node = (obj.get("spec") or {}).get("nodeName")
+    return {
+        "kind": "Pod",
+        "metadata": {k: meta[k] for k in keep if k in meta},
+        "spec": {"nodeName": node} if node else {},
+    }
+
+
 def signal_name(pod_uid: str) -> str:
     """One signal per pod, named after its uid: a create that raced is a 409, not a twin."""
     return f"instaslice-scale-up-{pod_uid}"
@@ -172,16 +254,17 @@ def _requests(request: PodRequest) -> dict[str, str]:
     return asks
 
 
-def _affinity(pod: Obj, avoid: Sequence[str]) -> Obj | None:
-    """The pod's required node affinity, each term also keeping off the nodes in `avoid`.
-    InstaSlice's own pin (matchFields metadata.name) is never there: the pod is gated."""
+def _affinity(pod: Obj, avoid: Sequence[str], key: str) -> Obj | None:
+    """The pod's required node affinity, each term also keeping off the nodes whose label
+    `key` is in `avoid`. InstaSlice's own pin (matchFields metadata.name) is never there:
+    the pod is gated."""
     spec = pod.get("spec") or {}
     required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
         "requiredDuringSchedulingIgnoredDuringExecution"
     ) or {}
     terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]
     if avoid:
-        keep_off = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(avoid)}
+        keep_off = {"key": key, "operator": "NotIn", "values": sorted(avoid)}
         for t in terms:
             t["matchExpressions"] = [*(t.get("matchExpressions") or []), keep_off]
     terms = [t for t in terms if t]
@@ -194,7 +277,7 @@ def _affinity(pod: Obj, avoid: Sequence[str]) -> Obj | None:
     }
 
 
-def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], image: str) -> Obj:
+def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], key: str, image: str) -> Obj:
     spec = pod.get("spec") or {}
     asks = _requests(request)
     out: Obj = {
@@ -217,7 +300,7 @@ def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], image: str) -
         out["nodeSelector"] = dict(spec["nodeSelector"])
     if spec.get("tolerations"):
         out["tolerations"] = list(spec["tolerations"])
-    affinity = _affinity(pod, avoid)
+    affinity = _affinity(pod, avoid, key)
     if affinity is not None:
         out["affinity"] = affinity
     return out
@@ -237,12 +320,15 @@ def _meta(pod: Obj, kind: str) -> Obj:
 def placeholder_pod(
     pod: Obj, request: PodRequest, avoid: Sequence[str], image: str = PLACEHOLDER_IMAGE
 ) -> Obj:
-    """The Karpenter signal for gated `pod`: see the module docstring."""
+    """The Karpenter signal for gated `pod`, kept off the nodes whose `instaslice.io/node`
+    is in `avoid` (`kept_off`): see the module docstring. Karpenter (v1.15.0) accepts a
+    `NotIn` on a label no NodePool defines and makes a node for it (a new node does not
+    carry these values; Karpenter gives it a random one, which its agent writes over)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _meta(pod, "placeholder"),
-        "spec": _pod_spec(pod, request, avoid, image),
+        "spec": _pod_spec(pod, request, avoid, NODE_LABEL, image),
     }
 
 
@@ -262,7 +348,7 @@ def provisioning_request(
         "metadata": _meta(pod, "provisioning-request"),
         "template": {
             "metadata": {"labels": {SCALE_UP_LABEL: pod["metadata"]["uid"]}},
-            "spec": _pod_spec(pod, request, avoid, image),
+            "spec": _pod_spec(pod, request, avoid, HOSTNAME_LABEL, image),
         },
     }
     provreq = {

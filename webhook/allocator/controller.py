@@ -37,7 +37,6 @@ from common.constants import (
     LEASE_API_VERSION,
     MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
-    SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -155,6 +154,7 @@ class Controller:
             settings.pinned_unschedulable_timeout_s,
             tell=self._event,
             after_change=self._after_change,
+            make_room=self.scale_up.make_room,
         )
         self.work = KeyedQueue(self._work, name="allocator", clock=self.clock)
         self._leading = False
@@ -227,7 +227,7 @@ class Controller:
             await informer.synced.wait()
 
     async def _on_pod(self, etype: EventType, obj: Obj) -> None:
-        if SCALE_UP_LABEL in (obj.get("metadata", {}).get("labels") or {}):
+        if podlib.is_placeholder(obj):
             return  # a placeholder stands for demand: it must not hold a node's cpu in our model
         uid = podlib.uid(obj)
         if etype == "DELETED":
@@ -284,6 +284,8 @@ class Controller:
             done = withdrawals(obj) if self.placer.ask_modes is not None else set()
             if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
                 self._set_modes(str(obj["metadata"]["name"]), {}, done)
+            for uid in self.tracks.preempting():  # one may wait for a GPU's MIG mode
+                self.kick(uid)
         self._after_change()
 
     def _ask_modes(self, node: str, wants: dict[str, str]) -> None:
@@ -418,11 +420,14 @@ class Controller:
         pod = self.state.pods.get(uid)
         alive: frozenset[str] = frozenset()
         holding: frozenset[str] = frozenset()
+        pending = False
         p = track.preempt if track is not None else None
         if p is not None:
             pods = [self.state.pods.get(v.uid) for v in p.victims]
             alive = frozenset(v.uid for v in pods if v and not (v.deleting or v.terminal))
             holding = frozenset(u for u in p.waits_for if self.state.allocations_of(u))
+            modes = [self.state.gpu(n, i) for n, i in p.resets]
+            pending = any(g is None or g.maintenance or g.whole_if_idle != "off" for g in modes)
         allocs = tuple(self.state.allocations_of(uid))
         holder = None
         if pod is not None and pod.claim is not None and not allocs:
@@ -438,6 +443,7 @@ class Controller:
             opted_in=pod is not None and pod.namespace in self.opted_in,
             victims_alive=alive,
             holding=holding,
+            modes_pending=pending,
             now=self.clock.monotonic(),
         )
 
@@ -516,6 +522,16 @@ class Controller:
             return
         track.avoid = track.avoid | avoid
         self.state.forget(p.key)
+        # its Ampere reset, not reached yet, is withdrawn: left standing, the agent would
+        # drain the GPU (for up to its drain timeout, no other Ampere change meanwhile) and
+        # reset it for nobody
+        undo: dict[str, set[str]] = {}
+        for node, index in p.resets:
+            g = self.state.gpu(node, index)
+            if g is not None and g.desired == "disabled" and g.mig_enabled:
+                undo.setdefault(node, set()).add(g.uuid)
+        for node, uuids in undo.items():
+            self._set_modes(node, {}, uuids)
         self.metrics.outcome("preemption_abandoned")
         log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid))
         self._after_change()

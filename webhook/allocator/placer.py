@@ -22,15 +22,24 @@ from common.catalog import Catalog
 from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
-from common.placement.modes import place_with_modes
-from common.placement.preempt import plan_preemption
-from common.placement.whole import is_whole, place_whole
+from common.placement.modes import ModePlacement, ModeView, place_with_modes
+from common.placement.preempt import Holder, PreemptionPlan, plan_preemption
+from common.placement.preempt_whole import plan_whole_preemption
+from common.placement.whole import WholePlacement, is_whole, place_whole
 from common.podspec import SliceRequestError
 from common.sizing import SizeAsk, SizeError, place_sized, size_asks
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.preemption import Budgets, Preemption, Victim, holders, never_preempts
+from webhook.allocator.preemption import (
+    NO_RESET,
+    Budgets,
+    Preemption,
+    Victim,
+    holders,
+    never_preempts,
+    whole_candidates,
+)
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import PodTrack, Tracks
@@ -117,27 +126,25 @@ class Placer:
         name_label = podlib.uses_name_field(pod.obj)
         excluded = track.failed_gpus
         snapshot = self.state.snapshot(exclude=excluded, name_label=name_label)
-        result = self._calm(request, sized, excluded, name_label) or self._place(
-            snapshot, request, sized
-        )
-        if isinstance(result, Pending) and excluded:
+        calm = self._calm(request, sized, excluded, name_label)
+        plan = ModePlacement(calm) if calm is not None else self._place(snapshot, request, sized)
+        if isinstance(plan.result, Pending) and excluded:
             # No other GPU will do: trying the one that failed again beats waiting forever.
             track.failed_gpus = frozenset()
             snapshot = self.state.snapshot(name_label=name_label)
-            result = self._place(snapshot, request, sized)
+            plan = self._place(snapshot, request, sized)
+        result = plan.result
         if (
             isinstance(result, Pending)
             and result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
             and self.ask_modes is not None
-            and not sized
         ):
-            result = self.ask_maintenance(snapshot, request, result)
+            result = self.ask_maintenance(snapshot, request, plan.resets, result)
         if isinstance(result, Pending):
-            # size-based and whole-GPU asks are not planned for preemption: they wait
-            # (docs/allocator.md)
+            # size-based asks are not planned for preemption: they wait (docs/allocator.md)
             told = (
                 self.pending_reason(result)
-                if sized or is_whole(request)
+                if sized
                 else self.preempt(pod, track, request, snapshot, result)
             )
             if told is None:  # a preemption is planned: room on an existing node, no new one
@@ -160,21 +167,21 @@ class Placer:
 
     def _place(
         self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
-    ) -> Placement | Pending:
-        """The decision, one path per kind of ask, each on `snapshot` as given: whole GPUs on
-        GPUs of their own (common/placement/whole.py); size-based asks resolved per GPU model
-        (common/sizing.py); slices on GPUs in MIG mode first, on GPUs whose MIG mode the agent
-        would change only when nothing else fits (common/placement/modes.py). Every slice
-        decision goes through `ClusterState.place`: the fleet index answers when `snapshot`
-        is the state's own, the engine's scan otherwise (same answers)."""
+    ) -> ModePlacement | WholePlacement:
+        """The decision (and the GPUs it needs reset), one path per kind of ask, each on
+        `snapshot` as given: whole GPUs on GPUs of their own (common/placement/whole.py);
+        slices on GPUs in MIG mode first, on GPUs whose MIG mode the agent would change only
+        when nothing else fits (common/placement/modes.py), size-based asks so too, resolved
+        per GPU model (common/sizing.py). Every slice decision goes through
+        `ClusterState.place`: the fleet index answers when `snapshot` is the state's own,
+        the engine's scan otherwise (same answers)."""
         if is_whole(request):
             view = self.state.whole_view(snapshot)
-            return place_whole(snapshot, request, view, self.catalog).result
+            return place_whole(snapshot, request, view, self.catalog)
+        modes, place = self.state.mode_view, self.state.place
         if sized:
-            return place_sized(snapshot, request, sized, self.policy, self.catalog)
-        return place_with_modes(
-            snapshot, request, self.state.mode_view, self.policy, self.catalog, self.state.place
-        ).result
+            return place_sized(snapshot, request, sized, self.policy, self.catalog, modes, place)
+        return place_with_modes(snapshot, request, modes, self.policy, self.catalog, place)
 
     def _calm(
         self,
@@ -192,17 +199,26 @@ class Placer:
         if sized or excluded or name_label:  # the engine's scan of a snapshot of their own
             busy = self.state.busy_gpus()
             calm = self.state.snapshot(exclude=excluded | busy, name_label=name_label)
-            if sized:
-                found = place_sized(calm, request, sized, self.policy, self.catalog)
+            if sized:  # an empty mode view: no MIG mode change here
+                found = place_sized(
+                    calm, request, sized, self.policy, self.catalog, ModeView()
+                ).result
             else:
                 found = self.state.place(calm, request, self.policy, self.catalog)
         else:
             found = self.state.decide_calm(request, self.policy, self.catalog)
         return found if isinstance(found, Placement) else None
 
-    def ask_maintenance(self, snapshot: Snapshot, request: PodRequest, pending: Pending) -> Pending:
-        """Ask for the MIG mode change the pod needs on Ampere GPUs (one ask in the cluster
-        at a time; webhook/allocator/maintenance.py); the pod waits NeedsMigModeChange."""
+    def ask_maintenance(
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        resets: tuple[tuple[str, int], ...],
+        pending: Pending,
+    ) -> Pending:
+        """Ask for the MIG mode change the pod needs on Ampere GPUs, `resets` (its plan's;
+        one ask in the cluster at a time; webhook/allocator/maintenance.py); the pod waits
+        NeedsMigModeChange."""
         assert self.ask_modes is not None
         placeable = {n.name for n in snapshot.nodes}  # an ask on a node that is down waits
         busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
@@ -213,14 +229,7 @@ class Placer:
                 f"it fits only after a MIG mode change (a GPU reset); one is under way on "
                 f"{names} (Ampere maintenance), asked again once it is done",
             )
-        if is_whole(request):  # whole GPUs need MIG off
-            view = self.state.whole_view(snapshot)
-            resets, target = place_whole(snapshot, request, view, self.catalog).resets, "disabled"
-        else:
-            found = place_with_modes(
-                snapshot, request, self.state.mode_view, self.policy, self.catalog, self.state.place
-            )
-            resets, target = found.resets, "enabled"
+        target = "disabled" if is_whole(request) else "enabled"  # whole GPUs need MIG off
         if not resets:
             return pending
         node = resets[0][0]
@@ -267,14 +276,19 @@ class Placer:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
-        found = plan_preemption(
-            snapshot,
-            request,
-            holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid),
-            pdb_allowed=p.budgets.allowed(),
-            policy=self.policy,
-            catalog=self.catalog,
-        )
+        held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
+        resets: tuple[tuple[str, int], ...] = ()
+        if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
+            found, resets = self._plan_whole(snapshot, request, held, p.budgets)
+        else:
+            found = plan_preemption(
+                snapshot,
+                request,
+                held,
+                pdb_allowed=p.budgets.allowed(),
+                policy=self.policy,
+                catalog=self.catalog,
+            )
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
             why = "preemption: no set of lower-priority pods frees a placement for it"
             return reason, f"{message}; {why}"
@@ -293,7 +307,11 @@ class Placer:
             waits_for=frozenset(found.victims) | frozenset(found.waits_for),
             deadline=p.now() + p.wait_s,
             summary=summary(found.placement),
+            resets=resets,
         )
+        if resets and self.ask_modes is not None:  # the agent drains (the victims go), resets
+            wants = {g.uuid: "disabled" for n, i in resets if (g := self.state.gpu(n, i))}
+            self.ask_modes(found.placement.node, wants)
         self.tracks.begin_preempt(track, record)
         track.told = None
         self.metrics.outcome("preempting")
@@ -306,6 +324,41 @@ class Placer:
         )
         self.kick(pod.uid)
         return None
+
+    def _plan_whole(
+        self, snapshot: Snapshot, request: PodRequest, held: list[Holder], budgets: Budgets
+    ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...]]:
+        """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
+        the Ampere maintenance on and no change in flight, else on GPUs that need one too
+        (returned: the Ampere maintenance is asked for them with the plan)."""
+
+        def plan(classes: tuple[str, ...]) -> PreemptionPlan | None:
+            candidates = whole_candidates(self.state, snapshot, classes)
+            return plan_whole_preemption(
+                snapshot,
+                request,
+                held,
+                candidates,
+                pdb_allowed=budgets.allowed(),
+                catalog=self.catalog,
+            )
+
+        found = plan(NO_RESET)
+        placeable = {n.name for n in snapshot.nodes}
+        if found is not None or self.ask_modes is None:
+            return found, ()
+        if any(n in placeable for n, _ in in_flight(self.state.gpus)):
+            return None, ()  # one change at a time: planned again once it is done
+        found = plan((*NO_RESET, "reset"))
+        if found is None:
+            return None, ()
+        node = found.placement.node
+        resets = tuple(
+            (node, s.gpu_index)
+            for s in found.placement.slices
+            if (g := self.state.gpu(node, s.gpu_index)) is not None and g.whole_if_idle == "reset"
+        )
+        return found, resets
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME
+from common.constants import CLAIM_ANNOTATION, GATE_NAME, SCALE_UP_LABEL
 from common.placement.model import (
     NodeSelectorRequirement,
     PodRequest,
@@ -153,6 +153,11 @@ def is_unschedulable(pod: Obj) -> bool:
         if cond.get("type") == "PodScheduled":
             return bool(cond.get("status") == "False" and cond.get("reason") == "Unschedulable")
     return False
+
+
+def is_placeholder(pod: Obj) -> bool:
+    """An autoscaler placeholder of ours (it stands for a gated pod's demand)."""
+    return SCALE_UP_LABEL in ((pod.get("metadata") or {}).get("labels") or {})
 
 
 def stuck_pinned(pod: Obj, uid_: str) -> bool:
@@ -340,6 +345,8 @@ def slim(pod: Obj) -> Obj:
         out_status["conditions"] = scheduled
     out: Obj = {k: pod[k] for k in ("apiVersion", "kind") if k in pod}
     out["metadata"] = {k: meta[k] for k in _META_KEPT if k in meta}
+    if is_placeholder(pod):  # the one label a reader reads (not to charge its cpu to a node)
+        out["metadata"]["labels"] = {SCALE_UP_LABEL: meta["labels"][SCALE_UP_LABEL]}
     out["spec"] = out_spec
     out["status"] = out_status
     return out

@@ -12,6 +12,9 @@ Who is never a victim: pods of equal or higher priority; pods of a `system-*`
 PriorityClass; Kueue-managed pods unless `preempt_kueue_pods`; a pod whose eviction was
 refused or that did not terminate in time for this preemptor (`avoid`); another preemptor's
 reservation; foreign MIG instances (they have no holder: the planner sees them as blockers).
+A whole-GPU pod plans only on GPUs that serve it without a reset once empty
+(`whole_candidates`): an Ampere GPU in MIG mode would need the reset InstaSlice never does
+for a pod.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from datetime import datetime
 from typing import Any
 
 from common.allocation import SliceAllocation
+from common.placement.model import Snapshot
 from common.placement.preempt import Holder
+from common.placement.whole import GpuRef
 from webhook.allocator.state import ClusterState
 from webhook.allocator.views import PodView
 
@@ -55,6 +60,9 @@ class Preemption:
     told: bool = False  # the `Preempting` event was written
     refused: str = ""  # uid of a victim whose eviction a PodDisruptionBudget refused
     summary: str = ""
+    # whole GPUs: the reserved GPUs whose MIG mode goes off only through the Ampere
+    # maintenance (asked with the plan); the reservation is created once that is done
+    resets: tuple[GpuRef, ...] = ()
 
 
 # --- PodDisruptionBudgets -----------------------------------------------------------------
@@ -206,3 +214,20 @@ def holders(
             )
         )
     return out
+
+
+NO_RESET = ("off", "resetless")
+
+
+def whole_candidates(
+    state: ClusterState, snapshot: Snapshot, classes: Collection[str] = NO_RESET
+) -> frozenset[GpuRef]:
+    """The snapshot's healthy GPUs that serve a whole GPU once nothing is on them, by what
+    that takes (views.whole_if_idle, one of `classes`): where whole-GPU preemption plans."""
+    out = set()
+    for node in snapshot.nodes:
+        healthy = {g.index for g in node.gpus if g.healthy}
+        for g in state.gpus.get(node.name, ()):
+            if g.index in healthy and g.whole_if_idle in classes:
+                out.add((node.name, g.index))
+    return frozenset(out)

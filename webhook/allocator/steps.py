@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,6 +62,7 @@ class Steps:
     timeout_s: float  # pinned_unschedulable_timeout_s, for the message
     tell: Tell  # an event, in the background
     after_change: Callable[[], None]  # capacity may have grown (a create failed)
+    make_room: Callable[[str, str], Awaitable[None]]  # scale-up signals to go before a pin
 
     async def run(self, track: PodTrack, step: Step) -> None:
         match step:
@@ -126,6 +127,7 @@ class Steps:
         self.after_change()
 
     async def pin(self, track: PodTrack, pod: PodView, alloc: SliceAllocation) -> None:
+        await self.make_room(pod.uid, alloc.node)
         written = await self.writes.pin(pod.obj, alloc.node)
         if written is None:
             return

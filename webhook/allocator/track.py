@@ -14,8 +14,9 @@ order of precedence:
 
 0. a decision the placer recorded: `Create` (its slots are assumed; it is always sent);
    a preemption in flight (its slots reserved): `Evict` its victims, `AwaitVictims` until
-   their allocations are gone, then `Create`; `GiveUp` when the pod stops waiting, an
-   eviction is refused, or the victims outlive the deadline;
+   their allocations are gone (and a reserved Ampere GPU's MIG mode is off), then `Create`;
+   `GiveUp` when the pod stops waiting, an eviction is refused, or the victims (or the mode
+   change) outlive the deadline;
 1. a pinned pod unschedulable past the timeout (the timer marked it): `Unstick`;
 2. per allocation of the pod: finalize one on a gone node, release one whose pod is gone,
    finished or no longer claims it, release a failed one, move one the agent never touched
@@ -93,6 +94,8 @@ class Seen:
     # terminating), and the pods it waits for that still hold allocations
     victims_alive: frozenset[str] = frozenset()
     holding: frozenset[str] = frozenset()
+    # and, for whole GPUs on Ampere, whether a reserved GPU's MIG mode is not off yet
+    modes_pending: bool = False
     now: float = 0.0  # monotonic
 
 
@@ -298,10 +301,12 @@ def _preempt_step(p: Preemption, seen: Seen) -> Step:
         return GiveUp("an eviction was refused (PodDisruptionBudget)", frozenset({p.refused}))
     if seen.now >= p.deadline and seen.holding:
         return GiveUp("victims did not release their slices in time", seen.holding)
+    if seen.now >= p.deadline and seen.modes_pending:
+        return GiveUp("the MIG mode change (Ampere maintenance) was not done in time")
     left = tuple(v for v in p.victims if v.uid not in p.evicted and v.uid in seen.victims_alive)
     if left:
         return Evict(pod, left)
-    if not seen.holding:
+    if not seen.holding and not seen.modes_pending:
         return Create(pod, p.body)  # every victim's slots are free: the reservation is sent
     return AwaitVictims(p.deadline, len(seen.holding))
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from common.catalog import GpuModel
 from common.catalog.learned import Geometries
+from common.constants import DRAIN_TIMED_OUT
 from common.objects import desired_modes
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
@@ -118,6 +119,10 @@ class GpuView:
     whole_now: bool = False
     whole_toggle: bool = False
     whole_needs_reset: bool = False
+    # what serves a whole GPU once nothing (no instance, no process) is on it: "off" (MIG
+    # off), "resetless" (turned off by the agent), "reset" (Ampere maintenance), "" nothing;
+    # what whole-GPU preemption plans on (common/placement/preempt_whole.py)
+    whole_if_idle: str = ""
     geometry: GpuModel | None = None  # the published table, when not the catalog's (learned.py)
     # Ampere maintenance (docs/allocator.md): the MigNode's spec.gpus[].desiredMigMode; while
     # it is not reached (or the agent drains/resets the GPU) nothing is placed there
@@ -129,11 +134,22 @@ MAINTENANCE_PHASES = ("Draining", "Resetting")
 
 
 def in_maintenance(g: Obj, desired: str) -> bool:
-    """A desired mode not reached yet, or the agent draining/resetting the GPU."""
+    """A desired mode not reached yet, or the agent draining/resetting the GPU. Not once the
+    agent reports that very ask given up (`Failed` with reason DrainTimedOut: its drain ran
+    out): the GPU serves its current mode again while the ask is left standing. A reset
+    that merely failed (no reason: the agent retries after its back-off) keeps it locked."""
     mode = g.get("migMode") or {}
     reached = mode.get("current") == mode.get("pending") == desired
-    phase = (g.get("modeChange") or {}).get("phase")
-    return bool(desired and not reached) or phase in MAINTENANCE_PHASES
+    change = g.get("modeChange") or {}
+    phase = change.get("phase")
+    if phase in MAINTENANCE_PHASES:
+        return True
+    given_up = (
+        phase == "Failed"
+        and change.get("target") == desired
+        and change.get("reason") == DRAIN_TIMED_OUT
+    )
+    return bool(desired and not reached and not given_up)
 
 
 def mode_class(g: Obj) -> tuple[bool, bool]:
@@ -157,6 +173,23 @@ def whole_class(g: Obj) -> tuple[bool, bool, bool]:
     off = cur == pend == "disabled" and settled
     on = cur == pend == "enabled" and settled
     return off, on and toggle == "resetless", on and toggle == "reset"
+
+
+def whole_if_idle(g: Obj) -> str:
+    """What it takes a MigNode GPU entry to serve a whole GPU once its instances and their
+    processes are gone: "off" (MIG is off), "resetless" (its agent turns MIG off without a
+    reset), "reset" (only a reset does: Ampere maintenance), "" (it cannot: changing,
+    failed, unhealthy, or no mode change here)."""
+    mode = g.get("migMode") or {}
+    cur, pend = mode.get("current"), mode.get("pending")
+    if "modeChange" in g or not g.get("healthy"):
+        return ""
+    if cur == pend == "disabled":
+        return "off"
+    toggle = g.get("modeToggle")
+    if cur == pend == "enabled" and toggle in ("resetless", "reset"):
+        return str(toggle)
+    return ""
 
 
 def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
@@ -190,6 +223,7 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                 whole_now=whole_now,
                 whole_toggle=whole_toggle,
                 whole_needs_reset=whole_reset,
+                whole_if_idle="" if locked else whole_if_idle(g),
                 geometry=geometries.of(model, g.get("profiles") or []),
                 desired=want,
                 maintenance=locked,
