@@ -781,14 +781,9 @@ def test_make_room_deletes_before_it_returns() -> None:
     assert s.signals == {}
 
 
-def test_a_waiting_pods_placeholder_made_room_for_asks_again_after_the_lost_wait() -> None:
-    """The placeholder of a pod still waiting for a node, withdrawn from the node other
-    pods are pinned to, is raised again only after `lost`'s wait (at once, it would take the
-    pinned pods' room back), counted once for two pins at once and not again when its
-    DELETED event comes."""
+def _own_decided_on_n2_want_waits(kube: _Kube, clock: FakeClock) -> tuple[ClusterState, ScaleUp]:
+    """The full cluster with `own` decided on n2 and `want` pending (full), its need noted."""
     state, _ = _full_cluster()
-    kube = _Kube()
-    clock = FakeClock()
     s = _scale_up(state, clock, delay=0)
     s.kube = kube  # type: ignore[assignment]
     state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
@@ -796,6 +791,16 @@ def test_a_waiting_pods_placeholder_made_room_for_asks_again_after_the_lost_wait
     state.upsert_allocation(make_allocation(own, "n2", [("main", "3g.40gb", 0, 0, 4)]))
     req = podlib.pod_request(state.pods["want"].obj)
     s.pending(state.pods["want"], req, Pending(PendingReason.FULL, "full"), False)
+    return state, s
+
+
+def test_a_waiting_pods_placeholder_made_room_for_asks_again_after_the_lost_wait() -> None:
+    """The placeholder of a pod still waiting for a node, withdrawn from the node other
+    pods are pinned to, is raised again only after `lost`'s wait (at once, it would take the
+    pinned pods' room back), counted once for two pins at once and not again when its
+    DELETED event comes."""
+    kube, clock = _Kube(), FakeClock()
+    state, s = _own_decided_on_n2_want_waits(kube, clock)
     state.upsert_pod(make_pod("other", slices={"main": {"3g.40gb": 1}}, uid="other"))
     other = state.pods["other"].obj
     state.upsert_allocation(make_allocation(other, "n2", [("main", "3g.40gb", 0, 4, 4)]))
@@ -820,17 +825,9 @@ def test_make_room_asks_the_api_server_where_a_placeholder_unbound_to_it_stands(
     n2 (the event on its way to a busy allocator): before `own`'s pin to n2 make_room lists
     the placeholders bound to n2 and deletes it too, counted as lost like one it knew was
     there. With every signal bound as far as the watch told, nothing is listed."""
-    state, _ = _full_cluster()
     now = {**_bound("want", "n2"), "metadata": {**_bound("want", "n2")["metadata"], "name": "x"}}
     kube = _Kube(bound=(now,))
-    clock = FakeClock()
-    s = _scale_up(state, clock, delay=0)
-    s.kube = kube  # type: ignore[assignment]
-    state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
-    own = state.pods["own"].obj
-    state.upsert_allocation(make_allocation(own, "n2", [("main", "3g.40gb", 0, 0, 4)]))
-    req = podlib.pod_request(state.pods["want"].obj)
-    s.pending(state.pods["want"], req, Pending(PendingReason.FULL, "full"), False)
+    _, s = _own_decided_on_n2_want_waits(kube, FakeClock())
     s.signals = {"want": _bound("want", None)}
 
     async def pin_to_n2() -> None:

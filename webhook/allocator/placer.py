@@ -43,7 +43,7 @@ from webhook.allocator.preemption import (
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import PodTrack, Tracks
-from webhook.allocator.views import PodView
+from webhook.allocator.views import GpuView, PodView
 
 Obj = dict[str, Any]
 log = structlog.get_logger("allocator")
@@ -220,8 +220,7 @@ class Placer:
         one ask in the cluster at a time; webhook/allocator/maintenance.py); the pod waits
         NeedsMigModeChange."""
         assert self.ask_modes is not None
-        placeable = {n.name for n in snapshot.nodes}  # an ask on a node that is down waits
-        busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
+        busy = self._changes_under_way(snapshot)
         if busy:
             names = ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])
             return Pending(
@@ -247,6 +246,12 @@ class Placer:
             "the node agent drains the GPU, pauses the GPU Operator's clients, resets it); "
             "the pod is placed once it is done",
         )
+
+    def _changes_under_way(self, snapshot: Snapshot) -> list[tuple[str, GpuView]]:
+        """The Ampere MIG mode changes in flight on nodes in `snapshot` (one at a time in the
+        cluster; an ask on a node that is down waits)."""
+        placeable = {n.name for n in snapshot.nodes}
+        return [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
@@ -344,10 +349,9 @@ class Placer:
             )
 
         found = plan(NO_RESET)
-        placeable = {n.name for n in snapshot.nodes}
         if found is not None or self.ask_modes is None:
             return found, ()
-        if any(n in placeable for n, _ in in_flight(self.state.gpus)):
+        if self._changes_under_way(snapshot):
             return None, ()  # one change at a time: planned again once it is done
         found = plan((*NO_RESET, "reset"))
         if found is None:

@@ -165,14 +165,10 @@ def mode_class(g: Obj) -> tuple[bool, bool]:
 
 def whole_class(g: Obj) -> tuple[bool, bool, bool]:
     """(now, after a reset-less toggle, after a reset) of one MigNode GPU entry, for whole
-    GPUs; whether anything occupies it is the caller's question."""
-    mode = g.get("migMode") or {}
-    cur, pend = mode.get("current"), mode.get("pending")
-    settled = "modeChange" not in g and bool(g.get("healthy")) and not g.get("computeProcesses")
-    toggle = g.get("modeToggle")
-    off = cur == pend == "disabled" and settled
-    on = cur == pend == "enabled" and settled
-    return off, on and toggle == "resetless", on and toggle == "reset"
+    GPUs: `whole_if_idle` while no compute process runs there; whether anything else occupies
+    it is the caller's question."""
+    way = "" if g.get("computeProcesses") else whole_if_idle(g)
+    return way == "off", way == "resetless", way == "reset"
 
 
 def whole_if_idle(g: Obj) -> str:
