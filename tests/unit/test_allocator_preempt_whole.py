@@ -251,4 +251,8 @@ def test_no_ampere_plan_while_a_mode_change_is_in_flight() -> None:
     state.upsert_node(make_node("n2", cpu="8", memory="32Gi", pods=10, gpus=1))
     state.upsert_mig_node(mig_node)
     assert decide(p, "train").preempt is None and asked == []
-    assert told[0][2].endswith("preemption: no set of lower-priority pods frees a placement for it")
+    assert told[0][2].endswith(
+        "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes off without "
+        "a reset; a plan with a reset waits for the change under way on n2/GPU 0 (Ampere "
+        "maintenance)"
+    )

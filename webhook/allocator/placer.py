@@ -43,7 +43,7 @@ from webhook.allocator.preemption import (
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import PodTrack, Tracks
-from webhook.allocator.views import GpuView, PodView
+from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
 log = structlog.get_logger("allocator")
@@ -220,9 +220,7 @@ class Placer:
         one ask in the cluster at a time; webhook/allocator/maintenance.py); the pod waits
         NeedsMigModeChange."""
         assert self.ask_modes is not None
-        busy = self._changes_under_way(snapshot)
-        if busy:
-            names = ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])
+        if names := self._changes_under_way(snapshot):
             return Pending(
                 pending.reason,
                 f"it fits only after a MIG mode change (a GPU reset); one is under way on "
@@ -247,11 +245,13 @@ class Placer:
             "the pod is placed once it is done",
         )
 
-    def _changes_under_way(self, snapshot: Snapshot) -> list[tuple[str, GpuView]]:
-        """The Ampere MIG mode changes in flight on nodes in `snapshot` (one at a time in the
-        cluster; an ask on a node that is down waits)."""
+    def _changes_under_way(self, snapshot: Snapshot) -> str:
+        """The GPUs with an Ampere MIG mode change in flight on nodes in `snapshot` (one at a
+        time in the cluster; an ask on a node that is down waits), named for a message
+        ("node/GPU i, ..."); "" when there is none."""
         placeable = {n.name for n in snapshot.nodes}
-        return [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
+        busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
+        return ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])
 
     def pending_reason(self, result: Pending) -> tuple[str, str]:
         """The placement engine's reason and message, telling which nodes were left out
@@ -283,8 +283,15 @@ class Placer:
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
         held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
         resets: tuple[tuple[str, int], ...] = ()
+        why = "preemption: no set of lower-priority pods frees a placement for it"
         if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
-            found, resets = self._plan_whole(snapshot, request, held, p.budgets)
+            found, resets, waits = self._plan_whole(snapshot, request, held, p.budgets)
+            if waits:
+                why = (
+                    "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes "
+                    f"off without a reset; a plan with a reset waits for the change under way "
+                    f"on {waits} (Ampere maintenance)"
+                )
         else:
             found = plan_preemption(
                 snapshot,
@@ -295,7 +302,6 @@ class Placer:
                 catalog=self.catalog,
             )
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
-            why = "preemption: no set of lower-priority pods frees a placement for it"
             return reason, f"{message}; {why}"
         body = self.allocation_for(pod, found.placement)
         self.state.assume(body)  # reserved: nobody else is given these slots
@@ -332,10 +338,11 @@ class Placer:
 
     def _plan_whole(
         self, snapshot: Snapshot, request: PodRequest, held: list[Holder], budgets: Budgets
-    ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...]]:
+    ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...], str]:
         """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
         the Ampere maintenance on and no change in flight, else on GPUs that need one too
-        (returned: the Ampere maintenance is asked for them with the plan)."""
+        (returned: the Ampere maintenance is asked for them with the plan). Third: the GPUs
+        whose change in flight kept a plan with a reset from being tried ("" if none)."""
 
         def plan(classes: tuple[str, ...]) -> PreemptionPlan | None:
             candidates = whole_candidates(self.state, snapshot, classes)
@@ -350,19 +357,19 @@ class Placer:
 
         found = plan(NO_RESET)
         if found is not None or self.ask_modes is None:
-            return found, ()
-        if self._changes_under_way(snapshot):
-            return None, ()  # one change at a time: planned again once it is done
+            return found, (), ""
+        if busy := self._changes_under_way(snapshot):  # one at a time: planned again after
+            return None, (), busy
         found = plan((*NO_RESET, "reset"))
         if found is None:
-            return None, ()
+            return None, (), ""
         node = found.placement.node
         resets = tuple(
             (node, s.gpu_index)
             for s in found.placement.slices
             if (g := self.state.gpu(node, s.gpu_index)) is not None and g.whole_if_idle == "reset"
         )
-        return found, resets
+        return found, resets, ""
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod
