@@ -15,7 +15,10 @@ memory slots, then fewest compute slices); media-extension profiles (`+me`, `-me
 never chosen. `place_sized` tries every model of the snapshot, each on that model's GPUs only
 (all of a pod's slices share a node), with the same MIG mode rules as a profile ask
 (common/placement/modes.py: GPUs in MIG mode first, a mode change only when nothing else
-fits, the same pending reasons), and keeps the decision that gives least memory. Pure.
+fits, the same pending reasons), and keeps the decision that gives least memory. A pod
+that does not fit is planned for preemption the same way (`plan_sized_preemption`): per
+model, the asks resolved on it, `plan_preemption` on that model's GPUs, the cheapest plan by
+the planner's own cost. Pure.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from common.constants import SIZE_ANNOTATION_PREFIX
 from common.placement import Pending, Policy, engine
 from common.placement.model import PendingReason, PodRequest, SliceRequest, Snapshot
 from common.placement.modes import ModePlacement, ModeView, PlaceFn, mode_steps
+from common.placement.preempt import Cost, Holder, PreemptionPlan, plan_preemption
 from common.quantity import parse_quantity
 
 MIB: Final = 1024 * 1024
@@ -173,17 +177,13 @@ def place_sized(
         if model is None:
             continue
         offered.append(model)
-        resolved = [(a, p) for a in asks if (p := resolve(model, a.size)) is not None]
-        if len(resolved) < len(asks):
+        on_model = resolved_on(model, request, asks)
+        if on_model is None:
             continue
-        extra = tuple(SliceRequest(a.container, p.name, a.size.count) for a, p in resolved)
-        memory = sum(p.memory_mib * a.size.count for a, p in resolved)
-        slots = sum(p.memory_slots * a.size.count for a, p in resolved)
+        resolved, memory, slots = on_model
         sub = _of_model(snapshot, name)
         view = modes if callable(modes) else _within(modes, sub)
-        steps = mode_steps(
-            sub, replace(request, slices=request.slices + extra), view, policy, catalog, place
-        )
+        steps = mode_steps(sub, resolved, view, policy, catalog, place)
         runs.append(((memory, slots, name), steps))
     while runs:  # each run's i-th step is the same attempt; the last attempt always decides
         decided = [(key, step) for key, steps in runs if (step := next(steps)) is not None]
@@ -201,6 +201,56 @@ def place_sized(
             "no GPU model in the cluster offers every size this pod asks for on one GPU model",
         )
     )
+
+
+def resolved_on(
+    model: GpuModel, request: PodRequest, asks: list[SizeAsk]
+) -> tuple[PodRequest, int, int] | None:
+    """`request` with the size `asks` resolved on `model` added as profile asks, and the
+    memory (MiB) and memory slots they take; None when `model` offers no fit for one."""
+    resolved = [(a, p) for a in asks if (p := resolve(model, a.size)) is not None]
+    if len(resolved) < len(asks):
+        return None
+    extra = tuple(SliceRequest(a.container, p.name, a.size.count) for a, p in resolved)
+    memory = sum(p.memory_mib * a.size.count for a, p in resolved)
+    slots = sum(p.memory_slots * a.size.count for a, p in resolved)
+    return replace(request, slices=request.slices + extra), memory, slots
+
+
+def plan_sized_preemption(
+    snapshot: Snapshot,
+    request: PodRequest,
+    asks: Iterable[SizeAsk],
+    holders: Iterable[Holder],
+    *,
+    catalog: Catalog,
+    pdb_allowed: Mapping[str, int] | None = None,
+    policy: Policy = Policy.INSTASLICE,
+) -> PreemptionPlan | None:
+    """A preemption plan for `request` plus the size `asks`, as `place_sized` would place
+    them: per GPU model of `snapshot`, the asks resolved on it and planned on its GPUs only
+    (`plan_preemption`); the cheapest plan by the planner's own cost wins, then the least
+    memory, the fewest slots, the model's name. Its placement names the resolved profiles.
+    None when no model's plan exists."""
+    asks, holders = list(asks), list(holders)
+    best: tuple[tuple[Cost, int, int, str], PreemptionPlan] | None = None
+    for name in sorted({g.model for n in snapshot.nodes for g in n.gpus}):
+        model = catalog.model(name)
+        on_model = None if model is None else resolved_on(model, request, asks)
+        if on_model is None:
+            continue
+        resolved, memory, slots = on_model
+        plan = plan_preemption(
+            _of_model(snapshot, name),
+            resolved,
+            holders,
+            pdb_allowed=pdb_allowed,
+            policy=policy,
+            catalog=catalog,
+        )
+        if plan is not None and (best is None or (plan.cost, memory, slots, name) < best[0]):
+            best = ((plan.cost, memory, slots, name), plan)
+    return None if best is None else best[1]
 
 
 # The engine's precedence among its own reasons (explain.py), most advanced first: what would

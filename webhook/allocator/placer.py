@@ -27,7 +27,7 @@ from common.placement.preempt import Holder, PreemptionPlan, plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.placement.whole import WholePlacement, is_whole, place_whole
 from common.podspec import SliceRequestError
-from common.sizing import SizeAsk, SizeError, place_sized, size_asks
+from common.sizing import SizeAsk, SizeError, place_sized, plan_sized_preemption, size_asks
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
@@ -141,12 +141,7 @@ class Placer:
         ):
             result = self.ask_maintenance(snapshot, request, plan.resets, result)
         if isinstance(result, Pending):
-            # size-based asks are not planned for preemption: they wait (docs/allocator.md)
-            told = (
-                self.pending_reason(result)
-                if sized
-                else self.preempt(pod, track, request, snapshot, result)
-            )
+            told = self.preempt(pod, track, request, sized, snapshot, result)
             if told is None:  # a preemption is planned: room on an existing node, no new one
                 if self.pendings is not None:
                     self.pendings.placed(uid)
@@ -270,11 +265,14 @@ class Placer:
         pod: PodView,
         track: PodTrack,
         request: PodRequest,
+        sized: list[SizeAsk],
         snapshot: Snapshot,
         pending: Pending,
     ) -> tuple[str, str] | None:
         """Plan a preemption for a pod that does not fit (docs/allocator.md "Preemption"):
-        None when one is planned (its slots reserved at once), else the pending reason."""
+        None when one is planned (its slots reserved at once), else the pending reason. Size
+        asks are planned per GPU model, resolved as `place_sized` resolves them, so the
+        reservation names the profiles they resolve to there."""
         reason, message = self.pending_reason(pending)
         p = self.preemption
         if p is None or pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
@@ -292,6 +290,16 @@ class Placer:
                     f"off without a reset; a plan with a reset waits for the change under way "
                     f"on {waits} (Ampere maintenance)"
                 )
+        elif sized:
+            found = plan_sized_preemption(
+                snapshot,
+                request,
+                sized,
+                held,
+                catalog=self.catalog,
+                pdb_allowed=p.budgets.allowed(),
+                policy=self.policy,
+            )
         else:
             found = plan_preemption(
                 snapshot,
