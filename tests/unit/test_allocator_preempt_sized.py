@@ -17,7 +17,6 @@ import pytest
 
 from common.catalog import load_catalog
 from common.constants import REASON_PENDING, SIZE_ANNOTATION_PREFIX
-from common.placement import Policy
 from tests.integration.allocator_fixtures import (
     gpu_uuid,
     make_allocation,
@@ -25,17 +24,13 @@ from tests.integration.allocator_fixtures import (
     make_node,
     make_pod,
 )
-from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import Placer, PreemptionSettings
-from webhook.allocator.preemption import Budgets
+from tests.unit.test_allocator_preempt_whole import decide, placer
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import PodTrack, Tracks
 
 pytestmark = pytest.mark.timeout(10)
 
 H100, H200 = "H100-80GB", "H200-141GB"
 Obj = dict[str, Any]
-Told = list[tuple[str, str, str]]
 
 
 def cluster(**nodes: str) -> ClusterState:
@@ -69,28 +64,6 @@ def sized_pod(state: ClusterState, name: str = "hi", size: str = "memory>=20Gi",
     obj["metadata"]["annotations"][SIZE_ANNOTATION_PREFIX + "main"] = size
     state.upsert_pod(obj)
     return obj
-
-
-def placer(state: ClusterState, preemption: bool = True) -> tuple[Placer, Told]:
-    told: Told = []
-    p = Placer(
-        state,
-        Tracks(),
-        AllocatorMetrics(),
-        Policy.INSTASLICE,
-        load_catalog(),
-        kick=lambda uid: None,
-        tell=lambda pod, reason, message: told.append((pod["metadata"]["name"], reason, message)),
-    )
-    if preemption:
-        p.preemption = PreemptionSettings(Budgets(), kueue_ok=False, wait_s=60, now=lambda: 0)
-    return p, told
-
-
-def decide(p: Placer, uid: str) -> PodTrack:
-    track = p.tracks.ensure(uid)
-    p.decide(uid)
-    return track
 
 
 def test_a_sized_pod_reserves_what_a_sized_placement_writes_once_the_victims_are_gone() -> None:
