@@ -90,8 +90,8 @@ async def test_across_models_the_cheaper_victims_win_with_that_models_profile(
 ) -> None:
     """memory>=30Gi: the H200's 1g.35gb is less memory than the H100's 3g.40gb, but the H200
     is held by a pod of higher priority (below the preemptor's)."""
-    h100 = await env.add_node("h100", gpus=["H100-80GB"])
-    await env.add_node("h200", gpus=["H200-141GB"])
+    h100 = await env.add_node("h100", model="H100-80GB")
+    await env.add_node("h200", model="H200-141GB")
     env.start(preemption=True)
     await create(env, "lo", LOW, "7g.80gb")  # only an H100 offers it
     await create(env, "mid", MID, "7g.141gb")  # only an H200
