@@ -28,18 +28,16 @@ import pytest
 
 from bench.autoscale import leftovers, pod, run_burst, spec
 from common.constants import (
-    ENABLED_KEY,
     INSTASLICE_GPU,
     NODE_LABEL,
     NVIDIA_GPU,
     SCALE_UP_LABEL,
-    WHOLE_GPU_KEY,
     WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster.karpenter import GROUP_LABEL
-from tests.e2e.conftest import _delete_namespace, _new_namespace
-from tests.e2e.helpers import wait_for, wait_opted_in
+from tests.e2e.conftest import whole_gpu_namespace
+from tests.e2e.helpers import wait_for
 from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED, signal_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -68,6 +66,24 @@ def running(name: str) -> Any:
     return check
 
 
+async def node_goes_leaving_nothing(kube: Kube, ns: str, node: str) -> None:
+    """Until Karpenter removed the emptied `node`, then until nothing of InstaSlice is left
+    for it or in `ns` (the node's agent, MigNode and Lease go just after it)."""
+    await wait_for(
+        kube,
+        core_path("nodes"),
+        lambda nodes: node not in nodes,
+        what=f"empty node {node} removed by Karpenter",
+        timeout_s=180,
+    )
+    left = await leftovers(kube, ns, {node})
+    deadline = time.monotonic() + 30
+    while any(left.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        left = await leftovers(kube, ns, {node})
+    assert not any(left.values()), left
+
+
 async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: str) -> None:
     assert await group_nodes(own_kube) == []  # the group starts with no node
     await own_kube.create(core_path("pods", own_ns), pod("one"))
@@ -90,19 +106,7 @@ async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: 
         what="the placeholder deleted once the pod is placed",
     )
     await own_kube.delete_ignore_missing(core_path("pods", own_ns, "one"))
-    await wait_for(
-        own_kube,
-        core_path("nodes"),
-        lambda nodes: node not in nodes,
-        what=f"empty node {node} removed by Karpenter",
-        timeout_s=180,
-    )
-    left = await leftovers(own_kube, own_ns, {node})
-    deadline = time.monotonic() + 30  # the node's agent, MigNode and Lease go just after it
-    while any(left.values()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-        left = await leftovers(own_kube, own_ns, {node})
-    assert not any(left.values()), left
+    await node_goes_leaving_nothing(own_kube, own_ns, node)
 
 
 async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
@@ -120,17 +124,7 @@ async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
         timeout_s=180,
         labelSelector=GROUP_LABEL,
     )
-    ns = await _new_namespace(kube, "whole-auto-", {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
-    try:
-        await wait_opted_in(kube, ns)
-        await wait_for(
-            kube,
-            core_path("namespaces"),
-            lambda nss: (nss[ns]["metadata"].get("labels") or {}).get(WHOLE_GPU_KEY) == "true",
-            what="whole-gpu label mirrored",
-            timeout_s=30,
-            fieldSelector=f"metadata.name={ns}",
-        )
+    async with whole_gpu_namespace(kube, "whole-auto-") as ns:
         body = pod("whole")
         body["spec"]["containers"][0]["resources"]["limits"] = {NVIDIA_GPU: GPUS}
         made = await kube.create(core_path("pods", ns), body)
@@ -157,21 +151,7 @@ async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
         assert modes == ["disabled"] * GPUS, modes
         assert REASON_REQUESTED in [e["reason"] for e in await events(kube, ns, "whole")]
         await kube.delete_ignore_missing(core_path("pods", ns, "whole"))
-        await wait_for(
-            kube,
-            core_path("nodes"),
-            lambda nodes: node not in nodes,
-            what=f"empty node {node} removed by Karpenter",
-            timeout_s=180,
-        )
-        left = await leftovers(kube, ns, {node})
-        deadline = time.monotonic() + 30  # the node's agent, MigNode and Lease go just after it
-        while any(left.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            left = await leftovers(kube, ns, {node})
-        assert not any(left.values()), left
-    finally:
-        await _delete_namespace(kube, ns, wait_released=True)
+        await node_goes_leaving_nothing(kube, ns, node)
 
 
 async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(own_kube: Kube, own_ns: str) -> None:
