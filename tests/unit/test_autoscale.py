@@ -9,7 +9,10 @@ gone, ungated or now waiting; instance types carrying the agent's capacity rule;
 placeholders off nodes that cannot serve their pod (`kept_off`, `misplaced`: a table and
 hypothesis properties, every node name a label value of its own, no flapping) and the loop
 replacing one bound to such a node (once, at once, not against make_room's lost wait, late
-events of the old one ignored).
+events of the old one ignored). Whole GPUs: classification and replacement by the whole-GPU
+engine (tables; hypothesis: the two rules agree), the `instaslice.io/gpu` placeholder, the
+placer telling pending whole-GPU pods after preemption; instance types offering exactly what
+the agent's own capacity rule advertises, for every catalog model and MIG mode.
 Leaves out: the API writes and Karpenter itself (tests/integration/test_provisioning_request.py,
 tests/e2e/test_autoscaling.py).
 """
