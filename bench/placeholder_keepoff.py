@@ -24,6 +24,7 @@ from common.catalog import load_catalog
 from common.constants import NODE_LABEL
 from common.placement import Gpu, NodeState, Occupied, Policy
 from common.placement.modes import ModeView
+from common.placement.whole import WholeView
 from tests.integration.allocator_fixtures import make_pod
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import kept_off, misplaced, placeholder_pod
@@ -53,7 +54,10 @@ def measure(nodes: int, gpus: int) -> dict[str, object]:
     body = placeholder_pod(pod, request, avoid)
     checks = fleet[: min(1000, nodes)]
     t0 = time.process_time()
-    bad = sum(misplaced(n, request, (), Policy.INSTASLICE, catalog, ModeView()) for n in checks)
+    bad = sum(
+        misplaced(n, request, (), Policy.INSTASLICE, catalog, ModeView(), WholeView())
+        for n in checks
+    )
     per_check_s = (time.process_time() - t0) / len(checks)
     assert bad == len(checks) and len(avoid) == nodes  # every node full: every one kept off
     return {

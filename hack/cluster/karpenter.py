@@ -5,10 +5,13 @@ nodes; Karpenter (`sigs.k8s.io/karpenter/kwok`, built by hack/karpenter/build.sh
 This module turns the groups into what Karpenter reads:
 
 - one instance type per group (`instance_types`: the JSON file the KWOK provider takes in
-  INSTANCE_TYPES_FILE_PATH) whose capacity is the group's cpu/memory/pods plus the
-  `instaslice.io/mig-*` upper bound its GPUs will advertise (the node agent's
-  `nodeagent.report.capacity` rule: each profile's max count times GPUs, MIG mode on), so
-  Karpenter's bin packing of placeholder pods sees what a new node offers;
+  INSTANCE_TYPES_FILE_PATH) whose capacity is the group's cpu/memory/pods plus what its
+  GPUs will advertise by the node agent's `nodeagent.report.capacity` rule: the
+  `instaslice.io/mig-*` upper bound (each profile's max count times GPUs, for GPUs in MIG
+  mode or whose agent turns it on without a reset: Hopper and newer) and `instaslice.io/gpu`
+  (the GPUs that can be whole: MIG off, or turned off without a reset; an Ampere GPU in MIG
+  mode only with a reset, which the agent does not count), so Karpenter's bin packing of
+  placeholder pods sees what a new node offers;
 - one NodePool per group (`karpenter_objects`), restricted to that instance type, labelling
   its nodes with the group (`GROUP_LABEL`), GPU model, count and MIG mode, capped at
   `max` nodes (`limits.nodes` and `limits.cpu`), consolidating empty nodes after
@@ -27,8 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from common.catalog import Catalog
-from common.constants import GPU_COUNT_LABEL, GPU_MODEL_LABEL
+from common.catalog import Catalog, GpuModel
+from common.constants import GPU_COUNT_LABEL, GPU_MODEL_LABEL, INSTASLICE_GPU
 from common.profiles import ProfileNameError, instaslice_resource
 from hack.cluster.nodes import MIG_MODE_LABEL, NodeGroup, SpecError
 
@@ -59,11 +62,9 @@ def instance_type_name(group: NodeGroup) -> str:
 
 def mig_capacity(group: NodeGroup, catalog: Catalog) -> dict[str, str]:
     """`instaslice.io/mig-<profile>` → what a node of `group` will advertise."""
-    model = catalog.model(group.model)
-    if model is None:
-        raise SpecError(f"group {group.prefix}: {group.model!r} is not a catalog model")
-    if group.mig_mode != "enabled":
-        return {}
+    model = _model(group, catalog)
+    if group.mig_mode != "enabled" and model.resets_for_mig_mode:
+        return {}  # MIG off on Ampere: only a reset turns it on, which the agent never does
     total: dict[str, int] = {}
     for p in model.profiles:
         try:
@@ -74,12 +75,27 @@ def mig_capacity(group: NodeGroup, catalog: Catalog) -> dict[str, str]:
     return {k: str(v) for k, v in sorted(total.items())}
 
 
+def whole_capacity(group: NodeGroup, catalog: Catalog) -> dict[str, str]:
+    """`instaslice.io/gpu` → what a node of `group` will advertise (none when no GPU of it
+    can be whole: MIG on, on Ampere)."""
+    if group.mig_mode == "enabled" and _model(group, catalog).resets_for_mig_mode:
+        return {}
+    return {INSTASLICE_GPU: str(group.gpus)}
+
+
+def _model(group: NodeGroup, catalog: Catalog) -> GpuModel:
+    model = catalog.model(group.model)
+    if model is None:
+        raise SpecError(f"group {group.prefix}: {group.model!r} is not a catalog model")
+    return model
+
+
 def instance_types(groups: Sequence[NodeGroup], catalog: Catalog) -> list[dict[str, Any]]:
     """The KWOK provider's instance-types file for `groups` (one type each)."""
     out = []
     for g in groups:
         resources = {"cpu": g.cpu, "memory": g.memory, "pods": str(g.pods)}
-        resources |= mig_capacity(g, catalog)
+        resources |= mig_capacity(g, catalog) | whole_capacity(g, catalog)
         out.append(
             {
                 "name": instance_type_name(g),

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, WHOLE_GPU_KEY
 from common.kubeapi import ApiError, Kube, core_path
 from hack.cluster import BinariesMissing
 from hack.cluster.nodes import parse_spec
@@ -210,6 +210,29 @@ async def opted_in_namespace(kube: Kube) -> AsyncIterator[str]:
     name = await _new_namespace(kube, "e2e-", {ENABLED_KEY: "true"})
     await wait_opted_in(kube, name)
     try:
+        yield name
+    finally:
+        await _delete_namespace(kube, name, wait_released=True)
+
+
+@contextlib.asynccontextmanager
+async def whole_gpu_namespace(kube: Kube, prefix: str) -> AsyncIterator[str]:
+    """`opted_in_namespace`, also opted in to whole GPUs (`nvidia.com/gpu` is rewritten), once
+    both annotations are mirrored into labels."""
+    name = await _new_namespace(kube, prefix, {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
+    try:
+        await wait_opted_in(kube, name)
+        await wait_for(
+            kube,
+            core_path("namespaces"),
+            lambda nss: (
+                (nss.get(name, {}).get("metadata", {}).get("labels") or {}).get(WHOLE_GPU_KEY)
+                == "true"
+            ),
+            what="whole-gpu label mirrored",
+            timeout_s=30,
+            fieldSelector=f"metadata.name={name}",
+        )
         yield name
     finally:
         await _delete_namespace(kube, name, wait_released=True)

@@ -12,7 +12,9 @@ told `ScaleUpFailed` with Karpenter's reason; a node whose two GPUs are full of 
 still advertises room for 1g.10gb (the fixed upper bound), yet a pod asking 1g.10gb gets a
 new node and runs (its placeholder is kept off the full node by `instaslice.io/node NotIn`,
 which Karpenter accepts; without it the scheduler bound the placeholder to the full node and
-Karpenter never scaled up). Leaves out cluster-autoscaler
+Karpenter never scaled up); a pod asking `nvidia.com/gpu: 2` (whole GPUs, in a namespace
+opted in to them) gets a new node whose two GPUs it takes whole, runs, and the node goes
+after it. Leaves out cluster-autoscaler
 (tests/integration/test_provisioning_request.py) and the number at scale (bench/autoscale.py).
 """
 
@@ -25,9 +27,16 @@ from typing import Any
 import pytest
 
 from bench.autoscale import leftovers, pod, run_burst, spec
-from common.constants import NODE_LABEL, SCALE_UP_LABEL
+from common.constants import (
+    INSTASLICE_GPU,
+    NODE_LABEL,
+    NVIDIA_GPU,
+    SCALE_UP_LABEL,
+    WHOLE_GPU_PROFILE,
+)
 from common.kubeapi import Kube, core_path, instaslice_path
 from hack.cluster.karpenter import GROUP_LABEL
+from tests.e2e.conftest import whole_gpu_namespace
 from tests.e2e.helpers import wait_for
 from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED, signal_name
 
@@ -57,6 +66,24 @@ def running(name: str) -> Any:
     return check
 
 
+async def node_goes_leaving_nothing(kube: Kube, ns: str, node: str) -> None:
+    """Until Karpenter removed the emptied `node`, then until nothing of InstaSlice is left
+    for it or in `ns` (the node's agent, MigNode and Lease go just after it)."""
+    await wait_for(
+        kube,
+        core_path("nodes"),
+        lambda nodes: node not in nodes,
+        what=f"empty node {node} removed by Karpenter",
+        timeout_s=180,
+    )
+    left = await leftovers(kube, ns, {node})
+    deadline = time.monotonic() + 30
+    while any(left.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        left = await leftovers(kube, ns, {node})
+    assert not any(left.values()), left
+
+
 async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: str) -> None:
     assert await group_nodes(own_kube) == []  # the group starts with no node
     await own_kube.create(core_path("pods", own_ns), pod("one"))
@@ -79,19 +106,52 @@ async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: 
         what="the placeholder deleted once the pod is placed",
     )
     await own_kube.delete_ignore_missing(core_path("pods", own_ns, "one"))
-    await wait_for(
-        own_kube,
+    await node_goes_leaving_nothing(own_kube, own_ns, node)
+
+
+async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
+    """`nvidia.com/gpu: 2` in a namespace opted in to whole GPUs: rewritten to
+    `instaslice.io/gpu`, it asks Karpenter for a node (the placeholder asks `instaslice.io/gpu:
+    2`, which the instance type offers: H100s turn MIG off without a reset), gets both GPUs
+    of the new node whole (the agent turns their MIG mode off) and runs; after the pod is
+    deleted Karpenter removes the empty node and nothing of InstaSlice is left."""
+    kube = own_kube
+    await wait_for(  # the group's nodes of an earlier test gone: the pod needs a new one
+        kube,
         core_path("nodes"),
-        lambda nodes: node not in nodes,
-        what=f"empty node {node} removed by Karpenter",
+        lambda nodes: not nodes,
+        what="no node in the autoscaled group",
         timeout_s=180,
+        labelSelector=GROUP_LABEL,
     )
-    left = await leftovers(own_kube, own_ns, {node})
-    deadline = time.monotonic() + 30  # the node's agent, MigNode and Lease go just after it
-    while any(left.values()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-        left = await leftovers(own_kube, own_ns, {node})
-    assert not any(left.values()), left
+    async with whole_gpu_namespace(kube, "whole-auto-") as ns:
+        body = pod("whole")
+        body["spec"]["containers"][0]["resources"]["limits"] = {NVIDIA_GPU: GPUS}
+        made = await kube.create(core_path("pods", ns), body)
+        assert made["spec"]["containers"][0]["resources"]["limits"] == {INSTASLICE_GPU: str(GPUS)}
+        placeholder = await wait_for(
+            kube,
+            core_path("pods", ns),
+            lambda items: items.get(signal_name(made["metadata"]["uid"])),
+            what="the whole-GPU pod's placeholder",
+            timeout_s=120,
+        )
+        asks = placeholder["spec"]["containers"][0]["resources"]["limits"]
+        assert asks == {INSTASLICE_GPU: str(GPUS)}, asks
+        ran = await wait_for(
+            kube, core_path("pods", ns), running("whole"), what="pod whole Running", timeout_s=240
+        )
+        node = ran["spec"]["nodeName"]
+        assert node in await group_nodes(kube)  # the node Karpenter made for it
+        (alloc,) = (await kube.list(instaslice_path("sliceallocations", ns)))["items"]
+        assert alloc["status"]["phase"] == "Ready"
+        assert [s["profile"] for s in alloc["spec"]["slices"]] == [WHOLE_GPU_PROFILE] * GPUS
+        mig_node = await kube.get(instaslice_path("mignodes", name=node))
+        modes = [g["migMode"]["current"] for g in mig_node["status"]["gpus"]]
+        assert modes == ["disabled"] * GPUS, modes
+        assert REASON_REQUESTED in [e["reason"] for e in await events(kube, ns, "whole")]
+        await kube.delete_ignore_missing(core_path("pods", ns, "whole"))
+        await node_goes_leaving_nothing(kube, ns, node)
 
 
 async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(own_kube: Kube, own_ns: str) -> None:

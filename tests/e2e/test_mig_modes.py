@@ -29,19 +29,17 @@ import pytest
 
 from common.constants import (
     CLAIM_ANNOTATION,
-    ENABLED_KEY,
     GPU_MODEL_LABEL,
     INSTASLICE_GPU,
     NVIDIA_GPU,
     REASON_PENDING,
     SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
-    WHOLE_GPU_KEY,
     qualified_cdi_device,
 )
-from common.kubeapi import Kube, Obj, core_path, instaslice_path
+from common.kubeapi import Kube, Obj, instaslice_path
 from hack.dev import DevSystem
-from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace
+from tests.e2e.conftest import _NODE, whole_gpu_namespace
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
@@ -160,19 +158,7 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
 ) -> None:
     """Two `nvidia.com/gpu: 1` pods on the H100 node: each gets a GPU of its own with MIG
     off (one left off, or set off on demand), bound by CDI to exactly that GPU."""
-    ns = await _new_namespace(own_kube, "whole-", {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
-    try:
-        await wait_for(
-            own_kube,
-            core_path("namespaces"),
-            lambda nss: (
-                (nss.get(ns, {}).get("metadata", {}).get("labels") or {}).get(WHOLE_GPU_KEY)
-                == "true"
-            ),
-            what="whole-gpu label mirrored",
-            timeout_s=30,
-            fieldSelector=f"metadata.name={ns}",
-        )
+    async with whole_gpu_namespace(own_kube, "whole-") as ns:
         seen: set[str] = set()
         for name in ("w1", "w2"):
             pod = {
@@ -223,8 +209,6 @@ async def test_whole_gpu_pods_in_a_namespace_opted_in_to_whole_gpus(
             gpus = await _gpus(own_kube, "off-0", whole_shown)
             assert gpus[index]["migMode"] == {"current": "disabled", "pending": "disabled"}
         assert len(seen) == 2  # a GPU each
-    finally:
-        await _delete_namespace(own_kube, ns, wait_released=True)
 
 
 async def test_nvidia_gpu_pods_elsewhere_are_left_alone(own_kube: Kube, own_ns: str) -> None:

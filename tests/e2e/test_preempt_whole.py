@@ -18,26 +18,22 @@ import pytest
 
 from common.constants import (
     CLAIM_ANNOTATION,
-    ENABLED_KEY,
     INSTASLICE_GPU,
     NVIDIA_GPU,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
-    WHOLE_GPU_KEY,
 )
-from common.kubeapi import Kube, Obj, core_path
+from common.kubeapi import Kube, Obj
 from hack.cluster.priority import ensure_priority_classes
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
-from tests.e2e.conftest import _NODE, _delete_namespace, _new_namespace
+from tests.e2e.conftest import _NODE, whole_gpu_namespace
 from tests.e2e.helpers import (
     allocs_path,
     cdi_file_for,
     make_pod,
     pods_path,
     wait_event,
-    wait_for,
-    wait_opted_in,
     wait_pod_running,
 )
 
@@ -69,17 +65,7 @@ async def test_a_whole_gpu_pod_evicts_the_low_priority_mig_pods_of_one_gpu(
 ) -> None:
     kube = own_kube
     await ensure_priority_classes(kube, {LOW: 100, HIGH: 1000})
-    ns = await _new_namespace(kube, "whole-preempt-", {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"})
-    try:
-        await wait_opted_in(kube, ns)
-        await wait_for(
-            kube,
-            core_path("namespaces"),
-            lambda nss: (nss[ns]["metadata"].get("labels") or {}).get(WHOLE_GPU_KEY) == "true",
-            what="whole-gpu label mirrored",
-            timeout_s=30,
-            fieldSelector=f"metadata.name={ns}",
-        )
+    async with whole_gpu_namespace(kube, "whole-preempt-") as ns:
         # a 4g starts only at slot 0: one on each GPU; then a 3g beside each
         for name, klass, profile in (
             ("lo-a", LOW, "4g.40gb"),
@@ -112,5 +98,3 @@ async def test_a_whole_gpu_pod_evicts_the_low_priority_mig_pods_of_one_gpu(
         for name in sorted(victims):
             event = await wait_event(kube, ns, name, REASON_PREEMPTED)
             assert f"{ns}/train" in event["message"]
-    finally:
-        await _delete_namespace(kube, ns, wait_released=True)

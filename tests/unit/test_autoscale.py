@@ -9,7 +9,10 @@ gone, ungated or now waiting; instance types carrying the agent's capacity rule;
 placeholders off nodes that cannot serve their pod (`kept_off`, `misplaced`: a table and
 hypothesis properties, every node name a label value of its own, no flapping) and the loop
 replacing one bound to such a node (once, at once, not against make_room's lost wait, late
-events of the old one ignored).
+events of the old one ignored). Whole GPUs: classification and replacement by the whole-GPU
+engine (tables; hypothesis: the two rules agree), the `instaslice.io/gpu` placeholder, the
+placer telling pending whole-GPU pods after preemption; instance types offering exactly what
+the agent's own capacity rule advertises, for every catalog model and MIG mode.
 Leaves out: the API writes and Karpenter itself (tests/integration/test_provisioning_request.py,
 tests/e2e/test_autoscaling.py).
 """
@@ -22,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,9 +48,13 @@ from common.placement import (
     place,
 )
 from common.placement.modes import ModeView
+from common.placement.whole import WholeView, place_whole
 from hack.cluster.autonodes import Group
 from hack.cluster.karpenter import instance_types, karpenter_objects, mig_capacity
 from hack.cluster.nodes import SpecError, parse_spec
+from nodeagent.modechange import ModeChanger
+from nodeagent.model import NodeInventory
+from nodeagent.report import capacity
 from tests.integration.allocator_fixtures import (
     FakeClock,
     make_allocation,
@@ -55,6 +63,7 @@ from tests.integration.allocator_fixtures import (
     make_pod,
 )
 from tests.integration.allocator_fixtures import mig_capacity as agent_capacity
+from tests.unit.test_nodeagent_builders import gpu
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     CAPACITY_REASONS,
@@ -81,6 +90,7 @@ from webhook.allocator.track import Tracks
 
 pytestmark = pytest.mark.timeout(20)
 CATALOG = load_catalog()
+NO_WHOLE = WholeView()  # no GPU can be whole (read for whole-GPU pods only)
 
 
 def one_gpu_node(name: str, occupied: tuple[Occupied, ...] = ()) -> NodeState:
@@ -103,7 +113,7 @@ FULL_GPU = (Occupied(0, 4, "3g.40gb"), Occupied(4, 4, "3g.40gb"))
 @pytest.mark.parametrize("reason", list(PendingReason))
 def test_every_capacity_reason_needs_a_node_when_nothing_fits(reason: PendingReason) -> None:
     full = Snapshot((one_gpu_node("n1", FULL_GPU),))
-    verdict = classify(request(), Pending(reason, "m"), full, Policy.INSTASLICE, CATALOG)
+    verdict = classify(request(), Pending(reason, "m"), full, Policy.INSTASLICE, CATALOG, NO_WHOLE)
     assert verdict.needs_node == (reason in CAPACITY_REASONS)
 
 
@@ -115,7 +125,7 @@ def test_capacity_reasons_are_all_but_a_change_under_way() -> None:
 def test_a_pod_that_fits_once_releases_complete_waits() -> None:
     freed = Snapshot((one_gpu_node("n1", FULL_GPU[:1]),))  # one of the two slices going
     verdict = classify(
-        request(), Pending(PendingReason.FULL, "m"), freed, Policy.INSTASLICE, CATALOG
+        request(), Pending(PendingReason.FULL, "m"), freed, Policy.INSTASLICE, CATALOG, NO_WHOLE
     )
     assert not verdict.needs_node
     assert "released" in verdict.why
@@ -128,6 +138,7 @@ def test_no_node_at_all_needs_a_node() -> None:
         Snapshot(()),
         Policy.INSTASLICE,
         CATALOG,
+        NO_WHOLE,
     )
     assert verdict.needs_node
     assert "NoMatchingNode" in verdict.why
@@ -310,7 +321,8 @@ def test_misplaced(
     node: NodeState | None, profile: str, freed: tuple[tuple[int, int, int], ...], expected: bool
 ) -> None:
     assert (
-        misplaced(node, request(profile), freed, Policy.INSTASLICE, CATALOG, NO_MODES) is expected
+        misplaced(node, request(profile), freed, Policy.INSTASLICE, CATALOG, NO_MODES, NO_WHOLE)
+        is expected
     )
 
 
@@ -337,7 +349,10 @@ def test_misplaced_counts_mig_mode_on_demand(modes: ModeView, expected: bool) ->
     """By the placer's own rule: a labelled node whose GPUs have MIG off, which its agent
     turns on for the pod, is where the pod goes; replacing its placeholder there would send
     Karpenter for a second node."""
-    assert misplaced(MIG_OFF, request("1g.10gb"), (), Policy.INSTASLICE, CATALOG, modes) is expected
+    assert (
+        misplaced(MIG_OFF, request("1g.10gb"), (), Policy.INSTASLICE, CATALOG, modes, NO_WHOLE)
+        is expected
+    )
 
 
 def test_kept_off_names_the_known_nodes_the_pod_could_be_sent_to() -> None:
@@ -416,7 +431,7 @@ def test_a_replaced_placeholder_cannot_land_where_it_stood(
     node = NodeState("n1", labelled("n1", label, zone=zone), gpus=gpus)
     pod = make_pod("p", slices={"main": {profile: 1}}, uid="u1", node_selector={"zone": "a"})
     req = podlib.pod_request(pod)
-    if misplaced(node, req, freed, Policy.INSTASLICE, CATALOG, NO_MODES):
+    if misplaced(node, req, freed, Policy.INSTASLICE, CATALOG, NO_MODES, NO_WHOLE):
         alone = after_releases(Snapshot((node,)), {"n1": freed})
         assert isinstance(place(alone, req, Policy.INSTASLICE, CATALOG), Pending)
         body = placeholder_pod(pod, req, kept_off([node], req))
@@ -676,6 +691,33 @@ def test_instance_type_offers_what_the_agent_will_advertise() -> None:
     assert pool["spec"]["template"]["metadata"]["labels"]["instaslice.io/node-group"] == "auto"
     requirement = pool["spec"]["template"]["spec"]["requirements"][0]
     assert requirement["values"] == [it["name"]]
+
+
+@pytest.mark.parametrize("mig_mode", ["enabled", "disabled"])
+@pytest.mark.parametrize("model", [m.name for m in CATALOG.models])
+def test_instance_type_offers_exactly_what_the_agent_advertises(model: str, mig_mode: str) -> None:
+    """The node agent's own rule (`nodeagent.report.capacity` with its mode changer): the
+    `instaslice.io/mig-*` upper bound of GPUs in MIG mode or turned on without a reset, and
+    `instaslice.io/gpu`, the GPUs that can be whole (MIG off, or turned off without a
+    reset: Hopper and newer). Karpenter waits for every resource an instance type offers to
+    appear on the node before it calls it initialized, and picks no type lacking one a
+    placeholder asks; so the two must agree for every catalog model and MIG mode."""
+    spec = parse_spec({"nodes": [group(model=model, migMode=mig_mode, gpus=2,
+                                       autoscaled={"max": 1})]})  # fmt: skip
+    (g,) = spec.autoscaled_groups
+    arch = CATALOG.model(model).architecture  # type: ignore[union-attr]
+    inv = NodeInventory(
+        gpus=tuple(
+            dataclasses.replace(gpu(i, f"GPU-{i}", model, mig_mode), architecture=arch)
+            for i in range(2)
+        )
+    )
+    modes = ModeChanger(st=SimpleNamespace(toggle_refused=set()), gpus=None, metrics=None)  # type: ignore[arg-type]
+    agent = capacity(inv, {}, modes.can_enable, modes.can_be_whole)
+    (it,) = instance_types([g], CATALOG)
+    offered = {k: v for k, v in it["resources"].items() if k.startswith("instaslice.io/")}
+    assert offered == {k: v for k, v in agent.items() if v != "0"}
+    assert ("instaslice.io/gpu" in offered) is (mig_mode == "disabled" or arch != "ampere")
 
 
 def test_autonodes_group_argument() -> None:
@@ -1070,3 +1112,260 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
     asyncio.run(s.reconcile())
     assert len(kube.created) == 3 and len(calls) == 2
     assert _keep_off(kube.created[0]) == _keep_off(kube.created[1])
+
+
+# --- whole GPUs (`instaslice.io/gpu`) -------------------------------------------------------
+
+
+def whole(n: int = 1, **kw: Any) -> Any:
+    pod = make_pod("w", slices={"main": {"gpu": n}}, uid="w", cpu="2", memory="1Gi", **kw)
+    return podlib.pod_request(pod)
+
+
+def two_gpus(
+    name: str, first: tuple[Occupied, ...], second: tuple[Occupied, ...], **kw: Any
+) -> NodeState:
+    node = h100(name, gpus=2, **kw)
+    gpus = (dataclasses.replace(node.gpus[0], occupied=first),
+            dataclasses.replace(node.gpus[1], occupied=second))  # fmt: skip
+    return dataclasses.replace(node, gpus=gpus)
+
+
+def toggles(snapshot: Snapshot) -> WholeView:
+    """An H100 fleet in MIG mode, as the allocator's `whole_view` shows it: every healthy GPU
+    with nothing on it is turned off without a reset for a whole GPU."""
+    return WholeView(
+        toggle=frozenset(
+            (n.name, g.index)
+            for n in snapshot.nodes
+            for g in n.gpus
+            if g.healthy and not g.occupied
+        )
+    )
+
+
+ONE_SLICE = (Occupied(0, 1, "1g.10gb"),)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "n", "reason", "wholes", "needs"),
+    [
+        # both GPUs hold a slice: no GPU is free to be whole
+        ((two_gpus("n1", ONE_SLICE, FULL_GPU),), 1, PendingReason.FULL, toggles, True),
+        # GPU 1's slices are being released (shown free): it is whole once they are gone
+        ((two_gpus("n1", ONE_SLICE, ()),), 1, PendingReason.FULL, toggles, False),
+        # one GPU free, two asked, on one node: another node
+        ((two_gpus("n1", ONE_SLICE, ()), two_gpus("n2", (), FULL_GPU)), 2, PendingReason.FULL,
+         toggles, True),
+        # GPU 1 free but only a reset turns its MIG off (Ampere): InstaSlice never resets
+        ((two_gpus("n1", ONE_SLICE, ()),), 1, PendingReason.NEEDS_MIG_MODE_CHANGE,
+         WholeView(needs_reset=frozenset({("n1", 1)})), True),
+        # GPU 1's change to MIG off is under way (Ampere maintenance): it serves the pod soon
+        ((two_gpus("n1", ONE_SLICE, ()),), 1, PendingReason.FULL,
+         WholeView(under_way=frozenset({("n1", 1)})), False),
+        # the free GPU's node lacks the pod's cpu
+        ((dataclasses.replace(two_gpus("n1", (), ()), cpu_millis_free=1000),), 1,
+         PendingReason.NODE_RESOURCES, toggles, True),
+        ((), 1, PendingReason.NO_MATCHING_NODE, toggles, True),  # no node of the group yet
+        ((two_gpus("n1", ONE_SLICE, FULL_GPU),), 1, PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
+         toggles, False),  # not a capacity reason: the change under way serves it
+    ],
+    ids=["full", "releasing", "two-asked", "needs-reset", "under-way", "cpu-short", "no-node",
+         "not-capacity"],
+)  # fmt: skip
+def test_a_whole_gpu_pod_is_classified_by_the_whole_gpu_engine(
+    nodes: tuple[NodeState, ...],
+    n: int,
+    reason: PendingReason,
+    wholes: Any,
+    needs: bool,
+) -> None:
+    """Placed again on the freed snapshot by `place_whole` (the slice engine knows no
+    profile `gpu`: every whole-GPU pod would need a node)."""
+    verdict = classify(
+        whole(n), Pending(reason, "m"), Snapshot(nodes), Policy.INSTASLICE, CATALOG, wholes
+    )
+    assert verdict.needs_node is needs, verdict.why
+
+
+def test_a_whole_gpu_placeholder_asks_for_instaslice_gpu() -> None:
+    pod = make_pod("w", slices={"main": {"gpu": 2}}, uid="w", cpu="2", memory="1Gi")
+    req = podlib.pod_request(pod)
+    body = placeholder_pod(pod, req, ["n1"])
+    (container,) = body["spec"]["containers"]
+    assert container["resources"] == {
+        "requests": {"instaslice.io/gpu": "2", "cpu": "2000m", "memory": str(1 << 30)},
+        "limits": {"instaslice.io/gpu": "2"},
+    }
+    assert {"key": NODE_LABEL, "operator": "NotIn", "values": ["n1"]} in _keep_off(body)
+    template, _ = provisioning_request(pod, req, ["n1"])
+    assert template["template"]["spec"]["containers"][0]["resources"] == container["resources"]
+
+
+@pytest.mark.parametrize(
+    ("node", "freed", "wholes", "expected"),
+    [
+        (two_gpus("n1", ONE_SLICE, FULL_GPU), (), toggles, True),  # no GPU free
+        (two_gpus("n1", ONE_SLICE, ()), (), toggles, False),  # GPU 1 free: the pod goes there
+        (two_gpus("n1", ONE_SLICE, FULL_GPU), ((1, 0, 4), (1, 4, 4)), toggles, False),  # soon
+        (two_gpus("n1", ONE_SLICE, ()), (), WholeView(under_way=frozenset({("n1", 1)})), False),
+        (two_gpus("n1", ONE_SLICE, ()), (), WholeView(needs_reset=frozenset({("n1", 1)})), True),
+        (two_gpus("n1", ONE_SLICE, FULL_GPU, label=None), (), toggles, False),  # would flap
+    ],
+    ids=["full", "room", "releasing", "under-way", "needs-reset", "unlabelled"],
+)
+def test_misplaced_whole_gpu_placeholders(
+    node: NodeState, freed: tuple[tuple[int, int, int], ...], wholes: Any, expected: bool
+) -> None:
+    """By the placer's whole-GPU rule: Karpenter's new node, its GPUs in MIG mode and
+    turned off for the pod without a reset, is where the pod goes (not misplaced)."""
+    got = misplaced(node, whole(), freed, Policy.INSTASLICE, CATALOG, NO_MODES, wholes)
+    assert got is expected
+
+
+def _classes(draw: Any, nodes: list[NodeState]) -> dict[tuple[str, int], str]:
+    refs = [(n.name, g.index) for n in nodes for g in n.gpus]
+    kinds = st.sampled_from(["right", "toggle", "reset", "under", ""])
+    return {r: draw(kinds) for r in refs}
+
+
+def view_of(classes: dict[tuple[str, int], str]) -> Any:
+    """A `whole_view` over a fleet whose GPUs are of the classes given, as the allocator's:
+    only GPUs with nothing on them (in the snapshot it is asked about) are listed."""
+
+    def view(snapshot: Snapshot) -> WholeView:
+        empty = {(n.name, g.index) for n in snapshot.nodes for g in n.gpus if not g.occupied}
+
+        def of(kind: str) -> frozenset[tuple[str, int]]:
+            return frozenset(r for r in empty if classes.get(r) == kind)
+
+        return WholeView(of("right"), of("toggle"), of("reset"), of("under"))
+
+    return view
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    fleet=st.lists(st.tuples(occupancy, occupancy), min_size=1, max_size=3),
+    n=st.integers(1, 2),
+    freed=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 1), st.sampled_from([0, 4, 6]),
+                            st.sampled_from([1, 4, 8]))),
+)  # fmt: skip
+def test_a_whole_gpu_pod_that_needs_a_node_is_never_left_on_a_known_node(
+    data: Any,
+    fleet: list[tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]],
+    n: int,
+    freed: set[tuple[int, int, int, int]],
+) -> None:
+    """The two rules agree: a whole-GPU pod classified *needs a node* has a placeholder that,
+    bound to any known labelled node, is replaced (misplaced), and kept off every one at
+    once; one classified *waits* has a node where `place_whole` (after the releases) serves
+    it or a change under way will, and a placeholder there is left alone."""
+    nodes = [
+        two_gpus(f"n{i}", tuple(Occupied(*o) for o in a), tuple(Occupied(*o) for o in b))
+        for i, (a, b) in enumerate(fleet)
+    ]
+    wholes = view_of(_classes(data.draw, nodes))
+    gone = {f"n{i}": {(g, s, z) for j, g, s, z in freed if j == i} for i in range(len(nodes))}
+    snapshot = after_releases(Snapshot(tuple(nodes)), gone)
+    req = whole(n)
+    verdict = classify(req, Pending(PendingReason.FULL, "m"), snapshot, Policy.INSTASLICE,
+                       CATALOG, wholes)  # fmt: skip
+    fits = [
+        not isinstance(r := place_whole(Snapshot((x,)), req, wholes(Snapshot((x,))), CATALOG)
+                       .result, Pending) or r.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY
+        for x in snapshot.nodes
+    ]  # fmt: skip
+    assert verdict.needs_node is not any(fits)
+    bad = [
+        misplaced(x, req, gone[x.name], Policy.INSTASLICE, CATALOG, NO_MODES, wholes) for x in nodes
+    ]
+    # needs a node: wherever its placeholder stands it is replaced; waits: one node serves it
+    assert all(bad) if verdict.needs_node else not all(bad)
+    assert kept_off(nodes, req) == sorted(x.name for x in nodes)
+
+
+def _whole_cluster(want_priority: int) -> ClusterState:
+    """Node n1, two H100s in MIG mode (turned off without a reset), each holding a
+    low-priority 3g.40gb pod; `want` asks one whole GPU."""
+    state = ClusterState()
+    state.upsert_node(make_node("n1", gpus=2, labels={NODE_LABEL: "n1"}))
+    mig_node = make_mig_node("n1", ["H100-80GB", "H100-80GB"])
+    for g in mig_node["status"]["gpus"]:
+        g["modeToggle"] = "resetless"
+    state.upsert_mig_node(mig_node)
+    for i in range(2):
+        holder = make_pod(f"holder{i}", slices={"main": {"3g.40gb": 1}}, uid=f"holder{i}",
+                          priority=0, gates=(), node_name="n1", phase="Running")  # fmt: skip
+        state.upsert_pod(holder)
+        state.upsert_allocation(make_allocation(holder, "n1", [("main", "3g.40gb", i, 0, 4)],
+                                                phase=Phase.READY))  # fmt: skip
+    want = make_pod("want", slices={"main": {"gpu": 1}}, uid="want", priority=want_priority)
+    state.upsert_pod(want)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("want_priority", "preemption", "needs"),
+    [
+        (10, True, set()),  # a preemption is planned (one GPU's holder goes): no new node
+        (10, False, {"want"}),  # preemption off: only a new node serves it
+        (0, True, {"want"}),  # nobody of lower priority to evict: a new node
+    ],
+)
+def test_a_whole_gpu_pod_no_node_serves_asks_for_a_node_after_preemption(
+    want_priority: int, preemption: bool, needs: set[str]
+) -> None:
+    """The placer tells the signal of a pending whole-GPU pod (it used to skip them): one
+    that preemption serves is told as decided; one it cannot gets a placeholder asking
+    `instaslice.io/gpu: 1`, kept off n1."""
+    state = _whole_cluster(want_priority)
+    s = _scale_up(state, FakeClock(), delay=0)
+    placer = _placer(state, s, preemption)
+    track = placer.tracks.ensure("want")
+    placer.decide("want")
+    assert set(s.needs) == needs
+    assert (track.preempt is not None) is (needs == set())
+    kube = _Kube()
+    kube.answer.set()
+    s.kube = kube  # type: ignore[assignment]
+    asyncio.run(s.reconcile())
+    if needs:
+        (body,) = kube.created
+        assert body["spec"]["containers"][0]["resources"]["limits"] == {"instaslice.io/gpu": "1"}
+        assert {"key": NODE_LABEL, "operator": "NotIn", "values": ["n1"]} in _keep_off(body)
+    else:
+        assert kube.created == []
+
+
+def test_a_whole_gpu_pod_waits_for_a_gpu_being_released() -> None:
+    """One holder's pod finished: its slice is being released, and GPU 1 (MIG on, turned off
+    without a reset) serves the pod once it is gone; the allocator's own `whole_view`
+    says so: the pod waits, and its placeholder is withdrawn."""
+    state = _whole_cluster(0)
+    s = _scale_up(state, FakeClock(), delay=0)
+    placer = _placer(state, s, preemption=False)
+    placer.tracks.ensure("want")
+    placer.decide("want")
+    assert set(s.needs) == {"want"}
+    s.signals["want"] = _bound("want", None)
+    holder = state.pods["holder1"].obj
+    state.upsert_pod({**holder, "status": {"phase": "Succeeded"}})
+    placer.decide("want")
+    assert s.needs == {} and s.waits == {"want"}
+    assert s.wanted(0.0) == (set(), {"want"})
+
+
+def test_a_whole_gpu_placeholder_on_a_node_it_cannot_use_is_replaced() -> None:
+    """Bound to n1 (its `instaslice.io/gpu: 2` upper bound shows room while both GPUs hold
+    slices): replaced by one kept off n1; once GPU 1 is free it is left there."""
+    state = _whole_cluster(0)
+    s = _scale_up(state, FakeClock(), delay=0)
+    s.pending(state.pods["want"], whole(), Pending(PendingReason.FULL, "f"), False)
+    s.signals = {"want": _bound("want", "n1")}
+    assert s.misplaced() == {"want": "n1"}
+    holder = state.pods["holder1"].obj
+    state.remove_pod(holder)
+    state.remove_allocation(make_allocation(holder, "n1", [("main", "3g.40gb", 1, 0, 4)]))
+    assert s.misplaced() == {}

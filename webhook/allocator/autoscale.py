@@ -9,10 +9,12 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
   node can cure: an invalid request, agents down; or it waits for a MIG mode change under
   way) and *needs a node* (no existing node can serve it now: capacity, whatever the engine's
   capacity reason — Full, Fragmented, NodeResources, NoProfile, GpuUnavailable,
-  NoMatchingNode, NeedsMigModeChange);
+  NoMatchingNode, NeedsMigModeChange). A pod asking whole GPUs is placed again by the
+  whole-GPU engine (`place_whole`), MIG slices by the slice engine;
 - `placeholder_pod` renders the Karpenter signal: an ungated pod asking for what the new node
-  must offer (the pod's cpu/memory and `instaslice.io/mig-*` counts, its node selector,
-  affinity and tolerations) and kept off the nodes the allocator knows cannot serve it
+  must offer (the pod's cpu/memory and `instaslice.io/mig-*` counts, or `instaslice.io/gpu`
+  for whole GPUs, its node selector, affinity and tolerations) and kept off the nodes the
+  allocator knows cannot serve it
   (`instaslice.io/node NotIn`, the label each node agent puts on its Node: Karpenter refuses
   `kubernetes.io/hostname`), owned by the real pod;
 - `provisioning_request` renders the cluster-autoscaler signal: a PodTemplate of the same
@@ -25,7 +27,12 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
 Each node's advertised `instaslice.io/mig-<profile>` is a fixed upper bound (contract §3),
 so with mixed profiles a node whose GPUs are full of one profile still shows room for
 another: without the `NotIn` the scheduler binds the placeholder there, Karpenter counts it
-served and never adds a node, and the real pod waits for good.
+served and never adds a node, and the real pod waits for good. `instaslice.io/gpu` is one
+too (every GPU that can be whole, whatever holds slices on it), so whole GPUs need it alike.
+
+Size-based asks (`instaslice.io/mig-size.<container>`) raise no signal: which profile they
+need depends on the model of the node they land on, and a placeholder can ask for one set of
+resources only (docs/autoscaling.md "Preemption, sizes, whole GPUs").
 
 No I/O and no clock: `webhook.allocator.scaleup` keeps the records, writes and withdraws.
 """
@@ -40,7 +47,7 @@ from typing import Any, Final
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.constants import NODE_LABEL, SCALE_UP_LABEL
+from common.constants import INSTASLICE_GPU, NODE_LABEL, SCALE_UP_LABEL, WHOLE_GPU_PROFILE
 from common.objects import node_label_value, node_labelled
 from common.placement import (
     NodeState,
@@ -53,6 +60,7 @@ from common.placement import (
 )
 from common.placement.modes import ModeView, place_with_modes
 from common.placement.selectors import mismatch
+from common.placement.whole import WholeView, is_whole, place_whole
 from common.profiles import instaslice_resource
 
 Obj = dict[str, Any]
@@ -148,19 +156,32 @@ def after_releases(
     return Snapshot(nodes=tuple(nodes))
 
 
+Wholes = WholeView | Callable[[Snapshot], WholeView]
+
+
 def classify(
     request: PodRequest,
     result: Pending,
     freed_snapshot: Snapshot,
     policy: Policy,
     catalog: Catalog,
+    wholes: Wholes,
 ) -> Verdict:
     """Does this pending pod need a new node? `freed_snapshot`: the snapshot it was refused
-    on, with the slices being released shown free (`after_releases`)."""
+    on, with the slices being released shown free (`after_releases`); `wholes`: which of its
+    GPUs could be whole GPUs (the allocator's `whole_view`), read for a whole-GPU pod only."""
     if result.reason not in CAPACITY_REASONS:
         return Verdict(False, f"pending for {result.reason.value}, which a new node does not cure")
-    if not isinstance(place(freed_snapshot, request, policy, catalog), Pending):
+    if is_whole(request):
+        view = wholes(freed_snapshot) if callable(wholes) else wholes
+        again = place_whole(freed_snapshot, request, view, catalog).result
+    else:
+        again = place(freed_snapshot, request, policy, catalog)
+    if not isinstance(again, Pending):
         return Verdict(False, "fits on an existing node once the slices being released are gone")
+    if again.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY:
+        why = "fits once the slices being released are gone and a MIG mode change is done"
+        return Verdict(False, why)
     return Verdict(True, f"no existing node can serve it now ({result.reason.value})")
 
 
@@ -191,20 +212,27 @@ def misplaced(
     policy: Policy,
     catalog: Catalog,
     modes: ModeView | Callable[[Snapshot], ModeView],
+    wholes: Wholes,
 ) -> bool:
     """Does a placeholder for `request`, bound to `node` (its current state, None when the
     allocator knows no such node or its agent is down), stand where its pod cannot go? Yes
     when the node has GPUs, the pod fits there neither now nor once the slices `freed`
     (`releasing`, this node's) are gone, by the placer's own rule (`modes`: GPUs with MIG
-    off that the agent turns on for it count, as on the new node Karpenter made for it; a
-    mode change under way counts as room), and the node carries `instaslice.io/node=<name>`:
+    off that the agent turns on for it count, as on the new node Karpenter made for it;
+    whole GPUs by the whole-GPU engine on `wholes`, where GPUs in MIG mode that the agent
+    turns off without a reset count; a mode change under way counts as room), and the node
+    carries `instaslice.io/node=<name>`:
     a replacement's `NotIn` then keeps it off, so replacing it cannot flap. A node still
     coming up (no GPUs known) or not labelled (its agent older, or Karpenter's random value
     not yet written back) is left alone."""
     if node is None or not node.gpus or not node_labelled(node.labels, node.name):
         return False
     alone = after_releases(Snapshot((node,)), {node.name: freed} if freed else {})
-    result = place_with_modes(alone, request, modes, policy, catalog).result
+    if is_whole(request):
+        view = wholes(alone) if callable(wholes) else wholes
+        result = place_whole(alone, request, view, catalog).result
+    else:
+        result = place_with_modes(alone, request, modes, policy, catalog).result
     return (
         isinstance(result, Pending) and result.reason is not PendingReason.MIG_MODE_CHANGE_UNDER_WAY
     )
@@ -244,7 +272,7 @@ def _owner(pod: Obj) -> Obj:
 def _requests(request: PodRequest) -> dict[str, str]:
     out: dict[str, int] = {}
     for s in request.slices:
-        res = instaslice_resource(s.profile)
+        res = INSTASLICE_GPU if s.profile == WHOLE_GPU_PROFILE else instaslice_resource(s.profile)
         out[res] = out.get(res, 0) + s.count
     asks = {k: str(v) for k, v in sorted(out.items())}
     if request.cpu_millis:

@@ -146,9 +146,9 @@ class Placer:
                 if self.pendings is not None:
                     self.pendings.placed(uid)
                 return
-            # Only what preemption cannot serve asks the autoscaler for a node; size-based and
-            # whole-GPU asks do not (docs/autoscaling.md "Preemption, sizes, whole GPUs").
-            if self.pendings is not None and not sized and not is_whole(request):
+            # Only what preemption cannot serve asks the autoscaler for a node; size-based
+            # asks do not (docs/autoscaling.md "Preemption, sizes, whole GPUs").
+            if self.pendings is not None and not sized:
                 self.pendings.pending(pod, request, result, name_label)
             self.park(pod, *told)
             return

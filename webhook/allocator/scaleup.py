@@ -112,7 +112,8 @@ class ScaleUp:
             verdict = Verdict(False, "its affinity names its nodes: no new node can match")
         else:
             snapshot = after_releases(self.state.snapshot(), self._freed())
-            verdict = classify(request, result, snapshot, self.policy, self.catalog)
+            wholes = self.state.whole_view
+            verdict = classify(request, result, snapshot, self.policy, self.catalog, wholes)
         if verdict.needs_node:
             self.waits.discard(pod.uid)
             if pod.uid not in self.needs:
@@ -238,6 +239,7 @@ class ScaleUp:
                 self.policy,
                 self.catalog,
                 self.state.mode_view,
+                self.state.whole_view,
             )
         }
 
