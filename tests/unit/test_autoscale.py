@@ -1053,9 +1053,9 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
         )
     calls: list[str] = []
 
-    def counting(nodes: Any, request: Any) -> list[str]:
+    def counting(nodes: Any, request: Any, *args: Any) -> list[str]:
         calls.append(request.name)
-        return kept_off(nodes, request)
+        return kept_off(nodes, request, *args)
 
     monkeypatch.setattr(scaleup, "kept_off", counting)
     kube = _Kube()
