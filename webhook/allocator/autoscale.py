@@ -20,9 +20,10 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
   nodes by `kubernetes.io/hostname NotIn`;
 - `kept_off` lists those nodes, of them only the ones whose advertised room (allocatable
   minus what is bound there, views.Room) would let the kube-scheduler bind the signal
-  there: the others it never binds to; `misplaced` tells a placeholder the kube-scheduler bound to a
-  node that cannot serve its pod (one raised before the node filled, or before its agent
-  labelled it), which the shell replaces.
+  there: the others it never binds to; `misplaced` tells a placeholder the kube-scheduler
+  bound to a node that cannot serve its pod (one raised before the node filled, or before
+  its agent labelled it, or where the allocator's view of the room lagged), which the
+  shell replaces.
 
 Each node's advertised `instaslice.io/mig-<profile>` is a fixed upper bound (contract §3),
 so with mixed profiles a node whose GPUs are full of one profile still shows room for
