@@ -5,7 +5,8 @@ Covers the issue's Done-when: every H100 GPU (the only model offering 1g.10gb an
 full of low-priority 1g pods, then a high-priority 7g pod → it runs, and exactly the seven
 pods of one GPU are evicted (Preempting/Preempted events), their instances destroyed and the
 7g's made; with a PodDisruptionBudget guarding the pods of every other GPU, the unguarded
-GPU is chosen; a `preemptionPolicy: Never` pod preempts nothing and says so; the node agent
+GPU is chosen; a size-based ask (`instaslice.io/mig-size.<container>`) preempts as the profile
+it resolves to; a `preemptionPolicy: Never` pod preempts nothing and says so; the node agent
 killed (-9) while it destroys the victims' instances and restarted: the 7g still runs, no
 instance leaks and no slot is promised twice.
 Leaves out the other fault cases (tests/integration/test_allocator_preemption.py) and real
@@ -136,6 +137,29 @@ async def test_a_pdb_guarding_the_other_gpus_pods_sends_the_7g_to_the_unguarded_
     assert await big_gpu(kube, namespace) == free
     evicted = {n for n, g in where.items() if g == free}
     assert await live(kube, namespace) == {"big"} | (set(where) - evicted)
+
+
+@pytest.mark.usefixtures("priority_classes")
+async def test_a_size_based_pod_preempts_like_one_naming_its_profile(
+    kube: Kube, namespace: str
+) -> None:
+    """`memory>=70Gi` held to the full H100s resolves to 7g.80gb there (the free H200 would
+    give 4g.71gb: the selector keeps it off): the pods of one GPU go and it gets that slice."""
+    where = await fill_h100s(kube, namespace)
+    body = make_pod("big", slices={}, node_selector={GPU_MODEL_LABEL: "H100-80GB"})
+    body["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
+    body["spec"]["priorityClassName"] = HIGH
+    body["metadata"]["annotations"] = {"instaslice.io/mig-size.main": "memory>=70Gi"}
+    await kube.create(pods_path(namespace), body)
+    await wait_pod_running(kube, namespace, "big")
+    allocs = (await kube.list(allocs_path(namespace)))["items"]
+    (big,) = [a for a in allocs if a["spec"]["podName"] == "big"]
+    assert [(s["container"], s["profile"]) for s in big["spec"]["slices"]] == [("main", "7g.80gb")]
+    evicted = {n for n, g in where.items() if g == big["spec"]["slices"][0]["gpuUUID"]}
+    assert len(evicted) == 7
+    assert await live(kube, namespace) == {"big"} | (set(where) - evicted)
+    preempting = await wait_event(kube, namespace, "big", REASON_PREEMPTING)
+    assert all(f"{namespace}/{n}" in preempting["message"] for n in evicted)
 
 
 @pytest.mark.usefixtures("priority_classes")

@@ -13,8 +13,10 @@ preemption; so too for the placeholder of another pod, still waiting for a node,
 scheduler bound to the node first (it holds the pinned pod's room just as well); a
 placeholder bound to a node whose GPUs are full of 7g.80gb (its upper bound still shows
 room for 1g.10gb) stays while the node lacks its agent's `instaslice.io/node` label, and is
-replaced once, by one the scheduler keeps off the node, when the label comes. The rule's
-cases (whose placeholders go) are tests/unit/test_autoscale.py's.
+replaced once, by one the scheduler keeps off the node, when the label comes; a node the
+`NotIn` leaves off because its advertised room cannot hold the placeholder (its cpu taken by
+a bound pod) is one the real scheduler refuses it too. The rules' cases (whose placeholders
+go, which nodes are named) are tests/unit/test_autoscale.py's and test_autoscale_room.py's.
 """
 
 from __future__ import annotations
@@ -255,3 +257,28 @@ async def test_a_placeholder_bound_where_its_pod_cannot_go_is_replaced_once(
         o["metadata"]["uid"] for e, o in seen if e == "ADDED" and o["metadata"]["name"] == name
     ]
     assert created == [first["metadata"]["uid"], new]  # replaced once
+
+
+async def test_a_node_left_off_for_its_cpu_is_one_the_scheduler_refuses(env: AllocatorEnv) -> None:
+    """The node's GPU is full of 7g.80gb (its upper bound still shows room for 1g.10gb) and
+    a pod bound there took its cpu. `q` asks 1g.10gb and 1 cpu: the allocator leaves the
+    node off its placeholder's `NotIn` (its advertised room cannot hold it), and the real
+    kube-scheduler indeed finds no room there (`Insufficient cpu`) and leaves it unbound."""
+    env.start(scale_up=ScaleUpSettings(mode=SignalMode.PLACEHOLDER, delay_s=0.2, interval_s=0.2))
+    held = GpuSpec(slices=[{"profile": "7g.80gb", "start": 0, "size": 8, "migUUID": "MIG-h"}])
+    name = env.node_name("full")
+    node = await env.add_node("full", gpus=[held], cpu="2", labels={NODE_LABEL: name})
+    await env.create_pod("hog", slices={}, cpu="2", gates=(), claim=None, node_name=node)
+    q = await env.create_pod("q", slices={"main": {"1g.10gb": 1}}, cpu="1", node_selector=ours(env))
+    refused = await env.wait_pod(
+        signal_name(q["metadata"]["uid"]),
+        lambda p: any(
+            c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+            for c in (p.get("status") or {}).get("conditions") or []
+        ),
+        what="the scheduler found no node for the placeholder",
+    )
+    assert "affinity" not in refused["spec"]  # nothing to keep it off
+    assert not refused["spec"].get("nodeName")
+    (scheduled,) = [c for c in refused["status"]["conditions"] if c["type"] == "PodScheduled"]
+    assert "Insufficient cpu" in scheduled["message"], scheduled

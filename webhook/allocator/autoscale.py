@@ -20,9 +20,12 @@ scheduler until a slice exists (docs/autoscaling.md). So the allocator tells the
 - `provisioning_request` renders the cluster-autoscaler signal: a PodTemplate of the same
   shape and a ProvisioningRequest (`autoscaling.x-k8s.io/v1`) naming it, kept off those
   nodes by `kubernetes.io/hostname NotIn`;
-- `kept_off` lists those nodes; `misplaced` tells a placeholder the kube-scheduler bound to a
-  node that cannot serve its pod (one raised before the node filled, or before its agent
-  labelled it), which the shell replaces.
+- `kept_off` lists those nodes, of them only the ones whose advertised room (allocatable
+  minus what is bound there, views.Room) would let the kube-scheduler bind the signal
+  there: the others it never binds to; `misplaced` tells a placeholder the kube-scheduler
+  bound to a node that cannot serve its pod (one raised before the node filled, or before
+  its agent labelled it, or where the allocator's view of the room lagged), which the
+  shell replaces.
 
 Each node's advertised `instaslice.io/mig-<profile>` is a fixed upper bound (contract §3),
 so with mixed profiles a node whose GPUs are full of one profile still shows room for
@@ -62,6 +65,8 @@ from common.placement.modes import ModeView, place_with_modes
 from common.placement.selectors import mismatch
 from common.placement.whole import WholeView, is_whole, place_whole
 from common.profiles import instaslice_resource
+from webhook.allocator.pods import Resources
+from webhook.allocator.views import Room
 
 Obj = dict[str, Any]
 
@@ -185,23 +190,54 @@ def classify(
     return Verdict(True, f"no existing node can serve it now ({result.reason.value})")
 
 
-def kept_off(nodes: Iterable[NodeState], request: PodRequest) -> list[str]:
-    """The `instaslice.io/node` values a placeholder for `request` is kept off, sorted: every
-    node the allocator knows (a MigNode with GPUs) that the pod's selection admits (its own
-    selector, affinity and tolerations, copied to the placeholder, keep it off the others).
-    Called for a pod no node can serve (`classify`), so none of them can."""
+def placeholder_value(node: NodeState) -> str:
+    """What a placeholder's `NotIn` names a node by: its `instaslice.io/node` label value."""
+    return node_label_value(node.name)
+
+
+def hostname_value(node: NodeState) -> str:
+    """What a ProvisioningRequest's `NotIn` names a node by: its hostname label (Karpenter's
+    nodes are named apart from it)."""
+    return node.labels.get(HOSTNAME_LABEL, node.name)
+
+
+def _unknown(node: str) -> Room | None:
+    return None
+
+
+def kept_off(
+    nodes: Iterable[NodeState],
+    request: PodRequest,
+    room: Callable[[str], Room | None] = _unknown,
+    value: Callable[[NodeState], str] = placeholder_value,
+) -> list[str]:
+    """The values (`value`: the placeholder's `instaslice.io/node`, or the hostname) of the
+    nodes a signal for `request` is kept off, sorted: every node the allocator knows (a
+    MigNode with GPUs) that the pod's selection admits (its own selector, affinity and
+    tolerations, copied to the signal, keep it off the others) and whose advertised room
+    (`room`, views.Room; None: unknown) holds the signal's requests. Called for a pod no
+    node can serve (`classify`), so none of them can; but the kube-scheduler binds only
+    where the advertised room holds the requests, so a node where it does not needs no
+    listing: of a fleet of other models, profiles or full nodes, only the few that look
+    free and are not stay in the list."""
+    asks, extended = signal_asks(request)
     return sorted(
-        node_label_value(n.name) for n in nodes if n.gpus and mismatch(n, request) is None
+        value(n)
+        for n in nodes
+        if n.gpus
+        and mismatch(n, request) is None
+        and ((r := room(n.name)) is None or r.holds(asks, extended))
     )
 
 
 def selection(request: PodRequest) -> Hashable:
     """What `kept_off` reads of a pod: its node selector, required affinity and
-    tolerations (pods equal here are kept off the same nodes)."""
+    tolerations, and its requests (pods equal here are kept off the same nodes)."""
     return (
         tuple(sorted(request.node_selector.items())),
         request.required_affinity,
         request.tolerations,
+        _requests(request),
     )
 
 
@@ -269,17 +305,23 @@ def _owner(pod: Obj) -> Obj:
     }
 
 
-def _requests(request: PodRequest) -> dict[str, str]:
+def signal_asks(request: PodRequest) -> tuple[Resources, dict[str, int]]:
+    """What a signal for `request` asks of a node: (cpu, memory, one pod slot) and the sum
+    of its `instaslice.io/mig-<profile>` (whole GPUs: `instaslice.io/gpu`) counts."""
     out: dict[str, int] = {}
     for s in request.slices:
         res = INSTASLICE_GPU if s.profile == WHOLE_GPU_PROFILE else instaslice_resource(s.profile)
         out[res] = out.get(res, 0) + s.count
-    asks = {k: str(v) for k, v in sorted(out.items())}
+    return Resources(request.cpu_millis, request.memory_bytes, 1), dict(sorted(out.items()))
+
+
+def _requests(request: PodRequest) -> tuple[tuple[str, str], ...]:
+    asks = {k: str(v) for k, v in signal_asks(request)[1].items()}
     if request.cpu_millis:
         asks["cpu"] = f"{request.cpu_millis}m"
     if request.memory_bytes:
         asks["memory"] = str(request.memory_bytes)
-    return asks
+    return tuple(asks.items())
 
 
 def _affinity(pod: Obj, avoid: Sequence[str], key: str) -> Obj | None:
@@ -307,7 +349,7 @@ def _affinity(pod: Obj, avoid: Sequence[str], key: str) -> Obj | None:
 
 def _pod_spec(pod: Obj, request: PodRequest, avoid: Sequence[str], key: str, image: str) -> Obj:
     spec = pod.get("spec") or {}
-    asks = _requests(request)
+    asks = dict(_requests(request))
     out: Obj = {
         "containers": [
             {

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, SCALE_UP_LABEL
+from common.constants import CLAIM_ANNOTATION, GATE_NAME, GROUP, SCALE_UP_LABEL
 from common.placement.model import (
     NodeSelectorRequirement,
     PodRequest,
@@ -36,6 +36,7 @@ NAME_FIELD = "metadata.name"
 # ':' cannot occur in a label key, so this never collides with a real label.
 FIELD_NAME_LABEL = "field.instaslice.io:metadata.name"
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+EXTENDED_PREFIX = f"{GROUP}/"  # InstaSlice's extended resources: instaslice.io/mig-*, .../gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +228,32 @@ def pod_resources(pod: Obj) -> Resources:
     return total + Resources(pods=1)
 
 
+def extended_requests(pod: Obj) -> tuple[tuple[str, int], ...]:
+    """The pod's `instaslice.io/*` requests (name, count), sorted, as the kube-scheduler
+    counts them at least: summed over the app containers and the sidecars (restartable
+    init containers). Its own figure is that or a larger init container's, never less —
+    what `ClusterState.room` may subtract from a node's allocatable and stay on the safe
+    side."""
+    spec = pod.get("spec", {})
+    total: dict[str, int] = {}
+    containers = [
+        *(spec.get("containers") or []),
+        *(c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"),
+    ]
+    for c in containers:
+        requests = (c.get("resources") or {}).get("requests") or {}
+        limits = (c.get("resources") or {}).get("limits") or {}
+        for name in {*requests, *limits}:
+            if str(name).startswith(EXTENDED_PREFIX):
+                count = _quantity(c.get("resources") or {}, name, parse_bytes)
+                if count > 0:
+                    total[name] = total.get(name, 0) + count
+    return tuple(sorted(total.items()))
+
+
 def same_requests(a: Obj, b: Obj) -> bool:
-    """Whether two versions of a pod request the same cpu/memory (`pod_resources` of one
-    serves for the other)."""
+    """Whether two versions of a pod request the same resources (`pod_resources` and
+    `extended_requests` of one serve for the other)."""
     sa, sb = a.get("spec", {}), b.get("spec", {})
 
     def parts(spec: Obj) -> list[Any]:

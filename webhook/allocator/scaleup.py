@@ -36,9 +36,9 @@ from common.catalog import Catalog
 from common.clock import Clock, cancel_until_done, wait_or_sleep
 from common.constants import GATE_NAME, SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path
+from common.objects import node_label_value
 from common.placement import Pending, PodRequest, Policy
 from webhook.allocator.autoscale import (
-    HOSTNAME_LABEL,
     PROVREQ_API_VERSION,
     REASON_FAILED,
     REASON_PROVISIONED,
@@ -49,10 +49,12 @@ from webhook.allocator.autoscale import (
     after_releases,
     classify,
     condition,
+    hostname_value,
     kept_off,
     misplaced,
     placeholder_identity,
     placeholder_pod,
+    placeholder_value,
     provisioning_request,
     releasing,
     selection,
@@ -75,6 +77,9 @@ class Need:
     request: PodRequest
     why: str
     lost: int = 0  # signals of it deleted by someone else (a placeholder preempted)
+    # nodes its placeholders were bound to though it cannot go there (`misplaced`): the
+    # scheduler found room there, so its next ones list them whatever `kept_off` reads
+    misplaced_on: set[str] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -345,23 +350,35 @@ class ScaleUp:
             for uid in replace
             if uid not in self.signals and uid in self.needs and self.needs[uid].since <= now
         }
+        for uid, node in replace.items():
+            if uid in self.needs:
+                self.needs[uid].misplaced_on.add(node)
         if raise_ or replaced:
-            # Karpenter's nodes are named apart from their hostname label (the NodeClaim's)
-            hosts = sorted(n.labels.get(HOSTNAME_LABEL, n.name) for n in self.state.node_states())
-            keep_off: dict[Hashable, list[str]] = {}  # per round, by the pods' node selection
+            keep_off: dict[Hashable, list[str]] = {}  # per round, by the pods' selection
             for uid in sorted(raise_ | replaced):
                 note = f"; replaces the one bound to {replace[uid]}" if uid in replaced else ""
                 try:
-                    await self._raise(uid, hosts, note, keep_off)
+                    await self._raise(uid, note, keep_off)
                 except ApiError as exc:
                     log.warning("scale-up signal write failed", pod_uid=uid, error=str(exc))
 
+    def _avoid(self, need: Need, lists: dict[Hashable, list[str]]) -> list[str]:
+        """The `NotIn` values of `need`'s signal: `kept_off`, the same list for every pod of
+        one selection and requests in a round (a burst's pods share it), and the nodes its
+        placeholders were misplaced on. Karpenter refuses a pod naming
+        kubernetes.io/hostname ("might interfere with the internal provisioning logic",
+        measured): placeholders name the agents' own label."""
+        placeholder = self.settings.mode is SignalMode.PLACEHOLDER
+        key = selection(need.request)
+        if key not in lists:
+            value = placeholder_value if placeholder else hostname_value
+            lists[key] = kept_off(self.state.node_states(), need.request, self.state.room, value)
+        if not placeholder or not need.misplaced_on:
+            return lists[key]
+        return sorted({*lists[key], *(node_label_value(n) for n in need.misplaced_on)})
+
     async def _raise(
-        self,
-        uid: str,
-        hosts: list[str],
-        note: str = "",
-        keep_off: dict[Hashable, list[str]] | None = None,
+        self, uid: str, note: str = "", keep_off: dict[Hashable, list[str]] | None = None
     ) -> None:
         pod = self.state.pods.get(uid)
         need = self.needs.get(uid)
@@ -371,21 +388,12 @@ class ScaleUp:
         self.elector.check()
         raising = self._raising[uid] = asyncio.Event()
         try:
+            avoid = self._avoid(need, {} if keep_off is None else keep_off)
             if self.settings.mode is SignalMode.PLACEHOLDER:
-                # Karpenter refuses a pod naming kubernetes.io/hostname ("might interfere
-                # with the internal provisioning logic", measured): the agents' own label
-                # the same list for every pod of one node selection in a round (a burst's
-                # pods share it: 3 ms at 5000 nodes, each)
-                lists = {} if keep_off is None else keep_off
-                key = selection(need.request)
-                if key not in lists:
-                    lists[key] = kept_off(self.state.node_states(), need.request)
-                avoid = lists[key]
                 body = placeholder_pod(pod.obj, need.request, avoid, self.settings.image)
                 made = await self.kube.create(core_path("pods", ns), body)
                 what = f"placeholder pod {body['metadata']['name']} for Karpenter"
             else:
-                avoid = hosts
                 template, provreq = provisioning_request(
                     pod.obj,
                     need.request,
@@ -413,7 +421,8 @@ class ScaleUp:
             pod.obj,
             REASON_REQUESTED,
             f"asked the cluster autoscaler for a new node: {need.why}; {what} "
-            f"(kept off the {len(avoid)} node(s) that cannot serve it){note}",
+            f"(kept off the {len(avoid)} node(s) that cannot serve it and could take it)"
+            f"{note}",
             "Normal",
         )
 

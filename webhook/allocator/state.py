@@ -8,6 +8,9 @@ placement engine's `Snapshot`:
   pod charged to it: bound there (`spec.nodeName`), pinned there (required affinity on
   `metadata.name`, ours or anyone's), or holding a live SliceAllocation there. InstaSlice's
   pods or not, each pod is charged to at most one node.
+- `room(node)` answers what the kube-scheduler may see free there, at most: allocatable
+  (with the agent's `instaslice.io/*` upper bounds) minus the requests of the pods bound
+  there only — what the autoscaler signal reads (autoscale.kept_off).
 - A GPU's occupied slots are the union of the slices of every live SliceAllocation naming
   it (any phase, including assumed ones and ones being deleted) and the MigNode's instances
   that no live allocation claims (foreign instances are never reused). Slots free up only
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from common.allocation import SliceAllocation
@@ -61,9 +65,26 @@ from common.placement.whole import WholeView
 from webhook.allocator import pods as podlib
 from webhook.allocator.inflight import GpuRef, InFlight, calm_node
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.views import GpuView, NodeView, PodView, gpus_of
+from webhook.allocator.views import GpuView, NodeView, PodView, Room, gpus_of
 
 Obj = dict[str, Any]
+_NONE: dict[str, int] = {}  # never written: what a node without bound extended requests has
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One pod's requests, charged to `node`: it is bound there (`bound`), pinned there, or
+    holds a live SliceAllocation there."""
+
+    node: str
+    resources: Resources
+    extended: tuple[tuple[str, int], ...]
+    bound: bool
+
+    @property
+    def usage(self) -> tuple[str, Resources]:
+        """What placement counts of it (all but `bound` and `extended`)."""
+        return self.node, self.resources
 
 
 class ClusterState:
@@ -81,8 +102,12 @@ class ClusterState:
         # (node, claim) of every live allocation: a MigNode instance is covered by an
         # allocation only on its own node (claim names alone may repeat across namespaces)
         self._live_claims: Counter[tuple[str, str]] = Counter()
-        self._charges: dict[str, tuple[str, Resources]] = {}
+        self._charges: dict[str, Charge] = {}
         self._usage: dict[str, Resources] = {}
+        # what the pods bound there (spec.nodeName) request, per node: `room`
+        self._bound_usage: dict[str, Resources] = {}
+        self._bound_extended: dict[str, dict[str, int]] = {}
+        self._rooms: dict[str, Room] = {}  # `room`, by node: dropped when either changes
         self._node_cache: dict[str, NodeState] = {}
         self._nodes_sorted: tuple[NodeState, ...] | None = ()  # None: to sort again
         self._dirty: set[str] = set()
@@ -105,7 +130,7 @@ class ClusterState:
         # Most pod updates are status changes: keep the parsed requests when they cannot
         # have changed (quantity parsing is the costly part of reading a pod).
         same = old is not None and podlib.same_requests(old.obj, obj)
-        view = PodView.of(obj, resources=old.resources if old is not None and same else None)
+        view = PodView.of(obj, like=old if old is not None and same else None)
         if old is not None:
             self._unindex_pod(old)
         self.pods[view.uid] = view
@@ -234,9 +259,11 @@ class ClusterState:
     def upsert_node(self, obj: Obj) -> bool:
         """Returns True when something placement looks at changed."""
         view = NodeView.of(obj)
+        self._rooms.pop(view.name, None)
         return self._put(self.nodes, view.name, view)
 
     def remove_node(self, obj: Obj) -> None:
+        self._rooms.pop(_name(obj), None)
         self._pop(self.nodes, _name(obj))
 
     def upsert_mig_node(self, obj: Obj) -> bool:
@@ -281,7 +308,7 @@ class ClusterState:
 
     # --- accounting ---------------------------------------------------------------------
 
-    def _charge_of(self, uid: str) -> tuple[str, Resources] | None:
+    def _charge_of(self, uid: str) -> Charge | None:
         pod = self.pods.get(uid)
         if pod is None or pod.terminal:
             return None
@@ -289,25 +316,64 @@ class ClusterState:
         if not node:
             live = [a for a in self.allocations_of(uid) if not a.deleting]
             node = live[0].node if live else None
-        return (node, pod.resources) if node else None
+        return Charge(node, pod.resources, pod.extended, bool(pod.bound)) if node else None
 
     def _recharge(self, uid: str) -> None:
         new = self._charge_of(uid)
         old = self._charges.get(uid)
         if new == old:
             return
-        if old is not None:
-            node, res = old
-            self._usage[node] = self._usage.get(node, Resources()) - res
-            self._dirty.add(node)
-            self.epoch += 1  # something left (or shrank on) a node
+        if old is not None and old.bound:
+            self._bind(old, -1)
+        if new is not None and new.bound:
+            self._bind(new, 1)
+        # a pinned pod binding on its node changes nothing placement reads
+        if (old and old.usage) != (new and new.usage):
+            if old is not None:
+                node, res = old.usage
+                self._usage[node] = self._usage.get(node, Resources()) - res
+                self._dirty.add(node)
+                self.epoch += 1  # something left (or shrank on) a node
+            if new is not None:
+                node, res = new.usage
+                self._usage[node] = self._usage.get(node, Resources()) + res
+                self._dirty.add(node)
         if new is None:
             self._charges.pop(uid, None)
         else:
             self._charges[uid] = new
-            node, res = new
-            self._usage[node] = self._usage.get(node, Resources()) + res
-            self._dirty.add(node)
+
+    def _bind(self, charge: Charge, sign: int) -> None:
+        node = charge.node
+        self._rooms.pop(node, None)
+        res = self._bound_usage.get(node, Resources())
+        self._bound_usage[node] = res + charge.resources if sign > 0 else res - charge.resources
+        if charge.extended:  # a new dict each time: a Room handed out keeps the old one
+            used = dict(self._bound_extended.get(node) or {})
+            for name, count in charge.extended:
+                used[name] = used.get(name, 0) + sign * count
+                if not used[name]:
+                    del used[name]
+            if used:
+                self._bound_extended[node] = used
+            else:
+                self._bound_extended.pop(node, None)
+        if self._bound_usage[node] == Resources():
+            del self._bound_usage[node]
+
+    def room(self, node: str) -> Room | None:
+        """What the kube-scheduler may see free on `node`, at most (views.Room: allocatable
+        minus what the pods bound there request); None for a node without a Node. Kept
+        until the node or a pod bound there changes (a signal lists it per node)."""
+        room = self._rooms.get(node)
+        if room is None:
+            view = self.nodes.get(node)
+            if view is None:
+                return None
+            free = view.allocatable - self._bound_usage.get(node, Resources())
+            used = self._bound_extended.get(node, _NONE)
+            room = self._rooms[node] = Room(free, view.extended, used)
+        return room
 
     def usage(self, node: str) -> Resources:
         return self._usage.get(node, Resources())

@@ -39,10 +39,13 @@ class PodView:
     pinned: str | None
     unschedulable: bool
     resources: Resources
+    extended: tuple[tuple[str, int], ...]  # its instaslice.io/* requests, at least
     obj: Obj
 
     @classmethod
-    def of(cls, obj: Obj, *, resources: Resources | None = None) -> PodView:
+    def of(cls, obj: Obj, *, like: PodView | None = None) -> PodView:
+        """`like`: an earlier view of the same pod with the same requests (`same_requests`),
+        whose parsed requests serve (quantity parsing is the costly part of reading a pod)."""
         meta = obj.get("metadata", {})
         return cls(
             uid=podlib.uid(obj),
@@ -59,7 +62,8 @@ class PodView:
             bound=podlib.bound_node(obj),
             pinned=podlib.pinned_node(obj),
             unschedulable=podlib.is_unschedulable(obj),
-            resources=resources if resources is not None else podlib.pod_resources(obj),
+            resources=like.resources if like is not None else podlib.pod_resources(obj),
+            extended=like.extended if like is not None else podlib.extended_requests(obj),
             obj=obj,
         )
 
@@ -76,6 +80,8 @@ class NodeView:
     taints: tuple[Taint, ...]
     unschedulable: bool
     allocatable: Resources
+    # its allocatable instaslice.io/* resources: the agent's fixed upper bounds (contract §3)
+    extended: Mapping[str, int]
 
     @classmethod
     def of(cls, obj: Obj) -> NodeView:
@@ -99,7 +105,43 @@ class NodeView:
             allocatable=Resources(
                 q("cpu", parse_cpu_millis), q("memory", parse_bytes), q("pods", parse_bytes)
             ),
+            extended={
+                str(k): q(k, parse_bytes)
+                for k in sorted(alloc)
+                if str(k).startswith(podlib.EXTENDED_PREFIX)
+            },
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What the kube-scheduler may see free on a node, at most: its allocatable (cpu,
+    memory, pods, and the `instaslice.io/*` upper bounds its agent advertises) minus the
+    requests of the pods the allocator knows are bound there (`spec.nodeName`, not
+    finished). Pods only pinned or promised there are not subtracted: the scheduler counts
+    a pod once it binds it, and might bind another there first. Placeholders are not
+    subtracted either (the allocator does not cache them). A pod the allocator still sees
+    bound while the scheduler saw it go makes this too small for a moment: the shell
+    replaces a placeholder bound there (`autoscale.misplaced`), listing that node."""
+
+    free: Resources
+    extended: Mapping[str, int]  # allocatable instaslice.io/* resources
+    extended_bound: Mapping[str, int]  # the bound pods' requests of them (at least)
+
+    def holds(self, asks: Resources, extended: Mapping[str, int]) -> bool:
+        """Would the scheduler's resource fit (NodeResourcesFit) admit a pod asking `asks`
+        (cpu, memory, and one pod slot) and `extended` here? A resource asked 0 is not
+        checked, one the node does not advertise is 0."""
+        if asks.pods > self.free.pods:
+            return False
+        if asks.cpu_millis > 0 and asks.cpu_millis > self.free.cpu_millis:
+            return False
+        if asks.memory_bytes > 0 and asks.memory_bytes > self.free.memory_bytes:
+            return False
+        for k, n in extended.items():
+            if n > 0 and n > self.extended.get(k, 0) - self.extended_bound.get(k, 0):
+                return False
+        return True
 
 
 @dataclass(frozen=True, slots=True)
