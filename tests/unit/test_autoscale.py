@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from common.allocation import SliceAllocation
 from common.catalog import load_catalog
-from common.constants import NODE_LABEL, SCALE_UP_LABEL
+from common.constants import INSTASLICE_GPU, NODE_LABEL, SCALE_UP_LABEL
 from common.kubeapi import ApiError
 from common.objects import Phase, node_label_value, node_labelled
 from common.placement import (
@@ -1288,9 +1288,12 @@ def test_a_whole_gpu_pod_that_needs_a_node_is_never_left_on_a_known_node(
 
 def _whole_cluster(want_priority: int) -> ClusterState:
     """Node n1, two H100s in MIG mode (turned off without a reset), each holding a
-    low-priority 3g.40gb pod; `want` asks one whole GPU."""
+    low-priority 3g.40gb pod; `want` asks one whole GPU. Its Node advertises both GPUs as
+    `instaslice.io/gpu`, as their agent does (they can be whole)."""
     state = ClusterState()
-    state.upsert_node(make_node("n1", gpus=2, labels={NODE_LABEL: "n1"}))
+    node = make_node("n1", gpus=2, labels={NODE_LABEL: "n1"})
+    node["status"]["allocatable"][INSTASLICE_GPU] = node["status"]["capacity"][INSTASLICE_GPU] = "2"
+    state.upsert_node(node)
     mig_node = make_mig_node("n1", ["H100-80GB", "H100-80GB"])
     for g in mig_node["status"]["gpus"]:
         g["modeToggle"] = "resetless"
