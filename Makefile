@@ -64,8 +64,10 @@ test-integration: install kube-bins ## components against the real local control
 test-e2e: install kube-bins ## whole system on the local control plane
 	$(BIN)/pytest -q tests/e2e
 
-test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs)
-	$(BIN)/pytest -q tests
+test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
+	@mkdir -p .dev
+	$(BIN)/pytest -q tests --junitxml=.dev/test-report.xml || { status=$$?; \
+		$(BIN)/python -m hack.test_report .dev/test-report.xml; exit $$status; }
 
 cluster-up: install kube-bins ## local control plane only; kubeconfig at .dev/kubeconfig
 	$(BIN)/python -m hack.cluster up
