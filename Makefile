@@ -65,7 +65,7 @@ test-e2e: install kube-bins ## whole system on the local control plane
 	$(BIN)/pytest -q tests/e2e
 
 test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
-	@mkdir -p .dev
+	@mkdir -p .dev && rm -f .dev/test-report.xml
 	$(BIN)/pytest -q tests --junitxml=.dev/test-report.xml || { status=$$?; \
 		$(BIN)/python -m hack.test_report .dev/test-report.xml; exit $$status; }
 

@@ -37,7 +37,6 @@ from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     ScaleUpSettings,
     SignalMode,
-    hostname_value,
     kept_off,
     placeholder_pod,
     signal_asks,
@@ -328,10 +327,12 @@ class _Elector:
 
 def _fleet(mode: SignalMode) -> tuple[ClusterState, ScaleUp, _Kube]:
     """n1: one H100-80GB GPU full of a 7g.80gb pod bound there (still advertising 1g.10gb);
-    n2: an H200 (no 1g.10gb at all); `want` asks 1g.10gb and needs a node."""
+    n2: an H200 (no 1g.10gb at all); each with a hostname label apart from its name, as
+    Karpenter's nodes have; `want` asks 1g.10gb and needs a node."""
     state = ClusterState()
     for name, model in (("n1", "H100-80GB"), ("n2", "H200-141GB")):
-        state.upsert_node(make_node(name, labels={NODE_LABEL: name}, model=model))
+        labels = {NODE_LABEL: name, "kubernetes.io/hostname": f"kwok-{name}"}
+        state.upsert_node(make_node(name, labels=labels, model=model))
         state.upsert_mig_node(make_mig_node(name, [model]))
     holder = make_pod("holder", slices={"main": {"7g.80gb": 1}}, uid="holder", gates=(),
                       node_name="n1")  # fmt: skip
@@ -367,20 +368,37 @@ def _not_in(body: Obj) -> list[Obj]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "key"),
+    ("mode", "key", "listed"),
     [
-        (SignalMode.PLACEHOLDER, NODE_LABEL),
-        (SignalMode.PROVISIONING_REQUEST, "kubernetes.io/hostname"),
+        (SignalMode.PLACEHOLDER, NODE_LABEL, ["n1"]),
+        (SignalMode.PROVISIONING_REQUEST, "kubernetes.io/hostname", ["kwok-n1", "kwok-n2"]),
     ],
     ids=["placeholder", "provisioning-request"],
 )
-def test_the_loops_signal_lists_only_the_node_that_looks_free(mode: SignalMode, key: str) -> None:
-    """Both signals: n1 looks free to the scheduler (1g.10gb advertised, none bound), n2
-    offers no 1g.10gb: only n1 is named, by the signal's own label."""
+def test_the_loops_signal_lists_by_room_only_where_a_misplaced_one_is_replaced(
+    mode: SignalMode, key: str, listed: list[str]
+) -> None:
+    """n1 looks free to the scheduler (1g.10gb advertised, none bound), n2 offers no
+    1g.10gb. A placeholder names only n1, by the agents' label: one bound where its pod
+    cannot go is replaced. Nothing replaces a ProvisioningRequest the autoscaler found room
+    for on an existing node (cluster-autoscaler's `CapacityIsFound`: no node made), so it
+    names every node that cannot serve the pod, by hostname label (Karpenter's nodes are
+    named apart from it, as these are)."""
     _, s, kube = _fleet(mode)
     asyncio.run(s.reconcile())
-    assert _not_in(kube.created[0]) == [{"key": key, "operator": "NotIn", "values": ["n1"]}]
-    assert hostname_value(s.state.node_states()[0]) == "n1"
+    assert _not_in(kube.created[0]) == [{"key": key, "operator": "NotIn", "values": listed}]
+
+
+def test_a_node_whose_agent_is_down_is_listed_whatever_its_room() -> None:
+    """n1's cpu is taken by a bound pod, so its room cannot take the placeholder; while its
+    agent is down it is named all the same: `misplaced` leaves a placeholder on such a node
+    alone, so one bound there once the cpu frees would stand there for good."""
+    state, s, kube = _fleet(SignalMode.PLACEHOLDER)
+    state.upsert_pod(make_pod("hog", slices={}, cpu="8", uid="hog", gates=(), claim=None,
+                              node_name="n1"))  # fmt: skip
+    state.set_agent_down("n1", True)
+    asyncio.run(s.reconcile())
+    assert _not_in(kube.created[0]) == [{"key": NODE_LABEL, "operator": "NotIn", "values": ["n1"]}]
 
 
 def test_a_replacement_names_the_node_its_placeholder_was_misplaced_on() -> None:

@@ -54,7 +54,6 @@ from webhook.allocator.autoscale import (
     misplaced,
     placeholder_identity,
     placeholder_pod,
-    placeholder_value,
     provisioning_request,
     releasing,
     selection,
@@ -370,9 +369,20 @@ class ScaleUp:
         measured): placeholders name the agents' own label."""
         placeholder = self.settings.mode is SignalMode.PLACEHOLDER
         key = selection(need.request)
-        if key not in lists:
-            value = placeholder_value if placeholder else hostname_value
-            lists[key] = kept_off(self.state.node_states(), need.request, self.state.room, value)
+        if key not in lists and placeholder:
+            # a placeholder bound where its pod cannot go is replaced (`misplaced`), so the
+            # nodes whose room cannot take it now may be left out; not those whose agent is
+            # down: `misplaced` leaves a placeholder there alone
+            down = self.state.agents_down
+            lists[key] = kept_off(
+                self.state.node_states(),
+                need.request,
+                lambda node: None if node in down else self.state.room(node),
+            )
+        elif key not in lists:
+            # nothing replaces a ProvisioningRequest the autoscaler found room for on an
+            # existing node (`CapacityIsFound`: no node is made): name every such node
+            lists[key] = kept_off(self.state.node_states(), need.request, value=hostname_value)
         if not placeholder or not need.misplaced_on:
             return lists[key]
         return sorted({*lists[key], *(node_label_value(n) for n in need.misplaced_on)})

@@ -120,9 +120,11 @@ class Room:
     requests of the pods the allocator knows are bound there (`spec.nodeName`, not
     finished). Pods only pinned or promised there are not subtracted: the scheduler counts
     a pod once it binds it, and might bind another there first. Placeholders are not
-    subtracted either (the allocator does not cache them). A pod the allocator still sees
-    bound while the scheduler saw it go makes this too small for a moment: the shell
-    replaces a placeholder bound there (`autoscale.misplaced`), listing that node."""
+    subtracted either (the allocator does not cache them). It is a moment's answer: room
+    grows when a pod bound there finishes (and looks too small while the allocator still
+    sees a pod bound that the scheduler saw go), so only a signal that is replaced when
+    bound where its pod cannot go may be kept off by it: a placeholder, on a node whose
+    agent is up (`autoscale.misplaced`; the replacement lists that node)."""
 
     free: Resources
     extended: Mapping[str, int]  # allocatable instaslice.io/* resources
