@@ -431,8 +431,7 @@ class ScaleUp:
             pod.obj,
             REASON_REQUESTED,
             f"asked the cluster autoscaler for a new node: {need.why}; {what} "
-            f"(kept off the {len(avoid)} node(s) that cannot serve it and could take it)"
-            f"{note}",
+            f"(kept off the {len(avoid)} node(s) that cannot serve it){note}",
             "Normal",
         )
 
