@@ -34,7 +34,13 @@ from hypothesis import strategies as st
 
 from common.allocation import SliceAllocation
 from common.catalog import load_catalog
-from common.constants import INSTASLICE_GPU, NODE_LABEL, SCALE_UP_LABEL
+from common.constants import (
+    GPU_MODEL_LABEL,
+    INSTASLICE_GPU,
+    NODE_LABEL,
+    SCALE_UP_LABEL,
+    SIZE_ANNOTATION_PREFIX,
+)
 from common.kubeapi import ApiError
 from common.objects import Phase, node_label_value, node_labelled
 from common.placement import (
@@ -1372,3 +1378,41 @@ def test_a_whole_gpu_placeholder_on_a_node_it_cannot_use_is_replaced() -> None:
     state.remove_pod(holder)
     state.remove_allocation(make_allocation(holder, "n1", [("main", "3g.40gb", 1, 0, 4)]))
     assert s.misplaced() == {}
+
+
+@pytest.mark.parametrize(
+    ("selector", "asks"),
+    [
+        ({GPU_MODEL_LABEL: "H100-80GB"}, {"instaslice.io/mig-3g.40gb": "1"}),  # n1 is full
+        ({GPU_MODEL_LABEL: "H200-141GB"}, {"instaslice.io/mig-1g.35gb": "1"}),  # no such node
+        ({}, None),  # no model named: a size is no one resource
+        ({GPU_MODEL_LABEL: "X10-120GB"}, None),  # not a catalog model: sizes resolve on those
+    ],
+)
+def test_a_size_based_pod_asks_for_a_node_only_on_the_model_it_names(
+    selector: dict[str, str], asks: dict[str, str] | None
+) -> None:
+    """`memory>=20Gi` that no node serves: with a nodeSelector naming one catalog GPU model
+    (a Kueue flavor's nodeLabels) its placeholder asks for the size resolved on that model
+    (3g.40gb on an H100-80GB: its 1g.20gb is 19.6 GiB; 1g.35gb on an H200-141GB); naming
+    none, it raises no signal."""
+    state, _ = _full_cluster()
+    obj = make_pod("sized", slices={}, uid="sized", cpu=None, memory=None,
+                   node_selector=selector)  # fmt: skip
+    obj["metadata"]["annotations"][SIZE_ANNOTATION_PREFIX + "main"] = "memory>=20Gi"
+    state.upsert_pod(obj)
+    s = _scale_up(state, FakeClock(), delay=0)
+    placer = _placer(state, s, preemption=False)
+    placer.tracks.ensure("sized")
+    placer.decide("sized")
+    assert ("sized" in s.needs) is (asks is not None)
+    kube = _Kube()
+    kube.answer.set()
+    s.kube = kube  # type: ignore[assignment]
+    asyncio.run(s.reconcile())
+    if asks is None:
+        assert kube.created == []
+    else:
+        (body,) = kube.created
+        assert body["spec"]["containers"][0]["resources"]["limits"] == asks
+        assert body["spec"]["nodeSelector"] == selector

@@ -33,9 +33,10 @@ another: without the `NotIn` the scheduler binds the placeholder there, Karpente
 served and never adds a node, and the real pod waits for good. `instaslice.io/gpu` is one
 too (every GPU that can be whole, whatever holds slices on it), so whole GPUs need it alike.
 
-Size-based asks (`instaslice.io/mig-size.<container>`) raise no signal: which profile they
-need depends on the model of the node they land on, and a placeholder can ask for one set of
-resources only (docs/autoscaling.md "Preemption, sizes, whole GPUs").
+Size-based asks (`instaslice.io/mig-size.<container>`) come here resolved on the one GPU
+model their pod's nodeSelector names (the placer's `_signal_request`), or not at all: which
+profile they need depends on the model of the node they land on, and a placeholder can ask
+for one set of resources only (docs/autoscaling.md "Preemption, sizes, whole GPUs").
 
 No I/O and no clock: `webhook.allocator.scaleup` keeps the records, writes and withdraws.
 """

@@ -19,7 +19,13 @@ import structlog
 
 from common.allocation import build_allocation
 from common.catalog import Catalog
-from common.constants import GATE_NAME, KIND_GPU, REASON_PENDING, WHOLE_GPU_PROFILE
+from common.constants import (
+    GATE_NAME,
+    GPU_MODEL_LABEL,
+    KIND_GPU,
+    REASON_PENDING,
+    WHOLE_GPU_PROFILE,
+)
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
 from common.placement.modes import ModePlacement, ModeView, place_with_modes
@@ -27,7 +33,14 @@ from common.placement.preempt import Holder, PreemptionPlan, plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.placement.whole import WholePlacement, is_whole, place_whole
 from common.podspec import SliceRequestError
-from common.sizing import SizeAsk, SizeError, place_sized, plan_sized_preemption, size_asks
+from common.sizing import (
+    SizeAsk,
+    SizeError,
+    place_sized,
+    plan_sized_preemption,
+    resolved_on,
+    size_asks,
+)
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
@@ -146,10 +159,11 @@ class Placer:
                 if self.pendings is not None:
                     self.pendings.placed(uid)
                 return
-            # Only what preemption cannot serve asks the autoscaler for a node; size-based
-            # asks do not (docs/autoscaling.md "Preemption, sizes, whole GPUs").
-            if self.pendings is not None and not sized:
-                self.pendings.pending(pod, request, result, name_label)
+            # Only what preemption cannot serve asks the autoscaler for a node (size-based
+            # asks only on one model: docs/autoscaling.md "Preemption, sizes, whole GPUs").
+            signal = self._signal_request(request, sized)
+            if self.pendings is not None and signal is not None:
+                self.pendings.pending(pod, signal, result, name_label)
             self.park(pod, *told)
             return
         if self.pendings is not None:
@@ -159,6 +173,17 @@ class Placer:
         track.create = body
         track.told = None
         self.kick(uid)
+
+    def _signal_request(self, request: PodRequest, sized: list[SizeAsk]) -> PodRequest | None:
+        """What an autoscaler signal for a pending pod asks for: its request, its size asks
+        resolved on the GPU model its `nodeSelector` names (`instaslice.io/gpu-model`, as a
+        Kueue flavor's `nodeLabels` set it); None when it has size asks and names no catalog
+        model (or one offering no fit): a size is then no one resource a node offers."""
+        if not sized:
+            return request
+        model = self.catalog.model(request.node_selector.get(GPU_MODEL_LABEL, ""))
+        on_model = None if model is None else resolved_on(model, request, sized)
+        return None if on_model is None else on_model[0]
 
     def _place(
         self, snapshot: Snapshot, request: PodRequest, sized: list[SizeAsk]
