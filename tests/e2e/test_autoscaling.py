@@ -14,7 +14,8 @@ new node and runs (its placeholder is kept off the full node by `instaslice.io/n
 which Karpenter accepts; without it the scheduler bound the placeholder to the full node and
 Karpenter never scaled up); a pod asking `nvidia.com/gpu: 2` (whole GPUs, in a namespace
 opted in to them) gets a new node whose two GPUs it takes whole, runs, and the node goes
-after it. Leaves out cluster-autoscaler
+after it; a size-based pod held to the group's model by its nodeSelector gets a node and the
+profile its size resolves to there. Leaves out cluster-autoscaler
 (tests/integration/test_provisioning_request.py) and the number at scale (bench/autoscale.py).
 """
 
@@ -28,10 +29,12 @@ import pytest
 
 from bench.autoscale import leftovers, pod, run_burst, spec
 from common.constants import (
+    GPU_MODEL_LABEL,
     INSTASLICE_GPU,
     NODE_LABEL,
     NVIDIA_GPU,
     SCALE_UP_LABEL,
+    SIZE_ANNOTATION_PREFIX,
     WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import Kube, core_path, instaslice_path
@@ -152,6 +155,49 @@ async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
         assert REASON_REQUESTED in [e["reason"] for e in await events(kube, ns, "whole")]
         await kube.delete_ignore_missing(core_path("pods", ns, "whole"))
         await node_goes_leaving_nothing(kube, ns, node)
+
+
+async def test_a_size_based_pod_held_to_a_model_gets_a_new_node_and_runs(
+    own_kube: Kube, own_ns: str
+) -> None:
+    """`memory>=20Gi` with a nodeSelector naming the group's model (as a Kueue flavor's
+    nodeLabels would): its placeholder asks for the size resolved there, 3g.40gb (the
+    H100-80GB's 1g.20gb is 19.6 GiB), Karpenter makes a node, the pod gets that slice and
+    runs; the node goes after it."""
+    kube = own_kube
+    await wait_for(  # the group's nodes of an earlier test gone: the pod needs a new one
+        kube,
+        core_path("nodes"),
+        lambda nodes: not nodes,
+        what="no node in the autoscaled group",
+        timeout_s=180,
+        labelSelector=GROUP_LABEL,
+    )
+    body = pod("sized")
+    body["metadata"]["annotations"] = {SIZE_ANNOTATION_PREFIX + "main": "memory>=20Gi"}
+    body["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
+    body["spec"]["nodeSelector"] = {GPU_MODEL_LABEL: "H100-80GB"}
+    made = await kube.create(core_path("pods", own_ns), body)
+    placeholder = await wait_for(
+        kube,
+        core_path("pods", own_ns),
+        lambda items: items.get(signal_name(made["metadata"]["uid"])),
+        what="the size-based pod's placeholder",
+        timeout_s=120,
+    )
+    asks = placeholder["spec"]["containers"][0]["resources"]["limits"]
+    assert asks == {"instaslice.io/mig-3g.40gb": "1"}, asks
+    ran = await wait_for(
+        kube, core_path("pods", own_ns), running("sized"), what="pod sized Running", timeout_s=240
+    )
+    node = ran["spec"]["nodeName"]
+    assert node in await group_nodes(kube)  # the node Karpenter made for it
+    (alloc,) = (await kube.list(instaslice_path("sliceallocations", own_ns)))["items"]
+    assert [(s["container"], s["profile"]) for s in alloc["spec"]["slices"]] == [
+        ("main", "3g.40gb")
+    ]
+    await kube.delete_ignore_missing(core_path("pods", own_ns, "sized"))
+    await node_goes_leaving_nothing(kube, own_ns, node)
 
 
 async def test_a_burst_gets_the_fewest_nodes_and_they_all_go(own_kube: Kube, own_ns: str) -> None:
