@@ -69,6 +69,39 @@ def running(name: str) -> Any:
     return check
 
 
+async def group_emptied(kube: Kube) -> None:
+    """Until the group's nodes of an earlier test are gone: the next pod needs a new one."""
+    await wait_for(
+        kube,
+        core_path("nodes"),
+        lambda nodes: not nodes,
+        what="no node in the autoscaled group",
+        timeout_s=180,
+        labelSelector=GROUP_LABEL,
+    )
+
+
+async def placeholder_then_new_node(
+    kube: Kube, ns: str, made: dict[str, Any]
+) -> tuple[dict[str, str], str]:
+    """The limits of the placeholder raised for pod `made`, and the node Karpenter made for
+    it (asserted one of the group's) once the pod runs there."""
+    name = made["metadata"]["name"]
+    placeholder = await wait_for(
+        kube,
+        core_path("pods", ns),
+        lambda items: items.get(signal_name(made["metadata"]["uid"])),
+        what=f"pod {name}'s placeholder",
+        timeout_s=120,
+    )
+    ran = await wait_for(
+        kube, core_path("pods", ns), running(name), what=f"pod {name} Running", timeout_s=240
+    )
+    node = str(ran["spec"]["nodeName"])
+    assert node in await group_nodes(kube)  # the node Karpenter made for it
+    return dict(placeholder["spec"]["containers"][0]["resources"]["limits"]), node
+
+
 async def node_goes_leaving_nothing(kube: Kube, ns: str, node: str) -> None:
     """Until Karpenter removed the emptied `node`, then until nothing of InstaSlice is left
     for it or in `ns` (the node's agent, MigNode and Lease go just after it)."""
@@ -119,33 +152,14 @@ async def test_a_whole_gpu_pod_gets_a_new_node_and_runs(own_kube: Kube) -> None:
     of the new node whole (the agent turns their MIG mode off) and runs; after the pod is
     deleted Karpenter removes the empty node and nothing of InstaSlice is left."""
     kube = own_kube
-    await wait_for(  # the group's nodes of an earlier test gone: the pod needs a new one
-        kube,
-        core_path("nodes"),
-        lambda nodes: not nodes,
-        what="no node in the autoscaled group",
-        timeout_s=180,
-        labelSelector=GROUP_LABEL,
-    )
+    await group_emptied(kube)
     async with whole_gpu_namespace(kube, "whole-auto-") as ns:
         body = pod("whole")
         body["spec"]["containers"][0]["resources"]["limits"] = {NVIDIA_GPU: GPUS}
         made = await kube.create(core_path("pods", ns), body)
         assert made["spec"]["containers"][0]["resources"]["limits"] == {INSTASLICE_GPU: str(GPUS)}
-        placeholder = await wait_for(
-            kube,
-            core_path("pods", ns),
-            lambda items: items.get(signal_name(made["metadata"]["uid"])),
-            what="the whole-GPU pod's placeholder",
-            timeout_s=120,
-        )
-        asks = placeholder["spec"]["containers"][0]["resources"]["limits"]
+        asks, node = await placeholder_then_new_node(kube, ns, made)
         assert asks == {INSTASLICE_GPU: str(GPUS)}, asks
-        ran = await wait_for(
-            kube, core_path("pods", ns), running("whole"), what="pod whole Running", timeout_s=240
-        )
-        node = ran["spec"]["nodeName"]
-        assert node in await group_nodes(kube)  # the node Karpenter made for it
         (alloc,) = (await kube.list(instaslice_path("sliceallocations", ns)))["items"]
         assert alloc["status"]["phase"] == "Ready"
         assert [s["profile"] for s in alloc["spec"]["slices"]] == [WHOLE_GPU_PROFILE] * GPUS
@@ -165,33 +179,14 @@ async def test_a_size_based_pod_held_to_a_model_gets_a_new_node_and_runs(
     H100-80GB's 1g.20gb is 19.6 GiB), Karpenter makes a node, the pod gets that slice and
     runs; the node goes after it."""
     kube = own_kube
-    await wait_for(  # the group's nodes of an earlier test gone: the pod needs a new one
-        kube,
-        core_path("nodes"),
-        lambda nodes: not nodes,
-        what="no node in the autoscaled group",
-        timeout_s=180,
-        labelSelector=GROUP_LABEL,
-    )
+    await group_emptied(kube)
     body = pod("sized")
     body["metadata"]["annotations"] = {SIZE_ANNOTATION_PREFIX + "main": "memory>=20Gi"}
     body["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
     body["spec"]["nodeSelector"] = {GPU_MODEL_LABEL: "H100-80GB"}
     made = await kube.create(core_path("pods", own_ns), body)
-    placeholder = await wait_for(
-        kube,
-        core_path("pods", own_ns),
-        lambda items: items.get(signal_name(made["metadata"]["uid"])),
-        what="the size-based pod's placeholder",
-        timeout_s=120,
-    )
-    asks = placeholder["spec"]["containers"][0]["resources"]["limits"]
+    asks, node = await placeholder_then_new_node(kube, own_ns, made)
     assert asks == {"instaslice.io/mig-3g.40gb": "1"}, asks
-    ran = await wait_for(
-        kube, core_path("pods", own_ns), running("sized"), what="pod sized Running", timeout_s=240
-    )
-    node = ran["spec"]["nodeName"]
-    assert node in await group_nodes(kube)  # the node Karpenter made for it
     (alloc,) = (await kube.list(instaslice_path("sliceallocations", own_ns)))["items"]
     assert [(s["container"], s["profile"]) for s in alloc["spec"]["slices"]] == [
         ("main", "3g.40gb")
