@@ -774,7 +774,6 @@ async def test_pending_to_ready_latency(
     tmp_path: Path,
     control_plane: ControlPlane,
     create_ms: int,
-    record_property: Any,
 ) -> None:
     node = await gpu_node(kube, tmp_path, [H200])
     node.emu.set_latency(create_ms=create_ms)
@@ -795,7 +794,6 @@ async def test_pending_to_ready_latency(
 
             await eventually(ready, interval=0.005, what="Ready")
             times.append(time.monotonic() - t0)
-        record_property("pending_to_ready_s", times)
         print(f"\nPending→Ready with {create_ms} ms emulated create latency: "
               + ", ".join(f"{t * 1000:.0f} ms" for t in times))  # fmt: skip
         # GI create + CI create each sleep create_ms; the rest is API round trips (about
