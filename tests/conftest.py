@@ -6,22 +6,36 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import io
+import linecache
 from collections.abc import Generator
 
 import pytest
 import structlog
 
 
+def _task_stack(task: asyncio.Task[object], limit: int = 12) -> str:
+    """`task.print_stack`, less its one failure: a frame of a Cython coroutine (grpc.aio's
+    server and calls) has no line number, which `print_stack` hands to linecache, which
+    raises TypeError. Raised in this hook, that was an INTERNALERROR that ended the whole
+    run: the timed-out test was never reported, and the tasks it left (grpc's) were torn down
+    at interpreter shutdown, printing only "Error in sys.excepthook:" lines."""
+    out = [f"--- {task.get_name()}: {task.get_coro()!r}"]
+    for frame in task.get_stack(limit=limit):
+        code, lineno = frame.f_code, frame.f_lineno
+        out.append(f'  File "{code.co_filename}", line {lineno}, in {code.co_name}')
+        line = linecache.getline(code.co_filename, lineno, frame.f_globals) if lineno else ""
+        if line.strip():
+            out.append(f"    {line.strip()}")
+    return "\n".join(out) + "\n"
+
+
 def _pending_task_stacks() -> str:
     # every loop's tasks (the test's loop is not running while the report is made), found
     # without asyncio's private registry; a timeout is rare enough for a walk of the heap
     tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
-    out = io.StringIO()
-    for task in sorted(tasks, key=lambda t: t.get_name()):
-        out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
-        task.print_stack(limit=12, file=out)
-    return out.getvalue() or "no pending tasks"
+    return "".join(_task_stack(t) for t in sorted(tasks, key=lambda t: t.get_name())) or (
+        "no pending tasks"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,4 +57,33 @@ def pytest_runtest_makereport(
     report = yield
     if report.failed and call.excinfo is not None and "Timeout" in str(call.excinfo.value):
         report.sections.append(("pending asyncio tasks", _pending_task_stacks()))
+        _cancel_timed_out_test(item)
     return report
+
+
+def _awaits(task: asyncio.Task[object], code: object) -> bool:
+    """`task` runs (or awaits, however deep) a coroutine of the function `code`."""
+    coro: object = task.get_coro()
+    while coro is not None:
+        if getattr(coro, "cr_code", None) is code:
+            return True
+        coro = getattr(coro, "cr_await", None)
+    return False
+
+
+def _cancel_timed_out_test(item: pytest.Item) -> None:
+    """Cancel the timed-out test's own task and run its loop until the test's `finally`
+    blocks and context managers are done. pytest-timeout's exception leaves the task pending;
+    on the session loop (integration, e2e) it went on in the background during the next
+    tests (its agents, allocators and gRPC servers still running) and was cancelled only when
+    the loop closed at the end of the session, too late for grpc.aio's servers: torn down at
+    interpreter exit, they printed only "Error in sys.excepthook:" lines."""
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if code is None:
+        return
+    tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
+    for task in tasks:
+        loop = task.get_loop()
+        if _awaits(task, code) and not loop.is_closed() and not loop.is_running():
+            task.cancel()
+            loop.run_until_complete(asyncio.wait({task}, timeout=120))

@@ -290,6 +290,49 @@ async def test_allocation_of_a_gone_node_is_finalized_only_when_the_node_is_real
     assert delete[0] == "delete" and delete[1] == path
 
 
+async def _gone_node_with(pod: Obj) -> tuple[RecordingKube, str]:
+    """`pod`'s allocation on node `gone`, which the API server no longer has, seen by a
+    leading controller; the kube that recorded its writes, and the allocation's path."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    alloc = make_allocation(pod, "gone", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    path = (
+        f"/apis/instaslice.io/v1alpha1/namespaces/ns/sliceallocations/{alloc['metadata']['name']}"
+    )
+    kube.objects[path] = alloc
+    kube.objects["/api/v1/namespaces/ns/pods/p"] = pod
+    async with leading(c):
+        await c._on_pod("ADDED", pod)
+        await c._on_allocation("ADDED", alloc)
+    return kube, path
+
+
+@pytest.mark.parametrize("bound", [False, True])
+async def test_an_ungated_pod_of_a_gone_node_is_deleted_before_its_record_is_finished(
+    bound: bool,
+) -> None:
+    """Pinned there (or bound): were its slots released first, a Node registered again under
+    the name would have the pod bound and started on slots given to another pod."""
+    pod = podlib.pin(make_pod("p", uid="p", gates=()), "gone")
+    pod["metadata"]["resourceVersion"] = "7"
+    if bound:
+        pod["spec"]["nodeName"] = "gone"
+    kube, path = await _gone_node_with(pod)
+    (pod_delete, patch, alloc_delete) = kube.writes()
+    assert pod_delete == (
+        "delete",
+        "/api/v1/namespaces/ns/pods/p",
+        {"preconditions": {"uid": "p", "resourceVersion": "7"}},
+    )
+    assert patch[0] == "patch" and patch[1] == path
+    assert alloc_delete[0] == "delete" and alloc_delete[1] == path
+
+
+async def test_a_gated_pod_of_a_gone_node_is_left_to_be_placed_again() -> None:
+    kube, path = await _gone_node_with(make_pod("p", uid="p"))  # gated: placed again elsewhere
+    assert [(w[0], w[1]) for w in kube.writes()] == [("patch", path), ("delete", path)]
+
+
 # --- placement ------------------------------------------------------------------------------
 
 

@@ -1018,6 +1018,31 @@ def test_a_placeholder_bound_to_a_node_that_cannot_serve_its_pod_is_replaced_onc
     assert kube.calls == [f"delete {name}", f"create {name}"]
 
 
+def test_the_echo_of_a_withdrawn_placeholder_does_not_hold_back_its_replacement() -> None:
+    """The watch's MODIFIED of the old placeholder (deletion under way) runs between the
+    withdrawal's answer and the round going on (seen under load): it is not held again, so
+    the replacement is raised at once, and the old one's DELETED is no loss (no 30 s wait)."""
+    _, s, kube = _full_labelled_cluster()
+    name = signal_name("want")
+    deleting = _bound("want", "n1")
+    deleting["metadata"].update(
+        uid="old", resourceVersion="11", deletionTimestamp="2026-12-02T14:17:56Z"
+    )
+    delete = kube.delete_ignore_missing
+    echoes: list[asyncio.Task[None]] = []
+
+    async def delete_then_echo(path: str, **query: Any) -> None:
+        await delete(path, **query)
+        echoes.append(asyncio.create_task(s._on_signal("MODIFIED", deleting)))  # before the round
+
+    kube.delete_ignore_missing = delete_then_echo  # type: ignore[method-assign]
+    asyncio.run(s.reconcile())
+    assert kube.calls == [f"delete {name}", f"create {name}"] and echoes[0].done()
+    s.signals["want"]["metadata"].update(uid="new", resourceVersion="12")
+    asyncio.run(s._on_signal("DELETED", deleting))
+    assert s.needs["want"].lost == 0 and "want" in s.signals
+
+
 @pytest.mark.parametrize(
     ("label", "room"),
     [(False, False), (True, True)],

@@ -173,6 +173,19 @@ def stuck_pinned(pod: Obj, uid_: str) -> bool:
     )
 
 
+def ungated_on(pod: Obj, uid_: str, claim_: str) -> bool:
+    """`pod` is still the pod `uid_`, carries the claim `claim_`, and has been ungated (so
+    pinned or bound to that claim's node), and is neither finished nor being deleted: a pod
+    that may run on the claim's slices, or start on them once scheduled."""
+    return (
+        uid(pod) == uid_
+        and claim(pod) == claim_
+        and not has_our_gate(pod)
+        and not is_terminal(pod)
+        and not is_deleting(pod)
+    )
+
+
 def controller_ref(pod: Obj) -> Obj | None:
     for ref in pod.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):

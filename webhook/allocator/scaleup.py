@@ -480,6 +480,11 @@ class ScaleUp:
             if self.signals.pop(uid, None) is not None and uid not in self._withdrawing:
                 self.lost(uid)  # not our own delete, whose answer is still to come
             return
+        if held is None and (obj.get("metadata") or {}).get("deletionTimestamp"):
+            # the echo of a delete of ours that has already answered (the signal forgotten):
+            # held again, the round's replacement would wait for it, and its DELETED would
+            # count as lost (LOST_BACKOFF_S before the pod asks again)
+            return
         self.signals[uid] = obj
         if obj.get("kind") == "ProvisioningRequest" or ("spec" in obj and "podSets" in obj["spec"]):
             for type_ in _PROVREQ_FAILURES:

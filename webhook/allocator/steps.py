@@ -168,9 +168,19 @@ class Steps:
         await self.release(track, alloc, "its node's agent is down and never acted on it")
 
     async def finalize(self, alloc: SliceAllocation) -> None:
-        """The node is gone, so nothing is left to destroy: finish the record ourselves."""
+        """The node is gone, so nothing is left to destroy: finish the record ourselves.
+
+        Its pod goes first when it was already ungated (pinned to the node, or bound there):
+        gates cannot be re-added, and a Node deleted and registered again under its name
+        (a kubelet re-registering, a re-created VM) would have the scheduler bind the pinned
+        pod there and start it on slots this release hands to another pod — a double
+        booking (chaos soak, seed 7). As for a pinned pod stuck unschedulable, the delete is
+        of the pod as just read, and the record is finished only once it is done; its
+        controller, if any, recreates it and it is placed again."""
         if await self.writes.node_exists(alloc.node):
             return  # it exists after all; the node watch will say so
+        if not await self._delete_ungated_pod(alloc):
+            return  # the pod changed since it was read: its watch event brings it back here
         current = await self.writes.drop_finalizer(alloc)
         if current is None:
             return
@@ -178,6 +188,24 @@ class Steps:
         if not current.get("metadata", {}).get("deletionTimestamp"):
             await self.writes.delete_allocation(SliceAllocation.parse(current))
         self.metrics.outcome("released")
+
+    async def _delete_ungated_pod(self, alloc: SliceAllocation) -> bool:
+        """Delete the allocation's pod as read when it is ungated (see `finalize`): True when
+        the record may be finished (no such pod, or deleted), False when the pod changed
+        since the read."""
+        if not alloc.pod_name:
+            return True
+        ref = {"metadata": {"namespace": alloc.namespace, "name": alloc.pod_name}}
+        current = await self.writes.read_pod(ref)
+        if current is None or not podlib.ungated_on(current, alloc.pod_uid, alloc.name):
+            return True
+        if not await self.writes.delete_pod_as_read(current):
+            log.info("pod of a deleted node changed since it was read", pod=podlib.key(current))
+            return False
+        log.warning(
+            "pod ungated onto a deleted node deleted", pod=podlib.key(current), node=alloc.node
+        )
+        return True
 
     # --- preemption ---------------------------------------------------------------------
 
