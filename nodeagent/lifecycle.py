@@ -272,10 +272,13 @@ class Lifecycle:
     async def fail(self, alloc: SliceAllocation, message: str) -> None:
         log.warning("allocation failed", claim=alloc.key, reason=message)
         self.metrics.creates.labels(self.st.node, "failed").inc()
-        await self.write_failed(alloc, message)
-        # final for this uid (reconcile.decide); holds no slice: the rollback came first
+        # final for this uid (reconcile.decide); holds no slice: the rollback came first.
+        # Noted before the write: a view of it handled from the moment Failed can be seen
+        # (our own late Creating event) is answered with Failed, never made; a write that
+        # fails is written again (Action.REFAIL)
         rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
         self.st.put(replace(rec, updated=time.time(), message=message))  # in memory only
+        await self.write_failed(alloc, message)
         await writes.event(
             self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
         )

@@ -267,15 +267,24 @@ async def test_an_allocation_for_another_node_is_failed_not_made(
 
 
 async def test_a_stale_creating_view_after_failed_makes_nothing(
-    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane, monkeypatch: Any
 ) -> None:
     """The agent's own Creating write arriving by watch after it wrote Failed: the agent
     once made the slices then and wrote Ready over Failed while the allocator released the
-    record, so the pod was pinned to slots being freed (`make chaos` under load)."""
+    record, so the pod was pinned to slots being freed (`make chaos` under load). Also while
+    the agent resumes late after its Failed write (a loaded machine: the test saw Failed
+    before the agent noted it, and the stale view made the slice)."""
     node = await gpu_node(kube, tmp_path, [H200])
     node.emu.fail_next("create_ci", 23)
     async with running_agent(agent_settings([node], control_plane.kubeconfig)) as agents:
         life = agents[node.name].life
+        write_failed = life.write_failed
+
+        async def write_failed_then_stall(alloc: SliceAllocation, message: str) -> None:
+            await write_failed(alloc, message)
+            await asyncio.sleep(1.0)
+
+        monkeypatch.setattr(life, "write_failed", write_failed_then_stall)
         alloc = slice_allocation(ns, node, [("c", "1g.18gb", 0, 0, 1)])
         await create_allocation(kube, alloc)
         failed = await wait_phase(kube, alloc, "Failed")
