@@ -1,7 +1,7 @@
 """The one SliceAllocation model: parse a watched object, build a new one, read its status.
 
 Every component reads SliceAllocations through `SliceAllocation.parse` and the allocator
-writes them through `build_allocation` (STYLE.md §12b: one model per wire object), so the
+writes them through `build_allocation` (docs/style.md §12b: one model per wire object), so the
 allocator, the node agent, the device plugin and `kubectl instaslice` cannot drift apart on
 what a field means or what an absent status defaults to (`Pending`).
 
@@ -50,7 +50,6 @@ class SliceAllocation:
     message: str
     boot_id: str
     status_slices: tuple[Obj, ...]
-    has_status: bool  # any status at all (the node agent writes `Creating` before acting)
     obj: Obj
 
     @classmethod
@@ -73,7 +72,6 @@ class SliceAllocation:
             message=str(status.get("message") or ""),
             boot_id=str(status.get("bootID") or ""),
             status_slices=tuple(status.get("slices") or ()),
-            has_status=bool(status),
             obj=obj,
         )
 
@@ -153,5 +151,4 @@ def build_allocation(
             "nodeName": node,
             "slices": slices,
         },
-        "status": {"phase": Phase.PENDING.value},
     }

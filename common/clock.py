@@ -1,4 +1,4 @@
-"""Time, injected (STYLE.md §8), and the two Kubernetes timestamp formats.
+"""Time, injected (docs/style.md §8), and the two Kubernetes timestamp formats.
 
 Two clocks matter: a monotonic one for every duration a component measures (lease expiry,
 the pinned-unschedulable timeout, latency metrics) and the wall clock for what goes on the

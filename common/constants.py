@@ -1,4 +1,4 @@
-"""Names of the public contract (shared/CONTRACT.md), defined once.
+"""Names of the public contract (docs/contract.md), defined once.
 
 Every annotation key, label, gate, resource prefix and API coordinate that more than one
 module uses lives here, so a misspelling is a NameError rather than a silent mismatch.

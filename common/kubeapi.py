@@ -1,4 +1,4 @@
-"""The one module that talks to kubernetes_asyncio (STYLE.md §1).
+"""The one module that talks to kubernetes_asyncio (docs/style.md §1).
 
 Everything else sees Kubernetes objects as plain JSON dicts in wire format (camelCase, as
 in YAML) and calls a handful of verbs on `Kube`. kubernetes_asyncio supplies what it does
@@ -8,7 +8,7 @@ dicts are faster to decode, match the manifests one to one, and keep one code pa
 objects and our CRDs alike.
 
 Errors are classified once, here: `ApiError.status` plus the predicates `not_found`,
-`conflict`, `gone`, `retryable`. Watches follow STYLE.md §4 (`Informer`): list, then watch
+`conflict`, `gone`, `retryable`. Watches follow docs/style.md §4 (`Informer`): list, then watch
 from the list's resourceVersion with bookmarks; re-list on 410 Gone; reconnect with backoff.
 """
 

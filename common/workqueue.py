@@ -1,4 +1,4 @@
-"""Per-object serialized work (STYLE.md §4): one worker per key, different keys in parallel.
+"""Per-object serialized work (docs/style.md §4): one worker per key, different keys in parallel.
 
 `kick(key)` makes sure `worker(key)` runs again after the latest kick; kicks that arrive
 while the worker runs coalesce into one more pass. The worker returns None when done or a

@@ -1,4 +1,4 @@
-"""CDI spec files for allocations (CONTRACT.md §3 "CDI"; mig.md §4).
+"""CDI spec files for allocations (docs/contract.md §3 "CDI"; docs/mig-facts.md §4).
 
 One JSON file per allocation, `instaslice.io-<namespace>_<claim>.json`, kind
 `instaslice.io/mig`, one device per slice-asking container. A device's edits are exactly what
@@ -17,7 +17,7 @@ newer one's file. A file without the annotation (written before it existed) is a
 
 Building is pure (`build_spec`); the only I/O is the atomic write/remove and reading the two
 host files it depends on: the NVIDIA base spec and `/proc/driver/nvidia-caps/mig-minors`. In
-emulation a generated base spec and the minors formula of mig.md §2.12 stand in for them.
+emulation a generated base spec and the minors formula of docs/mig-facts.md §2.12 stand in for them.
 Device nodes carry type/major/minor when known, so a consumer need not stat host paths that
 do not exist (emulation); on real nodes the runtime fills them from the host when absent.
 """
@@ -102,13 +102,13 @@ def parse_mig_minors(text: str) -> dict[str, int]:
 
 
 def formula_minor(gpu_minor: int, gi_id: int, ci_id: int | None = None) -> int:
-    """mig.md §2.12: gpu{g}/gi{i}/access = 3+135g+9i; .../ci{c}/access = 4+135g+9i+c."""
+    """docs/mig-facts.md §2.12: gpu{g}/gi{i}/access = 3+135g+9i; .../ci{c}/access = 4+135g+9i+c."""
     base = 135 * gpu_minor + 9 * gi_id
     return 3 + base if ci_id is None else 4 + base + ci_id
 
 
 def formula_mig_minors(gpu_minors: Iterable[int]) -> dict[str, int]:
-    """What `/proc/driver/nvidia-caps/mig-minors` lists for these GPUs (mig.md §2.12): the
+    """What `/proc/driver/nvidia-caps/mig-minors` lists for these GPUs (docs/mig-facts.md §2.12): the
     `config` and `monitor` caps, then every possible GPU instance (ids 0-14) and compute
     instance (ids 0-7) of each GPU. Emulated nodes with real device files are made from it."""
     out = {"config": 1, "monitor": 2}

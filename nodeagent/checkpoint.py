@@ -1,4 +1,4 @@
-"""Intent records: the node agent's proof of what it created (STYLE.md §6).
+"""Intent records: the node agent's proof of what it created (docs/style.md §6).
 
 Before any NVML call that creates or destroys, the agent writes what it is about to do into a
 small JSON file per node (`<state-dir>/<node>.agent.json`), atomically (tmp + fsync +

@@ -2,7 +2,7 @@
 
 `work(uid)` is the KeyedQueue worker: it reads the latest SliceAllocation, asks
 `reconcile.decide` what to do and does it. Every step is idempotent and ordered intent
-first (STYLE.md §6):
+first (docs/style.md §6):
 
 create   plan (pure) → status Creating → check the placements are free → write the intent
          record → bring each GPU to the MIG mode its slices need (`modechange`) → per
@@ -290,7 +290,7 @@ class Lifecycle:
         await self.status(alloc, status_failed(message, conds))
 
     async def destroy(self, inst: Instance) -> None:
-        """CI(s) first, then the GI (mig.md §3.3); NOT_FOUND counts as done."""
+        """CI(s) first, then the GI (docs/mig-facts.md §3.3); NOT_FOUND counts as done."""
         i = inst.gpu_index
         if self.st.is_lost(i):
             log.warning("GPU lost; its instances went with it", gpu=i)

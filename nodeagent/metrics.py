@@ -29,7 +29,7 @@ from nodeagent.report import SLICE_INFO_LABELS
 
 SliceSource = Callable[[], Iterable[Sequence[str]]]
 
-# GI+CI creation: milliseconds in the emulator, around a second on hardware (mig.md §5).
+# GI+CI creation: milliseconds in the emulator, around a second on hardware (docs/mig-facts.md §5).
 CREATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

@@ -1,6 +1,6 @@
 """Carrying out a MIG mode change on one GPU, as a step of realising an allocation.
 
-Order (docs/nodeagent.md "MIG mode on demand"; STYLE.md §6): `modes.mode_problem` says the
+Order (docs/nodeagent.md "MIG mode on demand"; docs/style.md §6): `modes.mode_problem` says the
 agent may change it at all → the intent record (`checkpoint.ModeIntent`), fsynced → in the
 GPU's own NVML queue: re-check that no process (and, when disabling, no GPU instance) is on
 it, SetMigMode, verify GetMigMode, read the GPU afresh (minor number, profiles, placements

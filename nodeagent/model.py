@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# nvml.h return codes the agent acts on (mig.md §3.4).
+# nvml.h return codes the agent acts on (docs/mig-facts.md §3.4).
 NVML_INVALID_ARGUMENT = 2
 NVML_NOT_SUPPORTED = 3
 NVML_NO_PERMISSION = 4

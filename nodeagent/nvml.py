@@ -1,4 +1,4 @@
-"""The hardware seam: the only module that speaks NVML (STYLE.md §5).
+"""The hardware seam: the only module that speaks NVML (docs/style.md §5).
 
 Everything here is written against the `pynvml` call surface and receives "the nvml module"
 as a dependency — the real `pynvml` (nvidia-ml-py) on a node, an `EmulatedNvml` under
@@ -8,7 +8,7 @@ of a node in parallel.
 
 What it does not do: decide anything. It reads inventories and instances, creates one GI at
 exactly a placement plus its default CI, finds the MIG UUID by walking MIG device handles
-(the CI info's `device` is the PARENT GPU, mig.md §3.2), destroys CI then GI, and waits for
+(the CI info's `device` is the PARENT GPU, docs/mig-facts.md §3.2), destroys CI then GI, and waits for
 health events. NVML errors become `NvmlFailure` (code + call name), classified in
 `nodeagent.model`.
 
@@ -46,7 +46,7 @@ NvmlModule = Any  # the pynvml module, or an object with its names (EmulatedNvml
 
 _ERROR_NAMES = {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
 _NO_ID = 0xFFFFFFFF
-GI_PROFILE_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT in nvml.h of driver 580 (mig.md §1)
+GI_PROFILE_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT in nvml.h of driver 580 (docs/mig-facts.md §1)
 CI_PROFILE_COUNT = 9
 CI_ENGINE_SHARED = 0
 
@@ -377,7 +377,7 @@ class NvmlSession:
         """Create the GI's default (full-size) compute instance; returns its CI id.
 
         The default is the CI profile spanning all the GI's compute slices with the most
-        SMs (Hopper has two 1-slice CI profiles; mig.md §2.11). `hint` (the catalog's
+        SMs (Hopper has two 1-slice CI profiles; docs/mig-facts.md §2.11). `hint` (the catalog's
         default CI enum) is tried first to save the probe.
         """
         gi = self._gi(gpu_index, gi_id)

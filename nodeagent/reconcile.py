@@ -1,6 +1,6 @@
 """Pure decisions of the node agent: (allocation, intent record, NVML instances) → action.
 
-No I/O, no clock, no NVML here (STYLE.md §2); `nodeagent.agent` executes what these return.
+No I/O, no clock, no NVML here (docs/style.md §2); `nodeagent.agent` executes what these return.
 The rules (docs/nodeagent.md "Checkpoint and reconcile"):
 
 - An allocation being deleted is released; Pending/Creating ones are created (idempotently:
@@ -51,7 +51,7 @@ class Decision:
 
 def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> Decision:
     """The action for one allocation, from it and this agent's record of it. Our own writes
-    come back as watch events, maybe late: the record says what we wrote (STYLE.md §12c)."""
+    come back as watch events, maybe late: the record says what we wrote (docs/style.md §12c)."""
     if alloc.deleting:
         return Decision(Action.RELEASE, "allocation deleted")
     phase = alloc.phase

@@ -1,7 +1,7 @@
 """Test support shared by the integration and e2e tiers (no fixtures).
 
 - `eventually(check)`: poll a condition under a deadline, its last truthy value returned.
-  Tests may poll where nothing can be watched; the product never does (STYLE.md).
+  Tests may poll where nothing can be watched; the product never does (docs/style.md).
 - `wait_admission_sees_opt_in(kube, ns, probe)`: until admission treats namespace `ns` as
   opted in. The API server matches a webhook's namespaceSelector, and hands a
   ValidatingAdmissionPolicy its namespaceObject, from its own namespace cache, which may lag

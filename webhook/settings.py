@@ -1,4 +1,4 @@
-"""Settings of the admission webhook, as frozen dataclasses passed in (STYLE.md §8).
+"""Settings of the admission webhook, as frozen dataclasses passed in (docs/style.md §8).
 
 Nothing here reads the environment or the catalog at import time: the entry point builds the
 settings (from flags, env, the catalog) and hands them down. `AdmissionSettings` is all the

@@ -1,7 +1,7 @@
 """The MIG catalog: what each GPU model offers, as frozen data.
 
 Loaded once from `models.json` (data, not code; every value traced to
-shared/reference/mig.md or shared/hardware/). Fields marked inferred there are listed in
+docs/mig-facts.md or tests/data/). Fields marked inferred there are listed in
 each entry's `inferred`. The placement axis is memory slots: a profile occupies
 `[start, start + memory_slots)` and may only start at one of its listed `starts`.
 

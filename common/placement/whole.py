@@ -1,7 +1,7 @@
 """Whole-GPU placement: a pod's `nvidia.com/gpu` asks, each an entire GPU with MIG off.
 
 A whole GPU needs MIG mode off (a GPU in MIG mode without instances runs no CUDA work,
-mig.md §3.1), and never shares its GPU: the allocation occupies every memory slot
+docs/mig-facts.md §3.1), and never shares its GPU: the allocation occupies every memory slot
 (`Occupied(0, slots, "gpu")`), so the slice engine never places a MIG slice beside it.
 The caller lists, per GPU (node, index), which GPUs may serve (`WholeView`):
 

@@ -218,7 +218,7 @@ def reboot(
     """Every GPU is reset, instances and processes are gone, and each GPU comes back with
     the MIG mode its model keeps across a reboot (`rules.mode_after_reboot`: Ampere keeps
     its pending mode, Hopper and newer come back disabled [INF]). `keep_mig_mode` True or
-    False overrides the model (False: a VM whose MIG mode went with it, mig.md §1)."""
+    False overrides the model (False: a VM whose MIG mode went with it, docs/mig-facts.md §1)."""
     gpus = []
     for gpu in state.gpus:
         mode = rules.mode_after_reboot(gpu, keep_mig_mode)

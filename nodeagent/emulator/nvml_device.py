@@ -28,7 +28,7 @@ from nodeagent.emulator.state import (
     Rejected,
 )
 
-DRIVER_VERSION = "580.159.04"  # what the real H200 in shared/hardware/ ran
+DRIVER_VERSION = "580.159.04"  # what the real H200 in tests/data/ ran
 NVML_VERSION = "13.580.159.04"
 CUDA_DRIVER_VERSION = 13000
 PROCESS_MEMORY = 512 << 20  # bytes each emulated process "uses"

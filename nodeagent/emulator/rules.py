@@ -1,6 +1,6 @@
 """MIG rules of one GPU as pure functions: `Gpu` in, a new `Gpu` (or `Rejected`) out.
 
-What the driver enforces (shared/reference/mig.md §6.1, §7) and the emulator copies:
+What the driver enforces (docs/mig-facts.md §6.1, §7) and the emulator copies:
 - a GI occupies memory slots `[start, start + size)`, starts only at one of its profile's
   listed starts (else INVALID_ARGUMENT) and may not overlap another GI
   (INSUFFICIENT_RESOURCES, also for an occupied spot: the driver never says ALREADY_EXISTS);
@@ -10,7 +10,7 @@ What the driver enforces (shared/reference/mig.md §6.1, §7) and the emulator c
 - MIG must be enabled to create, list or destroy; clients of the whole GPU block creation;
 - a GI with compute instances, or a CI with processes, is IN_USE on destroy;
 - CI profiles inside a GI follow go-nvlib (C <= G, and 2C <= G+1 when C < G) [CODE].
-GI ids follow the binary-tree numbering seen on real parts (mig.md §2.12; lowest free id
+GI ids follow the binary-tree numbering seen on real parts (docs/mig-facts.md §2.12; lowest free id
 when a size does not fit the tree); CI ids are the lowest free 0..7.
 """
 
@@ -46,7 +46,7 @@ CI_REV1: Final = 7  # NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
 _CI_ENUM_BY_SLICES: Final = {1: 0, 2: 1, 3: 2, 4: 3, 6: 6, 7: 4, 8: 5}
 
 # nvidia-smi's default placement on 8-slot parts: 7x 1g fill 6,4,5,0,1,2,3; the first 2g
-# (and 1g with double memory) goes to 4, then 0, 2; a 3g on an empty GPU to 4 (mig.md §2.12).
+# (and 1g with double memory) goes to 4, then 0, 2; a 3g on an empty GPU to 4 (docs/mig-facts.md §2.12).
 _DEFAULT_ORDER_8: Final = {1: (6, 4, 5, 0, 1, 2, 3), 2: (4, 0, 2, 6), 4: (4, 0), 8: (0,)}
 
 
@@ -208,7 +208,7 @@ def ci_profiles(model: GpuModel, gi_profile: Profile) -> tuple[CiProfile, ...]:
     if gi_profile.default_ci == CI_REV1:
         # Hopper+ 1g with double memory: the REV1 CI has the GI's SMs (26 on H100/H200); the
         # plain 1-slice CI only a plain 1g's, which is why the DRA driver picks the CI with
-        # the most SMs (mig.md §2.11) [INF for the plain one's count].
+        # the most SMs (docs/mig-facts.md §2.11) [INF for the plain one's count].
         plain = model.profile_by_enum(0)
         plain_sms = plain.multiprocessors if plain is not None else gi_profile.multiprocessors
         out = [replace(p, multiprocessors=plain_sms) if p.enum == 0 else p for p in out]

@@ -1,6 +1,6 @@
 """What `nvidia-smi mig -lgip` / `-lgipp` print, from the catalog (pure text formatting).
 
-The layout is copied from the real H200 dump in shared/hardware/h200-141gb/ (byte for byte
+The layout is copied from the real H200 dump in tests/data/h200-141gb/ (byte for byte
 there): an 81-column table, two rows per profile (SM/DEC/ENC over CE/JPEG/OFA), memory in
 GiB = MiB / 1024 with two decimals (printf rounding), P2P "No", and `Placement :` for a
 single start but `Placements:` for several. Profiles come in catalog order, which is the

@@ -20,7 +20,7 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
   certificate;
 - the node agent's rules are sufficient: the real agent, under its node's certificate
   identity and nothing else, takes an allocation to Ready and releases it;
-- the pod policy of CONTRACT.md §4 holds in namespaces tests elsewhere do not use (kube-system,
+- the pod policy of docs/contract.md §4 holds in namespaces tests elsewhere do not use (kube-system,
   InstaSlice's own even when labelled opted-in, one that opted out: no device of another
   pod, no InstaSlice marks at all), and InstaSlice's *other* identity (the node agent) may not
   remove the gate or change the claim either;

@@ -1,8 +1,8 @@
 """The MIG catalog against its sources, and profile-name grammar.
 
 Covers: every model loads with unique names/ids/enums; the H200 entry equals the real NVML
-answers (shared/hardware/h200-141gb/nvml.json) and real `-lgipp` placements; every model's
-values equal the per-GPU tables of shared/reference/mig.md §2 (ids, counts, placements, SMs,
+answers (tests/data/h200-141gb/nvml.json) and real `-lgipp` placements; every model's
+values equal the per-GPU tables of docs/mig-facts.md §2 (ids, counts, placements, SMs,
 GiB, engines; cells the reference leaves open are not checked); profile names follow
 go-nvlib's GB rule; placements of one profile never overlap and lie inside the GPU;
 lookups by name, PCI id and product; profile-name parse/print and resource-name mapping.
@@ -153,7 +153,7 @@ def test_h200_placements_equal_real_lgipp() -> None:
     assert found == {p.id: (p.starts, p.memory_slots) for p in h200.profiles}
 
 
-# ---- the reference tables (mig.md §2) ------------------------------------------------------
+# ---- the reference tables (docs/mig-facts.md §2) ------------------------------------------------------
 
 S1 = (0, 1, 2, 3, 4, 5, 6)
 EVEN = (0, 2, 4, 6)

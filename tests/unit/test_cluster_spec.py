@@ -1,4 +1,4 @@
-"""The cluster spec's node groups (CONTRACT.md §5), in particular `runtime: containerd`:
+"""The cluster spec's node groups (docs/contract.md §5), in particular `runtime: containerd`:
 bad input is refused with an error naming the entry and field; a real group makes no KWOK
 Node object (its kubelet registers it). Leaves out starting anything (tests/e2e)."""
 

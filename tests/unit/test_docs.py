@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,40 @@ def test_docs_cite_only_shipped_documents(doc: Path) -> None:
     for name in ("CONTRACT.md", "STYLE.md", "mig.md"):
         for m in re.finditer(rf"(?<![\w/.-]){re.escape(name)}", text):
             raise AssertionError(f"{doc.name} cites {name}: {text[m.start() - 40 : m.end()]!r}")
+
+
+# Files a maintainer who clones the repository does not have: the working notes the repo's
+# docs were made from (docs/contract.md, docs/style.md and docs/mig-facts.md are their copies).
+_OUTSIDE = re.compile(r"(?<![\w/.-])(?:CONTRACT\.md|STYLE\.md|mig\.md)|(?<![\w.-])shared/")
+_CITED_DOC = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)")
+
+
+def _tracked_sources() -> list[Path]:
+    """Code, manifests, charts and data git tracks (not the CHANGELOG, which is history)."""
+    suffixes = {".py", ".yaml", ".yml", ".json", ".sh", ".toml", ".tpl", ".txt", ".md", ".cfg"}
+    names = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split("\0")
+    out = []
+    for name in filter(None, names):
+        path = ROOT / name
+        if path.name == "CHANGELOG.md" or "results" in path.parts or not path.is_file():
+            continue
+        if path.suffix in suffixes or path.name == "Makefile":
+            out.append(path)
+    return out
+
+
+def test_code_cites_only_files_of_the_repository() -> None:
+    """Comments, docstrings and data cite docs/*.md that exist, never files outside the repo."""
+    bad = []
+    for path in _tracked_sources():
+        if path == Path(__file__):
+            continue
+        text = path.read_text(errors="replace")
+        for m in _OUTSIDE.finditer(text):
+            bad.append(f"{path.relative_to(ROOT)}: {text[max(0, m.start() - 30) : m.end()]!r}")
+        for m in _CITED_DOC.finditer(text):
+            if not (ROOT / "docs" / m.group(1)).exists():
+                bad.append(f"{path.relative_to(ROOT)}: cites missing docs/{m.group(1)}")
+    assert not bad, "\n".join(bad)

@@ -1,7 +1,7 @@
 """`instaslice-emu`, run as the installed console script and through `main()` in-process.
 
 Covers: `lgip`/`lgipp --model H200-141GB` equal the real nvidia-smi dumps in
-shared/hardware/h200-141gb/ (per line after rstrip, and byte for byte); every model
+tests/data/h200-141gb/ (per line after rstrip, and byte for byte); every model
 renders an 81-column table; `lgi` lines `<gpu> <profile> <id> <gi> <start>:<size>`; the
 node commands (provision, latency, fail-next, gpu-lost, xid, processes, reset, reboot)
 change what an EmulatedNvml in this process sees; errors exit 1 (refused) or 2 (usage).

@@ -59,7 +59,7 @@ def with_ci(nv: EmulatedNvml, gi: Any, ci_enum: int = 0) -> Any:
 
 
 def mig_uuid_of(nv: EmulatedNvml, dev: Any, gi_id: int, ci_id: int) -> str:
-    """The recommended walk (mig.md §3.2)."""
+    """The recommended walk (docs/mig-facts.md §3.2)."""
     for i in range(nv.nvmlDeviceGetMaxMigDeviceCount(dev)):
         try:
             m = nv.nvmlDeviceGetMigDeviceHandleByIndex(dev, i)
@@ -104,7 +104,7 @@ def test_every_placement_of_every_profile_creates(tmp_path: Path, model: GpuMode
 
 
 def test_gi_ids_follow_the_observed_tree(tmp_path: Path) -> None:
-    """1g at 6 → 13, 2g at 4:2 → 5, 2g at 2:2 → 4 (mig.md §2.12); A30 and RTX PRO too."""
+    """1g at 6 → 13, 2g at 4:2 → 5, 2g at 2:2 → 4 (docs/mig-facts.md §2.12); A30 and RTX PRO too."""
     nv, _ = make(tmp_path, ["H200-141GB", "A30-24GB", "RTX-PRO-6000"])
     h200, a30, rtx = (nv.nvmlDeviceGetHandleByIndex(i) for i in range(3))
     assert nv.nvmlGpuInstanceGetInfo(gi_at(nv, h200, 19, 6, 1)).id == 13

@@ -198,7 +198,7 @@ async def _settle() -> None:
 async def test_a_release_that_never_ends_is_waited_for_up_to_the_cap_of_the_agents_clock(
     tmp_path: Path,
 ) -> None:
-    """The cap runs on the injected clock (STYLE.md §8): with it held still the create keeps
+    """The cap runs on the injected clock (docs/style.md §8): with it held still the create keeps
     waiting; once it passes the cap the create goes on ("still held": the placement check
     then fails it)."""
     st, clock = _held(tmp_path), StepClock()

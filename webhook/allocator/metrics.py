@@ -11,7 +11,7 @@ Names follow docs/metrics.md:
 - `instaslice_allocations_total{outcome}` (counter): `allocated` (SliceAllocation written),
   `pending` (a decision that found no placement), `failed` (the node agent failed it),
   `released` (deleted by the allocator: pod finished or gone, failed, node gone),
-  `pinned_unschedulable` (CONTRACT.md §4 step 4), `error` (a write the API server refused).
+  `pinned_unschedulable` (docs/contract.md §4 step 4), `error` (a write the API server refused).
 - `instaslice_pending_pods{reason}` (gauge): pods that cannot be placed now, by
   `common.placement.PendingReason` (plus `InvalidRequest` / `WriteError`).
 - `instaslice_slices{profile, model}` (gauge): slices held by live SliceAllocations.

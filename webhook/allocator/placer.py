@@ -1,6 +1,6 @@
 """The placer: one gated pod at a time, in priority order, snapshot → place → assume.
 
-Decisions are serialized on purpose (STYLE.md §3): each one sees every earlier decision in
+Decisions are serialized on purpose (docs/style.md §3): each one sees every earlier decision in
 the model (assumed before its create is sent), so two pods are never promised the same
 slots. The placer writes nothing itself: a decision is recorded in the pod's record
 (`PodTrack.create`) and the pod's worker sends the create; a pod that does not fit is

@@ -1,4 +1,4 @@
-"""What the allocator runs with: one dataclass, passed in (STYLE.md §8), one default each.
+"""What the allocator runs with: one dataclass, passed in (docs/style.md §8), one default each.
 
 Nothing here is read at import; `webhook.main` builds it from the command line.
 """
@@ -24,12 +24,12 @@ def default_identity() -> str:
 
 @dataclass(frozen=True)
 class AllocatorSettings:
-    """What the allocator runs with (STYLE.md §8: passed in, nothing read at import).
+    """What the allocator runs with (docs/style.md §8: passed in, nothing read at import).
 
     namespace: where the leader-election Lease lives (InstaSlice's namespace).
     identity: this replica's name in the Lease; unique per process.
     pinned_unschedulable_timeout_s: how long a pinned pod may stay unschedulable before its
-      slices are released (CONTRACT.md §4 step 4).
+      slices are released (docs/contract.md §4 step 4).
     lease_*: leader election (client-go's defaults: 15 s lease, renew every 5 s, give up
       after 10 s without a renewal); release_on_exit hands the Lease back on shutdown.
     node_selector: a label selector; when set, only matching nodes are offered to placement

@@ -16,7 +16,7 @@ placement engine's `Snapshot`:
   that no live allocation claims (foreign instances are never reused). Slots free up only
   when the allocation object is gone (docs/protocol.md, "Occupancy truth").
 
-"Assumed" allocations (STYLE.md §3) are recorded before the create is sent, so the next
+"Assumed" allocations (docs/style.md §3) are recorded before the create is sent, so the next
 decision already sees them, and are forgotten if the create fails; the watched object
 replaces the assumed one when it arrives.
 

@@ -1,4 +1,4 @@
-"""One record per pod and the pure decision of what to do next for it (STYLE.md §12a).
+"""One record per pod and the pure decision of what to do next for it (docs/style.md §12a).
 
 `PodTrack` is everything the leading allocator knows and has promised about one pod: that it
 is parked as pending (and which reason the pod was told), the GPUs that failed it, when it
