@@ -66,7 +66,7 @@ test-e2e: install kube-bins ## whole system on the local control plane
 
 test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
 	@mkdir -p .dev && rm -f .dev/test-report.xml
-	$(BIN)/pytest -q tests --junitxml=.dev/test-report.xml || { status=$$?; \
+	$(BIN)/pytest -q tests --durations=25 --junitxml=.dev/test-report.xml || { status=$$?; \
 		$(BIN)/python -m hack.test_report .dev/test-report.xml; exit $$status; }
 
 cluster-up: install kube-bins ## local control plane only; kubeconfig at .dev/kubeconfig

@@ -50,6 +50,26 @@ def pytest_configure(config: pytest.Config) -> None:
         renderer.exception_formatter = structlog.dev.plain_traceback
 
 
+# Tiers by folder (docs/style.md §12), and two cross-cutting kinds: `system` for runs of the
+# whole cluster (every e2e test, the quick soak and latency runs), `realnode` for the real
+# kubelet + containerd node. `pytest -m unit`, `-m "not system"`, `-m realnode` select them.
+_TIERS = {"unit", "integration", "e2e", "packaging"}
+_SYSTEM_MODULES = {"test_chaos_quick.py", "test_bench_latency_quick.py"}
+_REALNODE_MODULES = {"test_realnode.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.parts
+        tier = next((p for p in reversed(parts[:-1]) if p in _TIERS), None)
+        if tier is not None:
+            item.add_marker(tier)
+        if tier == "e2e" or item.path.name in _SYSTEM_MODULES:
+            item.add_marker("system")
+        if item.path.name in _REALNODE_MODULES:
+            item.add_marker("realnode")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
