@@ -11,7 +11,7 @@ CHAOS_SEED ?= 1
 FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
 
-.PHONY: help install lint test test-unit test-packaging test-integration test-e2e kube-bins chart protos \
+.PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency bench-autoscale bench-memory chaos fuzz clean
 
@@ -32,8 +32,10 @@ lint: install ## ruff check + ruff format --check + mypy --strict + import-linte
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-kube-bins: install node-deps ## build (or verify cached) etcd, kube-*, kubectl, kwok, node-bins, helm, kueue and karpenter
+control-plane-bins: install ## build (or verify cached) etcd, kube-*, kubectl and kwok: all that make demo needs
 	hack/kube/build.sh
+
+kube-bins: install node-deps control-plane-bins ## also node-bins, helm, kueue and karpenter: all that make test needs
 	hack/kube/build-node.sh
 	hack/helm/build.sh
 	hack/kueue/build.sh
@@ -81,7 +83,7 @@ dev-up: install kube-bins ## control plane + KWOK GPU nodes + webhook + allocato
 dev-down: install ## stop everything dev-up started
 	$(BIN)/python -m hack.dev down
 
-demo: install kube-bins ## the main job: a heterogeneous emulated cluster running a mixed workload
+demo: install control-plane-bins ## the main job: a heterogeneous emulated cluster running a mixed workload
 	$(BIN)/python -m hack.demo
 
 bench-placement: install ## placement quality and decision speed (no cluster); .dev/bench/placement.json
