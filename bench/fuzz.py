@@ -17,7 +17,9 @@ Every answer is checked against what the apiserver needs (the oracle, `check`):
   `allowed` is a bool; a denial carries a status with an int code and a message, never the
   server's own internal-error code 500 (that is a crash of the decision code);
 - a patch is base64 JSON Patch that applies to the object, and the patched pod carries the
-  gate once, a DNS-1123 claim, no `nvidia.com/mig-*` left, and (env mode) each slice-asking
+  gate once, a DNS-1123 claim, no `nvidia.com/mig-*` left, no slice ask (`instaslice.io/mig-*`,
+  `instaslice.io/gpu`) in an init container that is not a sidecar (`restartPolicy: Always`;
+  docs/contract.md §1: no quota would count its slices), and (env mode) each slice-asking
   container's NVIDIA_VISIBLE_DEVICES is exactly its own device.
 A server that stops answering ends the run (a crash). Output: one JSON line, also written to
 `.dev/bench/fuzz.json`: reviews sent, crashes, malformed answers (with the first examples),
@@ -57,6 +59,7 @@ from certs.make import make_ca, make_serving_cert, write_pair
 from common.constants import (
     CLAIM_ANNOTATION,
     GATE_NAME,
+    INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
     NVIDIA_MIG_PREFIX,
     SIZE_ANNOTATION_PREFIX,
@@ -175,6 +178,9 @@ def generated_review(draw: st.DrawFn) -> Obj:
     spec: Obj = {"containers": draw(st.lists(_container(), max_size=4) | _json)}
     if draw(st.booleans()):
         spec["initContainers"] = draw(st.lists(_container(), max_size=2))
+        for c in spec["initContainers"]:  # sidecars (the only ones that may ask), and not
+            if isinstance(c, dict) and draw(st.booleans()):
+                c["restartPolicy"] = draw(st.sampled_from(["Always", "OnFailure"]) | _json)
     if draw(st.integers(0, 3)) == 0:
         spec["ephemeralContainers"] = draw(st.lists(_container(), max_size=1))
     if draw(st.booleans()):
@@ -242,10 +248,14 @@ def hypothesis_bodies(n: int, run_seed: int) -> Iterator[bytes]:
 # --- mutated real reviews ----------------------------------------------------------------------
 
 
-def _c(name: str, limits: Obj | None = None, env: list[Obj] | None = None) -> Obj:
+def _c(
+    name: str, limits: Obj | None = None, env: list[Obj] | None = None, *, sidecar: bool = False
+) -> Obj:
     c: Obj = {"name": name, "image": "registry.example/cuda:12", "imagePullPolicy": "Always",
               "terminationMessagePath": "/dev/termination-log",
               "terminationMessagePolicy": "File", "resources": {}}  # fmt: skip
+    if sidecar:
+        c["restartPolicy"] = "Always"
     if limits:
         c["resources"] = {"limits": dict(limits), "requests": dict(limits)}
     if env:
@@ -274,7 +284,8 @@ def real_pods() -> list[Obj]:
         ([_c("main", mig)], []),
         ([_c("main", {"nvidia.com/mig-3g.40gb": "2", "cpu": "2"})], []),
         ([_c("train", mig), _c("eval", {"nvidia.com/mig-1g.18gb.me": "1"}), _c("log")], []),
-        ([_c("main", mig)], [_c("prep", {"nvidia.com/mig-2g.20gb": "1"})]),
+        ([_c("main", mig)], [_c("prep", {"nvidia.com/mig-2g.20gb": "1"}, sidecar=True)]),
+        ([_c("main", mig)], [_c("prep", {"nvidia.com/mig-2g.20gb": "1"})]),  # refused
         ([_c("main", {"nvidia.com/gpu": "1"})], []),
         ([_c("main", mig, env=[{"name": "A", "value": "b"}])], []),
         ([_c("main")], []),
@@ -441,13 +452,17 @@ def _check_patch(req: Obj, resp: Obj) -> str | None:
     )
     if not 1 <= gates.count(GATE_NAME) <= max(1, before.count(GATE_NAME)):
         return f"gate {gates.count(GATE_NAME)} times"
-    kinds = [spec.get("containers"), spec.get("initContainers")]
-    for c in [c for k in kinds if isinstance(k, list) for c in k if isinstance(c, dict)]:
+    kinds = [(False, spec.get("containers")), (True, spec.get("initContainers"))]
+    for init, c in [(i, c) for i, k in kinds if isinstance(k, list) for c in k
+                    if isinstance(c, dict)]:  # fmt: skip
         res: Obj = c["resources"] if isinstance(c.get("resources"), dict) else {}
         names = [str(k) for s in ("limits", "requests") if isinstance(res.get(s), dict)
                  for k in res[s]]  # fmt: skip
         if any(k.startswith(NVIDIA_MIG_PREFIX) for k in names):
             return f"container {c.get('name')!r} still asks for nvidia.com/mig-*"
+        held = init and c.get("restartPolicy") != "Always"
+        if held and any(k.startswith(INSTASLICE_MIG_PREFIX) or k == INSTASLICE_GPU for k in names):
+            return f"init container {c.get('name')!r} (not a sidecar) asks for slices"
         if any(k.startswith(INSTASLICE_MIG_PREFIX) for k in names):
             envs: list[Any] = c["env"] if isinstance(c.get("env"), list) else []
             env = {

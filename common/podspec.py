@@ -2,9 +2,15 @@
 
 The webhook validates and rewrites what users write (`nvidia.com/mig-*`); everything after
 admission (allocator, node agent, kubectl plugin) reads the rewritten pod, whose slice asks
-are the `instaslice.io/mig-*` limits of its containers and initContainers (and
+are the `instaslice.io/mig-*` limits of its containers and sidecars (and
 `instaslice.io/gpu`, whole GPUs, read as the profile "gpu"). Ephemeral
 containers never get slices (docs/contract.md §1) and are never read here.
+
+Init containers that are not sidecars (`restartPolicy: Always`) never get slices either: every
+container keeps its slices for the pod's whole life, but ResourceQuota, the scheduler and Kueue
+charge a pod only its largest such init container's ask (they run one after another), so
+their slices would be held uncharged (docs/contract.md §1, docs/security.md). The webhook and
+the pod policy refuse such asks; `slice_requests` refuses them too.
 
 Counts are Kubernetes quantities; only plain positive integers ("1", "2") are slice counts.
 The webhook refuses anything else at admission, so after admission `slice_requests` raising
@@ -44,7 +50,6 @@ class SliceAsk:
     container: str
     profile: str
     count: int
-    init: bool = False
 
 
 def parse_count(value: object) -> int | None:
@@ -76,6 +81,18 @@ def iter_containers(pod: Mapping[str, Any]) -> Iterator[tuple[ContainerField, in
                 yield fld, i, c
 
 
+def is_sidecar(container: Mapping[str, Any]) -> bool:
+    """An init container with `restartPolicy: Always`: it runs beside the app containers, and
+    Kubernetes (quota, scheduler, Kueue) sums its requests with theirs."""
+    return container.get("restartPolicy") == "Always"
+
+
+def holds_uncharged(fld: str, container: Mapping[str, Any]) -> bool:
+    """Whether slices asked by this container would be held uncharged: an init container
+    that is not a sidecar (see the module docstring). Such a container may not ask."""
+    return fld == "initContainers" and not is_sidecar(container)
+
+
 def pod_claim(pod: Mapping[str, Any]) -> str | None:
     """The pod's `instaslice.io/claim` annotation, if it has one."""
     meta = pod.get("metadata")
@@ -85,10 +102,10 @@ def pod_claim(pod: Mapping[str, Any]) -> str | None:
 
 
 def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
-    """Every slice ask of a rewritten pod, in container order (containers, then init).
+    """Every slice ask of a rewritten pod, in container order (containers, then sidecars).
 
-    Raises SliceRequestError for an `instaslice.io/mig-*` limit that names no profile or
-    whose count is not a positive integer.
+    Raises SliceRequestError for an `instaslice.io/mig-*` limit that names no profile, whose
+    count is not a positive integer, or that an init container other than a sidecar asks.
     """
     asks: list[SliceAsk] = []
     for fld, _, c in iter_containers(pod):
@@ -103,6 +120,11 @@ def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
             if not (isinstance(key, str) and (whole or key.startswith(INSTASLICE_MIG_PREFIX))):
                 continue
             name = c.get("name")
+            if holds_uncharged(fld, c):
+                raise SliceRequestError(
+                    f"init container {name!r}: {key} in an init container that is not a "
+                    "sidecar (restartPolicy: Always); no quota would count its slices"
+                )
             try:
                 profile = (
                     WHOLE_GPU_PROFILE
@@ -116,5 +138,5 @@ def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
                 raise SliceRequestError(
                     f"container {name!r}: {key}={value!r} is not a positive integer count"
                 )
-            asks.append(SliceAsk(str(name), profile, count, init=fld == "initContainers"))
+            asks.append(SliceAsk(str(name), profile, count))
     return asks

@@ -35,6 +35,7 @@ from common.placement import Pending, Policy, engine
 from common.placement.model import PendingReason, PodRequest, SliceRequest, Snapshot
 from common.placement.modes import ModePlacement, ModeView, PlaceFn, mode_steps
 from common.placement.preempt import Cost, Holder, PreemptionPlan, plan_preemption
+from common.podspec import holds_uncharged, iter_containers
 from common.quantity import parse_quantity
 
 MIB: Final = 1024 * 1024
@@ -105,16 +106,28 @@ def parse_size(text: str, *, max_count: int = 1024) -> Size:
 
 
 def size_asks(pod: Mapping[str, Any]) -> list[SizeAsk]:
-    """The size asks of a pod's annotations (raises SizeError, naming the annotation)."""
+    """The size asks of a pod's annotations (raises SizeError, naming the annotation; an ask
+    for an init container that is not a sidecar is one, as in `podspec.slice_requests`)."""
     meta = pod.get("metadata")
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
     if not isinstance(annotations, Mapping):
         return []
+    held = {
+        c.get("name")
+        for fld, _, c in iter_containers(pod)
+        if isinstance(c, Mapping) and holds_uncharged(fld, c)
+    }
     out = []
     for key, value in sorted(annotations.items()):
         if isinstance(key, str) and key.startswith(SIZE_ANNOTATION_PREFIX):
+            container = key[len(SIZE_ANNOTATION_PREFIX) :]
+            if container in held:
+                raise SizeError(
+                    f"metadata.annotations[{key}]: names an init container that is not a "
+                    "sidecar (restartPolicy: Always); no quota would count its slices"
+                )
             try:
-                out.append(SizeAsk(key[len(SIZE_ANNOTATION_PREFIX) :], parse_size(value)))
+                out.append(SizeAsk(container, parse_size(value)))
             except SizeError as exc:
                 raise SizeError(f"metadata.annotations[{key}]: {exc}") from None
     return out

@@ -17,6 +17,10 @@ namespaceSelector and matchConditions already filtered out everything else):
   validated and rewritten the same way, to `instaslice.io/gpu: N` (the CDI device of such a
   container binds its whole GPUs); a pod asking whole GPUs and MIG slices together is
   refused (not supported).
+- an init container that is not a sidecar (`restartPolicy: Always`) may not ask, by profile,
+  whole GPU or size: it would hold its slices for the pod's whole life while ResourceQuota,
+  the scheduler and Kueue charge the pod only its largest init container's ask
+  (docs/contract.md §1). Sidecars ask like app containers (Kubernetes sums them with those).
 
 Size-based asks (`instaslice.io/mig-size.<container>` annotations, common/sizing.py) are
 validated here and left on the pod for the allocator, which resolves them per GPU model; the
@@ -58,7 +62,13 @@ from common.constants import (
     BindingMode,
     qualified_cdi_device,
 )
-from common.podspec import SliceAsk, iter_containers, parse_count, slice_requests
+from common.podspec import (
+    SliceAsk,
+    holds_uncharged,
+    iter_containers,
+    parse_count,
+    slice_requests,
+)
 from common.profiles import ProfileNameError, profile_from_suffix
 from common.quota import min_slots
 from common.sizing import Size, SizeError, parse_size, resolve, unsatisfiable
@@ -274,7 +284,7 @@ def review(
 
 
 def pod_slice_requests(pod: Mapping[str, Any]) -> list[tuple[str, str, int]]:
-    """(container, profile, count) of a rewritten pod, containers then initContainers."""
+    """(container, profile, count) of a rewritten pod, containers then sidecars."""
     return [(a.container, a.profile, a.count) for a in slice_requests(pod)]
 
 
@@ -336,6 +346,22 @@ def _show(value: object, limit: int = 64) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _uncharged(where: str, name: str, *, why: bool) -> str:
+    """Why an init container that is not a sidecar may not ask (`why`: the reason and the
+    remedy, once per review, so several asks do not repeat it)."""
+    text = f"{where}: init container {_show(name)} is not a sidecar, so it may not ask for slices"
+    if not why:
+        return text
+    return (
+        f"{text}. InstaSlice gives every container its own slices for the pod's whole life, "
+        "but ResourceQuota, the scheduler and Kueue charge a pod only its largest init "
+        "container's ask (init containers run one after another), so these slices would be "
+        "held uncharged. Move the ask to an app container (spec.containers), or make this "
+        "init container a sidecar (restartPolicy: Always), which Kubernetes counts with the "
+        "app containers"
+    )
 
 
 def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
@@ -424,7 +450,11 @@ class _Rewrite:
                 continue
             names.add(name)
             before = len(self.asks)
-            asks = self._resources(c, fld, i, name) or name in sizes
+            held = holds_uncharged(fld, c)
+            asks = self._resources(c, fld, i, name, held) or name in sizes
+            if held and name in sizes:
+                key = f"{SIZE_ANNOTATION_PREFIX}{name}"
+                self._refuse_uncharged(f"metadata.annotations[{key}] ({where})", name)
             if asks and self.settings.slot_accounting:
                 charges.append((fld, i, c, self._slots(self.asks[before:], sizes.get(name))))
             own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
@@ -517,8 +547,13 @@ class _Rewrite:
             total += min(fits) * size.count
         return total
 
-    def _resources(self, c: Obj, fld: str, i: int, name: str) -> bool:
-        """Validate one container's MIG resources and queue their renames; True if it asks."""
+    def _refuse_uncharged(self, where: str, name: str) -> None:
+        why = not any("held uncharged" in p for p in self.problems)
+        self.problems.append(_uncharged(where, name, why=why))
+
+    def _resources(self, c: Obj, fld: str, i: int, name: str, held: bool) -> bool:
+        """Validate one container's MIG resources and queue their renames; True if it asks.
+        `held`: a non-sidecar init container, whose every ask is refused (`_uncharged`)."""
         resources = c.get("resources")
         if resources is None:
             return False
@@ -536,6 +571,20 @@ class _Rewrite:
                 return False
             sections[section] = entries
         limits, requests = sections["limits"], sections["requests"]
+        if held:  # instaslice.io/gpu with or without the opt-in: the pod policy refuses it too
+            keys = [
+                (section, key)
+                for section, entries in sections.items()
+                for key in entries
+                if _is_mig_key(key)
+                or key == INSTASLICE_GPU
+                or (self.whole_gpu and key == NVIDIA_GPU)
+            ]
+            for section, key in keys:
+                if section == "limits" or key not in limits:
+                    where = f"spec.{fld}[{i}].resources.{section}[{key}]"
+                    self._refuse_uncharged(where, name)
+            return bool(keys)
         base = f"/spec/{fld}/{i}/resources"
         seen: dict[str, str] = {}
         asked = False
@@ -575,7 +624,7 @@ class _Rewrite:
                 continue
             if count is None:
                 continue
-            self.asks.append(SliceAsk(name, profile, count, init=fld == "initContainers"))
+            self.asks.append(SliceAsk(name, profile, count))
             if nvidia:
                 new_key = INSTASLICE_MIG_PREFIX + suffix
                 for section, entries in (("limits", limits), ("requests", requests)):
@@ -586,7 +635,7 @@ class _Rewrite:
                              "value": entries[key]}
                         )  # fmt: skip
         if self.whole_gpu:
-            asked = self._whole(where, name, fld, base, limits, requests) or asked
+            asked = self._whole(where, name, base, limits, requests) or asked
         for key in requests:
             if _is_mig_key(key) and key not in limits:
                 asked = True
@@ -596,9 +645,7 @@ class _Rewrite:
                 )
         return asked
 
-    def _whole(
-        self, where: str, name: str, fld: str, base: str, limits: Obj, requests: Obj
-    ) -> bool:
+    def _whole(self, where: str, name: str, base: str, limits: Obj, requests: Obj) -> bool:
         """Whole-GPU asks (`nvidia.com/gpu`, or `instaslice.io/gpu` already): validate, queue
         the rename; True if the container asks."""
         keys = [k for k in (NVIDIA_GPU, INSTASLICE_GPU) if k in limits or k in requests]
@@ -625,7 +672,7 @@ class _Rewrite:
             return True
         if count is None:
             return True
-        self.asks.append(SliceAsk(name, WHOLE_GPU_PROFILE, count, init=fld == "initContainers"))
+        self.asks.append(SliceAsk(name, WHOLE_GPU_PROFILE, count))
         if key == NVIDIA_GPU:
             new_key = _esc(INSTASLICE_GPU)
             for section, entries in (("limits", limits), ("requests", requests)):

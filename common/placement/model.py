@@ -170,9 +170,10 @@ class SliceRequest:
 
 @dataclass(frozen=True, slots=True)
 class PodRequest:
-    """One pod's ask. Init containers' slices are listed like any other container's: each
-    container (init or not) gets its own slices for the pod's lifetime (docs/placement.md).
-    cpu/memory are the pod's effective requests (max of init, sum of app, plus overhead)."""
+    """One pod's ask. Sidecars' slices are listed like any other container's: each container
+    gets its own slices for the pod's lifetime; init containers that are not sidecars never
+    ask (docs/placement.md). cpu/memory are the pod's effective requests (the scheduler's:
+    max of init, sum of app and sidecars, plus overhead)."""
 
     name: str
     cpu_millis: int = 0

@@ -9,6 +9,7 @@ Covers, on KWOK GPU nodes with the real webhook/allocator and node-agent process
 - exhaustion: AllocationPending with its reason, then placed once capacity is freed;
 - a Job's completion (KWOK's pod-complete stage finishes Running Job pods) releases its slice;
 - a pod whose containers ask for several slices (count 2, a `+me` profile) gets distinct ones;
+- a sidecar's ask gets its own slice and device; a plain init container's ask is refused;
 - a Deployment scaled up and down: allocations and instances follow the replicas;
 - the node agent killed (-9) while it creates instances, then restarted: no leaked or
   duplicated instance, running pods keep their slices, pending ones complete;
@@ -42,9 +43,11 @@ from common.constants import (
     qualified_cdi_device,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path
+from common.profiles import nvidia_resource
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 from tests.e2e.helpers import (
+    IMAGE,
     Held,
     allocs_path,
     assert_holds_slices,
@@ -258,6 +261,36 @@ async def test_multi_container_slices_distinct(
     places = {(h.gpu_index, h.start) for h in held}
     assert len(places) == 4 and len({h.mig_uuid for h in held}) == 4, held
     await _release(kube, system, namespace, "multi")
+
+
+async def test_a_sidecar_gets_its_own_slice_and_a_plain_init_container_none(
+    kube: Kube, system: DevSystem, namespace: str
+) -> None:
+    """docs/contract.md §1: a sidecar (an init container with restartPolicy: Always) asks like
+    an app container and gets its own slice, device and CDI entry; an init container that is
+    not a sidecar may not ask (no quota would count its slices) and the pod is refused."""
+    pod = make_pod("side", slices={"main": {"1g.10gb": 1}})
+    proxy = {"name": "proxy", "image": IMAGE, "restartPolicy": "Always",
+             "resources": {"limits": {nvidia_resource("1g.20gb"): "1"}}}  # fmt: skip
+    pod["spec"]["initContainers"] = [proxy]
+    created = await _create_pod(kube, namespace, pod)
+    side = created["spec"]["initContainers"][0]
+    assert side["resources"]["limits"] == {resource_of("1g.20gb"): "1"}, side["resources"]
+    await wait_pod_running(kube, namespace, "side")
+    alloc = await assert_holds_slices(kube, system, namespace, "side")  # CDI devices included
+    held = sorted((h.container, h.profile) for h in held_slices(system, alloc))
+    assert held == [("main", "1g.10gb"), ("proxy", "1g.20gb")], held
+
+    plain = make_pod("plain", slices={"main": {"1g.10gb": 1}})
+    plain["spec"]["initContainers"] = [{k: v for k, v in proxy.items() if k != "restartPolicy"}]
+    with pytest.raises(ApiError) as refused:
+        await _create_pod(kube, namespace, plain)
+    msg = refused.value.message
+    assert refused.value.status == 403, refused.value
+    for part in (f"spec.initContainers[0].resources.limits[{nvidia_resource('1g.20gb')}]",
+                 'init container "proxy" is not a sidecar', "restartPolicy: Always"):  # fmt: skip
+        assert part in msg, f"{part!r} not in the refusal: {msg}"
+    await _release(kube, system, namespace, "side")
 
 
 async def _alloc_count(kube: Kube, ns: str, n: int) -> list[Obj]:

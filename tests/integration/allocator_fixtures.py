@@ -91,6 +91,7 @@ def make_pod(
     cpu: str | None = "100m",
     memory: str | None = "64Mi",
     init: Sequence[tuple[str, Mapping[str, int], str | None, str | None]] = (),
+    sidecars: Sequence[tuple[str, Mapping[str, int], str | None, str | None]] = (),
     gates: Sequence[str] = (GATE_NAME,),
     claim: str | None = "auto",
     priority: int | None = None,
@@ -106,8 +107,10 @@ def make_pod(
     labels: Mapping[str, str] | None = None,
 ) -> Obj:
     """A pod as admission leaves it. `slices` defaults to one 1g.10gb for container `main`;
-    `init` lists (name, slices, cpu, memory) init containers; `uid`, `created` and
-    `phase` are for unit tests (the API server sets them)."""
+    `init` lists (name, slices, cpu, memory) init containers, `sidecars` the same for init
+    containers with `restartPolicy: Always` (after `init`; only those may ask for slices,
+    docs/contract.md §1); `uid`, `created` and `phase` are for unit tests (the API server
+    sets them)."""
     asks = {"main": {"1g.10gb": 1}} if slices is None else slices
     containers = [_container(c, a, cpu, memory) for c, a in asks.items()] or [
         _container("main", {}, cpu, memory)
@@ -121,8 +124,10 @@ def make_pod(
     if owner is not None:
         meta["ownerReferences"] = [owner]
     spec: Obj = {"containers": containers, "terminationGracePeriodSeconds": 0}
-    if init:
-        spec["initContainers"] = [_container(n, a, c, m) for n, a, c, m in init]
+    if init or sidecars:
+        spec["initContainers"] = [_container(n, a, c, m) for n, a, c, m in init] + [
+            {**_container(n, a, c, m), "restartPolicy": "Always"} for n, a, c, m in sidecars
+        ]
     if gates:
         spec["schedulingGates"] = [{"name": g} for g in gates]
     if priority is not None:

@@ -7,6 +7,7 @@ own `instaslice.io/mig=<ns>_<claim>_<container>` device (another pod's, another 
 an ephemeral container's naming is refused); `cdi.k8s.io/` annotations may not name InstaSlice
 devices (create and update); a pod created with a claim or `instaslice.io/*` resources must
 carry the gate; a pod created with any of InstaSlice's marks must be in an opted-in namespace;
+an init container that is not a sidecar asks for no `instaslice.io/*` resource on create;
 NVIDIA_VISIBLE_DEVICES in a spec selects nothing but the container's own device (`all`,
 indexes, UUIDs, other CDI names, valueFrom refused, in every container kind); only InstaSlice
 removes the gate or changes the claim, through the pod or its status subresource —
@@ -50,6 +51,7 @@ from tests.integration.webhook_fixtures import (
     load_manifest,
     make_pod,
     opted_in_namespace,
+    sidecar,
     webhook,
 )
 from tests.support import wait_admission_sees_opt_in
@@ -297,6 +299,35 @@ async def test_instaslice_marks_need_the_gate_on_create(
     assert not is_rewritten(plain)
 
 
+async def test_an_init_container_that_is_not_a_sidecar_may_not_ask_on_create(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """Rule 8: its slices would be held as long as the pod lives, while quota, scheduler
+    and Kueue charge only the largest init container's ask. Refused in every namespace:
+    opted in (the rewritten form written by hand — gate, claim, an `instaslice.io/*`
+    resource the webhook configuration never sends — as a pod that skipped the webhook
+    would be), never opted in, kube-system; the same pod with the init container a sidecar
+    (restartPolicy: Always) passes."""
+    ns = await _opt_in(kube, namespace)
+
+    def pod(resource: str = "instaslice.io/gpu", *, is_sidecar: bool = False) -> Obj:
+        prep = container("prep", limits={resource: "1", "cpu": "100m"})
+        return make_pod(
+            container("main"), init=[sidecar(prep) if is_sidecar else prep], gates=[GATE_NAME],
+            annotations={CLAIM_ANNOTATION: "cmine"},
+        )  # fmt: skip
+
+    words = ("initContainers prep:", "not a sidecar", "only the ask of its largest init",
+             "restartPolicy: Always")  # fmt: skip
+    await _refused(kube.create(core_path("pods", ns), pod(), dryRun="All"), *words)
+    slots = pod("instaslice.io/memory-slots")
+    await _refused(kube.create(core_path("pods", ns), slots, dryRun="All"), *words)
+    await kube.create(core_path("pods", ns), pod(is_sidecar=True), dryRun="All")
+    elsewhere = pod(ISL)
+    for other in ("kube-system", "default"):  # never opted in: rule 8 is checked first
+        await _refused(kube.create(core_path("pods", other), elsewhere, dryRun="All"), *words)
+
+
 # --- gate and claim: only InstaSlice ----------------------------------------------------------
 
 
@@ -385,7 +416,7 @@ async def test_controller_made_pods_pass_webhook_and_policy(
     """The policy must not stand in the way of what the webhook produces for controllers."""
     ns = await opted_in_namespace(kube, namespace)
     pod = make_pod(
-        container("main", limits={MIG: "1"}), init=[container("prep", limits={MIG: "1"})]
+        container("main", limits={MIG: "1"}), init=[sidecar(container("prep", limits={MIG: "1"}))]
     )
     spec = {**pod["spec"], "restartPolicy": "Never"}
     template = {"metadata": {"labels": {"app": "job"}}, "spec": spec}
@@ -487,9 +518,15 @@ async def test_a_create_is_checked_wherever_a_mark_hides(
     no_env = container("empty")
     no_env["env"] = []
     cases: dict[str, tuple[Obj, tuple[str, ...]]] = {
-        "a slice asked by an init container only": (
-            make_pod(container("main"), init=[container("prep", limits={ISL: "1"})]),
+        "a slice asked by a sidecar only": (
+            make_pod(container("main"), init=[sidecar(container("prep", limits={ISL: "1"}))]),
             ("gate",),
+        ),
+        "a slice asked by an init container that is not a sidecar": (
+            make_pod(
+                container("main"), init=[container("x"), container("prep", limits={ISL: "1"})]
+            ),
+            ("initContainers prep:", "not a sidecar"),
         ),
         "a device in a later container's later env entry": (
             make_pod(

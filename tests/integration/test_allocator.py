@@ -3,12 +3,12 @@ garbage collector, KWOK nodes), with `FakeAgent` playing the node agents.
 
 Covers every Done-when case of the allocator issue that needs no real GPU agent: one pod;
 GPUs filled exactly; each pending reason (one event) and its recovery; multi-container and
-count > 1 pods; heterogeneous nodes; a cpu-short node skipped; a foreign gate respected;
-release on deletion and completion; a Failed allocation placed again elsewhere; a pinned
-pod that lost its node's CPU (controller-owned and bare); a deleted node's allocations
-finalized; the allocator killed mid-allocation and restarted; two replicas. Pods are
-created as admission leaves them (no webhook runs here). Leaves out the real node agent
-and NVML emulator (tests/e2e) and latency (test_allocator_latency.py).
+count > 1 pods, a sidecar asking; heterogeneous nodes; a cpu-short node skipped; a foreign
+gate respected; release on deletion and completion; a Failed allocation placed again
+elsewhere; a pinned pod that lost its node's CPU (controller-owned and bare); a deleted
+node's allocations finalized; the allocator killed mid-allocation and restarted; two
+replicas. Pods are created as admission leaves them (no webhook runs here). Leaves out the
+real node agent and NVML emulator (tests/e2e) and latency (test_allocator_latency.py).
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ async def test_multi_container_and_counts(env: AllocatorEnv) -> None:
     await env.create_pod(
         "p",
         slices={"a": {"1g.10gb": 2}, "b": {"2g.20gb": 1, "3g.40gb": 1}},
-        init=[("setup", {"1g.10gb": 1}, "100m", None)],
+        sidecars=[("proxy", {"1g.10gb": 1}, "100m", None)],
     )
     await env.wait_bound("p")
     (record,) = await env.allocations()
@@ -366,7 +366,7 @@ async def test_multi_container_and_counts(env: AllocatorEnv) -> None:
         ("a", "1g.10gb"),
         ("b", "2g.20gb"),
         ("b", "3g.40gb"),
-        ("setup", "1g.10gb"),
+        ("proxy", "1g.10gb"),
     ]
     assert record["spec"]["nodeName"] == node
     assert_no_double_booking([record])

@@ -26,6 +26,11 @@ policies (manifests/base/nodeagent/policy.yaml, manifests/base/policy) and check
   remove the gate or change the claim either;
 - the controller's confinement is sufficient for the namespace mirror: the real mirror, as
   the controller ServiceAccount under its RBAC and policies, mirrors both ways;
+- the controller's MigNode writes (policy instaslice-controller-mignodes): the allocator's
+  own writes (ask and withdraw `spec.gpus[].desiredMigMode` of a GPU the status lists,
+  delete a gone node's MigNode) pass as the ServiceAccount; a GPU the status does not list,
+  a label, annotation or finalizer change are refused, and a member of the group
+  instaslice:controllers given more RBAC still creates no MigNode and writes no status;
 - the pod security settings of the manifests: non-root, read-only, no privilege escalation
   and all capabilities dropped for the webhook; privileged (NVML needs it) only for the
   node agent, with no host network/PID/IPC and only the host paths it needs (two of them
@@ -45,11 +50,12 @@ import secrets
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
 
+from common.clock import SystemClock
 from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
@@ -58,7 +64,7 @@ from common.constants import (
     RELEASE_FINALIZER,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
-from common.objects import node_label_value
+from common.objects import desired_modes, node_label_value
 from hack.cluster import ControlPlane
 from hack.cluster.nodes import NodeGroup, node_manifest
 from tests.integration.agent_fixtures import (
@@ -76,6 +82,9 @@ from tests.integration.agent_fixtures import (
     wait_gone,
     wait_phase,
 )
+from webhook.allocator.leader import LeaderElector
+from webhook.allocator.maintenance import spec_patch
+from webhook.allocator.writes import Writes
 from webhook.nsmirror import run_namespace_mirror
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -402,6 +411,33 @@ async def _refused(call: Any, *words: str) -> str:
     for w in words:
         assert w in exc.value.message, (w, exc.value.message)
     return exc.value.message
+
+
+async def _wait_confined(client: Kube, path: str, body: Obj, policy: str) -> None:
+    """Until `policy` refuses `client`'s (dry-run) merge patch `body` of `path`: policies take
+    a moment to reach the admission chain."""
+
+    async def confined() -> bool:
+        try:
+            await client.patch(path, body, dryRun="All")
+        except ApiError as exc:
+            return policy in exc.message
+        return False
+
+    await eventually(confined, within=30, what=f"{policy} enforced")
+
+
+async def _wait_readable(client: Kube, path: str) -> None:
+    """Until `client` may read `path`: a test's RBAC binding takes a moment (caches)."""
+
+    async def can_read() -> bool:
+        try:
+            await client.get(path)
+        except ApiError:
+            return False
+        return True
+
+    await eventually(can_read, within=10, what="the test's RBAC binding")
 
 
 def _allocation(ns: str, node: str, finalizers: Iterable[str] = (RELEASE_FINALIZER,)) -> Obj:
@@ -740,15 +776,7 @@ async def test_node_agent_identity_may_not_ungate_or_reclaim(
             async with await Kube.connect(
                 str(control_plane.user_kubeconfig(user, groups))
             ) as agent:
-
-                async def can_read(a: Kube = agent) -> bool:  # RBAC caches refresh quickly
-                    try:
-                        await a.get(path)
-                    except ApiError:
-                        return False
-                    return True
-
-                await eventually(can_read, within=10, what="the test's RBAC binding")
+                await _wait_readable(agent, path)
                 await _refused(
                     agent.patch(path, [{"op": "remove", "path": "/spec/schedulingGates/0"}],
                                 "json"),
@@ -771,15 +799,7 @@ async def test_namespace_mirror_runs_with_exactly_its_rights(
     path = core_path("namespaces", name=namespace)
     async with await Kube.connect(str(identity)) as controller:
         psa = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}}
-
-        async def confined() -> bool:  # the controller policies reach the admission chain
-            try:
-                await controller.patch(path, psa, dryRun="All")
-            except ApiError as exc:
-                return "instaslice-controller-namespaces" in exc.message
-            return False
-
-        await eventually(confined, within=30, what="the controller policies enforced")
+        await _wait_confined(controller, path, psa, "instaslice-controller-namespaces")
         mirror = asyncio.create_task(run_namespace_mirror(controller))
         try:
 
@@ -795,6 +815,114 @@ async def test_namespace_mirror_runs_with_exactly_its_rights(
             mirror.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await mirror
+
+
+MIGNODES_POLICY = "instaslice-controller-mignodes"
+
+
+class _Leading:
+    """`Writes`' Lease check, always passing: no election here, only the writes."""
+
+    def check(self) -> None:
+        return None
+
+
+async def _reported_mig_node(kube: Kube, name: str, uuids: Iterable[str]) -> str:
+    """MigNode `name` whose status (as its node agent writes it) reports GPUs `uuids`."""
+    await kube.create(
+        instaslice_path("mignodes"),
+        {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "metadata": {"name": name}},
+    )
+    gpus = [{"index": i, "uuid": u, "model": "A100-SXM4-40GB", "healthy": True,
+             "migMode": {"current": "disabled", "pending": "disabled"}}
+            for i, u in enumerate(uuids)]  # fmt: skip
+    path = instaslice_path("mignodes", name=name)
+    await kube.patch(path + "/status", {"status": {"gpuCount": len(gpus), "gpus": gpus}})
+    return path
+
+
+async def test_controller_asks_mig_modes_only_of_the_gpus_a_mig_node_reports(
+    control_plane: ControlPlane, kube: Kube
+) -> None:
+    """Policy instaslice-controller-mignodes, with the allocator's own write code
+    (webhook/allocator/writes.py, maintenance.py) as the controller ServiceAccount under its
+    RBAC: asking and withdrawing a MIG mode of a reported GPU passes; naming a GPU the status
+    does not list, or changing a label, an annotation or a finalizer, is refused; deleting
+    the MigNode of a node gone for good passes (`Writes.forget_node`)."""
+    name = f"gone-{secrets.token_hex(3)}"  # no Node of that name: gone for good
+    path = await _reported_mig_node(kube, name, ["GPU-a", "GPU-b"])
+    identity = control_plane.user_kubeconfig(CONTROLLER, SA_GROUPS[:2])
+    async with await Kube.connect(str(identity)) as controller:
+        writes = Writes(controller, cast(LeaderElector, _Leading()), SystemClock())
+        stray = spec_patch({}, {"GPU-elsewhere": "enabled"}, set())
+        await _wait_confined(controller, path, stray, MIGNODES_POLICY)
+        vap = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=MIGNODES_POLICY)
+
+        async def type_checked() -> Obj | None:  # against the MigNode CRD's schema
+            status: Obj = (await kube.get(vap)).get("status", {})
+            return status if "typeChecking" in status else None
+
+        checked = await eventually(type_checked, within=30, what="the policy type-checked")
+        assert not checked["typeChecking"].get("expressionWarnings"), checked
+        await writes.set_desired_modes(name, spec_patch({}, {"GPU-a": "enabled"}, set()))
+        assert desired_modes(await kube.get(path)) == {"GPU-a": "enabled"}
+        await writes.set_desired_modes(name, spec_patch({"GPU-a": "enabled"}, {}, {"GPU-a"}))
+        assert desired_modes(await kube.get(path)) == {}
+
+        await _refused(
+            writes.set_desired_modes(name, spec_patch({}, {"GPU-a": "enabled", "GPU-x": "enabled"},
+                                                      set())),
+            "instaslice-controller-mignodes", "spec.gpus names GPU-x", "status does not list",
+        )  # fmt: skip
+        for change in (
+            {"metadata": {"labels": {"team": "x"}}},
+            {"metadata": {"annotations": {"note": "x"}}},
+            {"metadata": {"finalizers": ["example.com/keep"]}},
+        ):
+            await _refused(controller.patch(path, change), "changes nothing of a MigNode but")
+        assert desired_modes(await kube.get(path)) == {}
+        assert await writes.forget_node(name, NS)
+        assert await mig_node(kube, name) is None
+
+
+async def test_controllers_group_may_not_make_or_report_mig_nodes(
+    control_plane: ControlPlane, kube: Kube
+) -> None:
+    """A member of the group instaslice:controllers, even with RBAC over MigNodes and their
+    status, creates none and writes no status: those are the node agent's."""
+    role = f"rbac-it-mignodes-{secrets.token_hex(2)}"
+    user = f"controller-{secrets.token_hex(2)}"
+    await kube.create(group_path(RBAC, "clusterroles"), {
+        "metadata": {"name": role},
+        "rules": [{"apiGroups": ["instaslice.io"], "resources": ["mignodes", "mignodes/status"],
+                   "verbs": ["get", "create", "patch", "update", "delete"]}],
+    })  # fmt: skip
+    await kube.create(group_path(RBAC, "clusterrolebindings"), {
+        "metadata": {"name": role},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user}],
+    })  # fmt: skip
+    name = f"node-{secrets.token_hex(3)}"
+    path = await _reported_mig_node(kube, name, ["GPU-a"])
+    try:
+        identity = control_plane.user_kubeconfig(user, ("instaslice:controllers",))
+        async with await Kube.connect(str(identity)) as controller:
+            await _wait_readable(controller, path)
+            made = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode",
+                    "metadata": {"name": f"{name}-new"}}  # fmt: skip
+            await _refused(
+                controller.create(instaslice_path("mignodes"), made),
+                "instaslice-controller-mignodes", "never CREATE a MigNode",
+            )  # fmt: skip
+            status = {"status": {"gpuCount": 2}}
+            await _refused(
+                controller.patch(path + "/status", status), "never UPDATE mignodes/status"
+            )
+            await controller.patch(path, spec_patch({}, {"GPU-a": "enabled"}, set()))
+    finally:
+        await kube.delete_ignore_missing(path)
+        await kube.delete_ignore_missing(group_path(RBAC, "clusterrolebindings", name=role))
+        await kube.delete_ignore_missing(group_path(RBAC, "clusterroles", name=role))
 
 
 # --- 4. pod security of the manifests (static) ---------------------------------------------------

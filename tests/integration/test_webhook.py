@@ -37,6 +37,7 @@ from tests.integration.webhook_fixtures import (
     mig_pod,
     opt_in,
     opted_in_namespace,
+    sidecar,
     strip_for_create,
     webhook,
     webhook_applies,
@@ -88,7 +89,7 @@ async def test_mig_pod_in_opted_in_namespace_is_rewritten(
         container("train", limits={MIG: "2", "cpu": "1"}, requests={MIG: "2", "cpu": "500m"},
                   env=[{"name": "EPOCHS", "value": "3"}]),
         container("logger", limits={"cpu": "100m"}),
-        init=[container("warmup", limits={"nvidia.com/mig-2g.35gb": "1"})],
+        init=[sidecar(container("warmup", limits={"nvidia.com/mig-2g.35gb": "1"}))],
     )  # fmt: skip
     created = await kube.create(core_path("pods", opted_in), pod)
     claim = assert_rewritten(created, opted_in)
@@ -208,6 +209,9 @@ INVALID: list[tuple[str, Obj, list[str]]] = [
      ['container "peek"', 'env[0] "DEV"', "names an instaslice.io/mig CDI device itself"]),
     ("CDI annotation", mig_pod(annotations={"cdi.k8s.io/gpu": "instaslice.io/mig=x_c_y"}),
      ["metadata.annotations[cdi.k8s.io/gpu]", "never by pod annotation"]),
+    ("init container not a sidecar", mig_pod(init=[container("prep", limits={MIG: "1"})]),
+     [f"spec.initContainers[0].resources.limits[{MIG}]", 'init container "prep" is not a sidecar',
+      "held uncharged", "Move the ask to an app container", "restartPolicy: Always"]),
 ]  # fmt: skip
 
 
@@ -249,7 +253,7 @@ async def test_replayed_dry_run_output_gets_one_gate_and_a_fresh_claim(
 def _template(app: str) -> Obj:
     pod = make_pod(
         container("train", limits={MIG: "1"}),
-        init=[container("prep", limits={"nvidia.com/mig-1g.18gb.me": "1"})],
+        init=[sidecar(container("prep", limits={"nvidia.com/mig-1g.18gb.me": "1"}))],
     )
     return {"metadata": {"labels": {"app": app}}, "spec": pod["spec"]}
 

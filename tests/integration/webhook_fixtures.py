@@ -120,6 +120,12 @@ def container(
     return c
 
 
+def sidecar(c: Obj) -> Obj:
+    """`c` as a sidecar: an init container with `restartPolicy: Always` (the only init
+    containers that may ask for slices, docs/contract.md §1)."""
+    return {**c, "restartPolicy": "Always"}
+
+
 def make_pod(
     *containers: Obj,
     name: str | None = None,

@@ -1,7 +1,7 @@
 """The pure admission decision (webhook.admission.review) against docs/contract.md §1-2.
 
 Covers: every rewrite (resource rename with JSON Pointer escaping, gate, claim, CDI device in
-`env` mode and not in `device-plugin` mode, containers and initContainers), every denial with
+`env` mode and not in `device-plugin` mode, containers and sidecars), every denial with
 the words of its message, what is passed through unchanged (no MIG request, UPDATE, other
 kinds, subresources), the normalisation of a pod that already carries InstaSlice's marks, and
 hypothesis properties: for any valid pod the patch applies cleanly and changes nothing but
@@ -70,6 +70,11 @@ def container(
     if env is not None:
         c["env"] = env
     return c
+
+
+def sidecar(c: dict[str, Any]) -> dict[str, Any]:
+    """`c` as a sidecar: an init container with `restartPolicy: Always`."""
+    return {**c, "restartPolicy": "Always"}
 
 
 def make_pod(
@@ -193,26 +198,26 @@ def test_several_profiles_and_me_spelling() -> None:
     ]
 
 
-def test_init_containers_are_rewritten_and_other_containers_left_alone() -> None:
-    sidecar = container("sidecar", limits={"cpu": "1"}, env=[{"name": "A", "value": "b"}])
-    init = container(
-        "warmup", limits={"nvidia.com/mig-2g.35gb": "1"}, env=[{"name": "X", "value": "1"}]
-    )
-    d, out = patched(make_pod(container(limits={MIG: "1"}), sidecar, init=[init]))
-    assert out["spec"]["containers"][1] == sidecar
+def test_sidecars_are_rewritten_and_other_containers_left_alone() -> None:
+    logger = container("logger", limits={"cpu": "1"}, env=[{"name": "A", "value": "b"}])
+    env = [{"name": "X", "value": "1"}]
+    side = sidecar(container("warmup", limits={"nvidia.com/mig-2g.35gb": "1"}, env=env))
+    d, out = patched(make_pod(container(limits={MIG: "1"}), logger, init=[side]))
+    assert out["spec"]["containers"][1] == logger
     w = out["spec"]["initContainers"][0]
     assert w["resources"]["limits"] == {"instaslice.io/mig-2g.35gb": "1"}
     assert w["env"] == [
         {"name": "X", "value": "1"},
         {"name": VISIBLE_DEVICES_ENV, "value": f"instaslice.io/mig={NS}_{CLAIM0}_warmup"},
     ]
-    assert d.asks[1] == SliceAsk("warmup", "2g.35gb", 1, init=True)
+    assert d.asks[1] == SliceAsk("warmup", "2g.35gb", 1)
     assert pod_slice_requests(out) == [("main", "1g.18gb", 1), ("warmup", "2g.35gb", 1)]
 
 
-def test_only_init_container_asks() -> None:
-    init = container("prep", limits={MIG: "1"})
-    _, out = patched(make_pod(container("app"), init=[init]))
+def test_only_a_sidecar_asks() -> None:
+    _, out = patched(
+        make_pod(container("app"), init=[sidecar(container("prep", limits={MIG: "1"}))])
+    )
     assert "env" not in out["spec"]["containers"][0]
     assert out["spec"]["initContainers"][0]["env"][0]["value"].endswith("_prep")
 
@@ -431,7 +436,7 @@ def test_counts_must_be_positive_integers(count: Any) -> None:
 def test_every_problem_is_reported_at_once() -> None:
     pod = make_pod(
         container("a", limits={"nvidia.com/mig-9g.99gb": "1", MIG: "0"}),
-        init=[container("b", requests={MIG: "1"})],
+        init=[sidecar(container("b", requests={MIG: "1"}))],
         node_name="n",
     )
     parts = denial(pod).split("; ")
@@ -494,7 +499,7 @@ def test_non_object_container_is_denied() -> None:
 def test_rewritten_pod_reviewed_again_gets_one_gate_and_a_fresh_claim() -> None:
     pod = make_pod(
         container("a", limits={MIG: "1"}, env=[{"name": "K", "value": "v"}]),
-        init=[container("i", limits={MIG: "1"})],
+        init=[sidecar(container("i", limits={MIG: "1"}))],
     )
     first, out = patched(pod)
     second = review(make_request(out), ENV, new_claim=lambda: "cfresh")
@@ -567,7 +572,11 @@ def valid_pods(draw: st.DrawFn) -> dict[str, Any]:
     names = draw(st.lists(_LABEL, min_size=1, max_size=6, unique=True))
     split = draw(st.integers(1, len(names)))
     containers = [draw(_container(n)) for n in names[:split]]
-    init = [draw(_container(n)) for n in names[split:]]
+    init = []
+    for n in names[split:]:  # only sidecars may ask; the others may be plain init containers
+        c = draw(_container(n))
+        asks = any(k.startswith(MIG_PREFIX) for k in c.get("resources", {}).get("limits", {}))
+        init.append(sidecar(c) if asks or draw(st.booleans()) else c)
     annotations = draw(st.dictionaries(st.text("ab/~", min_size=1, max_size=6),
                                        _SAFE_TEXT, max_size=3) | st.none())  # fmt: skip
     gates = draw(

@@ -1,8 +1,9 @@
 """common.podspec: how everything after admission reads a rewritten pod's slice asks.
 
-Covers: positive-integer counts only, containers then initContainers, ephemeral containers
+Covers: positive-integer counts only, containers then sidecars, ephemeral containers
 ignored, `nvidia.com/mig-*` (not yet rewritten) ignored, malformed asks raising
-SliceRequestError, the claim annotation reader, tolerance of malformed JSON.
+SliceRequestError, the claim annotation reader, tolerance of malformed JSON. An init
+container other than a sidecar asking: test_admission_init.py.
 Leaves out: the rewrite itself (test_admission.py).
 """
 
@@ -32,7 +33,9 @@ def _pod(**spec: Any) -> dict[str, Any]:
 def test_slice_requests_in_container_order() -> None:
     pod = _pod(
         initContainers=[
-            {"name": "i", "resources": {"limits": {"instaslice.io/mig-1g.18gb.me": "1"}}}
+            {"name": "i", "restartPolicy": "Always",
+             "resources": {"limits": {"instaslice.io/mig-1g.18gb.me": "1"}}},
+            {"name": "j", "resources": {"limits": {"cpu": "1"}}},
         ],
         containers=[
             {"name": "a", "resources": {"limits": {"instaslice.io/mig-3g.71gb": "2", "cpu": "1"}}},
@@ -45,7 +48,7 @@ def test_slice_requests_in_container_order() -> None:
     )  # fmt: skip
     assert slice_requests(pod) == [
         SliceAsk("a", "3g.71gb", 2),
-        SliceAsk("i", "1g.18gb+me", 1, init=True),
+        SliceAsk("i", "1g.18gb+me", 1),
     ]
     assert pod_claim(pod) == "cabc"
 

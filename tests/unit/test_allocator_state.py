@@ -15,6 +15,7 @@ import pytest
 from common.constants import GATE_NAME
 from common.objects import Phase
 from common.placement import Pending, PendingReason, Placement, place
+from common.podspec import SliceRequestError
 from tests.integration.allocator_fixtures import (
     GpuSpec,
     gpu_uuid,
@@ -142,14 +143,15 @@ def test_pod_request_reads_slices_selectors_and_tolerations():
             }
         ],
         tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        init=[("setup", {"1g.10gb": 1}, "1", None)],
+        init=[("setup", {}, "1", None)],
+        sidecars=[("proxy", {"1g.10gb": 1}, None, None)],
     )
     req = podlib.pod_request(pod)
     assert [(s.container, s.profile, s.count) for s in req.slices] == [
         ("a", "1g.10gb", 2),
         ("b", "3g.40gb", 1),
         ("b", "1g.10gb+me", 1),
-        ("setup", "1g.10gb", 1),
+        ("proxy", "1g.10gb", 1),
     ]
     assert req.node_selector == {"pool": "gpu"}
     (term,) = req.required_affinity
@@ -159,6 +161,14 @@ def test_pod_request_reads_slices_selectors_and_tolerations():
     ]
     assert req.tolerations[0].key == "gpu" and req.tolerations[0].operator == "Exists"
     assert req.cpu_millis == 1000  # the init container's 1 cpu beats the two 100m
+
+
+def test_a_slice_asked_by_an_init_container_that_is_not_a_sidecar_is_not_read():
+    """Only a pod that bypassed admission carries one (docs/contract.md §1); the placer parks
+    it (InvalidRequest) rather than hold slices no quota counts."""
+    pod = make_pod("p", init=[("setup", {"1g.10gb": 1}, None, None)])
+    with pytest.raises(SliceRequestError, match=r"'setup'.*not a sidecar"):
+        podlib.pod_request(pod)
 
 
 def test_unschedulable_and_controller_readers():

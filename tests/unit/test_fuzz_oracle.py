@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,39 @@ GOOD_OPS: list[dict[str, object]] = [
     {"op": "add", "path": "/spec/containers/0/env", "value": [
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "instaslice.io/mig=ns_cabc_main"}]},
 ]  # fmt: skip
+
+
+def _init_pod(restart_policy: str | None) -> dict[str, Any]:
+    prep: dict[str, Any] = {
+        "name": "prep", "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}  # fmt: skip
+    if restart_policy is not None:
+        prep["restartPolicy"] = restart_policy
+    return {"metadata": {}, "spec": {"containers": [{"name": "main"}], "initContainers": [prep]}}
+
+
+INIT_OPS: list[dict[str, object]] = [
+    GOOD_OPS[0], GOOD_OPS[1],
+    {"op": "replace", "path": "/spec/initContainers/0/resources/limits",
+     "value": {"instaslice.io/mig-1g.10gb": "1"}},
+    {"op": "add", "path": "/spec/initContainers/0/env", "value": [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "instaslice.io/mig=ns_cabc_prep"}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pod", "want"),
+    [
+        (_init_pod(None), "init container 'prep' (not a sidecar) asks for slices"),
+        (_init_pod("OnFailure"), "init container 'prep' (not a sidecar) asks for slices"),
+        (_init_pod("Always"), None),  # a sidecar
+    ],
+)
+def test_the_oracle_flags_slices_admitted_for_an_init_container_that_is_not_a_sidecar(
+    pod: object, want: str | None
+) -> None:
+    resp = {"uid": UID, "allowed": True, "patchType": "JSONPatch", "patch": _patch(INIT_OPS)}
+    _, problem = fuzz.check(_review(pod), 200, _answer(resp))
+    assert problem == want
 
 
 @pytest.mark.parametrize(
