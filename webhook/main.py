@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         "needs on Ampere GPUs; off: such pods wait with NeedsMigModeChange",
     )
     p.add_argument(
+        "--ampere-mode-change-interval",
+        type=float,
+        default=AllocatorSettings.ampere_mode_change_interval_s,
+        metavar="S",
+        help="--ampere-mode-changes=drain: seconds between a GPU's last MIG mode change and "
+        "an ask for the opposite one (0: none)",
+    )
+    p.add_argument(
         "--avoid-creates-in-flight",
         type=_count,
         default=AllocatorSettings.avoid_creates_in_flight,
@@ -191,6 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,
             ampere_mode_changes=a.ampere_mode_changes,
+            ampere_mode_change_interval_s=a.ampere_mode_change_interval,
             avoid_creates_in_flight=a.avoid_creates_in_flight,
         )
     return Settings(
