@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from common.kubeapi import ApiError, Kube, Obj, group_path
 
@@ -46,6 +47,7 @@ MAX_TOKEN_CHARS = 4096  # a ServiceAccount token is 1-2 KB
 _JWT = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 
 Key = tuple[str, str]  # (SHA-256 of the token, path)
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -89,24 +91,22 @@ def limits_from(a: argparse.Namespace) -> MetricsAuthLimits:
     )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
-    return value
+def _positive(cast: Callable[[str], N]) -> Callable[[str], N]:
+    """An argparse type: `cast` of the text, more than 0 (NaN refused too)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text!r}: more than 0")
-    return value
+_positive_int, _positive_float = _positive(int), _positive(float)
 
 
 def jwt_shaped(token: str) -> bool:
