@@ -163,12 +163,14 @@ def test_the_metrics_namespace_selector_decides_who_scrapes(helm: Path) -> None:
     manifests.check_policies(
         manifests._docs(helm_template(helm).stdout), manifests.SCRAPERS["kubernetes"]
     )
-    openshift = (
-        "metricsNamespaceSelector.matchExpressions[0].values="
-        "{openshift-monitoring,openshift-user-workload-monitoring}"
+    expr = "metricsNamespaceSelector.matchExpressions[0]"
+    openshift = (  # --set replaces a list whole: all of the item's fields
+        f"{expr}.key=kubernetes.io/metadata.name",
+        f"{expr}.operator=In",
+        f"{expr}.values={{openshift-monitoring,openshift-user-workload-monitoring}}",
     )
     manifests.check_policies(
-        manifests._docs(helm_template(helm, openshift).stdout), manifests.SCRAPERS["openshift"]
+        manifests._docs(helm_template(helm, *openshift).stdout), manifests.SCRAPERS["openshift"]
     )
 
 
