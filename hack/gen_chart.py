@@ -10,6 +10,9 @@ values users set replaced by template expressions:
   name carries kustomize's content hash, so the generator renders both modes and the chart
   picks the name kustomize would give (a mode change rolls both workloads, as with kustomize);
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
+- `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
+  metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
+  empty selector would admit every namespace);
 - `webhook.replicas`, `webhook.resources`, `nodeagent.resources`.
 
 Before writing anything it checks that the component renderings differ from the default only
@@ -222,7 +225,33 @@ def _values(default: list[Obj]) -> dict[str, Any]:
     replicas = by_key[WORKLOADS["webhook"]]["spec"]["replicas"]
     values["webhook"] = {"replicas": replicas, **values["webhook"]}
     values["monitoring"] = {"enabled": False}
+    values["metricsNamespaceSelector"] = _scrapers(default)
     return values
+
+
+def _metrics_rules(o: Obj) -> list[Obj]:
+    """The ingress rules of a NetworkPolicy that open the `metrics` port."""
+    rules = (o.get("spec") or {}).get("ingress") or []
+    return [r for r in rules if any(p.get("port") == "metrics" for p in r.get("ports") or [])]
+
+
+def _scrapers(default: list[Obj]) -> Obj:
+    """The one namespaceSelector every NetworkPolicy's metrics rule admits."""
+    found = []
+    for o in default:
+        if o["kind"] != "NetworkPolicy":
+            continue
+        for rule in _metrics_rules(o):
+            sources = rule.get("from") or []
+            if len(sources) != 1 or set(sources[0]) != {"namespaceSelector"}:
+                raise SystemExit(
+                    f"NetworkPolicy/{o['metadata']['name']}: the metrics rule's `from` is "
+                    f"{sources}, expected one namespaceSelector; extend gen_chart"
+                )
+            found.append(sources[0]["namespaceSelector"])
+    if not found or any(f != found[0] for f in found) or not found[0]:
+        raise SystemExit(f"expected one non-empty metrics namespaceSelector, found {found}")
+    return dict(found[0])
 
 
 def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]]]:
@@ -249,6 +278,11 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
         container["resources"] = mark(f"toYaml .Values.{part}.resources", block=True)
         if part == "webhook":
             o["spec"]["replicas"] = mark("{{ .Values.webhook.replicas }}")
+    if o["kind"] == "NetworkPolicy":
+        for rule in _metrics_rules(o):
+            rule["from"][0]["namespaceSelector"] = mark(
+                "toYaml .Values.metricsNamespaceSelector", block=True
+            )
     return o, exprs
 
 
@@ -256,7 +290,14 @@ _SCHEMA: dict[str, Any] = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "type": "object",
     "additionalProperties": False,
-    "required": ["images", "bindingMode", "webhook", "nodeagent", "monitoring"],
+    "required": [
+        "images",
+        "bindingMode",
+        "webhook",
+        "nodeagent",
+        "monitoring",
+        "metricsNamespaceSelector",
+    ],
     "properties": {
         "images": {
             "type": "object",
@@ -298,6 +339,33 @@ _SCHEMA: dict[str, Any] = {
             "required": ["enabled"],
             "properties": {"enabled": {"type": "boolean"}},
         },
+        # a LabelSelector that selects something: `{}` would admit every namespace
+        "metricsNamespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "properties": {
+                "matchLabels": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "additionalProperties": {"type": "string"},
+                },
+                "matchExpressions": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["key", "operator"],
+                        "properties": {
+                            "key": {"type": "string", "minLength": 1},
+                            "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                            "values": {"type": "array", "items": {"type": "string"}},
+                        },
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -320,6 +388,11 @@ _VALUE_DOCS = {
     "nodeagent": "the node agent DaemonSet",
     "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
     "# Prometheus Operator's monitoring.coreos.com CRDs",
+    "metricsNamespaceSelector": "the namespaces whose pods may connect to the metrics ports "
+    '(both NetworkPolicies;\n# docs/metrics.md "Who may scrape"): your Prometheus\'s, by '
+    "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
+    "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
+    "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
 }
 
 

@@ -41,7 +41,7 @@ from common.kubeapi import (
     instaslice_path,
     lean,
 )
-from common.metricsauth import MetricsAuth
+from common.metricsauth import MetricsAuth, add_flags, limits_from
 from common.objects import node_label_value
 from nodeagent import cdi
 from nodeagent.agent import NodeAgent
@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
         "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
     )
+    add_flags(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -213,6 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         dev_root=a.dev_root,
         metrics_port=a.metrics_port,
         metrics_auth=a.metrics_auth,
+        metrics_auth_limits=limits_from(a),
         kubelet_dir=a.kubelet_dir,
         pod_resources_socket=a.pod_resources_socket,
     )
@@ -471,7 +473,11 @@ async def serve(
                         settings.metrics_port,
                         metrics,
                         ready,
-                        auth=MetricsAuth(kube) if settings.metrics_auth else None,
+                        auth=(
+                            MetricsAuth(kube, settings.metrics_auth_limits)
+                            if settings.metrics_auth
+                            else None
+                        ),
                     )
                 )
             async with asyncio.TaskGroup() as tg:

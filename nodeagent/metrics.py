@@ -24,7 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.metricsauth import OK, MetricsAuth
+from common.metricsauth import OK, MetricsAuth, refusal
 from nodeagent.report import SLICE_INFO_LABELS
 
 SliceSource = Callable[[], Iterable[Sequence[str]]]
@@ -131,7 +131,7 @@ async def health_server(
         if auth is not None:
             code = await auth.check(request.headers.get("Authorization"), request.path)
             if code != OK:
-                return web.Response(status=code, text="metrics need an authorized bearer token\n")
+                return web.Response(status=code, text=refusal(code))
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

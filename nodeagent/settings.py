@@ -3,10 +3,11 @@ or directly by tests and the dev launcher. Nothing reads the environment at impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.constants import AGENT_LEASE_DURATION_S, BindingMode
+from common.metricsauth import MetricsAuthLimits
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
@@ -64,6 +65,7 @@ class Settings:
     health_timeout_ms: int = 500
     metrics_port: int = 0  # 0: no /metrics, /healthz, /readyz server
     metrics_auth: bool = False  # /metrics needs an authorized bearer token (common.metricsauth)
+    metrics_auth_limits: MetricsAuthLimits = field(default_factory=MetricsAuthLimits)
     kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")  # device-plugin binding
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     plugin_refresh_s: float = 1.0

@@ -14,7 +14,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from common.constants import BindingMode
 from common.heap import settle_collector
 from common.kubeapi import Kube
-from common.metricsauth import MetricsAuth
+from common.metricsauth import MetricsAuth, MetricsAuthLimits, add_flags, limits_from
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
 from webhook.allocator.autoscale import (
@@ -49,6 +49,7 @@ class Settings:
     mirror_namespaces: bool
     log_level: str = "info"
     metrics_auth: bool = False
+    metrics_auth_limits: MetricsAuthLimits = field(default_factory=MetricsAuthLimits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         "needs on Ampere GPUs; off: such pods wait with NeedsMigModeChange",
     )
     p.add_argument(
+        "--ampere-mode-change-interval",
+        type=float,
+        default=AllocatorSettings.ampere_mode_change_interval_s,
+        metavar="S",
+        help="--ampere-mode-changes=drain: seconds between a GPU's last MIG mode change and "
+        "an ask for the opposite one (0: none)",
+    )
+    p.add_argument(
         "--avoid-creates-in-flight",
         type=_count,
         default=AllocatorSettings.avoid_creates_in_flight,
@@ -139,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
         "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
     )
+    add_flags(p)
     return p
 
 
@@ -189,10 +199,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,
             ampere_mode_changes=a.ampere_mode_changes,
+            ampere_mode_change_interval_s=a.ampere_mode_change_interval,
             avoid_creates_in_flight=a.avoid_creates_in_flight,
         )
     return Settings(
-        a.kubeconfig, server, allocator, not a.no_namespace_mirror, a.log_level, a.metrics_auth
+        a.kubeconfig,
+        server,
+        allocator,
+        not a.no_namespace_mirror,
+        a.log_level,
+        a.metrics_auth,
+        limits_from(a),
     )
 
 
@@ -202,7 +219,8 @@ async def run(settings: Settings) -> None:
     allocator_metrics = AllocatorMetrics(registry)
     async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:
         if settings.server is not None:
-            auth = MetricsAuth(kube) if settings.metrics_auth else None
+            limits = settings.metrics_auth_limits
+            auth = MetricsAuth(kube, limits) if settings.metrics_auth else None
             offered = OfferedProfiles(settings.server.admission.known_profiles)
             tg.create_task(watch_mig_nodes(kube, offered), name="offered-profiles")
             tg.create_task(

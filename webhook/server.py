@@ -35,7 +35,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.metricsauth import OK, MetricsAuth
+from common.metricsauth import OK, MetricsAuth, refusal
 from common.objects import new_claim_id
 from webhook.admission import (
     Allowed,
@@ -160,15 +160,18 @@ def build_app(
     app[STATE] = _State(settings, metrics, new_claim, timer, tls, metrics_auth, offered)
     app.router.add_post("/mutate", _mutate)
     app.router.add_post(WHOLE_GPU_PATH, _mutate)  # namespaces opted in to whole GPUs too
-    _add_ops_routes(app)
+    # /metrics only where the NetworkPolicies let monitoring alone in: the admission port is
+    # open to every source (the API server's address differs per cluster; docs/metrics.md)
+    _add_ops_routes(app, metrics=settings.metrics_port is None)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
 
-def _add_ops_routes(app: web.Application) -> None:
+def _add_ops_routes(app: web.Application, *, metrics: bool = True) -> None:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    app.router.add_get("/metrics", _metrics)
+    if metrics:
+        app.router.add_get("/metrics", _metrics)
 
 
 def build_ops_app(admission_app: web.Application) -> web.Application:
@@ -289,7 +292,7 @@ async def _metrics(request: web.Request) -> web.Response:
     if state.metrics_auth is not None:
         code = await state.metrics_auth.check(request.headers.get("Authorization"), request.path)
         if code != OK:
-            return web.Response(status=code, text="metrics need an authorized bearer token\n")
+            return web.Response(status=code, text=refusal(code))
     body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -11,7 +11,8 @@ they wait for the change under way), while with the flag off the pod keeps waiti
 `NeedsMigModeChange`; an admin's ask on a busy A100 whose drain runs past the agent's
 timeout is withdrawn, the running pod is left alone, and the GPU takes a new pod again; a
 pod that needs both the GPU under way and another a reset away waits for the change under
-way.
+way; the opposite change on one GPU waits `--ampere-mode-change-interval` after the agent's
+last (`lastModeChange`, published by the real agent).
 The fake-agent suite (test_allocator.py) covers the failure paths; the e2e suite covers the
 webhook and agent processes as deployed.
 """
@@ -337,3 +338,29 @@ async def test_ampere_maintenance_serves_a_whole_gpu_pod_on_an_a100_in_mig_mode(
     (record,) = await env.allocations()
     assert record["spec"]["slices"][0]["kind"] == "gpu"
     assert record["status"]["slices"][0]["gpuUUID"] == gpu.uuid
+
+
+async def test_an_opposite_change_waits_the_interval_after_the_agents_last(
+    world: AgentWorld,
+) -> None:
+    """The agent turns an A100's MIG on for a MIG pod (its `lastModeChange`); once that pod
+    is gone, a whole-GPU pod that needs MIG off again is not asked for within
+    `--ampere-mode-change-interval` (it is told why); a replica started with no interval
+    asks, and the pod runs."""
+    (node,) = await world.nodes("a1", model="A100-80GB", mig_mode="disabled")
+    env = world.env
+    env.start(ampere_mode_changes="drain", ampere_mode_change_interval_s=600.0)
+    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    await env.wait_bound("p", within=60)
+    await env.delete_pod("p")
+    await env.wait_gone("p")
+    await env.create_pod("w", slices={"main": {"gpu": 1}})
+    told = await env.wait_event("w", REASON_PENDING, saying="--ampere-mode-change-interval")
+    assert f"{node}/GPU 0, whose last change went the other way" in told["message"]
+    assert await _desired(env, node) == []  # nothing asked
+    assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 1
+    await env.stop()
+    env.start(ampere_mode_changes="drain", ampere_mode_change_interval_s=0.0)
+    bound = await env.wait_bound("w", within=60)
+    assert podlib.bound_node(bound) == node
+    assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 0

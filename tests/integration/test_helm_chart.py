@@ -8,8 +8,11 @@
 - Its renderings pass `kubectl apply --dry-run=server --validate=strict` against the local
   control plane, with the same third-party CRDs as tests/integration/test_manifests.py (whose
   fixtures this module reuses), with no warnings.
-- values.schema.json refuses a binding mode that does not exist and a single webhook replica;
-  `helm lint --strict` passes.
+- values.schema.json refuses a binding mode that does not exist, a single webhook replica and
+  an empty metrics namespace selector (every namespace); `helm lint --strict` passes.
+- `metricsNamespaceSelector` decides who reaches the metrics ports: the default admits the
+  namespace `monitoring` only, OpenShift's two namespaces when set so (the NetworkPolicies
+  read as test_manifests.py reads the overlays').
 
 Leaves out: `helm install`/`upgrade` for real (the MutatingWebhookConfiguration would
 intercept every pod of the shared control plane, and no cert-manager runs to issue its
@@ -156,9 +159,29 @@ def test_helm_lint_strict(helm: Path, sets: tuple[str, ...]) -> None:
     assert proc.returncode == 0, f"helm lint --strict {sets}:\n{proc.stdout}{proc.stderr}"
 
 
+def test_the_metrics_namespace_selector_decides_who_scrapes(helm: Path) -> None:
+    manifests.check_policies(
+        manifests._docs(helm_template(helm).stdout), manifests.SCRAPERS["kubernetes"]
+    )
+    expr = "metricsNamespaceSelector.matchExpressions[0]"
+    openshift = (  # --set replaces a list whole: all of the item's fields
+        f"{expr}.key=kubernetes.io/metadata.name",
+        f"{expr}.operator=In",
+        f"{expr}.values={{openshift-monitoring,openshift-user-workload-monitoring}}",
+    )
+    manifests.check_policies(
+        manifests._docs(helm_template(helm, *openshift).stdout), manifests.SCRAPERS["openshift"]
+    )
+
+
 @pytest.mark.parametrize(
     ("value", "complaint"),
-    [("bindingMode=bogus", "bindingMode"), ("webhook.replicas=1", "replicas")],
+    [
+        ("bindingMode=bogus", "bindingMode"),
+        ("webhook.replicas=1", "replicas"),
+        # `{}` would admit every namespace (Helm merges maps: null removes the default's key)
+        ("metricsNamespaceSelector.matchExpressions=null", "metricsNamespaceSelector"),
+    ],
 )
 def test_schema_refuses_bad_values(helm: Path, value: str, complaint: str) -> None:
     proc = helm_template(helm, value, check=False)

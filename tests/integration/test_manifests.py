@@ -8,7 +8,9 @@ InstaSlice's CRDs and the instaslice-system Namespace —
 then `kubectl apply --dry-run=server` the whole rendering with strict field validation. Also
 checks skaffold.yaml against skaffold's own JSON schema (fetched the same way). Also: the
 binding mode resolves to the same value for the webhook and the node agents in every overlay,
-with and without manifests/components/binding-env; the OpenShift agent's RuntimeClass.
+with and without manifests/components/binding-env; the OpenShift agent's RuntimeClass; the
+NetworkPolicies, read as a CNI would, admit only the monitoring namespaces to both components'
+metrics ports (`monitoring`; OpenShift's two) and every source to the admission port.
 
 Leaves out: anything that needs a running cert-manager, service-CA operator, OpenShift SCC
 admission or a container engine (the certificate is never issued, the SCC never enforced,
@@ -432,3 +434,125 @@ def test_monitoring_component_passes_server_side_dry_run(
     )  # fmt: skip
     out = _ok(proc, f"dry-run of the monitoring component ({overlay})")
     assert out.count("(server dry run)") == 2, out
+
+
+# --- who may connect: the NetworkPolicies, read as a CNI would ------------------------------
+
+
+def _selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A LabelSelector's meaning (matchLabels AND every matchExpression); None: nothing."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def admits(
+    policies: list[dict[str, Any]],
+    pod: dict[str, str],
+    port: str,
+    namespace: str,
+    ns_labels: dict[str, str],
+) -> bool:
+    """Whether a pod in `namespace` (labelled `ns_labels`) may connect to named `port` of an
+    InstaSlice pod labelled `pod`, by the NetworkPolicy API's rules: a pod no policy selects
+    for ingress takes everything; otherwise some rule must match the port and the source (a
+    `namespaceSelector` alone: any pod of a selected namespace; a `podSelector` alone: pods of
+    the policy's own namespace; an ipBlock: no pod source here)."""
+    selecting = [
+        p for p in policies
+        if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and _selects(p["spec"]["podSelector"], pod)
+    ]  # fmt: skip
+    if not selecting:
+        return True
+    for p in selecting:
+        for rule in p["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            if ports and not any(x.get("port") == port for x in ports):
+                continue
+            peers = rule.get("from")
+            if not peers:
+                return True
+            for peer in peers:
+                if "ipBlock" in peer:
+                    continue
+                ns_ok = (
+                    _selects(peer["namespaceSelector"], ns_labels)
+                    if "namespaceSelector" in peer
+                    else namespace == p["metadata"]["namespace"]
+                )
+                if ns_ok and ("podSelector" not in peer or peer["podSelector"] == {}):
+                    return True
+    return False
+
+
+# every namespace carries its name as this label, set by the API server and immutable; a
+# namespace labelling itself `name: monitoring` or the like must not count
+SOURCES = {
+    ns: {"kubernetes.io/metadata.name": ns, "name": "monitoring", "monitoring": "true"}
+    for ns in (
+        "monitoring",
+        "openshift-monitoring",
+        "openshift-user-workload-monitoring",
+        "default",
+        "tenant-a",
+        "kube-system",
+        NAMESPACE,
+    )
+}
+SCRAPERS = {
+    "kubernetes": {"monitoring"},
+    "openshift": {"openshift-monitoring", "openshift-user-workload-monitoring"},
+}
+WORKLOADS = {"instaslice-webhook": "webhook", "instaslice-nodeagent": None}
+
+
+def reachable(policies: list[dict[str, Any]], app: str, port: str) -> set[str]:
+    return {
+        ns
+        for ns, labels in SOURCES.items()
+        if admits(policies, {"app.kubernetes.io/name": app}, port, ns, labels)
+    }
+
+
+def check_policies(docs: list[dict[str, Any]], scrapers: set[str]) -> None:
+    """Both components' metrics ports admit `scrapers` only; the webhook's admission port
+    every source (the API server calls it from anywhere); nothing else is open."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    for app, other in WORKLOADS.items():
+        assert reachable(policies, app, "metrics") == scrapers, app
+        if other is not None:
+            assert reachable(policies, app, other) == set(SOURCES), f"{app}: {other}"
+        assert reachable(policies, app, "grpc") == set(), f"{app}: a port it does not open"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_monitoring_namespaces_reach_the_metrics_ports(
+    rendered: dict[str, str], overlay: str
+) -> None:
+    check_policies(_docs(rendered[overlay]), SCRAPERS[overlay])
+
+
+def test_policy_reading_sees_an_open_metrics_port(rendered: dict[str, str]) -> None:
+    """The negative control: the metrics rule as it was (`namespaceSelector: {}`, every
+    namespace) is caught."""
+    docs = _docs(rendered["kubernetes"])
+    for d in docs:
+        if d["kind"] == "NetworkPolicy":
+            for rule in d["spec"]["ingress"]:
+                if rule.get("from"):
+                    rule["from"] = [{"namespaceSelector": {}}]
+    with pytest.raises(AssertionError):
+        check_policies(docs, SCRAPERS["kubernetes"])

@@ -3,8 +3,9 @@ TokenReview and SubjectAccessReview (common.metricsauth), with the RBAC of
 manifests/components/metrics-auth applied.
 
 A ServiceAccount bound to `instaslice-metrics-reader` scrapes (200); one without the binding
-is refused (403), so is a made-up token (403) and a scrape with no token (401); /healthz
-stays open. Leaves out: the webhook's /metrics (the same check, webhook/server.py) and a
+is refused (403), so is a made-up JWT-shaped token (403, the API server's answer), while a
+made-up token of another shape and a scrape with no token are refused without a review (401);
+/healthz stays open. Leaves out: the webhook's /metrics (the same check, webhook/server.py) and a
 real Prometheus.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from common.kubeapi import Kube, core_path, group_path
-from common.metricsauth import MetricsAuth
+from common.metricsauth import MetricsAuth, MetricsAuthLimits
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent.metrics import AgentMetrics, health_server
@@ -76,7 +77,8 @@ async def test_metrics_only_for_a_token_granted_the_url(kube: Kube, namespace: s
     stranger = await _service_account_token(kube, namespace, "stranger")
     await _bind_reader(kube, namespace, "scraper")
     port = free_port()
-    auth = MetricsAuth(kube, ttl_s=0.0)  # ask every time: the grant may take a moment
+    # ask every time (the grant may take a moment), and often: the polling below
+    auth = MetricsAuth(kube, MetricsAuthLimits(ttl_s=0.0, reviews_per_s=100, review_burst=100))
 
     async def status(token: str | None, path: str = "/metrics") -> int:
         return await _get(port, path, token)
@@ -84,7 +86,9 @@ async def test_metrics_only_for_a_token_granted_the_url(kube: Kube, namespace: s
     async with health_server(port, AgentMetrics(), lambda: True, "127.0.0.1", auth=auth):
         assert await status(None) == 401
         assert await status(stranger) == 403
-        assert await status("not-a-token-" + secrets.token_hex(8)) == 403
+        assert await status("not-a-token-" + secrets.token_hex(8)) == 401  # no review
+        made_up = ".".join(secrets.token_urlsafe(24) for _ in range(3))  # JWT-shaped
+        assert await status(made_up) == 403  # the API server's no
         assert await status(None, "/healthz") == 200  # the kubelet's probes carry no token
         for _ in range(50):  # the authorizer may see the new binding a little later
             if await status(scraper) == 200:

@@ -9,6 +9,7 @@ refuses a component that changes something it does not parameterise.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -35,6 +36,23 @@ def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
 
 
+MONITORING_NS = {
+    "matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}
+    ]
+}
+
+
+def _policy(name: str, *rules: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"podSelector": {}, "ingress": list(rules)}}  # fmt: skip
+
+
+def _metrics_rule(selector: dict[str, Any]) -> dict[str, Any]:
+    return {"from": [{"namespaceSelector": selector}], "ports": [{"port": "metrics"}]}
+
+
 def _rendering(mode: str = "device-plugin", cm: str = "instaslice-config-aaaa") -> list[Any]:
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
@@ -46,6 +64,10 @@ def _rendering(mode: str = "device-plugin", cm: str = "instaslice-config-aaaa") 
         },
         _workload("Deployment", "instaslice-webhook", "quay.io/x/instaslice-webhook:v1", cm),
         _workload("DaemonSet", "instaslice-nodeagent", "quay.io/x/instaslice-nodeagent:v1", cm),
+        _policy(
+            "instaslice-webhook", {"ports": [{"port": "webhook"}]}, _metrics_rule(MONITORING_NS)
+        ),
+        _policy("instaslice-nodeagent", _metrics_rule(MONITORING_NS)),
     ]
 
 
@@ -87,6 +109,42 @@ def test_parameterises_what_users_set() -> None:
     assert '"env" -}}\ninstaslice-config-bbbb' in helpers
     cm = files["templates/configmap-instaslice-config.yaml"]
     assert "binding-mode: {{ .Values.bindingMode | quote }}" in cm
+
+
+def test_the_metrics_namespace_selector_is_a_value() -> None:
+    """Both NetworkPolicies' metrics rule admit `.Values.metricsNamespaceSelector`, whose
+    default is the overlay's; the admission port's rule stays open to every source."""
+    files = build_chart(_variants(), "1")
+    assert yaml.safe_load(files["values.yaml"])["metricsNamespaceSelector"] == MONITORING_NS
+    block = "- namespaceSelector:\n{{- toYaml .Values.metricsNamespaceSelector | nindent "
+    for name in ("instaslice-webhook", "instaslice-nodeagent"):
+        policy = files[f"templates/networkpolicy-{name}.yaml"]
+        assert block in policy, policy
+        assert "kubernetes.io/metadata.name" not in policy
+    webhook = files["templates/networkpolicy-instaslice-webhook.yaml"]
+    assert "- ports:\n    - port: webhook\n" in webhook, webhook  # no `from`: any source
+    schema = json.loads(files["values.schema.json"])["properties"]["metricsNamespaceSelector"]
+    assert schema["minProperties"] == 1  # `{}` would admit every namespace
+
+
+@pytest.mark.parametrize(
+    ("rules", "complaint"),
+    [
+        ([_metrics_rule({})], "expected one non-empty"),  # `{}`: every namespace
+        ([_metrics_rule({"matchLabels": {"team": "x"}})], "expected one non-empty"),  # differs
+        ([{"ports": [{"port": "metrics"}]}], "expected one namespaceSelector"),  # no `from`
+    ],
+    ids=["empty", "two-selectors", "open-to-all"],
+)
+def test_refuses_a_metrics_rule_it_cannot_parameterise(
+    rules: list[dict[str, Any]], complaint: str
+) -> None:
+    v = copy.deepcopy(_variants())
+    for objs in v.values():  # the node agent's policy, in every rendering alike
+        next(o for o in objs if o["metadata"]["name"] == "instaslice-nodeagent"
+             and o["kind"] == "NetworkPolicy")["spec"]["ingress"] = rules  # fmt: skip
+    with pytest.raises(SystemExit, match=complaint):
+        build_chart(v, "1")
 
 
 def test_monitoring_objects_are_optional_and_braces_escaped() -> None:

@@ -401,6 +401,10 @@ async def test_tls_serves_reviews_and_refuses_old_protocols(tmp_path: Path) -> N
             assert 'instaslice_webhook_reviews_total{outcome="patched"} 1.0' in await r.text()
             assert (await s.get(f"{plain}/readyz")).status == 200
             assert (await s.post(f"{plain}/mutate", json=sent)).status == 404
+            # the admission port, open to every source, does not serve /metrics when the
+            # plain port (which the NetworkPolicies open to monitoring only) does
+            r = await s.get(f"{srv.url}/metrics", ssl=_client_ctx(ca))
+            assert r.status == 404
         with pytest.raises(ssl.SSLError):
             await _peer_serial(srv.port, _client_ctx(ca, ssl.TLSVersion.TLSv1_1))
 

@@ -125,6 +125,9 @@ class Controller:
         )
         if settings.ampere_mode_changes == ASK_DRAIN:
             self.placer.ask_modes = self._ask_modes
+            self.placer.withdraw_modes = lambda node, uuids: self._set_modes(node, {}, uuids)
+            self.placer.asks.min_interval_s = settings.ampere_mode_change_interval_s
+            self.placer.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
         if settings.preemption:
             self.placer.preemption = PreemptionSettings(
@@ -163,6 +166,7 @@ class Controller:
         self._gone_since: dict[str, float] = {}  # MigNodes without a Node, since when
         self._wake_placer = asyncio.Event()
         self._wake_timer = asyncio.Event()
+        self._held_wake: float | None = None  # the placer's asks.wake the timer waits for
         self.pods_informer = Informer(
             kube,
             core_path("pods"),
@@ -284,6 +288,7 @@ class Controller:
             done = withdrawals(obj) if self.placer.ask_modes is not None else set()
             if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
                 self._set_modes(str(obj["metadata"]["name"]), {}, done)
+                self.placer.asks.done(done)
             for uid in self.tracks.preempting():  # one may wait for a GPU's MIG mode
                 self.kick(uid)
         self._after_change()
@@ -391,6 +396,7 @@ class Controller:
         self._tg = None
         self.work.stop()
         self.placer.queue.clear()
+        self.placer.asks.clear()
         self.tracks.end_term()
         creating = {
             t.creating_key for t in self.tracks.values() if t.creating and not t.creating.done()
@@ -464,10 +470,12 @@ class Controller:
                     self._after_change()
                 self.tracks.forget(uid)
                 self.placer.queue.remove(uid)
+                self.placer.release_asks(uid)  # a MIG mode change it alone needed is withdrawn
                 return None
             case Dequeue():
                 self.placer.queue.remove(uid)
                 self.tracks.unpark(track)
+                self.placer.release_asks(uid)
                 return None
             case Queue(pod):
                 self.tracks.unpark(track)
@@ -548,6 +556,8 @@ class Controller:
             self._wake_placer.clear()
             while len(self.placer.queue):
                 self.placer.place_queued()
+                if self.placer.asks.wake != self._held_wake:  # a MIG mode change held back
+                    self._wake_timer.set()
                 await asyncio.sleep(0)  # let watch events and writes progress between pods
 
     async def _timer_loop(self) -> None:
@@ -555,10 +565,21 @@ class Controller:
         while True:
             deadline = self.tracks.next_deadline(timeout)
             wait = None if deadline is None else max(0.0, deadline - self.clock.monotonic())
+            # a MIG mode change held back by --ampere-mode-change-interval: parked pods are
+            # looked at again when it may be asked (a wall-clock time: the agent's)
+            self._held_wake = self.placer.asks.wake
+            if self._held_wake is not None:
+                held = max(0.0, self._held_wake - self.clock.wall().timestamp())
+                wait = held if wait is None else min(wait, held)
             await wait_or_sleep(self.clock, self._wake_timer, wait)
             self._wake_timer.clear()
             for uid in self.tracks.due(self.clock.monotonic(), timeout):
                 self.kick(uid)
+            wake = self.placer.asks.wake
+            if wake is not None and self.clock.wall().timestamp() >= wake:
+                self.placer.asks.wake = None
+                for uid in self.tracks.take_parked():
+                    self.kick(uid)
 
     async def _agents_loop(self) -> None:
         while True:

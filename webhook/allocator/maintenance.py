@@ -13,12 +13,25 @@ that need a reset wait for it, then ask if they still need one); the ask is with
 Failed` — the failed GPU is then avoided for the agent's back-off, so a pod that still
 needs a reset asks again at most once per back-off.
 
-Pure helpers here; the write is the controller's (one merge patch of the MigNode's spec).
+An ask must not outlive its reason, nor let one workload hold the slot (`AskBook`, the
+allocator's record of the asks it wrote this leadership term):
+- an ask is withdrawn as soon as no parked pod needs it any more (the pods that asked or
+  wait for it were placed, or left), unless the agent is already resetting the GPU;
+- an opposite change on one GPU waits `min_interval_s` after the agent's last change there
+  (its `lastModeChange`), so pods alternating between whole GPUs and MIG slices cannot make
+  the agent reset a GPU, and pause the node's GPU Operator, over and over;
+- the slot goes round the namespaces that wait for it: the one served longest ago (or
+  never) first, whatever the order in which their pods are looked at.
+Asks an admin or an earlier leader wrote are never withdrawn here (they have no record).
+
+Pure helpers and the record here; the write is the controller's (one merge patch of the
+MigNode's spec), the clock the placer's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.objects import DesiredGpu, desired_modes
@@ -57,3 +70,135 @@ def spec_patch(current: Mapping[str, str], add: Mapping[str, str], drop: set[str
     want = {**{u: m for u, m in current.items() if u not in drop}, **add}
     gpus: list[DesiredGpu] = [{"uuid": u, "desiredMigMode": m} for u, m in sorted(want.items())]
     return {"spec": {"gpus": gpus}}
+
+
+@dataclass
+class Ask:
+    """One GPU's change this term asked for, and the parked pods that need it."""
+
+    node: str
+    target: str
+    owners: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PodAsks:
+    """What one parked pod has to do with the asks: the GPUs whose asks it needs, and
+    whether it waits for the slot (busy, or another namespace's turn)."""
+
+    namespace: str
+    owns: frozenset[str] = frozenset()
+    waiting: bool = False
+
+
+@dataclass(eq=False)
+class AskBook:
+    """The asks this leadership term wrote, who needs them, and whose turn is next. Pure: the
+    placer tells it what happened; `wake` is the wall-clock time a change held back by the
+    interval may be asked (the controller's timer retries parked pods then)."""
+
+    min_interval_s: float = 0.0
+    asks: dict[str, Ask] = field(default_factory=dict)  # GPU UUID ->
+    pods: dict[str, PodAsks] = field(default_factory=dict)  # pod UID ->
+    queue: dict[str, int] = field(default_factory=dict)  # namespace -> waiting since (seq)
+    served: dict[str, int] = field(default_factory=dict)  # namespace -> last granted (seq)
+    seq: int = 0
+    wake: float | None = None
+
+    def turn(self, namespace: str) -> str:
+        """The namespace the free slot goes to, `namespace` asking: of those waiting and it,
+        the one served longest ago (never: first), then the one waiting longest."""
+        return min(
+            {*self.queue, namespace},
+            key=lambda n: (self.served.get(n, 0), self.queue.get(n, self.seq + 1), n),
+        )
+
+    def head(self) -> str | None:
+        """Whose turn it is among the namespaces waiting; None when none waits."""
+        return self.turn(min(self.queue)) if self.queue else None
+
+    def waiters(self, namespace: str) -> list[str]:
+        return sorted(u for u, p in self.pods.items() if p.waiting and p.namespace == namespace)
+
+    def grant(self, uid: str, namespace: str, node: str, wants: Mapping[str, str]) -> None:
+        """Pod `uid` got the slot and asked for `wants` (GPU UUID -> mode) on `node`."""
+        self.seq += 1
+        self.served[namespace] = self.seq
+        for uuid, target in wants.items():
+            self.asks[uuid] = Ask(node, target, {uid})
+        rec = self.pods.setdefault(uid, PodAsks(namespace))
+        rec.owns = rec.owns | frozenset(wants)
+        self.stop_waiting(uid)
+
+    def wait(self, uid: str, namespace: str, needs: Mapping[str, str]) -> None:
+        """Pod `uid` was refused the slot (busy, or another namespace's turn): it queues, and
+        it needs the asks in flight for the same change on its GPUs (`needs`, UUID -> mode)."""
+        shared = {u for u, t in needs.items() if (a := self.asks.get(u)) and a.target == t}
+        self._queue(uid, namespace, shared)
+
+    def under_way(self, uid: str, namespace: str) -> None:
+        """Pod `uid` fits once the change under way is done (MigModeChangeUnderWay; one ask
+        in the cluster at a time, so the ones in flight): it needs them, and it queues (if
+        the change does not serve it after all, it wants the slot next)."""
+        self._queue(uid, namespace, set(self.asks))
+
+    def _queue(self, uid: str, namespace: str, needs: set[str]) -> None:
+        rec = self.pods.setdefault(uid, PodAsks(namespace))
+        for uuid in needs:
+            self.asks[uuid].owners.add(uid)
+        rec.owns = rec.owns | needs
+        rec.waiting = True
+        if namespace not in self.queue:
+            self.seq += 1
+            self.queue[namespace] = self.seq
+
+    def stop_waiting(self, uid: str) -> bool:
+        """Pod `uid` no longer waits for the slot (it keeps the asks it needs); True when its
+        namespace left the queue with it (the turn may have moved on)."""
+        rec = self.pods.get(uid)
+        if rec is None or not rec.waiting:
+            return False
+        rec.waiting = False
+        if self.waiters(rec.namespace):
+            return False
+        self.queue.pop(rec.namespace, None)
+        return True
+
+    def release(self, uid: str) -> dict[str, set[str]]:
+        """Pod `uid` was placed, or left: it needs nothing any more. The asks now needed by
+        no pod, node -> GPU UUIDs (removed here; the caller withdraws them)."""
+        self.stop_waiting(uid)
+        rec = self.pods.pop(uid, None)
+        out: dict[str, set[str]] = {}
+        for uuid in sorted(rec.owns if rec is not None else ()):
+            ask = self.asks.get(uuid)
+            if ask is None:
+                continue
+            ask.owners.discard(uid)
+            if not ask.owners:
+                del self.asks[uuid]
+                out.setdefault(ask.node, set()).add(uuid)
+        return out
+
+    def done(self, uuids: Iterable[str]) -> None:
+        """These asks were withdrawn (reached, failed): no longer this term's to withdraw."""
+        for uuid in uuids:
+            self.asks.pop(uuid, None)
+
+    def held_until(self, last: tuple[str, float] | None, target: str) -> float | None:
+        """When a change to `target` may be asked on a GPU whose last change was `last`
+        (mode reached, wall time): None when at once (no interval, no change known, or the
+        last one went the same way)."""
+        if last is None or last[0] == target or self.min_interval_s <= 0:
+            return None
+        return last[1] + self.min_interval_s
+
+    def hold(self, until: float) -> None:
+        self.wake = until if self.wake is None else min(self.wake, until)
+
+    def clear(self) -> None:
+        """A new leadership term: the asks written before are no longer ours to withdraw."""
+        self.asks.clear()
+        self.pods.clear()
+        self.queue.clear()
+        self.wake = None

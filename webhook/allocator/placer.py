@@ -11,6 +11,7 @@ parked with its reason and told once per reason (`AllocationPending`). With
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,7 +43,7 @@ from common.sizing import (
     size_asks,
 )
 from webhook.allocator import pods as podlib
-from webhook.allocator.maintenance import in_flight
+from webhook.allocator.maintenance import AskBook, in_flight
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.preemption import (
     NO_RESET,
@@ -103,6 +104,11 @@ class Placer:
     # Ampere maintenance (webhook/allocator/maintenance.py), when on: (node, {GPU UUID:
     # mode}) → the MigNode's desiredMigMode is written in the background
     ask_modes: Callable[[str, dict[str, str]], None] | None = None
+    # ... and withdrawn (node, GPU UUIDs) when no parked pod needs it any more; the record
+    # of the asks, and the wall clock their minimum interval is measured on
+    withdraw_modes: Callable[[str, set[str]], None] | None = None
+    asks: AskBook = field(default_factory=AskBook)
+    wall: Callable[[], float] = time.time
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -118,6 +124,21 @@ class Placer:
                 self.park(pod, INTERNAL_ERROR, "placement failed inside the allocator")
 
     def decide(self, uid: str) -> None:
+        self._decide(uid)
+        if self.ask_modes is None:
+            return
+        track, pod = self.tracks.get(uid), self.state.pods.get(uid)
+        told = track.told if track is not None and track.parked_at is not None else None
+        if told == PendingReason.MIG_MODE_CHANGE_UNDER_WAY.value and pod is not None:
+            self.asks.under_way(uid, pod.namespace)  # it needs the ask in flight
+        elif uid not in self.asks.pods:
+            return
+        elif told is None:
+            self.release_asks(uid)  # placed, preempting, or not ours to place any more
+        elif told != PendingReason.NEEDS_MIG_MODE_CHANGE.value:
+            self._stop_waiting(uid)  # pending for another reason; its asks still needed
+
+    def _decide(self, uid: str) -> None:
         pod = self.state.pods.get(uid)
         track = self.tracks.get(uid)
         if track is None or pod is None or pod.gates != (GATE_NAME,) or pod.deleting:
@@ -152,7 +173,7 @@ class Placer:
             and result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
             and self.ask_modes is not None
         ):
-            result = self.ask_maintenance(snapshot, request, plan.resets, result)
+            result = self.ask_maintenance(pod, snapshot, request, plan.resets, result)
         if isinstance(result, Pending):
             told = self.preempt(pod, track, request, sized, snapshot, result)
             if told is None:  # a preemption is planned: room on an existing node, no new one
@@ -231,32 +252,54 @@ class Placer:
 
     def ask_maintenance(
         self,
+        pod: PodView,
         snapshot: Snapshot,
         request: PodRequest,
         resets: tuple[tuple[str, int], ...],
         pending: Pending,
     ) -> Pending:
         """Ask for the MIG mode change the pod needs on Ampere GPUs, `resets` (its plan's;
-        one ask in the cluster at a time; webhook/allocator/maintenance.py); the pod waits
-        NeedsMigModeChange."""
+        one ask in the cluster at a time, round the namespaces, opposite changes on one GPU
+        spaced; webhook/allocator/maintenance.py); the pod waits NeedsMigModeChange."""
         assert self.ask_modes is not None
+        target = "disabled" if is_whole(request) else "enabled"  # whole GPUs need MIG off
+        gpus = [(n, g) for n, i in resets if (g := self.state.gpu(n, i)) is not None]
         if names := self._changes_under_way(snapshot):
+            self.asks.wait(pod.uid, pod.namespace, {g.uuid: target for _, g in gpus})
             return Pending(
                 pending.reason,
                 f"it fits only after a MIG mode change (a GPU reset); one is under way on "
                 f"{names} (Ampere maintenance), asked again once it is done",
             )
-        target = "disabled" if is_whole(request) else "enabled"  # whole GPUs need MIG off
         if not resets:
+            self._stop_waiting(pod.uid)
             return pending
         node = resets[0][0]
-        wants: dict[str, str] = {}
-        for n, i in resets:
-            gpu = self.state.gpu(n, i)
-            if n == node and gpu is not None:
-                wants[gpu.uuid] = target
-        self.ask_modes(node, wants)
+        wants = {g.uuid: target for n, g in gpus if n == node}
         names = ", ".join(f"{node}/GPU {i}" for _, i in resets)
+        held = [u for n, g in gpus if (u := self.asks.held_until(g.last_change, target))]
+        if held and (until := max(held)) > self.wall():
+            self._stop_waiting(pod.uid)
+            self.asks.hold(until)
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change on {names}, whose last change went the "
+                f"other way less than {self.asks.min_interval_s:g} s ago "
+                "(--ampere-mode-change-interval); asked once that has passed (Ampere "
+                "maintenance)",
+            )
+        turn = self.asks.turn(pod.namespace)
+        if turn != pod.namespace:
+            self.asks.wait(pod.uid, pod.namespace, wants)
+            self._kick_waiters(turn)
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change on {names}; the one change at a time "
+                f"goes round the namespaces waiting for one, and namespace {turn} is next "
+                "(Ampere maintenance)",
+            )
+        self.ask_modes(node, wants)
+        self.asks.grant(pod.uid, pod.namespace, node, wants)
         log.info("MIG mode change asked (Ampere maintenance)", node=node, gpus=sorted(wants))
         return Pending(
             pending.reason,
@@ -264,6 +307,52 @@ class Placer:
             "the node agent drains the GPU, pauses the GPU Operator's clients, resets it); "
             "the pod is placed once it is done",
         )
+
+    def _held_back(self, node: str, index: int) -> bool:
+        """A whole-GPU plan may not turn MIG off on this Ampere GPU yet (its last change, to
+        MIG on, was less than the interval ago); the controller looks again when it may."""
+        g = self.state.gpu(node, index)
+        if g is None or g.whole_if_idle != "reset":
+            return False
+        until = self.asks.held_until(g.last_change, "disabled")
+        if until is None or until <= self.wall():
+            return False
+        self.asks.hold(until)
+        return True
+
+    def release_asks(self, uid: str) -> None:
+        """Pod `uid` was placed or left: the asks it alone needed are withdrawn, unless the
+        agent is already resetting the GPU (that change completes and is withdrawn then)."""
+        if uid not in self.asks.pods:
+            return
+        orphans = self.asks.release(uid)
+        self._turn_moved()
+        for node, uuids in orphans.items():
+            views = {g.uuid: g for g in self.state.gpus.get(node, ())}
+            stop = {u for u in uuids if (g := views.get(u)) is None or g.phase != "Resetting"}
+            if stop and self.withdraw_modes is not None:
+                log.info(
+                    "MIG mode change no longer needed; withdrawn", node=node, gpus=sorted(stop)
+                )
+                self.withdraw_modes(node, stop)
+
+    def _stop_waiting(self, uid: str) -> None:
+        if self.asks.stop_waiting(uid):
+            self._turn_moved()
+
+    def _turn_moved(self) -> None:
+        """A namespace stopped waiting for the slot: with the slot free, the next one's pods
+        are looked at again (they may have been turned away for its turn)."""
+        head = self.asks.head()
+        if head is not None and not in_flight(self.state.gpus):
+            self._kick_waiters(head)
+
+    def _kick_waiters(self, namespace: str) -> None:
+        for uid in self.asks.waiters(namespace):
+            track = self.tracks.get(uid)
+            if track is not None:
+                self.tracks.unpark(track)
+            self.kick(uid)
 
     def _changes_under_way(self, snapshot: Snapshot) -> str:
         """The GPUs with an Ampere MIG mode change in flight on nodes in `snapshot` (one at a
@@ -379,6 +468,8 @@ class Placer:
 
         def plan(classes: tuple[str, ...]) -> PreemptionPlan | None:
             candidates = whole_candidates(self.state, snapshot, classes)
+            if "reset" in classes:  # not a GPU whose last change went the other way lately
+                candidates = frozenset(c for c in candidates if not self._held_back(*c))
             return plan_whole_preemption(
                 snapshot,
                 request,

@@ -50,6 +50,8 @@ class AllocatorSettings:
       GPU can take it (docs/allocator.md "Creates in flight"); 0: off.
     ampere_mode_changes: `drain` asks node agents for the MIG mode change (a GPU reset) a
       pod needs on Ampere GPUs (docs/allocator.md "Ampere maintenance"); `off`: it waits.
+    ampere_mode_change_interval_s: under `drain`, the least time between a GPU's last mode
+      change (the agent's `lastModeChange`) and an ask for the opposite one; 0: none.
     clock: injectable for tests.
     """
 
@@ -73,6 +75,7 @@ class AllocatorSettings:
     preempt_kueue_pods: bool = False
     preemption_wait_s: float = 180.0
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
+    ampere_mode_change_interval_s: float = 600.0
     avoid_creates_in_flight: int = 0
     clock: Clock = field(default_factory=SystemClock, compare=False)
 

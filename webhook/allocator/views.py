@@ -12,6 +12,7 @@ from typing import Any
 
 from common.catalog import GpuModel
 from common.catalog.learned import Geometries
+from common.clock import parse_time
 from common.constants import DRAIN_TIMED_OUT
 from common.objects import desired_modes
 from common.placement import Taint
@@ -172,6 +173,19 @@ class GpuView:
     # it is not reached (or the agent drains/resets the GPU) nothing is placed there
     desired: str = ""
     maintenance: bool = False
+    phase: str = ""  # the agent's modeChange.phase (Draining, Resetting, ...), "" if none
+    # the agent's last successful mode change: (the mode it reached, wall-clock seconds);
+    # the allocator spaces opposite asks on one GPU by it (webhook/allocator/maintenance.py)
+    last_change: tuple[str, float] | None = None
+
+
+def last_change(g: Obj) -> tuple[str, float] | None:
+    """(mode reached, when) of a MigNode GPU entry's `lastModeChange`; None if absent."""
+    change = g.get("lastModeChange") or {}
+    when = parse_time(change.get("time"))
+    if when is None or not change.get("to"):
+        return None
+    return str(change["to"]), when.timestamp()
 
 
 MAINTENANCE_PHASES = ("Draining", "Resetting")
@@ -267,6 +281,8 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                 geometry=geometries.of(model, g.get("profiles") or []),
                 desired=want,
                 maintenance=locked,
+                phase=str((g.get("modeChange") or {}).get("phase") or ""),
+                last_change=last_change(g),
             )
         )
     return tuple(sorted(out, key=lambda g: g.index))
