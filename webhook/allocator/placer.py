@@ -6,7 +6,8 @@ slots. The placer writes nothing itself: a decision is recorded in the pod's rec
 (`PodTrack.create`) and the pod's worker sends the create; a pod that does not fit is
 parked with its reason and told once per reason (`AllocationPending`). With
 `avoid_creates_in_flight` on, a first pass leaves out the GPUs busy making slices
-(`_calm`, webhook/allocator/inflight.py).
+(`_calm`, webhook/allocator/inflight.py). How often a preemption is planned — a failed plan
+kept until what it read changes — is webhook/allocator/planning.py's.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from common.sizing import (
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.planning import PlanInputs, SharedViews
 from webhook.allocator.preemption import (
     NO_RESET,
     Budgets,
@@ -103,6 +105,7 @@ class Placer:
     # Ampere maintenance (webhook/allocator/maintenance.py), when on: (node, {GPU UUID:
     # mode}) → the MigNode's desiredMigMode is written in the background
     ask_modes: Callable[[str, dict[str, str]], None] | None = None
+    shared: SharedViews = field(default_factory=SharedViews)  # what a round's pods share
 
     def place_queued(self) -> None:
         """Decide for one queued pod (the highest first); the loop calls it until empty."""
@@ -304,6 +307,16 @@ class Placer:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
+        inputs = PlanInputs(
+            holders=self.state.holders_version,
+            budgets=p.budgets.version,
+            generation=pod.generation,
+            avoid=track.avoid,
+            excluded=track.failed_gpus,
+            short=self.shared.short(snapshot, request),
+        )
+        if track.no_plan is not None and track.no_plan[0] == inputs:
+            return reason, f"{message}; {track.no_plan[1]}"  # nothing it read has changed
         held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
@@ -335,7 +348,9 @@ class Placer:
                 catalog=self.catalog,
             )
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            track.no_plan = (inputs, why)  # planned again once what it read changes
             return reason, f"{message}; {why}"
+        track.no_plan = None
         body = self.allocation_for(pod, found.placement)
         self.state.assume(body)  # reserved: nobody else is given these slots
         victims = tuple(
