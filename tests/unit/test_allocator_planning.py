@@ -2,8 +2,10 @@
 `preempt`), counted with a spy on the planners: a plan that found nothing is not made again
 when a pod holding no slices leaves a node (the capacity epoch moves) nor when a holder's
 status alone changes, and is made again when anything it read changes (a holder, its
-allocation, a PodDisruptionBudget, the room of a node short of the pod's cpu). What a plan
-chooses is tested elsewhere (test_preempt.py, test_allocator_preempt_*.py).
+allocation, a PodDisruptionBudget, the room of a node short of the pod's cpu); an ask no
+node could hold even empty is parked as `LargerThanAnyNode`, naming the count and the
+largest node's, and never planned. What a plan chooses is tested elsewhere
+(test_preempt.py, test_allocator_preempt_*.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,21 @@ from typing import Any
 
 import pytest
 
-from common.constants import REASON_PENDING
+from common.constants import REASON_PENDING, SIZE_ANNOTATION_PREFIX
 from common.objects import Phase
 from common.placement.preempt import plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.sizing import plan_sized_preemption
-from tests.integration.allocator_fixtures import make_allocation, make_pod
+from tests.integration.allocator_fixtures import (
+    make_allocation,
+    make_mig_node,
+    make_node,
+    make_pod,
+)
 from tests.unit.test_allocator_preempt_sized import cluster, fill_1g
 from tests.unit.test_allocator_preempt_whole import decide, placer
 from webhook.allocator.placer import Placer
+from webhook.allocator.planning import TOO_LARGE
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Queue, Seen, next_step
 
@@ -168,3 +176,76 @@ def test_a_failed_plan_is_made_again_when_what_it_read_changes(
         p.tracks.park(track, 0)
     again(p)
     assert plans == ["ns/big", "ns/big"]
+
+
+# --- asks no node holds --------------------------------------------------------------------
+
+
+def sized(name: str, size: str) -> Obj:
+    obj = make_pod(name, uid=name, priority=10, slices={})
+    obj["metadata"]["annotations"][SIZE_ANNOTATION_PREFIX + "main"] = size
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("pod", "words"),
+    [
+        (make_pod("big", uid="big", priority=10, slices={"main": {"1g.10gb": 15}}),
+         "it asks 15 x 1g.10gb; the largest node it may run on, n2 (2 x H100-80GB), holds "
+         "at most 14"),
+        (make_pod("big", uid="big", priority=10, slices={"a": {"1g.10gb": 9}, "b": {"1g.10gb": 6}}),
+         "it asks 15 x 1g.10gb"),
+        (make_pod("big", uid="big", priority=10, slices={"main": {"gpu": 3}}),
+         "it asks 3 whole GPUs; the largest node it may run on, n2 (2 x H100-80GB), has 2"),
+        (make_pod("big", uid="big", priority=10,
+                  slices={"a": {"4g.40gb": 2}, "b": {"3g.40gb": 3}}),
+         "its 5 slices take 20 memory slots together; the largest node it may run on, n2 "
+         "(2 x H100-80GB), has 16"),
+        (sized("big", "memory>=9Gi,count=15"), "it asks 15 x 1g.10gb"),
+    ],
+    ids=["count", "containers-add-up", "whole-gpus", "memory-slots", "size"],
+)  # fmt: skip
+@pytest.mark.parametrize("preemption", [True, False], ids=["preemption", "no-preemption"])
+def test_an_ask_larger_than_any_node_is_parked_without_planning(
+    plans: list[str], pod: Obj, words: str, preemption: bool
+) -> None:
+    state = cluster(n1="H100-80GB")
+    state.upsert_node(make_node("n2", cpu="64", memory="256Gi", pods=50, gpus=2))
+    state.upsert_mig_node(make_mig_node("n2", ["H100-80GB"] * 2))
+    fill_1g(state, "n1", prio=1)  # victims enough, were the ask to fit a node
+    state.upsert_pod(pod)
+    p, told = placer(state)
+    if not preemption:
+        p.preemption = None
+    track = decide(p, "big")
+    assert plans == []
+    assert track.told == TOO_LARGE and track.preempt is None
+    ((_, reason, message),) = told
+    assert reason == REASON_PENDING
+    assert words in message and message.endswith("no preemption is planned for it"), message
+
+
+@pytest.mark.parametrize("pool", ["small", None], ids=["selects-the-small-node", "any-node"])
+def test_only_the_nodes_a_pod_selects_count(plans: list[str], pool: str | None) -> None:
+    """8 x 1g.10gb: more than n1's one GPU holds, not more than n2's two (each holding a
+    lower-priority 7g): selecting n1 it is too large, else it is planned (and found)."""
+    state = ClusterState()
+    for name, gpus in (("n1", 1), ("n2", 2)):
+        labels = {"pool": "small" if gpus == 1 else "large"}
+        state.upsert_node(make_node(name, cpu="64", memory="256Gi", labels=labels, gpus=gpus))
+        state.upsert_mig_node(make_mig_node(name, ["H100-80GB"] * gpus))
+    for g in range(2):
+        fill = make_pod(f"f{g}", uid=f"f{g}", priority=1, gates=(), node_name="n2",
+                        phase="Running", slices={"main": {"7g.80gb": 1}})  # fmt: skip
+        state.upsert_pod(fill)
+        state.upsert_allocation(make_allocation(fill, "n2", [("main", "7g.80gb", g, 0, 8)]))
+    fill_1g(state, "n1", prio=1)
+    state.upsert_pod(make_pod("big", uid="big", priority=10, slices={"main": {"1g.10gb": 8}},
+                              node_selector={"pool": pool} if pool else None))  # fmt: skip
+    p, told = placer(state)
+    track = decide(p, "big")
+    if pool:
+        assert plans == [] and track.told == TOO_LARGE
+        assert "n1 (1 x H100-80GB), holds at most 7" in told[0][2]
+    else:
+        assert plans == ["ns/big"] and track.preempt is not None

@@ -7,7 +7,8 @@ slots. The placer writes nothing itself: a decision is recorded in the pod's rec
 parked with its reason and told once per reason (`AllocationPending`). With
 `avoid_creates_in_flight` on, a first pass leaves out the GPUs busy making slices
 (`_calm`, webhook/allocator/inflight.py). How often a preemption is planned — a failed plan
-kept until what it read changes — is webhook/allocator/planning.py's.
+kept until what it read changes, asks no node holds never planned — is
+webhook/allocator/planning.py's.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ from common.sizing import (
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import in_flight
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.planning import PlanInputs, SharedViews
+from webhook.allocator.planning import (
+    TOO_LARGE,
+    PlanInputs,
+    SharedViews,
+    too_large,
+)
 from webhook.allocator.preemption import (
     NO_RESET,
     Budgets,
@@ -303,7 +309,12 @@ class Placer:
         reservation names the profiles they resolve to there."""
         reason, message = self.pending_reason(pending)
         p = self.preemption
-        if p is None or pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+        if pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+            return reason, message
+        shapes = self.shared.shapes(self.state.node_states(), request, self.catalog)
+        if big := too_large(shapes, request, sized, self.catalog):
+            return TOO_LARGE, f"{big}: no node can hold it, so no preemption is planned for it"
+        if p is None:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
