@@ -1,10 +1,12 @@
 """How often the placer plans a preemption (webhook/allocator/planning.py, placer.py
-`preempt`), counted with a spy on the planners: a plan that found nothing is not made again
-when a pod holding no slices leaves a node (the capacity epoch moves) nor when a holder's
-status alone changes, and is made again when anything it read changes (a holder, its
-allocation, a PodDisruptionBudget, the room of a node short of the pod's cpu); an ask no
-node could hold even empty is parked as `LargerThanAnyNode`, naming the count and the
-largest node's, and never planned. What a plan chooses is tested elsewhere
+`preempt`, the controller's placement loop), counted with a spy on the planners: a plan
+that found nothing is not made again when a pod holding no slices leaves a node (the
+capacity epoch moves) nor when a holder's status alone changes, and is made again when
+anything it read changes (a holder, its allocation, a PodDisruptionBudget, the room of a
+node short of the pod's cpu); an ask no node could hold even empty is parked as
+`LargerThanAnyNode`, naming the count and the largest node's, and never planned; a spent
+CPU budget defers the remaining plans to the next round, which serves another namespace
+first and which the loop starts by itself. What a plan chooses is tested elsewhere
 (test_preempt.py, test_allocator_preempt_*.py).
 """
 
@@ -12,25 +14,32 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from common.constants import REASON_PENDING, SIZE_ANNOTATION_PREFIX
+from common.kubeapi import Kube
 from common.objects import Phase
 from common.placement.preempt import plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.sizing import plan_sized_preemption
 from tests.integration.allocator_fixtures import (
+    FakeClock,
     make_allocation,
     make_mig_node,
     make_node,
     make_pod,
+    settle,
 )
+from tests.unit.test_allocator_controller import Leader, RecordingKube, leading, settings
 from tests.unit.test_allocator_preempt_sized import cluster, fill_1g
 from tests.unit.test_allocator_preempt_whole import decide, placer
+from webhook.allocator.controller import Controller
+from webhook.allocator.leader import LeaderElector
+from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
-from webhook.allocator.planning import TOO_LARGE
+from webhook.allocator.planning import TOO_LARGE, PlanRounds
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Queue, Seen, next_step
 
@@ -249,3 +258,77 @@ def test_only_the_nodes_a_pod_selects_count(plans: list[str], pool: str | None) 
         assert "n1 (1 x H100-80GB), holds at most 7" in told[0][2]
     else:
         assert plans == ["ns/big"] and track.preempt is not None
+
+
+# --- rounds ----------------------------------------------------------------------------------
+
+
+class Cpu:
+    """A CPU clock the spied planner advances by one second per plan."""
+
+    def __init__(self, plans: list[str]) -> None:
+        self.plans = plans
+
+    def __call__(self) -> float:
+        return float(len(self.plans))
+
+
+def run_round(p: Placer) -> None:
+    """One round of the placement loop."""
+    p.start_round()
+    while p.waiting():
+        p.place_queued()
+
+
+def test_a_spent_budget_defers_plans_and_the_next_round_serves_another_namespace_first(
+    plans: list[str],
+) -> None:
+    state = cluster(n1="H100-80GB")
+    fill_1g(state, "n1", prio=50)  # nobody's victim: every plan finds nothing
+    pods = [parked_7g("a1", "a", 30), parked_7g("a2", "a", 20), parked_7g("b1", "b", 10)]
+    p, _ = placer(state)
+    p.rounds = PlanRounds(budget_s=1.0, cpu=Cpu(plans))
+    for pod in pods:
+        state.upsert_pod(pod)
+        p.tracks.ensure(pod["metadata"]["uid"])
+        view = state.pods[pod["metadata"]["uid"]]
+        p.queue.push(view.uid, priority=view.priority, created=view.created, key=view.key)
+    run_round(p)
+    assert plans == ["a/a1"]  # the budget is spent: a2 and b1 wait
+    assert p.rounds.deferred == {"a2", "b1"}
+    for uid in ("a2", "b1"):
+        track = p.tracks.get(uid)
+        assert track is not None and track.plan_deferred and track.parked_at is not None
+    run_round(p)
+    assert plans == ["a/a1", "b/b1"]  # b's turn, though a2 has the higher priority
+    run_round(p)
+    assert plans == ["a/a1", "b/b1", "a/a2"]
+    run_round(p)
+    assert plans == ["a/a1", "b/b1", "a/a2"] and not p.rounds.deferred
+
+
+async def test_the_loop_runs_the_deferred_round_by_itself(plans: list[str]) -> None:
+    kube, clock = RecordingKube(), FakeClock()
+    c = Controller(
+        cast(Kube, kube),
+        cast(LeaderElector, Leader()),
+        AllocatorMetrics(),
+        settings(clock, preemption=True, preemption_round_cpu_s=0.0),  # one plan a round
+    )
+    c.opted_in.update({"a", "b"})
+    async with leading(c):
+        await c._on_node("ADDED", make_node("n1", cpu="64", memory="256Gi", pods=50))
+        await c._on_mig_node("ADDED", make_mig_node("n1"))
+        for s in range(7):
+            pod = make_pod(f"h{s}", uid=f"h{s}", namespace="a", priority=50, gates=(),
+                           node_name="n1", phase="Running")  # fmt: skip
+            await c._on_pod("ADDED", pod)
+            alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, s, 1)], phase=Phase.READY)
+            await c._on_allocation("ADDED", alloc)
+        await c._on_pod("ADDED", parked_7g("a1", "a", 30))
+        await c._on_pod("ADDED", parked_7g("b1", "b", 10))
+        await settle()
+        assert sorted(plans) == ["a/a1", "b/b1"]
+        assert set(c.parked) == {"a1", "b1"}
+        told = [e[2] for e in kube.writes("create") if e[1].endswith("/events")]
+        assert [e["message"].endswith(NEVER) for e in told] == [True, True]  # deferral untold

@@ -7,8 +7,8 @@ slots. The placer writes nothing itself: a decision is recorded in the pod's rec
 parked with its reason and told once per reason (`AllocationPending`). With
 `avoid_creates_in_flight` on, a first pass leaves out the GPUs busy making slices
 (`_calm`, webhook/allocator/inflight.py). How often a preemption is planned — a failed plan
-kept until what it read changes, asks no node holds never planned — is
-webhook/allocator/planning.py's.
+kept until what it read changes, asks no node holds never planned, a CPU budget per round
+shared round-robin across namespaces — is webhook/allocator/planning.py's.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.planning import (
     TOO_LARGE,
     PlanInputs,
+    PlanRounds,
     SharedViews,
     too_large,
 )
@@ -111,11 +112,44 @@ class Placer:
     # Ampere maintenance (webhook/allocator/maintenance.py), when on: (node, {GPU UUID:
     # mode}) → the MigNode's desiredMigMode is written in the background
     ask_modes: Callable[[str, dict[str, str]], None] | None = None
+    rounds: PlanRounds = field(default_factory=PlanRounds)  # preemption planning per round
     shared: SharedViews = field(default_factory=SharedViews)  # what a round's pods share
 
+    def start_round(self) -> None:
+        """A placement round begins (the loop's, each time it is woken): the planning budget
+        is whole again, and the pods whose plan the last round deferred go first, one
+        namespace after another (planning.PlanRounds)."""
+        waiting = []
+        for uid in self.rounds.deferred:
+            track, pod = self.tracks.get(uid), self.state.pods.get(uid)
+            if track is not None and track.plan_deferred and pod is not None:
+                waiting.append(pod)
+        waiting.sort(key=lambda p: (-p.priority, p.created, p.key))
+        self.rounds.start({p.uid: p.namespace for p in waiting})
+
+    def waiting(self) -> int:
+        """Pods this round has yet to decide for."""
+        return len(self.queue) + len(self.rounds.order)
+
+    def clear(self) -> None:
+        """The term ended: nothing queued, nothing deferred."""
+        self.queue.clear()
+        self.rounds.clear()
+
+    def _next(self) -> str | None:
+        while self.rounds.order:
+            uid = self.rounds.order.popleft()
+            track = self.tracks.get(uid)
+            if track is not None and track.plan_deferred:  # not decided for since
+                self.queue.remove(uid)
+                self.tracks.unpark(track)
+                return uid
+        return self.queue.pop()
+
     def place_queued(self) -> None:
-        """Decide for one queued pod (the highest first); the loop calls it until empty."""
-        uid = self.queue.pop()
+        """Decide for one pod: those whose plan was deferred first, then the queued ones (the
+        highest first); the loop calls it until `waiting()` is 0."""
+        uid = self._next()
         if uid is None:
             return
         try:
@@ -131,8 +165,9 @@ class Placer:
         track = self.tracks.get(uid)
         if track is None or pod is None or pod.gates != (GATE_NAME,) or pod.deleting:
             return
-        if pod.claim is None or track.create is not None:
+        if pod.claim is None or track.create is not None or track.preempt is not None:
             return
+        track.plan_deferred = False
         if self.state.allocations_of(uid) or f"{pod.namespace}/{pod.claim}" in (
             self.state.allocations
         ):
@@ -167,6 +202,10 @@ class Placer:
             if told is None:  # a preemption is planned: room on an existing node, no new one
                 if self.pendings is not None:
                     self.pendings.placed(uid)
+                return
+            if track.plan_deferred:  # planned next round: neither served nor refused yet,
+                self.tracks.park(track, pod.generation)  # so told nothing new until then
+                log.debug("preemption plan deferred", pod=pod.key, why=told[1])
                 return
             # Only what preemption cannot serve asks the autoscaler for a node (size-based
             # asks only on one model: docs/autoscaling.md "Preemption, sizes, whole GPUs").
@@ -328,6 +367,14 @@ class Placer:
         )
         if track.no_plan is not None and track.no_plan[0] == inputs:
             return reason, f"{message}; {track.no_plan[1]}"  # nothing it read has changed
+        if not self.rounds.allows():
+            track.plan_deferred = True
+            self.rounds.deferred.add(pod.uid)
+            return reason, (
+                f"{message}; preemption: planned in the next placement round (this round's "
+                "planning budget is spent)"
+            )
+        start = self.rounds.cpu()
         held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
@@ -358,6 +405,7 @@ class Placer:
                 policy=self.policy,
                 catalog=self.catalog,
             )
+        self.rounds.charge(pod.namespace, self.rounds.cpu() - start)
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
             track.no_plan = (inputs, why)  # planned again once what it read changes
             return reason, f"{message}; {why}"

@@ -5,9 +5,7 @@ victim sets, bounded only by `SEARCH_BUDGET` (common/placement/preempt.py), so a
 dozens of slices of one node costs a second or more of CPU per plan on a large fleet, and a
 sized ask one such plan per GPU model. A parked pod is retried whenever capacity may have
 grown (`ClusterState.epoch`), which on a busy cluster is every few moments: planning anew on
-each retry spent that CPU over and over on the same answer.
-
-Two guards, both pure:
+each retry spent that CPU over and over on the same answer. Three guards, all pure:
 
 - `PlanInputs`: what a plan read — the version of the slice holders and of the nodes and
   GPUs (`ClusterState.holders_version`), of the PodDisruptionBudgets, the pod's own spec
@@ -19,6 +17,12 @@ Two guards, both pure:
   node's GPUs offer together, more whole GPUs than it has, more memory slots than it has),
   on the nodes its own selectors allow. Such a pod is parked with `LargerThanAnyNode`,
   naming its count and the largest node's, and never planned for.
+- `PlanRounds`: a CPU budget per placement round (`preemption_round_cpu_s`). Once a round
+  has spent it on plans, the pods that still need one are deferred to the next round, which
+  starts right after; a round serves deferred pods first, one per namespace in turn,
+  starting after the namespace that planned last, so one namespace's huge asks cannot take
+  every round from the others. A plan in progress is never cut: the budget is checked
+  before each, so every round makes at least one.
 
 What this module does not do: choose victims (common/placement/preempt.py) or decide who may
 be one (preemption.py).
@@ -26,7 +30,9 @@ be one (preemption.py).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.catalog import Catalog
@@ -205,3 +211,51 @@ class SharedViews:
         if key not in self._short:
             self._short[key] = short_nodes(snapshot, request)
         return self._short[key]
+
+
+# --- rounds ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanRounds:
+    """The preemption planning of the placer's rounds: a CPU budget per round and the
+    round-robin order of the pods a spent budget deferred (module docstring)."""
+
+    budget_s: float = 0.5  # CPU seconds of planning per round (AllocatorSettings)
+    cpu: Callable[[], float] = time.thread_time  # injectable: tests count plans, not time
+    spent: float = 0.0  # this round's CPU seconds of planning
+    plans: int = 0  # and its plans
+    last: str = ""  # the namespace whose pod planned last
+    deferred: set[str] = field(default_factory=set)  # uids, for the next round
+    order: deque[str] = field(default_factory=deque)  # this round's deferred pods, in turn
+
+    def start(self, namespaces: Mapping[str, str]) -> None:
+        """A new round: the budget is whole again, and the deferred pods (`namespaces`: uid
+        → its namespace, in the placement queue's order; pods gone left out) go first, one
+        namespace after another, starting after the namespace that planned last."""
+        self.spent, self.plans = 0.0, 0
+        self.deferred.clear()
+        by_ns: dict[str, deque[str]] = {}
+        for uid, ns in namespaces.items():
+            by_ns.setdefault(ns, deque()).append(uid)
+        turn = sorted(by_ns, key=lambda ns: (ns <= self.last, ns))
+        self.order.clear()
+        while turn:
+            for ns in list(turn):
+                self.order.append(by_ns[ns].popleft())
+                if not by_ns[ns]:
+                    turn.remove(ns)
+
+    def allows(self) -> bool:
+        """May this round plan once more? Always its first plan (however large the budget)."""
+        return self.plans == 0 or self.spent < self.budget_s
+
+    def charge(self, namespace: str, seconds: float) -> None:
+        self.spent += seconds
+        self.plans += 1
+        self.last = namespace
+
+    def clear(self) -> None:
+        self.deferred.clear()
+        self.order.clear()
+        self.spent, self.plans = 0.0, 0

@@ -72,6 +72,7 @@ class PodTrack:
     # a preemption plan that found nothing: what it read and what the pod was told; planned
     # again only when those inputs change (webhook/allocator/planning.py)
     no_plan: tuple[PlanInputs, str] | None = None
+    plan_deferred: bool = False  # its plan waits for the next placement round (budget spent)
 
     def end_term(self) -> None:
         """What only a leadership term may hold: the next term decides afresh (and tells a
@@ -82,6 +83,7 @@ class PodTrack:
         self.create = None
         self.preempt = None  # its reservation was assumed in this term only: planned afresh
         self.no_plan = None
+        self.plan_deferred = False
 
 
 @dataclass(frozen=True, slots=True)
