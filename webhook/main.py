@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument(
+        "--preemption-round-cpu",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="CPU seconds of preemption planning per placement round; the pods still to plan "
+        "for wait for the next round, namespaces in turn",
+    )
+    p.add_argument(
         "--ampere-mode-changes",
         choices=["off", "drain"],
         default="off",
@@ -198,6 +206,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preemption=a.preemption == "gpu",
             preempt_kueue_pods=a.preempt_kueue_pods,
             preemption_wait_s=a.preemption_wait_timeout,
+            preemption_round_cpu_s=a.preemption_round_cpu,
             ampere_mode_changes=a.ampere_mode_changes,
             ampere_mode_change_interval_s=a.ampere_mode_change_interval,
             avoid_creates_in_flight=a.avoid_creates_in_flight,

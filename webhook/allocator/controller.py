@@ -10,7 +10,9 @@ checks the Lease first. While leading:
   retried after a backoff that doubles per failure;
 - the placer loop pops gated pods in priority order and decides for each on a snapshot
   (`placer.Placer`). Pods that do not fit are parked and retried only when
-  `ClusterState.epoch` says capacity may have grown;
+  `ClusterState.epoch` says capacity may have grown. Each wake-up is a round with a CPU
+  budget for preemption planning; pods whose plan a spent budget deferred go first in the
+  next round, which starts at once (webhook/allocator/planning.py);
 - the timer, for pinned pods the scheduler cannot bind (`pinned_unschedulable_timeout_s`),
   and the sweep every `agent_sweep_s` that leaves out of placement the nodes whose agent
   has not renewed its Lease for the Lease's duration; a renewal seen brings the node back
@@ -58,6 +60,7 @@ from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer, PreemptionSettings
+from webhook.allocator.planning import PlanRounds
 from webhook.allocator.preemption import Budgets
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
@@ -129,6 +132,7 @@ class Controller:
             self.placer.asks.min_interval_s = settings.ampere_mode_change_interval_s
             self.placer.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
+        self.placer.rounds = PlanRounds(settings.preemption_round_cpu_s)
         if settings.preemption:
             self.placer.preemption = PreemptionSettings(
                 self.budgets,
@@ -395,8 +399,7 @@ class Controller:
         self._leading = False
         self._tg = None
         self.work.stop()
-        self.placer.queue.clear()
-        self.placer.asks.clear()
+        self.placer.clear()
         self.tracks.end_term()
         creating = {
             t.creating_key for t in self.tracks.values() if t.creating and not t.creating.done()
@@ -554,11 +557,14 @@ class Controller:
         while True:
             await self._wake_placer.wait()
             self._wake_placer.clear()
-            while len(self.placer.queue):
+            self.placer.start_round()
+            while self.placer.waiting():
                 self.placer.place_queued()
                 if self.placer.asks.wake != self._held_wake:  # a MIG mode change held back
                     self._wake_timer.set()
                 await asyncio.sleep(0)  # let watch events and writes progress between pods
+            if self.placer.rounds.deferred:  # plans a spent budget deferred: the next round
+                self._wake_placer.set()
 
     async def _timer_loop(self) -> None:
         timeout = self.settings.pinned_unschedulable_timeout_s

@@ -104,6 +104,7 @@ class AskBook:
     served: dict[str, int] = field(default_factory=dict)  # namespace -> last granted (seq)
     seq: int = 0
     wake: float | None = None
+    holds: int = 0  # changes held back so far (a plan that met one is not kept as failed)
 
     def turn(self, namespace: str) -> str:
         """The namespace the free slot goes to, `namespace` asking: of those waiting and it,
@@ -195,6 +196,7 @@ class AskBook:
 
     def hold(self, until: float) -> None:
         self.wake = until if self.wake is None else min(self.wake, until)
+        self.holds += 1
 
     def clear(self) -> None:
         """A new leadership term: the asks written before are no longer ours to withdraw."""

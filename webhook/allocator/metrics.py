@@ -13,7 +13,8 @@ Names follow docs/metrics.md:
   `released` (deleted by the allocator: pod finished or gone, failed, node gone),
   `pinned_unschedulable` (docs/contract.md §4 step 4), `error` (a write the API server refused).
 - `instaslice_pending_pods{reason}` (gauge): pods that cannot be placed now, by
-  `common.placement.PendingReason` (plus `InvalidRequest` / `WriteError`).
+  `common.placement.PendingReason` (plus `InvalidRequest` / `WriteError` /
+  `LargerThanAnyNode`).
 - `instaslice_slices{profile, model}` (gauge): slices held by live SliceAllocations.
 - `instaslice_gpu_slots_used{node, gpu, model}` / `instaslice_gpu_slots{...}` (gauges):
   occupied and total memory slots per GPU (occupied includes foreign instances).

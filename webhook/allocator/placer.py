@@ -6,7 +6,9 @@ slots. The placer writes nothing itself: a decision is recorded in the pod's rec
 (`PodTrack.create`) and the pod's worker sends the create; a pod that does not fit is
 parked with its reason and told once per reason (`AllocationPending`). With
 `avoid_creates_in_flight` on, a first pass leaves out the GPUs busy making slices
-(`_calm`, webhook/allocator/inflight.py).
+(`_calm`, webhook/allocator/inflight.py). How often a preemption is planned — a failed plan
+kept until what it read changes, asks no node holds never planned, a CPU budget per round
+shared round-robin across namespaces — is webhook/allocator/planning.py's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ from common.sizing import (
 from webhook.allocator import pods as podlib
 from webhook.allocator.maintenance import AskBook, in_flight
 from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.planning import (
+    TOO_LARGE,
+    PlanInputs,
+    PlanRounds,
+    SharedViews,
+    too_large,
+)
 from webhook.allocator.preemption import (
     NO_RESET,
     Budgets,
@@ -109,10 +118,45 @@ class Placer:
     withdraw_modes: Callable[[str, set[str]], None] | None = None
     asks: AskBook = field(default_factory=AskBook)
     wall: Callable[[], float] = time.time
+    rounds: PlanRounds = field(default_factory=PlanRounds)  # preemption planning per round
+    shared: SharedViews = field(default_factory=SharedViews)  # what a round's pods share
+
+    def start_round(self) -> None:
+        """A placement round begins (the loop's, each time it is woken): the planning budget
+        is whole again, and the pods whose plan the last round deferred go first, one
+        namespace after another (planning.PlanRounds)."""
+        waiting = []
+        for uid in self.rounds.deferred:
+            track, pod = self.tracks.get(uid), self.state.pods.get(uid)
+            if track is not None and track.plan_deferred and pod is not None:
+                waiting.append(pod)
+        waiting.sort(key=lambda p: (-p.priority, p.created, p.key))
+        self.rounds.start({p.uid: p.namespace for p in waiting})
+
+    def waiting(self) -> int:
+        """Pods this round has yet to decide for."""
+        return len(self.queue) + len(self.rounds.order)
+
+    def clear(self) -> None:
+        """The term ended: nothing queued, nothing deferred."""
+        self.queue.clear()
+        self.rounds.clear()
+        self.asks.clear()
+
+    def _next(self) -> str | None:
+        while self.rounds.order:
+            uid = self.rounds.order.popleft()
+            track = self.tracks.get(uid)
+            if track is not None and track.plan_deferred:  # not decided for since
+                self.queue.remove(uid)
+                self.tracks.unpark(track)
+                return uid
+        return self.queue.pop()
 
     def place_queued(self) -> None:
-        """Decide for one queued pod (the highest first); the loop calls it until empty."""
-        uid = self.queue.pop()
+        """Decide for one pod: those whose plan was deferred first, then the queued ones (the
+        highest first); the loop calls it until `waiting()` is 0."""
+        uid = self._next()
         if uid is None:
             return
         try:
@@ -143,8 +187,9 @@ class Placer:
         track = self.tracks.get(uid)
         if track is None or pod is None or pod.gates != (GATE_NAME,) or pod.deleting:
             return
-        if pod.claim is None or track.create is not None:
+        if pod.claim is None or track.create is not None or track.preempt is not None:
             return
+        track.plan_deferred = False
         if self.state.allocations_of(uid) or f"{pod.namespace}/{pod.claim}" in (
             self.state.allocations
         ):
@@ -179,6 +224,10 @@ class Placer:
             if told is None:  # a preemption is planned: room on an existing node, no new one
                 if self.pendings is not None:
                     self.pendings.placed(uid)
+                return
+            if track.plan_deferred:  # planned next round: neither served nor refused yet,
+                self.tracks.park(track, pod.generation)  # so told nothing new until then
+                log.debug("preemption plan deferred", pod=pod.key, why=told[1])
                 return
             # Only what preemption cannot serve asks the autoscaler for a node (size-based
             # asks only on one model: docs/autoscaling.md "Preemption, sizes, whole GPUs").
@@ -389,10 +438,33 @@ class Placer:
         reservation names the profiles they resolve to there."""
         reason, message = self.pending_reason(pending)
         p = self.preemption
-        if p is None or pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+        if pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+            return reason, message
+        shapes = self.shared.shapes(self.state.node_states(), request, self.catalog)
+        if big := too_large(shapes, request, sized, self.catalog):
+            return TOO_LARGE, f"{big}: no node can hold it, so no preemption is planned for it"
+        if p is None:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
+        inputs = PlanInputs(
+            holders=self.state.holders_version,
+            budgets=p.budgets.version,
+            generation=pod.generation,
+            avoid=track.avoid,
+            excluded=track.failed_gpus,
+            short=self.shared.short(snapshot, request),
+        )
+        if track.no_plan is not None and track.no_plan[0] == inputs:
+            return reason, f"{message}; {track.no_plan[1]}"  # nothing it read has changed
+        if not self.rounds.allows():
+            track.plan_deferred = True
+            self.rounds.deferred.add(pod.uid)
+            return reason, (
+                f"{message}; preemption: planned in the next placement round (this round's "
+                "planning budget is spent)"
+            )
+        start, holds = self.rounds.cpu(), self.asks.holds
         held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
@@ -423,8 +495,13 @@ class Placer:
                 policy=self.policy,
                 catalog=self.catalog,
             )
+        self.rounds.charge(pod.namespace, self.rounds.cpu() - start)
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            # planned again once what it read changes, or at once when a GPU was held back
+            # by the mode-change interval (the wall clock is an input no version counts)
+            track.no_plan = (inputs, why) if self.asks.holds == holds else None
             return reason, f"{message}; {why}"
+        track.no_plan = None
         body = self.allocation_for(pod, found.placement)
         self.state.assume(body)  # reserved: nobody else is given these slots
         victims = tuple(

@@ -80,20 +80,25 @@ class Budgets:
     """The cluster's PodDisruptionBudgets, by namespace/name (a watch feeds it)."""
 
     by_key: dict[str, Budget] = field(default_factory=dict)
+    version: int = 0  # grows on every change: a failed plan read them (planning.PlanInputs)
 
     def upsert(self, obj: Obj) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
         key = f"{meta.get('namespace')}/{meta.get('name')}"
         allowed = (obj.get("status") or {}).get("disruptionsAllowed")
-        self.by_key[key] = Budget(
+        budget = Budget(
             namespace=str(meta.get("namespace") or ""),
             selector=spec.get("selector") or {},
             allowed=int(allowed) if isinstance(allowed, int) else 0,
         )
+        if self.by_key.get(key) != budget:
+            self.by_key[key] = budget
+            self.version += 1
 
     def remove(self, obj: Obj) -> None:
         meta = obj.get("metadata") or {}
-        self.by_key.pop(f"{meta.get('namespace')}/{meta.get('name')}", None)
+        if self.by_key.pop(f"{meta.get('namespace')}/{meta.get('name')}", None) is not None:
+            self.version += 1
 
     def selecting(self, namespace: str, labels: Mapping[str, str]) -> tuple[str, ...]:
         return tuple(

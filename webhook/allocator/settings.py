@@ -45,6 +45,10 @@ class AllocatorSettings:
       its own workloads).
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
+    preemption_round_cpu_s: CPU seconds of preemption planning per placement round; once
+      spent, the pods still to plan for wait for the next round, which serves namespaces in
+      turn (docs/allocator.md "Planning cost"). Checked before each plan, so a round makes
+      at least one.
     avoid_creates_in_flight: N > 0 places a pod away from a GPU that has N or more slices
       placed but not made yet (allocations assumed, `Pending` or `Creating`) while another
       GPU can take it (docs/allocator.md "Creates in flight"); 0: off.
@@ -74,6 +78,7 @@ class AllocatorSettings:
     preemption: bool = False
     preempt_kueue_pods: bool = False
     preemption_wait_s: float = 180.0
+    preemption_round_cpu_s: float = 0.5
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
     ampere_mode_change_interval_s: float = 600.0
     avoid_creates_in_flight: int = 0

@@ -26,7 +26,10 @@ never come. Its allocations and GPUs still count, and `node_states()` still show
 
 `epoch` grows whenever capacity may have grown (a slice released, a pod gone from a node, a
 node or GPU added or changed, an agent back): pods parked as pending are retried on that,
-not on a timer.
+not on a timer. `holders_version` grows whenever what a preemption plan reads may have
+changed (an allocation added, changed or gone, a pod holding one changed in what
+`views.holder_facet` shows, a node, GPU or agent changed): a plan that found nothing is made
+again only then (webhook/allocator/planning.py), not on every epoch.
 
 It does no I/O and keeps no clock. Node states are cached and rebuilt only for nodes that
 changed, and the placeable ones are kept in a `FleetIndex` (common/placement/index.py), so a
@@ -65,7 +68,7 @@ from common.placement.whole import WholeView
 from webhook.allocator import pods as podlib
 from webhook.allocator.inflight import GpuRef, InFlight, calm_node
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
-from webhook.allocator.views import GpuView, NodeView, PodView, Room, gpus_of
+from webhook.allocator.views import GpuView, NodeView, PodView, Room, gpus_of, holder_facet
 
 Obj = dict[str, Any]
 _NONE: dict[str, int] = {}  # never written: what a node without bound extended requests has
@@ -115,6 +118,7 @@ class ClusterState:
         self._plain: Snapshot | None = None  # snapshot() while nothing changed: the index's
         self.agents_down: set[str] = set()  # nodes whose agent's Lease went unrenewed
         self.epoch = 0
+        self.holders_version = 0
         # For metrics: slices of watched allocations by (profile, node, gpu uuid).
         self.slice_counts: Counter[tuple[str, str, str]] = Counter()
         # Slices in flight per GPU; with a limit, the nodes with busy GPUs left out (by name)
@@ -133,6 +137,10 @@ class ClusterState:
         view = PodView.of(obj, like=old if old is not None and same else None)
         if old is not None:
             self._unindex_pod(old)
+        if view.uid in self._allocs_by_pod and (
+            old is None or holder_facet(old) != holder_facet(view)
+        ):
+            self.holders_version += 1
         self.pods[view.uid] = view
         if view.claim:
             self._pod_by_claim[f"{view.namespace}/{view.claim}"] = view.uid
@@ -144,6 +152,8 @@ class ClusterState:
         view = self.pods.pop(uid, None)
         if view is not None:
             self._unindex_pod(view)
+            if uid in self._allocs_by_pod:
+                self.holders_version += 1
         self._recharge(uid)
         return view
 
@@ -207,6 +217,8 @@ class ClusterState:
 
     def _put_alloc(self, view: SliceAllocation, *, assumed: bool) -> SliceAllocation:
         old = self.allocations.get(view.key)
+        if old is None or _held(old, view.key in self._assumed) != _held(view, assumed):
+            self.holders_version += 1
         if old is not None:
             self._unindex(old)
         self.allocations[view.key] = view
@@ -229,6 +241,7 @@ class ClusterState:
         self._unindex(view)
         self._recharge(view.pod_uid)
         self.epoch += 1
+        self.holders_version += 1
         return view
 
     def _unindex(self, view: SliceAllocation) -> None:
@@ -279,11 +292,13 @@ class ClusterState:
         table[name] = value
         self._dirty.add(name)
         self.epoch += 1
+        self.holders_version += 1
         return True
 
     def _pop(self, table: dict[str, Any], name: str) -> None:
         if table.pop(name, None) is not None:
             self._dirty.add(name)
+            self.holders_version += 1
 
     def set_agent_down(self, node: str, down: bool) -> bool:
         """Leave `node` out of placement while its agent is down; True when that changed.
@@ -291,6 +306,7 @@ class ClusterState:
         if down == (node in self.agents_down):
             return False
         self._dirty.add(node)  # in or out of the index
+        self.holders_version += 1
         if down:
             self.agents_down.add(node)
         else:
@@ -599,6 +615,12 @@ class ClusterState:
 def _under_way(gpu: GpuView, mode: str) -> bool:
     """An asked change to `mode` not done yet (views.in_maintenance)."""
     return gpu.maintenance and gpu.desired == mode
+
+
+def _held(alloc: SliceAllocation, assumed: bool) -> tuple[object, ...]:
+    """What a preemption plan reads of an allocation (preemption.py `holders`): whose it is,
+    where, which slots, whether it is going, whether it is a reservation. Not its phase."""
+    return (alloc.pod_uid, alloc.node, alloc.slices, alloc.deleting, assumed)
 
 
 def _name(obj: Obj) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 from common.allocation import SliceAllocation
 from common.constants import GATE_NAME
 from common.objects import Phase
+from webhook.allocator.planning import PlanInputs
 from webhook.allocator.preemption import Preemption, Victim
 from webhook.allocator.views import PodView
 
@@ -68,6 +69,10 @@ class PodTrack:
     gone: str | None = None  # why the pod left the cache (DELETED event), if it did
     preempt: Preemption | None = None  # a preemption in flight: its slots reserved
     avoid: frozenset[str] = frozenset()  # uids never to preempt for it (refused, stuck)
+    # a preemption plan that found nothing: what it read and what the pod was told; planned
+    # again only when those inputs change (webhook/allocator/planning.py)
+    no_plan: tuple[PlanInputs, str] | None = None
+    plan_deferred: bool = False  # its plan waits for the next placement round (budget spent)
 
     def end_term(self) -> None:
         """What only a leadership term may hold: the next term decides afresh (and tells a
@@ -77,6 +82,8 @@ class PodTrack:
         self.backoff_s = 0.0
         self.create = None
         self.preempt = None  # its reservation was assumed in this term only: planned afresh
+        self.no_plan = None
+        self.plan_deferred = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,27 @@ class PodView:
         return self.bound or self.pinned
 
 
+def holder_facet(pod: PodView) -> tuple[object, ...]:
+    """What a preemption plan may read of a pod holding slices (preemption.py `holders`:
+    its priority and class, labels for PodDisruptionBudgets and Kueue, annotations and
+    owners, start time, whether it is terminating or finished). A change of any of it moves
+    `ClusterState.holders_version`; a status update that changes none of it does not."""
+    meta, spec = pod.obj.get("metadata") or {}, pod.obj.get("spec") or {}
+    return (
+        pod.namespace,
+        pod.priority,
+        pod.terminal,
+        pod.deleting,
+        spec.get("priorityClassName"),
+        spec.get("preemptionPolicy"),
+        meta.get("labels"),
+        meta.get("annotations"),
+        meta.get("ownerReferences"),
+        meta.get("creationTimestamp"),
+        (pod.obj.get("status") or {}).get("startTime"),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class NodeView:
     name: str
