@@ -11,7 +11,7 @@ parked with its reason and told once per reason (`AllocationPending`). With
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -86,6 +86,8 @@ class PreemptionSettings:
     kueue_ok: bool  # Kueue-managed pods may be victims
     wait_s: float  # how long victims may take to release their slices
     now: Callable[[], float]  # monotonic
+    # the namespaces whose pods are Kueue-managed (the admin's selector; a watch keeps it)
+    kueue: Collection[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -304,11 +306,23 @@ class Placer:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
-        held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
+        held = holders(
+            self.state,
+            pod,
+            p.budgets,
+            kueue_ok=p.kueue_ok,
+            kueue=p.kueue,
+            avoid=track.avoid,
+            refused=track.refused,
+        )
+        allowed = p.budgets.allowed()
+        for h in held:  # the API server refused its eviction: its budgets are spent
+            if h.refused:
+                allowed.update(dict.fromkeys(h.pdbs, 0))
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
         if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
-            found, resets, waits = self._plan_whole(snapshot, request, held, p.budgets)
+            found, resets, waits = self._plan_whole(snapshot, request, held, allowed)
             if waits:
                 why = (
                     "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes "
@@ -322,7 +336,7 @@ class Placer:
                 sized,
                 held,
                 catalog=self.catalog,
-                pdb_allowed=p.budgets.allowed(),
+                pdb_allowed=allowed,
                 policy=self.policy,
             )
         else:
@@ -330,7 +344,7 @@ class Placer:
                 snapshot,
                 request,
                 held,
-                pdb_allowed=p.budgets.allowed(),
+                pdb_allowed=allowed,
                 policy=self.policy,
                 catalog=self.catalog,
             )
@@ -352,6 +366,7 @@ class Placer:
             deadline=p.now() + p.wait_s,
             summary=summary(found.placement),
             resets=resets,
+            past_pdb=found.cost[0] > 0,
         )
         if resets and self.ask_modes is not None:  # the agent drains (the victims go), resets
             wants = {g.uuid: "disabled" for n, i in resets if (g := self.state.gpu(n, i))}
@@ -370,7 +385,11 @@ class Placer:
         return None
 
     def _plan_whole(
-        self, snapshot: Snapshot, request: PodRequest, held: list[Holder], budgets: Budgets
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        held: list[Holder],
+        allowed: dict[str, int],
     ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...], str]:
         """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
         the Ampere maintenance on and no change in flight, else on GPUs that need one too
@@ -384,7 +403,7 @@ class Placer:
                 request,
                 held,
                 candidates,
-                pdb_allowed=budgets.allowed(),
+                pdb_allowed=allowed,
                 catalog=self.catalog,
             )
 

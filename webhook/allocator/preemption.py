@@ -9,16 +9,21 @@ the evictions are `steps.py`'s, the decisions `track.next_step`'s (docs/allocato
 "Preemption").
 
 Who is never a victim: pods of equal or higher priority; pods of a `system-*`
-PriorityClass; Kueue-managed pods unless `preempt_kueue_pods`; a pod whose eviction was
-refused or that did not terminate in time for this preemptor (`avoid`); another preemptor's
-reservation; foreign MIG instances (they have no holder: the planner sees them as blockers).
-A whole-GPU pod plans only on GPUs that serve it without a reset once empty
-(`whole_candidates`): an Ampere GPU in MIG mode would need the reset InstaSlice never does
-for a pod.
+PriorityClass; Kueue-managed pods unless `preempt_kueue_pods` — a pod is Kueue-managed when
+its namespace matches the admin's `kueue_namespace_selector` (docs/kueue.md "Preemption"), never by
+a label on the pod, which its owner could set to make it immune; a pod that did not
+terminate in time for this preemptor (`avoid`); another preemptor's reservation; foreign
+MIG instances (they have no holder: the planner sees them as blockers). A pod whose
+eviction a PodDisruptionBudget refused for this preemptor stays a victim, one whose
+eviction counts as a PDB violation (`refused`): chosen only as a last resort, as
+kube-scheduler's preemption does. A whole-GPU pod plans only on GPUs that serve it without
+a reset once empty (`whole_candidates`): an Ampere GPU in MIG mode would need the reset
+InstaSlice never does for a pod.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,9 +37,6 @@ from webhook.allocator.state import ClusterState
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_MANAGED_LABEL = "kueue.x-k8s.io/managed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,9 @@ class Preemption:
     evicted: frozenset[str] = frozenset()
     told: bool = False  # the `Preempting` event was written
     refused: str = ""  # uid of a victim whose eviction a PodDisruptionBudget refused
+    # the plan evicts past a PodDisruptionBudget (its last resort, cost term 1 > 0): a
+    # refused eviction is then answered with a delete, as kube-scheduler's preemption does
+    past_pdb: bool = False
     summary: str = ""
     # whole GPUs: the reserved GPUs whose MIG mode goes off only through the Ampere
     # maintenance (asked with the plan); the reservation is created once that is done
@@ -130,9 +135,40 @@ def selects(selector: Obj, labels: Mapping[str, str]) -> bool:
 # --- victims --------------------------------------------------------------------------------
 
 
-def kueue_managed(pod: Obj) -> bool:
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    return KUEUE_QUEUE_LABEL in labels or labels.get(KUEUE_MANAGED_LABEL) == "true"
+_TERM = re.compile(
+    r"^\s*(?:(?P<not>!)\s*(?P<absent>[^\s!=,()]+)"
+    r"|(?P<key>[^\s!=,()]+)\s*(?:(?P<op>==|=|!=)\s*(?P<value>[^\s!=,()]*)"
+    r"|\s+(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?)\s*$"
+)
+
+
+def parse_selector(text: str) -> Obj | None:
+    """A label selector as `kubectl -l` writes it (`a=b`, `a!=b`, `a`, `!a`,
+    `a in (x,y)`, `a notin (x,y)`, comma-separated, all must hold) as a metav1.LabelSelector
+    for `selects`; None for "" (`kueue_namespace_selector` off: it selects nothing, unlike
+    an empty LabelSelector). ValueError when it does not parse."""
+    if not text.strip():
+        return None
+    terms = re.split(r",(?![^()]*\))", text)
+    labels: dict[str, str] = {}
+    exprs: list[Obj] = []
+    for term in terms:
+        m = _TERM.match(term)
+        if m is None:
+            raise ValueError(f"not a label selector term: {term.strip()!r}")
+        if m["absent"]:
+            exprs.append({"key": m["absent"], "operator": "DoesNotExist"})
+        elif m["op"] in ("=", "=="):
+            labels[m["key"]] = m["value"]
+        elif m["op"] == "!=":
+            exprs.append({"key": m["key"], "operator": "NotIn", "values": [m["value"]]})
+        elif m["set"]:
+            values = [v.strip() for v in m["values"].split(",") if v.strip()]
+            operator = {"in": "In", "notin": "NotIn"}[m["set"]]
+            exprs.append({"key": m["key"], "operator": operator, "values": values})
+        else:
+            exprs.append({"key": m["key"], "operator": "Exists"})
+    return {"matchLabels": labels, "matchExpressions": exprs}
 
 
 def never_preempts(pod: Obj) -> bool:
@@ -156,9 +192,13 @@ def holders(
     budgets: Budgets,
     *,
     kueue_ok: bool,
+    kueue: Collection[str] = (),
     avoid: Collection[str] = (),
+    refused: Collection[str] = (),
 ) -> list[Holder]:
-    """One holder per pod with live allocations in the model (assumed ones included)."""
+    """One holder per pod with live allocations in the model (assumed ones included).
+    `kueue`: the namespaces Kueue manages (the admin's selector); `refused`: pods whose
+    eviction the API server refused for this preemptor (a PDB)."""
     by_pod: dict[str, list[SliceAllocation]] = {}
     for alloc in state.allocations.values():
         by_pod.setdefault(alloc.pod_uid, []).append(alloc)
@@ -192,14 +232,11 @@ def holders(
         if pod is not None:
             labels = (pod.obj.get("metadata") or {}).get("labels") or {}
             priority, started = pod.priority, start_time(pod.obj)
-            class_name = str((pod.obj.get("spec") or {}).get("priorityClassName") or "")
             preemptible = (
                 not doomed
                 and not reserved
                 and uid not in avoid
-                and pod.priority < preemptor.priority
-                and not class_name.startswith("system-")
-                and (kueue_ok or not kueue_managed(pod.obj))
+                and may_evict(pod, preemptor, kueue_ok=kueue_ok, kueue=kueue)
             )
         out.append(
             Holder(
@@ -211,9 +248,21 @@ def holders(
                 pdbs=budgets.selecting(pod.namespace, labels) if pod is not None else (),
                 preemptible=preemptible,
                 doomed=doomed,
+                refused=uid in refused,
             )
         )
     return out
+
+
+def may_evict(pod: PodView, preemptor: PodView, *, kueue_ok: bool, kueue: Collection[str]) -> bool:
+    """The rules on the pod itself: strictly lower priority, not of a `system-*` class, not
+    Kueue-managed (its namespace is one of `kueue`) unless `kueue_ok`."""
+    class_name = str((pod.obj.get("spec") or {}).get("priorityClassName") or "")
+    return (
+        pod.priority < preemptor.priority
+        and not class_name.startswith("system-")
+        and (kueue_ok or pod.namespace not in kueue)
+    )
 
 
 NO_RESET = ("off", "resetless")

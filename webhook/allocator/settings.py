@@ -43,6 +43,8 @@ class AllocatorSettings:
       (docs/allocator.md "Preemption"); off by default.
     preempt_kueue_pods: Kueue-managed pods may be preemption victims (off: Kueue preempts
       its own workloads).
+    kueue_namespace_selector: a label selector (`kubectl -l` syntax) on namespaces: the pods
+      of matching namespaces are Kueue-managed (docs/kueue.md "Preemption"); "": none is.
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
     avoid_creates_in_flight: N > 0 places a pod away from a GPU that has N or more slices
@@ -71,6 +73,7 @@ class AllocatorSettings:
     scale_up: ScaleUpSettings = field(default_factory=ScaleUpSettings)
     preemption: bool = False
     preempt_kueue_pods: bool = False
+    kueue_namespace_selector: str = ""
     preemption_wait_s: float = 180.0
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
     avoid_creates_in_flight: int = 0

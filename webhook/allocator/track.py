@@ -67,7 +67,8 @@ class PodTrack:
     released: frozenset[str] = frozenset()  # uids of allocations we deleted
     gone: str | None = None  # why the pod left the cache (DELETED event), if it did
     preempt: Preemption | None = None  # a preemption in flight: its slots reserved
-    avoid: frozenset[str] = frozenset()  # uids never to preempt for it (refused, stuck)
+    avoid: frozenset[str] = frozenset()  # uids never to preempt for it (did not terminate)
+    refused: frozenset[str] = frozenset()  # uids whose eviction a PDB refused for it
 
     def end_term(self) -> None:
         """What only a leadership term may hold: the next term decides afresh (and tells a
@@ -189,10 +190,13 @@ class AwaitVictims:
 @dataclass(frozen=True, slots=True)
 class GiveUp:
     """Drop the preemption and its reservation; `avoid`: pods never to preempt for this pod
-    again (an eviction refused, victims that did not terminate). The pod is placed anew."""
+    again (victims that did not terminate); `refused`: pods whose eviction a PDB refused,
+    victims for it from now on only as a last resort (a PDB violation). The pod is placed
+    anew."""
 
     why: str
     avoid: frozenset[str] = frozenset()
+    refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +302,8 @@ def _preempt_step(p: Preemption, seen: Seen) -> Step:
     if pod.gates != (GATE_NAME,) or not seen.opted_in:
         return GiveUp("the preemptor is no longer InstaSlice's to place")
     if p.refused:
-        return GiveUp("an eviction was refused (PodDisruptionBudget)", frozenset({p.refused}))
+        why = "an eviction was refused (PodDisruptionBudget)"
+        return GiveUp(why, refused=frozenset({p.refused}))
     if seen.now >= p.deadline and seen.holding:
         return GiveUp("victims did not release their slices in time", seen.holding)
     if seen.now >= p.deadline and seen.modes_pending:
