@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument(
+        "--preemption-backoff",
+        type=float,
+        default=AllocatorSettings.preemption_backoff_s,
+        metavar="S",
+        help="after a controller's pod is deleted as pinned but unschedulable, its pods "
+        "preempt nobody on that node for this long",
+    )
+    p.add_argument(
         "--ampere-mode-changes",
         choices=["off", "drain"],
         default="off",
@@ -207,6 +215,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             preemption=a.preemption == "gpu",
             preempt_kueue_pods=a.preempt_kueue_pods,
             kueue_namespace_selector=a.kueue_namespace_selector or "",
+            preemption_backoff_s=a.preemption_backoff,
             preemption_wait_s=a.preemption_wait_timeout,
             ampere_mode_changes=a.ampere_mode_changes,
             avoid_creates_in_flight=a.avoid_creates_in_flight,

@@ -1,9 +1,12 @@
 """Who may be a preemption victim (webhook/allocator/preemption.py), from the allocator's
 model: priorities, terminating pods, reservations, Kueue-managed pods (by the admin's
 namespace selector, never by a pod's own label), `system-*` classes, pods to avoid; the
-PodDisruptionBudgets' selectors and the `kubectl -l` selector parser. Then the allocator
-itself with the unit tests' fakes (a recording `Kube`, the fake clock;
-tests/unit/test_allocator_controller.py): a PDB-refused eviction of a last-resort plan
+PodDisruptionBudgets' selectors and the `kubectl -l` selector parser; what lower-priority
+pods free of a node's cpu, memory and pods (`Holder.frees`, `spare`), and the owner
+back-off's clock. Then the allocator itself with the unit tests' fakes (a recording `Kube`,
+the fake clock; tests/unit/test_allocator_controller.py): a node whose cpu the preemptor
+never fits is not planned on; a controller whose pod was deleted as pinned-unschedulable
+evicts nothing there again while backed off; a PDB-refused eviction of a last-resort plan
 becomes a delete (as kube-scheduler's preemption), and one the cached budgets did not
 foresee is planned again, not left immune. The planner itself: tests/unit/test_preempt.py;
 the allocator's steps: tests/unit/test_allocator_track.py."""
@@ -14,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from common.constants import ENABLED_KEY
+from common.constants import ENABLED_KEY, REASON_PENDING, REASON_PINNED_UNSCHEDULABLE
 from common.kubeapi import ApiError, Obj
 from common.objects import Phase
-from common.placement.preempt import Holder
+from common.placement.preempt import Frees, Holder
 from tests.integration.allocator_fixtures import (
     FakeClock,
     make_allocation,
@@ -26,13 +29,22 @@ from tests.integration.allocator_fixtures import (
     make_pod,
     settle,
 )
-from tests.unit.test_allocator_controller import RecordingKube, controller, leading
+from tests.unit.test_allocator_controller import (
+    RecordingKube,
+    controller,
+    event_reasons,
+    leading,
+    unschedulable,
+)
+from tests.unit.test_allocator_preempt_whole import decide, placer
 from webhook.allocator.controller import Controller
 from webhook.allocator.preemption import (
     Budgets,
+    OwnerBackoff,
     holders,
     parse_selector,
     selects,
+    spare,
     start_time,
 )
 from webhook.allocator.state import ClusterState
@@ -180,7 +192,69 @@ def test_no_selector_selects_no_namespace() -> None:
     assert parse_selector("") is None and parse_selector("  ") is None
 
 
+def test_holders_free_their_requests_and_spare_is_the_other_lower_priority_pods() -> None:
+    state = cluster(pod("low", 9), pod("same", 10))
+    for name, prio in (("cpu-low", 9), ("cpu-same", 10), ("cpu-kueue", 0)):
+        hog = make_pod(name, uid=name, priority=prio, gates=(), claim=None, cpu="2",
+                       memory="1Gi", slices={}, node_name="n1",
+                       namespace="team" if name == "cpu-kueue" else "ns")  # fmt: skip
+        hog["status"] = {"phase": "Running"}
+        state.upsert_pod(hog)
+    held = holders(state, PREEMPTOR, Budgets(), kueue_ok=False, kueue={"team"})
+    one = Frees(100, 64 << 20, 1)  # make_pod's requests, one pod slot
+    assert [(h.uid, h.frees) for h in held] == [("low", one), ("same", one)]
+    # the lower-priority pod holding no slices; not the equal-priority one, nor Kueue's
+    room = spare(state, PREEMPTOR, held, kueue_ok=False, kueue={"team"})
+    assert room == {"n1": Frees(2000, 1 << 30, 1)}
+
+
+def test_the_owner_backoff_keeps_a_node_off_until_its_time() -> None:
+    backoff = OwnerBackoff(backoff_s=600)
+    backoff.note("rs", "n1", now=1000)
+    backoff.note("rs", "n2", now=1300)
+    assert backoff.nodes("rs", 1599) == {"n1", "n2"}
+    assert backoff.nodes("other", 1599) == frozenset() and backoff.nodes(None, 0) == frozenset()
+    assert backoff.nodes("rs", 1600) == {"n2"}
+    assert backoff.nodes("rs", 1900) == frozenset() and backoff.until == {}
+
+
+# --- the pod's cpu on the allocator's model ---------------------------------------------------
+
+
+def hold(state: ClusterState, name: str, node: str, slot: int, prio: int) -> None:
+    obj = make_pod(name, uid=name, priority=prio, gates=(), node_name=node, phase="Running")
+    state.upsert_pod(obj)
+    state.upsert_allocation(make_allocation(obj, node, [("main", "1g.10gb", 0, slot, 1)]))
+
+
+@pytest.mark.parametrize(("hog_priority", "node"), [(10, "n2"), (1, "n1")])
+def test_a_node_whose_cpu_the_preemptor_never_fits_is_not_planned_on(
+    hog_priority: int, node: str
+) -> None:
+    """Finding 6: n1's victims are the cheapest, but 1.5 of its 2 cpus are a pod's of the
+    preemptor's priority: pinned there, the preemptor (1 cpu) would never be scheduled and,
+    deleted and recreated, would evict again. A lower-priority pod there is kube-scheduler's
+    to preempt once the pod is pinned, so then n1 it is."""
+    state = ClusterState()
+    for n in ("n1", "n2"):
+        state.upsert_node(make_node(n, cpu="2", memory="32Gi", pods=20, gpus=1))
+        state.upsert_mig_node(make_mig_node(n))
+        for slot in range(7):
+            hold(state, f"{n}-{slot}", n, slot, prio=0 if n == "n1" else 5)
+    hog = make_pod("hog", uid="hog", priority=hog_priority, gates=(), claim=None, cpu="1500m",
+                   slices={}, node_name="n1", phase="Running")  # fmt: skip
+    state.upsert_pod(hog)
+    hi = make_pod("hi", uid="hi", priority=10, cpu="1", slices={"main": {"1g.10gb": 1}})
+    state.upsert_pod(hi)
+    p, told = placer(state)
+    pre = decide(p, "hi").preempt
+    assert pre is not None and told == [], told
+    assert pre.node == node and len(pre.victims) == 1
+
+
 # --- the allocator, end to end on the fakes ---------------------------------------------------
+
+RS = {"kind": "ReplicaSet", "name": "web", "uid": "rs-uid", "controller": True}
 
 
 async def preempting_controller(kube: RecordingKube, clock: FakeClock) -> Controller:
@@ -201,6 +275,51 @@ async def low_pod(c: Controller, name: str, slot: int, **kw: Any) -> Obj:
 
 def evictions(kube: RecordingKube) -> list[str]:
     return [c[1] for c in kube.writes("create") if c[1].endswith("/eviction")]
+
+
+async def test_an_owner_whose_pod_was_deleted_as_pinned_unschedulable_evicts_not_again() -> None:
+    """Finding 6: a high-priority Deployment's pod that cannot run where it evicts (here
+    something the allocator does not model keeps the scheduler off n1) is deleted after the
+    pinned-unschedulable timeout; its recreated pod must not evict a second time there."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = await preempting_controller(kube, clock)
+    first = make_pod("web-1", uid="web-1", priority=10, owner=RS)
+    async with leading(c):
+        for slot in range(6):
+            await low_pod(c, f"low-{slot}", slot)
+        mine = make_allocation(first, "n1", [("main", "1g.10gb", 0, 6, 1)], phase=Phase.READY)
+        await c._on_allocation("ADDED", mine)
+        kube.objects["/api/v1/namespaces/ns/pods/web-1"] = unschedulable(first)
+        await c._on_pod("ADDED", unschedulable(first))
+        await settle()
+        await clock.advance(30.0)  # the helper's pinned-unschedulable timeout
+        await settle()
+        assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
+        await c._on_pod("DELETED", unschedulable(first))
+        await c._on_allocation("DELETED", mine)
+        await low_pod(c, "low-6", 6)  # a lower-priority pod takes the slot meanwhile
+        second = make_pod("web-2", uid="web-2", priority=10, owner=RS)
+        await c._on_pod("ADDED", second)
+        await settle()
+    assert evictions(kube) == []
+    pending = [c[2]["message"] for c in kube.writes("create")
+               if c[1].endswith("/events") and c[2]["reason"] == REASON_PENDING]  # fmt: skip
+    assert len(pending) == 1 and "not planned on n1 for now" in pending[0], pending
+
+
+async def test_another_controllers_pod_still_preempts_there() -> None:
+    """The back-off is the owner's: a pod of another controller evicts as before."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = await preempting_controller(kube, clock)
+    assert c.placer.preemption is not None
+    c.placer.preemption.backoff.note("rs-uid", "n1", clock.monotonic())
+    other = {**RS, "uid": "other-rs"}
+    async with leading(c):
+        for slot in range(7):
+            await low_pod(c, f"low-{slot}", slot)
+        await c._on_pod("ADDED", make_pod("job-1", uid="job-1", priority=10, owner=other))
+        await settle()
+    assert len(evictions(kube)) == 1
 
 
 class RefusingEvictions(RecordingKube):

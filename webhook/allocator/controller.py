@@ -58,7 +58,7 @@ from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer, PreemptionSettings
-from webhook.allocator.preemption import Budgets, parse_selector, selects
+from webhook.allocator.preemption import Budgets, OwnerBackoff, parse_selector, selects
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
@@ -137,6 +137,7 @@ class Controller:
                 wait_s=settings.preemption_wait_s,
                 now=self.clock.monotonic,
                 kueue=self.kueue_namespaces,
+                backoff=OwnerBackoff(settings.preemption_backoff_s),
             )
         self.scale_up = ScaleUp(
             kube,

@@ -29,7 +29,7 @@ from common.constants import (
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
 from common.placement.modes import ModePlacement, ModeView, place_with_modes
-from common.placement.preempt import Holder, PreemptionPlan, plan_preemption
+from common.placement.preempt import Frees, Holder, PreemptionPlan, plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.placement.whole import WholePlacement, is_whole, place_whole
 from common.podspec import SliceRequestError
@@ -47,10 +47,12 @@ from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.preemption import (
     NO_RESET,
     Budgets,
+    OwnerBackoff,
     Preemption,
     Victim,
     holders,
     never_preempts,
+    spare,
     whole_candidates,
 )
 from webhook.allocator.queue import PlacementQueue
@@ -88,6 +90,8 @@ class PreemptionSettings:
     now: Callable[[], float]  # monotonic
     # the namespaces whose pods are Kueue-managed (the admin's selector; a watch keeps it)
     kueue: Collection[str] = frozenset()
+    # controllers whose pod was deleted as pinned-unschedulable: no preemption on that node
+    backoff: OwnerBackoff = field(default_factory=OwnerBackoff)
 
 
 @dataclass(eq=False)
@@ -315,14 +319,23 @@ class Placer:
             avoid=track.avoid,
             refused=track.refused,
         )
+        room = spare(self.state, pod, held, kueue_ok=p.kueue_ok, kueue=p.kueue)
         allowed = p.budgets.allowed()
         for h in held:  # the API server refused its eviction: its budgets are spent
             if h.refused:
                 allowed.update(dict.fromkeys(h.pdbs, 0))
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
+        owner = podlib.controller_ref(pod.obj)
+        if away := p.backoff.nodes(owner.get("uid") if owner else None, p.now()):
+            # its controller's pod was deleted there as pinned-unschedulable lately
+            snapshot = Snapshot(tuple(n for n in snapshot.nodes if n.name not in away))
+            why += (
+                f" (not planned on {', '.join(sorted(away))} for now: a pod of its "
+                "controller was pinned there and stayed unschedulable)"
+            )
         if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
-            found, resets, waits = self._plan_whole(snapshot, request, held, allowed)
+            found, resets, waits = self._plan_whole(snapshot, request, held, allowed, room)
             if waits:
                 why = (
                     "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes "
@@ -338,6 +351,7 @@ class Placer:
                 catalog=self.catalog,
                 pdb_allowed=allowed,
                 policy=self.policy,
+                spare=room,
             )
         else:
             found = plan_preemption(
@@ -347,6 +361,7 @@ class Placer:
                 pdb_allowed=allowed,
                 policy=self.policy,
                 catalog=self.catalog,
+                spare=room,
             )
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
             return reason, f"{message}; {why}"
@@ -390,6 +405,7 @@ class Placer:
         request: PodRequest,
         held: list[Holder],
         allowed: dict[str, int],
+        room: dict[str, Frees],
     ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...], str]:
         """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
         the Ampere maintenance on and no change in flight, else on GPUs that need one too
@@ -405,6 +421,7 @@ class Placer:
                 candidates,
                 pdb_allowed=allowed,
                 catalog=self.catalog,
+                spare=room,
             )
 
         found = plan(NO_RESET)
@@ -422,6 +439,13 @@ class Placer:
             if (g := self.state.gpu(node, s.gpu_index)) is not None and g.whole_if_idle == "reset"
         )
         return found, resets, ""
+
+    def back_off(self, pod: PodView, node: str) -> None:
+        """`pod`, pinned to `node`, was deleted as unschedulable there: its controller's
+        next pods plan no preemption on that node for a while (preemption.OwnerBackoff)."""
+        owner = podlib.controller_ref(pod.obj)
+        if self.preemption is not None and owner is not None and owner.get("uid"):
+            self.preemption.backoff.note(str(owner["uid"]), node, self.preemption.now())
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod

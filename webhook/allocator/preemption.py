@@ -19,6 +19,12 @@ eviction counts as a PDB violation (`refused`): chosen only as a last resort, as
 kube-scheduler's preemption does. A whole-GPU pod plans only on GPUs that serve it without
 a reset once empty (`whole_candidates`): an Ampere GPU in MIG mode would need the reset
 InstaSlice never does for a pod.
+
+The planner also needs what the node's lower-priority pods free: each holder's requests
+(`Holder.frees`) and `spare`, the other lower-priority pods bound there (kube-scheduler's
+own preemption frees them once the pod is pinned). And `OwnerBackoff` remembers, per
+controller, the nodes where its pod was deleted as pinned-unschedulable: its next pods plan
+no preemption there for a while (docs/allocator.md "Preemption").
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from typing import Any
 
 from common.allocation import SliceAllocation
 from common.placement.model import Snapshot
-from common.placement.preempt import Holder
+from common.placement.preempt import Frees, Holder
 from common.placement.whole import GpuRef
+from webhook.allocator.pods import Resources
 from webhook.allocator.state import ClusterState
 from webhook.allocator.views import PodView
 
@@ -229,6 +236,7 @@ def holders(
         labels: Mapping[str, str] = {}
         priority, started = 0, 0.0
         preemptible = False
+        frees = Frees()
         if pod is not None:
             labels = (pod.obj.get("metadata") or {}).get("labels") or {}
             priority, started = pod.priority, start_time(pod.obj)
@@ -238,6 +246,8 @@ def holders(
                 and uid not in avoid
                 and may_evict(pod, preemptor, kueue_ok=kueue_ok, kueue=kueue)
             )
+            if not pod.terminal and (pod.node or node) == node:  # charged to that node
+                frees = _frees(pod.resources)
         out.append(
             Holder(
                 uid=uid,
@@ -248,6 +258,7 @@ def holders(
                 pdbs=budgets.selecting(pod.namespace, labels) if pod is not None else (),
                 preemptible=preemptible,
                 doomed=doomed,
+                frees=frees,
                 refused=uid in refused,
             )
         )
@@ -263,6 +274,67 @@ def may_evict(pod: PodView, preemptor: PodView, *, kueue_ok: bool, kueue: Collec
         and not class_name.startswith("system-")
         and (kueue_ok or pod.namespace not in kueue)
     )
+
+
+def spare(
+    state: ClusterState,
+    preemptor: PodView,
+    held: Collection[Holder],
+    *,
+    kueue_ok: bool,
+    kueue: Collection[str] = (),
+) -> dict[str, Frees]:
+    """Per node of `held`, what the lower-priority pods bound there that hold no slices
+    request: kube-scheduler's own preemption frees it once the preemptor is pinned (they
+    may be evicted by the same rules as a holder)."""
+    nodes = {h.node for h in held}
+    uids = {h.uid for h in held}
+    out: dict[str, Frees] = {}
+    for pod in state.pods.values():
+        if not pod.bound or pod.bound not in nodes or pod.terminal or pod.uid in uids:
+            continue
+        if may_evict(pod, preemptor, kueue_ok=kueue_ok, kueue=kueue):
+            out[pod.bound] = out.get(pod.bound, Frees()) + _frees(pod.resources)
+    return out
+
+
+def _frees(r: Resources) -> Frees:
+    return Frees(r.cpu_millis, r.memory_bytes, r.pods)
+
+
+# --- back-off after a pinned-unschedulable delete --------------------------------------------
+
+BACKOFF_S = 600.0  # AllocatorSettings.preemption_backoff_s's default
+
+
+@dataclass
+class OwnerBackoff:
+    """Per controller (ownerReference uid), the nodes where its pod was deleted as pinned
+    but unschedulable, each until when (monotonic): its pods plan no preemption on them
+    meanwhile, so a pod that cannot run where it evicts does not evict there again each
+    time it is recreated. Entries past their time are dropped as they are read."""
+
+    backoff_s: float = BACKOFF_S
+    until: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def note(self, owner: str, node: str, now: float) -> None:
+        self.until.setdefault(owner, {})[node] = now + self.backoff_s
+        self._prune(now)
+
+    def nodes(self, owner: str | None, now: float) -> frozenset[str]:
+        """The nodes `owner`'s pods plan no preemption on now."""
+        if owner is None or owner not in self.until:
+            return frozenset()
+        self._prune(now)
+        return frozenset(self.until.get(owner, {}))
+
+    def _prune(self, now: float) -> None:
+        for owner in list(self.until):
+            left = {n: t for n, t in self.until[owner].items() if t > now}
+            if left:
+                self.until[owner] = left
+            else:
+                del self.until[owner]
 
 
 NO_RESET = ("off", "resetless")

@@ -15,6 +15,7 @@ from common.clock import Clock, SystemClock
 from common.placement import Policy
 from webhook.allocator.autoscale import ScaleUpSettings
 from webhook.allocator.leader import LEASE_NAME, LeaseSettings
+from webhook.allocator.preemption import BACKOFF_S
 
 
 def default_identity() -> str:
@@ -45,6 +46,8 @@ class AllocatorSettings:
       its own workloads).
     kueue_namespace_selector: a label selector (`kubectl -l` syntax) on namespaces: the pods
       of matching namespaces are Kueue-managed (docs/kueue.md "Preemption"); "": none is.
+    preemption_backoff_s: after a pod owned by a controller is deleted as pinned but
+      unschedulable, that controller's pods plan no preemption on that node for this long.
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
     avoid_creates_in_flight: N > 0 places a pod away from a GPU that has N or more slices
@@ -74,6 +77,7 @@ class AllocatorSettings:
     preemption: bool = False
     preempt_kueue_pods: bool = False
     kueue_namespace_selector: str = ""
+    preemption_backoff_s: float = BACKOFF_S
     preemption_wait_s: float = 180.0
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
     avoid_creates_in_flight: int = 0

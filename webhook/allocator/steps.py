@@ -276,6 +276,8 @@ class Steps:
             return
         track.unstick = Unstick.DONE
         log.info("pinned pod stayed unschedulable; deleted", pod=pod.key)
+        if pod.node:  # its controller's next pods preempt nobody there for a while
+            self.placer.back_off(pod, pod.node)
         node = pod.node or "its node"
         cause = _scheduled_message(current)
         for alloc in self.state.allocations_of(pod.uid):
