@@ -326,12 +326,15 @@ class Placer:
                 allowed.update(dict.fromkeys(h.pdbs, 0))
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
+        backed_off = ""
         owner = podlib.controller_ref(pod.obj)
         if away := p.backoff.nodes(owner.get("uid") if owner else None, p.now()):
             # its controller's pod was deleted there as pinned-unschedulable lately
             snapshot = Snapshot(tuple(n for n in snapshot.nodes if n.name not in away))
-            why += (
-                f" (not planned on {', '.join(sorted(away))} for now: a pod of its "
+            names = sorted(away)
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            backed_off = (
+                f" (not planned on {', '.join(names[:5])}{more} for now: a pod of its "
                 "controller was pinned there and stayed unschedulable)"
             )
         if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
@@ -364,7 +367,7 @@ class Placer:
                 spare=room,
             )
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
-            return reason, f"{message}; {why}"
+            return reason, f"{message}; {why}{backed_off}"
         body = self.allocation_for(pod, found.placement)
         self.state.assume(body)  # reserved: nobody else is given these slots
         victims = tuple(
