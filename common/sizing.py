@@ -34,7 +34,7 @@ from common.constants import SIZE_ANNOTATION_PREFIX
 from common.placement import Pending, Policy, engine
 from common.placement.model import PendingReason, PodRequest, SliceRequest, Snapshot
 from common.placement.modes import ModePlacement, ModeView, PlaceFn, mode_steps
-from common.placement.preempt import Cost, Holder, PreemptionPlan, plan_preemption
+from common.placement.preempt import Cost, Frees, Holder, PreemptionPlan, plan_preemption
 from common.podspec import holds_uncharged, iter_containers
 from common.quantity import parse_quantity
 
@@ -239,6 +239,7 @@ def plan_sized_preemption(
     catalog: Catalog,
     pdb_allowed: Mapping[str, int] | None = None,
     policy: Policy = Policy.INSTASLICE,
+    spare: Mapping[str, Frees] | None = None,
 ) -> PreemptionPlan | None:
     """A preemption plan for `request` plus the size `asks`, as `place_sized` would place
     them: per GPU model of `snapshot`, the asks resolved on it and planned on its GPUs only
@@ -260,6 +261,7 @@ def plan_sized_preemption(
             pdb_allowed=pdb_allowed,
             policy=policy,
             catalog=catalog,
+            spare=spare,
         )
         if plan is not None and (best is None or (plan.cost, memory, slots, name) < best[0]):
             best = ((plan.cost, memory, slots, name), plan)

@@ -108,8 +108,8 @@ def formula_minor(gpu_minor: int, gi_id: int, ci_id: int | None = None) -> int:
 
 
 def formula_mig_minors(gpu_minors: Iterable[int]) -> dict[str, int]:
-    """What `/proc/driver/nvidia-caps/mig-minors` lists for these GPUs (docs/mig-facts.md §2.12): the
-    `config` and `monitor` caps, then every possible GPU instance (ids 0-14) and compute
+    """What `/proc/driver/nvidia-caps/mig-minors` lists for these GPUs (docs/mig-facts.md
+    §2.12): the `config` and `monitor` caps, then every possible GPU instance (ids 0-14) and compute
     instance (ids 0-7) of each GPU. Emulated nodes with real device files are made from it."""
     out = {"config": 1, "monitor": 2}
     for g in gpu_minors:

@@ -75,7 +75,8 @@ def in_mode(gpu: GpuInfo, target: str) -> bool:
 
 def needed_modes(slices: Iterable[SliceRecord]) -> dict[str, str]:
     """GPU UUID → the MIG mode the slices need there (MIG slices: enabled; a whole GPU:
-    disabled, since a GPU in MIG mode without instances runs no CUDA work, docs/mig-facts.md §3.1)."""
+    disabled, since a GPU in MIG mode without instances runs no CUDA work,
+    docs/mig-facts.md §3.1)."""
     return {s.gpu_uuid: MIG_DISABLED if s.whole else MIG_ENABLED for s in slices}
 
 

@@ -8,8 +8,8 @@ of a node in parallel.
 
 What it does not do: decide anything. It reads inventories and instances, creates one GI at
 exactly a placement plus its default CI, finds the MIG UUID by walking MIG device handles
-(the CI info's `device` is the PARENT GPU, docs/mig-facts.md §3.2), destroys CI then GI, and waits for
-health events. NVML errors become `NvmlFailure` (code + call name), classified in
+(the CI info's `device` is the PARENT GPU, docs/mig-facts.md §3.2), destroys CI then GI,
+and waits for health events. NVML errors become `NvmlFailure` (code + call name), classified in
 `nodeagent.model`.
 
 `ReadOnly` wraps a module and refuses every call not on the read-only list; `--discover-only`
@@ -46,7 +46,8 @@ NvmlModule = Any  # the pynvml module, or an object with its names (EmulatedNvml
 
 _ERROR_NAMES = {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
 _NO_ID = 0xFFFFFFFF
-GI_PROFILE_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT in nvml.h of driver 580 (docs/mig-facts.md §1)
+# NVML_GPU_INSTANCE_PROFILE_COUNT in nvml.h of driver 580 (docs/mig-facts.md §1)
+GI_PROFILE_COUNT = 18
 CI_PROFILE_COUNT = 9
 CI_ENGINE_SHARED = 0
 

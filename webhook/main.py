@@ -32,6 +32,7 @@ from webhook.allocator.autoscale import (
     ScaleUpSettings,
     SignalMode,
 )
+from webhook.allocator.preemption import parse_selector
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.offered import OfferedProfiles, watch_mig_nodes
@@ -108,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Kueue-managed pods may be preemption victims (default: never)",
     )
+    p.add_argument(
+        "--kueue-namespace-selector",
+        type=_selector,
+        default=None,
+        metavar="SELECTOR",
+        help="namespaces (a label selector, as kubectl -l) whose pods Kueue manages: they "
+        "are never preemption victims unless --preempt-kueue-pods (docs/kueue.md); "
+        "default: none",
+    )
     p.add_argument("--preemption-wait-timeout", type=float, default=180.0, metavar="S")
     p.add_argument(
         "--preemption-round-cpu",
@@ -116,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="CPU seconds of preemption planning per placement round; the pods still to plan "
         "for wait for the next round, namespaces in turn",
+    )
+    p.add_argument(
+        "--preemption-backoff",
+        type=float,
+        default=AllocatorSettings.preemption_backoff_s,
+        metavar="S",
+        help="after a controller's pod is deleted as pinned but unschedulable, its pods "
+        "preempt nobody on that node for this long",
     )
     p.add_argument(
         "--ampere-mode-changes",
@@ -171,6 +189,15 @@ def _count(text: str) -> int:
     return value
 
 
+def _selector(text: str) -> str:
+    """A label selector `parse_selector` reads (argparse names the flag when this raises)."""
+    try:
+        parse_selector(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
     """The settings the command line asks for; no side effects (main configures logging)."""
     a = build_parser().parse_args(argv)
@@ -205,6 +232,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             ),
             preemption=a.preemption == "gpu",
             preempt_kueue_pods=a.preempt_kueue_pods,
+            kueue_namespace_selector=a.kueue_namespace_selector or "",
+            preemption_backoff_s=a.preemption_backoff,
             preemption_wait_s=a.preemption_wait_timeout,
             preemption_round_cpu_s=a.preemption_round_cpu,
             ampere_mode_changes=a.ampere_mode_changes,

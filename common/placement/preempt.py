@@ -13,13 +13,22 @@ engine and compute limits hold too).
 
 Victims are whole pods: evicting one frees all its slices. Holders already terminating
 (`doomed`) free their slots without an eviction: their slots count as free here and the
-plan lists the ones it waits for. CPU, memory and the pod count are left to kube-scheduler's
-own preemption once the pod is pinned (docs/allocator.md), so they are not checked here.
+plan lists the ones it waits for. Victims are chosen for slots; the pod's cpu, memory and
+pod slot are kube-scheduler's to free once the pod is pinned (its own preemption evicts
+lower-priority pods of the node), but only a node where they *can* be freed is planned on
+(a pod pinned where it never fits is deleted after the pinned-unschedulable timeout and,
+recreated, would evict again: docs/allocator.md "Preemption"). That is kube-scheduler's own
+test (`SelectVictimsOnNode` removes every lower-priority pod, then checks the fit): what the
+node has free, plus what every preemptible and doomed holder there frees (`Holder.frees`),
+plus the caller's `spare` — what the other lower-priority pods there use (bound pods holding
+no slices). Equal- or higher-priority pods, and holders that may not be victims, free
+nothing. A node failing it is skipped before any search.
 
 Cost, lexicographic, smallest wins (kube-scheduler's `pickOneNodeForPreemption` order, then
 MIG terms):
 
-1. PodDisruptionBudget violations (victims beyond what each PDB still allows);
+1. PodDisruptionBudget violations (victims beyond what each PDB still allows, plus each
+   victim whose eviction the API server already refused: `Holder.refused`);
 2. the highest victim priority;
 3. the number of victims;
 4. victim slots freed beyond what the pod needs (collateral);
@@ -58,6 +67,25 @@ CONFIRM_BUDGET = 4_096
 
 
 @dataclass(frozen=True, slots=True)
+class Frees:
+    """The cpu, memory and pod slots a pod's leaving frees on its node."""
+
+    cpu_millis: int = 0
+    memory_bytes: int = 0
+    pods: int = 0
+
+    def __add__(self, other: Frees) -> Frees:
+        return Frees(
+            self.cpu_millis + other.cpu_millis,
+            self.memory_bytes + other.memory_bytes,
+            self.pods + other.pods,
+        )
+
+
+NOTHING = Frees()
+
+
+@dataclass(frozen=True, slots=True)
 class Holder:
     """A pod holding slices on one node: a possible victim, or a blocker."""
 
@@ -69,6 +97,8 @@ class Holder:
     pdbs: tuple[str, ...] = ()  # the PodDisruptionBudgets selecting it
     preemptible: bool = True  # False: never a victim (the caller decided why)
     doomed: bool = False  # terminating already: its slots free without an eviction
+    frees: Frees = NOTHING  # what its leaving frees on the node (its requests, one pod)
+    refused: bool = False  # its eviction was refused (429): evicting it violates a PDB
 
 
 Cost = tuple[int, int, int, int, float, int]
@@ -99,6 +129,7 @@ def victim_cost(
         for p in v.pdbs:
             per_pdb[p] = per_pdb.get(p, 0) + 1
     violations = sum(max(0, n - max(0, pdb_allowed.get(p, 0))) for p, n in per_pdb.items())
+    violations += sum(1 for v in vs if v.refused)
     if not vs:
         return (violations, -(1 << 62), 0, 0, 0.0)
     top = max(v.priority for v in vs)
@@ -115,9 +146,11 @@ def plan_preemption(
     pdb_allowed: Mapping[str, int] | None = None,
     policy: Policy = Policy.INSTASLICE,
     catalog: Catalog | None = None,
+    spare: Mapping[str, Frees] | None = None,
 ) -> PreemptionPlan | None:
     """The cheapest set of preemptible holders whose eviction lets `request` fit, with the
-    placement after it; None when no such set exists."""
+    placement after it; None when no such set exists. `spare`: per node, what lower-priority
+    pods holding no slices free there once kube-scheduler preempts them (module doc)."""
     allowed = pdb_allowed or {}
     by_node: dict[str, list[Holder]] = {}
     for h in holders:
@@ -133,8 +166,57 @@ def plan_preemption(
         filtered = request.node_selector or request.required_affinity
         if (filtered or node.taints or node.unschedulable) and mismatch(node, request):
             continue
-        search.node(order, node, mine)
+        room = room_for(node, mine, (spare or {}).get(node.name, NOTHING))
+        if not fits(room, request):
+            continue  # cpu, memory or pods short even with every lower-priority pod gone
+        search.node(order, room, mine)
     return search.best
+
+
+def room_for(node: NodeState, holders: list[Holder], spare: Frees) -> NodeState:
+    """The node with the cpu, memory and pod slots that pods of lower priority than the
+    preemptor hold added to what is free: every holder that is a possible victim or doomed,
+    and `spare` (the node's other lower-priority pods)."""
+    return freed_by(node, [h for h in holders if h.preemptible or h.doomed], spare)
+
+
+def freed_by(node: NodeState, gone: Iterable[Holder], extra: Frees = NOTHING) -> NodeState:
+    """The node's cpu, memory and pod slots once `gone` have left and `extra` is freed."""
+    total = extra
+    for h in gone:
+        total = total + h.frees
+    if total == NOTHING:
+        return node
+    return replace(
+        node,
+        cpu_millis_free=node.cpu_millis_free + total.cpu_millis,
+        memory_bytes_free=node.memory_bytes_free + total.memory_bytes,
+        pods_free=node.pods_free + total.pods,
+    )
+
+
+def fits(node: NodeState, request: PodRequest) -> bool:
+    """The pod's cpu, memory and one pod slot fit what the node has free (as `place` checks)."""
+    return (
+        node.pods_free >= 1
+        and node.cpu_millis_free >= request.cpu_millis
+        and node.memory_bytes_free >= request.memory_bytes
+    )
+
+
+def waits_for(
+    room: NodeState, request: PodRequest, holders: list[Holder], placement: Placement
+) -> tuple[str, ...]:
+    """The doomed holders a plan waits for: those whose slots it takes, and every doomed
+    holder of the node when the pod's cpu, memory or pod slot fit `room` only with theirs."""
+    doomed = [h for h in holders if h.doomed]
+    less = Frees()
+    for h in doomed:
+        less = less + h.frees
+    without_doomed = freed_by(room, (), Frees(-less.cpu_millis, -less.memory_bytes, -less.pods))
+    if fits(without_doomed, request):
+        return waits_for_doomed(holders, placement)
+    return tuple(sorted(h.uid for h in doomed))
 
 
 class _Search:
@@ -146,7 +228,7 @@ class _Search:
         policy: Policy,
         catalog: Catalog | None,
     ) -> None:
-        self.request = replace(request, cpu_millis=0, memory_bytes=0)
+        self.request = request
         self.slices = slices
         self.allowed = allowed
         self.policy = policy
@@ -157,9 +239,11 @@ class _Search:
         self.steps = SEARCH_BUDGET
         self.confirms = CONFIRM_BUDGET
 
-    def node(self, order: int, node: NodeState, holders: list[Holder]) -> None:
+    def node(self, order: int, room: NodeState, holders: list[Holder]) -> None:
+        """Search one node; `room`: the node with its lower-priority pods' cpu, memory and
+        pod slots counted free (`room_for`)."""
         self.tried: set[frozenset[str]] = set()  # victim sets confirmed on this node
-        freed, owner_of, blocked = free_doomed(node, holders)
+        freed, owner_of, blocked = free_doomed(room, holders)
         self.owner_of = owner_of
         victims = {h.uid: h for h in holders if h.preemptible and not h.doomed}
         request_slots = 0
@@ -258,7 +342,7 @@ class _Search:
         self.best = PreemptionPlan(
             placement=result,
             victims=tuple(sorted(owners)),
-            waits_for=waits_for_doomed(holders, result),
+            waits_for=waits_for(freed, self.request, holders, result),
             cost=cost,
         )
 
@@ -317,7 +401,7 @@ def free_doomed(
             if entry not in owner_of:
                 blocked[pos] = blocked.get(pos, 0) | o.mask
         gpus.append(replace(g, occupied=tuple(occ)) if len(occ) != len(g.occupied) else g)
-    return replace(node, gpus=tuple(gpus), pods_free=max(1, node.pods_free)), owner_of, blocked
+    return replace(node, gpus=tuple(gpus)), owner_of, blocked
 
 
 def without(

@@ -15,27 +15,31 @@ victims removed, which also picks the GPUs.
 Cost: exactly `plan_preemption`'s (`victim_cost`, terms 1-5, then the node's potential left
 by the placement, then snapshot order); the slots the pod needs are the chosen GPUs' memory
 slots. Holders already terminating (`doomed`) cost nothing and are waited for, as there.
-CPU, memory and the pod count are left to kube-scheduler once the pod is pinned.
+A node where the pod's cpu, memory and pod slot do not fit even with every lower-priority
+pod gone is skipped, as there (`room_for`, with the caller's `spare`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from itertools import combinations
 
 from common.catalog import Catalog, load_catalog
 from common.placement.model import Gpu, NodeState, Placement, PodRequest, Snapshot
 from common.placement.preempt import (
     CONFIRM_BUDGET,
+    NOTHING,
     SEARCH_BUDGET,
     Cost,
+    Frees,
     Holder,
     PreemptionPlan,
+    fits,
     free_doomed,
     potential_after,
+    room_for,
     victim_cost,
-    waits_for_doomed,
+    waits_for,
     without,
 )
 from common.placement.search import catalog_tables
@@ -51,6 +55,7 @@ def plan_whole_preemption(
     *,
     pdb_allowed: Mapping[str, int] | None = None,
     catalog: Catalog | None = None,
+    spare: Mapping[str, Frees] | None = None,
 ) -> PreemptionPlan | None:
     """The cheapest set of preemptible holders whose eviction empties `wanted(request)` GPUs
     of `candidates` on one node, with the placement after it; None when no such set exists."""
@@ -60,7 +65,6 @@ def plan_whole_preemption(
     cat = catalog or load_catalog()
     ct = catalog_tables(catalog)
     allowed = pdb_allowed or {}
-    bare = replace(request, cpu_millis=0, memory_bytes=0)
     by_node: dict[str, list[Holder]] = {}
     for h in holders:
         by_node.setdefault(h.node, []).append(h)
@@ -71,7 +75,10 @@ def plan_whole_preemption(
         mine = by_node.get(node.name, [])
         if not any(h.preemptible or h.doomed for h in mine) or mismatch(node, request):
             continue  # nothing to free here, or the pod may not run here
-        freed, owner_of, blocked = free_doomed(node, mine)
+        room = room_for(node, mine, (spare or {}).get(node.name, NOTHING))
+        if not fits(room, request):
+            continue  # cpu, memory or pods short even with every lower-priority pod gone
+        freed, owner_of, blocked = free_doomed(room, mine)
         victims = {h.uid: h for h in mine if h.preemptible and not h.doomed}
         options: list[tuple[Gpu, frozenset[str]]] = []  # (GPU, the holders that empty it)
         for pos, g in enumerate(freed.gpus):
@@ -94,7 +101,7 @@ def plan_whole_preemption(
                 continue  # dearer whatever the placement
             confirms -= 1
             after = without(freed, chosen, owner_of)
-            result = place_whole(Snapshot((after,)), bare, _view(after, candidates), cat).result
+            result = place_whole(Snapshot((after,)), request, _view(after, candidates), cat).result
             if not isinstance(result, Placement):
                 continue
             cost: Cost = (*terms, -potential_after(ct, after, result))
@@ -104,7 +111,7 @@ def plan_whole_preemption(
             best = PreemptionPlan(
                 placement=result,
                 victims=tuple(sorted(owners)),
-                waits_for=waits_for_doomed(mine, result),
+                waits_for=waits_for(freed, request, mine, result),
                 cost=cost,
             )
     return best

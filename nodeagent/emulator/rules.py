@@ -46,7 +46,8 @@ CI_REV1: Final = 7  # NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
 _CI_ENUM_BY_SLICES: Final = {1: 0, 2: 1, 3: 2, 4: 3, 6: 6, 7: 4, 8: 5}
 
 # nvidia-smi's default placement on 8-slot parts: 7x 1g fill 6,4,5,0,1,2,3; the first 2g
-# (and 1g with double memory) goes to 4, then 0, 2; a 3g on an empty GPU to 4 (docs/mig-facts.md §2.12).
+# (and 1g with double memory) goes to 4, then 0, 2; a 3g on an empty GPU to 4
+# (docs/mig-facts.md §2.12).
 _DEFAULT_ORDER_8: Final = {1: (6, 4, 5, 0, 1, 2, 3), 2: (4, 0, 2, 6), 4: (4, 0), 8: (0,)}
 
 

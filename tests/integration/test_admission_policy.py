@@ -1,4 +1,5 @@
-"""The cluster-wide ValidatingAdmissionPolicies of docs/contract.md §4, enforced by the real apiserver.
+"""The cluster-wide ValidatingAdmissionPolicies of docs/contract.md §4, enforced by the real
+apiserver.
 
 Installs manifests/base/policy as shipped (the pod policy, the policies confining InstaSlice's
 controller identity, their bindings) and checks, in namespaces that never opted in as well as

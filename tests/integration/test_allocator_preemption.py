@@ -3,8 +3,9 @@ Eviction admission, KCM's disruption controller computing PodDisruptionBudget st
 kube-scheduler, KWOK nodes), `FakeAgent` playing the node agents.
 
 Covers: a 7g evicts exactly the pods of one GPU (events on both sides); a PDB sends it to
-the other GPU; a PDB guarding every candidate refuses the eviction and the pod stays pending
-with a reason; `preemptionPolicy: Never` preempts nothing; victims that do not terminate are
+the other GPU; a PDB guarding every candidate makes no pod immune: the API server refuses the
+evictions (429) and, as kube-scheduler's preemption, the allocator deletes the victims of
+that last-resort plan; `preemptionPolicy: Never` preempts nothing; victims that do not terminate are
 given up for others; the allocator killed mid-preemption (a new leader keeps the reserved
 slots from a lower-priority pod and evicts nobody else); a pod arriving while the victims
 terminate, of higher priority than they, does not get the reserved slots; a preemptor deleted
@@ -156,17 +157,23 @@ async def test_a_pdb_guarding_one_gpu_sends_the_pod_to_the_other(env: AllocatorE
 
 
 @pytest.mark.usefixtures("priority_classes")
-async def test_a_pdb_guarding_every_candidate_leaves_the_pod_pending(env: AllocatorEnv) -> None:  # noqa: F811
+async def test_a_pdb_guarding_every_candidate_is_violated_as_the_last_resort(
+    env: AllocatorEnv,  # noqa: F811
+) -> None:
+    """Security (finding 5): a PDB keeping every pod in the way made them immune (the refused
+    eviction was avoided for good). The API server still refuses each eviction (429); the
+    plan being the last resort, the allocator deletes the victims, as kube-scheduler does."""
     await env.add_node("n1")
-    alloc = env.start(preemption=True)
+    env.start(preemption=True)
     guarded = await fill(env, "guarded", 7, labels={"app": "guarded"})
     await pdb(env, {"app": "guarded"}, 7)
     await create(env, "big", HIGH, "7g.80gb")
-    event = await env.wait_event("big", REASON_PENDING, within=30)
-    assert "no set of lower-priority pods" in event["message"]
-    assert await alive(env) == {"big"} | set(guarded)
-    assert podlib.has_our_gate(await env.pod("big"))
-    assert alloc.metrics.count("preemption_abandoned") >= 1  # the refused eviction
+    await env.wait_bound("big", within=60)
+    assert await alive(env) == {"big"}
+    for name in guarded:
+        event = await env.wait_event(name, REASON_PREEMPTED)
+        assert "past its PodDisruptionBudget" in event["message"]
+    assert_no_double_booking(await env.allocations())
 
 
 @pytest.mark.usefixtures("priority_classes")

@@ -126,13 +126,16 @@ def settings(clock: FakeClock, **overrides: Any) -> AllocatorSettings:
     )
 
 
-def controller(kube: RecordingKube, clock: FakeClock, elector: Leader | None = None) -> Controller:
-    """A controller whose Lease informer has synced (renewals count when seen)."""
+def controller(
+    kube: RecordingKube, clock: FakeClock, elector: Leader | None = None, **overrides: Any
+) -> Controller:
+    """A controller whose Lease informer has synced (renewals count when seen);
+    `overrides`: AllocatorSettings fields."""
     c = Controller(
         cast(Kube, kube),
         cast(LeaderElector, elector or Leader()),
         AllocatorMetrics(),
-        settings(clock),
+        settings(clock, **overrides),
     )
     c.lease_informer.synced.set()
     c.opted_in.add("ns")  # the tests' pods live in namespace "ns", opted in

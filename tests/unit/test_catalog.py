@@ -153,7 +153,7 @@ def test_h200_placements_equal_real_lgipp() -> None:
     assert found == {p.id: (p.starts, p.memory_slots) for p in h200.profiles}
 
 
-# ---- the reference tables (docs/mig-facts.md §2) ------------------------------------------------------
+# ---- the reference tables (docs/mig-facts.md §2) -----------------------------------------
 
 S1 = (0, 1, 2, 3, 4, 5, 6)
 EVEN = (0, 2, 4, 6)

@@ -1,19 +1,23 @@
 """The preemption planner (common/placement/preempt.py): table cases for each cost term and
-rule, and a hypothesis property against a brute force over every victim subset on small
-clusters (≤ 2 nodes x 2 GPUs). Not covered here: how the allocator evicts (integration)."""
+rule, the pod's cpu / memory / pod slot on the node once its victims are gone, and a
+hypothesis property against a brute force over every victim subset on small clusters (≤ 2
+nodes x 2 GPUs), which also checks that a plan's node fits the pod's cpu, memory and pod slot
+after its victims leave. Not covered here: how the allocator evicts (integration)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from itertools import combinations
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from common.catalog import load_catalog
 from common.placement import Gpu, NodeState, Occupied, Placement, PodRequest, SliceRequest, Snapshot
 from common.placement.engine import place
-from common.placement.preempt import Holder, PreemptionPlan, plan_preemption, victim_cost
+from common.placement.preempt import Frees, Holder, PreemptionPlan, plan_preemption, victim_cost
 
 H100 = "H100-80GB"
 SIZE = {p.name: p.memory_slots for p in load_catalog().model(H100).profiles}  # type: ignore[union-attr]
@@ -30,13 +34,19 @@ def pod(uid: str, node: str, *slices: tuple[int, str, int], prio: int = 0, **kw:
     return Holder(uid, node, tuple((g, s, SIZE[p]) for g, p, s in slices), prio, **kw)  # type: ignore[arg-type]
 
 
+GIB = 1 << 30
+PLENTY = Frees(64_000, 256 * GIB, 10)  # a node's free cpu/memory/pods unless a test says
+
+
 def cluster(
     holders: Iterable[Holder],
     gpus: Mapping[str, int],
     foreign: Iterable[tuple[str, int, str, int]] = (),
+    free: Mapping[str, Frees] | None = None,
 ) -> Snapshot:
     """Nodes named in `gpus` (name → GPU count) whose occupancy is the holders' slices plus
-    `foreign` (node, gpu, profile, start) instances."""
+    `foreign` (node, gpu, profile, start) instances; `free`: a node's free cpu/memory/pods
+    (PLENTY otherwise)."""
     occ: dict[tuple[str, int], list[Occupied]] = {}
     for h in holders:
         for g, start, size in h.slices:
@@ -47,12 +57,14 @@ def cluster(
     nodes = []
     for name, count in gpus.items():
         gs = tuple(Gpu(i, H100, occupied=tuple(occ.get((name, i), ()))) for i in range(count))
-        nodes.append(NodeState(name, cpu_millis_free=0, memory_bytes_free=0, pods_free=10, gpus=gs))
+        f = (free or {}).get(name, PLENTY)
+        state = NodeState(name, pods_free=f.pods, gpus=gs)
+        nodes.append(replace(state, cpu_millis_free=f.cpu_millis, memory_bytes_free=f.memory_bytes))
     return Snapshot(tuple(nodes))
 
 
 def ask(*profiles: str) -> PodRequest:
-    return PodRequest("hi", 1000, 1 << 30, tuple(SliceRequest("main", p) for p in profiles))
+    return PodRequest("hi", 1000, GIB, tuple(SliceRequest("main", p) for p in profiles))
 
 
 def full_of_1g(node: str, gpu: int, prio: int = 0, t0: float = 0.0, **kw: object) -> list[Holder]:
@@ -191,10 +203,73 @@ def test_a_reservation_over_a_terminating_pod_is_not_taken_twice() -> None:
 def test_node_selector_is_respected() -> None:
     holders = full_of_1g("a", 0) + full_of_1g("b", 0, prio=3)
     snapshot = cluster(holders, {"a": 1, "b": 1})
-    nodes = tuple(NodeState(n.name, {"pool": n.name}, gpus=n.gpus) for n in snapshot.nodes)
+    nodes = tuple(
+        NodeState(n.name, {"pool": n.name}, pods_free=1, gpus=n.gpus) for n in snapshot.nodes
+    )
     request = PodRequest("hi", 0, 0, (SliceRequest("main", "7g.80gb"),), {"pool": "b"})
     p = plan(Snapshot(nodes), request, holders)
     assert p.placement.node == "b"
+
+
+# --- the pod's cpu, memory and pod slot ----------------------------------------------------
+
+NONE = Frees(0, 0, 0)
+
+
+def test_a_node_where_the_pods_cpu_never_fits_is_not_planned_on() -> None:
+    """Node a's victims are the cheapest, but what is left of its cpu is held by pods of
+    equal or higher priority: pinned there the pod would never be scheduled (deleted after
+    the pinned-unschedulable timeout, recreated, and evicting again). Node b it is."""
+    holders = full_of_1g("a", 0, prio=0) + full_of_1g("b", 0, prio=1)
+    free = {"a": Frees(500, 8 * GIB, 5), "b": PLENTY}
+    p = plan(cluster(holders, {"a": 1, "b": 1}, free=free), ask("7g.80gb"), holders)
+    assert p.placement.node == "b"
+    alone = [h for h in holders if h.node == "a"]
+    assert plan_preemption(cluster(alone, {"a": 1}, free=free), ask("7g.80gb"), alone) is None
+
+
+@pytest.mark.parametrize(
+    ("free", "frees", "spare", "planned"),
+    [
+        (NONE, Frees(150, GIB // 4, 1), NONE, True),  # the 7 victims free 1050m, 1.75 GiB
+        (NONE, Frees(100, GIB // 4, 1), NONE, False),  # 700m: cpu short
+        (NONE, Frees(150, GIB // 8, 1), NONE, False),  # 0.875 GiB: memory short
+        (Frees(1000, GIB, 0), NONE, NONE, False),  # no pod slot, and the victims free none
+        (Frees(1000, GIB, 0), Frees(0, 0, 1), NONE, True),  # a victim's pod slot
+        (NONE, NONE, Frees(1000, GIB, 1), True),  # lower-priority pods holding no slices
+        (NONE, NONE, Frees(999, GIB, 1), False),
+    ],
+)
+def test_lower_priority_pods_free_their_cpu_memory_and_pod_slot(
+    free: Frees, frees: Frees, spare: Frees, planned: bool
+) -> None:
+    holders = full_of_1g("n", 0, frees=frees)
+    snapshot = cluster(holders, {"n": 1}, free={"n": free})
+    got = plan_preemption(snapshot, ask("7g.80gb"), holders, spare={"n": spare})
+    assert (got is not None) is planned
+
+
+def test_a_plan_needing_the_cpu_of_terminating_pods_waits_for_them() -> None:
+    """GPU 0's victims free the slots; the cpu is the terminating pods' on GPU 1 (which a
+    pod of equal priority keeps from the 7g)."""
+    gpu1 = full_of_1g("n", 1)
+    going = [replace(h, doomed=True, preemptible=False, frees=Frees(1000, GIB, 1))
+             for h in gpu1[:6]]  # fmt: skip
+    holders = [*full_of_1g("n", 0), *going, replace(gpu1[6], preemptible=False)]
+    p = plan(cluster(holders, {"n": 2}, free={"n": NONE}), ask("7g.80gb"), holders)
+    assert p.placement.slices[0].gpu_index == 0 and len(p.victims) == 7
+    assert set(p.waits_for) == {h.uid for h in going}  # though their slots are not taken
+    roomy = plan(cluster(holders, {"n": 2}), ask("7g.80gb"), holders)
+    assert roomy.victims == p.victims and roomy.waits_for == ()
+
+
+def test_a_victim_whose_eviction_was_refused_counts_as_a_pdb_violation() -> None:
+    refused = [replace(h, refused=True) for h in full_of_1g("n", 0, t0=100.0)]
+    holders = refused + full_of_1g("n", 1, t0=10.0)
+    p = plan(cluster(holders, {"n": 2}), ask("7g.80gb"), holders)
+    assert p.placement.slices[0].gpu_index == 1 and p.cost[0] == 0
+    alone = plan(cluster(refused, {"n": 1}), ask("7g.80gb"), refused)
+    assert alone.cost[0] == 7  # the last resort: planned, counted
 
 
 def test_victim_cost_counts_each_pdb_once_per_victim_beyond_its_allowance() -> None:
@@ -217,9 +292,19 @@ def draw_free(draw: st.DrawFn, profiles: list[str], used: int) -> tuple[str, int
     return None if start is None else (profile, start, used | ((1 << size) - 1) << start)
 
 
+Scenario = tuple[Snapshot, list[Holder], PodRequest, dict[str, int], dict[str, Frees]]
+
+
+def small_frees(draw: st.DrawFn, pods: int = 1) -> Frees:
+    """Around the request's 1000m / 1 GiB, so that a fit depends on who leaves."""
+    return Frees(draw(st.sampled_from([0, 300, 1000])), draw(st.sampled_from([0, GIB])), pods)
+
+
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[Snapshot, list[Holder], PodRequest, dict[str, int]]:
+def scenarios(draw: st.DrawFn) -> Scenario:
     nodes = {f"n{i}": draw(st.integers(1, 2)) for i in range(draw(st.integers(1, 2)))}
+    free = {n: small_frees(draw, pods=draw(st.integers(0, 1))) for n in nodes}
+    spare = {n: small_frees(draw, pods=0) for n in nodes if draw(st.booleans())}
     holders: list[Holder] = []
     for name, count in nodes.items():
         for g in range(count):
@@ -241,31 +326,51 @@ def scenarios(draw: st.DrawFn) -> tuple[Snapshot, list[Holder], PodRequest, dict
                         pdbs=("pdb",) if draw(st.booleans()) else (),
                         preemptible=prio < PREEMPTOR,
                         doomed=draw(st.integers(0, 9)) == 0,
+                        # a holder of the preemptor's priority or more frees nothing it may use
+                        frees=small_frees(draw) if prio < PREEMPTOR else Frees(),
                     )
                 )
     request = ask(*draw(st.lists(st.sampled_from(PROFILES), min_size=1, max_size=2)))
-    return cluster(holders, nodes), holders, request, {"pdb": draw(st.integers(0, 2))}
+    allowed = {"pdb": draw(st.integers(0, 2))}
+    return cluster(holders, nodes, free=free), holders, request, allowed, spare
 
 
 def brute_force(
-    snapshot: Snapshot, holders: list[Holder], request: PodRequest, allowed: dict[str, int]
+    snapshot: Snapshot,
+    holders: list[Holder],
+    request: PodRequest,
+    allowed: dict[str, int],
+    spare: dict[str, Frees],
 ) -> tuple[int, int, int, int, float] | None:
     """The least cost over every subset of every node's preemptible holders that lets the
-    request fit (by the placement engine) with doomed holders' slots free."""
-    request = replace_cpu(request)
+    request's slices fit (by the placement engine) with doomed holders' slots free, on nodes
+    where its cpu, memory and pod slot fit once every lower-priority pod is gone."""
     slots = sum(SIZE[s.profile] * s.count for s in request.slices)
     best = None
     for node in snapshot.nodes:
         mine = [h for h in holders if h.node == node.name]
         doomed = [h for h in mine if h.doomed]
         candidates = [h for h in mine if h.preemptible and not h.doomed]
+        if not fits_after(node, [*doomed, *candidates], spare, request):
+            continue
         for k in range(len(candidates) + 1):
             for subset in combinations(candidates, k):
                 after = remove(node, [*doomed, *subset])
-                if isinstance(place(Snapshot((after,)), request), Placement):
+                if isinstance(place(Snapshot((after,)), replace_cpu(request)), Placement):
                     cost = victim_cost(subset, slots, allowed)
                     best = cost if best is None or cost < best else best
     return best
+
+
+def fits_after(
+    node: NodeState, gone: Iterable[Holder], spare: dict[str, Frees], request: PodRequest
+) -> bool:
+    """The pod's cpu, memory and one pod slot fit once `gone` left (written out here, not
+    the planner's own helper)."""
+    cpu, mem, pods = node.cpu_millis_free, node.memory_bytes_free, node.pods_free
+    for f in [*(h.frees for h in gone), spare.get(node.name, Frees())]:
+        cpu, mem, pods = cpu + f.cpu_millis, mem + f.memory_bytes, pods + f.pods
+    return cpu >= request.cpu_millis and mem >= request.memory_bytes and pods >= 1
 
 
 def remove(node: NodeState, gone: list[Holder]) -> NodeState:
@@ -283,13 +388,13 @@ def remove(node: NodeState, gone: list[Holder]) -> NodeState:
 
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
-def test_the_chosen_victims_cost_the_brute_force_minimum(
-    case: tuple[Snapshot, list[Holder], PodRequest, dict[str, int]],
-) -> None:
-    snapshot, holders, request, allowed = case
-    assume(not isinstance(place(snapshot, replace_cpu(request)), Placement))  # as it is called
-    expected = brute_force(snapshot, holders, request, allowed)
-    got = plan_preemption(snapshot, request, holders, pdb_allowed=allowed)
+def test_the_chosen_victims_cost_the_brute_force_minimum(case: Scenario) -> None:
+    snapshot, holders, request, allowed, spare = case
+    # as it is called: the slots do not fit as they are (Full or Fragmented)
+    roomy = Snapshot(tuple(replace(n, pods_free=1) for n in snapshot.nodes))
+    assume(not isinstance(place(roomy, replace_cpu(request)), Placement))
+    expected = brute_force(snapshot, holders, request, allowed, spare)
+    got = plan_preemption(snapshot, request, holders, pdb_allowed=allowed, spare=spare)
     if expected is None:
         assert got is None
         return
@@ -299,6 +404,13 @@ def test_the_chosen_victims_cost_the_brute_force_minimum(
     victims = [by_uid[u] for u in got.victims]
     assert all(v.preemptible and not v.doomed and v.priority < PREEMPTOR for v in victims)
     assert all(v.node == got.placement.node for v in victims)
+    # never a node where the pod's cpu / memory / pod slot do not fit once its victims and
+    # the lower-priority pods kube-scheduler's preemption may evict (the other possible
+    # victims, the terminating holders, the spare) are gone; equal or higher priority stay
+    node = next(n for n in snapshot.nodes if n.name == got.placement.node)
+    lower = [h for h in holders if h.node == node.name and (h.preemptible or h.doomed)]
+    assert all(h.priority < PREEMPTOR or h.doomed for h in lower)
+    assert fits_after(node, lower, spare, request)
     # an independent legality check of the placement once victims and doomed holders are gone
     node = next(n for n in snapshot.nodes if n.name == got.placement.node)
     gone = {

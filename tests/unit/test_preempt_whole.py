@@ -55,6 +55,8 @@ def cluster(
     nodes = tuple(
         NodeState(
             name,
+            cpu_millis_free=64_000,
+            memory_bytes_free=256 << 30,
             pods_free=10,
             gpus=tuple(
                 Gpu(

@@ -61,7 +61,7 @@ from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer, PreemptionSettings
 from webhook.allocator.planning import PlanRounds
-from webhook.allocator.preemption import Budgets
+from webhook.allocator.preemption import Budgets, OwnerBackoff, parse_selector, selects
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
@@ -133,12 +133,18 @@ class Controller:
             self.placer.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
         self.placer.rounds = PlanRounds(settings.preemption_round_cpu_s)
+        # namespaces whose pods are Kueue-managed: the admin's selector on namespace labels
+        # (never a pod's own label, which its owner could set: docs/kueue.md "Preemption")
+        self.kueue_selector = parse_selector(settings.kueue_namespace_selector)
+        self.kueue_namespaces: set[str] = set()
         if settings.preemption:
             self.placer.preemption = PreemptionSettings(
                 self.budgets,
                 kueue_ok=settings.preempt_kueue_pods,
                 wait_s=settings.preemption_wait_s,
                 now=self.clock.monotonic,
+                kueue=self.kueue_namespaces,
+                backoff=OwnerBackoff(settings.preemption_backoff_s),
             )
         self.scale_up = ScaleUp(
             kube,
@@ -319,7 +325,13 @@ class Controller:
         (the admission policy refuses to create one; this is the second line) is not placed."""
         meta = obj.get("metadata") or {}
         name = str(meta.get("name") or "")
-        on = etype != "DELETED" and (meta.get("labels") or {}).get(ENABLED_KEY) == "true"
+        labels = meta.get("labels") or {}
+        kueue = self.kueue_selector is not None and etype != "DELETED"
+        if kueue and selects(self.kueue_selector or {}, labels):
+            self.kueue_namespaces.add(name)
+        else:
+            self.kueue_namespaces.discard(name)
+        on = etype != "DELETED" and labels.get(ENABLED_KEY) == "true"
         if on == (name in self.opted_in):
             return
         if on:
@@ -487,8 +499,8 @@ class Controller:
                 return None
             case AwaitVictims(deadline):
                 return max(0.0, deadline - self.clock.monotonic())  # then gives up
-            case GiveUp(why, avoid):
-                self._give_up(track, why, avoid)
+            case GiveUp(why, avoid, refused):
+                self._give_up(track, why, avoid, refused)
                 self.kick(uid)
                 return None
             case Kick(other):
@@ -525,13 +537,21 @@ class Controller:
         )
         return track.backoff_s
 
-    def _give_up(self, track: PodTrack, why: str, avoid: frozenset[str]) -> None:
+    def _give_up(
+        self,
+        track: PodTrack,
+        why: str,
+        avoid: frozenset[str],
+        refused: frozenset[str] = frozenset(),
+    ) -> None:
         """Drop a preemption: its reservation is forgotten (capacity back for the others)
-        and the pod is placed anew, never again preempting `avoid`."""
+        and the pod is placed anew, never again preempting `avoid`, and `refused` only as a
+        last resort (a PodDisruptionBudget violation)."""
         p = self.tracks.end_preempt(track)
         if p is None:
             return
         track.avoid = track.avoid | avoid
+        track.refused = track.refused | refused
         self.state.forget(p.key)
         # its Ampere reset, not reached yet, is withdrawn: left standing, the agent would
         # drain the GPU (for up to its drain timeout, no other Ampere change meanwhile) and
@@ -544,7 +564,8 @@ class Controller:
         for node, uuids in undo.items():
             self._set_modes(node, {}, uuids)
         self.metrics.outcome("preemption_abandoned")
-        log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid))
+        log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid),
+                 refused=len(refused))  # fmt: skip
         self._after_change()
 
     def _gauge_view(self) -> GaugeView:

@@ -14,7 +14,7 @@ shared round-robin across namespaces — is webhook/allocator/planning.py's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from common.constants import (
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
 from common.placement.modes import ModePlacement, ModeView, place_with_modes
-from common.placement.preempt import Holder, PreemptionPlan, plan_preemption
+from common.placement.preempt import Frees, Holder, PreemptionPlan, plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.placement.whole import WholePlacement, is_whole, place_whole
 from common.podspec import SliceRequestError
@@ -57,10 +57,12 @@ from webhook.allocator.planning import (
 from webhook.allocator.preemption import (
     NO_RESET,
     Budgets,
+    OwnerBackoff,
     Preemption,
     Victim,
     holders,
     never_preempts,
+    spare,
     whole_candidates,
 )
 from webhook.allocator.queue import PlacementQueue
@@ -96,6 +98,10 @@ class PreemptionSettings:
     kueue_ok: bool  # Kueue-managed pods may be victims
     wait_s: float  # how long victims may take to release their slices
     now: Callable[[], float]  # monotonic
+    # the namespaces whose pods are Kueue-managed (the admin's selector; a watch keeps it)
+    kueue: Collection[str] = frozenset()
+    # controllers whose pod was deleted as pinned-unschedulable: no preemption on that node
+    backoff: OwnerBackoff = field(default_factory=OwnerBackoff)
 
 
 @dataclass(eq=False)
@@ -447,14 +453,28 @@ class Placer:
             return reason, message
         if never_preempts(pod.obj):
             return reason, f"{message}; its preemptionPolicy is Never: it preempts no pod"
+        owner = podlib.controller_ref(pod.obj)
+        # its controller's pod was deleted there as pinned-unschedulable lately
+        away = p.backoff.nodes(owner.get("uid") if owner else None, p.now())
         inputs = PlanInputs(
             holders=self.state.holders_version,
             budgets=p.budgets.version,
             generation=pod.generation,
-            avoid=track.avoid,
+            avoid=track.avoid | track.refused,
             excluded=track.failed_gpus,
             short=self.shared.short(snapshot, request),
+            kueue=frozenset(p.kueue),
+            away=frozenset(away),
         )
+        backed_off = ""
+        if away:
+            snapshot = Snapshot(tuple(n for n in snapshot.nodes if n.name not in away))
+            names = sorted(away)
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            backed_off = (
+                f" (not planned on {', '.join(names[:5])}{more} for now: a pod of its "
+                "controller was pinned there and stayed unschedulable)"
+            )
         if track.no_plan is not None and track.no_plan[0] == inputs:
             return reason, f"{message}; {track.no_plan[1]}"  # nothing it read has changed
         if not self.rounds.allows():
@@ -465,11 +485,24 @@ class Placer:
                 "planning budget is spent)"
             )
         start, holds = self.rounds.cpu(), self.asks.holds
-        held = holders(self.state, pod, p.budgets, kueue_ok=p.kueue_ok, avoid=track.avoid)
+        held = holders(
+            self.state,
+            pod,
+            p.budgets,
+            kueue_ok=p.kueue_ok,
+            kueue=p.kueue,
+            avoid=track.avoid,
+            refused=track.refused,
+        )
+        room = spare(self.state, pod, held, kueue_ok=p.kueue_ok, kueue=p.kueue)
+        allowed = p.budgets.allowed()
+        for h in held:  # the API server refused its eviction: its budgets are spent
+            if h.refused:
+                allowed.update(dict.fromkeys(h.pdbs, 0))
         resets: tuple[tuple[str, int], ...] = ()
         why = "preemption: no set of lower-priority pods frees a placement for it"
         if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
-            found, resets, waits = self._plan_whole(snapshot, request, held, p.budgets)
+            found, resets, waits = self._plan_whole(snapshot, request, held, allowed, room)
             if waits:
                 why = (
                     "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes "
@@ -483,22 +516,25 @@ class Placer:
                 sized,
                 held,
                 catalog=self.catalog,
-                pdb_allowed=p.budgets.allowed(),
+                pdb_allowed=allowed,
                 policy=self.policy,
+                spare=room,
             )
         else:
             found = plan_preemption(
                 snapshot,
                 request,
                 held,
-                pdb_allowed=p.budgets.allowed(),
+                pdb_allowed=allowed,
                 policy=self.policy,
                 catalog=self.catalog,
+                spare=room,
             )
         self.rounds.charge(pod.namespace, self.rounds.cpu() - start)
         if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
             # planned again once what it read changes, or at once when a GPU was held back
             # by the mode-change interval (the wall clock is an input no version counts)
+            why = f"{why}{backed_off}"
             track.no_plan = (inputs, why) if self.asks.holds == holds else None
             return reason, f"{message}; {why}"
         track.no_plan = None
@@ -518,6 +554,7 @@ class Placer:
             deadline=p.now() + p.wait_s,
             summary=summary(found.placement),
             resets=resets,
+            past_pdb=found.cost[0] > 0,
         )
         if resets and self.ask_modes is not None:  # the agent drains (the victims go), resets
             wants = {g.uuid: "disabled" for n, i in resets if (g := self.state.gpu(n, i))}
@@ -536,7 +573,12 @@ class Placer:
         return None
 
     def _plan_whole(
-        self, snapshot: Snapshot, request: PodRequest, held: list[Holder], budgets: Budgets
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        held: list[Holder],
+        allowed: dict[str, int],
+        room: dict[str, Frees],
     ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...], str]:
         """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
         the Ampere maintenance on and no change in flight, else on GPUs that need one too
@@ -552,8 +594,9 @@ class Placer:
                 request,
                 held,
                 candidates,
-                pdb_allowed=budgets.allowed(),
+                pdb_allowed=allowed,
                 catalog=self.catalog,
+                spare=room,
             )
 
         found = plan(NO_RESET)
@@ -571,6 +614,13 @@ class Placer:
             if (g := self.state.gpu(node, s.gpu_index)) is not None and g.whole_if_idle == "reset"
         )
         return found, resets, ""
+
+    def back_off(self, pod: PodView, node: str) -> None:
+        """`pod`, pinned to `node`, was deleted as unschedulable there: its controller's
+        next pods plan no preemption on that node for a while (preemption.OwnerBackoff)."""
+        owner = podlib.controller_ref(pod.obj)
+        if self.preemption is not None and owner is not None and owner.get("uid"):
+            self.preemption.backoff.note(str(owner["uid"]), node, self.preemption.now())
 
     def park(self, pod: PodView, reason: str, message: str) -> None:
         """Pending: wait for capacity to grow (or the pod's spec to change); tell the pod

@@ -61,6 +61,8 @@ class PlanInputs:
     avoid: frozenset[str]  # pods it never preempts again (PodTrack.avoid)
     excluded: frozenset[tuple[str, str]]  # GPUs left out of its snapshot
     short: Short  # the nodes short of its cpu / memory / a pod slot
+    kueue: frozenset[str] = frozenset()  # the namespaces whose pods Kueue manages
+    away: frozenset[str] = frozenset()  # nodes its controller is backed off from
 
 
 def short_nodes(snapshot: Snapshot, request: PodRequest) -> Short:

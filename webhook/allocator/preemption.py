@@ -9,16 +9,27 @@ the evictions are `steps.py`'s, the decisions `track.next_step`'s (docs/allocato
 "Preemption").
 
 Who is never a victim: pods of equal or higher priority; pods of a `system-*`
-PriorityClass; Kueue-managed pods unless `preempt_kueue_pods`; a pod whose eviction was
-refused or that did not terminate in time for this preemptor (`avoid`); another preemptor's
-reservation; foreign MIG instances (they have no holder: the planner sees them as blockers).
-A whole-GPU pod plans only on GPUs that serve it without a reset once empty
-(`whole_candidates`): an Ampere GPU in MIG mode would need the reset InstaSlice never does
-for a pod.
+PriorityClass; Kueue-managed pods unless `preempt_kueue_pods` — a pod is Kueue-managed when
+its namespace matches the admin's `kueue_namespace_selector` (docs/kueue.md "Preemption"), never by
+a label on the pod, which its owner could set to make it immune; a pod that did not
+terminate in time for this preemptor (`avoid`); another preemptor's reservation; foreign
+MIG instances (they have no holder: the planner sees them as blockers). A pod whose
+eviction a PodDisruptionBudget refused for this preemptor stays a victim, one whose
+eviction counts as a PDB violation (`refused`): chosen only as a last resort, as
+kube-scheduler's preemption does. A whole-GPU pod plans only on GPUs that serve it without
+a reset once empty (`whole_candidates`): an Ampere GPU in MIG mode would need the reset
+InstaSlice never does for a pod.
+
+The planner also needs what the node's lower-priority pods free: each holder's requests
+(`Holder.frees`) and `spare`, the other lower-priority pods bound there (kube-scheduler's
+own preemption frees them once the pod is pinned). And `OwnerBackoff` remembers, per
+controller, the nodes where its pod was deleted as pinned-unschedulable: its next pods plan
+no preemption there for a while (docs/allocator.md "Preemption").
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,15 +37,13 @@ from typing import Any
 
 from common.allocation import SliceAllocation
 from common.placement.model import Snapshot
-from common.placement.preempt import Holder
+from common.placement.preempt import Frees, Holder
 from common.placement.whole import GpuRef
+from webhook.allocator.pods import Resources
 from webhook.allocator.state import ClusterState
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_MANAGED_LABEL = "kueue.x-k8s.io/managed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,9 @@ class Preemption:
     evicted: frozenset[str] = frozenset()
     told: bool = False  # the `Preempting` event was written
     refused: str = ""  # uid of a victim whose eviction a PodDisruptionBudget refused
+    # the plan evicts past a PodDisruptionBudget (its last resort, cost term 1 > 0): a
+    # refused eviction is then answered with a delete, as kube-scheduler's preemption does
+    past_pdb: bool = False
     summary: str = ""
     # whole GPUs: the reserved GPUs whose MIG mode goes off only through the Ampere
     # maintenance (asked with the plan); the reservation is created once that is done
@@ -135,9 +147,40 @@ def selects(selector: Obj, labels: Mapping[str, str]) -> bool:
 # --- victims --------------------------------------------------------------------------------
 
 
-def kueue_managed(pod: Obj) -> bool:
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    return KUEUE_QUEUE_LABEL in labels or labels.get(KUEUE_MANAGED_LABEL) == "true"
+_TERM = re.compile(
+    r"^\s*(?:(?P<not>!)\s*(?P<absent>[^\s!=,()]+)"
+    r"|(?P<key>[^\s!=,()]+)\s*(?:(?P<op>==|=|!=)\s*(?P<value>[^\s!=,()]*)"
+    r"|\s+(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?)\s*$"
+)
+
+
+def parse_selector(text: str) -> Obj | None:
+    """A label selector as `kubectl -l` writes it (`a=b`, `a!=b`, `a`, `!a`,
+    `a in (x,y)`, `a notin (x,y)`, comma-separated, all must hold) as a metav1.LabelSelector
+    for `selects`; None for "" (`kueue_namespace_selector` off: it selects nothing, unlike
+    an empty LabelSelector). ValueError when it does not parse."""
+    if not text.strip():
+        return None
+    terms = re.split(r",(?![^()]*\))", text)
+    labels: dict[str, str] = {}
+    exprs: list[Obj] = []
+    for term in terms:
+        m = _TERM.match(term)
+        if m is None:
+            raise ValueError(f"not a label selector term: {term.strip()!r}")
+        if m["absent"]:
+            exprs.append({"key": m["absent"], "operator": "DoesNotExist"})
+        elif m["op"] in ("=", "=="):
+            labels[m["key"]] = m["value"]
+        elif m["op"] == "!=":
+            exprs.append({"key": m["key"], "operator": "NotIn", "values": [m["value"]]})
+        elif m["set"]:
+            values = [v.strip() for v in m["values"].split(",") if v.strip()]
+            operator = {"in": "In", "notin": "NotIn"}[m["set"]]
+            exprs.append({"key": m["key"], "operator": operator, "values": values})
+        else:
+            exprs.append({"key": m["key"], "operator": "Exists"})
+    return {"matchLabels": labels, "matchExpressions": exprs}
 
 
 def never_preempts(pod: Obj) -> bool:
@@ -161,9 +204,13 @@ def holders(
     budgets: Budgets,
     *,
     kueue_ok: bool,
+    kueue: Collection[str] = (),
     avoid: Collection[str] = (),
+    refused: Collection[str] = (),
 ) -> list[Holder]:
-    """One holder per pod with live allocations in the model (assumed ones included)."""
+    """One holder per pod with live allocations in the model (assumed ones included).
+    `kueue`: the namespaces Kueue manages (the admin's selector); `refused`: pods whose
+    eviction the API server refused for this preemptor (a PDB)."""
     by_pod: dict[str, list[SliceAllocation]] = {}
     for alloc in state.allocations.values():
         by_pod.setdefault(alloc.pod_uid, []).append(alloc)
@@ -194,18 +241,18 @@ def holders(
         labels: Mapping[str, str] = {}
         priority, started = 0, 0.0
         preemptible = False
+        frees = Frees()
         if pod is not None:
             labels = (pod.obj.get("metadata") or {}).get("labels") or {}
             priority, started = pod.priority, start_time(pod.obj)
-            class_name = str((pod.obj.get("spec") or {}).get("priorityClassName") or "")
             preemptible = (
                 not doomed
                 and not reserved
                 and uid not in avoid
-                and pod.priority < preemptor.priority
-                and not class_name.startswith("system-")
-                and (kueue_ok or not kueue_managed(pod.obj))
+                and may_evict(pod, preemptor, kueue_ok=kueue_ok, kueue=kueue)
             )
+            if not pod.terminal and (pod.node or node) == node:  # charged to that node
+                frees = _frees(pod.resources)
         out.append(
             Holder(
                 uid=uid,
@@ -216,9 +263,83 @@ def holders(
                 pdbs=budgets.selecting(pod.namespace, labels) if pod is not None else (),
                 preemptible=preemptible,
                 doomed=doomed,
+                frees=frees,
+                refused=uid in refused,
             )
         )
     return out
+
+
+def may_evict(pod: PodView, preemptor: PodView, *, kueue_ok: bool, kueue: Collection[str]) -> bool:
+    """The rules on the pod itself: strictly lower priority, not of a `system-*` class, not
+    Kueue-managed (its namespace is one of `kueue`) unless `kueue_ok`."""
+    class_name = str((pod.obj.get("spec") or {}).get("priorityClassName") or "")
+    return (
+        pod.priority < preemptor.priority
+        and not class_name.startswith("system-")
+        and (kueue_ok or pod.namespace not in kueue)
+    )
+
+
+def spare(
+    state: ClusterState,
+    preemptor: PodView,
+    held: Collection[Holder],
+    *,
+    kueue_ok: bool,
+    kueue: Collection[str] = (),
+) -> dict[str, Frees]:
+    """Per node of `held`, what the lower-priority pods bound there that hold no slices
+    request: kube-scheduler's own preemption frees it once the preemptor is pinned (they
+    may be evicted by the same rules as a holder)."""
+    nodes = {h.node for h in held}
+    uids = {h.uid for h in held}
+    out: dict[str, Frees] = {}
+    for pod in state.pods.values():
+        if not pod.bound or pod.bound not in nodes or pod.terminal or pod.uid in uids:
+            continue
+        if may_evict(pod, preemptor, kueue_ok=kueue_ok, kueue=kueue):
+            out[pod.bound] = out.get(pod.bound, Frees()) + _frees(pod.resources)
+    return out
+
+
+def _frees(r: Resources) -> Frees:
+    return Frees(r.cpu_millis, r.memory_bytes, r.pods)
+
+
+# --- back-off after a pinned-unschedulable delete --------------------------------------------
+
+BACKOFF_S = 600.0  # AllocatorSettings.preemption_backoff_s's default
+
+
+@dataclass
+class OwnerBackoff:
+    """Per controller (ownerReference uid), the nodes where its pod was deleted as pinned
+    but unschedulable, each until when (monotonic): its pods plan no preemption on them
+    meanwhile, so a pod that cannot run where it evicts does not evict there again each
+    time it is recreated. Entries past their time are dropped as they are read."""
+
+    backoff_s: float = BACKOFF_S
+    until: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def note(self, owner: str, node: str, now: float) -> None:
+        self.until.setdefault(owner, {})[node] = now + self.backoff_s
+        self._prune(now)
+
+    def nodes(self, owner: str | None, now: float) -> frozenset[str]:
+        """The nodes `owner`'s pods plan no preemption on now."""
+        if owner is None or owner not in self.until:
+            return frozenset()
+        self._prune(now)
+        return frozenset(self.until.get(owner, {}))
+
+    def _prune(self, now: float) -> None:
+        for owner in list(self.until):
+            left = {n: t for n, t in self.until[owner].items() if t > now}
+            if left:
+                self.until[owner] = left
+            else:
+                del self.until[owner]
 
 
 NO_RESET = ("off", "resetless")

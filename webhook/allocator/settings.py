@@ -15,6 +15,7 @@ from common.clock import Clock, SystemClock
 from common.placement import Policy
 from webhook.allocator.autoscale import ScaleUpSettings
 from webhook.allocator.leader import LEASE_NAME, LeaseSettings
+from webhook.allocator.preemption import BACKOFF_S
 
 
 def default_identity() -> str:
@@ -43,6 +44,10 @@ class AllocatorSettings:
       (docs/allocator.md "Preemption"); off by default.
     preempt_kueue_pods: Kueue-managed pods may be preemption victims (off: Kueue preempts
       its own workloads).
+    kueue_namespace_selector: a label selector (`kubectl -l` syntax) on namespaces: the pods
+      of matching namespaces are Kueue-managed (docs/kueue.md "Preemption"); "": none is.
+    preemption_backoff_s: after a pod owned by a controller is deleted as pinned but
+      unschedulable, that controller's pods plan no preemption on that node for this long.
     preemption_wait_s: how long a preemptor waits for its victims' slices to be released
       before it gives up and plans again without them.
     preemption_round_cpu_s: CPU seconds of preemption planning per placement round; once
@@ -77,6 +82,8 @@ class AllocatorSettings:
     scale_up: ScaleUpSettings = field(default_factory=ScaleUpSettings)
     preemption: bool = False
     preempt_kueue_pods: bool = False
+    kueue_namespace_selector: str = ""
+    preemption_backoff_s: float = BACKOFF_S
     preemption_wait_s: float = 180.0
     preemption_round_cpu_s: float = 0.5
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)

@@ -211,8 +211,13 @@ class Steps:
 
     async def evict(self, track: PodTrack, pod: PodView, victims: tuple[Victim, ...]) -> None:
         """Evict the preemption's victims through the Eviction API (policy/v1), which keeps
-        PodDisruptionBudgets and graceful termination. A refusal (429) is recorded: the next
-        step gives this preemption up and plans again without that pod."""
+        PodDisruptionBudgets and graceful termination. A refusal (429) of a plan that keeps
+        every PDB as far as the cached budgets tell is recorded: the next step gives this
+        preemption up and plans again, that pod a victim only as a last resort from then
+        on. A refusal of a plan that is that last resort (`past_pdb`: no plan keeping every
+        PDB exists) is answered with a delete of the pod (UID precondition, its grace
+        period), as kube-scheduler's preemption deletes its victims whatever their PDBs
+        (docs/allocator.md "Preemption")."""
         p = track.preempt
         assert p is not None
         if not p.told:
@@ -225,17 +230,22 @@ class Steps:
             p.told = True
         for v in victims:
             victim = self.state.pods.get(v.uid)  # read first: the eviction may remove it
+            past = ""
             if not await self.writes.evict(v.namespace, v.name, v.uid):
                 log.warning("eviction refused", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
-                p.refused = v.uid
-                return
+                if not p.past_pdb:
+                    p.refused = v.uid
+                    return
+                await self.writes.delete_pod(v.namespace, v.name, v.uid)
+                past = " past its PodDisruptionBudget (no plan keeping every budget exists)"
             p.evicted = p.evicted | {v.uid}
             self.metrics.outcome("preempted")
-            log.info("victim evicted", preemptor=pod.key, victim=f"{v.namespace}/{v.name}")
+            log.info("victim evicted", preemptor=pod.key, victim=f"{v.namespace}/{v.name}",
+                     past_pdb=bool(past))  # fmt: skip
             if victim is not None:
                 message = (
                     f"preempted by {pod.key} (priority {pod.priority}) to free {p.summary} "
-                    f"on node {p.node}"
+                    f"on node {p.node}{past}"
                 )
                 self.tell(victim.obj, REASON_PREEMPTED, message, "Normal")
 
@@ -266,6 +276,8 @@ class Steps:
             return
         track.unstick = Unstick.DONE
         log.info("pinned pod stayed unschedulable; deleted", pod=pod.key)
+        if pod.node:  # its controller's next pods preempt nobody there for a while
+            self.placer.back_off(pod, pod.node)
         node = pod.node or "its node"
         cause = _scheduled_message(current)
         for alloc in self.state.allocations_of(pod.uid):

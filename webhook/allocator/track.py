@@ -68,7 +68,8 @@ class PodTrack:
     released: frozenset[str] = frozenset()  # uids of allocations we deleted
     gone: str | None = None  # why the pod left the cache (DELETED event), if it did
     preempt: Preemption | None = None  # a preemption in flight: its slots reserved
-    avoid: frozenset[str] = frozenset()  # uids never to preempt for it (refused, stuck)
+    avoid: frozenset[str] = frozenset()  # uids never to preempt for it (did not terminate)
+    refused: frozenset[str] = frozenset()  # uids whose eviction a PDB refused for it
     # a preemption plan that found nothing: what it read and what the pod was told; planned
     # again only when those inputs change (webhook/allocator/planning.py)
     no_plan: tuple[PlanInputs, str] | None = None
@@ -196,10 +197,13 @@ class AwaitVictims:
 @dataclass(frozen=True, slots=True)
 class GiveUp:
     """Drop the preemption and its reservation; `avoid`: pods never to preempt for this pod
-    again (an eviction refused, victims that did not terminate). The pod is placed anew."""
+    again (victims that did not terminate); `refused`: pods whose eviction a PDB refused,
+    victims for it from now on only as a last resort (a PDB violation). The pod is placed
+    anew."""
 
     why: str
     avoid: frozenset[str] = frozenset()
+    refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +309,8 @@ def _preempt_step(p: Preemption, seen: Seen) -> Step:
     if pod.gates != (GATE_NAME,) or not seen.opted_in:
         return GiveUp("the preemptor is no longer InstaSlice's to place")
     if p.refused:
-        return GiveUp("an eviction was refused (PodDisruptionBudget)", frozenset({p.refused}))
+        why = "an eviction was refused (PodDisruptionBudget)"
+        return GiveUp(why, refused=frozenset({p.refused}))
     if seen.now >= p.deadline and seen.holding:
         return GiveUp("victims did not release their slices in time", seen.holding)
     if seen.now >= p.deadline and seen.modes_pending:

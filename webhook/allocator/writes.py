@@ -184,6 +184,19 @@ class Writes:
                 raise
         return True
 
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a pod with a UID precondition and its own grace period (a preemption
+        victim past its PodDisruptionBudget, as kube-scheduler deletes its victims); gone,
+        or another pod of that name now, is done."""
+        self.elector.check()
+        try:
+            await self.kube.delete(
+                core_path("pods", namespace, name), {"preconditions": {"uid": uid}}
+            )
+        except ApiError as exc:
+            if not (exc.not_found or exc.conflict):
+                raise
+
     async def evict(self, namespace: str, name: str, uid: str) -> bool:
         """Evict a pod (policy/v1 Eviction, UID precondition): True when evicted or gone,
         False when a PodDisruptionBudget refuses it now (429)."""
