@@ -13,6 +13,7 @@ first and which the loop starts by itself. What a plan chooses is tested elsewhe
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -162,16 +163,49 @@ def new_budget(state: ClusterState, p: Placer, web: Obj) -> None:
     p.preemption.budgets.upsert(pdb)
 
 
+def kueue_namespaces(state: ClusterState, p: Placer, web: Obj) -> None:
+    """The admin's Kueue selector now matches the holders' namespace: they are not victims."""
+    assert p.preemption is not None
+    p.preemption = dataclasses.replace(p.preemption, kueue=frozenset({"ns"}))
+
+
+def owner_backed_off(state: ClusterState, p: Placer, web: Obj) -> None:
+    """The preemptor's controller had a pod deleted on n1 as pinned-unschedulable."""
+    assert p.preemption is not None
+    obj = updated(state, "big")
+    obj["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "name": "rs",
+            "uid": "rs",
+            "controller": True,
+        }
+    ]
+    state.upsert_pod(obj)
+    p.preemption.backoff.note("rs", "n1", p.preemption.now())
+
+
 @pytest.mark.parametrize(
     ("change", "web_cpu"),
     [
+        (kueue_namespaces, "48"),
+        (owner_backed_off, "48"),
         (relabelled, "48"),
         (terminating, "48"),
         (released, "48"),
         (new_budget, "48"),
         (web_gone, "60"),  # n1 lacked the pod's 8 cpu (4 free): its room is read
     ],
-    ids=["holder-relabelled", "holder-terminating", "allocation-gone", "pdb", "short-node-room"],
+    ids=[
+        "kueue-namespaces",
+        "owner-backed-off",
+        "holder-relabelled",
+        "holder-terminating",
+        "allocation-gone",
+        "pdb",
+        "short-node-room",
+    ],
 )
 def test_a_failed_plan_is_made_again_when_what_it_read_changes(
     plans: list[str], change: Change, web_cpu: str
