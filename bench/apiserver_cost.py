@@ -285,7 +285,7 @@ def mig_node_statuses() -> tuple[Obj, Obj]:
     from nodeagent.checkpoint import Checkpoint
     from nodeagent.model import NodeInventory
     from nodeagent.report import mig_node_status
-    from tests.unit.test_nodeagent_builders import gpu
+    from testkit.builders import gpu
 
     inv = NodeInventory(
         gpus=tuple(

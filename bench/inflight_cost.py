@@ -24,7 +24,7 @@ from typing import Any
 
 from common.objects import Phase
 from common.placement import Policy
-from tests.integration.allocator_fixtures import make_mig_node, make_node, make_pod
+from testkit.builders import make_mig_node, make_node, make_pod
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState

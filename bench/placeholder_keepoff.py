@@ -37,7 +37,7 @@ from common.constants import NODE_LABEL
 from common.placement import Gpu, NodeState, Occupied, Policy
 from common.placement.modes import ModeView
 from common.placement.whole import WholeView
-from tests.integration.allocator_fixtures import make_mig_node, make_node, make_pod
+from testkit.builders import make_mig_node, make_node, make_pod
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import kept_off, misplaced, placeholder_pod
 from webhook.allocator.state import ClusterState
