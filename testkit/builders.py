@@ -4,7 +4,8 @@
 webhook and the node agent would have written it: a pod already rewritten by admission
 (`instaslice.io/mig-*` limits and requests, the gate, a claim), a KWOK node with the agent's
 fixed `instaslice.io/mig-*` capacity, a MigNode describing catalog GPUs, a SliceAllocation.
-`gpu` is a GPU as the node agent's NVML layer reports it, taken from the catalog.
+`gpu` is a GPU as the node agent's NVML layer reports it, taken from the catalog;
+`quiet_placer` the allocator's placer on a `ClusterState`, deciding and telling nobody.
 
 A package of its own so that bench/ never imports tests/ and the product never imports
 either: the import contracts in pyproject.toml forbid `common`, `webhook` and `nodeagent`
@@ -30,8 +31,13 @@ from common.constants import (
 )
 from common.kubeapi import Obj
 from common.objects import Phase, SliceSpec, new_claim_id
+from common.placement import Policy
 from common.profiles import instaslice_resource
 from nodeagent.model import GpuInfo, ProfileInfo
+from webhook.allocator.metrics import AllocatorMetrics
+from webhook.allocator.placer import Placer
+from webhook.allocator.state import ClusterState
+from webhook.allocator.track import Tracks
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 _uids = itertools.count(1)
@@ -285,4 +291,20 @@ def gpu(
             )
             for p in m.profiles
         ),
+    )
+
+
+# --- the allocator's placer, deciding only ---------------------------------------------------
+
+
+def quiet_placer(state: ClusterState) -> Placer:
+    """The allocator's placer on `state`, telling and kicking nobody (decisions only)."""
+    return Placer(
+        state,
+        Tracks(),
+        AllocatorMetrics(),
+        Policy.INSTASLICE,
+        state.geometries.catalog,
+        kick=lambda uid: None,
+        tell=lambda pod, reason, message: None,
     )

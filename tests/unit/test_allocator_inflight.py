@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from bench.inflight_cost import quiet_placer
 from common.objects import Phase
 from common.placement import Pending, Placement, Policy, Snapshot, engine
+from testkit.builders import quiet_placer
 from tests.integration.allocator_fixtures import (
     gpu_uuid,
     make_allocation,

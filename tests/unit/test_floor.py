@@ -1,12 +1,13 @@
-"""bench.floor's arithmetic and its watch helper, bench.latency_probe's admission metrics.
+"""bench.floor's arithmetic and its watch helper, bench.latency_track's admission metrics.
 
-The floor's links are measured against a control plane (`python -m bench.floor`); here only
-what turns them into the chain's floor, and the reading of /metrics, are checked."""
+The floor's links are measured against a control plane (`python -m bench.latency --scenarios
+floor`); here only what turns them into the chain's floor, and the reading of /metrics, are
+checked."""
 
 from __future__ import annotations
 
 from bench.floor import LINKS, Seen, added, chain, phase_is, pin_patch
-from bench.latency_probe import admission_seconds
+from bench.latency_track import admission_seconds
 
 _HOOK = "apiserver_admission_webhook_admission_duration_seconds"
 _STEP = "apiserver_admission_step_admission_duration_seconds"
