@@ -52,8 +52,8 @@ class Figure:
         )
 
     def range_text(self) -> str:
-        low = "-inf" if self.low is None else f"{self.low:g}"
-        high = "inf" if self.high is None else f"{self.high:g}"
+        low = "-inf" if self.low is None else f"{self.low:.10g}"
+        high = "inf" if self.high is None else f"{self.high:.10g}"
         return f"[{low}, {high}]"
 
 
@@ -113,7 +113,7 @@ def compare(expected: Mapping[str, Any], docs: Mapping[str, Any]) -> list[Figure
 def report(figures: Sequence[Figure], not_run: Sequence[str]) -> str:
     lines = []
     for f in figures:
-        value = "missing" if f.value is None else f"{f.value:g}"
+        value = "missing" if f.value is None else f"{f.value:.10g}"
         mark = "ok " if f.ok else "OUT"
         lines.append(f"{mark} {f.file}: {f.path} = {value}  expected {f.range_text()}")
     for file in not_run:
