@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench import latency
+from bench import floor, latency
 from bench.floor import LINKS, Seen, added, chain, phase_is, pin_patch
 from bench.latency_track import admission_seconds
 
@@ -99,7 +99,7 @@ def test_the_floor_is_a_scenario_of_bench_latency(monkeypatch: pytest.MonkeyPatc
         return {"nodes": nodes}
 
     monkeypatch.setattr(latency, "with_fleet", with_fleet)
-    monkeypatch.setattr(latency.floor_chain, "run", rounds)
+    monkeypatch.setattr(floor, "run", rounds)
     monkeypatch.setattr(latency, "machine", dict)
     bench = latency.Bench(latency.Plan(), Path("unused"), ("floor",), static=False, quiet=True)
     doc = bench.run()
