@@ -4,9 +4,12 @@ In the manner of kueue's performance checker (test/performance/scheduler: a run'
 compared with a range spec), for the JSON the benchmarks write under `.dev/bench/`:
 bench/expected.yaml names, per file, each key figure by its path in the JSON and the range
 it is expected in on the reference machine (docs/benchmarks.md, "The machine"). Prints every
-figure with its value and range, then those outside; exits 1 if any is outside or missing,
-2 if none of the files is there. A file not there is reported as not run (its benchmark
-was not run since `make clean`) and checks nothing: run only the benchmarks you need.
+figure with its value and range, then those outside; exits 1 if any is outside, 2 if none
+of the files is there. A file not there is reported as not run (its benchmark was not run
+since `make clean`) and checks nothing, and a figure not in its file (a scenario not run:
+`bench.latency --scenarios floor` writes no burst) as not in this run: run only the
+benchmarks you need. `--strict` fails on a missing figure too (after a full run: a renamed
+key).
 
 A benchmark, not a test: timings depend on the machine and its load, so this is not part
 of `make test`; the ranges are wide enough for the reference machine's load 1-10 and say
@@ -110,21 +113,35 @@ def compare(expected: Mapping[str, Any], docs: Mapping[str, Any]) -> list[Figure
     return out
 
 
+def missing(figures: Sequence[Figure]) -> list[Figure]:
+    return [f for f in figures if f.value is None]
+
+
+def outside(figures: Sequence[Figure]) -> list[Figure]:
+    """The figures found and out of their range (a NaN is out of any)."""
+    return [f for f in figures if f.value is not None and not f.ok]
+
+
 def report(figures: Sequence[Figure], not_run: Sequence[str]) -> str:
     lines = []
     for f in figures:
-        value = "missing" if f.value is None else f"{f.value:.10g}"
+        if f.value is None:
+            lines.append(f"--- {f.file}: {f.path} not in this run  expected {f.range_text()}")
+            continue
         mark = "ok " if f.ok else "OUT"
-        lines.append(f"{mark} {f.file}: {f.path} = {value}  expected {f.range_text()}")
+        lines.append(f"{mark} {f.file}: {f.path} = {f.value:.10g}  expected {f.range_text()}")
     for file in not_run:
         lines.append(f"--- {file}: not run (no such file), nothing checked")
-    bad = [f for f in figures if not f.ok]
+    bad, gone = outside(figures), missing(figures)
+    found = len(figures) - len(gone)
     lines.append("")
     if bad:
-        lines.append(f"{len(bad)} of {len(figures)} figures outside their range:")
-        lines += [f"  {f.file}: {f.path} = {f.value} not in {f.range_text()}" for f in bad]
+        lines.append(f"{len(bad)} of {found} figures outside their range:")
+        lines += [f"  {f.file}: {f.path} = {f.value:.10g} not in {f.range_text()}" for f in bad]
     else:
-        lines.append(f"all {len(figures)} figures within their range")
+        lines.append(f"all {found} figures within their range")
+    if gone:
+        lines.append(f"{len(gone)} figures not in this run (not run, or a key renamed)")
     return "\n".join(lines)
 
 
@@ -133,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--dir", type=Path, default=OUT_DIR, help="where the benchmarks wrote JSON")
     ap.add_argument("--expected", type=Path, default=EXPECTED, help="the ranges (YAML)")
+    ap.add_argument(
+        "--strict", action="store_true", help="a figure missing from a file that is there fails"
+    )
     args = ap.parse_args(argv)
     expected = yaml.safe_load(args.expected.read_text()) or {}
     docs = {f: json.loads((args.dir / f).read_text()) for f in expected if (args.dir / f).exists()}
@@ -142,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     figures = compare(expected, docs)
     print(report(figures, not_run))
-    return 0 if all(f.ok for f in figures) else 1
+    failed = outside(figures) + (missing(figures) if args.strict else [])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

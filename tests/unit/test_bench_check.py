@@ -2,8 +2,9 @@
 their ranges, reported, and the exit status.
 
 Covers: a figure in range, below, above, at either bound, with an open bound; a path that
-is missing or leads to no number; lists (by length) and bools; a file not run (skipped, not
-a failure) and no file at all; a malformed range; the committed bench/expected.yaml parses
+is missing or leads to no number; lists (by length) and bools; a file not run and a figure
+not in its file (reported, not a failure unless --strict) and no file at all; a malformed
+range; the committed bench/expected.yaml parses
 and names only files the benchmarks write. Leaves out: the benchmarks' numbers themselves
 (a benchmark, not a test: `make bench-placement` then `make bench-check`)."""
 
@@ -15,7 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.check import EXPECTED, Figure, compare, lookup, main, parse_range, report
+from bench.check import (
+    EXPECTED,
+    Figure,
+    compare,
+    lookup,
+    main,
+    missing,
+    outside,
+    parse_range,
+    report,
+)
 
 DOC = {
     "totals": {"instaslice": {"accepted_pods": 18168, "slot_time_vs_instaslice": 1.0}},
@@ -83,12 +94,15 @@ def test_compare_checks_the_files_that_are_there_and_skips_the_others() -> None:
         ("decision_ms_by_nodes.1000.p99", False),  # above its max
         ("totals.gone", False),  # missing
     ]
+    assert [f.path for f in outside(figures)] == ["decision_ms_by_nodes.1000.p99"]
+    assert [f.path for f in missing(figures)] == ["totals.gone"]
     text = report(figures, ["latency.json"])
     assert "OUT placement.json: decision_ms_by_nodes.1000.p99 = 0.92  expected [-inf, 0.5]" in text
-    assert "OUT placement.json: totals.gone = missing" in text
+    assert "--- placement.json: totals.gone not in this run  expected [0, 1]" in text
     assert "ok  placement.json: totals.instaslice.accepted_pods = 18168" in text
     assert "latency.json: not run" in text
-    assert "2 of 3 figures outside their range" in text
+    assert "1 of 2 figures outside their range" in text
+    assert "1 figures not in this run" in text
 
 
 @pytest.mark.parametrize("spec", [[1], [2, 1], "1..2", None])
@@ -112,6 +126,10 @@ def test_main_exits_by_what_it_found(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "all 1 figures within their range" in capsys.readouterr().out
     assert main(_write(tmp_path, ranges, a={"x": 0.5}, b={"y": 3})) == 1
     assert "OUT b.json: y = 3" in capsys.readouterr().out
+    # a figure its file does not hold (a scenario not run) fails only with --strict
+    assert main(_write(tmp_path, ranges, a={"x": 0.5}, b={"z": 3})) == 0
+    assert "--- b.json: y not in this run" in capsys.readouterr().out
+    assert main([*_write(tmp_path, ranges, a={"x": 0.5}, b={"z": 3}), "--strict"]) == 1
 
 
 def test_the_committed_ranges_parse_and_name_the_benchmarks_files() -> None:
