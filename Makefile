@@ -13,7 +13,8 @@ FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
-        bench-agent-leases bench-latency bench-autoscale bench-memory chaos fuzz clean
+        bench-agent-leases bench-latency bench-autoscale bench-memory bench-apiserver bench-check \
+        chaos fuzz clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -86,7 +87,7 @@ dev-down: install ## stop everything dev-up started
 demo: install control-plane-bins ## the main job: a heterogeneous emulated cluster running a mixed workload
 	$(BIN)/python -m hack.demo
 
-bench-placement: install ## placement quality and decision speed (no cluster); .dev/bench/placement.json
+bench-placement: install ## placement quality, decision speed, preemption, allocator-model scenarios (no cluster); .dev/bench/placement*.json
 	$(BIN)/python -m bench.placement
 
 bench-agent-leases: install ## the allocator's CPU for watching node-agent Leases (no cluster)
@@ -95,13 +96,20 @@ bench-agent-leases: install ## the allocator's CPU for watching node-agent Lease
 bench-autoscale: install kube-bins ## Karpenter: nodes created for a MIG burst vs the minimum, and scale-down
 	$(BIN)/python -m bench.autoscale
 
-bench-latency: install kube-bins ## time-to-slice and throughput on the local control plane
+bench-latency: install kube-bins ## time-to-slice, throughput, scale and the contract chain's floor on the local control plane
 	$(BIN)/python -m bench.latency --report .dev/bench
 	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
 
 bench-memory: install ## the allocator's memory: 30 000 real-sized pods, 1000-5000 nodes x 8 GPUs (`memory`, `fleet_memory`)
 	$(BIN)/python -m bench.pod_cache --out .dev/bench/latency.json
 	$(BIN)/python -m bench.fleet_memory --out .dev/bench/latency.json
+
+bench-apiserver: install kube-bins ## the API server's CPU per request InstaSlice makes, and the pod policy's share; .dev/bench/apiserver.json
+	@mkdir -p .dev/bench
+	$(BIN)/python -m bench.apiserver_cost --policies shipped unbound --out .dev/bench/apiserver.json
+
+bench-check: install ## the benchmarks' key figures in .dev/bench/ against bench/expected.yaml (a benchmark, not a test)
+	$(BIN)/python -m bench.check
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)

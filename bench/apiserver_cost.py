@@ -1,8 +1,8 @@
 """The API server's own CPU per request, for each request InstaSlice makes per pod (issue 25).
 
 In a 1000-pod burst the kube-apiserver takes about half of all CPU, and its profile put
-custom-resource status writes first (docs/benchmarks.md, "CPU per pod in our processes").
-This measures, per request kind, the CPU seconds the kube-apiserver process spent
+custom-resource status writes first (docs/benchmarks-history.md, "CPU per pod in our
+processes"). This measures, per request kind, the CPU seconds the kube-apiserver process spent
 (`utime + stime` in /proc/<pid>/stat, before and after a block of requests, less its idle
 rate over the block's wall time), on a bare control plane (hack/cluster: etcd, API server,
 scheduler, controller manager; no KWOK nodes, no InstaSlice processes) with InstaSlice's
@@ -46,8 +46,9 @@ per-block numbers above.
     python -m bench.apiserver_cost --requests 200 --rounds 4 --out FILE
 
 Rounds rotate the order of the kinds so the machine's drift touches all alike; the result
-is the median over rounds of CPU ms per request (and min/max). A tool for finding where the
-API server's time goes, not part of `make bench-latency`.
+is the median over rounds of CPU ms per request (and min/max). `make bench-apiserver` runs
+it with `--policies shipped unbound` into `.dev/bench/apiserver.json` (`make bench-check`
+reads it); `--pprof` needs Go's `go tool pprof`.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ def creating() -> Obj:
 
 
 def ready(i: int) -> Obj:
-    """`Ready` as `nodeagent.lifecycle` sends it (bench.status_write builds the same)."""
+    """`Ready` as `nodeagent.lifecycle` sends it."""
     now = "2026-12-02T00:00:00Z"
     conds = [
         condition("Ready", True, "SlicesCreated", f"main: MIG-{i}", now),
@@ -285,7 +286,7 @@ def mig_node_statuses() -> tuple[Obj, Obj]:
     from nodeagent.checkpoint import Checkpoint
     from nodeagent.model import NodeInventory
     from nodeagent.report import mig_node_status
-    from tests.unit.test_nodeagent_builders import gpu
+    from testkit.builders import gpu
 
     inv = NodeInventory(
         gpus=tuple(

@@ -68,7 +68,7 @@ class _Objects:
         from nodeagent.checkpoint import Checkpoint
         from nodeagent.model import NodeInventory
         from nodeagent.report import capacity, gpu_labels, mig_node_status
-        from tests.unit.test_nodeagent_builders import gpu
+        from testkit.builders import gpu
 
         inv = NodeInventory(gpus=tuple(gpu(k, _uuid(0, k), model=MODEL) for k in range(GPUS)))
         status = mig_node_status(inv, {}, Checkpoint("n", "b", {}), [], version="v", boot_id="b")

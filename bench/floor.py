@@ -15,7 +15,7 @@ NVML, the decision and the agent's local work all at zero. The static pod's crea
 Running is measured in the same rounds, so the best InstaSlice / static ratio this machine
 allows is the floor / static.
 
-    python -m bench.floor --rounds 40 --out FILE
+    python -m bench.latency --scenarios floor [--set floor_rounds=40]
 
 What each link is (client-side times, ms, from sending to the watch event or answer):
 - `static`: a pod asking pre-sliced `nvidia.com/mig-*` capacity, created → Running;
@@ -33,23 +33,23 @@ What each link is (client-side times, ms, from sending to the watch event or ans
 - `ungate_put`, `ungate_patch`: a gated pod pinned to a node and ungated in one PUT (the
   allocator's write) / in one merge patch → Running (scheduler, binding, KWOK included).
 
-A tool for knowing how far from the floor the path is, not part of `make bench-latency`.
+A scenario of `bench.latency` (`floor`, part of `make bench-latency`): its entry
+`scenarios.floor` holds each link's p50/p90 and `chain`, the floor and its ratio to static.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import copy
 import json
+import math
 import ssl
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,9 +57,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from bench import latency as bl
-from bench import latency_probe as probe
-from bench.latency_track import load
+from bench import latency_fleet as bl
+from bench.latency_track import latency_delta
 from common.constants import CLAIM_ANNOTATION
 from common.kubeapi import ApiError, Informer, Kube, core_path, group_path, instaslice_path
 from hack.dev import MANIFESTS
@@ -425,7 +424,7 @@ async def setup(fleet: bl.Fleet, url: str) -> None:
     )
     await kube.create(group_path("apiextensions.k8s.io/v1", "customresourcedefinitions"), CRD)
     for ns in (PLAIN_NS, NOOP_NS):
-        await bl._service_account(kube, ns)
+        await bl.service_account(kube, ns)
     for _ in range(300):  # the CRD established and the webhook registered
         try:
             await kube.list(group_path(f"{CRD_GROUP}/v1", CRD_PLURAL, PLAIN_NS))
@@ -478,11 +477,10 @@ async def run(fleet: bl.Fleet, out: Obj, rounds: int, warmup: int) -> None:
         res: Obj = {}
         hook_port = fleet.system.webhook_port
         peers_before = peers(hook_port)
-        scraped = {**await probe.scrape(fleet), **await probe.scrape_webhook(fleet)}
+        scraped = await fleet.scrape()
         await fleet.measured(res, rounds, _rounds(f, rounds))
         peers_after = peers(hook_port)
-        after = {**await probe.scrape(fleet), **await probe.scrape_webhook(fleet)}
-        res["apiserver_latency"] = probe.latency_delta(scraped, after)
+        res["apiserver_latency"] = latency_delta(scraped, await fleet.scrape())
         f.times["noop_handler"] = [s * 1e3 for s in noop.handler_s]
         p = {k: p50(v) for k, v in f.times.items()}
         out.update(
@@ -528,28 +526,10 @@ def _q(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--nodes", type=int, default=10)
-    ap.add_argument("--dir", type=Path, default=Path(".dev/bench/floor-run"))
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    out: Obj = {"load_start": load()}
-
-    async def body(fleet: bl.Fleet, rec: Obj) -> None:
-        await run(fleet, out, args.rounds, args.warmup)
-
-    t0 = time.monotonic()
-    bl.with_fleet(args.dir, args.nodes, 3.0, body, print, static=True)
-    out.update(load_end=load(), wall_s=round(time.monotonic() - t0, 1))
-    print(json.dumps(out, indent=1))
-    if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def line(out: Obj) -> str:
+    """One log line: the floor, static, and their ratio."""
+    c = out.get("chain") or {}
+    return (
+        f"floor {c.get('floor_ms', math.nan):.1f} ms, static {c.get('static_ms', math.nan):.1f} "
+        f"ms, ratio {c.get('floor_ratio', math.nan):.2f} ({out.get('rounds', 0)} rounds)"
+    )

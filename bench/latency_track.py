@@ -9,7 +9,9 @@ watches from the benchmark process, so they include watch delivery (milliseconds
 
 `ProcSampler` reads /proc for CPU seconds (utime+stime) and peak RSS (VmHWM) of the
 components; `load()` is the machine's load average, recorded because the machine is shared.
-Nothing here starts or stops anything.
+`api_writes`, `request_seconds`, `admission_seconds` and `latency_delta` read the API
+server's /metrics: writes by kind, and the mean latency per request kind and admission step
+between two scrapes. Nothing here starts or stops anything.
 """
 
 from __future__ import annotations
@@ -302,6 +304,80 @@ def writes_summary(before: Counter[str], after: Counter[str], pods: int, wall: f
         "writes_per_s": r3(total / wall) if wall > 0 else math.nan,
         "by_kind": dict(delta.most_common(12)),
     }
+
+
+# mean latency per request kind and admission step, from the API server's histograms
+
+_DURATION = re.compile(r"^(apiserver_request_duration_seconds)_(sum|count)\{([^}]*)\} (\S+)$")
+# the API server's admission, by webhook and by step (admit = mutating, validate), and the
+# webhook's own handler time as it measures it (instaslice_webhook_review_seconds)
+_ADMISSION = re.compile(
+    r"^(apiserver_admission_webhook_admission_duration_seconds|"
+    r"apiserver_admission_step_admission_duration_seconds|"
+    r"instaslice_webhook_review_seconds)_(sum|count)\{([^}]*)\} (\S+)$"
+)
+Sums = dict[str, tuple[float, float]]
+
+
+def _sums(
+    metrics_text: str, line_re: re.Pattern[str], key: Callable[[str, dict[str, str]], str | None]
+) -> Sums:
+    """`key(metric, labels)` → (seconds in total, count) of the histograms `line_re` matches;
+    lines whose key is None are left out."""
+    out: Sums = {}
+    for line in metrics_text.splitlines():
+        m = line_re.match(line)
+        if not m or (k := key(m.group(1), dict(_LABEL.findall(m.group(3))))) is None:
+            continue
+        total, count = out.get(k, (0.0, 0.0))
+        if m.group(2) == "sum":
+            total += float(m.group(4))
+        else:
+            count += float(m.group(4))
+        out[k] = (total, count)
+    return out
+
+
+def _request_key(metric: str, labels: dict[str, str]) -> str | None:
+    if labels.get("verb") in ("WATCH", "CONNECT"):
+        return None
+    key = f"{labels.get('verb')} {labels.get('resource')}"
+    return key + "/" + labels["subresource"] if labels.get("subresource") else key
+
+
+def _admission_key(metric: str, labels: dict[str, str]) -> str | None:
+    if labels.get("operation", "CREATE") != "CREATE":
+        return None
+    if metric.startswith("instaslice"):
+        return "handler"
+    if "webhook" in metric:
+        return f"webhook {labels.get('name')}"
+    return f"step {labels.get('type')}"
+
+
+def request_seconds(metrics_text: str) -> Sums:
+    """`VERB resource[/subresource]` → (seconds in total, requests), watches left out."""
+    return _sums(metrics_text, _DURATION, _request_key)
+
+
+def admission_seconds(metrics_text: str) -> Sums:
+    """`webhook NAME` / `step TYPE` / `handler` → (seconds in total, calls), pod CREATEs."""
+    return _sums(metrics_text, _ADMISSION, _admission_key)
+
+
+def latency_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Per request kind between two scrapes: how many, and their mean latency in ms."""
+    res: dict[str, dict[str, float]] = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        if count > c0:
+            res[key] = {
+                "n": int(count - c0),
+                "mean_ms": round((total - t0) / (count - c0) * 1e3, 2),
+            }
+    return dict(sorted(res.items(), key=lambda kv: -kv[1]["n"]))
 
 
 # ---- processes -----------------------------------------------------------------------------

@@ -19,7 +19,10 @@ occupancy, as the allocator calls it (snapshot updated between calls, caches war
 
 Then the priority traces of bench/preemption.py: how long a high-priority 4g/7g waits on a
 full fleet with and without preemption, and the victims chosen against a brute force
-(`.dev/bench/preemption.json`).
+(`.dev/bench/preemption.json`); then the allocator-model scenarios of
+bench/placement_scenarios.py (`--scenarios`: `--avoid-creates-in-flight`'s cost, Karpenter
+placeholders' keep-off list, the churn's create tail on a model of the NVML lanes;
+`.dev/bench/placement-scenarios.json`).
 
 Prints a table, writes `.dev/bench/placement.json` and `.dev/bench/placement.png`, and
 dumps every trace to `.dev/bench/traces/` so `instaslice-place` can replay it. `--quick`
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import preemption
+from bench import placement_scenarios, preemption
 from common.catalog import GpuModel, load_catalog
 from common.heap import settle_collector
 from common.placement.engine import clear_caches
@@ -771,7 +774,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fleet sizes (x 8 GPUs) of the decision-speed measurement, comma-separated "
         "(default %(default)s)",
     )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(placement_scenarios.SCENARIOS),
+        help="allocator-model scenarios after the traces, comma-separated, '' for none "
+        "(default %(default)s; bench/placement_scenarios.py)",
+    )
     args = parser.parse_args(argv)
+    scenarios = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    if unknown := [n for n in scenarios if n not in placement_scenarios.SCENARIOS]:
+        parser.error(
+            f"--scenarios: unknown {unknown}; known: {', '.join(placement_scenarios.SCENARIOS)}"
+        )
     try:
         timing_nodes = [int(n) for n in args.timing_nodes.split(",") if n.strip()]
     except ValueError:
@@ -792,6 +806,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     preempt = preemption.run(args.quick)  # priority traces (bench/preemption.py)
     (args.out / "preemption.json").write_text(json.dumps(preempt, indent=1) + "\n")
     print(preemption.table(preempt))
+    if scenarios:
+        extra = placement_scenarios.run(scenarios, args.quick)
+        (args.out / "placement-scenarios.json").write_text(json.dumps(extra, indent=1) + "\n")
+        print(placement_scenarios.table(extra))
     print(
         f"wrote {args.out / 'placement.json'}, {args.out / 'placement.png'} and "
         f"{args.out / 'traces'}/ in {time.perf_counter() - started:.0f} s"

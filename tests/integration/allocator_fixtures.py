@@ -1,10 +1,8 @@
 """Builders and an emulated node agent for the allocator's tests.
 
-Builders (`make_pod`, `make_node`, `make_mig_node`, `make_allocation`) return plain wire
-JSON, as the webhook and the node agent would have written it: a pod already rewritten by
-admission (`instaslice.io/mig-*` limits and requests, the gate, a claim), a KWOK node with
-the agent's fixed `instaslice.io/mig-*` capacity, a MigNode describing catalog GPUs. The
-unit tests use them without a cluster.
+Builders (`make_pod`, `make_node`, `make_mig_node`, `make_allocation`) live in
+testkit/builders.py, shared with bench/, and are re-exported here for the allocator's test
+modules; the unit tests use them without a cluster.
 
 `FakeAgent` plays the node agents' part against the real API server, which is all the
 allocator sees of them: it marks each new SliceAllocation Ready with fake MIG UUIDs (or
@@ -30,255 +28,28 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from common.allocation import build_allocation
-from common.catalog import load_catalog
 from common.clock import cancel_until_done
 from common.constants import (
-    API_VERSION,
-    CLAIM_ANNOTATION,
     ENABLED_KEY,
-    GATE_NAME,
-    INSTASLICE_GPU,
-    MIG_NODE_KIND,
     MIG_NODE_PLURAL,
     RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
-    WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
-from common.objects import Phase, SliceSpec, new_claim_id
-from common.profiles import instaslice_resource
+from common.objects import Phase
 from hack.cluster import ControlPlane
+from testkit.builders import GpuSpec as GpuSpec
+from testkit.builders import gpu_uuid as gpu_uuid
+from testkit.builders import make_allocation as make_allocation
+from testkit.builders import make_mig_node as make_mig_node
+from testkit.builders import make_node as make_node
+from testkit.builders import make_pod as make_pod
+from testkit.builders import mig_capacity as mig_capacity
 from tests.support import avoid_creates_in_flight
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
 from webhook.allocator.metrics import AllocatorMetrics
-
-KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
-_uids = itertools.count(1)
-
-SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
-
-
-# --- builders -----------------------------------------------------------------------------
-
-
-def _container(name: str, asks: Mapping[str, int], cpu: str | None, memory: str | None) -> Obj:
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    for profile, count in asks.items():
-        res = INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
-        requests[res] = str(count)
-        limits[res] = str(count)
-    if cpu is not None:
-        requests["cpu"] = cpu
-    if memory is not None:
-        requests["memory"] = memory
-    resources: Obj = {}
-    if requests:
-        resources["requests"] = requests
-    if limits:
-        resources["limits"] = limits
-    return {"name": name, "image": "registry.k8s.io/pause:3.10", "resources": resources}
-
-
-def make_pod(
-    name: str,
-    *,
-    namespace: str = "ns",
-    slices: SliceAsks | None = None,
-    cpu: str | None = "100m",
-    memory: str | None = "64Mi",
-    init: Sequence[tuple[str, Mapping[str, int], str | None, str | None]] = (),
-    sidecars: Sequence[tuple[str, Mapping[str, int], str | None, str | None]] = (),
-    gates: Sequence[str] = (GATE_NAME,),
-    claim: str | None = "auto",
-    priority: int | None = None,
-    created: str | None = None,
-    uid: str | None = None,
-    node_name: str | None = None,
-    node_selector: Mapping[str, str] | None = None,
-    required_terms: list[Obj] | None = None,
-    tolerations: list[Obj] | None = None,
-    overhead: Mapping[str, str] | None = None,
-    phase: str | None = None,
-    owner: Obj | None = None,
-    labels: Mapping[str, str] | None = None,
-) -> Obj:
-    """A pod as admission leaves it. `slices` defaults to one 1g.10gb for container `main`;
-    `init` lists (name, slices, cpu, memory) init containers, `sidecars` the same for init
-    containers with `restartPolicy: Always` (after `init`; only those may ask for slices,
-    docs/contract.md §1); `uid`, `created` and `phase` are for unit tests (the API server
-    sets them)."""
-    asks = {"main": {"1g.10gb": 1}} if slices is None else slices
-    containers = [_container(c, a, cpu, memory) for c, a in asks.items()] or [
-        _container("main", {}, cpu, memory)
-    ]
-    meta: Obj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
-    if claim is not None:
-        meta["annotations"] = {CLAIM_ANNOTATION: new_claim_id() if claim == "auto" else claim}
-    if uid is not None or created is not None:
-        meta["uid"] = uid or f"uid-{next(_uids)}"
-        meta["creationTimestamp"] = created or "2026-01-01T00:00:00Z"
-    if owner is not None:
-        meta["ownerReferences"] = [owner]
-    spec: Obj = {"containers": containers, "terminationGracePeriodSeconds": 0}
-    if init or sidecars:
-        spec["initContainers"] = [_container(n, a, c, m) for n, a, c, m in init] + [
-            {**_container(n, a, c, m), "restartPolicy": "Always"} for n, a, c, m in sidecars
-        ]
-    if gates:
-        spec["schedulingGates"] = [{"name": g} for g in gates]
-    if priority is not None:
-        spec["priority"] = priority
-    if node_name:
-        spec["nodeName"] = node_name
-    if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
-    if required_terms is not None:
-        spec["affinity"] = {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": required_terms
-                }
-            }
-        }
-    if tolerations:
-        spec["tolerations"] = tolerations
-    if overhead:
-        spec["overhead"] = dict(overhead)
-    pod: Obj = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
-    if phase is not None:
-        pod["status"] = {"phase": phase}
-    return pod
-
-
-def mig_capacity(model: str, gpus: int) -> dict[str, str]:
-    """The agent's fixed upper bound: each profile's maxCount times the GPU count."""
-    m = load_catalog().model(model)
-    assert m is not None, model
-    return {instaslice_resource(p.name): str(p.max_count * gpus) for p in m.profiles}
-
-
-def make_node(
-    name: str,
-    *,
-    cpu: str = "8",
-    memory: str = "32Gi",
-    pods: int = 110,
-    labels: Mapping[str, str] | None = None,
-    taints: list[Obj] | None = None,
-    unschedulable: bool = False,
-    model: str | None = "H100-80GB",
-    gpus: int = 1,
-) -> Obj:
-    """A KWOK node; with `model`, advertising that model's MIG capacity for `gpus` GPUs."""
-    resources = {"cpu": cpu, "memory": memory, "pods": str(pods)}
-    if model is not None:
-        resources.update(mig_capacity(model, gpus))
-    spec: Obj = {}
-    if taints:
-        spec["taints"] = taints
-    if unschedulable:
-        spec["unschedulable"] = True
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            # a label value has at most 63 characters, a node name up to 253
-            "labels": {
-                "type": "kwok",
-                "kubernetes.io/hostname": name[:63].rstrip("-."),
-                **(labels or {}),
-            },
-            "annotations": dict(KWOK_ANNOTATION),
-        },
-        "spec": spec,
-        "status": {"capacity": dict(resources), "allocatable": dict(resources)},
-    }
-
-
-@dataclass
-class GpuSpec:
-    model: str = "H100-80GB"
-    healthy: bool = True
-    mig: bool = True
-    slices: list[Obj] = field(default_factory=list)  # {profile, start, size, migUUID, claim?}
-
-
-def gpu_uuid(node: str, index: int) -> str:
-    return f"GPU-{node}-{index}"
-
-
-def make_mig_node(node: str, gpus: Iterable[GpuSpec | str] = ("H100-80GB",)) -> Obj:
-    out = []
-    for i, g in enumerate(gpus):
-        spec = GpuSpec(model=g) if isinstance(g, str) else g
-        model = load_catalog().model(spec.model)
-        assert model is not None, spec.model
-        mode = "enabled" if spec.mig else "disabled"
-        out.append(
-            {
-                "index": i,
-                "uuid": gpu_uuid(node, i),
-                "model": spec.model,
-                "migMode": {"current": mode, "pending": mode},
-                "healthy": spec.healthy,
-                "profiles": [
-                    {
-                        "name": p.name,
-                        "id": p.id,
-                        "memoryMiB": p.memory_mib,
-                        "multiprocessors": p.multiprocessors,
-                        "maxCount": p.max_count,
-                        "placements": [{"start": s, "size": p.memory_slots} for s in p.starts],
-                    }
-                    for p in model.profiles
-                ],
-                "slices": list(spec.slices),
-            }
-        )
-    return {
-        "apiVersion": API_VERSION,
-        "kind": MIG_NODE_KIND,
-        "metadata": {"name": node},
-        "status": {"gpuCount": len(out), "gpus": out},
-    }
-
-
-def make_allocation(
-    pod: Obj,
-    node: str,
-    slices: Sequence[tuple[str, str, int, int, int]],
-    *,
-    phase: Phase = Phase.PENDING,
-    deleting: bool = False,
-    uid: str | None = None,
-) -> Obj:
-    """`slices`: (container, profile, gpu index, start, size) on `node`'s GPUs."""
-    specs: list[SliceSpec] = [
-        {
-            "container": c,
-            "profile": p,
-            "gpuUUID": gpu_uuid(node, g),
-            "gpuIndex": g,
-            "start": s,
-            "size": n,
-        }
-        for c, p, g, s, n in slices
-    ]
-    claim = pod["metadata"]["annotations"][CLAIM_ANNOTATION]
-    obj = build_allocation(
-        namespace=pod["metadata"]["namespace"], claim=claim, pod=pod, node=node, slices=specs
-    )
-    obj["metadata"]["uid"] = uid or f"alloc-{next(_uids)}"
-    obj["status"] = {"phase": phase.value}
-    if deleting:
-        obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return obj
-
 
 # --- time that only moves when a test says so ------------------------------------------------
 

@@ -10,7 +10,8 @@ busy GPU and only places where today's placement could; a pod today's placement 
 always placed; the setting off changes no decision. The flag (default, value, bad
 values refused naming it). Leaves out the API server
 (tests/integration/test_allocator.py::test_a_second_pod_avoids_a_gpu_busy_making_a_slice)
-and the timing trade (bench/churn_sim.py, docs/benchmarks.md).
+and the timing trade (the `lanes` and `inflight` scenarios of bench/placement_scenarios.py,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from bench.inflight_cost import quiet_placer
 from common.objects import Phase
 from common.placement import Pending, Placement, Policy, Snapshot, engine
+from testkit.builders import quiet_placer
 from tests.integration.allocator_fixtures import (
     gpu_uuid,
     make_allocation,

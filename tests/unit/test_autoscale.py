@@ -61,6 +61,7 @@ from hack.cluster.nodes import SpecError, parse_spec
 from nodeagent.modechange import ModeChanger
 from nodeagent.model import NodeInventory
 from nodeagent.report import capacity
+from testkit.builders import gpu
 from tests.integration.allocator_fixtures import (
     FakeClock,
     make_allocation,
@@ -69,7 +70,6 @@ from tests.integration.allocator_fixtures import (
     make_pod,
 )
 from tests.integration.allocator_fixtures import mig_capacity as agent_capacity
-from tests.unit.test_nodeagent_builders import gpu
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     CAPACITY_REASONS,

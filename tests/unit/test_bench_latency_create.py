@@ -1,4 +1,4 @@
-"""bench.latency's pod create under a loaded API server: a retry that finds the pod already
+"""bench.latency_fleet's pod create under a loaded API server: a retry that finds the pod already
 there (its first attempt landed, the answer was lost to a timeout) is success; a name that
 was taken before the first attempt is still an error. A fake client, nothing else."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.latency import create_pod
+from bench.latency_fleet import create_pod
 from common.kubeapi import ApiError
 
 
@@ -34,7 +34,7 @@ async def _no_sleep(_s: float) -> None:
 
 @pytest.fixture(autouse=True)
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("bench.latency.asyncio.sleep", _no_sleep)
+    monkeypatch.setattr("bench.latency_fleet.asyncio.sleep", _no_sleep)
 
 
 async def test_a_retry_finding_the_pod_created_by_a_lost_attempt_is_success() -> None:

@@ -1,11 +1,20 @@
-"""bench.latency_track: where a burst's pods wait over time (`occupancy`, `peaks`) and the
-machine's busy CPU seconds. Pure: a Tracker filled by hand."""
+"""bench.latency_track: where a burst's pods wait over time (`occupancy`, `peaks`), the
+machine's busy CPU seconds, and the API server's /metrics read per request kind. Pure: a
+Tracker filled by hand, a /metrics text written here."""
 
 from __future__ import annotations
 
 import math
 
-from bench.latency_track import PodTimes, Tracker, machine_busy_s, occupancy, peaks
+from bench.latency_track import (
+    PodTimes,
+    Tracker,
+    latency_delta,
+    machine_busy_s,
+    occupancy,
+    peaks,
+    request_seconds,
+)
 
 
 def _tracker(**pods: PodTimes) -> Tracker:
@@ -79,3 +88,35 @@ async def test_the_scheduler_binding_is_seen_once_from_the_pod_watch() -> None:
     await tr.on_pod("MODIFIED", bound_running)
     seen = tr.pods["p"]
     assert (seen.bound, seen.running) == (2.0, 3.0)
+
+
+_PUT = 'resource="pods",subresource="",verb="PUT"'
+_MIG = 'resource="mignodes",subresource="status",verb="PATCH"'
+_WATCH = 'resource="pods",subresource="",verb="WATCH"'
+_NAME = "apiserver_request_duration_seconds"
+METRICS = "\n".join(
+    [
+        f"# HELP {_NAME} x",
+        f'{_NAME}_sum{{component="apiserver",{_PUT}}} 1.5',
+        f'{_NAME}_count{{component="apiserver",{_PUT}}} 10',
+        f'{_NAME}_sum{{component="apiserver",{_MIG}}} 4',
+        f'{_NAME}_count{{component="apiserver",{_MIG}}} 20',
+        f'{_NAME}_sum{{component="apiserver",{_WATCH}}} 900',
+        f'{_NAME}_count{{component="apiserver",{_WATCH}}} 3',
+        f'{_NAME}_bucket{{component="apiserver",le="0.1",{_PUT}}} 7',
+    ]
+)
+
+
+def test_request_seconds_by_kind_without_watches() -> None:
+    got = request_seconds(METRICS)
+    assert got == {"PUT pods": (1.5, 10.0), "PATCH mignodes/status": (4.0, 20.0)}
+
+
+def test_latency_delta_is_the_mean_of_the_requests_between_two_scrapes() -> None:
+    before = {"PUT pods": (1.5, 10.0), "PATCH mignodes/status": (4.0, 20.0)}
+    after = {"PUT pods": (2.0, 15.0), "PATCH mignodes/status": (4.0, 20.0), "POST pods": (0.3, 3.0)}
+    assert latency_delta(before, after) == {
+        "PUT pods": {"n": 5, "mean_ms": 100.0},
+        "POST pods": {"n": 3, "mean_ms": 100.0},
+    }

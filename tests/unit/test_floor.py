@@ -1,12 +1,21 @@
-"""bench.floor's arithmetic and its watch helper, bench.latency_probe's admission metrics.
+"""bench.floor's arithmetic and its watch helper, bench.latency_track's admission metrics,
+and the floor's place among bench.latency's scenarios.
 
-The floor's links are measured against a control plane (`python -m bench.floor`); here only
-what turns them into the chain's floor, and the reading of /metrics, are checked."""
+The floor's links are measured against a control plane (`python -m bench.latency --scenarios
+floor`); here only what turns them into the chain's floor, the reading of /metrics, and how
+bench.latency runs the scenario (a stand-in fleet) are checked."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import floor, latency
 from bench.floor import LINKS, Seen, added, chain, phase_is, pin_patch
-from bench.latency_probe import admission_seconds
+from bench.latency_track import admission_seconds
 
 _HOOK = "apiserver_admission_webhook_admission_duration_seconds"
 _STEP = "apiserver_admission_step_admission_duration_seconds"
@@ -66,3 +75,34 @@ async def test_seen_completes_each_wait_once_on_the_first_matching_event() -> No
     await seen.on_event("MODIFIED", {"metadata": {"name": "a"}, "status": {"phase": "Creating"}})
     assert (await first, await creating) == (2.0, 3.0)
     assert seen.waiting == []
+
+
+def test_the_floor_is_a_scenario_of_bench_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m bench.latency --scenarios floor`: once, at emulated latency 0, on the
+    sequential scenario's fleet with the static baseline's capacity (its `static` link needs
+    it, even with --no-static), its result under `scenarios.floor`. No cluster: the fleet
+    and the floor's rounds are stand-ins."""
+    seen: dict[str, Any] = {}
+
+    class Fleet:
+        def set_latency(self, create_ms: int, destroy_ms: int) -> None:
+            seen["latency"] = (create_ms, destroy_ms)
+
+    async def rounds(fleet: Any, out: dict[str, Any], rounds: int, warmup: int) -> None:
+        seen["rounds"] = (rounds, warmup)
+        out["chain"] = {"floor_ms": 60.0, "static_ms": 32.0, "floor_ratio": 1.88}
+
+    def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any,
+                   *, static: bool = False, webhook_args: Any = ()) -> dict[str, Any]:  # fmt: skip
+        seen["nodes"], seen["static"] = nodes, static
+        asyncio.run(body(Fleet(), {}))
+        return {"nodes": nodes}
+
+    monkeypatch.setattr(latency, "with_fleet", with_fleet)
+    monkeypatch.setattr(floor, "run", rounds)
+    monkeypatch.setattr(latency, "machine", dict)
+    bench = latency.Bench(latency.Plan(), Path("unused"), ("floor",), static=False, quiet=True)
+    doc = bench.run()
+    assert doc["scenarios"] == {"floor": {"chain": {"floor_ms": 60.0, "static_ms": 32.0,
+                                                     "floor_ratio": 1.88}}}  # fmt: skip
+    assert seen == {"nodes": 10, "static": True, "latency": (0, 0), "rounds": (40, 3)}

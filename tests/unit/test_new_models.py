@@ -41,7 +41,7 @@ from nodeagent.discover import discover
 from nodeagent.emulator import EmulatedNvml, EmulatorControl, provision
 from nodeagent.model import Health
 from nodeagent.report import gpu_status
-from tests.unit import test_nodeagent_builders as builders
+from testkit import builders
 from webhook.admission import Denied, review
 from webhook.offered import OfferedProfiles
 from webhook.settings import AdmissionSettings

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from nodeagent.lane import FIRST, NEXT, Lane
 from nodeagent.lifecycle import wait_for_releases
 from nodeagent.state import AgentNode
-from tests.unit.test_nodeagent_builders import G0
+from testkit.builders import G0
 from tests.unit.test_nodeagent_reconcile import rec, srec
 from tests.unit.test_nodeagent_shared_pool import Probe, gpus
 

@@ -78,7 +78,7 @@ def test_discovery_matches_the_catalog(session: NvmlSession) -> None:
 def test_catalog_diff_names_each_disagreement() -> None:
     model = load_catalog().model("H200-141GB")
     assert model is not None
-    from tests.unit.test_nodeagent_builders import G0, gpu
+    from testkit.builders import G0, gpu
 
     profiles = list(gpu(0, G0).profiles)
     p1g = profiles[0]

@@ -29,7 +29,7 @@ from nodeagent.reconcile import (
     plan,
     vanished_claims,
 )
-from tests.unit.test_nodeagent_builders import G0, G1, gpu
+from testkit.builders import G0, G1, gpu
 
 INV = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))
 
