@@ -31,13 +31,8 @@ from common.clock import cancel_until_done
 from common.kubeapi import Kube
 from common.objects import Phase
 from common.placement import preempt
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import make_allocation, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector
 from webhook.allocator.metrics import AllocatorMetrics

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import heapq
-import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +42,8 @@ from testkit.builders import make_mig_node as make_mig_node
 from testkit.builders import make_node as make_node
 from testkit.builders import make_pod as make_pod
 from testkit.builders import mig_capacity as mig_capacity
+from testkit.clock import FakeClock as FakeClock
+from testkit.clock import settle as settle
 from tests.support import avoid_creates_in_flight
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
@@ -52,46 +51,6 @@ from webhook.allocator.controller import Controller
 from webhook.allocator.metrics import AllocatorMetrics
 
 # --- time that only moves when a test says so ------------------------------------------------
-
-
-class FakeClock:
-    """The allocator's `Clock` for tests: monotonic time moves only in `advance`, which
-    wakes every `sleep` that falls due, in order."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def wall(self) -> dt.datetime:
-        return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=self.t)
-
-    async def sleep(self, seconds: float) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self.t + seconds, next(self._seq), fut))
-        await fut
-
-    async def advance(self, seconds: float) -> None:
-        target = self.t + seconds
-        while True:
-            await settle()
-            if not self._sleepers or self._sleepers[0][0] > target:
-                break
-            deadline, _, fut = heapq.heappop(self._sleepers)
-            self.t = max(self.t, deadline)
-            if not fut.done():
-                fut.set_result(None)
-        self.t = target
-        await settle()
-
-
-async def settle() -> None:
-    """Let every ready task run until it waits on something (a few loop turns)."""
-    for _ in range(20):
-        await asyncio.sleep(0)
 
 
 # --- waiting on the API server (watches, not polling) --------------------------------------
