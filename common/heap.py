@@ -15,7 +15,7 @@ def settle_collector() -> None:
     as long as the process, yet every full collection walked all of them again: at 5000
     nodes about a million objects, 180 to 800 ms of CPU inside one placement decision. And a
     young collection every 700 allocations ran during one decision in ten, which made the
-    decision p99 (docs/benchmarks.md, "The collector"). Frozen objects are still freed by
+    decision p99 (docs/benchmarks-history.md, "The collector"). Frozen objects are still freed by
     reference counting when a cache drops them; only a cycle among them would outlive its
     use, and the caches hold none.
     """

@@ -106,7 +106,7 @@ class Kube:
         self._api = api
         # kubernetes_asyncio opens its aiohttp session with trust_env=True, so aiohttp looks
         # for a ~/.netrc password before every request, in a worker thread: one thread hop
-        # per API call (6 % of the allocator's CPU in a 1000-pod burst, docs/benchmarks.md).
+        # per API call (6 % of the allocator's CPU in a 1000-pod burst, docs/benchmarks-history.md).
         # Credentials come only from the kubeconfig or service account here; a proxy only
         # from the kubeconfig's proxy-url (HTTP(S)_PROXY variables are not consulted).
         harden(api)
@@ -159,13 +159,13 @@ class Kube:
         `request_timeout` bounds connecting and each wait for the server's bytes, not the
         wait for a free pooled connection: in a burst hundreds of requests queue for the
         pool, and a total deadline timed them out there and had them retried, a storm that
-        kept 1000 emulated nodes from publishing for minutes (docs/benchmarks.md).
+        kept 1000 emulated nodes from publishing for minutes (docs/benchmarks-history.md).
 
         The request goes straight to kubernetes_asyncio's aiohttp session, past its
         `ApiClient.call_api`: that walks every body (`sanitize_for_serialization`, for its
         generated models, which nothing here uses) and the headers and query before sending,
         and was 12-15 % of the node agent's Python time in a 1000-pod burst, most of it on
-        MigNode status bodies (docs/benchmarks.md). Its auth layer is kept (the bearer token
+        MigNode status bodies (docs/benchmarks-history.md). Its auth layer is kept (the bearer token
         and its refresh hook); the body goes out as compact JSON (`encode`).
         """
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
@@ -326,7 +326,7 @@ class Kube:
 # In a 1000-pod burst the node agent's and the allocator's request rates pause for longer
 # than 15 s between waves: each pause closed the pool, and the next wave opened ~60 new TLS
 # connections, each a handshake (12 % of the agent's event-loop time in a burst's first 30 s,
-# docs/benchmarks.md). Below kube-apiserver's own idle timeout (90 s, its http.Server
+# docs/benchmarks-history.md). Below kube-apiserver's own idle timeout (90 s, its http.Server
 # IdleTimeout), so the client, not the server, ends an idle connection.
 KEEPALIVE_S = 60.0
 

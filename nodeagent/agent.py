@@ -367,7 +367,7 @@ class NodeAgent:
                 log.warning("garbage collection failed", node=self.node, error=str(exc))
             # jittered: agents that started together (one process serving 500 emulated nodes,
             # or a fleet after a rollout) must not all rescan NVML in the same second; in
-            # lockstep the scans stalled creates for ~5 s (churn p99, docs/benchmarks.md)
+            # lockstep the scans stalled creates for ~5 s (churn p99, docs/benchmarks-history.md)
             await asyncio.sleep(self.settings.gc_period_s * random.uniform(0.75, 1.25))
 
     async def gc(self) -> None:

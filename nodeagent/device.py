@@ -5,12 +5,13 @@ GPU (`call_gpu`) run one at a time and in order, a create's (`call_gpu_first`) a
 rest (nodeagent/lane.py); calls on different GPUs run in parallel, as
 NVML allows (it is thread-safe): with a node's calls in series, a 1000-pod burst at 600 ms
 per slice (56 pods per packed node) spent 38 s at p50 in the agent, 12.5 s with the GPUs in
-parallel (docs/benchmarks.md). A whole-node call (`call`: inventory, open, close) runs alone. The
+parallel (docs/benchmarks-history.md). A whole-node call (`call`: inventory, open, close)
+runs alone. The
 order holds even when a caller is cancelled: its call may still be running in its thread,
 and the next call on that GPU waits for it. A real node has its own executor (a thread per
 GPU at most). A process serving many emulated nodes passes one shared, bounded pool
 instead: a thread per node (1000 of them) spent their time fighting over the GIL (load
-average in the hundreds, no node started in minutes; docs/benchmarks.md). `HealthHub`
+average in the hundreds, no node started in minutes; docs/benchmarks-history.md). `HealthHub`
 waits in nvmlEventSetWait on its own thread and hands each event to the loop with
 `call_soon_threadsafe`; health is event-driven, the timeout only bounds how long shutdown
 waits. `HealthHub` is that thread, shared by every node of the process.

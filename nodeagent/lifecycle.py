@@ -78,7 +78,7 @@ API_RETRY_S = 1.0
 # A slice made is listed on the MigNode within this long. Nobody waits for it: the allocator
 # counts the slots from the SliceAllocation, and a MigNode status patch (~24 KB for 8 GPUs,
 # schema-validated) right after Ready competed with the pod's pin for the API server: one
-# per pod in the sequential benchmark, the costliest write of the path (docs/benchmarks.md).
+# per pod in the sequential benchmark, the costliest write of the path (docs/benchmarks-history.md).
 SLICES_LISTED_WITHIN_S = 1.0
 # A create waits this long at most for a release holding its slots (`wait_for_releases`);
 # after that the placement check fails it, as it did before creates went first.
@@ -160,7 +160,7 @@ async def _timed(aw: Awaitable[A], took: dict[str, float], name: str, clock: Clo
 
 def _steps(t0: float, marks: dict[str, float] | None) -> dict[str, float] | None:
     """ms each phase of a create took (`marks`: when each ended, in order), for the log: where
-    an agent's share of a pod's time to slice goes (docs/benchmarks.md)."""
+    an agent's share of a pod's time to slice goes (docs/benchmarks-history.md)."""
     if not marks:
         return None
     out, last = {}, t0
@@ -478,7 +478,7 @@ class Lifecycle:
         answered: nothing waits for the record, a restart that lost it finds a `creating`
         record whose slices exist and a Ready allocation, adopts them and says Ready again;
         see decide/verify). Not beside the write: the record's JSON on a worker thread held
-        the interpreter while the write's answer waited for it (docs/benchmarks.md)."""
+        the interpreter while the write's answer waited for it (docs/benchmarks-history.md)."""
         slices: list[SliceStatus] = [
             {"container": s.container, "migUUID": str(s.mig_uuid), "gpuUUID": s.gpu_uuid}
             if s.whole  # the device the container sees is the GPU itself

@@ -71,7 +71,7 @@ def decide(alloc: SliceAllocation, record: ClaimRecord | None, boot_id: str) -> 
         if record is not None and record.announced and _made(record, boot_id):
             # We wrote Ready already: this is our own Creating write arriving late (its watch
             # event trails the Ready response). Writing Ready again would cost one status
-            # patch per allocation (docs/benchmarks.md).
+            # patch per allocation (docs/benchmarks-history.md).
             return Decision(Action.NONE, "ready and told already")
         return Decision(Action.CREATE)
     if phase == Phase.READY:

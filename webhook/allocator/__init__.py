@@ -54,7 +54,8 @@ async def run_allocator(
 
     The Lease is renewed over its own connection pool: in a burst hundreds of creates,
     pins and events queue on the main pool, and a renewal waiting behind them missed its
-    deadline (measured: leadership lost 6 times during a 1000-pod burst, docs/benchmarks.md).
+    deadline (measured: leadership lost 6 times during a 1000-pod burst,
+    docs/benchmarks-history.md).
     """
     async with kube.sibling() as lease_kube:
         controller = build_controller(kube, settings, metrics, lease_kube=lease_kube)

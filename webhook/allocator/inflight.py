@@ -3,7 +3,7 @@
 Why: the node agent makes one GPU's slices one at a time (~0.6 s each with real NVML), and
 the `instaslice` policy packs, so consecutive pods go to the same broken-open GPU and queue
 there behind each other's creates: under churn a pod waited behind 4 to 5 of them, p99 3.3 s
-for its slice where the slice itself takes 0.6 s (docs/benchmarks.md "The churn-realistic
+for its slice where the slice itself takes 0.6 s (docs/benchmarks-history.md "The churn-realistic
 tail"). With `--avoid-creates-in-flight N` (N > 0) the placer first decides as if every GPU
 with N or more slices in flight were not there (`calm_node`); only when no other GPU can
 take the pod does it decide as before, so a pod that can be placed never waits for this.

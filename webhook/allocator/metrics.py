@@ -23,7 +23,7 @@ Names follow docs/metrics.md:
 The gauges computed from the allocator's model (queue depth, pending pods, slices, GPU slots)
 are read from it when Prometheus scrapes (`StateCollector`), not refreshed on every change:
 keeping per-GPU series current on every decision walked the fleet and cost 12 % of the
-allocator's CPU in a 1000-pod burst (docs/benchmarks.md). Only the leader exports them: a
+allocator's CPU in a 1000-pod burst (docs/benchmarks-history.md). Only the leader exports them: a
 standby's cache would double-count.
 """
 
