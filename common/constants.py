@@ -50,6 +50,26 @@ SLICE_ALLOCATION_KIND: Final = "SliceAllocation"
 SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"
 MIG_NODE_KIND: Final = "MigNode"
 MIG_NODE_PLURAL: Final = "mignodes"
+# Bounds of a MigNode's GPU entries (manifests/base/crds/mignodes.yaml; docs/security.md): the
+# CRD refuses more, and the allocator plans nothing on a GPU beyond them (common.objects
+# `gpu_out_of_bounds`). Real GPUs have at most 12 memory slots (RTX PRO 6000; 8 from A100 to
+# B200) and NVML at most 18 GPU-instance profiles (driver 580). A GPU model's placement tables
+# double with every slot (docs/placement.md), so slots are bounded at what the SliceAllocation
+# CRD already allows a placement (start <= 15, size <= 16), 2^16 occupancy masks at most;
+# counts, which cost linearly, leave more room.
+MIG_MAX_MEMORY_SLOTS: Final = 16  # start + size of any placement or instance
+MIG_MAX_PROFILES: Final = 32  # profiles of one GPU (NVML: 18)
+# What a table's build iterates per occupancy mask: the placements of a GPU's profiles, each
+# shape (size and starts) counted once, however many variants (+me, -me, +gfx) list it; real
+# GPUs have at most 18 (H100: 7 + 4 + 3 + 2 + 1 + 1). Only the allocator checks it (the CRD
+# cannot count shapes): 2^16 masks x 64 keeps the costliest table under about a second.
+MIG_MAX_TABLE_PLACEMENTS: Final = 64
+# Distinct tables that differ from the catalog's on one node (real: one model and one driver a
+# node, so 1): each is built once, and a node changing them on every write costs at most this.
+MIG_MAX_NODE_TABLES: Final = 4
+MIG_MAX_GPUS: Final = 64  # GPUs of one node (real: 8), so index <= 63
+MIG_MAX_INSTANCES: Final = 64  # listed instances of one GPU (at most one per slot exist)
+MIG_MAX_MODEL_NAME: Final = 256  # a catalog name or NVML's product name (96 bytes in nvml.h)
 # MigNodes are listed 100 at a time (not the informers' 500): one decodes to ~83 KB (8 GPUs'
 # profile tables), and a page is decoded whole before its objects are parsed and let go
 MIG_NODE_PAGE_SIZE: Final = 100
@@ -85,6 +105,8 @@ REASON_PENDING: Final = "AllocationPending"
 REASON_PINNED_UNSCHEDULABLE: Final = "PinnedUnschedulable"
 REASON_PREEMPTING: Final = "Preempting"  # on a preemptor: the victims it evicts
 REASON_PREEMPTED: Final = "Preempted"  # on each victim: the preemptor it made room for
+# On a MigNode: GPUs whose entry lies beyond the bounds above, which the allocator leaves unused
+REASON_GPU_OUT_OF_BOUNDS: Final = "GpuOutOfBounds"
 
 
 def cdi_device_name(namespace: str, claim: str, container: str) -> str:

@@ -31,6 +31,7 @@ from common.allocation import SliceAllocation
 from common.catalog import load_catalog
 from common.gather import gather, kubectl_runner
 from common.kubeapi import ApiError, Kube, Obj, instaslice_path
+from common.objects import gpu_out_of_bounds, short_value
 from common.quota import kueue_resources, resource_flavors
 
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
@@ -66,6 +67,17 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     notes: list[str] = []
     for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
         for gpu in mn.get("status", {}).get("gpus", []):
+            refused = gpu_out_of_bounds(gpu)
+            if refused is not None:  # not drawn: its slots may be 2^60 (docs/security.md)
+                lines.append(
+                    f"{mn['metadata']['name']:<20} {short_value(gpu.get('index', '?')):>3}  "
+                    f"{'?':<13} {'?':<9} {'-':<11} {'REFUSED':<9} |?|"
+                )
+                notes.append(
+                    f"  {mn['metadata']['name']} GPU {short_value(gpu.get('index', '?'))}: beyond "
+                    f"InstaSlice's bounds, nothing is placed on it: {refused}"
+                )
+                continue
             slots = max(
                 [8]
                 + [
@@ -104,7 +116,10 @@ def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
     if legend:
         lines.append("")
         lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
-    lines.append("  . = free   # = instance held by no live allocation (foreign, or awaiting GC)")
+    lines.append(
+        "  . = free   # = instance held by no live allocation (foreign, or awaiting GC)"
+        "   REFUSED = its MigNode entry lies beyond InstaSlice's bounds (event GpuOutOfBounds)"
+    )
     lines.append(
         "  MODE CHANGE: resetless = the agent changes MIG mode on demand; reset = only a GPU "
         "reset does (Ampere: pods wait with NeedsMigModeChange); none = cannot (VM guest)"
@@ -186,6 +201,7 @@ def gpu_rows(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> list[dict[s
                     "model": gpu.get("model", ""),
                     "migMode": gpu.get("migMode", {}),
                     "healthy": bool(gpu.get("healthy", False)),
+                    "refused": gpu_out_of_bounds(gpu),
                     "slices": [
                         {
                             "pod": h.key,

@@ -13,7 +13,16 @@ import string
 from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
-from common.constants import API_VERSION, MIG_NODE_KIND, NODE_LABEL
+from common.constants import (
+    API_VERSION,
+    MIG_MAX_INSTANCES,
+    MIG_MAX_MEMORY_SLOTS,
+    MIG_MAX_MODEL_NAME,
+    MIG_MAX_PROFILES,
+    MIG_MAX_TABLE_PLACEMENTS,
+    MIG_NODE_KIND,
+    NODE_LABEL,
+)
 
 Obj = dict[str, Any]
 
@@ -125,6 +134,64 @@ class GpuStatus(TypedDict):
     computeProcesses: NotRequired[int]
     modeChange: NotRequired[ModeChangeStatus]
     lastModeChange: NotRequired[LastModeChangeStatus]
+
+
+def gpu_out_of_bounds(gpu: Mapping[str, Any]) -> str | None:
+    """Why a MigNode GPU entry lies beyond the bounds of common.constants (`MIG_MAX_*`: the
+    CRD's), or None. Only lengths and integers are read, so the answer costs what the entry's
+    size does, whatever it claims: a GPU is refused before any table is built from it
+    (docs/security.md). The entry's shape past that (names, ids, counts) is the reader's."""
+    model = gpu.get("model", "")
+    if not isinstance(model, str) or len(model) > MIG_MAX_MODEL_NAME:
+        return f"its model name is longer than {MIG_MAX_MODEL_NAME} characters"
+    profiles = gpu.get("profiles") or []
+    if not isinstance(profiles, list) or len(profiles) > MIG_MAX_PROFILES:
+        return f"it lists more than {MIG_MAX_PROFILES} profiles"
+    shapes: set[tuple[tuple[int, int], ...]] = set()
+    for p in profiles:
+        placements = p.get("placements") or [] if isinstance(p, Mapping) else None
+        if not isinstance(placements, list) or len(placements) > MIG_MAX_MEMORY_SLOTS:
+            return f"a profile lists more than {MIG_MAX_MEMORY_SLOTS} placements"
+        for r in placements:
+            if not _in_slots(r):
+                return f"a placement of profile {short_value(p.get('name'))} {_range(r)}"
+        shapes.add(tuple(sorted((r.get("start", 0), r.get("size", 1)) for r in placements)))
+    if sum(map(len, shapes)) > MIG_MAX_TABLE_PLACEMENTS:
+        return f"its profiles' distinct placements number more than {MIG_MAX_TABLE_PLACEMENTS}"
+    slices = gpu.get("slices") or []
+    if not isinstance(slices, list) or len(slices) > MIG_MAX_INSTANCES:
+        return f"it lists more than {MIG_MAX_INSTANCES} instances"
+    for r in slices:
+        if not _in_slots(r):
+            return f"an instance {_range(r)}"
+    return None
+
+
+def _in_slots(r: object) -> bool:
+    """A {start, size} inside MIG_MAX_MEMORY_SLOTS (size 1 when absent, as readers take it)."""
+    if not isinstance(r, Mapping):
+        return False
+    start, size = r.get("start", 0), r.get("size", 1)
+    if type(start) is not int or type(size) is not int:
+        return False
+    return start >= 0 and size >= 1 and start + size <= MIG_MAX_MEMORY_SLOTS
+
+
+def _range(r: object) -> str:
+    if not isinstance(r, Mapping):
+        return "is not a {start, size}"
+    return (
+        f"(start {short_value(r.get('start'))}, size {short_value(r.get('size'))}) "
+        f"lies beyond {MIG_MAX_MEMORY_SLOTS} memory slots"
+    )
+
+
+def short_value(value: object) -> str:
+    """A published value for a message, cut short (a huge int is never converted whole)."""
+    if type(value) is int:
+        return str(value) if value.bit_length() <= 64 else "(a huge integer)"
+    text = value if isinstance(value, str) else "?"
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 _ALNUM = string.ascii_lowercase + string.digits

@@ -84,7 +84,7 @@ def gpu_status(
     if gpu.architecture:
         out["architecture"] = gpu.architecture
     if health.message:
-        out["message"] = health.message
+        out["message"] = health.message[:1000]  # the CRD's bound is 4096
     elif gpu.warnings:
         out["message"] = "; ".join(gpu.warnings)[:1000]
     return out

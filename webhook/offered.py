@@ -17,12 +17,16 @@ from collections.abc import Iterable
 
 from common.constants import MIG_NODE_PAGE_SIZE, MIG_NODE_PLURAL
 from common.kubeapi import EventType, Informer, Kube, Obj, identity, instaslice_path
+from common.objects import gpu_out_of_bounds
 
 
 def published_profiles(mig_node: Obj) -> frozenset[str]:
-    """The profile names every GPU of a MigNode offers (any GPU, healthy or not)."""
+    """The profile names every GPU of a MigNode offers (any GPU, healthy or not, but one
+    beyond the MigNode bounds, on which nothing is placed: common.objects.gpu_out_of_bounds)."""
     names: set[str] = set()
     for gpu in (mig_node.get("status") or {}).get("gpus") or []:
+        if not isinstance(gpu, dict) or gpu_out_of_bounds(gpu) is not None:
+            continue
         for p in gpu.get("profiles") or []:
             if isinstance(p, dict) and isinstance(p.get("name"), str):
                 names.add(p["name"])

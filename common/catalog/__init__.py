@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from common.constants import MIG_MAX_MEMORY_SLOTS
+
 ENGINE_NAMES = ("ce", "dec", "enc", "jpeg", "ofa")
 
 
@@ -188,6 +190,8 @@ def parse_model(raw: dict[str, Any], where: str = "model") -> GpuModel:
         source=str(raw.get("source", "")),
         inferred=frozenset(raw.get("inferred", ())),
     )
+    if model.memory_slots > MIG_MAX_MEMORY_SLOTS:  # placement tables double with each slot
+        raise CatalogError(f"{where}.memorySlots: at most {MIG_MAX_MEMORY_SLOTS}")
     for i, p in enumerate(model.profiles):
         bad = [s for s in p.starts if s + p.memory_slots > model.memory_slots]
         if bad:

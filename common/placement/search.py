@@ -23,6 +23,7 @@ leaves the rest placeable (a backtracking scheduler would do the same).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import product
@@ -39,12 +40,14 @@ from common.placement.model import (
 )
 from common.placement.tables import (
     COST_SCALE,
+    MODEL_TABLES_CAP,
     FitMode,
     GpuState,
     ModelTables,
     Needs,
     ProfileTable,
     SingleFit,
+    TableTooLarge,
     add,
     addable,
     demand_needs,
@@ -55,6 +58,7 @@ from common.placement.tables import (
     needs_allowed,
     pack,
     single_table,
+    spots_by_shape,
 )
 from common.profiles import ProfileNameError, parse_profile
 
@@ -81,21 +85,37 @@ def profile_order(name: str) -> tuple[int, int, str]:
 
 class CatalogTables:
     """The tables of one catalog's models, and of the geometries GPUs carry themselves (found
-    by token, geometry.py), built on first use. Identity-hashed: it is the cheap cache key
-    that stands for its catalog."""
+    by token, geometry.py), built on first use; the `MODEL_TABLES_CAP` last used are kept
+    (so an evicted table is freed, not held here). A model past the slot bound has none
+    (tables.TableTooLarge): its GPUs are of no known model. Identity-hashed: it is the cheap
+    cache key that stands for its catalog."""
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        self._tables: dict[str, ModelTables | None] = {}
+        self._tables: OrderedDict[str, ModelTables | None] = OrderedDict()
 
     def tables(self, model: str) -> ModelTables | None:
         try:
-            return self._tables[model]
+            t = self._tables[model]
         except KeyError:
             m = self.catalog.model(model) or geometry.lookup(model)
-            t = model_tables(m) if m is not None else None
+            try:
+                t = model_tables(m) if m is not None else None
+            except TableTooLarge:
+                t = None
             self._tables[model] = t
+            if len(self._tables) > MODEL_TABLES_CAP:
+                self._tables.popitem(last=False)
             return t
+        self._tables.move_to_end(model)
+        return t
+
+    def known(self, model: str) -> bool:
+        """Whether `model`'s tables (or the answer that it has none) are at hand."""
+        return model in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
 
 
 @cache
@@ -263,6 +283,7 @@ def clear_caches() -> None:
         demand_needs,
         single_table,
         free_spots,
+        spots_by_shape,
         model_tables,
         profile_order,
     ):

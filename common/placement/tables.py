@@ -15,6 +15,12 @@ LRU-cached), so each distinct (model, occupied slots, slices still to place) is 
 however many GPUs, shares and demands reach it; `within_limits` checks the count, engine
 and SM limits apart.
 These caches are pure memoisation of pure functions; nothing else is kept between calls.
+Each is an LRU with a cap: the allocator meets as many tables as node agents publish
+(common/catalog/learned.py), so `model_tables` keeps the `MODEL_TABLES_CAP` last used, and
+refuses a model past `MIG_MAX_MEMORY_SLOTS` (2^16 occupancy masks: docs/security.md) rather
+than build a table that doubles with every slot. A table the allocator has not met yet is
+built off its event loop (`warm`, from webhook/allocator/controller.py); these caches are
+thread-safe (functools.lru_cache).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cache, lru_cache
+from functools import lru_cache
 
 from common.catalog import GpuModel
+from common.constants import MIG_MAX_MEMORY_SLOTS
 
 # A candidate's cost is loss * COST_SCALE + remaining potential of the GPUs it uses, so the
 # loss decides and, among equal losses, the fuller GPU wins (best fit / pack).
@@ -104,8 +111,19 @@ def _weight(size: int) -> int:
     return size * size
 
 
-@cache
+# Models whose tables are kept: every catalog model (10) and the tables nodes publish that
+# differ from it (a handful per cluster), with room; more evicts the least recently used.
+MODEL_TABLES_CAP = 64
+
+
+class TableTooLarge(ValueError):
+    """A model with more memory slots than MIG_MAX_MEMORY_SLOTS: no table is built for it."""
+
+
+@lru_cache(maxsize=MODEL_TABLES_CAP)
 def model_tables(model: GpuModel) -> ModelTables:
+    if not 0 < model.memory_slots <= MIG_MAX_MEMORY_SLOTS:
+        raise TableTooLarge(f"{model.name}: {model.memory_slots} memory slots")
     profiles: dict[str, ProfileTable] = {}
     by_index: list[ProfileTable] = []
     for i, p in enumerate(model.profiles):
@@ -136,7 +154,7 @@ def model_tables(model: GpuModel) -> ModelTables:
         for (size, starts), cap in shapes.items()
     ]
     potential = []
-    all_masks = [m for _, masks, _ in shape_list for m in masks]
+    all_masks = sorted({m for _, masks, _ in shape_list for m in masks})
     for occ in range(1 << model.memory_slots):
         v = 0
         for w, masks, cap in shape_list:
@@ -159,6 +177,16 @@ def model_tables(model: GpuModel) -> ModelTables:
         compute_total=model.compute_slices,
         layout=_balanced_layout(by_index, model.memory_slots),
     )
+
+
+def warm(model: GpuModel) -> ModelTables:
+    """`model`'s tables and every profile's `free_spots`: what the first decision on a GPU of
+    it builds (`search.gpu_info`). Thread-safe; the allocator runs it off its event loop for
+    a table it has not met, so the build, up to 2^16 masks, never stalls admission."""
+    t = model_tables(model)
+    for name in t.profiles:
+        free_spots(t, name)
+    return t
 
 
 def _balanced_layout(profiles: list[ProfileTable], slots: int) -> tuple[tuple[str, int], ...]:
@@ -253,8 +281,13 @@ def single_table(tables: ModelTables, profile: str, mode: FitMode) -> tuple[Sing
 def free_spots(tables: ModelTables, profile: str) -> tuple[int, ...]:
     """For every occupancy mask: at how many of its starts one `profile` instance would
     find its slots free (the count, engine and SM limits are a separate question)."""
-    masks = tables.profiles[profile].masks
-    return tuple(sum(1 for m in masks if not mask & m) for mask in range(1 << tables.slots))
+    return spots_by_shape(tables.slots, tables.profiles[profile].masks)
+
+
+@lru_cache(maxsize=256)
+def spots_by_shape(slots: int, masks: tuple[int, ...]) -> tuple[int, ...]:
+    """`free_spots` by shape: variants (+me, -me) and models with the same masks share one."""
+    return tuple(sum(1 for m in masks if not mask & m) for mask in range(1 << slots))
 
 
 def can_add(tables: ModelTables, state: GpuState, t: ProfileTable, i: int) -> bool:

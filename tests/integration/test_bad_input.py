@@ -374,7 +374,8 @@ async def test_corrupt_and_foreign_mig_nodes_attract_nothing(
     corrupt = [
         {"index": 0, "uuid": "GPU-x0", "model": "NOPE-9000", "healthy": True,
          "migMode": {"current": "enabled", "pending": "enabled"},
-         "slices": [{"profile": "1g.10gb", "start": 40, "size": 9}]},
+         # past an 8-slot GPU, within the schema's 16 slots (beyond them: test_mignode_bounds.py)
+         "slices": [{"profile": "1g.10gb", "start": 12, "size": 4}]},
         {"index": 0, "uuid": "GPU-x0", "model": "H100-80GB", "healthy": True,
          "migMode": {"current": "enabled", "pending": "disabled"}},
     ]  # fmt: skip

@@ -74,6 +74,20 @@ def test_nodes_draw_orphaned_instance_as_occupied() -> None:
     assert line.endswith("|..#.....|")
 
 
+def test_nodes_show_a_gpu_beyond_the_bounds_as_refused_without_drawing_it() -> None:
+    """Finding 3 (docs/security.md): a placement at start 10^18 was drawn as a list of
+    10^18 cells. Such a GPU is shown REFUSED, with the reason, as the allocator treats it."""
+    node = _mignode("n0", [])
+    node["status"]["gpus"][0]["profiles"][0]["placements"].append({"start": 10**18, "size": 1})
+    out = render_nodes([node], [])
+    line = next(ln for ln in out.splitlines() if ln.startswith("n0"))
+    assert "REFUSED" in line and line.endswith("|?|")
+    assert "n0 GPU 0: beyond InstaSlice's bounds" in out and "16 memory slots" in out
+    (row,) = gpu_rows([node], [])
+    assert "16 memory slots" in row["refused"]
+    assert gpu_rows([_mignode("n0", [])], [])[0]["refused"] is None
+
+
 def test_nodes_flag_unhealthy_gpu() -> None:
     out = render_nodes([_mignode("n1", [], healthy=False)], [])
     assert "UNHEALTHY" in out

@@ -31,7 +31,7 @@ from typing import Literal
 
 import structlog
 
-from common.catalog import load_catalog
+from common.catalog import GpuModel, load_catalog
 from common.clock import cancel_until_done, monotonic_at, wait_or_sleep
 from common.constants import (
     ENABLED_KEY,
@@ -39,6 +39,7 @@ from common.constants import (
     LEASE_API_VERSION,
     MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
+    REASON_GPU_OUT_OF_BOUNDS,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
@@ -53,6 +54,9 @@ from common.kubeapi import (
     instaslice_path,
     lean,
 )
+from common.placement.geometry import token
+from common.placement.search import catalog_tables
+from common.placement.tables import TableTooLarge, warm
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
@@ -84,11 +88,21 @@ from webhook.allocator.track import (
     Wait,
     next_step,
 )
+from webhook.allocator.views import GpuView, gpus_of
 from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
 _ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+def _warm_all(models: list[GpuModel]) -> None:
+    """`tables.warm` each model (in a worker thread); one past the slot bound has no tables."""
+    for model in models:
+        try:
+            warm(model)
+        except TableTooLarge:
+            continue
 
 
 def _cached_pod(obj: Obj) -> Obj:
@@ -294,7 +308,12 @@ class Controller:
         if etype == "DELETED":
             self.state.remove_mig_node(obj)
         else:
-            self.state.upsert_mig_node(obj)
+            name = str(obj["metadata"]["name"])
+            gpus = gpus_of(obj, self.state.geometries)  # GPUs beyond the bounds: refused
+            await self._warm(gpus)
+            before = self.state.gpus.get(name, ())
+            self.state.upsert_mig_node(obj, gpus)
+            self._tell_refused(name, before, gpus)
             done = withdrawals(obj) if self.placer.ask_modes is not None else set()
             if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
                 self._set_modes(str(obj["metadata"]["name"]), {}, done)
@@ -302,6 +321,43 @@ class Controller:
             for uid in self.tracks.preempting():  # one may wait for a GPU's MIG mode
                 self.kick(uid)
         self._after_change()
+
+    async def _warm(self, gpus: tuple[GpuView, ...]) -> None:
+        """Build the tables of the models these GPUs bring that placement has not met, in a
+        worker thread: a new table (up to 2^16 occupancy masks, tables.MIG_MAX_MEMORY_SLOTS)
+        must not stall admission and the Lease renewal on this loop. Placement then finds
+        them built (tables.warm: what its first decision on such a GPU reads)."""
+        ct = catalog_tables(self.catalog)
+        fresh: dict[str, GpuModel] = {}
+        for g in gpus:
+            key = token(g.geometry) if g.geometry is not None else g.model
+            model = g.geometry or self.catalog.model(g.model)
+            if model is not None and not ct.known(key):
+                fresh[key] = model
+        if not fresh:
+            return
+        await asyncio.to_thread(_warm_all, list(fresh.values()))
+        for key in fresh:
+            ct.tables(key)  # built: only kept here, on the loop
+
+    def _tell_refused(
+        self, node: str, before: tuple[GpuView, ...], gpus: tuple[GpuView, ...]
+    ) -> None:
+        """A Warning event `GpuOutOfBounds` on the MigNode when the GPUs it refuses (or why)
+        change; the gauge `instaslice_allocator_gpus_refused` and `kubectl instaslice nodes`
+        show them meanwhile (docs/troubleshooting.md). Only the agent writes MigNode status,
+        so this is no condition there (docs/security.md)."""
+        now = [g for g in gpus if g.refused]
+        if not now or {(g.uuid, g.refused) for g in now} == {
+            (g.uuid, g.refused) for g in before if g.refused
+        }:
+            return
+        message = "; ".join(f"GPU {g.index} ({g.uuid[:48]}): {g.refused}" for g in now)
+        message += "; nothing is placed on it until its node agent publishes it within bounds"
+        log.warning("MigNode GPUs beyond bounds, not used", node=node, why=message)
+        if self._tg is not None and self._leading:
+            writes = self.steps.writes
+            self._tg.create_task(writes.mig_node_warning(node, REASON_GPU_OUT_OF_BOUNDS, message))
 
     def _ask_modes(self, node: str, wants: dict[str, str]) -> None:
         self._set_modes(node, wants, set())

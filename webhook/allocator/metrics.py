@@ -19,6 +19,8 @@ Names follow docs/metrics.md:
 - `instaslice_gpu_slots_used{node, gpu, model}` / `instaslice_gpu_slots{...}` (gauges):
   occupied and total memory slots per GPU (occupied includes foreign instances).
 - `instaslice_allocator_leader` (gauge): 1 on the replica that holds the Lease.
+- `instaslice_allocator_gpus_refused{node, gpu}` (gauge): 1 per GPU whose MigNode entry lies
+  beyond the bounds (views.refused_gpu: nothing is placed there).
 
 The gauges computed from the allocator's model (queue depth, pending pods, slices, GPU slots)
 are read from it when Prometheus scrapes (`StateCollector`), not refreshed on every change:
@@ -70,11 +72,15 @@ class StateCollector(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        queue, pending, slices, used, total, down = families = self._families()
+        queue, pending, slices, used, total, down, refused = families = self._families()
         view = self.source()
         if view is None:
             return iter(families)
         queue.add_metric([], view.queue_depth)
+        for name, views in sorted(view.state.gpus.items()):
+            for v in views:
+                if v.refused:
+                    refused.add_metric([name, str(v.index)], 1)
         down.add_metric([], len(view.state.down_agents_placeable()))
         for reason in sorted({r.value for r in PendingReason} | set(view.pending)):
             pending.add_metric([reason], view.pending.get(reason, 0))
@@ -121,6 +127,11 @@ class StateCollector(Collector):
             GaugeMetricFamily(
                 "instaslice_nodes_agent_down",
                 "MIG nodes left out of placement because their node agent's Lease went stale",
+            ),
+            GaugeMetricFamily(
+                "instaslice_allocator_gpus_refused",
+                "GPUs whose MigNode entry lies beyond InstaSlice's bounds: nothing is placed there",
+                labels=["node", "gpu"],
             ),
         )
 

@@ -279,8 +279,10 @@ class ClusterState:
         self._rooms.pop(_name(obj), None)
         self._pop(self.nodes, _name(obj))
 
-    def upsert_mig_node(self, obj: Obj) -> bool:
-        return self._put(self.gpus, _name(obj), gpus_of(obj, self.geometries))
+    def upsert_mig_node(self, obj: Obj, gpus: tuple[GpuView, ...] | None = None) -> bool:
+        """`gpus`: `gpus_of(obj, self.geometries)`, when the caller has it already."""
+        views = gpus if gpus is not None else gpus_of(obj, self.geometries)
+        return self._put(self.gpus, _name(obj), views)
 
     def remove_mig_node(self, obj: Obj) -> None:
         self._pop(self.gpus, _name(obj))

@@ -13,8 +13,8 @@ from typing import Any
 from common.catalog import GpuModel
 from common.catalog.learned import Geometries
 from common.clock import parse_time
-from common.constants import DRAIN_TIMED_OUT
-from common.objects import desired_modes
+from common.constants import DRAIN_TIMED_OUT, MIG_MAX_NODE_TABLES
+from common.objects import desired_modes, gpu_out_of_bounds
 from common.placement import Taint
 from common.quantity import parse_bytes, parse_cpu_millis
 from webhook.allocator import pods as podlib
@@ -198,6 +198,9 @@ class GpuView:
     # the agent's last successful mode change: (the mode it reached, wall-clock seconds);
     # the allocator spaces opposite asks on one GPU by it (webhook/allocator/maintenance.py)
     last_change: tuple[str, float] | None = None
+    # why the GPU's entry lies beyond the MigNode bounds (common.objects.gpu_out_of_bounds):
+    # then it is an unhealthy GPU of no model with nothing listed, and nothing goes there
+    refused: str = ""
 
 
 def last_change(g: Obj) -> tuple[str, float] | None:
@@ -267,16 +270,41 @@ def whole_if_idle(g: Obj) -> str:
     return ""
 
 
+def refused_gpu(g: Obj, problem: str) -> GpuView:
+    """A GPU whose entry lies beyond the MigNode bounds: unhealthy, of no model (so no table
+    is ever looked up or built for it), its listed instances ignored (their slots could not
+    be drawn anyway; live allocations on it still count: ClusterState.occupied)."""
+    return GpuView(
+        index=int(g.get("index", 0)),
+        uuid=str(g.get("uuid", "")),
+        model="",
+        mig_enabled=False,
+        healthy=False,
+        instances=(),
+        refused=problem,
+    )
+
+
 def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
     out = []
     desired = desired_modes(mig_node)
+    learned: set[GpuModel] = set()  # the tables of this node that are not the catalog's
     for g in mig_node.get("status", {}).get("gpus") or []:
+        problem = gpu_out_of_bounds(g)  # before anything is read or learned from its tables
+        model = str(g.get("model", ""))
+        geometry = geometries.of(model, g.get("profiles") or []) if problem is None else None
+        if geometry is not None and geometry not in learned:
+            if len(learned) >= MIG_MAX_NODE_TABLES:
+                problem = f"its node publishes more than {MIG_MAX_NODE_TABLES} GPU tables"
+            learned.add(geometry)
+        if problem is not None:
+            out.append(refused_gpu(g, problem))
+            continue
         mode = g.get("migMode") or {}
         want = desired.get(str(g.get("uuid", "")), "")
         locked = in_maintenance(g, want)
         flex, needs_reset = mode_class(g) if not locked else (False, False)
         whole_now, whole_toggle, whole_reset = whole_class(g) if not locked else (False,) * 3
-        model = str(g.get("model", ""))
         out.append(
             GpuView(
                 index=int(g.get("index", 0)),
@@ -299,7 +327,7 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                 whole_toggle=whole_toggle,
                 whole_needs_reset=whole_reset,
                 whole_if_idle="" if locked else whole_if_idle(g),
-                geometry=geometries.of(model, g.get("profiles") or []),
+                geometry=geometry,
                 desired=want,
                 maintenance=locked,
                 phase=str((g.get("modeChange") or {}).get("phase") or ""),

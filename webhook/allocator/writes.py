@@ -14,8 +14,14 @@ from typing import Literal
 
 from common.allocation import SliceAllocation, drop_release_finalizer
 from common.clock import Clock
-from common.constants import LEASE_API_VERSION, RELEASE_FINALIZER, SLICE_ALLOCATION_PLURAL
-from common.events import pod_event
+from common.constants import (
+    API_VERSION,
+    LEASE_API_VERSION,
+    MIG_NODE_KIND,
+    RELEASE_FINALIZER,
+    SLICE_ALLOCATION_PLURAL,
+)
+from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from webhook.allocator import pods as podlib
 from webhook.allocator.leader import LeaderElector
@@ -228,4 +234,21 @@ class Writes:
             await self.clock.sleep(_LEADER_WAIT_S)
         await pod_event(
             self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
+        )
+
+    async def mig_node_warning(self, node: str, reason: str, message: str) -> None:
+        """A Warning event on MigNode `node` (best effort, like `event`; recorded in `default`,
+        as Kubernetes does for cluster-scoped objects). Only while leading: a standby's
+        would repeat the leader's."""
+        if not self.elector.is_leader:
+            return
+        involved = {"apiVersion": API_VERSION, "kind": MIG_NODE_KIND, "name": node}
+        await object_event(
+            self.kube,
+            involved,
+            reason,
+            message,
+            component=COMPONENT,
+            type_="Warning",
+            now=self.clock.wall(),
         )
