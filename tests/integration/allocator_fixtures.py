@@ -43,6 +43,7 @@ from common.constants import (
     MIG_NODE_PLURAL,
     RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
+    WHOLE_GPU_KEY,
     WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
@@ -595,9 +596,9 @@ class AllocatorEnv:
         return f"{self.namespace}-{short}"
 
     async def opt_in(self) -> None:
-        """Label the namespace opted in, as the namespace mirror does for users: the
-        allocator places pods only there."""
-        patch = {"metadata": {"labels": {ENABLED_KEY: "true"}}}
+        """Label the namespace opted in (to whole GPUs too), as the namespace mirror does
+        for users: the allocator places pods only there."""
+        patch = {"metadata": {"labels": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}}
         await self.kube.patch(core_path("namespaces", name=self.namespace), patch)
 
     async def add_node(

@@ -37,7 +37,9 @@ from common.constants import (
     LEASE_API_VERSION,
     MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
+    REASON_PENDING,
     SLICE_ALLOCATION_PLURAL,
+    WHOLE_GPU_KEY,
 )
 from common.kubeapi import (
     ApiError,
@@ -51,6 +53,7 @@ from common.kubeapi import (
     instaslice_path,
     lean,
 )
+from common.placeholders import is_placeholder
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
@@ -76,6 +79,7 @@ from webhook.allocator.track import (
     Seen,
     Settled,
     Tracks,
+    Unserved,
     Unstick,
     UnstickPod,
     Wait,
@@ -207,6 +211,7 @@ class Controller:
             pdbs = group_path("policy/v1", "poddisruptionbudgets")
             self.informers.append(Informer(kube, pdbs, self._on_pdb, name="pdbs"))
         self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
+        self.whole_gpu: set[str] = set()  # namespaces labelled WHOLE_GPU_KEY=true
 
     @property
     def parked(self) -> dict[str, int]:
@@ -227,8 +232,12 @@ class Controller:
             await informer.synced.wait()
 
     async def _on_pod(self, etype: EventType, obj: Obj) -> None:
-        if podlib.is_placeholder(obj):
-            return  # a placeholder stands for demand: it must not hold a node's cpu in our model
+        if etype != "DELETED" and is_placeholder(obj):
+            # a placeholder stands for demand: it must not hold a node's cpu in our model.
+            # Recognised by all InstaSlice gives one, never by its label alone (tenants can
+            # write labels: docs/security.md); and a removal is never skipped, so a pod seen
+            # before still leaves the model and has its slices released
+            return
         uid = podlib.uid(obj)
         if etype == "DELETED":
             self.state.remove_pod(obj)
@@ -307,16 +316,22 @@ class Controller:
 
     async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
         """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere
-        (the admission policy refuses to create one; this is the second line) is not placed."""
+        (the admission policy refuses to create one; this is the second line) is not placed;
+        nor is a pod asking for whole GPUs in a namespace that did not opt in to them."""
         meta = obj.get("metadata") or {}
         name = str(meta.get("name") or "")
-        on = etype != "DELETED" and (meta.get("labels") or {}).get(ENABLED_KEY) == "true"
-        if on == (name in self.opted_in):
+        labels = meta.get("labels") or {}
+        changed = False
+        for key, names in ((ENABLED_KEY, self.opted_in), (WHOLE_GPU_KEY, self.whole_gpu)):
+            on = etype != "DELETED" and labels.get(key) == "true"
+            if on != (name in names):
+                changed = True
+                if on:
+                    names.add(name)
+                else:
+                    names.discard(name)
+        if not changed:
             return
-        if on:
-            self.opted_in.add(name)
-        else:
-            self.opted_in.discard(name)
         for pod in list(self.state.pods.values()):
             if pod.namespace == name and pod.claim is not None:
                 self.kick(pod.uid)
@@ -441,6 +456,7 @@ class Controller:
             agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
             name_holder=holder,
             opted_in=pod is not None and pod.namespace in self.opted_in,
+            whole_gpu=pod is not None and pod.namespace in self.whole_gpu,
             victims_alive=alive,
             holding=holding,
             modes_pending=pending,
@@ -468,6 +484,14 @@ class Controller:
             case Dequeue():
                 self.placer.queue.remove(uid)
                 self.tracks.unpark(track)
+                return None
+            case Unserved(pod, reason, message):
+                self.placer.queue.remove(uid)
+                self.tracks.unpark(track)
+                if track.told != reason:
+                    track.told = reason
+                    log.info("pod not served", pod=pod.key, reason=reason, message=message)
+                    self._event(pod.obj, REASON_PENDING, message, "Warning")
                 return None
             case Queue(pod):
                 self.tracks.unpark(track)
