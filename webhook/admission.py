@@ -6,8 +6,9 @@ table-driven tests and hypothesis cover it completely and the HTTPS server stays
 What it decides, for a Pod CREATE in an opted-in namespace (the webhook configuration's
 namespaceSelector and matchConditions already filtered out everything else):
 - a pod with no `nvidia.com/mig-*` (or `instaslice.io/mig-*`) request is allowed unchanged, and
-  so is an autoscaler placeholder (label `instaslice.io/scale-up-for`; the admission policy
-  lets only InstaSlice create one);
+  so is an autoscaler placeholder (`common.placeholders.is_placeholder`: everything InstaSlice
+  gives one, not just its label `instaslice.io/scale-up-for`, which the pod policy lets only
+  InstaSlice write); a pod that merely carries the label is rewritten (or refused) like any;
 - otherwise every MIG request is validated and each problem is reported with the container,
   the field and the reason; with none, the patch renames the resources to
   `instaslice.io/mig-*`, adds the scheduling gate and a fresh claim annotation and, in the
@@ -55,13 +56,13 @@ from common.constants import (
     MEMORY_SLOTS_RESOURCE,
     NVIDIA_GPU,
     NVIDIA_MIG_PREFIX,
-    SCALE_UP_LABEL,
     SIZE_ANNOTATION_PREFIX,
     VISIBLE_DEVICES_ENV,
     WHOLE_GPU_PROFILE,
     BindingMode,
     qualified_cdi_device,
 )
+from common.placeholders import is_placeholder
 from common.podspec import (
     SliceAsk,
     holds_uncharged,
@@ -273,9 +274,9 @@ def review(
         meta = {}
     if not isinstance(meta, dict):
         return malformed("object.metadata is not an object")
-    labels = meta.get("labels")
-    if isinstance(labels, dict) and SCALE_UP_LABEL in labels:
-        # The admission policy lets only InstaSlice create one, and it gets no device.
+    if is_placeholder(pod):
+        # Known by all InstaSlice gives one, not by its label, which the pod policy refuses
+        # to anyone but InstaSlice; it gets no device (docs/autoscaling.md).
         return Allowed("an autoscaler placeholder (docs/autoscaling.md)")
     namespace = request.get("namespace") or meta.get("namespace")
     if not (isinstance(namespace, str) and _DNS_LABEL.match(namespace)):

@@ -38,10 +38,11 @@ from common.constants import (
     WHOLE_GPU_PROFILE,
 )
 from common.kubeapi import Kube, core_path, instaslice_path
+from common.placeholders import signal_name
 from hack.cluster.karpenter import GROUP_LABEL
 from tests.e2e.conftest import whole_gpu_namespace
 from tests.e2e.helpers import wait_for
-from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED, signal_name
+from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -31,6 +31,7 @@ from common.constants import (
     MIG_NODE_PLURAL,
     RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
+    WHOLE_GPU_KEY,
 )
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
 from common.objects import Phase
@@ -330,9 +331,9 @@ class AllocatorEnv:
         return f"{self.namespace}-{short}"
 
     async def opt_in(self) -> None:
-        """Label the namespace opted in, as the namespace mirror does for users: the
-        allocator places pods only there."""
-        patch = {"metadata": {"labels": {ENABLED_KEY: "true"}}}
+        """Label the namespace opted in (to whole GPUs too), as the namespace mirror does
+        for users: the allocator places pods only there."""
+        patch = {"metadata": {"labels": {ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}}
         await self.kube.patch(core_path("namespaces", name=self.namespace), patch)
 
     async def add_node(

@@ -70,6 +70,8 @@ CONTROLLER_PODS = "ValidatingAdmissionPolicy 'instaslice-controller-pods'"
 CONTROLLER_NAMESPACES = "ValidatingAdmissionPolicy 'instaslice-controller-namespaces'"
 CONTROLLER_LEASES = "ValidatingAdmissionPolicy 'instaslice-controller-leases'"
 NOT_OPTED_IN = "may only be created in a namespace that opted in"
+NOT_WHOLE = "may only be created in a namespace that opted in to whole GPUs"
+LABEL_GUARDED = "only InstaSlice may set, change or remove it"
 SELF_SELECTING = "NVIDIA_VISIBLE_DEVICES may"
 
 
@@ -480,6 +482,12 @@ async def test_updates_that_change_nothing_guarded_are_not_evaluated(
     await mallory.patch(path + "/status", {"status": {"conditions": [cond]}})
     await mallory.patch(path, {"metadata": {"labels": {"team": "a"}}})
     await mallory.patch(path + "/status", {"metadata": {"labels": {"team": "b"}}})
+    # a change of the placeholder label: evaluated, and refused (the first rule broken
+    # speaks, as for annotations below)
+    for sub, words in (("", "not their own"), ("/status", "cdi.k8s.io/")):
+        await _refused(
+            mallory.patch(path + sub, {"metadata": {"labels": {SCALE_UP_LABEL: "x"}}}), words
+        )
     # an annotation change: evaluated, and refused as before (the first rule broken speaks:
     # the env rule on the pod, the CDI annotation rule on its status, which env rules skip)
     for sub, words in (("", "not their own"), ("/status", "cdi.k8s.io/")):
@@ -690,6 +698,35 @@ async def test_instaslice_marks_only_in_opted_in_namespaces(
     await kube.create(pods, make_pod(container("main")), dryRun="All")  # ordinary pods pass
 
 
+async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
+    kube: Kube, policy: None, namespace: str
+) -> None:
+    """Security finding 4: the webhook sends a namespace's `instaslice.io/gpu` pods to its
+    whole-GPU path only where the namespace opted in to whole GPUs, so a gated pod asking
+    `instaslice.io/gpu` written by hand in a namespace opted in to MIG slices only would
+    skip every check: refused, in a container or an init container. Slices stay allowed;
+    the whole-GPU opt-in (label mirrored from its annotation) lets it through."""
+    await _opt_in(kube, namespace)
+    pods = core_path("pods", namespace)
+    whole = {"instaslice.io/gpu": "1"}
+    hand = {
+        "container": make_pod(container("main", limits=whole), gates=[GATE_NAME],
+                              annotations={CLAIM_ANNOTATION: "cwhole"}),
+        "init container": make_pod(container("main"), init=[container("prep", limits=whole)],
+                                   gates=[GATE_NAME]),
+    }  # fmt: skip
+    for what, pod in hand.items():
+        message = await _refused(kube.create(pods, pod, dryRun="All"), NOT_WHOLE)
+        assert namespace in message and f'{WHOLE_GPU_KEY}="true"' in message, what
+    await kube.create(pods, make_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
+                      dryRun="All")  # fmt: skip
+    on = {WHOLE_GPU_KEY: "true"}
+    body = {"metadata": {"annotations": on, "labels": on}}
+    await kube.patch(core_path("namespaces", name=namespace), body)
+    await wait_admission_sees_opt_in(kube, namespace, hand["container"], refused_until=NOT_WHOLE)
+    await kube.create(pods, hand["init container"], dryRun="All")
+
+
 # --- env mode: NVIDIA_VISIBLE_DEVICES (issue 17 item 9) ---------------------------------------
 
 
@@ -861,6 +898,26 @@ async def test_instaslice_deletes_only_pods_with_a_claim(
     await allocator.delete(core_path("pods", namespace, claimed["metadata"]["name"]))
 
 
+async def _priority_classes(kube: Kube) -> None:
+    """InstaSlice's PriorityClasses (the placeholders'), and a higher one, `it-high`."""
+    classes = group_path("scheduling.k8s.io/v1", "priorityclasses")
+    higher = {"metadata": {"name": "it-high"}, "value": 1000}
+    for doc in [*load_manifest("allocator/priorityclass.yaml"), higher]:
+        try:
+            await kube.create(classes, doc)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+
+
+def _placeholder_for(owner: Obj) -> Obj:
+    """The autoscaler placeholder InstaSlice's allocator makes for gated pod `owner`,
+    asking one slice (docs/autoscaling.md)."""
+    body = placeholder_pod(owner, podlib.pod_request(owner), ["n1"], image="busybox")
+    body["spec"]["containers"][0]["resources"] = {"limits": {ISL: "1"}}
+    return body
+
+
 async def test_placeholder_is_the_only_pod_instaslice_creates(
     kube: Kube, policy: None, users: dict[str, Kube], namespace: str
 ) -> None:
@@ -870,21 +927,14 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
     allocator, mallory = users["allocator"], users["mallory"]
     await _controller_policies_enforced(kube, allocator, namespace)
     pods = core_path("pods", namespace)
-    classes = group_path("scheduling.k8s.io/v1", "priorityclasses")
-    higher = {"metadata": {"name": "it-high"}, "value": 1000}
-    for doc in [*load_manifest("allocator/priorityclass.yaml"), higher]:
-        try:
-            await kube.create(classes, doc)
-        except ApiError as err:
-            if err.status != 409:
-                raise
     owner = await kube.create(pods, _wired_pod(namespace, "cowner", asks=False))
 
     def placeholder(**spec: object) -> Obj:
-        body = placeholder_pod(owner, podlib.pod_request(owner), ["n1"], image="busybox")
-        body["spec"]["containers"][0]["resources"] = {"limits": {ISL: "1"}}
+        body = _placeholder_for(owner)
         body["spec"].update(spec)
         return body
+
+    await _priority_classes(kube)
 
     made = await allocator.create(pods, placeholder())
     assert not made["spec"].get("schedulingGates")
@@ -912,8 +962,52 @@ async def test_placeholder_is_the_only_pod_instaslice_creates(
     forged["metadata"]["name"] = "forged"
     with pytest.raises(ApiError) as exc:  # a user cannot skip the gate with the label
         await mallory.create(pods, forged, dryRun="All")
-    assert POLICY_DENIED in exc.value.message and "must carry" in exc.value.message
+    # the gate rule speaks first; where an earlier test left the webhook installed, it has
+    # rewritten this pod (named so, it is no placeholder of ours) and the label rule speaks
+    message = exc.value.message
+    assert POLICY_DENIED in message and ("must carry" in message or LABEL_GUARDED in message)
     await allocator.delete(core_path("pods", namespace, made["metadata"]["name"]))
+
+
+async def test_only_instaslice_sets_changes_or_removes_the_placeholder_label(
+    kube: Kube, webhook: Webhook, policy: None, users: dict[str, Kube], namespace: str
+) -> None:
+    """Security finding 1: the label instaslice.io/scale-up-for marks InstaSlice's autoscaler
+    placeholders, which the allocator charges to no node and the webhook leaves unrewritten.
+    Nobody but InstaSlice may create a pod with it (a tenant's MIG pod, rewritten by the
+    webhook, included), add it later, or alter or remove it on a placeholder — through the
+    pod or its status; cluster-admin neither. InstaSlice's identity creates its real
+    placeholder; other labels stay anyone's."""
+    ns = await opted_in_namespace(kube, namespace)
+    mallory, allocator = users["mallory"], users["allocator"]
+    await _controller_policies_enforced(kube, allocator, ns)
+    await _priority_classes(kube)
+    pods = core_path("pods", ns)
+    tagged = make_pod(container("main", limits={MIG: "1"}))  # rewritten by the webhook
+    tagged["metadata"]["labels"] = {SCALE_UP_LABEL: "u-victim"}
+    plain_tagged = make_pod(container("main"))  # nothing else a rule reads
+    plain_tagged["metadata"]["labels"] = {SCALE_UP_LABEL: "u-victim", "team": "a"}
+    for who in (mallory, kube):
+        for body in (tagged, plain_tagged):
+            await _refused(who.create(pods, body, dryRun="All"), LABEL_GUARDED)
+    plain = await mallory.create(pods, make_pod(container("main")))
+    path = core_path("pods", ns, plain["metadata"]["name"])
+    add = {"metadata": {"labels": {SCALE_UP_LABEL: "u-victim"}}}
+    for who in (mallory, kube):
+        for sub in ("", "/status"):
+            await _refused(who.patch(path + sub, add), LABEL_GUARDED)
+    await mallory.patch(path, {"metadata": {"labels": {"team": "a"}}})  # other labels: fine
+    owner = await kube.create(pods, _wired_pod(ns, "cowner", asks=False))
+    made = await allocator.create(pods, _placeholder_for(owner))
+    assert made["metadata"]["labels"][SCALE_UP_LABEL] == owner["metadata"]["uid"]
+    placeholder = core_path("pods", ns, made["metadata"]["name"])
+    for who in (mallory, kube):
+        for change in ("u-other", None):
+            for sub in ("", "/status"):
+                body = {"metadata": {"labels": {SCALE_UP_LABEL: change}}}
+                await _refused(who.patch(placeholder + sub, body), LABEL_GUARDED)
+    await mallory.patch(placeholder, {"metadata": {"labels": {"team": "a"}}})
+    await allocator.delete(placeholder)
 
 
 async def test_instaslice_evicts_pods_and_creates_no_other_subresource(

@@ -30,6 +30,7 @@ import pytest
 
 from common.constants import CLAIM_ANNOTATION, NODE_LABEL
 from common.kubeapi import Kube, Obj, core_path
+from common.placeholders import PLACEHOLDER_PRIORITY_CLASS, signal_name
 from hack.cluster.priority import ensure_priority_classes
 from tests.integration.allocator_fixtures import (
     TEST_NODE_LABEL,
@@ -42,12 +43,7 @@ from tests.integration.allocator_fixtures import (
 )
 from tests.integration.test_allocator import kube  # noqa: F401  (fixture)
 from webhook.allocator import pods as podlib
-from webhook.allocator.autoscale import (
-    PLACEHOLDER_PRIORITY_CLASS,
-    ScaleUpSettings,
-    SignalMode,
-    signal_name,
-)
+from webhook.allocator.autoscale import ScaleUpSettings, SignalMode
 from webhook.allocator.scaleup import ScaleUp
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -26,6 +26,7 @@ import pytest
 
 from common.constants import REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, core_path, group_path
+from common.placeholders import signal_name
 from hack.cluster import ControlPlane
 from tests.integration.allocator_fixtures import (
     AllocatorEnv,
@@ -50,7 +51,6 @@ from webhook.allocator.autoscale import (
     REASON_REQUESTED,
     ScaleUpSettings,
     SignalMode,
-    signal_name,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

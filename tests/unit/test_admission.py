@@ -31,6 +31,7 @@ from common.constants import (
 )
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
+from tests.integration.allocator_fixtures import make_pod as allocator_pod
 from webhook.admission import (
     AdmissionRequest,
     Allowed,
@@ -40,6 +41,8 @@ from webhook.admission import (
     pod_slice_requests,
     review,
 )
+from webhook.allocator import pods as podlib
+from webhook.allocator.autoscale import placeholder_pod
 from webhook.settings import AdmissionSettings
 
 ENV = AdmissionSettings.from_catalog()
@@ -324,15 +327,83 @@ def test_do_not_disrupt_annotation_when_asked() -> None:
     assert "karpenter.sh/do-not-disrupt" not in plain["metadata"]["annotations"]
 
 
+PLACEHOLDER = Allowed("an autoscaler placeholder (docs/autoscaling.md)")
+
+
+def _placeholder() -> dict[str, Any]:
+    """An autoscaler placeholder as InstaSlice's allocator makes it, for gated pod u-gated."""
+    gated = allocator_pod("p", namespace=NS, uid="u-gated", slices={"main": {"3g.40gb": 1}})
+    return placeholder_pod(gated, podlib.pod_request(gated), ["n1"])
+
+
 def test_an_autoscaler_placeholder_passes_unchanged() -> None:
     """Its instaslice.io/mig-* asks stand for a gated pod's demand (docs/autoscaling.md); the
-    admission policy lets only InstaSlice create one. A label on a malformed labels field
-    is not read as one."""
-    pod = make_pod(container(limits={"instaslice.io/mig-3g.40gb": "1"}))
-    pod["metadata"]["labels"] = {SCALE_UP_LABEL: "uid-1"}
-    assert decide(pod) == Allowed("an autoscaler placeholder (docs/autoscaling.md)")
-    pod["metadata"]["labels"] = [SCALE_UP_LABEL]
-    assert decide(pod) != Allowed("an autoscaler placeholder (docs/autoscaling.md)")
+    pod policy lets only InstaSlice create one."""
+    assert decide(_placeholder()) == PLACEHOLDER
+
+
+def _forged(where: str, key: str, value: Any = None) -> dict[str, Any]:
+    """The placeholder with `key` of `where` (metadata, labels or spec) set to `value`, or
+    dropped when it is None."""
+    pod = _placeholder()
+    part = pod["metadata"]["labels"] if where == "labels" else pod[where]
+    if value is None:
+        del part[key]
+    else:
+        part[key] = value
+    return pod
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        _forged("metadata", "ownerReferences"),
+        _forged("metadata", "ownerReferences", [{"kind": "Pod", "name": "x", "uid": "u-other"}]),
+        _forged("metadata", "ownerReferences", [{"kind": "Pod", "name": "p", "uid": "u-gated"},
+                                                {"kind": "ReplicaSet", "name": "r", "uid": "r"}]),
+        _forged("metadata", "name", "train"),
+        _forged("labels", "app.kubernetes.io/managed-by"),
+        _forged("labels", SCALE_UP_LABEL, "u-other"),
+        _forged("spec", "priorityClassName"),
+        _forged("spec", "priorityClassName", "high"),
+        _forged("metadata", "annotations", {CLAIM_ANNOTATION: "cforged"}),
+        _forged("spec", "schedulingGates", [{"name": GATE_NAME}]),
+        _forged("metadata", "labels", [SCALE_UP_LABEL]),  # the label, on a malformed field
+    ],
+    ids=[
+        "no-owner", "owned-by-another-pod", "owned-by-more", "other-name", "not-managed",
+        "stands-for-another", "no-priority-class", "other-priority-class", "claimed", "gated",
+        "malformed-labels",
+    ],
+)  # fmt: skip
+def test_a_labelled_pod_that_is_no_placeholder_of_ours_is_rewritten(pod: dict[str, Any]) -> None:
+    """The label `instaslice.io/scale-up-for` alone proves nothing (anyone may write a
+    label): a pod lacking any of what InstaSlice gives its placeholders is rewritten like
+    any other (docs/security.md, threat model)."""
+    d, out = patched(pod)
+    assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
+    assert out["metadata"]["annotations"][CLAIM_ANNOTATION] == d.claim
+
+
+def test_a_tenant_pod_labelled_as_a_placeholder_is_rewritten_or_refused_like_any() -> None:
+    """A tenant's own pod carrying the label (the value another pod's uid): its MIG asks are
+    rewritten, gated and claimed as for every pod; an invalid one is refused with the same
+    message. The pod policy then refuses the label itself (tests/integration/
+    test_admission_policy.py)."""
+    labels = {SCALE_UP_LABEL: "u-victim", "app.kubernetes.io/managed-by": "instaslice"}
+    tenant = make_pod(container(limits={MIG: "1"}))
+    tenant["metadata"]["labels"] = labels
+    d, out = patched(tenant)
+    assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {ISL: "1"}
+    assert out["metadata"]["annotations"][CLAIM_ANNOTATION] == d.claim == CLAIM0
+    written = make_pod(container(limits={ISL: "1"}))  # the rewritten form, by hand
+    written["metadata"]["labels"] = labels
+    assert patched(written)[1]["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
+    bad = make_pod(container(limits={"nvidia.com/mig-9g.99gb": "1"}))
+    plain = denial(copy.deepcopy(bad))
+    bad["metadata"]["labels"] = labels
+    assert denial(bad) == plain
 
 
 # --- denials -------------------------------------------------------------------------------

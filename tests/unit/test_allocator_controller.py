@@ -139,6 +139,7 @@ def controller(
     )
     c.lease_informer.synced.set()
     c.opted_in.add("ns")  # the tests' pods live in namespace "ns", opted in
+    c.whole_gpu.add("ns")  # and to whole GPUs
     return c
 
 
@@ -814,6 +815,35 @@ async def test_a_pod_in_a_namespace_not_opted_in_is_not_placed() -> None:
         await c._on_namespace("MODIFIED", opted)
         await settle()
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
+
+
+async def test_a_whole_gpu_pod_in_a_namespace_not_opted_in_to_whole_gpus_is_not_placed() -> None:
+    """Security finding 4: a hand-written gated pod asking `instaslice.io/gpu` in a namespace
+    opted in to MIG slices only (the webhook never sees it there; the pod policy refuses
+    it, this is the second line) is not placed, and is told once which annotation it
+    lacks; the namespace's whole-GPU opt-in brings it in. A slice pod there is placed."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock)
+    c.whole_gpu.clear()
+    async with leading(c):
+        await c._on_node("ADDED", make_node("n1", gpus=2))
+        await c._on_mig_node("ADDED", make_mig_node("n1", [GpuSpec(), GpuSpec(mig=False)]))
+        await c._on_pod("ADDED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
+        await c._on_pod("ADDED", make_pod("s", uid="s"))
+        await settle()
+        await c._on_pod("MODIFIED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
+        await settle()
+        created = [w[2] for w in kube.writes("create") if "sliceallocations" in w[1]]
+        assert [a["spec"]["podName"] for a in created] == ["s"]
+        told = [w[2] for w in kube.writes("create") if w[1].endswith("/events")]
+        told = [e for e in told if e["involvedObject"]["name"] == "w"]
+        assert [e["reason"] for e in told] == [REASON_PENDING]  # once, not at its next event
+        assert 'annotate it instaslice.io/whole-gpu: "true"' in told[0]["message"]
+        labels = {"instaslice.io/enabled": "true", "instaslice.io/whole-gpu": "true"}
+        await c._on_namespace("MODIFIED", {"metadata": {"name": "ns", "labels": labels}})
+        await settle()
+    created = [w[2] for w in kube.writes("create") if "sliceallocations" in w[1]]
+    assert [a["spec"]["podName"] for a in created] == ["s", "w"]
 
 
 async def test_a_decision_whose_pod_left_before_its_create_frees_the_slots() -> None:

@@ -18,6 +18,13 @@ import pytest
 
 from bench.pod_cache import gpu_pod, realistic_pod
 from common.constants import GATE_NAME, SCALE_UP_LABEL
+from common.placeholders import (
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    PLACEHOLDER_PRIORITY_CLASS,
+    is_placeholder,
+    signal_name,
+)
 from tests.integration.allocator_fixtures import make_pod
 from webhook.allocator import controller
 from webhook.allocator import pods as podlib
@@ -39,7 +46,7 @@ READERS = (
     podlib.is_unschedulable,
     podlib.pod_resources,
     podlib.uses_name_field,
-    podlib.is_placeholder,
+    is_placeholder,
 )
 
 
@@ -77,12 +84,20 @@ def _variants() -> list[Obj]:
     done["status"]["phase"] = "Succeeded"
     bare = {"metadata": {"name": "bare", "namespace": "x", "uid": "u"}, "spec": {}}
     placeholder = realistic_pod(12, "node-2")  # an autoscaler placeholder of ours, bound
-    placeholder["metadata"]["labels"][SCALE_UP_LABEL] = "u-gated"
-    return [plain, pending, pinned, done, bare, placeholder]
+    meta = placeholder["metadata"]
+    meta["name"] = signal_name("u-gated")
+    meta["labels"].update({SCALE_UP_LABEL: "u-gated", MANAGED_BY_LABEL: MANAGED_BY})
+    meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "g", "uid": "u-gated"}]
+    placeholder["spec"]["priorityClassName"] = PLACEHOLDER_PRIORITY_CLASS
+    labelled = realistic_pod(13, "node-2")  # a tenant's pod carrying the label: no placeholder
+    labelled["metadata"]["labels"][SCALE_UP_LABEL] = "u-gated"
+    return [plain, pending, pinned, done, bare, placeholder, labelled]
 
 
 @pytest.mark.parametrize(
-    "pod", _variants(), ids=["running", "gated", "pinned", "done", "bare", "placeholder"]
+    "pod",
+    _variants(),
+    ids=["running", "gated", "pinned", "done", "bare", "placeholder", "labelled"],
 )
 def test_a_pod_we_do_not_serve_is_cut_to_what_every_reader_reads(pod: Obj) -> None:
     cut = podlib.slim(pod)
@@ -90,8 +105,8 @@ def test_a_pod_we_do_not_serve_is_cut_to_what_every_reader_reads(pod: Obj) -> No
         assert read(cut) == read(pod), read.__name__
     assert podlib.slim(cut) == cut  # idempotent: the informer may apply it again
     assert "managedFields" not in cut["metadata"]
-    labels = {SCALE_UP_LABEL: "u-gated"} if podlib.is_placeholder(pod) else None
-    assert cut["metadata"].get("labels") == labels  # only the label a reader reads
+    labels = {SCALE_UP_LABEL: "u-gated", MANAGED_BY_LABEL: MANAGED_BY}
+    assert cut["metadata"].get("labels") == (labels if is_placeholder(pod) else None)
     assert len(json.dumps(cut)) < 1500 < len(json.dumps(pod)) or pod["metadata"]["name"] == "bare"
 
 
@@ -119,10 +134,11 @@ def test_our_pods_are_kept_whole_less_managed_fields(pod: Obj) -> None:
 
 def test_node_charges_are_the_same_with_slim_pods() -> None:
     whole, cut = ClusterState(), ClusterState()
-    for i, pod in enumerate([*_variants()[:4], realistic_pod(11, "node-3")]):
+    for i, pod in enumerate([*_variants()[:4], _variants()[6], realistic_pod(11, "node-3")]):
         pod["metadata"]["uid"] = f"u{i}"
         whole.upsert_pod(pod)
         cut.upsert_pod(podlib.slim(pod))
-    for node in ("node-1", "node-3", "n2"):
+    for node in ("node-1", "node-2", "node-3", "n2"):
         assert cut.usage(node) == whole.usage(node)
     assert cut.usage("node-3").cpu_millis > 0
+    assert cut.usage("node-2").cpu_millis > 0  # the labelled tenant pod is charged

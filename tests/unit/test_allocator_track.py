@@ -40,6 +40,7 @@ from webhook.allocator.track import (
     Settled,
     Step,
     Tracks,
+    Unserved,
     Unstick,
     UnstickPod,
     Wait,
@@ -57,6 +58,9 @@ def pod(**changes: Any) -> PodView:
     """The pod, gated by ours alone unless `gates` says otherwise."""
     obj = make_pod("p", uid="p", claim=CLAIM, created="2026-01-01T00:00:00Z", **changes)
     return PodView.of(obj)
+
+
+WHOLE = pod(slices={"main": {"gpu": 1}})  # asks for a whole GPU (instaslice.io/gpu)
 
 
 def unschedulable_pinned() -> PodView:
@@ -202,6 +206,13 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
         GiveUp,
         "the preemptor is no longer InstaSlice's to place",
     ),
+    (
+        "preempt-whole-gpus-namespace-opted-out-of-them",
+        preempting(),
+        waiting(WHOLE, whole_gpu=False),
+        GiveUp,
+        "the preemptor is no longer InstaSlice's to place",
+    ),
     # 1. pinned and unschedulable past the timeout
     (
         "unstick-due",
@@ -295,6 +306,16 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
     # 4. gated by ours
     ("foreign-gate-first", PodTrack("p"), seen(pod(gates=("kueue", GATE_NAME))), Dequeue, None),
     ("not-opted-in", PodTrack("p"), seen(pod(), opted_in=False), Dequeue, None),
+    ("whole-gpus-not-opted-in", PodTrack("p"), seen(WHOLE, whole_gpu=False), Unserved, None),
+    ("slices-need-no-whole-gpu-opt-in", PodTrack("p"), seen(pod(), whole_gpu=False), Queue, None),
+    ("whole-gpus-opted-in", PodTrack("p"), seen(WHOLE), Queue, None),
+    (  # placed before the namespace opted out: what was promised is kept
+        "whole-gpus-placed-before-an-opt-out",
+        PodTrack("p"),
+        seen(WHOLE, alloc(Phase.READY), whole_gpu=False),
+        Pin,
+        None,
+    ),
     (
         "gated-but-deleting",
         PodTrack("p"),

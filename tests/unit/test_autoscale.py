@@ -43,6 +43,7 @@ from common.constants import (
 )
 from common.kubeapi import ApiError
 from common.objects import Phase, node_label_value, node_labelled
+from common.placeholders import signal_name
 from common.placement import (
     Gpu,
     NodeState,
@@ -85,7 +86,6 @@ from webhook.allocator.autoscale import (
     placeholder_pod,
     provisioning_request,
     releasing,
-    signal_name,
 )
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer, PreemptionSettings
@@ -627,7 +627,7 @@ def test_a_preempted_placeholder_is_raised_again_only_after_a_backoff() -> None:
     s = _scale_up(state, clock, delay=2)
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     clock.t += 2
-    placeholder = {"metadata": {"namespace": "ns", "labels": {SCALE_UP_LABEL: "want"}}}
+    placeholder = _bound("want", None)
     asyncio.run(s._on_signal("ADDED", placeholder))
     asyncio.run(s._on_signal("DELETED", placeholder))  # the kube-scheduler preempted it
     assert s.wanted(clock.monotonic()) == (set(), set())  # not at once: the room is a pod's
@@ -736,8 +736,10 @@ def test_autonodes_group_argument() -> None:
 
 def _bound(uid: str, node: str | None) -> dict[str, Any]:
     """A placeholder signal as the informer holds it, bound to `node` (None: not yet)."""
-    spec = {"nodeName": node} if node else {}
-    return {"metadata": {"namespace": "ns", "labels": {SCALE_UP_LABEL: uid}}, "spec": spec}
+    pod = make_pod("p", uid=uid)
+    return placeholder_identity(placeholder_pod(pod, podlib.pod_request(pod), [])) | {
+        "spec": {"nodeName": node} if node else {}
+    }
 
 
 def test_the_signals_in_a_pins_way() -> None:
@@ -873,7 +875,8 @@ def test_make_room_asks_the_api_server_where_a_placeholder_unbound_to_it_stands(
     n2 (the event on its way to a busy allocator): before `own`'s pin to n2 make_room lists
     the placeholders bound to n2 and deletes it too, counted as lost like one it knew was
     there. With every signal bound as far as the watch told, nothing is listed."""
-    now = {**_bound("want", "n2"), "metadata": {**_bound("want", "n2")["metadata"], "name": "x"}}
+    now = _bound("want", "n2")
+    now["metadata"]["uid"] = "ph-now"  # as the API server answers (the watch has not told)
     kube = _Kube(bound=(now,))
     _, s = _own_decided_on_n2_want_waits(kube, FakeClock())
     s.signals = {"want": _bound("want", None)}

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from common.catalog import load_catalog
 from common.constants import GATE_NAME, NODE_LABEL
 from common.objects import Phase
+from common.placeholders import signal_name
 from common.placement import Pending, PendingReason, Policy
 from common.quantity import parse_bytes, parse_cpu_millis
 from tests.integration.allocator_fixtures import (
@@ -40,7 +41,6 @@ from webhook.allocator.autoscale import (
     kept_off,
     placeholder_pod,
     signal_asks,
-    signal_name,
 )
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.state import ClusterState

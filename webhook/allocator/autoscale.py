@@ -53,6 +53,12 @@ from common.allocation import SliceAllocation
 from common.catalog import Catalog
 from common.constants import INSTASLICE_GPU, NODE_LABEL, SCALE_UP_LABEL, WHOLE_GPU_PROFILE
 from common.objects import node_label_value, node_labelled
+from common.placeholders import (
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    PLACEHOLDER_PRIORITY_CLASS,
+    signal_name,
+)
 from common.placement import (
     NodeState,
     Pending,
@@ -72,9 +78,6 @@ from webhook.allocator.views import Room
 Obj = dict[str, Any]
 
 PLACEHOLDER_IMAGE: Final = "registry.k8s.io/pause:3.10"
-# Lowest priority, preemptionPolicy Never (manifests/base/allocator/priorityclass.yaml): a real
-# pod pinned where a placeholder holds room preempts it; a placeholder never preempts.
-PLACEHOLDER_PRIORITY_CLASS: Final = "instaslice-placeholder"
 PROVREQ_API_VERSION: Final = "autoscaling.x-k8s.io/v1"
 DEFAULT_PROVREQ_CLASS: Final = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
 HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
@@ -277,22 +280,18 @@ def misplaced(
 
 def placeholder_identity(obj: Obj) -> Obj:
     """What the allocator keeps of a placeholder pod: who it is (name, namespace, uid,
-    resourceVersion, labels) and where it is bound. Its body carries the `NotIn` list of
-    every node that cannot serve its pod (up to ~150 KB at 5000 nodes), which nothing reads
-    back: held for every pending pod it would be most of the allocator's memory in a burst."""
+    resourceVersion, labels, owners: what `common.placeholders.stands_for` reads) and where
+    it is bound. Its body carries the `NotIn` list of every node that cannot serve its pod
+    (up to ~150 KB at 5000 nodes), which nothing reads back: held for every pending pod it
+    would be most of the allocator's memory in a burst."""
     meta = obj.get("metadata") or {}
-    keep = ("name", "namespace", "uid", "resourceVersion", "labels")
+    keep = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences")
     node = (obj.get("spec") or {}).get("nodeName")
     return {
         "kind": "Pod",
         "metadata": {k: meta[k] for k in keep if k in meta},
         "spec": {"nodeName": node} if node else {},
     }
-
-
-def signal_name(pod_uid: str) -> str:
-    """One signal per pod, named after its uid: a create that raced is a 409, not a twin."""
-    return f"instaslice-scale-up-{pod_uid}"
 
 
 def _owner(pod: Obj) -> Obj:
@@ -382,7 +381,7 @@ def _meta(pod: Obj, kind: str) -> Obj:
     return {
         "name": signal_name(meta["uid"]),
         "namespace": meta["namespace"],
-        "labels": {SCALE_UP_LABEL: meta["uid"], "app.kubernetes.io/managed-by": "instaslice"},
+        "labels": {SCALE_UP_LABEL: meta["uid"], MANAGED_BY_LABEL: MANAGED_BY},
         "annotations": {"instaslice.io/scale-up-pod": meta["name"], "instaslice.io/kind": kind},
         "ownerReferences": [_owner(pod)],
     }

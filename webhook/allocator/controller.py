@@ -40,7 +40,9 @@ from common.constants import (
     MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
     REASON_GPU_OUT_OF_BOUNDS,
+    REASON_PENDING,
     SLICE_ALLOCATION_PLURAL,
+    WHOLE_GPU_KEY,
 )
 from common.kubeapi import (
     ApiError,
@@ -54,6 +56,7 @@ from common.kubeapi import (
     instaslice_path,
     lean,
 )
+from common.placeholders import is_placeholder
 from common.placement.geometry import token
 from common.placement.search import catalog_tables
 from common.placement.tables import TableTooLarge, warm
@@ -83,6 +86,7 @@ from webhook.allocator.track import (
     Seen,
     Settled,
     Tracks,
+    Unserved,
     Unstick,
     UnstickPod,
     Wait,
@@ -235,6 +239,7 @@ class Controller:
             pdbs = group_path("policy/v1", "poddisruptionbudgets")
             self.informers.append(Informer(kube, pdbs, self._on_pdb, name="pdbs"))
         self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
+        self.whole_gpu: set[str] = set()  # namespaces labelled WHOLE_GPU_KEY=true
 
     @property
     def parked(self) -> dict[str, int]:
@@ -255,8 +260,12 @@ class Controller:
             await informer.synced.wait()
 
     async def _on_pod(self, etype: EventType, obj: Obj) -> None:
-        if podlib.is_placeholder(obj):
-            return  # a placeholder stands for demand: it must not hold a node's cpu in our model
+        if etype != "DELETED" and is_placeholder(obj):
+            # a placeholder stands for demand: it must not hold a node's cpu in our model.
+            # Recognised by all InstaSlice gives one, never by its label alone (tenants can
+            # write labels: docs/security.md); and a removal is never skipped, so a pod seen
+            # before still leaves the model and has its slices released
+            return
         uid = podlib.uid(obj)
         if etype == "DELETED":
             self.state.remove_pod(obj)
@@ -378,7 +387,8 @@ class Controller:
 
     async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
         """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere
-        (the admission policy refuses to create one; this is the second line) is not placed."""
+        (the admission policy refuses to create one; this is the second line) is not placed;
+        nor is a pod asking for whole GPUs in a namespace that did not opt in to them."""
         meta = obj.get("metadata") or {}
         name = str(meta.get("name") or "")
         labels = meta.get("labels") or {}
@@ -387,13 +397,17 @@ class Controller:
             self.kueue_namespaces.add(name)
         else:
             self.kueue_namespaces.discard(name)
-        on = etype != "DELETED" and labels.get(ENABLED_KEY) == "true"
-        if on == (name in self.opted_in):
+        changed = False
+        for key, names in ((ENABLED_KEY, self.opted_in), (WHOLE_GPU_KEY, self.whole_gpu)):
+            on = etype != "DELETED" and labels.get(key) == "true"
+            if on != (name in names):
+                changed = True
+                if on:
+                    names.add(name)
+                else:
+                    names.discard(name)
+        if not changed:
             return
-        if on:
-            self.opted_in.add(name)
-        else:
-            self.opted_in.discard(name)
         for pod in list(self.state.pods.values()):
             if pod.namespace == name and pod.claim is not None:
                 self.kick(pod.uid)
@@ -518,6 +532,7 @@ class Controller:
             agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
             name_holder=holder,
             opted_in=pod is not None and pod.namespace in self.opted_in,
+            whole_gpu=pod is not None and pod.namespace in self.whole_gpu,
             victims_alive=alive,
             holding=holding,
             modes_pending=pending,
@@ -547,6 +562,14 @@ class Controller:
                 self.placer.queue.remove(uid)
                 self.tracks.unpark(track)
                 self.placer.release_asks(uid)
+                return None
+            case Unserved(pod, reason, message):
+                self.placer.queue.remove(uid)
+                self.tracks.unpark(track)
+                if track.told != reason:
+                    track.told = reason
+                    log.info("pod not served", pod=pod.key, reason=reason, message=message)
+                    self._event(pod.obj, REASON_PENDING, message, "Warning")
                 return None
             case Queue(pod):
                 self.tracks.unpark(track)

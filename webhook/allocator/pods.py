@@ -20,14 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, GROUP, SCALE_UP_LABEL
+from common.constants import CLAIM_ANNOTATION, GATE_NAME, GROUP, INSTASLICE_GPU, SCALE_UP_LABEL
+from common.placeholders import MANAGED_BY_LABEL, is_placeholder
 from common.placement.model import (
     NodeSelectorRequirement,
     PodRequest,
     SliceRequest,
     Toleration,
 )
-from common.podspec import slice_requests
+from common.podspec import iter_containers, slice_requests
 from common.quantity import parse_bytes, parse_cpu_millis
 
 Obj = dict[str, Any]
@@ -36,6 +37,7 @@ NAME_FIELD = "metadata.name"
 # ':' cannot occur in a label key, so this never collides with a real label.
 FIELD_NAME_LABEL = "field.instaslice.io:metadata.name"
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+PLACEHOLDER_LABELS = (SCALE_UP_LABEL, MANAGED_BY_LABEL)  # of those common.placeholders reads
 EXTENDED_PREFIX = f"{GROUP}/"  # InstaSlice's extended resources: instaslice.io/mig-*, .../gpu
 
 
@@ -156,9 +158,15 @@ def is_unschedulable(pod: Obj) -> bool:
     return False
 
 
-def is_placeholder(pod: Obj) -> bool:
-    """An autoscaler placeholder of ours (it stands for a gated pod's demand)."""
-    return SCALE_UP_LABEL in ((pod.get("metadata") or {}).get("labels") or {})
+def asks_whole_gpu(pod: Obj) -> bool:
+    """Some container or initContainer of the pod asks for `instaslice.io/gpu` (whole GPUs),
+    in its limits, where `slice_requests` reads asks (an extended resource's request is its
+    limit)."""
+    for _, _, c in iter_containers(pod):
+        limits = ((c.get("resources") or {}).get("limits") or {}) if isinstance(c, dict) else {}
+        if isinstance(limits, dict) and INSTASLICE_GPU in limits:
+            return True
+    return False
 
 
 def stuck_pinned(pod: Obj, uid_: str) -> bool:
@@ -382,8 +390,10 @@ def slim(pod: Obj) -> Obj:
         out_status["conditions"] = scheduled
     out: Obj = {k: pod[k] for k in ("apiVersion", "kind") if k in pod}
     out["metadata"] = {k: meta[k] for k in _META_KEPT if k in meta}
-    if is_placeholder(pod):  # the one label a reader reads (not to charge its cpu to a node)
-        out["metadata"]["labels"] = {SCALE_UP_LABEL: meta["labels"][SCALE_UP_LABEL]}
+    if is_placeholder(pod):  # what a placeholder is known by (its cpu is charged to no node)
+        out["metadata"]["labels"] = {k: meta["labels"][k] for k in PLACEHOLDER_LABELS}
+        out["metadata"]["ownerReferences"] = meta["ownerReferences"]
+        out_spec["priorityClassName"] = spec["priorityClassName"]
     out["spec"] = out_spec
     out["status"] = out_status
     return out

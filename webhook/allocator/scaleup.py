@@ -37,6 +37,7 @@ from common.clock import Clock, cancel_until_done, wait_or_sleep
 from common.constants import GATE_NAME, SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path
 from common.objects import node_label_value
+from common.placeholders import signal_name, stands_for
 from common.placement import Pending, PodRequest, Policy
 from webhook.allocator.autoscale import (
     PROVREQ_API_VERSION,
@@ -57,7 +58,6 @@ from webhook.allocator.autoscale import (
     provisioning_request,
     releasing,
     selection,
-    signal_name,
 )
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.state import ClusterState
@@ -316,8 +316,8 @@ class ScaleUp:
         )
         bound = set()
         for obj in found.get("items") or []:
-            other = (obj["metadata"].get("labels") or {}).get(SCALE_UP_LABEL)
-            if other in self.signals:
+            other = stands_for(obj)
+            if other is not None and other in self.signals:
                 self.signals[other] = placeholder_identity(obj)  # bound, before the watch says
                 bound.add(other)
         return bound
@@ -470,8 +470,8 @@ class ScaleUp:
     # --- what the autoscaler answers --------------------------------------------------------
 
     async def _on_signal(self, etype: str, obj: Obj) -> None:
-        uid = ((obj.get("metadata") or {}).get("labels") or {}).get(SCALE_UP_LABEL, "")
-        if not uid:
+        uid = stands_for(obj)
+        if uid is None:  # the label alone is no signal of ours: anyone may write it
             return
         held = self.signals.get(uid)
         if held is not None and _older(obj, held):

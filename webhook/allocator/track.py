@@ -22,8 +22,9 @@ order of precedence:
    finished or no longer claims it, release a failed one, move one the agent never touched
    off a node whose agent is down;
 3. no pod (or no claim) and nothing left to release: `Forget`;
-4. gated by ours alone: wait for a running create, `Queue` for placement (unless parked or
-   another pod's stale record holds the name: `Kick` that pod), or `Pin` once Ready;
+4. gated by ours alone: `Unserved` when it asks for whole GPUs its namespace did not opt in
+   to, else wait for a running create, `Queue` for placement (unless parked or another
+   pod's stale record holds the name: `Kick` that pod), or `Pin` once Ready;
 5. ungated: `Settled` (the timer watches whether the scheduler can place it).
 """
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.allocation import SliceAllocation
-from common.constants import GATE_NAME
+from common.constants import GATE_NAME, INSTASLICE_GPU, WHOLE_GPU_KEY
 from common.objects import Phase
 from webhook.allocator.planning import PlanInputs
 from webhook.allocator.preemption import Preemption, Victim
@@ -98,6 +99,7 @@ class Seen:
     agents_down: frozenset[str] = frozenset()
     name_holder: str | None = None  # uid of another pod whose record holds our claim name
     opted_in: bool = True  # the pod's namespace is labelled instaslice.io/enabled=true
+    whole_gpu: bool = True  # ... and instaslice.io/whole-gpu=true (whole GPUs may be asked)
     # a preemption in flight (track.preempt): its victims whose pods still run (not
     # terminating), and the pods it waits for that still hold allocations
     victims_alive: frozenset[str] = frozenset()
@@ -160,6 +162,20 @@ class Dequeue:
 
 
 @dataclass(frozen=True, slots=True)
+class Unserved:
+    """Gated by ours alone, but asking for what its namespace did not opt in to (whole GPUs
+    without `instaslice.io/whole-gpu`): not placed; the pod is told `message` once, as an
+    AllocationPending with `reason` (the namespace's opt-in kicks it again)."""
+
+    pod: PodView
+    reason: str
+    message: str
+
+
+WHOLE_GPU_NOT_OPTED_IN = "WholeGpuNotOptedIn"
+
+
+@dataclass(frozen=True, slots=True)
 class Kick:
     """Another pod's stale record holds this pod's claim name: look at that pod first."""
 
@@ -219,6 +235,7 @@ Step = (
     | OnAllocation
     | Forget
     | Dequeue
+    | Unserved
     | Queue
     | Kick
     | Create
@@ -284,6 +301,12 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
 def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
     if pod.gates != (GATE_NAME,) or pod.deleting or not seen.opted_in:
         return Dequeue()
+    if pod.whole and not seen.whole_gpu and not seen.allocations:
+        message = (
+            f"asks for whole GPUs ({INSTASLICE_GPU}), but namespace {pod.namespace} did not opt "
+            f'in to them: annotate it {WHOLE_GPU_KEY}: "true" (docs/contract.md §1)'
+        )
+        return Unserved(pod, WHOLE_GPU_NOT_OPTED_IN, message)
     if track.creating is not None and not track.creating.done():
         return Wait("its create is in flight")
     if not seen.allocations:
@@ -306,7 +329,7 @@ def _preempt_step(p: Preemption, seen: Seen) -> Step:
     pod = seen.pod
     if pod is None or pod.claim is None or pod.deleting or pod.terminal:
         return GiveUp("the preemptor is gone")
-    if pod.gates != (GATE_NAME,) or not seen.opted_in:
+    if pod.gates != (GATE_NAME,) or not seen.opted_in or (pod.whole and not seen.whole_gpu):
         return GiveUp("the preemptor is no longer InstaSlice's to place")
     if p.refused:
         why = "an eviction was refused (PodDisruptionBudget)"

@@ -42,6 +42,7 @@ class PodView:
     resources: Resources
     extended: tuple[tuple[str, int], ...]  # its instaslice.io/* requests, at least
     obj: Obj
+    whole: bool = False  # it asks for whole GPUs (instaslice.io/gpu)
 
     @classmethod
     def of(cls, obj: Obj, *, like: PodView | None = None) -> PodView:
@@ -66,6 +67,7 @@ class PodView:
             resources=like.resources if like is not None else podlib.pod_resources(obj),
             extended=like.extended if like is not None else podlib.extended_requests(obj),
             obj=obj,
+            whole=like.whole if like is not None else podlib.asks_whole_gpu(obj),
         )
 
     @property
