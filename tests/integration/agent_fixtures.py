@@ -305,7 +305,6 @@ def slice_allocation(
     ]
     obj = build_allocation(namespace=namespace, claim=claim, pod=pod, node=node.name, slices=specs)
     obj["metadata"]["ownerReferences"] = []  # no real pod behind it; nothing to GC it
-    obj.pop("status")
     return obj
 
 

@@ -325,7 +325,8 @@ async def test_an_init_container_that_is_not_a_sidecar_may_not_ask_on_create(
     await _refused(kube.create(core_path("pods", ns), pod(), dryRun="All"), *words)
     slots = pod("instaslice.io/memory-slots")
     await _refused(kube.create(core_path("pods", ns), slots, dryRun="All"), *words)
-    await kube.create(core_path("pods", ns), pod(is_sidecar=True), dryRun="All")
+    # (a sidecar asking whole GPUs needs the whole-GPU opt-in too: rule 10)
+    await kube.create(core_path("pods", ns), pod(ISL, is_sidecar=True), dryRun="All")
     elsewhere = pod(ISL)
     for other in ("kube-system", "default"):  # never opted in: rule 8 is checked first
         await _refused(kube.create(core_path("pods", other), elsewhere, dryRun="All"), *words)
@@ -704,7 +705,8 @@ async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
     """Security finding 4: the webhook sends a namespace's `instaslice.io/gpu` pods to its
     whole-GPU path only where the namespace opted in to whole GPUs, so a gated pod asking
     `instaslice.io/gpu` written by hand in a namespace opted in to MIG slices only would
-    skip every check: refused, in a container or an init container. Slices stay allowed;
+    skip every check: refused, in a container or a sidecar (an init container that is not one
+    may not ask at all, rule 8). Slices stay allowed;
     the whole-GPU opt-in (label mirrored from its annotation) lets it through."""
     await _opt_in(kube, namespace)
     pods = core_path("pods", namespace)
@@ -712,8 +714,8 @@ async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
     hand = {
         "container": make_pod(container("main", limits=whole), gates=[GATE_NAME],
                               annotations={CLAIM_ANNOTATION: "cwhole"}),
-        "init container": make_pod(container("main"), init=[container("prep", limits=whole)],
-                                   gates=[GATE_NAME]),
+        "sidecar": make_pod(container("main"), init=[sidecar(container("prep", limits=whole))],
+                            gates=[GATE_NAME]),
     }  # fmt: skip
     for what, pod in hand.items():
         message = await _refused(kube.create(pods, pod, dryRun="All"), NOT_WHOLE)
@@ -724,7 +726,7 @@ async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
     body = {"metadata": {"annotations": on, "labels": on}}
     await kube.patch(core_path("namespaces", name=namespace), body)
     await wait_admission_sees_opt_in(kube, namespace, hand["container"], refused_until=NOT_WHOLE)
-    await kube.create(pods, hand["init container"], dryRun="All")
+    await kube.create(pods, hand["sidecar"], dryRun="All")
 
 
 # --- env mode: NVIDIA_VISIBLE_DEVICES (issue 17 item 9) ---------------------------------------
