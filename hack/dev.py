@@ -16,7 +16,8 @@ with NVIDIA's runtime as the node's default runtime).
 
 The same class backs the e2e tests, the demo and the benchmarks (each with its own dir).
 With `kueue: true` in the spec, Kueue runs too (hack/kueue.py: CRDs, webhooks, manager as a
-local process) and the webhook runs with `--slot-accounting` (docs/kueue.md).
+local process); its configuration charges `instaslice.io/memory-slots` only when the webhook
+runs with `--slot-accounting` (the spec's `slotAccounting: true`, docs/kueue.md).
 
 What it does not do: build container images of InstaSlice (its components run as local
 processes, also for the real node).
@@ -63,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests" / "base"
 NAMESPACE = "instaslice-system"
 CONTROLLER_SA = "instaslice-controller"
+SLOT_ACCOUNTING = "--slot-accounting"  # the webhook's flag (docs/kueue.md)
 # What a dev install applies (the Deployments/DaemonSet are replaced by local processes).
 INSTALL = [
     "crds/sliceallocations.yaml",
@@ -180,12 +182,12 @@ class DevSystem:
             webhook_args=tuple(webhook_args),
             real_binding=real_binding,
         )
-        if spec.kueue and "--slot-accounting" not in system.webhook_args:
-            system.webhook_args += ("--slot-accounting",)
+        if spec.slot_accounting and SLOT_ACCOUNTING not in system.webhook_args:
+            system.webhook_args += (SLOT_ACCOUNTING,)
         try:
             system.install()
             if spec.kueue:
-                system.start_kueue(KueueSettings(), die_with_parent=die_with_parent)
+                system.start_kueue(system.kueue_settings(), die_with_parent=die_with_parent)
             asyncio.run(_create_nodes(cp.kubeconfig, spec))
             outcome: dict[str, list[str]] = {}
             for group in spec.groups:
@@ -301,6 +303,25 @@ class DevSystem:
         rec = self.processes["kueue"]
         kueue.wait_ready(health, rec.alive, rec.log)
         kueue.register_webhooks(self.cp, kdir, self.kueue_port)
+
+    def kueue_settings(self) -> KueueSettings:
+        """Kueue charges memory slots exactly when the webhook does (docs/kueue.md)."""
+        return KueueSettings(slot_accounting=SLOT_ACCOUNTING in self.webhook_args)
+
+    def set_slot_accounting(self, on: bool, *, die_with_parent: bool = False) -> None:
+        """Restart the webhook with or without `--slot-accounting`, and Kueue (if it runs)
+        with the configuration to match; the node agents keep running. Ready on return."""
+        if (SLOT_ACCOUNTING in self.webhook_args) == on:
+            return
+        rest = tuple(a for a in self.webhook_args if a != SLOT_ACCOUNTING)
+        self.webhook_args = (*rest, SLOT_ACCOUNTING) if on else rest
+        self.stop("webhook")
+        self.start_webhook(die_with_parent=die_with_parent)
+        if self.kueue_port:
+            self.stop("kueue")
+            self.start_kueue(self.kueue_settings(), die_with_parent=die_with_parent)
+        self.save()
+        self.wait_ready()
 
     def start_real_node(
         self, group: NodeGroup, *, runtime: Runtime = "runc", die_with_parent: bool = False

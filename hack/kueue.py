@@ -62,9 +62,9 @@ class KueueSettings:
     # (Kueue's waitForPodsReady): what frees quota InstaSlice cannot use (docs/kueue.md).
     pods_ready_timeout_s: int = 30
     requeue_backoff_base_s: int = 5
-    # The webhook adds instaslice.io/memory-slots to pods (--slot-accounting), so Kueue must not
-    # add them again for rewritten pods (common/quota.py).
-    slot_accounting: bool = True
+    # The webhook runs with --slot-accounting: Jobs are charged instaslice.io/memory-slots too
+    # (common/quota.py). Off, nothing is added that a quota in NVIDIA's names does not cover.
+    slot_accounting: bool = False
 
 
 def find_kueue_dir() -> Path:

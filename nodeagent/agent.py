@@ -314,7 +314,9 @@ class NodeAgent:
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
         modes = self.life.modes
-        desired = slot_capacity(st.inv, st.health, modes.can_enable)
+        desired = slot_capacity(
+            st.inv, st.health, self.life.catalog, modes.can_enable, modes.can_be_whole
+        )
         if self._prune:
             # The kubelet advertises what the device plugin lists. A direct write would let the
             # kubelet admit a pod before the plugin registered, and that pod's containers ran

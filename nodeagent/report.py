@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.allocation import SliceAllocation
+from common.catalog import Catalog
 from common.constants import (
     GPU_COUNT_LABEL,
     GPU_MODEL_LABEL,
@@ -32,6 +33,7 @@ from common.objects import (
     node_label_value,
 )
 from common.profiles import ProfileNameError, instaslice_resource
+from common.quota import slot_bound
 from nodeagent.checkpoint import Checkpoint
 from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
 
@@ -205,16 +207,23 @@ def capacity(
 def slot_capacity(
     inv: NodeInventory,
     health: Mapping[int, Health],
+    catalog: Catalog,
     can_enable: Callable[[GpuInfo], bool] | None = None,
+    can_be_whole: Callable[[GpuInfo], bool] | None = None,
 ) -> dict[str, str]:
-    """`instaslice.io/memory-slots`: the memory slots of the node's healthy MIG GPUs, those
-    the agent may turn MIG on for included (a fixed upper bound, like `capacity`), so pods
-    charged in slots (--slot-accounting) fit."""
+    """`instaslice.io/memory-slots`: over the node's healthy GPUs that can serve MIG slices
+    (those the agent may turn MIG on for included) or whole GPUs, the most the pods they hold
+    can be charged (`common.quota.slot_bound`: a whole GPU or a size ask is charged the most
+    it could take on any model its selectors admit, docs/kueue.md) — a fixed upper bound, like
+    `capacity`, so pods charged in slots (--slot-accounting) are never turned away by the
+    kube-scheduler where their slices are."""
     total = 0
     for g in inv.gpus:
         mig = g.mig_enabled or (can_enable is not None and can_enable(g))
-        if mig and health.get(g.index, Health()).healthy:
-            total += max((s + n for p in g.profiles for s, n in p.placements), default=0)
+        whole = can_be_whole is not None and can_be_whole(g)
+        if (mig or whole) and health.get(g.index, Health()).healthy:
+            slots = max((s + n for p in g.profiles for s, n in p.placements), default=0)
+            total += slot_bound(catalog, slots)
     return {MEMORY_SLOTS_RESOURCE: str(total)}
 
 

@@ -27,7 +27,8 @@ Size-based asks (`instaslice.io/mig-size.<container>` annotations, common/sizing
 validated here and left on the pod for the allocator, which resolves them per GPU model; the
 container gets its CDI device like any other. With `slot_accounting`, every slice-asking
 container is given `instaslice.io/memory-slots` (common/quota.py: its profiles' smallest slot
-counts; a size ask is charged at the fewest slots any model's fitting profile takes).
+counts; a whole GPU and a size ask at the most slots they can hold on a GPU model the pod's
+selectors admit).
 
 Only CREATE is mutated: a pod's resources and env cannot change afterwards, and gate and
 claim changes on UPDATE are the cluster-wide ValidatingAdmissionPolicy's business. A CREATE
@@ -71,7 +72,7 @@ from common.podspec import (
     slice_requests,
 )
 from common.profiles import ProfileNameError, profile_from_suffix
-from common.quota import min_slots
+from common.quota import admitted_models, slot_charge
 from common.sizing import Size, SizeError, parse_size, resolve, unsatisfiable
 from webhook.settings import AdmissionSettings
 
@@ -540,13 +541,11 @@ class _Rewrite:
         return sizes
 
     def _slots(self, asks: list[SliceAsk], size: Size | None) -> int:
-        """The memory slots one container is charged (common/quota.py: lower bounds)."""
+        """The memory slots one container is charged (common/quota.py: a whole GPU or a size
+        at the most it can hold on a model the pod's selectors admit)."""
         catalog = self.settings.catalog
-        total = sum((min_slots(catalog, a.profile) or 0) * a.count for a in asks)
-        if size is not None:
-            fits = [p.memory_slots for m in catalog.models if (p := resolve(m, size))]
-            total += min(fits) * size.count
-        return total
+        models = admitted_models(catalog, self.pod.get("spec") or {})
+        return slot_charge(catalog, ((a.profile, a.count) for a in asks), size, models)
 
     def _refuse_uncharged(self, where: str, name: str) -> None:
         why = not any("held uncharged" in p for p in self.problems)

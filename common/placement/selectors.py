@@ -33,7 +33,8 @@ class Mismatch(Enum):
     UNSCHEDULABLE = "unschedulable"
 
 
-def _requirement_ok(req: NodeSelectorRequirement, labels: Mapping[str, str]) -> bool:
+def requirement_ok(req: NodeSelectorRequirement, labels: Mapping[str, str]) -> bool:
+    """Whether a node with `labels` meets one node-selector requirement."""
     value = labels.get(req.key)
     op = req.operator
     if op == "In":
@@ -74,7 +75,7 @@ def mismatch(node: NodeState, pod: PodRequest) -> Mismatch | None:
         if labels.get(k) != v:
             return Mismatch.SELECTOR
     if pod.required_affinity and not any(
-        term and all(_requirement_ok(r, labels) for r in term) for term in pod.required_affinity
+        term and all(requirement_ok(r, labels) for r in term) for term in pod.required_affinity
     ):
         return Mismatch.AFFINITY
     if node.unschedulable and not tolerates(pod.tolerations, UNSCHEDULABLE_TAINT):

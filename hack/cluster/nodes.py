@@ -94,6 +94,9 @@ class NodeGroup:
 class ClusterSpec:
     groups: tuple[NodeGroup, ...]
     kueue: bool = False  # top-level `kueue: true`: build, install and run Kueue (hack/kueue.py)
+    # top-level `slotAccounting: true`: the webhook runs with --slot-accounting (and a Kueue
+    # of the spec charges instaslice.io/memory-slots, docs/kueue.md)
+    slot_accounting: bool = False
 
     def node_names(self) -> list[str]:
         return [n for g in self.groups for n in g.names()]
@@ -185,7 +188,14 @@ def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
     kueue = doc.get("kueue", False)
     if not isinstance(kueue, bool):
         raise SpecError(f"kueue: {kueue!r} is not true or false")
-    spec = ClusterSpec(tuple(_group(i, e, base) for i, e in enumerate(entries)), kueue=kueue)
+    slots = doc.get("slotAccounting", False)
+    if not isinstance(slots, bool):
+        raise SpecError(f"slotAccounting: {slots!r} is not true or false")
+    spec = ClusterSpec(
+        tuple(_group(i, e, base) for i, e in enumerate(entries)),
+        kueue=kueue,
+        slot_accounting=slots,
+    )
     names = spec.node_names()
     if len(set(names)) != len(names):
         raise SpecError("node names collide; give each group its own prefix")

@@ -1,15 +1,23 @@
 """Kueue and InstaSlice together, on one Kueue-enabled dev system (`kueue: true`, hack/kueue.py)
 shared by this module: the real Kueue v0.17 manager (built from its Go module), its CRDs and
-webhooks, InstaSlice's webhook with `--slot-accounting`, allocator and emulated agents.
+webhooks, InstaSlice's webhook, allocator and emulated agents. It runs as `kueue: true` alone
+sets it up (no slot accounting) for the tests that take `plain`, and with the webhook's
+`--slot-accounting` and the Kueue configuration to match for those that take `slotted`
+(`DevSystem.set_slot_accounting` restarts the webhook and Kueue; the tests are ordered so it
+switches once).
 
-Covers (docs/kueue.md): a ClusterQueue quota written as `nvidia.com/mig-1g.10gb` admits 2 of 3
-Jobs and the third once one finishes; the same for plain pods (Kueue's pod integration), with
-Kueue's webhook called before and after InstaSlice's — the gate order proves which ran first —
-while InstaSlice never touches a pod Kueue still holds; one ResourceFlavor per GPU model sends a
-Job to that model's nodes; `instaslice.io/memory-slots` limits a namespace across profiles,
-as a ResourceQuota and as a Kueue quota; a workload Kueue admitted but InstaSlice cannot place
-is explained (`AllocationPending`) and requeued by Kueue's waitForPodsReady; a pod asking by
-size lands on the smallest fitting profile of the model it is sent to.
+Covers (docs/kueue.md): exactly what a new user writes — a ClusterQueue covering only cpu,
+memory and `nvidia.com/mig-1g.10gb` — admits a suspended Job, whose pod gets its slice, and
+holds a second one beyond the quota (issue 36); a ClusterQueue quota written as
+`nvidia.com/mig-1g.10gb` admits 2 of 3 Jobs and the third once one finishes; the same for plain
+pods (Kueue's pod integration), with Kueue's webhook called before and after InstaSlice's — the
+gate order proves which ran first — while InstaSlice never touches a pod Kueue still holds; one
+ResourceFlavor per GPU model sends a Job to that model's nodes; a workload Kueue admitted but
+InstaSlice cannot place is explained (`AllocationPending`) and requeued by Kueue's
+waitForPodsReady; with slot accounting, `instaslice.io/memory-slots` limits a namespace across
+profiles, as a ResourceQuota and as a Kueue quota, and a pod asking by size lands on the
+smallest fitting profile of the model it is sent to, charged the most that size takes on the
+models its selector admits.
 
 Leaves out: Kueue's preemption, cohorts and fair sharing (Kueue's own business), and other
 integrations than batch/v1 Job and Pod.
@@ -17,6 +25,7 @@ integrations than batch/v1 Job and Pod.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +47,7 @@ from hack import kueue
 from hack.dev import DevSystem
 from tests.e2e.helpers import (
     allocs_path,
+    assert_holds_slices,
     jobs_path,
     make_job,
     make_pod,
@@ -102,6 +112,19 @@ def cluster_queue(name: str, flavors: dict[str, dict[str, int]]) -> Obj:
             ],
         },
     }
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def plain(own_system: DevSystem) -> None:
+    """The system as `kueue: true` alone sets it up: the webhook adds no memory slots and
+    Kueue's configuration names none (issue 36)."""
+    await asyncio.to_thread(own_system.set_slot_accounting, False, die_with_parent=True)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def slotted(own_system: DevSystem) -> None:
+    """The webhook with `--slot-accounting`, and Kueue charging Jobs their memory slots."""
+    await asyncio.to_thread(own_system.set_slot_accounting, True, die_with_parent=True)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -179,10 +202,83 @@ async def finish(kube: Kube, pod: Obj) -> None:
 # --- quota in the user's names ------------------------------------------------------------------
 
 
-async def test_job_quota_runs_two_of_three_then_the_third(kk: Kube, team: str) -> None:
-    q = await local_queue(
-        kk, team, {"any": {"nvidia.com/mig-1g.10gb": 2, MEMORY_SLOTS_RESOURCE: 64}}
-    )
+async def test_a_quota_in_nvidias_names_alone_admits_a_job_and_holds_the_next(
+    kk: Kube, own_system: DevSystem, plain: None, team: str
+) -> None:
+    """Issue 36, as a new user writes it on `kueue: true`: a ResourceFlavor, a ClusterQueue
+    covering only cpu, memory and nvidia.com/mig-1g.10gb, a LocalQueue, a suspended Job."""
+    flavor, queue = f"nv-{next(_names)}", f"cq-{next(_names)}"
+    await kk.create(group_path(KUEUE, "resourceflavors"), _flavor(flavor, {}))
+    cq: Obj = {
+        "apiVersion": KUEUE,
+        "kind": "ClusterQueue",
+        "metadata": {"name": queue},
+        "spec": {
+            "namespaceSelector": {},
+            "resourceGroups": [
+                {
+                    "coveredResources": ["cpu", "memory", "nvidia.com/mig-1g.10gb"],
+                    "flavors": [
+                        {
+                            "name": flavor,
+                            "resources": [
+                                {"name": "cpu", "nominalQuota": "8"},
+                                {"name": "memory", "nominalQuota": "16Gi"},
+                                {"name": "nvidia.com/mig-1g.10gb", "nominalQuota": "2"},
+                            ],
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+    await kk.create(group_path(KUEUE, "clusterqueues"), cq)
+    lq = {"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "user"},
+          "spec": {"clusterQueue": queue}}  # fmt: skip
+    await kk.create(group_path(KUEUE, "localqueues", team), lq)
+
+    def job(name: str, count: int) -> Obj:
+        body = queued(
+            make_job(name, slices={"main": {"1g.10gb": count}}, cpu="100m"),
+            "user",
+            template_annotations=STAY,
+        )
+        body["spec"]["suspend"] = True
+        return body
+
+    await kk.create(jobs_path(team), job("first", 1))
+    # (a failure shows the Workload's conditions: why Kueue did not admit it)
+    wl = await wait_for(
+        kk, workloads_path(team),
+        lambda ws: next((w for w in ws.values() if owner(w) == "first" and admitted(w)), None),
+        what="the first Job's Workload admitted",
+    )  # fmt: skip
+    (pod,) = await running_pods(kk, team, 1, labelSelector="job-name=first")
+    alloc = await assert_holds_slices(kk, own_system, team, pod["metadata"]["name"])
+    assert [s["profile"] for s in alloc["spec"]["slices"]] == ["1g.10gb"]
+    usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+    assert usage == {"cpu": "100m", "nvidia.com/mig-1g.10gb": "1"}, usage
+
+    # 1 + 2 > 2: the second waits on the quota in NVIDIA's name, not on a resource never written
+    await kk.create(jobs_path(team), job("second", 2))
+    held = await wait_for(
+        kk, workloads_path(team),
+        lambda ws: next((w for w in ws.values() if owner(w) == "second" and not admitted(w)
+                         and "nvidia.com/mig-1g.10gb" in str(w.get("status", {}))), None),
+        what="the second Job's Workload pending on nvidia.com/mig-1g.10gb",
+    )  # fmt: skip
+    assert MEMORY_SLOTS_RESOURCE not in str(held.get("status", {})), held["status"]
+    assert (await kk.get(jobs_path(team, "second")))["spec"]["suspend"] is True
+    assert len((await kk.list(pods_path(team), labelSelector="job-name=second"))["items"]) == 0
+    # and once the first is done, the quota is the second's
+    await finish(kk, pod)
+    (second,) = await running_pods(kk, team, 1, labelSelector="job-name=second")
+    alloc = await assert_holds_slices(kk, own_system, team, second["metadata"]["name"])
+    assert [s["profile"] for s in alloc["spec"]["slices"]] == ["1g.10gb", "1g.10gb"]
+
+
+async def test_job_quota_runs_two_of_three_then_the_third(kk: Kube, plain: None, team: str) -> None:
+    q = await local_queue(kk, team, {"any": {"nvidia.com/mig-1g.10gb": 2}})
     for i in range(3):
         job = make_job(f"j{i}", slices={"work": {"1g.10gb": 1}})
         await kk.create(jobs_path(team), queued(job, q, template_annotations=STAY))
@@ -194,7 +290,7 @@ async def test_job_quota_runs_two_of_three_then_the_third(kk: Kube, team: str) -
     assert (await kk.get(jobs_path(team, third)))["spec"]["suspend"] is True
     # the admitted Workloads are charged in the user's names (transformations, common/quota.py)
     usage = next(w for w in wls if admitted(w))["status"]["admission"]["podSetAssignments"][0]
-    assert usage["resourceUsage"] == {"nvidia.com/mig-1g.10gb": "1", MEMORY_SLOTS_RESOURCE: "1"}
+    assert usage["resourceUsage"] == {"nvidia.com/mig-1g.10gb": "1"}
 
     await finish(kk, two[0])
     pod = await running_pods(kk, team, 1, labelSelector=f"job-name={third}")
@@ -203,15 +299,13 @@ async def test_job_quota_runs_two_of_three_then_the_third(kk: Kube, team: str) -
 
 @pytest.mark.parametrize("kueue_first", [False, True], ids=["instaslice-first", "kueue-first"])
 async def test_plain_pods_quota_in_either_webhook_order(
-    kk: Kube, own_system: DevSystem, team: str, kueue_first: bool
+    kk: Kube, own_system: DevSystem, plain: None, team: str, kueue_first: bool
 ) -> None:
     kueue.register_webhooks(
         own_system.cp, kueue.find_kueue_dir(), own_system.kueue_port, first=kueue_first
     )
     try:
-        q = await local_queue(
-            kk, team, {"any": {"nvidia.com/mig-1g.10gb": 2, MEMORY_SLOTS_RESOURCE: 64}}
-        )
+        q = await local_queue(kk, team, {"any": {"nvidia.com/mig-1g.10gb": 2}})
         for i in range(3):
             pod = make_pod(f"p{i}", slices={"main": {"1g.10gb": 1}}, labels={QUEUE_LABEL: q})
             created = await kk.create(pods_path(team), pod)
@@ -231,7 +325,7 @@ async def test_plain_pods_quota_in_either_webhook_order(
         assert res["limits"]["instaslice.io/mig-1g.10gb"] == "1"
         usage = [w["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
                  for w in wls if admitted(w)]  # fmt: skip
-        assert usage == [{"nvidia.com/mig-1g.10gb": "1", MEMORY_SLOTS_RESOURCE: "1"}] * 2
+        assert usage == [{"nvidia.com/mig-1g.10gb": "1"}] * 2
         # InstaSlice leaves a pod Kueue holds alone: no allocation, no AllocationPending
         name = held["metadata"]["name"]
         events = await kk.list(
@@ -246,8 +340,10 @@ async def test_plain_pods_quota_in_either_webhook_order(
         kueue.register_webhooks(own_system.cp, kueue.find_kueue_dir(), own_system.kueue_port)
 
 
-async def test_a_flavor_per_gpu_model_sends_jobs_to_that_model(kk: Kube, team: str) -> None:
-    quota = {"nvidia.com/mig-1g.10gb": 1, MEMORY_SLOTS_RESOURCE: 8}
+async def test_a_flavor_per_gpu_model_sends_jobs_to_that_model(
+    kk: Kube, plain: None, team: str
+) -> None:
+    quota = {"nvidia.com/mig-1g.10gb": 1}
     q = await local_queue(
         kk, team, {flavor_name("A100-80GB"): quota, flavor_name("H100-80GB"): quota}
     )
@@ -260,7 +356,44 @@ async def test_a_flavor_per_gpu_model_sends_jobs_to_that_model(kk: Kube, team: s
         assert pod["spec"]["nodeName"] == ("a100-0", "h100-0")[i]
 
 
-async def test_memory_slots_limit_a_namespace_across_profiles(kk: Kube, team: str) -> None:
+# --- Kueue admits, InstaSlice cannot place ------------------------------------------------------
+
+
+async def test_admitted_but_unplaceable_is_explained_and_requeued(
+    kk: Kube, plain: None, team: str
+) -> None:
+    # both 7g.80gb GPUs hold a 4g.40gb slice of a pod Kueue does not manage
+    for model in ("H100-80GB", "A100-80GB"):
+        pod = make_pod(f"hold-{model.lower()}", slices={"main": {"4g.40gb": 1}},
+                       node_selector={GPU_MODEL_LABEL: model})  # fmt: skip
+        await kk.create(pods_path(team), pod)
+    await running_pods(kk, team, 2)
+    q = await local_queue(kk, team, {"any": {"nvidia.com/mig-7g.80gb": 4}})
+    await kk.create(jobs_path(team), queued(make_job("big", slices={"work": {"7g.80gb": 1}}), q))
+    pod = await wait_for(
+        kk, pods_path(team), lambda ps: next(iter(ps.values()), None),
+        what="the Job's pod", labelSelector="job-name=big",
+    )  # fmt: skip
+    name = pod["metadata"]["name"]
+    told = await wait_event(kk, team, name, REASON_PENDING)
+    assert "7g.80gb" in told["message"], told["message"]
+    # waitForPodsReady (30 s in the dev system) evicts it, and Kueue requeues it
+    wl = await wait_for(
+        kk, workloads_path(team),
+        lambda ws: next((w for w in ws.values() if owner(w) == "big"
+                         and w.get("status", {}).get("requeueState", {}).get("count")), None),
+        what="the Workload evicted by waitForPodsReady and requeued", timeout_s=120,
+    )  # fmt: skip
+    reasons = {c["type"]: c.get("reason") for c in wl["status"]["conditions"]}
+    assert reasons.get("Evicted") == "PodsReadyTimeout" or "PodsReadyTimeout" in str(wl), wl
+
+
+# --- with slot accounting (the webhook's --slot-accounting) ------------------------------------
+
+
+async def test_memory_slots_limit_a_namespace_across_profiles(
+    kk: Kube, slotted: None, team: str
+) -> None:
     # as a ResourceQuota: 1 + 2 slots fit in 3, one more slot is refused at admission
     rq = {"metadata": {"name": "slots"},
           "spec": {"hard": {f"requests.{MEMORY_SLOTS_RESOURCE}": "3"}}}  # fmt: skip
@@ -294,51 +427,27 @@ async def test_memory_slots_limit_a_namespace_across_profiles(kk: Kube, team: st
     assert not admitted(wl)
 
 
-# --- Kueue admits, InstaSlice cannot place ------------------------------------------------------
-
-
-async def test_admitted_but_unplaceable_is_explained_and_requeued(kk: Kube, team: str) -> None:
-    # both 7g.80gb GPUs hold a 4g.40gb slice of a pod Kueue does not manage
-    for model in ("H100-80GB", "A100-80GB"):
-        pod = make_pod(f"hold-{model.lower()}", slices={"main": {"4g.40gb": 1}},
-                       node_selector={GPU_MODEL_LABEL: model})  # fmt: skip
-        await kk.create(pods_path(team), pod)
-    await running_pods(kk, team, 2)
-    q = await local_queue(
-        kk, team, {"any": {"nvidia.com/mig-7g.80gb": 4, MEMORY_SLOTS_RESOURCE: 64}}
-    )
-    await kk.create(jobs_path(team), queued(make_job("big", slices={"work": {"7g.80gb": 1}}), q))
-    pod = await wait_for(
-        kk, pods_path(team), lambda ps: next(iter(ps.values()), None),
-        what="the Job's pod", labelSelector="job-name=big",
-    )  # fmt: skip
-    name = pod["metadata"]["name"]
-    told = await wait_event(kk, team, name, REASON_PENDING)
-    assert "7g.80gb" in told["message"], told["message"]
-    # waitForPodsReady (30 s in the dev system) evicts it, and Kueue requeues it
-    wl = await wait_for(
-        kk, workloads_path(team),
-        lambda ws: next((w for w in ws.values() if owner(w) == "big"
-                         and w.get("status", {}).get("requeueState", {}).get("count")), None),
-        what="the Workload evicted by waitForPodsReady and requeued", timeout_s=120,
-    )  # fmt: skip
-    reasons = {c["type"]: c.get("reason") for c in wl["status"]["conditions"]}
-    assert reasons.get("Evicted") == "PodsReadyTimeout" or "PodsReadyTimeout" in str(wl), wl
-
-
 # --- size-based requests ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("selector", "node", "profile"),
+    ("selector", "node", "profile", "slots"),
     [
-        ({GPU_MODEL_LABEL: "H100-80GB"}, "h100-0", "3g.40gb"),  # 1g.20gb is 19.6 GiB
-        ({GPU_MODEL_LABEL: "A100-80GB"}, "a100-0", "3g.40gb"),  # 2g.20gb is 19.5 GiB
-        (None, "h200-0", "1g.35gb"),  # the least memory of every model's smallest fit
+        ({GPU_MODEL_LABEL: "H100-80GB"}, "h100-0", "3g.40gb", 4),  # 1g.20gb is 19.6 GiB
+        ({GPU_MODEL_LABEL: "A100-80GB"}, "a100-0", "3g.40gb", 4),  # 2g.20gb is 19.5 GiB
+        # the least memory of every model's smallest fit; charged the most any catalog model's
+        # fit takes (A100-40GB 7g.40gb: 8), as the selector leaves the model open
+        (None, "h200-0", "1g.35gb", 8),
     ],
 )
 async def test_size_based_pod_gets_the_smallest_fitting_profile(
-    kk: Kube, team: str, selector: dict[str, str] | None, node: str, profile: str
+    kk: Kube,
+    slotted: None,
+    team: str,
+    selector: dict[str, str] | None,
+    node: str,
+    profile: str,
+    slots: int,
 ) -> None:
     pod = make_pod("sized", slices={}, node_selector=selector)
     pod["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
@@ -346,6 +455,7 @@ async def test_size_based_pod_gets_the_smallest_fitting_profile(
     await kk.create(pods_path(team), pod)
     (up,) = await running_pods(kk, team, 1)
     assert up["spec"]["nodeName"] == node
-    assert up["spec"]["containers"][0]["resources"]["limits"] == {MEMORY_SLOTS_RESOURCE: "1"}
+    limits = up["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {MEMORY_SLOTS_RESOURCE: str(slots)}
     (alloc,) = (await kk.list(allocs_path(team)))["items"]
     assert [(s["container"], s["profile"]) for s in alloc["spec"]["slices"]] == [("main", profile)]

@@ -116,6 +116,8 @@ async def test_allocation_ready_and_released(
         assert cap["instaslice.io/mig-1g.18gb"] == "14"
         assert cap["instaslice.io/mig-7g.141gb"] == "2"
         assert cap["instaslice.io/mig-1g.18gb.me"] == "2"
+        # each of 2 x 8 slots at the largest catalog model's 12 (common.quota.slot_bound)
+        assert cap["instaslice.io/memory-slots"] == str(2 * 8 * 12)
 
         alloc = slice_allocation(
             ns,

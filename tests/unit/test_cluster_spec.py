@@ -53,6 +53,14 @@ def test_kueue_is_a_top_level_boolean() -> None:
         parse_spec({"kueue": "yes", "nodes": [group]})
 
 
+def test_slot_accounting_is_a_top_level_boolean_off_by_default() -> None:
+    group = {"prefix": "h", "count": 1, "gpus": 1, "model": "H100-80GB"}
+    assert parse_spec({"kueue": True, "nodes": [group]}).slot_accounting is False
+    assert parse_spec({"slotAccounting": True, "nodes": [group]}).slot_accounting is True
+    with pytest.raises(SpecError, match="slotAccounting: 1 is not true or false"):
+        parse_spec({"slotAccounting": 1, "nodes": [group]})
+
+
 def test_every_shipped_spec_parses() -> None:
     from pathlib import Path
 

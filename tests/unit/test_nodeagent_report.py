@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.catalog import load_catalog
 from common.objects import node_label_value
 from nodeagent import checkpoint
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
@@ -54,20 +55,17 @@ def test_capacity_is_the_sum_of_max_counts_over_healthy_mig_gpus() -> None:
     assert set(capacity(off, {}).values()) == {"0"}
 
 
-def test_memory_slots_are_the_slots_of_healthy_mig_gpus() -> None:
+def test_memory_slots_are_written_like_the_profiles_bounds() -> None:
+    # the number itself: tests/unit/test_slot_charges.py
     two = NodeInventory(gpus=(gpu(0, G0), gpu(1, G1)))  # two H200s: 8 slots each
-    assert slot_capacity(two, {}) == {"instaslice.io/memory-slots": "16"}
-    assert slot_capacity(two, {1: Health(False, "XID 48")}) == {"instaslice.io/memory-slots": "8"}
-    off = NodeInventory(gpus=(gpu(0, G0, mig="disabled"),))
-    assert slot_capacity(off, {}) == {"instaslice.io/memory-slots": "0"}
-    # the patch writes it like the profiles' bounds
-    body = capacity_patch(slot_capacity(two, {}), {"cpu": "64"})
-    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
+    slots = slot_capacity(two, {}, load_catalog())
+    n = slots["instaslice.io/memory-slots"]
+    body = capacity_patch(slots, {"cpu": "64"})
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": n}
     # in device-plugin mode the kubelet's instaslice.io/mig-* entries are left alone
     kubelet = {"instaslice.io/mig-1g.18gb": "14"}
-    body = capacity_patch(slot_capacity(two, {}), kubelet, prune=False)
-    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": "16"}
-    slots = {"instaslice.io/memory-slots": "16"}
+    body = capacity_patch(slots, kubelet, prune=False)
+    assert body is not None and body["status"]["capacity"] == {"instaslice.io/memory-slots": n}
     assert capacity_patch(slots, {**kubelet, **slots}, prune=False) is None
 
 

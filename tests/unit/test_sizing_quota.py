@@ -197,14 +197,26 @@ def test_kueue_transformations_cover_every_profile_in_both_spellings(accounting:
     for name, slots in profile_slots(CAT).items():
         spelled = name.replace("+", ".")
         rewritten = by_input[f"instaslice.io/mig-{spelled}"]
+        # a rewritten pod: its slots (with accounting) come from the webhook, never from here
         assert rewritten["strategy"] == "Replace"
-        want = {f"nvidia.com/mig-{spelled}": "1"}
-        if not accounting:  # the webhook does not add slots: Kueue charges them
-            want[MEMORY_SLOTS_RESOURCE] = str(slots)
-        assert rewritten["outputs"] == want
-        job = by_input[f"nvidia.com/mig-{spelled}"]
-        assert (job["strategy"], job["outputs"]) == ("Retain", {MEMORY_SLOTS_RESOURCE: str(slots)})
-    assert len(by_input) == 2 * len(profile_slots(CAT))
+        assert rewritten["outputs"] == {f"nvidia.com/mig-{spelled}": "1"}
+        job = by_input.get(f"nvidia.com/mig-{spelled}")
+        if accounting:  # a Job's template is charged its slots too
+            assert job is not None
+            assert (job["strategy"], job["outputs"]) == (
+                "Retain", {MEMORY_SLOTS_RESOURCE: str(slots)}
+            )  # fmt: skip
+        else:
+            assert job is None
+    assert len(by_input) == (2 if accounting else 1) * len(profile_slots(CAT))
+
+
+def test_without_slot_accounting_kueue_sees_only_nvidias_names() -> None:
+    """Issue 36: a ClusterQueue covering `nvidia.com/mig-<profile>` (and cpu, memory) must
+    cover every resource a workload asks; Kueue refuses one asking anything else."""
+    config = kueue_resources(CAT, slot_accounting=False)
+    outputs = {r for t in config["transformations"] for r in t["outputs"]}
+    assert outputs and all(r.startswith("nvidia.com/mig-") for r in outputs)
 
 
 def test_one_flavor_per_model_selects_its_nodes() -> None:
@@ -236,8 +248,9 @@ def test_slot_accounting_adds_memory_slots_to_each_asking_container() -> None:
     a, b, c = out["spec"]["containers"]
     assert a["resources"]["limits"][MEMORY_SLOTS_RESOURCE] == "6"  # 2x1 + 4
     assert "resources" not in b
-    # >= 30 GiB: H200 1g.35gb, B200 1g.45gb, ... all take 2 slots
-    assert c["resources"]["limits"] == {MEMORY_SLOTS_RESOURCE: "2"}
+    # >= 30 GiB: 2 slots on H200 (1g.35gb), ... but all 8 on A100-40GB (7g.40gb); no selector
+    # keeps the pod off those (tests/unit/test_slot_charges.py)
+    assert c["resources"]["limits"] == {MEMORY_SLOTS_RESOURCE: "8"}
     assert c["env"][0]["value"] == f"instaslice.io/mig={NS}_{d.claim}_c"
     plain = admit(pod, ENV)
     assert isinstance(plain, Patched)
@@ -289,9 +302,12 @@ def test_the_dev_kueue_configuration_matches_the_dev_webhook() -> None:
     assert cfg["integrations"]["frameworks"] == ["batch/job", "pod"]
     assert cfg["webhook"] == {"port": 1, "host": "127.0.0.1", "certDir": "/c"}
     assert cfg["waitForPodsReady"]["timeout"] == "30s"
-    # dev-up runs the webhook with --slot-accounting: Kueue must not add slots to rewritten pods
-    assert cfg["resources"] == kueue_resources(CAT, slot_accounting=True)
+    # `kueue: true` alone: no slot accounting, so no memory slots a quota must cover
+    assert cfg["resources"] == kueue_resources(CAT, slot_accounting=False)
     assert cfg["featureGates"] == {"VisibilityOnDemand": False}
+    slots = KueueSettings(slot_accounting=True)
+    cfg = kueue_config(slots, webhook_port=1, health_port=2, certs=Path("/c"))
+    assert cfg["resources"] == kueue_resources(CAT, slot_accounting=True)
 
 
 _MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "A30-24GB"]
