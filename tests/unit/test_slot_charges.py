@@ -25,8 +25,8 @@ from common.quota import admitted_models, slot_bound
 from common.sizing import resolve, size_asks
 from nodeagent.model import Health, NodeInventory
 from nodeagent.report import slot_capacity
+from testkit.builders import G0, G1, gpu
 from tests.unit.test_admission import claims, container, make_pod, make_request
-from tests.unit.test_nodeagent_builders import G0, G1, gpu
 from webhook.admission import Patched, review
 from webhook.settings import AdmissionSettings
 
