@@ -193,6 +193,21 @@ def gpu_uuid(node: str, index: int) -> str:
     return f"GPU-{node}-{index}"
 
 
+def profile_entries(model: GpuModel) -> list[Obj]:
+    """A model's profiles as a MigNode GPU entry lists them (what the agent reads off NVML)."""
+    return [
+        {
+            "name": p.name,
+            "id": p.id,
+            "memoryMiB": p.memory_mib,
+            "multiprocessors": p.multiprocessors,
+            "maxCount": p.max_count,
+            "placements": [{"start": s, "size": p.memory_slots} for s in p.starts],
+        }
+        for p in model.profiles
+    ]
+
+
 def make_mig_node(node: str, gpus: Iterable[GpuSpec | str] = ("H100-80GB",)) -> Obj:
     out = []
     for i, g in enumerate(gpus):
@@ -207,17 +222,7 @@ def make_mig_node(node: str, gpus: Iterable[GpuSpec | str] = ("H100-80GB",)) -> 
                 "model": spec.model,
                 "migMode": {"current": mode, "pending": mode},
                 "healthy": spec.healthy,
-                "profiles": [
-                    {
-                        "name": p.name,
-                        "id": p.id,
-                        "memoryMiB": p.memory_mib,
-                        "multiprocessors": p.multiprocessors,
-                        "maxCount": p.max_count,
-                        "placements": [{"start": s, "size": p.memory_slots} for s in p.starts],
-                    }
-                    for p in model.profiles
-                ],
+                "profiles": profile_entries(model),
                 "slices": list(spec.slices),
             }
         )

@@ -48,6 +48,7 @@ from common.placement import tables as tables_module
 from common.placement.geometry import token
 from common.placement.search import CatalogTables
 from common.placement.tables import MODEL_TABLES_CAP, TableTooLarge, model_tables
+from testkit.builders import profile_entries
 from tests.integration.allocator_fixtures import (
     FakeClock,
     GpuSpec,
@@ -267,17 +268,7 @@ def learned_node(name: str, model: str) -> Obj:
     mig = h100_node(name)
     gpu = mig["status"]["gpus"][0]
     gpu["model"] = model
-    gpu["profiles"] = [
-        {
-            "name": p.name,
-            "id": p.id,
-            "memoryMiB": p.memory_mib,
-            "multiprocessors": p.multiprocessors,
-            "maxCount": p.max_count,
-            "placements": [{"start": s, "size": p.memory_slots} for s in p.starts],
-        }
-        for p in X10.profiles
-    ]
+    gpu["profiles"] = profile_entries(X10)
     return mig
 
 
