@@ -31,7 +31,7 @@ from common.constants import (
 )
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
-from tests.integration.allocator_fixtures import make_pod as allocator_pod
+from testkit.builders import make_pod as allocator_pod
 from webhook.admission import (
     AdmissionRequest,
     Allowed,

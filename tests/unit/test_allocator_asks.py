@@ -24,15 +24,8 @@ import pytest
 from common.catalog import load_catalog
 from common.clock import kube_time
 from common.placement import PendingReason, Policy
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    GpuSpec,
-    gpu_uuid,
-    make_mig_node,
-    make_node,
-    make_pod,
-    settle,
-)
+from testkit.builders import GpuSpec, gpu_uuid, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock, settle
 from tests.unit.test_allocator_controller import (
     Leader,
     RecordingKube,

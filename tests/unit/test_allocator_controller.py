@@ -31,16 +31,8 @@ from common.constants import (
 )
 from common.kubeapi import ApiError, Kube, Obj
 from common.objects import Phase
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    GpuSpec,
-    gpu_uuid,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-    settle,
-)
+from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock, settle
 from webhook.allocator import AllocatorSettings, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 
 from common.objects import Phase
 from common.placement import Pending, Placement, Policy, Snapshot, engine
-from testkit.builders import quiet_placer
-from tests.integration.allocator_fixtures import (
+from testkit.builders import (
     gpu_uuid,
     make_allocation,
     make_mig_node,
     make_node,
     make_pod,
+    quiet_placer,
 )
 from webhook.allocator import pods as podlib
 from webhook.allocator.inflight import InFlight, making

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from common.constants import MIG_NODE_PAGE_SIZE
 from common.kubeapi import Informer, Kube, Obj
-from tests.integration.allocator_fixtures import FakeClock, make_mig_node, make_node
+from testkit.builders import make_mig_node, make_node
+from testkit.clock import FakeClock
 from tests.unit.test_allocator_controller import Leader, RecordingKube, settings
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector

@@ -17,14 +17,7 @@ from typing import Any
 from common.placement import Pending, PendingReason, Placement, Policy
 from common.placement.modes import place_with_modes
 from common.placement.whole import place_whole
-from tests.integration.allocator_fixtures import (
-    GpuSpec,
-    gpu_uuid,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from webhook.allocator import pods as podlib
 from webhook.allocator.state import ClusterState
 

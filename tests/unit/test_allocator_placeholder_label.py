@@ -29,7 +29,8 @@ from common.placeholders import (
     signal_name,
 )
 from common.placement import Pending, PendingReason
-from tests.integration.allocator_fixtures import FakeClock, make_allocation, make_pod, settle
+from testkit.builders import make_allocation, make_pod
+from testkit.clock import FakeClock, settle
 from tests.unit.test_allocator_controller import (
     RecordingKube,
     controller,

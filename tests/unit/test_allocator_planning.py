@@ -25,14 +25,8 @@ from common.objects import Phase
 from common.placement.preempt import plan_preemption
 from common.placement.preempt_whole import plan_whole_preemption
 from common.sizing import plan_sized_preemption
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-    settle,
-)
+from testkit.builders import make_allocation, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock, settle
 from tests.unit.test_allocator_controller import Leader, RecordingKube, leading, settings
 from tests.unit.test_allocator_preempt_sized import cluster, fill_1g
 from tests.unit.test_allocator_preempt_whole import decide, placer

@@ -25,7 +25,7 @@ from common.placeholders import (
     is_placeholder,
     signal_name,
 )
-from tests.integration.allocator_fixtures import make_pod
+from testkit.builders import make_pod
 from webhook.allocator import controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.state import ClusterState

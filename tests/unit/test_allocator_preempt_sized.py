@@ -17,13 +17,7 @@ import pytest
 
 from common.catalog import load_catalog
 from common.constants import REASON_PENDING, SIZE_ANNOTATION_PREFIX
-from tests.integration.allocator_fixtures import (
-    gpu_uuid,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from tests.unit.test_allocator_preempt_whole import decide, placer
 from webhook.allocator.state import ClusterState
 

@@ -19,14 +19,7 @@ import pytest
 from common.catalog import load_catalog
 from common.constants import KIND_GPU, REASON_PENDING
 from common.placement import Policy
-from tests.integration.allocator_fixtures import (
-    GpuSpec,
-    gpu_uuid,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer, PreemptionSettings
 from webhook.allocator.preemption import Budgets

@@ -21,14 +21,8 @@ from common.constants import ENABLED_KEY, REASON_PENDING, REASON_PINNED_UNSCHEDU
 from common.kubeapi import ApiError, Obj
 from common.objects import Phase
 from common.placement.preempt import Frees, Holder
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-    settle,
-)
+from testkit.builders import make_allocation, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock, settle
 from tests.unit.test_allocator_controller import (
     RecordingKube,
     controller,

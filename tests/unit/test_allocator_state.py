@@ -16,14 +16,7 @@ from common.constants import GATE_NAME
 from common.objects import Phase
 from common.placement import Pending, PendingReason, Placement, place
 from common.podspec import SliceRequestError
-from tests.integration.allocator_fixtures import (
-    GpuSpec,
-    gpu_uuid,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentLeases
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from common.allocation import SliceAllocation
 from common.constants import GATE_NAME
 from common.objects import Phase
-from tests.integration.allocator_fixtures import make_allocation, make_pod
+from testkit.builders import make_allocation, make_pod
 from webhook.allocator import pods as podlib
 from webhook.allocator.preemption import Preemption, Victim
 from webhook.allocator.track import (

@@ -62,15 +62,9 @@ from hack.cluster.nodes import SpecError, parse_spec
 from nodeagent.modechange import ModeChanger
 from nodeagent.model import NodeInventory
 from nodeagent.report import capacity
-from testkit.builders import gpu
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
-from tests.integration.allocator_fixtures import mig_capacity as agent_capacity
+from testkit.builders import gpu, make_allocation, make_mig_node, make_node, make_pod
+from testkit.builders import mig_capacity as agent_capacity
+from testkit.clock import FakeClock
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     CAPACITY_REASONS,
@@ -1318,6 +1312,20 @@ def test_a_whole_gpu_pod_that_needs_a_node_is_never_left_on_a_known_node(
     # needs a node: wherever its placeholder stands it is replaced; waits: one node serves it
     assert all(bad) if verdict.needs_node else not all(bad)
     assert kept_off(nodes, req) == sorted(x.name for x in nodes)
+
+
+def test_a_whole_gpu_pod_a_change_under_way_serves_waits_though_another_node_needs_a_reset() -> (
+    None
+):
+    """The case hypothesis found: n0's GPUs are one right and one needing a reset, n1's one
+    needing a reset and one whose change is under way. The fleet's Pending reason names n0's
+    reset, but n1 serves two whole GPUs once its change is done: the pod waits."""
+    nodes = [two_gpus("n0", (), ()), two_gpus("n1", (), ())]
+    classes = {("n0", 0): "right", ("n0", 1): "reset", ("n1", 0): "reset", ("n1", 1): "under"}
+    verdict = classify(whole(2), Pending(PendingReason.FULL, "m"), Snapshot(tuple(nodes)),
+                       Policy.INSTASLICE, CATALOG, view_of(classes))  # fmt: skip
+    assert not verdict.needs_node, verdict.why
+    assert "MIG mode change is done" in verdict.why
 
 
 def _whole_cluster(want_priority: int) -> ClusterState:

@@ -27,13 +27,8 @@ from common.objects import Phase
 from common.placeholders import signal_name
 from common.placement import Pending, PendingReason, Policy
 from common.quantity import parse_bytes, parse_cpu_millis
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import make_allocation, make_mig_node, make_node, make_pod
+from testkit.clock import FakeClock
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     ScaleUpSettings,

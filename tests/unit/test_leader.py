@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 
 from common.kubeapi import ApiError, Kube
-from tests.integration.allocator_fixtures import FakeClock
+from testkit.clock import FakeClock
 from webhook.allocator.leader import LeaderElector, LeadershipLost, LeaseSettings
 
 pytestmark = pytest.mark.timeout(10)

@@ -48,15 +48,8 @@ from common.placement import tables as tables_module
 from common.placement.geometry import token
 from common.placement.search import CatalogTables
 from common.placement.tables import MODEL_TABLES_CAP, TableTooLarge, model_tables
-from testkit.builders import profile_entries
-from tests.integration.allocator_fixtures import (
-    FakeClock,
-    GpuSpec,
-    make_mig_node,
-    make_node,
-    make_pod,
-    settle,
-)
+from testkit.builders import GpuSpec, make_mig_node, make_node, make_pod, profile_entries
+from testkit.clock import FakeClock, settle
 from tests.unit.test_allocator_controller import (
     RecordingKube,
     allocated_nodes,

@@ -47,12 +47,7 @@ from common.placement.lazyheap import LazyHeap
 from common.placement.replay import AddEvent, Cluster, parse_trace, replay
 from common.placement.search import Context
 from common.placement.why import ShapeWhy
-from tests.integration.allocator_fixtures import (
-    make_allocation,
-    make_mig_node,
-    make_node,
-    make_pod,
-)
+from testkit.builders import make_allocation, make_mig_node, make_node, make_pod
 from tests.unit.test_placement_properties import nodes, spec
 from webhook.allocator import pods as podlib
 from webhook.allocator.state import ClusterState

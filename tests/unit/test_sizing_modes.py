@@ -47,8 +47,7 @@ from common.placement import (
 )
 from common.placement.modes import ModePlacement, ModeView, place_with_modes, with_mig
 from common.sizing import Size, SizeAsk, place_sized, resolve
-from testkit.builders import quiet_placer
-from tests.integration.allocator_fixtures import GpuSpec, gpu_uuid, make_pod
+from testkit.builders import GpuSpec, gpu_uuid, make_pod, quiet_placer
 from tests.unit.test_allocator_modes import _mig_node, state_with
 from tests.unit.test_placement import make_gpu, make_node, snap
 

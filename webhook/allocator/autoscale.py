@@ -188,10 +188,29 @@ def classify(
         again = place(freed_snapshot, request, policy, catalog)
     if not isinstance(again, Pending):
         return Verdict(False, "fits on an existing node once the slices being released are gone")
-    if again.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY:
+    if again.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY or (
+        is_whole(request) and _under_way_somewhere(freed_snapshot, request, wholes, catalog)
+    ):
         why = "fits once the slices being released are gone and a MIG mode change is done"
         return Verdict(False, why)
     return Verdict(True, f"no existing node can serve it now ({result.reason.value})")
+
+
+def _under_way_somewhere(
+    snapshot: Snapshot, request: PodRequest, wholes: Wholes, catalog: Catalog
+) -> bool:
+    """A node where a MIG mode change under way serves the whole-GPU pod. The fleet's one
+    Pending reason may name another (a node that needs a reset ranks before it), so each node
+    is asked alone, as the placer would serve it there: the pod then waits for that change
+    and needs no new node (hypothesis found two empty nodes, one needing a reset, the other's
+    change under way, classified as needing a node)."""
+    for node in snapshot.nodes:
+        one = Snapshot((node,))
+        view = wholes(one) if callable(wholes) else wholes
+        got = place_whole(one, request, view, catalog).result
+        if isinstance(got, Pending) and got.reason is PendingReason.MIG_MODE_CHANGE_UNDER_WAY:
+            return True
+    return False
 
 
 def placeholder_value(node: NodeState) -> str:
