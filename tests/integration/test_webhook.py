@@ -221,9 +221,13 @@ async def test_invalid_pods_are_refused_with_their_message(
 ) -> None:
     with pytest.raises(ApiError) as exc:
         await kube.create(core_path("pods", opted_in), pod)
-    assert exc.value.status == 403, exc.value
+    # the API server passes the webhook's status on: 422 Invalid (not 403, which users read
+    # as RBAC), a cause naming the field path of each problem, as its own validation does
+    assert (exc.value.status, exc.value.reason) == (422, "Invalid"), exc.value
+    causes = exc.value.body["details"]["causes"]
+    assert causes and all(c["field"].startswith(("spec.", "metadata.")) for c in causes), causes
     message = exc.value.message
-    assert 'admission webhook "pods.instaslice.io" denied the request' in message
+    assert 'admission webhook "mig.pods.instaslice.io" denied the request' in message
     for w in words:
         assert w in message, (w, message)
     listing = await kube.list(core_path("pods", opted_in))
