@@ -198,6 +198,7 @@ class Denied:
     code: int = 422
     reason: str = "Invalid"
     causes: tuple[StatusCause, ...] = ()
+    name: str = ""  # the pod's name (or generateName), for details.name
 
 
 Verdict = Allowed | Patched | Denied
@@ -267,6 +268,8 @@ def response_for(uid: str, decision: Verdict) -> AdmissionReview:
         }
         if decision.causes:
             status["details"] = {"kind": "Pod", "causes": list(decision.causes)}
+            if decision.name:
+                status["details"]["name"] = decision.name
         resp["status"] = status
     return {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": resp}
 
@@ -528,7 +531,12 @@ class _Rewrite:
             shown = self.problems[:_MAX_PROBLEMS]
             if len(self.problems) > _MAX_PROBLEMS:
                 shown.append(f"and {len(self.problems) - _MAX_PROBLEMS} more problems")
-            return Denied("; ".join(shown), causes=tuple(self.causes[:_MAX_PROBLEMS]))
+            name = self.meta.get("name") or self.meta.get("generateName")
+            return Denied(
+                "; ".join(shown),
+                causes=tuple(self.causes[:_MAX_PROBLEMS]),
+                name=name if isinstance(name, str) else "",
+            )
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []

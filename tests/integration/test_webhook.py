@@ -23,7 +23,14 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, VISIBLE_DEVICES_ENV
+from common.constants import (
+    CLAIM_ANNOTATION,
+    ENABLED_KEY,
+    GATE_NAME,
+    NVIDIA_GPU,
+    VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_KEY,
+)
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from tests.integration.webhook_fixtures import (
     MIG,
@@ -175,6 +182,38 @@ async def test_opt_in_and_out_by_annotation_takes_effect_within_seconds(
         return ENABLED_KEY not in (ns["metadata"].get("labels") or {})
 
     await eventually(label_gone, timeout_s=10)
+
+
+async def test_a_refusal_names_the_webhook_entry_that_judged_it(
+    kube: Kube, webhook: Webhook, namespace: str
+) -> None:
+    """In a namespace opted in to whole GPUs too, a misspelt MIG profile is judged (and named)
+    by mig.pods.instaslice.io, a whole-GPU ask by whole-gpu.pods.instaslice.io, and a pod the
+    whole-GPU entry rewrote is not sent to the MIG entry (one gate, one claim)."""
+    await kube.patch(core_path("namespaces", name=namespace), {"metadata": {"annotations": {
+        ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}})  # fmt: skip
+    whole = make_pod(container("train", limits={NVIDIA_GPU: "1"}))
+
+    async def whole_gpus_served() -> bool:
+        try:
+            return is_rewritten(await dry_run_create(kube, namespace, whole))
+        except ApiError:
+            return False
+
+    await eventually(whole_gpus_served)
+    cases = [
+        (make_pod(container("m", limits={"nvidia.com/mig-5g.99gb": "1"})), "mig.pods"),
+        (make_pod(container("m", limits={MIG: "1", NVIDIA_GPU: "1"})), "whole-gpu.pods"),
+    ]
+    for pod, entry in cases:
+        with pytest.raises(ApiError) as exc:
+            await kube.create(core_path("pods", namespace), pod)
+        assert exc.value.status == 422, exc.value
+        assert f'admission webhook "{entry}.instaslice.io" denied' in exc.value.message
+    for pod in (whole, mig_pod()):
+        out = await dry_run_create(kube, namespace, pod)
+        assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}], out["spec"]
+        assert CLAIM_ANNOTATION in out["metadata"]["annotations"]
 
 
 # --- denials ---------------------------------------------------------------------------------

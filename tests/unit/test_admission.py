@@ -523,7 +523,8 @@ def test_a_denial_is_invalid_with_the_api_field_path_of_each_problem(
     assert isinstance(d, Denied) and (d.code, d.reason) == (422, "Invalid"), d
     assert [(c["field"], c["reason"]) for c in d.causes] == [(field, reason)], d.causes
     status = response_for("u", d)["response"]["status"]
-    assert status["details"] == {"kind": "Pod", "causes": list(d.causes)}
+    name = pod["metadata"].get("name") or pod["metadata"]["generateName"]
+    assert status["details"] == {"kind": "Pod", "name": name, "causes": list(d.causes)}
 
 
 @pytest.mark.parametrize(
