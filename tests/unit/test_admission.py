@@ -444,7 +444,8 @@ def test_a_tenant_pod_labelled_as_a_placeholder_is_rewritten_or_refused_like_any
         (
             make_pod(container("a", limits={MIG: "1"},
                                env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
-            ['container "a"', f"env[0] {VISIBLE_DEVICES_ENV} (value)", "may not set it", "remove this env entry"],
+            ['container "a"', f"env[0] {VISIBLE_DEVICES_ENV} (value)", "may not set it",
+             "remove this env entry"],
         ),
         (
             make_pod(container("a", limits={MIG: "1"}, env=[
