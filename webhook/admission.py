@@ -431,15 +431,13 @@ class _Rewrite:
     namespace: str
     settings: AdmissionSettings
     whole_gpu: bool = False
-    problems: list[str] = field(default_factory=list)
-    causes: list[StatusCause] = field(default_factory=list)
+    causes: list[StatusCause] = field(default_factory=list)  # one per problem found
     ops: list[PatchOp] = field(default_factory=list)
     asks: list[SliceAsk] = field(default_factory=list)
 
     def _problem(self, path: str, message: str, reason: CauseReason = "FieldValueInvalid") -> None:
         """Report one problem: `message` for the denial's text, `path` (the API field path)
         and `reason` for its cause."""
-        self.problems.append(message)
         self.causes.append({"reason": reason, "message": message, "field": path})
 
     def run(self, new_claim: Callable[[], str]) -> Verdict:
@@ -527,10 +525,10 @@ class _Rewrite:
                 f"({', '.join(mig)}) together; a pod gets either, not both (not supported)",
                 "FieldValueForbidden",
             )
-        if self.problems:
-            shown = self.problems[:_MAX_PROBLEMS]
-            if len(self.problems) > _MAX_PROBLEMS:
-                shown.append(f"and {len(self.problems) - _MAX_PROBLEMS} more problems")
+        if self.causes:
+            shown = [c["message"] for c in self.causes[:_MAX_PROBLEMS]]
+            if len(self.causes) > _MAX_PROBLEMS:
+                shown.append(f"and {len(self.causes) - _MAX_PROBLEMS} more problems")
             name = self.meta.get("name") or self.meta.get("generateName")
             return Denied(
                 "; ".join(shown),
@@ -603,7 +601,7 @@ class _Rewrite:
 
     def _refuse_uncharged(self, path: str, name: str, also: str = "") -> None:
         """Refuse a non-sidecar init container's ask at `path` (`also`: more of where)."""
-        why = not any("held uncharged" in p for p in self.problems)
+        why = not any("held uncharged" in c["message"] for c in self.causes)
         self._problem(path, _uncharged(path + also, name, why=why), "FieldValueForbidden")
 
     def _resources(self, c: Obj, fld: str, i: int, name: str, held: bool) -> bool:
@@ -662,7 +660,7 @@ class _Rewrite:
                 )
                 continue
             if profile not in self.settings.known_profiles:
-                listing = not any("unknown MIG profile" in p for p in self.problems)
+                listing = not any("unknown MIG profile" in c["message"] for c in self.causes)
                 text = _unknown(profile, self.settings, listing=listing)
                 self._problem(f"{at}.limits[{key}]", f"{where}: {field_}: {text}")
                 continue
