@@ -417,6 +417,18 @@ def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
     return ops
 
 
+def _without_field(message: str, path: str) -> str:
+    """`message` less the field `path` names: a leading `<path or a parent of it>: `, or the
+    container-relative `: resources.limits[k]: ` after the container's name."""
+    head, sep, rest = message.partition(": ")
+    if sep and path.startswith(head):
+        return rest
+    _, dot, relative = path.partition("].")
+    if dot and f": {relative}: " in message:
+        return message.replace(f": {relative}: ", ": ", 1)
+    return message
+
+
 def _esc(token: str) -> str:
     """One JSON Pointer reference token (RFC 6901): `~` → `~0`, `/` → `~1`."""
     return token.replace("~", "~0").replace("/", "~1")
@@ -439,6 +451,23 @@ class _Rewrite:
         """Report one problem: `message` for the denial's text, `path` (the API field path)
         and `reason` for its cause."""
         self.causes.append({"reason": reason, "message": message, "field": path})
+
+    def denied(self) -> Denied:
+        """The denial of every problem found (at most `_MAX_PROBLEMS` listed). Its causes'
+        messages leave out the field the cause names already: `kubectl` prints each cause as
+        `<field>: <message>`, and the denial's message keeps the full text."""
+        listed = self.causes[:_MAX_PROBLEMS]
+        shown = [c["message"] for c in listed]
+        if len(self.causes) > _MAX_PROBLEMS:
+            shown.append(f"and {len(self.causes) - _MAX_PROBLEMS} more problems")
+        name = self.meta.get("name") or self.meta.get("generateName")
+        return Denied(
+            "; ".join(shown),
+            causes=tuple(
+                {**c, "message": _without_field(c["message"], c["field"])} for c in listed
+            ),
+            name=name if isinstance(name, str) else "",
+        )
 
     def run(self, new_claim: Callable[[], str]) -> Verdict:
         spec = self.pod.get("spec")
@@ -526,15 +555,7 @@ class _Rewrite:
                 "FieldValueForbidden",
             )
         if self.causes:
-            shown = [c["message"] for c in self.causes[:_MAX_PROBLEMS]]
-            if len(self.causes) > _MAX_PROBLEMS:
-                shown.append(f"and {len(self.causes) - _MAX_PROBLEMS} more problems")
-            name = self.meta.get("name") or self.meta.get("generateName")
-            return Denied(
-                "; ".join(shown),
-                causes=tuple(self.causes[:_MAX_PROBLEMS]),
-                name=name if isinstance(name, str) else "",
-            )
+            return self.denied()
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []
