@@ -14,7 +14,8 @@ indexes, UUIDs, other CDI names, valueFrom refused, in every container kind); on
 removes the gate or changes the claim, through the pod or its status subresource —
 InstaSlice being the ServiceAccount `instaslice-system/instaslice-controller` or the group
 `instaslice:controllers` (client certificates from the test CA carry both identities), while
-cluster-admin and an RBAC-empowered user are refused; and InstaSlice itself only pins and
+cluster-admin and an RBAC-empowered user are refused (403 Forbidden, while content rules
+answer 422 Invalid); and InstaSlice itself only pins and
 ungates gated pods (containers, tolerations, labels, annotations unchanged), deletes only pods
 with a claim, creates none, and changes only the opt-in label of a namespace, to what its
 annotation says — the real namespace mirror working under exactly that is

@@ -6,9 +6,11 @@ and wired to its CDI device names (containers and initContainers); in a namespac
 opted in it is unchanged and the webhook never sees it; pods without MIG requests never reach
 the webhook (its own review counter proves it), nor do UPDATEs; opting a namespace in and out
 by annotation takes effect within seconds; every invalid case of §2 is refused with its
-message and nothing is created; a replayed `--dry-run=server` output gets one gate and a fresh
-claim; pods made by the Deployment, Job and StatefulSet controllers of kube-controller-manager
-are rewritten too; review latency p50/p99 through the apiserver (printed, and bounded loosely).
+message, 422 Invalid and a field-path cause per problem, and nothing is created; in a
+namespace opted in to whole GPUs too, a refusal names the entry that judged it; a replayed
+`--dry-run=server` output gets one gate and a fresh claim; pods made by the Deployment, Job
+and StatefulSet controllers of kube-controller-manager are rewritten too; review latency
+p50/p99 through the apiserver (printed, and bounded loosely).
 Leaves out: the ValidatingAdmissionPolicy (test_admission_policy.py), what happens after
 admission (allocator and node agent tests), the device-plugin binding mode (unit tests).
 """
