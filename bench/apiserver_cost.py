@@ -603,7 +603,8 @@ async def ready_to_serve(b: Bench, variants: Sequence[str]) -> None:
             await b.alloc_status("shipped", b.node, 1)
             return
         except ApiError as exc:
-            if exc.status not in (403, 404, 429, 500, 503):
+            # the pod policy refuses content (422) until it has seen the opt-in label
+            if exc.status not in (403, 404, 422, 429, 500, 503):
                 raise
             await asyncio.sleep(0.2)
     raise TimeoutError("the bench's writes never went through")

@@ -15,7 +15,8 @@ Every answer is checked against what the apiserver needs (the oracle, `check`):
 - a body without a usable request uid: HTTP 400 with a JSON error; over the size limit: 413;
 - otherwise HTTP 200, an AdmissionReview whose `response.uid` is the request's and whose
   `allowed` is a bool; a denial carries a status with an int code and a message, never the
-  server's own internal-error code 500 (that is a crash of the decision code);
+  server's own internal-error code 500 (that is a crash of the decision code), and a refusal
+  of the pod (not of a malformed review, 400) is 422 `Invalid` with a field path per cause;
 - a patch is base64 JSON Patch that applies to the object, and the patched pod carries the
   gate once, a DNS-1123 claim, no `nvidia.com/mig-*` left, no slice ask (`instaslice.io/mig-*`,
   `instaslice.io/gpu`) in an init container that is not a sidecar (`restartPolicy: Always`;
@@ -421,10 +422,26 @@ def check(body: bytes, status: int, answer: bytes) -> tuple[str, str | None]:
             return ("error", f"denial without status: {answer[:120]!r}")
         if st_["code"] >= 500:
             return ("crash", f"internal error for uid {uid}: {st_['message'][:120]}")
-        return ("malformed" if st_["code"] == 400 else "denied", None)
+        if st_["code"] == 400:
+            return ("malformed", None)
+        return ("denied", _check_denial(st_))
     if "patch" not in resp:
         return ("allowed", None)
     return ("patched", _check_patch(json.loads(body)["request"], resp))
+
+
+def _check_denial(status: Obj) -> str | None:
+    """A refusal of the pod's content reads like the API server's own validation: 422
+    `Invalid` with a cause (field path, message) per problem (docs/webhook.md)."""
+    if (status["code"], status.get("reason")) != (422, "Invalid"):
+        return f"denial {status['code']} {status.get('reason')!r}, not 422 Invalid"
+    causes = (status.get("details") or {}).get("causes")
+    if not (isinstance(causes, list) and causes and all(
+        isinstance(c, dict) and isinstance(c.get("field"), str) and c["field"]
+        and isinstance(c.get("message"), str) for c in causes
+    )):  # fmt: skip
+        return f"denial without field causes: {str(status)[:120]}"
+    return None
 
 
 def _check_patch(req: Obj, resp: Obj) -> str | None:

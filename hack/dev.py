@@ -80,6 +80,7 @@ INSTALL = [
     "policy/validatingadmissionpolicy.yaml",
     "policy/binding.yaml",
     "policy/instaslice-controller.yaml",
+    "policy/unserved-asks.yaml",
 ]
 _STATE = "system.json"
 PART_OF = {"app.kubernetes.io/part-of": "instaslice"}

@@ -119,10 +119,28 @@ class AdmissionRequest(TypedDict):
     options: NotRequired[Obj | None]
 
 
+class StatusCause(TypedDict):
+    """One problem, as the API server's own validation reports it (metav1.StatusCause)."""
+
+    reason: CauseReason
+    message: str
+    field: str  # the API field path, e.g. spec.containers[0].resources.limits[nvidia.com/gpu]
+
+
+CauseReason = Literal["FieldValueInvalid", "FieldValueForbidden", "FieldValueDuplicate"]
+
+
+class StatusDetails(TypedDict, total=False):
+    name: str
+    kind: str
+    causes: list[StatusCause]
+
+
 class Status(TypedDict, total=False):
     code: int
     reason: str
     message: str
+    details: StatusDetails
 
 
 class AdmissionResponse(TypedDict):
@@ -170,11 +188,17 @@ class Patched:
 
 @dataclass(frozen=True, slots=True)
 class Denied:
-    """Refuse; `message` names the container, the field and the reason of every problem."""
+    """Refuse; `message` names the container, the field and the reason of every problem.
+
+    A refusal of the pod's content is answered like the API server's own validation:
+    422 `Invalid`, one `causes` entry (field path, reason, message) per problem, so clients
+    and users tell it from an RBAC refusal (403 `Forbidden`, which nothing here means)."""
 
     message: str
-    code: int = 403
-    reason: str = "Forbidden"
+    code: int = 422
+    reason: str = "Invalid"
+    causes: tuple[StatusCause, ...] = ()
+    name: str = ""  # the pod's name (or generateName), for details.name
 
 
 Verdict = Allowed | Patched | Denied
@@ -237,11 +261,16 @@ def response_for(uid: str, decision: Verdict) -> AdmissionReview:
         if decision.warnings:
             resp["warnings"] = list(decision.warnings)
     elif isinstance(decision, Denied):
-        resp["status"] = {
+        status: Status = {
             "code": decision.code,
             "reason": decision.reason,
             "message": decision.message,
         }
+        if decision.causes:
+            status["details"] = {"kind": "Pod", "causes": list(decision.causes)}
+            if decision.name:
+                status["details"]["name"] = decision.name
+        resp["status"] = status
     return {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": resp}
 
 
@@ -388,6 +417,18 @@ def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
     return ops
 
 
+def _without_field(message: str, path: str) -> str:
+    """`message` less the field `path` names: a leading `<path or a parent of it>: `, or the
+    container-relative `: resources.limits[k]: ` after the container's name."""
+    head, sep, rest = message.partition(": ")
+    if sep and path.startswith(head):
+        return rest
+    _, dot, relative = path.partition("].")
+    if dot and f": {relative}: " in message:
+        return message.replace(f": {relative}: ", ": ", 1)
+    return message
+
+
 def _esc(token: str) -> str:
     """One JSON Pointer reference token (RFC 6901): `~` → `~0`, `/` → `~1`."""
     return token.replace("~", "~0").replace("/", "~1")
@@ -402,9 +443,31 @@ class _Rewrite:
     namespace: str
     settings: AdmissionSettings
     whole_gpu: bool = False
-    problems: list[str] = field(default_factory=list)
+    causes: list[StatusCause] = field(default_factory=list)  # one per problem found
     ops: list[PatchOp] = field(default_factory=list)
     asks: list[SliceAsk] = field(default_factory=list)
+
+    def _problem(self, path: str, message: str, reason: CauseReason = "FieldValueInvalid") -> None:
+        """Report one problem: `message` for the denial's text, `path` (the API field path)
+        and `reason` for its cause."""
+        self.causes.append({"reason": reason, "message": message, "field": path})
+
+    def denied(self) -> Denied:
+        """The denial of every problem found (at most `_MAX_PROBLEMS` listed). Its causes'
+        messages leave out the field the cause names already: `kubectl` prints each cause as
+        `<field>: <message>`, and the denial's message keeps the full text."""
+        listed = self.causes[:_MAX_PROBLEMS]
+        shown = [c["message"] for c in listed]
+        if len(self.causes) > _MAX_PROBLEMS:
+            shown.append(f"and {len(self.causes) - _MAX_PROBLEMS} more problems")
+        name = self.meta.get("name") or self.meta.get("generateName")
+        return Denied(
+            "; ".join(shown),
+            causes=tuple(
+                {**c, "message": _without_field(c["message"], c["field"])} for c in listed
+            ),
+            name=name if isinstance(name, str) else "",
+        )
 
     def run(self, new_claim: Callable[[], str]) -> Verdict:
         spec = self.pod.get("spec")
@@ -422,15 +485,18 @@ class _Rewrite:
         gated = any(isinstance(g, dict) and g.get("name") == GATE_NAME for g in gates or [])
 
         if spec.get("nodeName"):
-            self.problems.append(
+            self._problem(
+                "spec.nodeName",
                 f"spec.nodeName: is set to {_show(spec['nodeName'])}, but a pod asking for MIG "
-                "slices must let InstaSlice choose its node (use a nodeSelector or affinity)"
+                "slices must let InstaSlice choose its node (use a nodeSelector or affinity)",
             )
         for key, value in annotations.items():
             if key.startswith(CDI_ANNOTATION_PREFIX) and _DEVICE_MARK in str(value):
-                self.problems.append(
+                self._problem(
+                    f"metadata.annotations[{key}]",
                     f"metadata.annotations[{key}]: names an {CDI_KIND} CDI device, but "
-                    "InstaSlice assigns devices per container, never by pod annotation"
+                    "InstaSlice assigns devices per container, never by pod annotation",
+                    "FieldValueForbidden",
                 )
 
         sizes = self._sizes(annotations)
@@ -441,14 +507,20 @@ class _Rewrite:
         for fld, i, c in iter_containers(self.pod):
             where = f"spec.{fld}[{i}]"
             if not isinstance(c, dict):
-                self.problems.append(f"{where}: is not a container object")
+                self._problem(where, f"{where}: is not a container object")
                 continue
             name = c.get("name")
             if not isinstance(name, str) or not _DNS_LABEL.match(name):
-                self.problems.append(f"{where}: name {_show(name)} is not a DNS-1123 label")
+                self._problem(
+                    f"{where}.name", f"{where}: name {_show(name)} is not a DNS-1123 label"
+                )
                 continue
             if name in names:
-                self.problems.append(f"{where}: container name {_show(name)} is used twice")
+                self._problem(
+                    f"{where}.name",
+                    f"{where}: container name {_show(name)} is used twice",
+                    "FieldValueDuplicate",
+                )
                 continue
             names.add(name)
             before = len(self.asks)
@@ -456,7 +528,7 @@ class _Rewrite:
             asks = self._resources(c, fld, i, name, held) or name in sizes
             if held and name in sizes:
                 key = f"{SIZE_ANNOTATION_PREFIX}{name}"
-                self._refuse_uncharged(f"metadata.annotations[{key}] ({where})", name)
+                self._refuse_uncharged(f"metadata.annotations[{key}]", name, f" ({where})")
             if asks and self.settings.slot_accounting:
                 charges.append((fld, i, c, self._slots(self.asks[before:], sizes.get(name))))
             own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
@@ -466,24 +538,24 @@ class _Rewrite:
                 devices.append(device)
 
         for name in sorted(set(sizes) - names):
-            self.problems.append(
+            self._problem(
+                f"metadata.annotations[{SIZE_ANNOTATION_PREFIX}{name}]",
                 f"metadata.annotations[{SIZE_ANNOTATION_PREFIX}{name}]: the pod has no "
-                f"container or initContainer named {_show(name)}"
+                f"container or initContainer named {_show(name)}",
             )
         profiles = {a.profile for a in self.asks}
         if WHOLE_GPU_PROFILE in profiles and (len(profiles) > 1 or sizes):
             mig = sorted(profiles - {WHOLE_GPU_PROFILE}) + [
                 f"by size for {n}" for n in sorted(sizes)
             ]
-            self.problems.append(
+            self._problem(
+                "spec.containers",
                 f"resources: the pod asks for whole GPUs ({NVIDIA_GPU}) and MIG slices "
-                f"({', '.join(mig)}) together; a pod gets either, not both (not supported)"
+                f"({', '.join(mig)}) together; a pod gets either, not both (not supported)",
+                "FieldValueForbidden",
             )
-        if self.problems:
-            shown = self.problems[:_MAX_PROBLEMS]
-            if len(self.problems) > _MAX_PROBLEMS:
-                shown.append(f"and {len(self.problems) - _MAX_PROBLEMS} more problems")
-            return Denied("; ".join(shown))
+        if self.causes:
+            return self.denied()
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []
@@ -525,16 +597,17 @@ class _Rewrite:
             try:
                 size = parse_size(value, max_count=self.settings.max_count)
             except SizeError as exc:
-                self.problems.append(f"{where}: {_show(value)} {exc}")
+                self._problem(where, f"{where}: {_show(value)} {exc}")
                 continue
             models = self.settings.catalog.models
             if all(resolve(m, size) is None for m in models):
-                self.problems.append(f"{where}: {unsatisfiable(size, models, 'the catalog')}")
+                self._problem(where, f"{where}: {unsatisfiable(size, models, 'the catalog')}")
                 continue
             if self.settings.binding_mode is not BindingMode.ENV:
-                self.problems.append(
+                self._problem(
+                    where,
                     f"{where}: size-based requests need the env binding mode (this webhook runs "
-                    f"with {self.settings.binding_mode}); ask for nvidia.com/mig-<profile> instead"
+                    f"with {self.settings.binding_mode}); ask for nvidia.com/mig-<profile> instead",
                 )
                 continue
             sizes[key[len(SIZE_ANNOTATION_PREFIX) :]] = size
@@ -547,9 +620,10 @@ class _Rewrite:
         models = admitted_models(catalog, self.pod.get("spec") or {})
         return slot_charge(catalog, ((a.profile, a.count) for a in asks), size, models)
 
-    def _refuse_uncharged(self, where: str, name: str) -> None:
-        why = not any("held uncharged" in p for p in self.problems)
-        self.problems.append(_uncharged(where, name, why=why))
+    def _refuse_uncharged(self, path: str, name: str, also: str = "") -> None:
+        """Refuse a non-sidecar init container's ask at `path` (`also`: more of where)."""
+        why = not any("held uncharged" in c["message"] for c in self.causes)
+        self._problem(path, _uncharged(path + also, name, why=why), "FieldValueForbidden")
 
     def _resources(self, c: Obj, fld: str, i: int, name: str, held: bool) -> bool:
         """Validate one container's MIG resources and queue their renames; True if it asks.
@@ -558,8 +632,9 @@ class _Rewrite:
         if resources is None:
             return False
         where = f"container {_show(name)}"
+        at = f"spec.{fld}[{i}].resources"  # the API field path
         if not isinstance(resources, dict):
-            self.problems.append(f"{where}: resources is not an object")
+            self._problem(at, f"{where}: resources is not an object")
             return False
         sections: dict[str, dict[str, Any]] = {}
         for section in ("limits", "requests"):
@@ -567,7 +642,7 @@ class _Rewrite:
             if entries is None:
                 entries = {}
             if not isinstance(entries, dict):
-                self.problems.append(f"{where}: resources.{section} is not an object")
+                self._problem(f"{at}.{section}", f"{where}: resources.{section} is not an object")
                 return False
             sections[section] = entries
         limits, requests = sections["limits"], sections["requests"]
@@ -599,27 +674,31 @@ class _Rewrite:
             try:
                 profile = profile_from_suffix(suffix)
             except ProfileNameError:
-                self.problems.append(
+                self._problem(
+                    f"{at}.limits[{key}]",
                     f"{where}: {field_}: {_show(suffix)} is not a MIG profile "
-                    "(e.g. nvidia.com/mig-1g.18gb, nvidia.com/mig-1g.18gb.me for 1g.18gb+me)"
+                    "(e.g. nvidia.com/mig-1g.18gb, nvidia.com/mig-1g.18gb.me for 1g.18gb+me)",
                 )
                 continue
             if profile not in self.settings.known_profiles:
-                listing = not any("unknown MIG profile" in p for p in self.problems)
+                listing = not any("unknown MIG profile" in c["message"] for c in self.causes)
                 text = _unknown(profile, self.settings, listing=listing)
-                self.problems.append(f"{where}: {field_}: {text}")
+                self._problem(f"{at}.limits[{key}]", f"{where}: {field_}: {text}")
                 continue
             if profile in seen:
-                self.problems.append(
-                    f"{where}: {field_}: profile {profile} is also asked as {seen[profile]}"
+                self._problem(
+                    f"{at}.limits[{key}]",
+                    f"{where}: {field_}: profile {profile} is also asked as {seen[profile]}",
+                    "FieldValueDuplicate",
                 )
                 continue
             seen[profile] = key
-            count = self._count(where, field_, value)
+            count = self._count(where, field_, value, at)
             if key in requests and requests[key] != value:
-                self.problems.append(
+                self._problem(
+                    f"{at}.requests[{key}]",
                     f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from "
-                    f"the limit {_show(value)} (requests, if given, must equal limits)"
+                    f"the limit {_show(value)} (requests, if given, must equal limits)",
                 )
                 continue
             if count is None:
@@ -635,39 +714,46 @@ class _Rewrite:
                              "value": entries[key]}
                         )  # fmt: skip
         if self.whole_gpu:
-            asked = self._whole(where, name, base, limits, requests) or asked
+            asked = self._whole(where, name, (at, base), limits, requests) or asked
         for key in requests:
             if _is_mig_key(key) and key not in limits:
                 asked = True
-                self.problems.append(
+                self._problem(
+                    f"{at}.requests[{key}]",
                     f"{where}: resources.requests[{key}]: a MIG resource in requests must "
-                    "also be in limits, with the same count"
+                    "also be in limits, with the same count",
                 )
         return asked
 
-    def _whole(self, where: str, name: str, base: str, limits: Obj, requests: Obj) -> bool:
+    def _whole(
+        self, where: str, name: str, paths: tuple[str, str], limits: Obj, requests: Obj
+    ) -> bool:
         """Whole-GPU asks (`nvidia.com/gpu`, or `instaslice.io/gpu` already): validate, queue
-        the rename; True if the container asks."""
+        the rename; True if the container asks. `paths`: the resources' API field path and
+        JSON Pointer."""
+        at, base = paths
         keys = [k for k in (NVIDIA_GPU, INSTASLICE_GPU) if k in limits or k in requests]
         if not keys:
             return False
         if len(keys) > 1:
-            self.problems.append(f"{where}: asks for whole GPUs as both {NVIDIA_GPU} and "
-                                 f"{INSTASLICE_GPU}")  # fmt: skip
+            self._problem(f"{at}.limits", f"{where}: asks for whole GPUs as both {NVIDIA_GPU} "
+                          f"and {INSTASLICE_GPU}", "FieldValueDuplicate")  # fmt: skip
             return True
         key = keys[0]
         if key not in limits:
-            self.problems.append(
+            self._problem(
+                f"{at}.requests[{key}]",
                 f"{where}: resources.requests[{key}]: a GPU request must also be in limits, "
-                "with the same count"
+                "with the same count",
             )
             return True
         value = limits[key]
-        count = self._count(where, f"resources.limits[{key}]", value)
+        count = self._count(where, f"resources.limits[{key}]", value, at)
         if key in requests and requests[key] != value:
-            self.problems.append(
+            self._problem(
+                f"{at}.requests[{key}]",
                 f"{where}: resources.requests[{key}]: {_show(requests[key])} differs from the "
-                f"limit {_show(value)} (requests, if given, must equal limits)"
+                f"limit {_show(value)} (requests, if given, must equal limits)",
             )
             return True
         if count is None:
@@ -683,16 +769,19 @@ class _Rewrite:
                     )
         return True
 
-    def _count(self, where: str, field_: str, value: object) -> int | None:
+    def _count(self, where: str, field_: str, value: object, at: str) -> int | None:
+        """The count of one ask (`field_` of `where`, under the API field path `at`)."""
+        path = f"{at}{field_.removeprefix('resources')}"
         count = parse_count(value)
         if count is None:
-            self.problems.append(
-                f"{where}: {field_}: count {_show(value)} is not a positive integer"
+            self._problem(
+                path, f"{where}: {field_}: count {_show(value)} is not a positive integer"
             )
         elif count > self.settings.max_count:
-            self.problems.append(
+            self._problem(
+                path,
                 f"{where}: {field_}: count {count} exceeds the limit of "
-                f"{self.settings.max_count} slices of one profile per container"
+                f"{self.settings.max_count} slices of one profile per container",
             )
             return None
         return count
@@ -708,15 +797,16 @@ class _Rewrite:
         """
         env = c.get("env")
         where = f"container {_show(name)}"
+        at = f"spec.{fld}[{i}].env"  # the API field path
         if env is not None and not isinstance(env, list):
-            self.problems.append(f"{where}: env is not a list")
+            self._problem(at, f"{where}: env is not a list")
             return False
         kept: list[Any] = []
         dropped = False
         ok = True
         for j, e in enumerate(env or []):
             if not isinstance(e, dict):
-                self.problems.append(f"{where}: env[{j}] is not an object")
+                self._problem(f"{at}[{j}]", f"{where}: env[{j}] is not an object")
                 ok = False
                 continue
             var, value = e.get("name"), e.get("value")
@@ -726,16 +816,21 @@ class _Rewrite:
             kept.append(e)
             if var == VISIBLE_DEVICES_ENV:
                 how = "valueFrom" if "valueFrom" in e else "value"
-                self.problems.append(
+                self._problem(
+                    f"{at}[{j}]",
                     f"{where}: env[{j}] {VISIBLE_DEVICES_ENV} ({how}): containers may not set "
                     "it in a pod asking for MIG slices, InstaSlice assigns each container its "
-                    "slice devices"
+                    f"slice devices; remove this env entry (InstaSlice sets {VISIBLE_DEVICES_ENV} "
+                    "itself)",
+                    "FieldValueForbidden",
                 )
                 ok = False
             elif isinstance(value, str) and _DEVICE_MARK in value:
-                self.problems.append(
+                self._problem(
+                    f"{at}[{j}]",
                     f"{where}: env[{j}] {_show(var)}: names an {CDI_KIND} CDI device itself, but "
-                    "only InstaSlice assigns those"
+                    "only InstaSlice assigns those",
+                    "FieldValueForbidden",
                 )
                 ok = False
         if not ok:

@@ -186,8 +186,8 @@ async def test_invalid_request_refused(
     with pytest.raises(ApiError) as refused:
         await _create_pod(kube, namespace, pod)
     msg = refused.value.message
-    assert refused.value.status == 403, refused.value
-    assert 'admission webhook "pods.instaslice.io" denied the request' in msg, msg
+    assert refused.value.status == 422, refused.value
+    assert 'admission webhook "mig.pods.instaslice.io" denied the request' in msg, msg
     for part in expected:
         assert part in msg, f"{part!r} not in the refusal: {msg}"
     assert (await kube.list(pods_path(namespace)))["items"] == []
@@ -286,7 +286,7 @@ async def test_a_sidecar_gets_its_own_slice_and_a_plain_init_container_none(
     with pytest.raises(ApiError) as refused:
         await _create_pod(kube, namespace, plain)
     msg = refused.value.message
-    assert refused.value.status == 403, refused.value
+    assert refused.value.status == 422, refused.value
     for part in (f"spec.initContainers[0].resources.limits[{nvidia_resource('1g.20gb')}]",
                  'init container "proxy" is not a sidecar', "restartPolicy: Always"):  # fmt: skip
         assert part in msg, f"{part!r} not in the refusal: {msg}"

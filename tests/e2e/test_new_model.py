@@ -83,7 +83,7 @@ async def test_a_misspelt_profile_is_refused_with_the_offered_ones(
     async def refusal() -> str:
         with pytest.raises(ApiError) as refused:
             await kube.create(pods_path(namespace), make_pod("typo", slices={"c": {"3g.63gb": 1}}))
-        assert refused.value.status == 403, refused.value
+        assert refused.value.status == 422, refused.value
         return refused.value.message
 
     msg = await refusal()

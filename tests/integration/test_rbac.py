@@ -404,10 +404,12 @@ async def test_controller_lease_rights_are_its_own_lease_only(kube: Kube) -> Non
 # --- 2. the node agent stays on its node ------------------------------------------------------
 
 
-async def _refused(call: Any, *words: str) -> str:
+async def _refused(call: Any, *words: str, status: int | None = None) -> str:
+    """`status`: the one expected (the pod policy's content rules answer 422 Invalid, its
+    who-may-write rules 403 Forbidden); None: either."""
     with pytest.raises(ApiError) as exc:
         await call
-    assert exc.value.status in (403, 422), exc.value
+    assert exc.value.status in ((403, 422) if status is None else (status,)), exc.value
     for w in words:
         assert w in exc.value.message, (w, exc.value.message)
     return exc.value.message
@@ -726,6 +728,7 @@ async def test_pod_policy_holds_in_system_and_opted_out_namespaces(
                 kube.create(core_path("pods", ns), stolen, dryRun="All"),
                 "ValidatingAdmissionPolicy 'instaslice-pods'",
                 "not their own",
+                status=422,
             )
             # even its own device, as InstaSlice wires it: InstaSlice's marks only in a
             # namespace that opted in (issue 17 item 3)
@@ -735,6 +738,7 @@ async def test_pod_policy_holds_in_system_and_opted_out_namespaces(
                 await _refused(
                     kube.create(core_path("pods", ns), pod, dryRun="All"),
                     "may only be created in a namespace that opted in",
+                    status=422,
                 )
     finally:
         off = {"metadata": {"labels": {"instaslice.io/enabled": None}}}

@@ -6,9 +6,11 @@ and wired to its CDI device names (containers and initContainers); in a namespac
 opted in it is unchanged and the webhook never sees it; pods without MIG requests never reach
 the webhook (its own review counter proves it), nor do UPDATEs; opting a namespace in and out
 by annotation takes effect within seconds; every invalid case of §2 is refused with its
-message and nothing is created; a replayed `--dry-run=server` output gets one gate and a fresh
-claim; pods made by the Deployment, Job and StatefulSet controllers of kube-controller-manager
-are rewritten too; review latency p50/p99 through the apiserver (printed, and bounded loosely).
+message, 422 Invalid and a field-path cause per problem, and nothing is created; in a
+namespace opted in to whole GPUs too, a refusal names the entry that judged it; a replayed
+`--dry-run=server` output gets one gate and a fresh claim; pods made by the Deployment, Job
+and StatefulSet controllers of kube-controller-manager are rewritten too; review latency
+p50/p99 through the apiserver (printed, and bounded loosely).
 Leaves out: the ValidatingAdmissionPolicy (test_admission_policy.py), what happens after
 admission (allocator and node agent tests), the device-plugin binding mode (unit tests).
 """
@@ -23,7 +25,14 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, VISIBLE_DEVICES_ENV
+from common.constants import (
+    CLAIM_ANNOTATION,
+    ENABLED_KEY,
+    GATE_NAME,
+    NVIDIA_GPU,
+    VISIBLE_DEVICES_ENV,
+    WHOLE_GPU_KEY,
+)
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from tests.integration.webhook_fixtures import (
     MIG,
@@ -177,6 +186,38 @@ async def test_opt_in_and_out_by_annotation_takes_effect_within_seconds(
     await eventually(label_gone, timeout_s=10)
 
 
+async def test_a_refusal_names_the_webhook_entry_that_judged_it(
+    kube: Kube, webhook: Webhook, namespace: str
+) -> None:
+    """In a namespace opted in to whole GPUs too, a misspelt MIG profile is judged (and named)
+    by mig.pods.instaslice.io, a whole-GPU ask by whole-gpu.pods.instaslice.io, and a pod the
+    whole-GPU entry rewrote is not sent to the MIG entry (one gate, one claim)."""
+    await kube.patch(core_path("namespaces", name=namespace), {"metadata": {"annotations": {
+        ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}})  # fmt: skip
+    whole = make_pod(container("train", limits={NVIDIA_GPU: "1"}))
+
+    async def whole_gpus_served() -> bool:
+        try:
+            return is_rewritten(await dry_run_create(kube, namespace, whole))
+        except ApiError:
+            return False
+
+    await eventually(whole_gpus_served)
+    cases = [
+        (make_pod(container("m", limits={"nvidia.com/mig-5g.99gb": "1"})), "mig.pods"),
+        (make_pod(container("m", limits={MIG: "1", NVIDIA_GPU: "1"})), "whole-gpu.pods"),
+    ]
+    for pod, entry in cases:
+        with pytest.raises(ApiError) as exc:
+            await kube.create(core_path("pods", namespace), pod)
+        assert exc.value.status == 422, exc.value
+        assert f'admission webhook "{entry}.instaslice.io" denied' in exc.value.message
+    for pod in (whole, mig_pod()):
+        out = await dry_run_create(kube, namespace, pod)
+        assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}], out["spec"]
+        assert CLAIM_ANNOTATION in out["metadata"]["annotations"]
+
+
 # --- denials ---------------------------------------------------------------------------------
 
 INVALID: list[tuple[str, Obj, list[str]]] = [
@@ -221,9 +262,13 @@ async def test_invalid_pods_are_refused_with_their_message(
 ) -> None:
     with pytest.raises(ApiError) as exc:
         await kube.create(core_path("pods", opted_in), pod)
-    assert exc.value.status == 403, exc.value
+    # the API server passes the webhook's status on: 422 Invalid (not 403, which users read
+    # as RBAC), a cause naming the field path of each problem, as its own validation does
+    assert (exc.value.status, exc.value.reason) == (422, "Invalid"), exc.value
+    causes = exc.value.body["details"]["causes"]
+    assert causes and all(c["field"].startswith(("spec.", "metadata.")) for c in causes), causes
     message = exc.value.message
-    assert 'admission webhook "pods.instaslice.io" denied the request' in message
+    assert 'admission webhook "mig.pods.instaslice.io" denied the request' in message
     for w in words:
         assert w in message, (w, message)
     listing = await kube.list(core_path("pods", opted_in))

@@ -39,6 +39,7 @@ from webhook.admission import (
     Patched,
     Verdict,
     pod_slice_requests,
+    response_for,
     review,
 )
 from webhook.allocator import pods as podlib
@@ -443,7 +444,8 @@ def test_a_tenant_pod_labelled_as_a_placeholder_is_rewritten_or_refused_like_any
         (
             make_pod(container("a", limits={MIG: "1"},
                                env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
-            ['container "a"', f"env[0] {VISIBLE_DEVICES_ENV} (value)", "may not set it"],
+            ['container "a"', f"env[0] {VISIBLE_DEVICES_ENV} (value)", "may not set it",
+             "remove this env entry"],
         ),
         (
             make_pod(container("a", limits={MIG: "1"}, env=[
@@ -491,7 +493,45 @@ def test_denied_with_container_field_and_reason(pod: Any, words: list[str]) -> N
     message = denial(pod)
     for w in words:
         assert w in message, (w, message)
-    assert decide(pod) == Denied(message, 403, "Forbidden")
+    d = decide(pod)
+    assert isinstance(d, Denied) and (d.code, d.reason) == (422, "Invalid"), d
+    assert d.message == message and d.causes, d
+    for c in d.causes:  # kubectl prints `<field>: <message>`: the field is not said twice
+        assert c["message"] and not c["message"].startswith(c["field"]), c
+        assert f"{c['field']}: " not in c["message"], c
+    assert all(c["field"].startswith(("spec.", "metadata.")) for c in d.causes), d.causes
+
+
+@pytest.mark.parametrize(
+    ("pod", "field", "reason"),
+    [
+        (make_pod(container("a", limits={"nvidia.com/mig-1g.99gb": "1"})),
+         "spec.containers[0].resources.limits[nvidia.com/mig-1g.99gb]", "FieldValueInvalid"),
+        (make_pod(container("a"), container("b", limits={MIG: "0"})),
+         f"spec.containers[1].resources.limits[{MIG}]", "FieldValueInvalid"),
+        (make_pod(container("a", limits={MIG: "1"}, requests={MIG: "2"})),
+         f"spec.containers[0].resources.requests[{MIG}]", "FieldValueInvalid"),
+        (make_pod(container("a", limits={MIG: "1"},
+                            env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
+         "spec.containers[0].env[0]", "FieldValueForbidden"),
+        (make_pod(container("a", limits={MIG: "1"}), init=[container("a")]),
+         "spec.initContainers[0].name", "FieldValueDuplicate"),
+    ],
+)  # fmt: skip
+def test_a_denial_is_invalid_with_the_api_field_path_of_each_problem(
+    pod: Any, field: str, reason: str
+) -> None:
+    """Refusals of a pod's content read like the API server's own validation errors: 422
+    `Invalid` with one cause per problem naming its field path (not 403, read as RBAC)."""
+    d = decide(pod)
+    assert isinstance(d, Denied) and (d.code, d.reason) == (422, "Invalid"), d
+    assert [(c["field"], c["reason"]) for c in d.causes] == [(field, reason)], d.causes
+    relative = field.partition("].")[2]
+    assert f": {relative}: " not in d.causes[0]["message"], d.causes
+    assert not d.causes[0]["message"].startswith("spec."), d.causes
+    status = response_for("u", d)["response"]["status"]
+    name = pod["metadata"].get("name") or pod["metadata"]["generateName"]
+    assert status["details"] == {"kind": "Pod", "name": name, "causes": list(d.causes)}
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,11 @@ def test_an_init_container_that_is_not_a_sidecar_may_not_ask(
     pod: Any, whole: bool, field: str
 ) -> None:
     d = decide(pod, whole)
-    assert isinstance(d, Denied) and (d.code, d.reason) == (403, "Forbidden"), d
+    assert isinstance(d, Denied) and (d.code, d.reason) == (422, "Invalid"), d
+    assert (d.causes[0]["field"], d.causes[0]["reason"]) == (
+        field.split(" ")[0],
+        "FieldValueForbidden",
+    )
     assert f'{field}: init container "prep" is not a sidecar, so it may not ask' in d.message
     for words in WHY:
         assert words in d.message, (words, d.message)

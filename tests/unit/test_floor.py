@@ -19,7 +19,7 @@ from bench.latency_track import admission_seconds
 
 _HOOK = "apiserver_admission_webhook_admission_duration_seconds"
 _STEP = "apiserver_admission_step_admission_duration_seconds"
-_OURS = 'name="pods.instaslice.io",operation="CREATE",rejected="false",type="admit"'
+_OURS = 'name="mig.pods.instaslice.io",operation="CREATE",rejected="false",type="admit"'
 ADMISSION = "\n".join(
     [
         f"{_HOOK}_sum{{{_OURS}}} 0.5",
@@ -37,7 +37,7 @@ ADMISSION = "\n".join(
 
 def test_admission_seconds_by_webhook_step_and_handler_creates_only() -> None:
     assert admission_seconds(ADMISSION) == {
-        "webhook pods.instaslice.io": (0.5, 100.0),
+        "webhook mig.pods.instaslice.io": (0.5, 100.0),
         "step admit": (0.8, 200.0),
         "handler": (0.05, 100.0),
     }

@@ -121,7 +121,11 @@ async def test_mutate_allows_denies_and_counts(
     r = await client.post("/mutate", json=bad)
     resp = (await r.json())["response"]
     assert resp["allowed"] is False
-    assert resp["status"]["code"] == 403
+    assert (resp["status"]["code"], resp["status"]["reason"]) == (422, "Invalid")
+    causes = resp["status"]["details"]["causes"]
+    assert [c["field"] for c in causes] == [
+        "spec.containers[0].resources.limits[nvidia.com/mig-1g.18gb]"
+    ]
     assert (
         'container "a": resources.limits[nvidia.com/mig-1g.18gb]: count "0.5"'
         in (resp["status"]["message"])
