@@ -108,7 +108,7 @@ def block(doc: str, key: str) -> Block:
 # Each key names the block(s) it covers; the first test checks none is forgotten.
 TROUBLESHOOTING_KEYS = {
     "POD=my-pod": "variables (every test)",
-    "kubectl instaslice nodes": "overview",
+    "kubectl instaslice nodes                  # each GPU": "overview",
     "get lease instaslice-allocator": "logs",
     "{.spec.schedulingGates}": "gates",
     'get slicealloc "$CLAIM"\n': "is there an allocation",
@@ -123,7 +123,13 @@ TROUBLESHOOTING_KEYS = {
     "reason=PinnedUnschedulable": "pinned but unschedulable",
     "describe daemonset instaslice-nodeagent": "agent not starting",
 }
-TROUBLESHOOTING_NOT_RUN = {"nvidia-smi  ": "runs on the GPU node (NVML), not against the API"}
+TROUBLESHOOTING_NOT_RUN = {
+    "nvidia-smi  ": "runs on the GPU node (NVML), not against the API",
+    # a GPU beyond the MigNode bounds: the API server refuses such a MigNode (the CRD), so no
+    # e2e cluster has one; the event, the gauge and the REFUSED row are tested in
+    # tests/unit/test_mignode_bounds.py and tests/unit/test_kubectl_plugin.py
+    "reason=GpuOutOfBounds": "needs a MigNode the CRD refuses; tested in unit tests",
+}
 UPGRADE_KEYS = {
     'kubectl diff -k "$OVERLAY"': "upgrade",
     'kubectl drain "$NODE"': "driver upgrade",
@@ -139,6 +145,9 @@ UPGRADE_NOT_RUN = {
     # recreated; it needs jq, which the project does not install. The rule itself is tested
     # in tests/integration/test_admission_policy.py
     '.name == "NVIDIA_VISIBLE_DEV': "a jq preview; the rule is tested directly",
+    # the same for pods whose init containers would now be refused (pod policy rule 8,
+    # tested in tests/integration/test_admission_policy.py and tests/unit/test_admission_init.py)
+    "select((.spec.initContainers": "a jq preview; the rule is tested directly",
 }
 
 
@@ -505,7 +514,9 @@ async def test_troubleshooting_read_only_blocks(
     assert run.vars["CLAIM"] == _claim(waiting) and run.vars["NODE"] == "", run.show()
     on_waiting = {"NS": ns, "POD": "waiting", "CLAIM": run.vars["CLAIM"], "NODE": ""}
 
-    run = await run_blocks(system, [block(doc, "kubectl instaslice nodes")], on_served)
+    run = await run_blocks(
+        system, [block(doc, "kubectl instaslice nodes                  # each GPU")], on_served
+    )
     expect(run, _claim(served), "Ready", f"{ns}/served 1g.18gb", "served/main", held.mig_uuid)
     expect(run, "AllocationPending", "pod/waiting", "cpu")
 
