@@ -118,6 +118,9 @@ class NodeAgent:
             clock=self.clock,
         )
         self.started = asyncio.Event()
+        # garbage collection passes ended (failed ones too): a test proves by it that the
+        # agent had its chance to act before it asserts that nothing happened
+        self.gc_passes = 0
         self._health_q: asyncio.Queue[HealthEvent] = asyncio.Queue()
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
@@ -367,6 +370,7 @@ class NodeAgent:
                 await self.gc()
             except (ApiError, NvmlFailure) as exc:
                 log.warning("garbage collection failed", node=self.node, error=str(exc))
+            self.gc_passes += 1
             # jittered: agents that started together (one process serving 500 emulated nodes,
             # or a fleet after a rollout) must not all rescan NVML in the same second; in
             # lockstep the scans stalled creates for ~5 s (churn p99, docs/benchmarks-history.md)

@@ -87,6 +87,11 @@ class NodeGpus:
         a create's and wait on that GPU (nodeagent/lane.py)."""
         return await self._on_gpu(index, FIRST, functools.partial(fn, *args, **kwargs))
 
+    def waiting(self, index: int) -> int:
+        """Calls waiting for GPU `index`'s lane (not the one running): for tests and logs."""
+        lane = self._gpu.get(index)
+        return lane.waiting if lane is not None else 0
+
     async def _on_gpu(self, index: int, rank: int, fn: Callable[[], T]) -> T:
         async with self._gpu[index].hold(rank):
             await _finished([self._last.get(index)])

@@ -203,6 +203,7 @@ class Maintenance:
     given_up: dict[str, DrainClock] = field(default_factory=dict)
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     restored: bool = False  # drains and given_up read from the checkpoint (once, at start)
+    steps: int = 0  # steps ended, failed ones too (a test's proof that one had its chance)
 
     def on_mig_node(self, obj: Mapping[str, object]) -> None:
         desired = desired_modes(obj)
@@ -244,6 +245,7 @@ class Maintenance:
             except (ApiError, NvmlFailure) as exc:  # labels restored by step's finally, or
                 # at the next step from the record; the next GC pass kicks again
                 log.warning("maintenance step failed", node=self.st.node, error=str(exc))
+            self.steps += 1
 
     async def step(self) -> None:
         """Carry out what is asked and due (module docstring); idempotent."""

@@ -2,6 +2,8 @@
 
 - `eventually(check)`: poll a condition under a deadline, its last truthy value returned.
   Tests may poll where nothing can be watched; the product never does (docs/style.md).
+- `passes(count, more=n)`: until a component's pass counter has grown by `n`, before a test
+  asserts that nothing happened (a sleep would prove nothing on a loaded machine).
 - `wait_admission_sees_opt_in(kube, ns, probe)`: until admission treats namespace `ns` as
   opted in. The API server matches a webhook's namespaceSelector, and hands a
   ValidatingAdmissionPolicy its namespaceObject, from its own namespace cache, which may lag
@@ -70,6 +72,27 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {within}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
+
+
+async def passes(
+    *counts: Callable[[], int],
+    more: int,
+    not_before: float = 0.0,
+    within: float = 30.0,
+    what: str = "passes",
+) -> None:
+    """Until each of `counts` (a component's passes: GC passes, reconcile rounds) has grown
+    by `more`: whatever the component would do by then it has had its chance to do, so a
+    test may assert that nothing happened. `not_before` (time.monotonic()): count only from
+    then, for a threshold the component reads off the real clock that nothing injects."""
+    if (wait := not_before - time.monotonic()) > 0:
+        await asyncio.sleep(wait)  # real time for a threshold under test: nothing to wait on
+    start = [count() for count in counts]
+
+    async def grown() -> bool:
+        return all(count() >= s + more for count, s in zip(counts, start, strict=True))
+
+    await eventually(grown, within=within, interval=0.02, what=f"{more} more {what}")
 
 
 async def wait_admission_sees_opt_in(

@@ -8,6 +8,8 @@
 - `slice_allocation(...)`: a SliceAllocation as the allocator writes it.
 - `cdi_inject(...)`: the CDI reference library (hack/cdi-check) injecting a device into a
   sample OCI spec.
+- `had_its_chance(agent, ...)`: until the agent's next garbage collection passes (and
+  maintenance steps) have ended, before a test asserts that nothing happened.
 - `eventually(...)`: poll a condition with a deadline (tests may poll; the agent never does;
   tests/support.py, shared with the e2e tier).
 """
@@ -40,6 +42,7 @@ from nodeagent.emulator import EmulatorControl, provision
 from nodeagent.main import serve
 from nodeagent.settings import Settings
 from tests.support import eventually as eventually  # re-exported: the suite's poll
+from tests.support import passes
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "instaslice-system"
@@ -225,6 +228,24 @@ async def running_agent(settings: Settings, **serve_kw: Any) -> AsyncIterator[di
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def had_its_chance(
+    agent: NodeAgent,
+    more: int = 2,
+    *,
+    maintenance: bool = False,
+    not_before: float = 0.0,
+    within: float = 30.0,
+) -> None:
+    """Until `more` garbage collection passes (and, with `maintenance`, as many maintenance
+    steps, which each pass kicks while a mode change is asked) have ended: what the agent
+    would do by then it has done, so a test may assert that nothing happened.
+    `not_before`: as `tests.support.passes` (serve() takes no clock)."""
+    counts = [lambda: agent.gc_passes]
+    if maintenance:
+        counts.append(lambda: agent.maint.steps)
+    await passes(*counts, more=more, not_before=not_before, within=within, what="agent passes")
 
 
 @dataclass

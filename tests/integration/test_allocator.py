@@ -40,7 +40,9 @@ from tests.integration.allocator_fixtures import (
     set_gpus,
     wait_for,
 )
+from tests.support import eventually
 from webhook.allocator import pods as podlib
+from webhook.allocator.track import Unstick
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 __all__ = ["kube"]  # a fixture, imported for pytest
@@ -687,11 +689,13 @@ async def test_a_pinned_pod_bound_after_the_check_is_left_alone(env: AllocatorEn
     writes.read_pod = read_then_bind  # type: ignore[method-assign]
     await env.agent.release()
     bound = await env.wait_bound("p")
-    deadline = asyncio.get_running_loop().time() + 30
-    while not raced:
-        assert asyncio.get_running_loop().time() < deadline, await env.diagnosis()
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)  # what the allocator does next, if anything
+    uid = bound["metadata"]["uid"]
+
+    async def done_with_it() -> bool:  # past the step the race ran in: deleted, or left alone
+        track = alloc.tracks.get(uid)
+        return bool(raced) and (track is None or track.unstick is not Unstick.DUE)
+
+    await eventually(done_with_it, within=30, what="the allocator done with the pinned pod")
     pod = await env.pod("p")
     assert pod["metadata"]["uid"] == bound["metadata"]["uid"]
     assert not pod["metadata"].get("deletionTimestamp"), "a bound pod was deleted"

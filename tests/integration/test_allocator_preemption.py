@@ -15,7 +15,8 @@ mid-way leaves no reservation behind. The real node agent releasing victims' sli
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import pytest
@@ -30,7 +31,10 @@ from tests.integration.allocator_fixtures import (
     wait_for,
 )
 from tests.integration.test_allocator import env, kube  # noqa: F401  (fixtures)
+from tests.support import eventually
 from webhook.allocator import pods as podlib
+from webhook.allocator.controller import Controller
+from webhook.allocator.preemption import start_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -75,6 +79,33 @@ async def fill(env: AllocatorEnv, prefix: str, n: int, **kw: Any) -> dict[str, s
 async def alive(env: AllocatorEnv) -> set[str]:  # noqa: F811
     pods = (await env.kube.list(core_path("pods", env.namespace)))["items"]
     return {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+
+
+async def started_before_the_next(env: AllocatorEnv, pods: Iterable[str]) -> None:  # noqa: F811
+    """Until a pod created now starts later than each of `pods`: their status.startTime is
+    stamped (KWOK) in whole seconds, so the clock must pass the second after the latest. The
+    stamps come from the real clock: there is none to move."""
+    names = set(pods)
+
+    async def stamped() -> list[float] | None:
+        items = (await env.kube.list(core_path("pods", env.namespace)))["items"]
+        got = [p for p in items if p["metadata"]["name"] in names]
+        if len(got) != len(names) or not all(p.get("status", {}).get("startTime") for p in got):
+            return None
+        return [start_time(p) for p in got]
+
+    latest = max(await eventually(stamped, what="the pods' start times"))
+    await asyncio.sleep(max(0.0, latest + 1.0 - time.time()))
+
+
+async def parked(alloc: Controller, pod: dict[str, Any]) -> None:
+    """Until the allocator has parked `pod` as pending: it decided, and sent what it decided
+    (evictions, a reservation) before; a parked pod waits for a change (no retry on a clock)."""
+
+    async def seen() -> bool:
+        return pod["metadata"]["uid"] in alloc.parked
+
+    await eventually(seen, what=f"{pod['metadata']['name']} parked as pending")
 
 
 async def release_holds(env: AllocatorEnv) -> None:  # noqa: F811
@@ -146,7 +177,7 @@ async def test_a_pdb_guarding_one_gpu_sends_the_pod_to_the_other(env: AllocatorE
     await env.add_node("n1", gpus=two_gpus())
     env.start(preemption=True)
     plain = await fill(env, "plain", 7)
-    await asyncio.sleep(1.1)  # the guarded pods start later: without the PDB they would go
+    await started_before_the_next(env, plain)  # the guarded ones: without the PDB they'd go
     guarded = await fill(env, "guarded", 7, labels={"app": "guarded"})
     assert len(set(plain.values())) == 1 and set(plain.values()).isdisjoint(guarded.values())
     await pdb(env, {"app": "guarded"}, 7)
@@ -179,12 +210,12 @@ async def test_a_pdb_guarding_every_candidate_is_violated_as_the_last_resort(
 @pytest.mark.usefixtures("priority_classes")
 async def test_preemption_policy_never_preempts_nothing(env: AllocatorEnv) -> None:  # noqa: F811
     await env.add_node("n1")
-    env.start(preemption=True)
+    alloc = env.start(preemption=True)
     where = await fill(env, "low", 7)
-    await create(env, "polite", NEVER, "7g.80gb")
+    polite = await create(env, "polite", NEVER, "7g.80gb")
     event = await env.wait_event("polite", REASON_PENDING)
     assert "preemptionPolicy is Never" in event["message"]
-    await asyncio.sleep(1.0)
+    await parked(alloc, polite)  # decided: evictions would have been sent before
     assert await alive(env) == {"polite"} | set(where)
     assert not await env.events("polite", REASON_PREEMPTING)
 
@@ -197,7 +228,7 @@ async def test_victims_that_do_not_terminate_are_given_up_for_others(env: Alloca
     await env.add_node("n1", gpus=two_gpus())
     alloc = env.start(preemption=True, preemption_wait_s=3.0)
     other = await fill(env, "other", 7)
-    await asyncio.sleep(1.1)  # the stuck pods start later: they are the first choice
+    await started_before_the_next(env, other)  # the stuck pods: they are the first choice
     stuck = await fill(env, "stuck", 7, hold=True)
     assert set(other.values()).isdisjoint(stuck.values())
     try:
@@ -221,7 +252,7 @@ async def test_killed_mid_preemption_the_new_leader_keeps_the_reservation(
     env.start("first", preemption=True)
     where = await fill(env, "low", 14, hold=True)
     try:
-        await create(env, "big", HIGH, "7g.80gb")
+        big = await create(env, "big", HIGH, "7g.80gb")
         await env.wait_event("big", REASON_PREEMPTING)
 
         def terminating(items: list[dict[str, Any]]) -> list[str] | None:
@@ -232,9 +263,17 @@ async def test_killed_mid_preemption_the_new_leader_keeps_the_reservation(
             env.kube, core_path("pods", env.namespace), terminating, within=30, what="7 victims"
         )
         await env.stop("first")  # a crash mid-preemption: the victims still terminating
-        await create(env, "same", LOW)  # equal to the victims: must not get their slots
+        same = await create(env, "same", LOW)  # equal to the victims: must not get their slots
         second = env.start("second", preemption=True)
-        await asyncio.sleep(2.0)
+        # the new leader has decided for both: "same" waits, "big" keeps its reservation
+        await parked(second, same)
+
+        async def kept() -> bool:  # waits for the victims, evicts nobody itself
+            track = second.tracks.get(big["metadata"]["uid"])
+            held = track.preempt if track is not None else None
+            return held is not None and not held.victims and not held.evicted
+
+        await eventually(kept, what="the new leader keeping big's reservation")
         assert set(await alive(env)) == {"big", "same"} | (set(where) - set(victims))
         await release_holds(env)  # the victims finish terminating
         await env.wait_bound("big", within=60)

@@ -303,11 +303,15 @@ async def test_a_pod_needing_the_change_under_way_and_a_reset_waits_for_the_chan
 async def test_without_the_flag_an_ampere_pod_keeps_waiting(world: AgentWorld) -> None:
     (node,) = await world.nodes("a1", model="A100-80GB", mig_mode="disabled")
     env = world.env
-    env.start()  # --ampere-mode-changes=off
-    await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
+    alloc = env.start()  # --ampere-mode-changes=off
+    pod = await env.create_pod("p", slices={"main": {"1g.10gb": 1}})
     told = await env.wait_event("p", REASON_PENDING)
     assert "needs a GPU reset" in told["message"], told["message"]
-    await asyncio.sleep(3.0)  # the agent's GC passes, the allocator's retries: nothing asked
+
+    async def parked() -> bool:  # decided: an ask is written before the pod is parked, and
+        return pod["metadata"]["uid"] in alloc.parked  # a parked pod waits for a change
+
+    await eventually(parked, what="the pod parked as pending")  # the agent acts on asks only
     assert await _desired(env, node) == []
     assert EmulatorControl(world.gpus, node).state().gpus[0].mig_current == 0
     assert not podlib.bound_node(await env.pod("p"))

@@ -414,21 +414,26 @@ async def test_a_slice_is_allocatable_as_soon_as_its_allocation_says_ready(
     milliseconds later: the binding must know the slice by then. The agent told it only after
     the Ready write and the record's write, and a loaded machine (the e2e real-node test under
     three CPU hogs) saw Allocate refused 3 ms before the agent's "slices ready": the pod failed
-    with UnexpectedAdmissionError. Here the record's write is held 2 s to open that window."""
+    with UnexpectedAdmissionError. Here the record's write is held until Allocate answered."""
     persist = AgentNode.persist
+    let_go = asyncio.Event()
 
-    async def slow_persist(self: AgentNode, durable: bool = False) -> None:
-        await asyncio.sleep(2.0)
+    async def held_persist(self: AgentNode, durable: bool = False) -> None:
+        if any(c.state == "ready" for c in self.cp.claims.values()):
+            await let_go.wait()  # the record's `ready`, written after the Ready write
         await persist(self, durable)
 
     node = await gpu_node(kube, tmp_path, [H200])
     async with running_agent(dp_settings(node, control_plane, kubelet)):
         await eventually(registered(kubelet), what="registration")
-        monkeypatch.setattr(AgentNode, "persist", slow_persist)
+        monkeypatch.setattr(AgentNode, "persist", held_persist)
         ch, stub = kubelet.plugin(RES)
         async with ch:
             a = slice_allocation(namespace, node, [("main", "1g.18gb", 0, 0, 1)], claim="cnow")
             await create_allocation(kube, a)
             await wait_phase(kube, a, "Ready")
-            got = await stub.Allocate(one_id("1g.18gb-0"))  # refused before the fix
+            try:
+                got = await stub.Allocate(one_id("1g.18gb-0"))  # refused before the fix
+            finally:
+                let_go.set()
             assert got.container_responses[0].cdi_devices[0].name

@@ -47,6 +47,7 @@ from tests.integration.agent_fixtures import (
     eventually,
     get_allocation,
     gpu_node,
+    had_its_chance,
     injected_devices,
     injected_env,
     mig_node,
@@ -369,7 +370,8 @@ async def test_foreign_instance_is_reported_and_never_touched(
     dev = nv.nvmlDeviceGetHandleByIndex(0)
     nv.nvmlDeviceCreateGpuInstanceWithPlacement(dev, 19, nv.c_nvmlGpuInstancePlacement_t(5, 1))
     nv.nvmlShutdown()
-    async with running_agent(agent_settings([node], control_plane.kubeconfig, gc_grace_s=0.1)):
+    settings = agent_settings([node], control_plane.kubeconfig, gc_grace_s=0.1)
+    async with running_agent(settings) as agents:
         alloc = slice_allocation(ns, node, [("a", "2g.35gb", 0, 4, 2)])
         await create_allocation(kube, alloc)
         failed = await wait_phase(kube, alloc, "Failed")
@@ -385,7 +387,7 @@ async def test_foreign_instance_is_reported_and_never_touched(
         assert (foreign["start"], foreign["size"]) == (5, 1) and "claim" not in foreign
         await delete_allocation(kube, alloc)
         await wait_gone(kube, alloc)
-        await asyncio.sleep(1.0)  # two garbage collection passes (gc_period_s = 0.5)
+        await had_its_chance(agents[node.name])  # two garbage collection passes
         assert node.instances() == [(0, "1g.18gb", 5, 1, None)]  # GC leaves it alone too
 
 
@@ -424,7 +426,7 @@ async def test_release_waits_while_in_use(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
     node = await gpu_node(kube, tmp_path, [H200])
-    async with running_agent(agent_settings([node], control_plane.kubeconfig)):
+    async with running_agent(agent_settings([node], control_plane.kubeconfig)) as agents:
         alloc = slice_allocation(ns, node, [("a", "3g.71gb", 0, 4, 4)])
         await create_allocation(kube, alloc)
         ready = await wait_phase(kube, alloc, "Ready")
@@ -444,7 +446,14 @@ async def test_release_waits_while_in_use(
         await eventually(says_in_use, what="Releasing: in use")
         pod = f"pod-{alloc['metadata']['name']}"
         await _event(kube, ns, pod, "SliceInUse")
-        await asyncio.sleep(0.5)  # several retries (backoff 0.1 s doubling to 0.4 s)
+        registry = agents[node.name].metrics.registry
+        labels = {"node": node.name, "result": "in_use"}
+
+        async def retried() -> bool:  # several retries (backoff 0.1 s doubling to 0.4 s)
+            attempts = registry.get_sample_value("instaslice_nodeagent_releases_total", labels)
+            return (attempts or 0) >= 4  # each told, if at all, before it is counted
+
+        await eventually(retried, what="several release attempts refused: in use")
         in_use = [e for e in await pod_events(kube, ns, pod) if e["reason"] == "SliceInUse"]
         assert len(in_use) == 1 and in_use[0]["type"] == "Warning"  # said once, not per retry
         assert node.instances() == [(0, "3g.71gb", 4, 4, 0)]

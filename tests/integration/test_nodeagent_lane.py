@@ -87,7 +87,12 @@ async def test_a_create_goes_before_releases_queued_on_its_gpu(
         node.emu.set_latency(create_ms=100, destroy_ms=400)
         await asyncio.gather(*(delete_allocation(agent_kube, x) for x in olds))
         assert await asyncio.to_thread(log.destroying.wait, 20), "no release began"
-        await asyncio.sleep(0.2)  # every release has asked for its first destroy by now
+        gpus = agents[node.name].life.gpus
+
+        async def all_asked() -> bool:  # one destroy runs, each other release's waits its turn
+            return gpus.waiting(0) >= len(olds) - 1
+
+        await eventually(all_asked, interval=0.01, what="every release's destroy asked for")
         await create_allocation(agent_kube, new)
         asked = len(log.calls)
         gi = await _ready_gi(agent_kube, new)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from tests.integration.agent_fixtures import (
     delete_allocation,
     eventually,
     gpu_node,
+    had_its_chance,
     mig_node,
     mig_node_warning,
     process_args,
@@ -167,9 +169,9 @@ async def test_a_busy_gpu_is_drained_first(
 ) -> None:
     node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
     settings = agent_settings([node], control_plane.kubeconfig, maintenance_wait_s=5.0)
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
         alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
-        await asyncio.sleep(1.0)  # several GC passes: still waiting, nothing touched
+        await had_its_chance(agents[node.name], maintenance=True)  # still waiting, untouched
         assert node.emu.state().gpus[0].mig_pending == 1
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
         await delete_allocation(agent_kube, alloc, wait=True)
@@ -186,7 +188,7 @@ async def test_a_drain_past_its_timeout_gives_the_ask_up_and_evicts_nothing(
 ) -> None:
     node = await _operator_node(agent_kube, tmp_path, mig_mode="enabled")
     settings = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=1.0)
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
         alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
         gpus = await _gpus(
             agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
@@ -204,8 +206,8 @@ async def test_a_drain_past_its_timeout_gives_the_ask_up_and_evicts_nothing(
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
 
         # the GPU frees up while the same ask stands: given up, not carried out after all
-        await delete_allocation(agent_kube, alloc, wait=True)
-        await asyncio.sleep(1.5)  # several GC passes
+        await delete_allocation(agent_kube, alloc, wait=True)  # its record dropped before
+        await had_its_chance(agents[node.name], maintenance=True)
         gpus = await _gpus(agent_kube, node.name, lambda g: True)
         assert gpus[0]["modeChange"]["phase"] == "Failed"
         assert gpus[0]["migMode"] == {"current": "enabled", "pending": "enabled"}
@@ -232,13 +234,15 @@ async def test_a_drain_clock_and_a_given_up_ask_outlive_a_restart(
             lambda: asyncio.to_thread(_drain_record, node, 0), what="the drain's clock on disk"
         )
     assert first["target"] == "disabled" and not first["givenUp"]
-    async with running_agent(slow):  # restarted: still draining, on the same clock
+    async with running_agent(slow) as agents:  # restarted: still draining, on the same clock
         await _gpus(
             agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Draining"
         )
-        await asyncio.sleep(0.5)  # several GC passes
+        await had_its_chance(agents[node.name], maintenance=True)
         assert _drain_record(node, 0) == first
-    await asyncio.sleep(1.0)
+    # the drain's clock (wall time, read by the agent) runs past the quick agent's 1 s before
+    # it starts: serve() takes no clock to move instead
+    await asyncio.sleep(max(0.0, first["since"] + 1.0 - time.time()))
     quick = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=1.0)
     async with running_agent(quick):  # the clock started > 1 s ago, before this process
         await _gpus(
@@ -249,14 +253,14 @@ async def test_a_drain_clock_and_a_given_up_ask_outlive_a_restart(
             what="the give-up on disk",
         )
         assert "drain timed out" in given_up
-    async with running_agent(quick):  # restarted: the ask is still given up
+    async with running_agent(quick) as agents:  # restarted: the ask is still given up
         gpus = await _gpus(
             agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
         )
         assert gpus[0]["modeChange"]["reason"] == "DrainTimedOut"
         assert gpus[0]["modeChange"]["message"] == given_up
         await delete_allocation(agent_kube, alloc, wait=True)  # the GPU frees up
-        await asyncio.sleep(1.5)  # several GC passes: not carried out after all
+        await had_its_chance(agents[node.name], maintenance=True)  # not carried out after all
         gpus = await _gpus(agent_kube, node.name, lambda g: True)
         assert gpus[0]["modeChange"]["phase"] == "Failed"
         assert gpus[0]["migMode"] == {"current": "enabled", "pending": "enabled"}
@@ -271,9 +275,11 @@ async def test_a_hopper_ask_waits_past_the_drain_timeout_and_is_carried_out_once
     for the work and is carried out once the GPU is idle (docs/nodeagent.md)."""
     node = await gpu_node(agent_kube, tmp_path, ["H100-80GB"], mig_mode="enabled")
     settings = agent_settings([node], control_plane.kubeconfig, maintenance_drain_timeout_s=0.3)
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
         alloc = await _drain_busy_gpu(agent_kube, alloc_ns, node)
-        await asyncio.sleep(1.5)  # five timeouts, several GC passes
+        # draining longer than the timeout (the agent reads the real clock), several steps
+        past = time.monotonic() + 0.3
+        await had_its_chance(agents[node.name], maintenance=True, not_before=past)
         gpus = await _gpus(agent_kube, node.name, lambda g: True)
         assert gpus[0]["modeChange"] == {"phase": "Draining"}
         assert _drain_record(node, 0) is None  # no clock runs for it
@@ -320,7 +326,7 @@ async def test_a_reset_still_refused_fails_with_a_backoff_and_restores_labels(
     node = await _operator_node(agent_kube, tmp_path)
     node.emu.set_driver_client(0, True)  # persistenced, say: no label pauses it
     settings = agent_settings([node], control_plane.kubeconfig, maintenance_wait_s=1.0)
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
         await _desire(agent_kube, node, {0: "enabled"})
         gpus = await _gpus(
             agent_kube, node.name, lambda g: g[0].get("modeChange", {}).get("phase") == "Failed"
@@ -331,7 +337,8 @@ async def test_a_reset_still_refused_fails_with_a_backoff_and_restores_labels(
         assert await _operator_labels(agent_kube, node.name) == OPERATOR
         node.emu.set_driver_client(0, False)
         node.emu.fail_next("set_mig_mode", 999)  # would show if it were tried again
-        await asyncio.sleep(1.0)  # GC passes within the back-off: no retry
+        # steps within the back-off (modes.BACKOFF_S, 300 s): no retry
+        await had_its_chance(agents[node.name], maintenance=True)
         assert node.emu.state().settings.fail != ()
         assert node.emu.state().gpus[0].mig_current == 0
 
@@ -378,12 +385,13 @@ async def test_a_desired_mode_on_a_hopper_gpu_changes_without_a_reset(
     labels = {**OPERATOR, "instaslice.io/idle-mig-mode": "disabled"}
     await agent_kube.patch(core_path("nodes", name=node.name), {"metadata": {"labels": labels}})
     settings = agent_settings([node], control_plane.kubeconfig, idle_mig_mode_after_s=0.3)
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
         await _desire(agent_kube, node, {0: "enabled"})
         gpus = await _gpus(agent_kube, node.name, lambda g: g[0]["migMode"]["current"] == "enabled")
         changed = gpus[0]["lastModeChange"]
         assert changed["to"] == "enabled"
-        await asyncio.sleep(1.5)  # idle past the resting threshold, several GC passes
+        idle = time.monotonic() + 0.3  # idle past the resting threshold, then several passes
+        await had_its_chance(agents[node.name], maintenance=True, not_before=idle)
         gpus = await _gpus(agent_kube, node.name, lambda g: True)
         assert gpus[0]["lastModeChange"] == changed  # not rested to disabled meanwhile
         assert node.emu.state().gpus[0].mig_current == 1

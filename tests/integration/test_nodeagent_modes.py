@@ -14,8 +14,8 @@ Leaves out: the allocator's choice of modes (test_allocator_modes.py), real hard
 
 from __future__ import annotations
 
-import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from tests.integration.agent_fixtures import (
     create_allocation,
     eventually,
     gpu_node,
+    had_its_chance,
     injected_devices,
     injected_env,
     mig_node,
@@ -319,12 +320,14 @@ async def test_resting_mode_changes_only_idle_hopper_gpus(
     node = await gpu_node(agent_kube, tmp_path, [H100, H100, H100, A100])  # MIG on
     settings = agent_settings([node], control_plane.kubeconfig, idle_mig_mode_after_s=1.0)
     node.emu.add_process(node.gpu_uuid(2))
-    async with running_agent(settings):
+    async with running_agent(settings) as agents:
+        agent = agents[node.name]
         alloc = slice_allocation(alloc_ns, node, [("a", "1g.10gb", 0, 6, 1)])
         await create_allocation(agent_kube, alloc)
         await wait_phase(agent_kube, alloc, "Ready")
         await _label(agent_kube, node.name, "bogus")  # read as any: nothing changes
-        await asyncio.sleep(2.0)  # idle past the threshold, several GC passes
+        # idle past the threshold (the agent reads the real clock), then several GC passes
+        await had_its_chance(agent, not_before=time.monotonic() + 1.0)
         assert [g.mig_current for g in node.emu.state().gpus] == [1, 1, 1, 1]
         await _label(agent_kube, node.name, "disabled")
 
@@ -342,7 +345,8 @@ async def test_resting_mode_changes_only_idle_hopper_gpus(
         nv.nvmlInit()
         nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(1), 0)  # an admin, under `any`
         await _gpus(agent_kube, node.name, lambda g: g[1]["migMode"]["current"] == "disabled")
-        await asyncio.sleep(2.0)  # idle past the threshold, several GC passes
+        # idle past the threshold (the agent reads the real clock), then several GC passes
+        await had_its_chance(agent, not_before=time.monotonic() + 1.0)
         assert [g.mig_current for g in node.emu.state().gpus] == [1, 0, 1, 1]
         # the GPU with an allocation rests too once the allocation is gone
         await _label(agent_kube, node.name, "disabled")

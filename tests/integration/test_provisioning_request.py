@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from tests.integration.test_allocator_preemption import (
     priority_classes,  # noqa: F401  (fixture)
     release_holds,
 )
+from tests.support import passes
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     DEFAULT_PROVREQ_CLASS,
@@ -52,6 +54,7 @@ from webhook.allocator.autoscale import (
     ScaleUpSettings,
     SignalMode,
 )
+from webhook.allocator.controller import Controller
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -86,9 +89,20 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
         yield world
 
 
-def start(env: AllocatorEnv) -> None:
-    env.start(
+def start(env: AllocatorEnv) -> Controller:
+    return env.start(
         scale_up=ScaleUpSettings(mode=SignalMode.PROVISIONING_REQUEST, delay_s=0.5, interval_s=0.2)
+    )
+
+
+async def rounds_past_the_delay(alloc: Controller) -> None:
+    """Three scale-up reconcile rounds that began past the signal's delay (0.5 s, read off
+    the real clock): a signal due by then would have been raised."""
+    await passes(
+        lambda: alloc.scale_up.rounds,
+        more=3,
+        not_before=time.monotonic() + 0.5,
+        what="scale-up rounds past the delay",
     )
 
 
@@ -180,10 +194,10 @@ async def test_signal_withdrawn_when_the_pending_pod_is_deleted(env: AllocatorEn
 
 async def test_no_signal_for_a_pod_that_fits(env: AllocatorEnv) -> None:
     await env.add_node("n1")
-    start(env)
+    alloc = start(env)
     await env.create_pod("p", slices={"main": {"3g.40gb": 1}})
     await env.wait_ungated("p")
-    await asyncio.sleep(1.5)  # three reconcile rounds past the delay
+    await rounds_past_the_delay(alloc)
     assert await provreqs(env) == []
     assert await env.events("p", REASON_REQUESTED) == []
 
@@ -191,7 +205,7 @@ async def test_no_signal_for_a_pod_that_fits(env: AllocatorEnv) -> None:
 @pytest.mark.usefixtures("priority_classes")
 async def test_no_signal_for_a_pod_a_preemption_serves(env: AllocatorEnv) -> None:
     await env.add_node("n1")  # one H100: one 7g
-    env.start(
+    alloc = env.start(
         scale_up=ScaleUpSettings(mode=SignalMode.PROVISIONING_REQUEST, delay_s=0.5, interval_s=0.2),
         preemption=True,
     )
@@ -200,7 +214,7 @@ async def test_no_signal_for_a_pod_a_preemption_serves(env: AllocatorEnv) -> Non
         await env.wait_bound("low")
         await create(env, "high", HIGH, "7g.80gb")
         await env.wait_event("high", REASON_PREEMPTING)
-        await asyncio.sleep(1.5)  # three reconcile rounds past the delay; "low" still going
+        await rounds_past_the_delay(alloc)  # "low" still going
         assert await provreqs(env) == []
         assert await env.events("high", REASON_REQUESTED) == []
         # the same ask at the lowest priority: nobody to evict, so it asks for a node

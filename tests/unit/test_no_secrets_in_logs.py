@@ -34,6 +34,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from certs.make import make_ca, make_serving_cert, write_pair
 from common.kubeapi import ApiError, Informer, Kube, core_path
+from tests.support import eventually
 from webhook.server import CertReloader, build_app
 from webhook.settings import ServerSettings
 
@@ -217,7 +218,11 @@ async def test_kube_client_errors_and_retries_log_no_credentials(tmp_path: Path)
 
                 informer = Informer(kube, core_path("pods"), ignore, name="pods")
                 task = asyncio.create_task(informer.run())
-                await asyncio.sleep(1.5)  # a few failed lists, each logged
+
+                async def logged() -> bool:  # a few failed lists, each logged
+                    return sum("watch interrupted" in line for line in lines) >= 3
+
+                await eventually(logged, what="three failed lists logged")
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

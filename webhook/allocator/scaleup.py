@@ -100,6 +100,7 @@ class ScaleUp:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _raising: dict[str, asyncio.Event] = field(default_factory=dict)  # creates in flight
+    rounds: int = 0  # reconcile rounds ended, failed ones too (a test's proof of a chance)
 
     @property
     def on(self) -> bool:
@@ -165,6 +166,7 @@ class ScaleUp:
                     pass  # lost for good: the term is about to end; else next round
                 except Exception:  # a bug here must not end the allocator's term
                     log.exception("scale-up signal round failed")
+                self.rounds += 1
                 await wait_or_sleep(self.clock, self._wake, self.settings.interval_s)
                 self._wake.clear()
         finally:
