@@ -43,7 +43,7 @@ import yaml
 from kubernetes_asyncio import config as k8s_config
 
 from common.catalog import load_catalog, load_model_file
-from common.constants import BindingMode
+from common.constants import AllocationMode, BindingMode
 from common.kubeapi import harden
 from hack import kueue
 from hack.cluster import karpenter
@@ -65,6 +65,7 @@ MANIFESTS = REPO / "manifests" / "base"
 NAMESPACE = "instaslice-system"
 CONTROLLER_SA = "instaslice-controller"
 SLOT_ACCOUNTING = "--slot-accounting"  # the webhook's flag (docs/kueue.md)
+DRA_MODE = f"--allocation-mode={AllocationMode.DRA}"  # every component's (docs/dra.md)
 # What a dev install applies (the Deployments/DaemonSet are replaced by local processes).
 INSTALL = [
     "crds/sliceallocations.yaml",
@@ -185,6 +186,9 @@ class DevSystem:
         )
         if spec.slot_accounting and SLOT_ACCOUNTING not in system.webhook_args:
             system.webhook_args += (SLOT_ACCOUNTING,)
+        if spec.dra:  # every component in DRA mode, as the ConfigMap sets it (docs/dra.md)
+            system.webhook_args += (DRA_MODE,) if DRA_MODE not in system.webhook_args else ()
+            system.agent_args += (DRA_MODE,) if DRA_MODE not in system.agent_args else ()
         try:
             system.install()
             if spec.kueue:

@@ -9,6 +9,10 @@ values users set replaced by template expressions:
   instaslice-config, i.e. the component manifests/components/binding-env. The ConfigMap's
   name carries kustomize's content hash, so the generator renders both modes and the chart
   picks the name kustomize would give (a mode change rolls both workloads, as with kustomize);
+- `allocationMode` (gates | dra): the allocation-mode of the same ConfigMap, i.e. the
+  component manifests/components/dra, and the objects that component adds (DeviceClasses,
+  the node agent's DRA RBAC), rendered only with `dra`; the chart knows the ConfigMap's name
+  for each of the four (binding mode, allocation mode) pairs;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
@@ -60,6 +64,14 @@ CHART_DIR = REPO_ROOT / "charts" / "instaslice"
 OVERLAY = "kubernetes"
 CONFIG_MAP = "instaslice-config"
 BINDING_MODES = ("device-plugin", "env")
+ALLOCATION_MODES = ("gates", "dra")
+# (binding mode, allocation mode) -> the rendering with exactly the components that set them
+MODE_VARIANTS = {
+    ("device-plugin", "gates"): "default",
+    ("env", "gates"): "binding-env",
+    ("device-plugin", "dra"): "dra",
+    ("env", "dra"): "binding-env+dra",
+}
 IMAGES = {"webhook": "instaslice-webhook", "nodeagent": "instaslice-nodeagent"}
 WORKLOADS = {
     "webhook": ("Deployment", "instaslice-webhook"),
@@ -90,14 +102,14 @@ def render_variants(kubectl: Path) -> dict[str, list[Obj]]:
     """The overlay alone and with each component, as an administrator's own overlay would
     use it (the same shape tests/integration/test_manifests.py renders)."""
     out = {"default": _kustomize(kubectl, REPO_ROOT / "manifests" / "overlays" / OVERLAY)}
-    for variant in ("binding-env", "monitoring"):
+    for variant in ("binding-env", "monitoring", "dra", "binding-env+dra"):
         with tempfile.TemporaryDirectory(prefix="instaslice-chart-") as tmp:
             rel = Path(os.path.relpath(REPO_ROOT / "manifests", tmp))
             kust = {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
                 "resources": [str(rel / "overlays" / OVERLAY)],
-                "components": [str(rel / "components" / variant)],
+                "components": [str(rel / "components" / c) for c in variant.split("+")],
             }
             (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kust))
             out[variant] = _kustomize(kubectl, Path(tmp))
@@ -144,26 +156,38 @@ def _without_config(objs: list[Obj]) -> dict[tuple[str, str, str], Obj]:
     return out
 
 
-def check_variants(variants: dict[str, list[Obj]]) -> tuple[dict[str, str], list[Obj]]:
-    """(ConfigMap name per binding mode, the objects monitoring adds); SystemExit naming the
-    object when a component changes anything else."""
+Names = dict[tuple[str, str], str]  # (binding mode, allocation mode) -> the ConfigMap's name
+
+
+def check_variants(variants: dict[str, list[Obj]]) -> tuple[Names, list[Obj], list[Obj]]:
+    """(ConfigMap name per pair of modes, the objects monitoring adds, the objects DRA mode
+    adds); SystemExit naming the object when a component changes anything else."""
     default = variants["default"]
-    names = {}
-    for mode, objs in (("device-plugin", default), ("env", variants["binding-env"])):
-        cm = _config_map(objs)
-        if cm.get("data") != {"binding-mode": mode}:
-            raise SystemExit(f"{cm['metadata']['name']}: data {cm.get('data')}, expected {mode}")
-        names[mode] = cm["metadata"]["name"]
-    base, env = _without_config(default), _without_config(variants["binding-env"])
-    changed = sorted(k for k in base.keys() | env.keys() if base.get(k) != env.get(k))
-    if changed:
-        raise SystemExit(f"binding-env changes more than {CONFIG_MAP}: {changed}; extend gen_chart")
+    base = _without_config(default)
+    names: Names = {}
+    dra: dict[tuple[str, str, str], Obj] | None = None
+    for (binding, allocation), variant in MODE_VARIANTS.items():
+        cm = _config_map(variants[variant])
+        want = {"binding-mode": binding, "allocation-mode": allocation}
+        if cm.get("data") != want:
+            raise SystemExit(f"{cm['metadata']['name']}: data {cm.get('data')}, expected {want}")
+        names[(binding, allocation)] = cm["metadata"]["name"]
+        objs = _without_config(variants[variant])
+        changed = sorted(k for k in base if objs.get(k) != base[k])
+        added = {k: o for k, o in objs.items() if k not in base}
+        if changed or (allocation == "gates" and added):
+            what = changed or sorted(added)
+            raise SystemExit(f"{variant} changes more than {CONFIG_MAP}: {what}; extend gen_chart")
+        if allocation == "dra":
+            if dra is not None and added != dra:
+                raise SystemExit(f"{variant} adds other objects than dra alone; extend gen_chart")
+            dra = added
     mon = {_key(o): o for o in variants["monitoring"]}
     plain = {_key(o): o for o in default}
     changed = sorted(k for k in plain if mon.get(k) != plain[k])
     if changed:
         raise SystemExit(f"monitoring changes existing objects {changed}; extend gen_chart")
-    return names, [o for k, o in mon.items() if k not in plain]
+    return names, [o for k, o in mon.items() if k not in plain], list((dra or {}).values())
 
 
 # --- templating ------------------------------------------------------------------------------
@@ -190,16 +214,19 @@ def _template(obj: Obj, exprs: dict[str, tuple[str, bool]]) -> str:
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
 
+    placed: set[str] = set()
+
     def put(m: re.Match[str]) -> str:
-        expr, block = exprs.pop(m.group("mark"))
+        expr, block = exprs[m.group("mark")]  # one marker may stand in several places
+        placed.add(m.group("mark"))
         if not block:
             return f"{m.group('indent')}{m.group('key')}: {expr}"
         indent = len(m.group("indent")) + 2
         return f"{m.group('indent')}{m.group('key')}:\n{{{{- {expr} | nindent {indent} }}}}"
 
     text = _MARK_RE.sub(put, text)
-    if exprs:
-        raise SystemExit(f"markers not placed (not a mapping value?): {exprs}")
+    if left := {k: v for k, v in exprs.items() if k not in placed}:
+        raise SystemExit(f"markers not placed (not a mapping value?): {left}")
     return text
 
 
@@ -213,6 +240,7 @@ def _file_name(o: Obj) -> str:
 def _values(default: list[Obj]) -> dict[str, Any]:
     by_key = {(o["kind"], o["metadata"]["name"]): o for o in default}
     values: dict[str, Any] = {"images": {}, "bindingMode": "device-plugin"}
+    values["allocationMode"] = "gates"
     for part, (kind, name) in WORKLOADS.items():
         (container,) = by_key[(kind, name)]["spec"]["template"]["spec"]["containers"]
         repo, _, tag = container["image"].rpartition(":")
@@ -269,6 +297,7 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
         del exprs[config_name]
     if o["kind"] == "ConfigMap" and o["metadata"]["name"] == config_name:
         o["data"]["binding-mode"] = mark("{{ .Values.bindingMode | quote }}")
+        o["data"]["allocation-mode"] = mark("{{ .Values.allocationMode | quote }}")
     for part, (kind, name) in WORKLOADS.items():
         if (o["kind"], o["metadata"]["name"]) != (kind, name):
             continue
@@ -293,6 +322,7 @@ _SCHEMA: dict[str, Any] = {
     "required": [
         "images",
         "bindingMode",
+        "allocationMode",
         "webhook",
         "nodeagent",
         "monitoring",
@@ -317,6 +347,7 @@ _SCHEMA: dict[str, Any] = {
             },
         },
         "bindingMode": {"enum": list(BINDING_MODES)},
+        "allocationMode": {"enum": list(ALLOCATION_MODES)},
         "webhook": {
             "type": "object",
             "additionalProperties": False,
@@ -384,6 +415,8 @@ _VALUE_DOCS = {
     "images": "images of the two components (the overlay's `images:`)",
     "bindingMode": "device-plugin | env: the component manifests/components/binding-env\n"
     "# (docs/binding.md)",
+    "allocationMode": "gates | dra: the component manifests/components/dra (docs/dra.md;\n"
+    "# Kubernetes 1.36 or later); dra adds the DeviceClasses and the node agent's DRA RBAC",
     "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",
     "nodeagent": "the node agent DaemonSet",
     "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
@@ -406,7 +439,7 @@ def _values_yaml(values: dict[str, Any]) -> str:
 
 def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     """The chart's files, from the renderings (pure: the unit tests call it directly)."""
-    names, monitoring = check_variants(variants)
+    names, monitoring, dra = check_variants(variants)
     default = variants["default"]
     values = _values(default)
     app_version = values["images"]["webhook"]["tag"]
@@ -428,24 +461,26 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     files["templates/_helpers.tpl"] = (
         "{{/* Generated by hack/gen_chart.py (make chart): do not edit. */}}\n"
         "{{/* kustomize's name for the ConfigMap instaslice-config, which carries a hash of its\n"
-        "     content; one per binding mode, so a mode change rolls both workloads. */}}\n"
+        "     content; one per pair of modes, so a mode change rolls both workloads. */}}\n"
         '{{- define "instaslice.configName" -}}\n'
+        '{{- $modes := printf "%s/%s" .Values.bindingMode .Values.allocationMode -}}\n'
         + "".join(
-            f'{"{{- if" if i == 0 else "{{- else if"} eq .Values.bindingMode "{mode}" -}}}}\n'
-            f"{names[mode]}\n"
-            for i, mode in enumerate(BINDING_MODES)
+            f'{"{{- if" if i == 0 else "{{- else if"} eq $modes "{b}/{a}" -}}}}\n{names[(b, a)]}\n'
+            for i, (b, a) in enumerate(MODE_VARIANTS)
         )
-        + '{{- else -}}\n{{- fail (printf "bindingMode %q: device-plugin or env" '
-        ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n"
+        + '{{- else -}}\n{{- fail (printf "bindingMode %q, allocationMode %q: device-plugin '
+        'or env, gates or dra" .Values.bindingMode .Values.allocationMode) -}}\n'
+        "{{- end -}}\n{{- end -}}\n"
     )
     files["templates/NOTES.txt"] = (
         "InstaSlice {{ .Chart.AppVersion }} installs into the namespace instaslice-system\n"
-        "(binding mode {{ .Values.bindingMode }}). Wait for it:\n"
+        "(binding mode {{ .Values.bindingMode }}, allocation mode "
+        "{{ .Values.allocationMode }}). Wait for it:\n"
         "  kubectl -n instaslice-system rollout status deployment/instaslice-webhook\n"
         "  kubectl -n instaslice-system rollout status daemonset/instaslice-nodeagent\n"
         'Then opt a namespace in: docs/install.md "3. Opt a namespace in".\n'
     )
-    cm_name = names["device-plugin"]
+    cm_name = names[("device-plugin", "gates")]
     for o in default:
         obj, exprs = _parameterise(o, cm_name)
         files[f"templates/{_file_name(o)}"] = HEADER + _template(obj, exprs)
@@ -454,6 +489,12 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         body = _template(obj, exprs)
         files[f"templates/monitoring/{_file_name(o)}"] = (
             "{{- if .Values.monitoring.enabled }}\n" + HEADER + body + "{{- end }}\n"
+        )
+    for o in dra:
+        obj, exprs = _parameterise(o, cm_name)
+        body = _template(obj, exprs)
+        files[f"templates/dra/{_file_name(o)}"] = (
+            '{{- if eq .Values.allocationMode "dra" }}\n' + HEADER + body + "{{- end }}\n"
         )
     return files
 

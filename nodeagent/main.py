@@ -30,7 +30,7 @@ import structlog
 
 from common.catalog import load_catalog
 from common.clock import stoppable
-from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
+from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, AllocationMode, BindingMode
 from common.kubeapi import (
     EventType,
     Informer,
@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=BindingMode.ENV.value,
         help="how a container gets its slice (docs/binding.md); must match the webhook's "
         "--binding-mode (the manifests set both from the ConfigMap instaslice-config)",
+    )
+    p.add_argument(
+        "--allocation-mode",
+        choices=[m.value for m in AllocationMode],
+        default=AllocationMode.GATES.value,
+        help="gates, or dra: publish this node's ResourceSlices and serve the kubelet's DRA "
+        "plugin API (docs/dra.md); the manifests set it, for every component, from the "
+        "ConfigMap instaslice-config",
     )
     p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
     p.add_argument(
@@ -202,6 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         state_dir=a.state_dir,
         namespace=a.namespace,
         binding=BindingMode(a.binding),
+        allocation=AllocationMode(a.allocation_mode),
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,

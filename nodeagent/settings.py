@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.constants import AGENT_LEASE_DURATION_S, BindingMode
+from common.constants import AGENT_LEASE_DURATION_S, AllocationMode, BindingMode
 from common.metricsauth import MetricsAuthLimits
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
@@ -34,6 +34,9 @@ class Settings:
     state_dir: Path | None = None  # default: emu_state under --emulate, else DEFAULT_STATE_DIR
     namespace: str = "instaslice-system"
     binding: BindingMode = BindingMode.ENV
+    # dra: also publish this node's pool as ResourceSlices and serve the kubelet's DRA plugin
+    # API (docs/dra.md); gates: neither
+    allocation: AllocationMode = AllocationMode.GATES
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0

@@ -97,6 +97,11 @@ class ClusterSpec:
     # top-level `slotAccounting: true`: the webhook runs with --slot-accounting (and a Kueue
     # of the spec charges instaslice.io/memory-slots, docs/kueue.md)
     slot_accounting: bool = False
+    # top-level `dra: true`: every component runs with --allocation-mode=dra (docs/dra.md).
+    # No feature gate is set for it: on v1.37.2 resource.k8s.io/v1, partitionable devices
+    # (shared counters) and the kubelet's DRA plugin API are on by default (the counters
+    # survive the API server's field dropping: tests/integration/test_dra_pool.py)
+    dra: bool = False
 
     def node_names(self) -> list[str]:
         return [n for g in self.groups for n in g.names()]
@@ -191,10 +196,14 @@ def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
     slots = doc.get("slotAccounting", False)
     if not isinstance(slots, bool):
         raise SpecError(f"slotAccounting: {slots!r} is not true or false")
+    dra = doc.get("dra", False)
+    if not isinstance(dra, bool):
+        raise SpecError(f"dra: {dra!r} is not true or false")
     spec = ClusterSpec(
         tuple(_group(i, e, base) for i, e in enumerate(entries)),
         kueue=kueue,
         slot_accounting=slots,
+        dra=dra,
     )
     names = spec.node_names()
     if len(set(names)) != len(names):
