@@ -25,11 +25,14 @@ import structlog
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
+from common.constants import AllocationMode
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, heartbeat, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
+from nodeagent.dra.pool import pool_slices
+from nodeagent.dra.publish import PoolPublisher
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.maintenance import Maintenance, Reset
 from nodeagent.metrics import AgentMetrics
@@ -129,6 +132,9 @@ class NodeAgent:
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
         self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
+        # DRA mode: the node's ResourceSlices, written with the MigNode (docs/dra.md)
+        dra = settings.allocation is AllocationMode.DRA
+        self.pool = PoolPublisher(kube, node) if dra else None
         self._idle_mode_told = ""
 
     # ---- informer → agent --------------------------------------------------------------------
@@ -290,6 +296,11 @@ class NodeAgent:
         """Write MigNode status and Node capacity (env binding only) if they changed; a retry
         delay if the Node object does not exist yet."""
         st = self.st
+        modes = self.life.modes
+        if self.pool is not None:
+            await self.pool.publish(
+                pool_slices(st.inv, st.health, modes.can_enable, modes.can_be_whole)
+            )
         status = mig_node_status(
             st.inv,
             st.health,
@@ -316,7 +327,6 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
-        modes = self.life.modes
         desired = slot_capacity(
             st.inv, st.health, self.life.catalog, modes.can_enable, modes.can_be_whole
         )

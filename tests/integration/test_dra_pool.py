@@ -1,0 +1,189 @@
+"""DRA mode's pool on the real API server (v1.37.2): the node agent's ResourceSlices.
+
+- Pool protocol: the agent (--allocation-mode dra) publishes a counter slice and one device
+  slice per GPU, all of one generation with `resourceSliceCount`; the API server keeps the
+  shared counters and each device's consumption (no feature gate needed). An unhealthy GPU
+  (an XID) leaves the pool: a new generation without its counter set, its slice deleted. A
+  restarted agent goes on from the generation the API server holds, and one whose pool did not
+  change writes nothing.
+- A user's own ResourceClaim with `deviceClassName: mig.instaslice.io` and CEL on `profile`
+  is allocated by kube-scheduler from the published slices, to the first device in
+  InstaSlice's order (3g.40gb at start 4, not 0).
+Leaves out: the kubelet plugin (a KWOK node has no kubelet), the allocator's side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.constants import AllocationMode
+from common.kubeapi import ApiError, Kube, core_path, group_path
+from hack.cluster import ControlPlane
+from nodeagent.dra.publish import slices_path
+from tests.integration.agent_fixtures import (
+    agent_settings,
+    eventually,
+    gpu_node,
+    running_agent,
+)
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+H100 = "H100-80GB"
+Obj = dict[str, Any]
+
+
+@pytest.fixture
+def kube(agent_kube: Kube) -> Kube:
+    return agent_kube
+
+
+async def device_classes(kube: Kube) -> None:
+    path = group_path("resource.k8s.io/v1", "deviceclasses")
+    for doc in yaml.safe_load_all(
+        (ROOT / "manifests/components/dra/deviceclasses.yaml").read_text()
+    ):
+        try:
+            await kube.create(path, doc)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+
+
+async def pool(kube: Kube, node: str) -> list[Obj]:
+    got = await kube.list(slices_path(), fieldSelector=f"spec.nodeName={node}")
+    return sorted(got.get("items") or [], key=lambda o: o["metadata"]["name"])
+
+
+def generations(slices: list[Obj]) -> set[tuple[int, int]]:
+    return {
+        (o["spec"]["pool"]["generation"], o["spec"]["pool"]["resourceSliceCount"]) for o in slices
+    }
+
+
+async def test_pool_protocol(kube: Kube, tmp_path: Path, control_plane: ControlPlane) -> None:
+    node = await gpu_node(kube, tmp_path, [H100, H100], prefix="dra")
+    settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
+    async with running_agent(settings):
+
+        async def three() -> bool:
+            return len(await pool(kube, node.name)) == 3
+
+        await eventually(three, what="the pool's three slices")
+        slices = await pool(kube, node.name)
+        ((gen, count),) = generations(slices)
+        assert count == 3
+        counters = next(o for o in slices if o["spec"].get("sharedCounters"))
+        assert [c["name"] for c in counters["spec"]["sharedCounters"]] == ["gpu-0", "gpu-1"]
+        devices = next(o for o in slices if o["metadata"]["name"].endswith("gpu-0-0"))
+        first = devices["spec"]["devices"][0]
+        assert first["name"] == "gpu-0-mig-19-5"
+        assert first["consumesCounters"][0]["counters"]["memory-slice-5"] == {"value": "1"}
+        assert first["attributes"]["profile"] == {"string": "1g.10gb"}
+
+        node.emu.emit_xid(1, 79)  # GPU 1 falls off the bus: it leaves the pool
+
+        async def without_gpu1() -> bool:
+            s = await pool(kube, node.name)
+            return len(s) == 2 and generations(s) == {(gen + 1, 2)}
+
+        await eventually(without_gpu1, what="a new generation without GPU 1")
+        slices = await pool(kube, node.name)
+        counters = next(o for o in slices if o["spec"].get("sharedCounters"))
+        assert [c["name"] for c in counters["spec"]["sharedCounters"]] == ["gpu-0"]
+        assert not any(o["metadata"]["name"].endswith("gpu-1-0") for o in slices)
+
+    # restarted: NVML says GPU 1 is fine again, so it is back, one generation on
+    async with running_agent(settings):
+
+        async def back() -> bool:
+            return generations(await pool(kube, node.name)) == {(gen + 2, 3)}
+
+        await eventually(back, what="GPU 1 back, generation counted on")
+
+    # restarted with nothing changed: nothing written
+    async with running_agent(settings) as agents:
+        agent = agents[node.name]
+
+        async def published() -> bool:
+            return agent.pool is not None and agent.pool.generation == gen + 2
+
+        await eventually(published, what="the pool checked")
+        assert agent.pool is not None and agent.pool.writes == 0
+        assert generations(await pool(kube, node.name)) == {(gen + 2, 3)}
+
+
+async def test_users_claim_is_allocated_by_kube_scheduler(
+    kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    await device_classes(kube)
+    node = await gpu_node(kube, tmp_path, [H100], prefix="drs")
+    settings = dataclasses.replace(
+        agent_settings([node], control_plane.kubeconfig), allocation=AllocationMode.DRA
+    )
+    claims = group_path("resource.k8s.io/v1", "resourceclaims", alloc_ns)
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "mine", "namespace": alloc_ns},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "slice",
+                        "exactly": {
+                            "deviceClassName": "mig.instaslice.io",
+                            "selectors": [
+                                {
+                                    "cel": {
+                                        "expression": 'device.attributes["instaslice.io"]'
+                                        '.profile == "3g.40gb"'
+                                    }
+                                }
+                            ],
+                        },
+                    }
+                ]
+            }
+        },
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "user", "namespace": alloc_ns},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node.name},
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "mine"}],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }
+            ],
+        },
+    }
+    async with running_agent(settings):
+
+        async def published() -> bool:
+            return len(await pool(kube, node.name)) == 2
+
+        await eventually(published, what="the pool")
+        await kube.create(claims, claim)
+        await kube.create(core_path("pods", alloc_ns), pod)
+
+        async def allocated() -> Obj | None:
+            got = await kube.get(f"{claims}/mine")
+            return (got.get("status") or {}).get("allocation")
+
+        allocation = await eventually(allocated, within=60, what="the claim allocated")
+        (result,) = allocation["devices"]["results"]
+        assert (result["driver"], result["pool"]) == ("instaslice.io", node.name)
+        assert result["device"] == "gpu-0-mig-9-4"  # InstaSlice's order: 3g at 4 before 0
+        await kube.delete(core_path("pods", alloc_ns, "user"), {"gracePeriodSeconds": 0})
