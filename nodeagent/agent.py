@@ -31,6 +31,7 @@ from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, heartbeat, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
+from nodeagent.dra.carve import DraClaims
 from nodeagent.dra.pool import pool_slices
 from nodeagent.dra.publish import PoolPublisher
 from nodeagent.lifecycle import Lifecycle
@@ -135,6 +136,7 @@ class NodeAgent:
         # DRA mode: the node's ResourceSlices, written with the MigNode (docs/dra.md)
         dra = settings.allocation is AllocationMode.DRA
         self.pool = PoolPublisher(kube, node) if dra else None
+        self.claims = DraClaims(self.life, kube) if dra else None  # ResourceClaims allocated here
         self._idle_mode_told = ""
 
     # ---- informer → agent --------------------------------------------------------------------
@@ -197,6 +199,8 @@ class NodeAgent:
         try:
             async with asyncio.TaskGroup() as tg:
                 self.queue.start(tg)
+                if self.claims is not None:
+                    self.claims.queue.start(tg)
                 tg.create_task(self._publisher(), name=f"publish-{self.node}")
                 tg.create_task(self._lease(), name=f"lease-{self.node}")
                 tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
@@ -391,14 +395,14 @@ class NodeAgent:
         retried (by their allocation's worker, never beside it), remove CDI files nobody
         claims, and rescan NVML for foreign instances."""
         st = self.st
-        live = set(st.allocs)
+        live = set(st.allocs) | (self.claims.live() if self.claims is not None else set())
         due, self._orphan_seen = orphans(
             st.cp, live, self._orphan_seen, self.clock.monotonic(), self.settings.gc_grace_s
         )
         stuck = [
             uid
             for uid, rec in st.cp.claims.items()
-            if uid in live
+            if uid in st.allocs
             and rec.state == "releasing"
             and not SliceAllocation.parse(st.allocs[uid]).deleting
         ]

@@ -38,6 +38,7 @@ from common.kubeapi import (
     Obj,
     connected,
     core_path,
+    group_path,
     instaslice_path,
     lean,
 )
@@ -48,6 +49,7 @@ from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
+from nodeagent.dra.plugin import Sockets, serving
 from nodeagent.maintenance import Reset, ResetRefused, command_reset
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
@@ -101,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="gates, or dra: publish this node's ResourceSlices and serve the kubelet's DRA "
         "plugin API (docs/dra.md); the manifests set it, for every component, from the "
         "ConfigMap instaslice-config",
+    )
+    p.add_argument(
+        "--kubelet-registry-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins_registry"),
+        help="DRA mode, one node: where the kubelet's plugin watcher finds the agent's "
+        "registration socket",
+    )
+    p.add_argument(
+        "--kubelet-plugins-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins"),
+        help="DRA mode, one node: the DRA plugin socket goes in DIR/instaslice.io/",
     )
     p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
     p.add_argument(
@@ -211,6 +226,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         namespace=a.namespace,
         binding=BindingMode(a.binding),
         allocation=AllocationMode(a.allocation_mode),
+        # one node's kubelet: many emulated nodes in one process have none
+        dra_registry_dir=a.kubelet_registry_dir if len(nodes) == 1 else None,
+        dra_plugins_dir=a.kubelet_plugins_dir,
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
@@ -366,6 +384,25 @@ def by_node_name(
     )
 
 
+def dra_claims(kube: Kube, agents: dict[str, NodeAgent]) -> Informer:
+    """DRA mode: every ResourceClaim, each event to every agent (each keeps those allocated
+    in its own pool: the allocation is in the status, which no selector reaches); each
+    agent's `claims.synced` is set once the first list is in."""
+
+    async def on_event(etype: EventType, obj: Obj) -> None:
+        for a in agents.values():
+            if a.claims is not None:
+                a.claims.on_event(etype, obj)
+
+    informer = Informer(
+        kube, group_path("resource.k8s.io/v1", "resourceclaims"), on_event, name="resourceclaims"
+    )
+    for a in agents.values():
+        if a.claims is not None:
+            a.claims.synced = informer.synced  # garbage collection spares records until then
+    return informer
+
+
 async def serve(
     settings: Settings,
     *,
@@ -384,6 +421,7 @@ async def serve(
     reset_for = reset_factory(settings)
     agents: dict[str, NodeAgent] = {}
     metrics = AgentMetrics()
+    dra = settings.allocation is AllocationMode.DRA
 
     by_label = {node_label_value(n): n for n in settings.nodes}  # a long name's is cut
 
@@ -461,6 +499,7 @@ async def serve(
                 agents,
                 NodeAgent.on_mig_node,
             )
+            claims_informer = dra_claims(kube, agents) if dra else None
             for agent in agents.values():  # read when scraped: the agent's live view
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
@@ -476,6 +515,11 @@ async def serve(
                 started = all(a.started.is_set() for a in agents.values())
                 return started and informer.synced.is_set()
 
+            if dra and settings.dra_registry_dir is not None:
+                (agent,) = agents.values()
+                assert agent.claims is not None
+                sockets = Sockets(settings.dra_registry_dir, settings.dra_plugins_dir)
+                await stack.enter_async_context(serving(agent.claims, sockets))
             if settings.metrics_port:
                 await stack.enter_async_context(
                     health_server(
@@ -494,6 +538,10 @@ async def serve(
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
+                if claims_informer is not None:
+                    tg.create_task(
+                        stoppable(claims_informer.run(), "resourceclaims"), name="claims-guard"
+                    )
                 tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
                 tg.create_task(
                     stoppable(mig_nodes_informer.run(), "mignodes"), name="mignodes-guard"
