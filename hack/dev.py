@@ -83,6 +83,9 @@ INSTALL = [
     "policy/instaslice-controller.yaml",
     "policy/unserved-asks.yaml",
 ]
+# DRA mode (`dra: true`): what the component manifests/components/dra adds
+DRA_INSTALL = ["../components/dra/deviceclasses.yaml", "../components/dra/rbac.yaml",
+               "../components/dra/policy.yaml"]  # fmt: skip
 _STATE = "system.json"
 PART_OF = {"app.kubernetes.io/part-of": "instaslice"}
 
@@ -190,7 +193,7 @@ class DevSystem:
             system.webhook_args += (DRA_MODE,) if DRA_MODE not in system.webhook_args else ()
             system.agent_args += (DRA_MODE,) if DRA_MODE not in system.agent_args else ()
         try:
-            system.install()
+            system.install(dra=spec.dra)
             if spec.kueue:
                 system.start_kueue(system.kueue_settings(), die_with_parent=die_with_parent)
             asyncio.run(_create_nodes(cp.kubeconfig, spec))
@@ -232,9 +235,9 @@ class DevSystem:
             raise
         return system
 
-    def install(self) -> None:
+    def install(self, *, dra: bool = False) -> None:
         docs = []
-        for f in INSTALL:
+        for f in (*INSTALL, *(DRA_INSTALL if dra else ())):
             for doc in yaml.safe_load_all((MANIFESTS / f).read_text()):
                 if doc:  # the label the base kustomization adds (docs select by it)
                     doc.setdefault("metadata", {}).setdefault("labels", {}).update(PART_OF)
@@ -347,6 +350,7 @@ class DevSystem:
         """The real node's agent: its own process, as a DaemonSet pod would be."""
         assert self.real is not None
         self.real_binding = binding or self.real_binding
+        kubelet_root = self.real.pod_resources_socket.parents[1]  # <root>/pod-resources/x.sock
         argv = [
             _bin("instaslice-nodeagent"),
             f"--kubeconfig={self.kubeconfig}",
@@ -358,6 +362,9 @@ class DevSystem:
             f"--binding-mode={self.real_binding}",
             f"--kubelet-dir={DEVICE_PLUGIN_DIR}",
             f"--pod-resources-socket={self.real.pod_resources_socket}",
+            # DRA mode: the plugin watcher's and the plugins' dirs under the kubelet's root dir
+            f"--kubelet-registry-dir={kubelet_root / 'plugins_registry'}",
+            f"--kubelet-plugins-dir={kubelet_root / 'plugins'}",
             f"--namespace={NAMESPACE}",
             *self.agent_args,
         ]

@@ -187,3 +187,54 @@ async def test_users_claim_is_allocated_by_kube_scheduler(
         assert (result["driver"], result["pool"]) == ("instaslice.io", node.name)
         assert result["device"] == "gpu-0-mig-9-4"  # InstaSlice's order: 3g at 4 before 0
         await kube.delete(core_path("pods", alloc_ns, "user"), {"gracePeriodSeconds": 0})
+
+
+async def test_extended_resource_classes_serve_plain_pods(
+    kube: Kube, alloc_ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The off-by-default component dra-extended-resources: a plain pod asking
+    `nvidia.com/mig-1g.10gb` (no webhook, no claim of its own) gets the first 1g.10gb device
+    in InstaSlice's order from kube-scheduler."""
+    path = group_path("resource.k8s.io/v1", "deviceclasses")
+    text = (ROOT / "manifests/components/dra-extended-resources/deviceclasses.yaml").read_text()
+    for doc in yaml.safe_load_all(text):
+        try:
+            await kube.create(path, doc)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+    node = await gpu_node(kube, tmp_path, [H100], prefix="dre")
+    settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "plain", "namespace": alloc_ns},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node.name},
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}},
+                }
+            ],
+        },
+    }
+    async with running_agent(settings):
+
+        async def published() -> bool:
+            return len(await pool(kube, node.name)) == 2
+
+        await eventually(published, what="the pool")
+        await kube.create(core_path("pods", alloc_ns), pod)
+        claims = group_path("resource.k8s.io/v1", "resourceclaims", alloc_ns)
+
+        async def allocated() -> Obj | None:
+            items = (await kube.list(claims)).get("items") or []
+            mine = [c for c in items if c["metadata"]["name"].startswith("plain-extended")]
+            return ((mine[0].get("status") or {}).get("allocation")) if mine else None
+
+        allocation = await eventually(allocated, within=60, what="the extended-resource claim")
+        (result,) = allocation["devices"]["results"]
+        assert (result["pool"], result["device"]) == (node.name, "gpu-0-mig-19-5")
+        await kube.delete(core_path("pods", alloc_ns, "plain"), {"gracePeriodSeconds": 0})

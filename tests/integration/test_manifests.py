@@ -456,6 +456,31 @@ def test_monitoring_component_passes_server_side_dry_run(
     assert out.count("(server dry run)") == 2, out
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dra_components_pass_server_side_dry_run(
+    control_plane: ControlPlane, tmp_path: Path, overlay: str
+) -> None:
+    """The DRA component's objects (DeviceClasses, the agent's RBAC and policy) and the
+    optional per-profile classes, against the v1.37.2 API server's own schemas."""
+    text = _render_with(control_plane, tmp_path, overlay, ("dra", "dra-extended-resources"))
+    docs = _docs(text)
+    new = [
+        d
+        for d in docs
+        if d["kind"] == "DeviceClass" or d["metadata"]["name"] == "instaslice-nodeagent-dra"
+    ]
+    assert {d["kind"] for d in new} == {
+        "DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }  # fmt: skip
+    proc = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-",
+        stdin=yaml.safe_dump_all(new), check=False,
+    )  # fmt: skip
+    out = _ok(proc, f"dry-run of the dra components ({overlay})")
+    assert out.count("(server dry run)") == len(new) == 2 + 6 + 4, out
+
+
 # --- who may connect: the NetworkPolicies, read as a CNI would ------------------------------
 
 
