@@ -135,7 +135,7 @@ class NodeAgent:
         self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
         # DRA mode: the node's ResourceSlices, written with the MigNode (docs/dra.md)
         dra = settings.allocation is AllocationMode.DRA
-        self.pool = PoolPublisher(kube, node) if dra else None
+        self.pool = PoolPublisher(kube, node, self.st.publish.set) if dra else None
         self.claims = DraClaims(self.life, kube) if dra else None  # ResourceClaims allocated here
         self._idle_mode_told = ""
 

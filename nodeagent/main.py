@@ -38,7 +38,6 @@ from common.kubeapi import (
     Obj,
     connected,
     core_path,
-    group_path,
     instaslice_path,
     lean,
 )
@@ -49,6 +48,7 @@ from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
+from nodeagent.dra.informers import dra_claims, dra_slices
 from nodeagent.dra.plugin import Sockets, serving
 from nodeagent.maintenance import Reset, ResetRefused, command_reset
 from nodeagent.metrics import AgentMetrics, health_server
@@ -384,25 +384,6 @@ def by_node_name(
     )
 
 
-def dra_claims(kube: Kube, agents: dict[str, NodeAgent]) -> Informer:
-    """DRA mode: every ResourceClaim, each event to every agent (each keeps those allocated
-    in its own pool: the allocation is in the status, which no selector reaches); each
-    agent's `claims.synced` is set once the first list is in."""
-
-    async def on_event(etype: EventType, obj: Obj) -> None:
-        for a in agents.values():
-            if a.claims is not None:
-                a.claims.on_event(etype, obj)
-
-    informer = Informer(
-        kube, group_path("resource.k8s.io/v1", "resourceclaims"), on_event, name="resourceclaims"
-    )
-    for a in agents.values():
-        if a.claims is not None:
-            a.claims.synced = informer.synced  # garbage collection spares records until then
-    return informer
-
-
 async def serve(
     settings: Settings,
     *,
@@ -500,6 +481,7 @@ async def serve(
                 NodeAgent.on_mig_node,
             )
             claims_informer = dra_claims(kube, agents) if dra else None
+            slices_informer = dra_slices(kube, settings.nodes, agents) if dra else None
             for agent in agents.values():  # read when scraped: the agent's live view
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
@@ -538,9 +520,12 @@ async def serve(
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
-                if claims_informer is not None:
+                if claims_informer is not None and slices_informer is not None:
                     tg.create_task(
                         stoppable(claims_informer.run(), "resourceclaims"), name="claims-guard"
+                    )
+                    tg.create_task(
+                        stoppable(slices_informer.run(), "resourceslices"), name="slices-guard"
                     )
                 tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
                 tg.create_task(

@@ -130,7 +130,20 @@ def _remove(path: Path, *, make_dir: bool = False) -> None:
         path.unlink()
 
 
+class SocketPathTooLong(ValueError):
+    """A unix socket path longer than the kernel's sun_path (108 bytes with its NUL): neither
+    the agent nor the kubelet could bind or dial it."""
+
+
+MAX_SOCKET_PATH = 107
+
+
 async def _serve(add: Any, servicer: Any, path: Path) -> grpc.aio.Server:
+    if len(str(path).encode()) > MAX_SOCKET_PATH:
+        raise SocketPathTooLong(
+            f"{path}: {len(str(path).encode())} bytes, a unix socket path has at most "
+            f"{MAX_SOCKET_PATH}; use a shorter --kubelet-registry-dir / --kubelet-plugins-dir"
+        )
     await asyncio.to_thread(_remove, path, make_dir=True)  # an earlier process's socket
     server = grpc.aio.server()
     add(servicer, server)

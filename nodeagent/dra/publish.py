@@ -6,7 +6,9 @@ pool is written (created or replaced) with the generation bumped and the new cou
 slices that are no longer part of it are deleted; until the last write lands the scheduler
 uses the older, complete generation, or none. The generation comes from what the API server
 holds (the highest found at the first write), so a restarted agent goes on counting up; one
-that finds its own pool unchanged writes nothing.
+that finds its own pool unchanged writes nothing. The node's slices are watched: a change
+that is not our own write coming back (the kubelet deletes a driver's slices when its plugin
+unregisters, e.g. across a kubelet or agent restart) has the pool written again.
 
 Slices are named `<node>-instaslice.io-<part>` (cut and hashed past 253 characters), so the
 agent finds its own by name as well as by its node's field selector. What it deliberately does
@@ -16,7 +18,7 @@ not do: publish for other nodes, or keep a slice of a GPU it no longer publishes
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -69,12 +71,30 @@ class PoolPublisher:
     """One node's pool; `publish` is called with the pool as it should be, on every change
     the agent notices, and writes only when it differs from what was last written."""
 
-    def __init__(self, kube: Kube, node: str) -> None:
+    def __init__(self, kube: Kube, node: str, changed: Callable[[], None] = lambda: None) -> None:
         self.kube = kube
         self.node = node
+        self.changed = changed  # asks for a publish (the agent's publisher loop)
         self.generation = 0  # of the pool last written (or found)
         self.writes = 0  # slices written or deleted (tests: a no-change restart writes none)
         self._last: list[Slice] | None = None
+        self._written: dict[str, str] = {}  # slice name -> the resourceVersion we wrote
+
+    def on_event(self, etype: str, obj: Obj) -> None:
+        """One of this node's slices changed: our own write coming back is recognised by its
+        resourceVersion; anything else (the kubelet wipes a driver's slices when its plugin
+        goes, on restart; another writer) makes the next publish compare and write again."""
+        meta = obj.get("metadata") or {}
+        name, rv = meta.get("name", ""), meta.get("resourceVersion", "")
+        if etype != "DELETED" and self._written.get(name) == rv:
+            return
+        if etype == "DELETED" and name not in self._written:
+            return  # one we deleted ourselves, or never wrote
+        if self._last is not None:
+            log.info("pool changed underneath; publishing again", node=self.node, slice=name)
+        self._last = None
+        self._written.pop(name, None)
+        self.changed()
 
     async def ours(self) -> list[Obj]:
         got = await self.kube.list(
@@ -93,7 +113,11 @@ class PoolPublisher:
             n: slice_body(self.node, n, s, generation, len(slices))
             for n, s in zip(names, slices, strict=True)
         }
-        if not _same(existing, bodies):
+        if _same(existing, bodies):
+            self._written = {
+                o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in existing
+            }
+        else:
             generation += 1
             by_name = {o["metadata"]["name"]: o for o in existing}
             for n, s in zip(names, slices, strict=True):
@@ -108,14 +132,17 @@ class PoolPublisher:
 
     async def _write(self, body: Obj, current: Obj | None) -> None:
         self.writes += 1
+        name = body["metadata"]["name"]
         if current is None:
-            await self.kube.create(slices_path(), body)
-            return
-        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        await self.kube.replace(slices_path(body["metadata"]["name"]), body)
+            got = await self.kube.create(slices_path(), body)
+        else:
+            body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            got = await self.kube.replace(slices_path(name), body)
+        self._written[name] = got["metadata"]["resourceVersion"]
 
     async def _delete(self, name: str, current: Obj) -> None:
         self.writes += 1
+        self._written.pop(name, None)
         uid = current["metadata"]["uid"]
         try:
             await self.kube.delete(slices_path(name), {"preconditions": {"uid": uid}})

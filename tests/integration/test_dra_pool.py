@@ -238,3 +238,27 @@ async def test_extended_resource_classes_serve_plain_pods(
         (result,) = allocation["devices"]["results"]
         assert (result["pool"], result["device"]) == (node.name, "gpu-0-mig-19-5")
         await kube.delete(core_path("pods", alloc_ns, "plain"), {"gracePeriodSeconds": 0})
+
+
+async def test_slices_deleted_underneath_are_written_again(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """The kubelet deletes a driver's slices when its plugin unregisters (an agent or kubelet
+    restart); the agent sees it in its watch and writes the pool again, a generation on."""
+    node = await gpu_node(kube, tmp_path, [H100], prefix="drw")
+    settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
+    async with running_agent(settings):
+
+        async def two() -> bool:
+            return len(await pool(kube, node.name)) == 2
+
+        await eventually(two, what="the pool")
+        ((gen, _),) = generations(await pool(kube, node.name))
+        for o in await pool(kube, node.name):
+            await kube.delete(slices_path(o["metadata"]["name"]))
+
+        async def again() -> bool:
+            s = await pool(kube, node.name)
+            return len(s) == 2 and generations(s) == {(gen + 1, 2)}
+
+        await eventually(again, what="the pool written again")
