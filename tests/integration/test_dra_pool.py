@@ -15,6 +15,7 @@ Leaves out: the kubelet plugin (a KWOK node has no kubelet), the allocator's sid
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,38 @@ async def test_users_claim_is_allocated_by_kube_scheduler(
         (result,) = allocation["devices"]["results"]
         assert (result["driver"], result["pool"]) == ("instaslice.io", node.name)
         assert result["device"] == "gpu-0-mig-9-4"  # InstaSlice's order: 3g at 4 before 0
+
+        # by memory (docs/dra.md): the first device in InstaSlice's order with >= 15 GiB
+        # whose slots the 3g at 4 leaves free
+        cel = 'device.capacity["instaslice.io"].memory.compareTo(quantity("15Gi")) >= 0'
+        by_memory = json.loads(json.dumps(claim))
+        by_memory["metadata"]["name"] = "by-memory"
+        by_memory["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+            {"cel": {"expression": cel}}
+        ]
+        second = json.loads(json.dumps(pod))
+        second["metadata"]["name"] = "user2"
+        second["spec"]["resourceClaims"][0]["resourceClaimName"] = "by-memory"
+        await kube.create(claims, by_memory)
+        await kube.create(core_path("pods", alloc_ns), second)
+
+        async def allocated2() -> Obj | None:
+            got = await kube.get(f"{claims}/by-memory")
+            return (got.get("status") or {}).get("allocation")
+
+        (result,) = (await eventually(allocated2, within=60, what="by memory"))["devices"][
+            "results"
+        ]
+        devices = [d for o in await pool(kube, node.name) for d in o["spec"].get("devices", [])]
+        want = next(
+            d["name"]
+            for d in devices
+            if d["attributes"]["type"]["string"] == "mig"
+            and int(d["capacity"]["memory"]["value"].removesuffix("Mi")) >= 15 * 1024
+            and d["attributes"]["start"]["int"] + d["attributes"]["size"]["int"] <= 4
+        )
+        assert result["device"] == want
+        await kube.delete(core_path("pods", alloc_ns, "user2"), {"gracePeriodSeconds": 0})
         await kube.delete(core_path("pods", alloc_ns, "user"), {"gracePeriodSeconds": 0})
 
 

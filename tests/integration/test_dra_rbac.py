@@ -118,7 +118,7 @@ async def _verdicts(me: Kube, admin: Kube, a: str, b: str, ns: str, tag: str) ->
             admin,
             f"{tag}-a2",
             {"nodeName": b, "pool": {"name": b, "generation": 2, "resourceSliceCount": 1}},
-        ),  # fmt: skip
+        ),
         "claim-mine-finalizer": await _status(me.patch(claim_path(ns, f"{tag}-ca"), drop)),
         "claim-other-finalizer": await _status(me.patch(claim_path(ns, f"{tag}-cb"), drop)),
         "claim-mine-add-finalizer": await _status(
