@@ -226,8 +226,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         namespace=a.namespace,
         binding=BindingMode(a.binding),
         allocation=AllocationMode(a.allocation_mode),
-        # one node's kubelet: many emulated nodes in one process have none
-        dra_registry_dir=a.kubelet_registry_dir if len(nodes) == 1 else None,
+        # one node's kubelet: emulated KWOK nodes have none (an emulated node under a real
+        # kubelet has its --dev-root)
+        dra_registry_dir=(
+            a.kubelet_registry_dir
+            if len(nodes) == 1 and (not a.emulate or a.dev_root is not None)
+            else None
+        ),
         dra_plugins_dir=a.kubelet_plugins_dir,
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,

@@ -23,6 +23,7 @@ from hypothesis import strategies as hs
 
 from common.catalog import load_catalog
 from nodeagent.dra.pool import MAX_COUNTER_SETS, devices_of, gpu_counters, pool_slices
+from nodeagent.dra.publish import slice_name
 from nodeagent.emulator import EmulatedNvml, provision
 from nodeagent.model import Health, NodeInventory, NvmlFailure
 from nodeagent.nvml import NvmlSession
@@ -106,3 +107,11 @@ def test_layout_limits_and_health() -> None:
     assert not any(n.startswith(("gpu-3-", "gpu-4-")) for n in names)
     assert "gpu-0" in names and "gpu-1" not in names  # whole only where the mode allows
     assert max(len(s.devices) for s in slices) <= 128
+
+
+def test_slice_names_are_dns_subdomains_of_at_most_253() -> None:
+    assert slice_name("node-0", "counters-0") == "node-0-instaslice.io-counters-0"
+    long = "n" * 250
+    a, b = slice_name(long, "gpu-0-0"), slice_name(long[:-1] + "m", "gpu-0-0")
+    assert len(a) <= 253 and len(b) <= 253 and a != b  # cut, and told apart by the hash
+    assert a.endswith("-instaslice.io-gpu-0-0")
