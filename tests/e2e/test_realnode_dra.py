@@ -154,9 +154,17 @@ async def test_a_pods_own_claim_is_prepared_by_the_kubelet_and_released(
     await asyncio.to_thread(real.real.stop_kubelet)
     await asyncio.to_thread(real.real.start_kubelet, die_with_parent=True)
     await wait_registered(real, mark)
+    await wait_node_ready(rkube)
     await rkube.create(claims_path(ns), a_claim("c2", "1g.10gb"))
     await rkube.create(pods_path(ns), dra_pod("p2", "c2"))
-    await wait_pod_running(rkube, ns, "p2")
+    try:
+        # a kubelet that just restarted may be refused the claim once by the node authorizer
+        # (the pod's binding not yet in its graph) and retries with its pod backoff
+        await wait_pod_running(rkube, ns, "p2", timeout_s=180)
+    except AssertionError as exc:
+        log = (real.real.logs / "kubelet.log").read_text(errors="replace")
+        lines = [x for x in log.splitlines() if "p2" in x or "c2" in x or "DRA" in x]
+        raise AssertionError(f"{exc}\nkubelet:\n" + "\n".join(lines[-40:])) from None
     third = await assert_sees_only_its_own(real, rkube, ns, "p2", "c2")
     assert third not in (first, second)
     assert [r for r in instances(real) if r in before] == before  # the old two untouched
@@ -175,6 +183,17 @@ async def test_a_pods_own_claim_is_prepared_by_the_kubelet_and_released(
     deadline = time.monotonic() + 60
     while (left := (cdi_files(real), instances(real))) != ([], []):
         assert time.monotonic() < deadline, f"left over (CDI files, instances): {left}"
+        await asyncio.sleep(0.5)
+
+
+async def wait_node_ready(kube: Kube, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        node = await kube.get(core_path("nodes", name=REAL))
+        conds = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
+        if conds.get("Ready") == "True":
+            return
+        assert time.monotonic() < deadline, f"{REAL} not Ready: {conds}"
         await asyncio.sleep(0.5)
 
 
