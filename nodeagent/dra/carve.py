@@ -252,7 +252,7 @@ class DraClaims:
         when the claim is not allocated here, or its slices cannot be made."""
         self.unprepared.discard(uid)
         view = self.views.get(uid)
-        if view is None:  # the kubelet may be ahead of our watch
+        if view is None or not view.ours:  # the kubelet may be ahead of our watch
             try:
                 obj = await self.kube.get(claim_path(namespace, name))
             except ApiError as exc:
