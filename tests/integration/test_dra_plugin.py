@@ -245,3 +245,31 @@ async def test_deleted_claim_releases_and_drops_finalizer(
                 return exc.not_found and node.instances() == [] and node.cdi_files() == []
 
         await eventually(released, what="slices released, then the finalizer dropped")
+
+
+async def test_a_claim_deleted_while_the_agent_was_down_is_released_on_restart(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Nothing leaked across a restart: the records say what was made; the claim, deleted
+    meanwhile (held by its finalizer), is released and let go by the next agent."""
+    node = await gpu_node(kube, tmp_path, [H100], prefix="drk")
+    settings = settings_for(node, control_plane, tmp_path)
+    async with running_agent(settings):
+        await allocated_claim(kube, ns, "c1", node.name, "gpu-0-mig-14-0", finalizer=True)
+
+        async def carved() -> bool:
+            return node.instances() == [(0, "2g.20gb", 0, 2, 0)]
+
+        await eventually(carved, what="the slice made")
+    await kube.delete(claim_path(ns, "c1"))  # the agent is down
+    assert node.instances() == [(0, "2g.20gb", 0, 2, 0)]
+    async with running_agent(settings):
+
+        async def released() -> bool:
+            try:
+                await kube.get(claim_path(ns, "c1"))
+                return False
+            except ApiError as exc:
+                return exc.not_found and node.instances() == [] and node.cdi_files() == []
+
+        await eventually(released, what="released and let go after the restart")
