@@ -37,7 +37,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.metricsauth import OK, MetricsAuth, refusal
 from common.objects import new_claim_id
-from webhook.admission import (
+from webhook.admission import review
+from webhook.metrics import Outcome, WebhookMetrics
+from webhook.offered import OfferedProfiles
+from webhook.reviews import (
     Allowed,
     Denied,
     MalformedReview,
@@ -46,10 +49,7 @@ from webhook.admission import (
     malformed,
     parse_review,
     response_for,
-    review,
 )
-from webhook.metrics import Outcome, WebhookMetrics
-from webhook.offered import OfferedProfiles
 from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("webhook")

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.lane import FIRST, NEXT, Lane
 from nodeagent.create import wait_for_releases
+from nodeagent.lane import FIRST, NEXT, Lane
 from nodeagent.state import AgentNode
 from testkit.builders import G0
 from tests.unit.test_nodeagent_reconcile import rec, srec
