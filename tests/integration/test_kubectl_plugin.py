@@ -2,12 +2,17 @@
 
 Covers: `pods -o json|yaml` and `nodes -o json` rows from real MigNode and SliceAllocation
 objects; `--context` picks a context other than the kubeconfig's current one (which points
-nowhere); a real user (client certificate, no admin groups) bound to the default `view` or
-`edit` role in one namespace reads that namespace's allocations through the aggregated
-`instaslice-view` ClusterRole, is told to use `-n` when asking for all namespaces, and may not
-change or delete an allocation; `gather` writes an archive with InstaSlice's objects and
-events and records what it could not read.
-Leaves out: pod logs in the archive (no InstaSlice pods run on the local control plane).
+nowhere); `KUBECONFIG` with two files merged as kubectl merges them (the current context set
+only in the second), the context's namespace as the default and `-A` for all, `-o wide`,
+`--no-headers`; `--as` impersonation and `--request-timeout` reaching the API server; a real
+user (client certificate, no admin groups) bound to the default `view` or `edit` role in one
+namespace reads that namespace's allocations through the aggregated `instaslice-view`
+ClusterRole, is told to use `-n` when asking for all namespaces, and may not change or delete
+an allocation; `gather -n NS` writes an archive with InstaSlice's objects and events, the GPU
+Operator's ClusterPolicy, and records what it could not read — here the node agent's
+`--discover-only` and CDI listing, since its pod cannot run on this control plane.
+Leaves out: pod logs and a successful `kubectl exec` into a node agent (no kubelet runs here;
+tests/unit/test_kubectl_plugin.py checks the exec commands and where their output goes).
 """
 
 from __future__ import annotations
@@ -78,6 +83,13 @@ def objects(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     _k(cp, "delete", "-f", str(role), "--ignore-not-found")
 
 
+@pytest.fixture(autouse=True)
+def _kubectl(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin reads through kubectl: this control plane's, as `KUBECTL` names it."""
+    monkeypatch.setenv("KUBECTL", str(control_plane.kubectl_path))
+    monkeypatch.setenv("KUBECACHEDIR", str(control_plane.kubectl_cache_dir))
+
+
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -129,6 +141,81 @@ def test_pods_and_nodes_as_data_with_a_chosen_context(
     assert gpu["unclaimed"] == []
 
 
+def _split_kubeconfig(cp: ControlPlane, tmp: Path) -> str:
+    """KUBECONFIG of two files: the first names only a context that reaches nothing and sets no
+    current context; the second holds the real one (namespace NS) and makes it current. Only
+    kubectl's merge of every path finds it."""
+    cfg = yaml.safe_load(cp.kubeconfig.read_text())
+    ctx, cluster, user = cfg["contexts"][0], cfg["clusters"][0], cfg["users"][0]
+    first = {"apiVersion": "v1", "kind": "Config",
+             "clusters": [{"name": "nowhere",
+                           "cluster": {**cluster["cluster"], "server": "https://127.0.0.1:1"}}],
+             "users": [user],
+             "contexts": [{"name": "nowhere",
+                           "context": {"cluster": "nowhere", "user": user["name"]}}]}  # fmt: skip
+    second = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster], "users": [user],
+              "contexts": [{"name": "real", "context": {**ctx["context"], "namespace": NS}}],
+              "current-context": "real"}  # fmt: skip
+    (tmp / "first").write_text(yaml.safe_dump(first))
+    (tmp / "second").write_text(yaml.safe_dump(second))
+    return f"{tmp / 'first'}:{tmp / 'second'}"
+
+
+def test_every_kubeconfig_path_and_the_contexts_namespace(
+    objects: ControlPlane,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp = objects
+    other = "plugin-other"
+    _k(cp, "create", "namespace", other)
+    alloc = {"apiVersion": "instaslice.io/v1alpha1", "kind": "SliceAllocation",
+             "metadata": {"name": "claim-p2", "namespace": other},
+             "spec": {"podName": "other", "podUID": "u2", "nodeName": NODE,
+                      "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-p0",
+                                  "start": 3, "size": 1}]}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    try:
+        monkeypatch.setenv("KUBECONFIG", _split_kubeconfig(cp, tmp_path))
+        rc, out, err = _run(capsys, "pods", "-o", "json")  # the context's namespace: NS
+        assert rc == 0, err
+        assert [r["claim"] for r in json.loads(out)] == ["claim-p1"]
+        rc, out, err = _run(capsys, "pods")
+        header, row = out.splitlines()
+        assert header.split()[:2] == ["POD", "NODE"] and row.startswith("trainer/main")
+        rc, out, err = _run(capsys, "pods", "-A", "-o", "wide", "--no-headers")
+        assert rc == 0, err
+        rows = [line.split() for line in out.splitlines() if line.split()[0] == NS]
+        assert rows == [[NS, "trainer/main", NODE, "GPU-p0", "1g.18gb", "2:1", "-", "Pending",
+                         "claim-p1"]]  # fmt: skip
+    finally:
+        _k(cp, "delete", "namespace", other, "--wait=false")
+
+
+def test_impersonation_and_request_timeout_reach_the_api_server(
+    objects: ControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cp, kc = objects, str(objects.kubeconfig)
+    user = "tenant-as"
+    _k(cp, "-n", NS, "create", "rolebinding", user, "--clusterrole=view", f"--user={user}")
+    deadline = time.monotonic() + 20  # the authorizer catches up with the binding
+    while time.monotonic() < deadline:
+        rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "--as", user)
+        if rc == 0:
+            break
+    assert rc == 0 and "trainer/main" in out, err
+    rc, _, err = _run(capsys, "pods", "-A", "--kubeconfig", kc, "--as", user)
+    assert rc == 1 and f'User "{user}" cannot list' in err
+    rc, _, err = _run(capsys, "--as", user, "--as-group", "system:masters", "pods", "-A",
+                      "--kubeconfig", kc)  # fmt: skip
+    assert rc == 0, err  # before the command, and repeatable groups
+    rc, _, err = _run(capsys, "nodes", "--kubeconfig", kc, "--request-timeout", "1ns")
+    assert rc == 1 and ("deadline" in err or "Timeout" in err), err
+    rc, _, err = _run(capsys, "nodes", "--kubeconfig", kc, "--request-timeout", "30s")
+    assert rc == 0, err
+
+
 @pytest.mark.parametrize("role", ["view", "edit"])
 def test_a_tenant_reads_only_their_own_allocations(
     objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str
@@ -152,8 +239,8 @@ def test_a_tenant_reads_only_their_own_allocations(
     rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "-o", "json")
     assert rc == 0, err
     assert [r["pod"] for r in json.loads(out)] == ["trainer"]
-    rc, _, err = _run(capsys, "pods", "--kubeconfig", kc)
-    assert rc == 1 and "403" in err and "-n <namespace>" in err
+    rc, _, err = _run(capsys, "pods", "-A", "--kubeconfig", kc)
+    assert rc == 1 and "forbidden" in err.lower() and "-n <namespace>" in err
     proc = subprocess.run(
         [str(cp.kubectl_path), "--kubeconfig", kc, f"--cache-dir={cp.kubectl_cache_dir}",
          "-n", NS, "get", "slicealloc"],

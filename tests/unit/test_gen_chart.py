@@ -88,7 +88,7 @@ def _variants() -> dict[str, list[Any]]:
 
 
 def test_parameterises_what_users_set() -> None:
-    files = build_chart(_variants(), "1.2.3")
+    files = build_chart(_variants(), "1")
     values = yaml.safe_load(files["values.yaml"])
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
@@ -98,7 +98,7 @@ def test_parameterises_what_users_set() -> None:
     assert values["webhook"]["replicas"] == 2
     assert values["monitoring"] == {"enabled": False}
     chart = yaml.safe_load(files["Chart.yaml"])
-    assert (chart["version"], chart["appVersion"]) == ("1.2.3", "v1")
+    assert (chart["version"], chart["appVersion"]) == ("1", "v1")
     deploy = files["templates/deployment-instaslice-webhook.yaml"]
     assert "replicas: {{ .Values.webhook.replicas }}" in deploy
     assert '{{ include "instaslice.configName" . }}' in deploy
