@@ -249,19 +249,50 @@ def test_a_tenant_reads_only_their_own_allocations(
     assert proc.returncode == 0 and "claim-p1" in proc.stdout, proc.stderr
 
 
-def test_gather_packs_objects_and_events(
+CLUSTER_POLICY_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterpolicies.nvidia.com"},
+    "spec": {"group": "nvidia.com", "scope": "Cluster",
+             "names": {"plural": "clusterpolicies", "singular": "clusterpolicy",
+                       "kind": "ClusterPolicy", "listKind": "ClusterPolicyList"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {
+                               "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}  # fmt: skip
+
+
+def test_gather_packs_objects_events_and_node_side_data(
     objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cp = objects
+    ops = "plugin-ops"  # InstaSlice installed in a namespace of the admin's choosing
     event = {"apiVersion": "v1", "kind": "Event",
              "metadata": {"name": "trainer.gather", "namespace": NS},
              "involvedObject": {"kind": "Pod", "name": "trainer", "namespace": NS},
              "reason": "AllocationPending", "message": "no node offers 1g.18gb",
              "type": "Normal", "source": {"component": "instaslice-allocator"}}  # fmt: skip
     _k(cp, "create", "-f", "-", stdin=json.dumps(event))
+    _k(cp, "create", "namespace", ops)
+    agent = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "agent-0", "namespace": ops,
+                          "labels": {"app.kubernetes.io/name": "instaslice-nodeagent"}},
+             "spec": {"nodeName": NODE,
+                      "containers": [{"name": "nodeagent", "image": "agent:test"}]}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(agent))
+    _k(cp, "create", "-f", "-", stdin=json.dumps(CLUSTER_POLICY_CRD))
+    _k(cp, "wait", "--for=condition=Established", "--timeout=60s",
+       "crd/clusterpolicies.nvidia.com")  # fmt: skip
+    policy = {"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy",
+              "metadata": {"name": "cluster-policy"},
+              "spec": {"migManager": {"enabled": False}}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(policy))
     dest = tmp_path / "bug.tar.gz"
-    rc, out, err = _run(capsys, "gather", "--dest", str(dest), "--kubectl", str(cp.kubectl_path),
-                        "--kubeconfig", str(cp.kubeconfig))  # fmt: skip
+    try:
+        rc, out, err = _run(capsys, "gather", "-n", ops, "--dest", str(dest),
+                            "--kubeconfig", str(cp.kubeconfig))  # fmt: skip
+    finally:
+        _k(cp, "delete", "crd", "clusterpolicies.nvidia.com", "--wait=false")
+        _k(cp, "delete", "namespace", ops, "--wait=false")
     assert rc == 0, err
     assert out.strip() == str(dest)
     with tarfile.open(dest) as tar:
@@ -277,5 +308,11 @@ def test_gather_packs_objects_and_events(
         reasons = {e["reason"] for e in json.loads(text("instaslice/events.json"))}
         assert "AllocationPending" in reasons
         assert "cluster/pods.json" not in files  # every pod of the cluster is not shared
-        assert "errors.txt" in files
+        assert "agent-0" in text(f"namespace/{ops}.yaml")
+        assert "migManager" in text("gpu-operator/clusterpolicy.yaml")
+        errors = text("errors.txt")
+        # no kubelet runs here: both execs into the agent's pod fail, and are recorded
+        assert f"nodes/{NODE}/discover.txt: kubectl -n {ops} exec agent-0 -c nodeagent -- " \
+            "instaslice-nodeagent --discover-only" in errors
+        assert f"nodes/{NODE}/cdi.txt:" in errors
         assert not any("secret" in name for name in files)
