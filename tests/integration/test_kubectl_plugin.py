@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -312,7 +313,33 @@ def test_gather_packs_objects_events_and_node_side_data(
         assert "migManager" in text("gpu-operator/clusterpolicy.yaml")
         errors = text("errors.txt")
         # no kubelet runs here: both execs into the agent's pod fail, and are recorded
-        assert f"nodes/{NODE}/discover.txt: kubectl -n {ops} exec agent-0 -c nodeagent -- " \
+        assert (
+            f"nodes/{NODE}/discover.txt: kubectl -n {ops} exec agent-0 -c nodeagent -- "
             "instaslice-nodeagent --discover-only" in errors
+        )
         assert f"nodes/{NODE}/cdi.txt:" in errors
         assert not any("secret" in name for name in files)
+
+
+def test_the_krew_archive_reads_the_cluster_with_nothing_installed(
+    objects: ControlPlane, tmp_path: Path
+) -> None:
+    """The krew archive, unpacked, under a python3 with only its standard library: what a
+    krew user runs on first use, with no PyPI to reach."""
+    from hack.krew_archive import build
+
+    path, _ = build(tmp_path / "dist")
+    with tarfile.open(path) as tar:
+        tar.extractall(tmp_path / "krew", filter="data")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = subprocess.run(
+        [str(bare / "bin" / "python"), str(tmp_path / "krew" / "kubectl-instaslice"), "pods",
+         "-n", NS, "-o", "yaml", "--kubeconfig", str(objects.kubeconfig),
+         "--kubectl", str(objects.kubectl_path)],
+        capture_output=True, text=True, check=False,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             "KUBECACHEDIR": str(objects.kubectl_cache_dir)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [r["claim"] for r in yaml.safe_load(proc.stdout)] == ["claim-p1"]

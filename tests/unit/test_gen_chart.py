@@ -167,3 +167,12 @@ def test_refuses_a_component_that_changes_more() -> None:
     wrong = _rendering("env")  # the default rendering must be device-plugin
     with pytest.raises(SystemExit, match="expected device-plugin"):
         check_variants({**v, "default": wrong})
+
+
+def test_the_chart_refuses_image_tags_other_than_its_version() -> None:
+    """common/version.py is the one version: the chart's appVersion is v<version>, and an
+    overlay pinning another image tag stops the generation instead of shipping both."""
+    chart = yaml.safe_load(build_chart(_variants(), "1")["Chart.yaml"])
+    assert chart["appVersion"] == "v1"
+    with pytest.raises(ValueError, match="not v2"):
+        build_chart(_variants(), "2")
