@@ -51,9 +51,8 @@ def test_release_builds_the_artifacts_with_matching_checksums_and_one_version(
     assert {p.name for p in out.iterdir()} == {chart_tgz, archive, "instaslice.yaml",
                                                "SHA256SUMS"}  # fmt: skip
     assert "Not pushed from here" in stdout
-    sums = dict(
-        reversed(line.split("  ")) for line in (out / "SHA256SUMS").read_text().splitlines()
-    )
+    lines = [line.split("  ") for line in (out / "SHA256SUMS").read_text().splitlines()]
+    sums = {name: digest for digest, name in lines}
     assert set(sums) == {chart_tgz, archive, "instaslice.yaml"}
     for name, digest in sums.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
