@@ -30,6 +30,16 @@ def _structlog_defaults() -> Iterator[None]:
     structlog.reset_defaults()
 
 
+@pytest.fixture
+def _signals_ignored_unless_handled() -> Iterator[None]:
+    """SIGUSR1/2 kill a process that handles neither: an entry point that installs no handler
+    must fail its test (the change never comes), not end the test run."""
+    before = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
 def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
@@ -100,6 +110,7 @@ class _Steps:
             self.debug_seen.append(bool(log.is_enabled_for(logging.DEBUG)))
 
 
+@pytest.mark.usefixtures("_signals_ignored_unless_handled")
 def test_the_webhook_changes_its_level_on_sigusr1_and_back_on_sigusr2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -117,6 +128,7 @@ def test_the_webhook_changes_its_level_on_sigusr1_and_back_on_sigusr2(
     assert whys == ["SIGUSR1", "SIGUSR2"]
 
 
+@pytest.mark.usefixtures("_signals_ignored_unless_handled")
 def test_the_node_agent_changes_its_level_on_sigusr1_and_back_on_sigusr2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
