@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = command("kueue-config", "print Kueue's resource transformations and flavors")
     k.add_argument("--slot-accounting", action="store_true",
                    help="the webhook runs with --slot-accounting (docs/kueue.md)")  # fmt: skip
-    v = command("version", "print the plugin's version")
+    v = command("version", "print the plugin's version and the node agents' (from MigNodes)")
+    v.add_argument("--client", action="store_true", help="the plugin's version only")
     v.add_argument("-o", "--output", choices=["json", "yaml"], default=None)
     c = command("completion", "print a shell completion script",
                 "bash|zsh: source it, e.g. `source <(kubectl-instaslice completion bash)` for "
@@ -188,6 +190,40 @@ def _show(args: argparse.Namespace, kubectl: str) -> int:
     return 0
 
 
+def _version(args: argparse.Namespace, kubectl: str | None) -> int:
+    """The plugin's version and, unless --client, the versions the node agents publish in
+    their MigNodes (`status.agent.version`) with how many nodes run each; as kubectl version
+    does, an unreachable cluster is an error after the client's line."""
+    info: dict[str, Any] = {"pluginVersion": f"v{VERSION}", "python": sys.version.split()[0]}
+    error = None
+    if kubectl is not None:
+        try:
+            mignodes = list_items(kubectl_runner(kubectl, connection(args)), MIG_NODES)
+            agents = Counter(
+                str((m.get("status", {}).get("agent") or {}).get("version", "unknown"))
+                for m in mignodes
+            )
+            info["nodeAgentVersions"] = dict(sorted(agents.items()))
+        except KubectlError as exc:
+            error = str(exc)
+    if args.output == "json":
+        print(json.dumps(info, indent=2))
+    elif args.output == "yaml":
+        print(yaml.safe_dump(info, sort_keys=False), end="")
+    else:
+        print(f"Plugin Version: v{VERSION} (Python {info['python']})")
+        if "nodeAgentVersions" in info:
+            found = ", ".join(
+                f"{v} ({n} node{'s' if n != 1 else ''})"
+                for v, n in info["nodeAgentVersions"].items()
+            )
+            print(f"Node Agent Versions: {found or 'none (no MigNode)'}")
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -199,15 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.what == "kueue-config":
         print(kueue_config(args.slot_accounting), end="")
         return 0
-    if args.what == "version":
-        info = {"pluginVersion": f"v{VERSION}", "python": sys.version.split()[0]}
-        if args.output == "json":
-            print(json.dumps(info, indent=2))
-        elif args.output == "yaml":
-            print(yaml.safe_dump(info, sort_keys=False), end="")
-        else:
-            print(f"kubectl-instaslice v{VERSION} (Python {info['python']})")
-        return 0
+    if args.what == "version" and args.client:
+        return _version(args, None)
     if args.what == "completion":
         print(completion_script(args.shell), end="")
         return 0
@@ -216,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: kubectl (or oc) is not on PATH: install it, or pass --kubectl",
               file=sys.stderr)  # fmt: skip
         return 1
+    if args.what == "version":
+        return _version(args, kubectl)
     if args.what == "gather":
         run = kubectl_runner(kubectl, connection(args))
         print(gather(run, args.dest, tail=args.tail, namespace=args.namespace))

@@ -4,7 +4,8 @@ Covers: `pods -o json|yaml` and `nodes -o json` rows from real MigNode and Slice
 objects; `--context` picks a context other than the kubeconfig's current one (which points
 nowhere); `KUBECONFIG` with two files merged as kubectl merges them (the current context set
 only in the second), the context's namespace as the default and `-A` for all, `-o wide`,
-`--no-headers`; `--as` impersonation and `--request-timeout` reaching the API server; a real
+`--no-headers`; `--as` impersonation and `--request-timeout` reaching the API server;
+`version` with the node agents' versions from their MigNodes; a real
 user (client certificate, no admin groups) bound to the default `view` or `edit` role in one
 namespace reads that namespace's allocations through the aggregated `instaslice-view`
 ClusterRole, is told to use `-n` when asking for all namespaces, and may not change or delete
@@ -215,6 +216,23 @@ def test_impersonation_and_request_timeout_reach_the_api_server(
     assert rc == 1 and ("deadline" in err or "Timeout" in err), err
     rc, _, err = _run(capsys, "nodes", "--kubeconfig", kc, "--request-timeout", "30s")
     assert rc == 0, err
+
+
+def test_version_reports_the_plugin_and_the_node_agents(
+    objects: ControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.version import VERSION
+
+    cp, kc = objects, str(objects.kubeconfig)
+    _k(cp, "patch", "mignode", NODE, "--subresource=status", "--type=merge",
+       "-p", json.dumps({"status": {"agent": {"version": VERSION, "bootID": "b"}}}))  # fmt: skip
+    rc, out, err = _run(capsys, "version", "--kubeconfig", kc, "-o", "json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["pluginVersion"] == f"v{VERSION}"
+    assert info["nodeAgentVersions"] == {VERSION: 1}
+    rc, out, err = _run(capsys, "version", "--kubeconfig", kc, "--request-timeout", "1ns")
+    assert rc == 1 and out.startswith(f"Plugin Version: v{VERSION}") and "error:" in err
 
 
 @pytest.mark.parametrize("role", ["view", "edit"])

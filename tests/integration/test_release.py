@@ -105,7 +105,7 @@ def test_the_krew_archive_runs_with_the_standard_library_alone(tmp_path: Path) -
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
-    assert plugin("version").startswith(f"kubectl-instaslice v{VERSION}")
+    assert plugin("version", "--client").startswith(f"Plugin Version: v{VERSION}")
     flavors = [d for d in yaml.safe_load_all(io.StringIO(plugin("kueue-config")))][1:]
     assert flavors and all(f["kind"] == "ResourceFlavor" for f in flavors)
     assert "usage: kubectl instaslice" in plugin("--help")

@@ -345,7 +345,7 @@ def test_version_comes_from_the_one_version(capsys: pytest.CaptureFixture[str]) 
     from common.kubectl_plugin import main
     from common.version import VERSION
 
-    assert main(["version", "-o", "json"]) == 0
+    assert main(["version", "--client", "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["pluginVersion"] == f"v{VERSION}"
 
 
