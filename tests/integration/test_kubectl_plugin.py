@@ -5,7 +5,8 @@ objects; `--context` picks a context other than the kubeconfig's current one (wh
 nowhere); `KUBECONFIG` with two files merged as kubectl merges them (the current context set
 only in the second), the context's namespace as the default and `-A` for all, `-o wide`,
 `--no-headers`; `--as` impersonation and `--request-timeout` reaching the API server;
-`version` with the node agents' versions from their MigNodes; a real
+`version` with the node agents' versions from their MigNodes; kubectl's own completion of
+the plugin's arguments through `completion kubectl`'s script; a real
 user (client certificate, no admin groups) bound to the default `view` or `edit` role in one
 namespace reads that namespace's allocations through the aggregated `instaslice-view`
 ClusterRole, is told to use `-n` when asking for all namespaces, and may not change or delete
@@ -361,3 +362,29 @@ def test_the_krew_archive_reads_the_cluster_with_nothing_installed(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [r["claim"] for r in yaml.safe_load(proc.stdout)] == ["claim-p1"]
+
+
+def test_kubectl_completes_the_plugins_arguments(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """kubectl's own plugin completion (`kubectl instaslice <TAB>`): kubectl runs
+    kubectl_complete-instaslice, which `completion kubectl` prints, and reads its answer."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").symlink_to(control_plane.kubectl_path)
+    (bin_dir / "kubectl-instaslice").symlink_to(Path(sys.executable).parent / "kubectl-instaslice")
+    script = bin_dir / "kubectl_complete-instaslice"
+    script.write_text(subprocess.run([str(bin_dir / "kubectl-instaslice"), "completion", "kubectl"],
+                                     capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    script.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def complete(*words: str) -> list[str]:
+        proc = subprocess.run([str(bin_dir / "kubectl"), "__complete", "instaslice", *words],
+                              capture_output=True, text=True, check=False, env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert complete("po") == ["pods", ":4"]
+    assert complete("pods", "-o", "") == ["json", "wide", "yaml", ":4"]
+    assert complete("gather", "--t") == ["--tail", ":4"]
