@@ -374,8 +374,9 @@ def test_kubectl_completes_the_plugins_arguments(
     (bin_dir / "kubectl").symlink_to(control_plane.kubectl_path)
     (bin_dir / "kubectl-instaslice").symlink_to(Path(sys.executable).parent / "kubectl-instaslice")
     script = bin_dir / "kubectl_complete-instaslice"
-    script.write_text(subprocess.run([str(bin_dir / "kubectl-instaslice"), "completion", "kubectl"],
-                                     capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    printed = subprocess.run([str(bin_dir / "kubectl-instaslice"), "completion", "kubectl"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    script.write_text(printed.stdout)
     script.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
 
