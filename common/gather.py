@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.constants import GATE_NAME
+from common.constants import GATE_NAME, EventReason
 from common.kubectl import Run
 
 NAMESPACE = "instaslice-system"
@@ -33,24 +33,9 @@ AGENT_CONTAINER = "nodeagent"
 CDI_DIRS = ("/var/run/cdi", "/etc/cdi")
 CLUSTER_POLICY = "clusterpolicies.nvidia.com"
 PART_OF = "app.kubernetes.io/part-of=instaslice"
-# Event reasons InstaSlice emits (docs/contract.md §4, the node agent's node conditions)
-EVENT_REASONS = frozenset(
-    {
-        "SliceAllocated",
-        "SliceReady",
-        "SliceReleased",
-        "AllocationPending",
-        "PinnedUnschedulable",
-        "GPUUnhealthy",
-        "SliceInUse",
-        "SliceCreateFailed",
-        "SliceLost",
-        "BaseCdiSpecNotFound",
-        "DevicePluginActive",
-        "MigManagerActive",
-        "ForeignInstances",
-    }
-)
+# Event reasons InstaSlice emits: derived from the one list (common.constants.EventReason),
+# so a reason added there is gathered without a second edit here
+EVENT_REASONS = frozenset(str(r) for r in EventReason)
 
 
 @dataclass
