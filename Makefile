@@ -12,7 +12,7 @@ FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
-        node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
+        node-deps node-bins images cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency bench-autoscale bench-memory bench-apiserver bench-check \
         chaos fuzz clean
 
@@ -48,6 +48,11 @@ node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get
 
 node-bins: node-deps ## build (or verify cached) kubelet, containerd, ctr, shim, CNI loopback, pause, nvidia-container-runtime
 	hack/kube/build-node.sh
+
+images: install ## build the webhook and node-agent images from the Containerfiles (Buildah, a Debian base; no registry)
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || \
+		apt-get install -y buildah mmdebstrap || { apt-get update && apt-get install -y buildah mmdebstrap; }
+	$(BIN)/python -m hack.images
 
 test-unit: install ## pure-logic tests (milliseconds each)
 	$(BIN)/pytest -q tests/unit
