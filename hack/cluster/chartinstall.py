@@ -50,6 +50,7 @@ SERVICE_DNS: Final = (
     "instaslice-webhook.instaslice-system.svc",
     "instaslice-webhook.instaslice-system.svc.cluster.local",
 )
+MIG_CAPABLE: Final = "nvidia.com/mig.capable"
 WORKLOADS: Final = ("deployment/instaslice-webhook", "daemonset/instaslice-nodeagent")
 
 
@@ -163,6 +164,8 @@ def install_chart(
         extra=extra_values,
     )
     (real.root / "agent-state").mkdir(exist_ok=True)
+    # GPU Feature Discovery's label, which the DaemonSet's node affinity selects
+    cp.kubectl("label", "node", real.name, f"{MIG_CAPABLE}=true", "--overwrite")
     _namespace_and_secret(cp)
     values_file = images_dir / "values.json"
     values_file.write_text(json.dumps(values, indent=1))
