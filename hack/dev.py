@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -345,7 +345,7 @@ class DevSystem:
         )
         self.save()
 
-    def install_chart(self, extra_values: dict[str, Any] | None = None) -> dict[str, Any]:
+    def install_chart(self, extra_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Images built and imported, `helm upgrade --install` (hack/cluster/chartinstall.py)
         with `extra_values` over the dev values; both workloads rolled out. The values used."""
         assert self.real is not None

@@ -7,8 +7,8 @@ packages (python3.11 + venv, the same /usr/bin/python3.11 the Containerfiles cal
 into Buildah's store. Buildah (`bud --isolation chroot`, overlay storage, `--layers`) runs the
 Containerfiles unchanged, so the images hold the wheel tests/packaging/test_wheel.py checks,
 with the versions constraints.txt pins. The results leave as `docker-archive` tarballs
-(`<out>/<component>.tar`) that `ctr images import` loads onto the real node
-(hack/cluster/chartinstall.py).
+(`<out>/<component>.tar`, the image tagged `dev-<image id>`) that `ctr images import` loads
+onto the real node (hack/cluster/chartinstall.py).
 
 Caching (outside the repo, `~/.cache/instaslice/images/`): the base tarball is keyed by its
 inputs (suite, mirror, packages, this module's recipe version), so a warm rebuild skips
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from hack.cluster.bins import REPO_ROOT
@@ -36,6 +37,7 @@ from hack.cluster.bins import REPO_ROOT
 __all__ = [
     "COMPONENTS",
     "IMAGE_TAG",
+    "Built",
     "ImageError",
     "build_images",
     "image_name",
@@ -69,7 +71,8 @@ def cache_dir() -> Path:
 
 
 def image_name(component: str) -> str:
-    """The name the chart's values point at (`localhost/...`: never pulled)."""
+    """The name Buildah builds (`localhost/...`: never pulled); `Built.name` is its
+    content-tagged twin that the chart's values point at."""
     return f"localhost/instaslice/instaslice-{component}:{IMAGE_TAG}"
 
 
@@ -137,7 +140,24 @@ def ensure_base(log: Path) -> str:
     return name
 
 
-def build_image(component: str, base: str, out: Path, log: Path) -> Path:
+@dataclass(frozen=True)
+class Built:
+    """One image: its tarball and its name, tagged by content (`dev-<image id>`), so a
+    rebuilt image is a new tag and `helm upgrade` rolls the pods onto it."""
+
+    tar: Path
+    name: str
+
+    @property
+    def repository(self) -> str:
+        return self.name.rsplit(":", 1)[0]
+
+    @property
+    def tag(self) -> str:
+        return self.name.rsplit(":", 1)[1]
+
+
+def build_image(component: str, base: str, out: Path, log: Path) -> Built:
     """`buildah bud` of Containerfile.<component> on `base`; `<out>/<component>.tar`."""
     argv = [
         "bud",
@@ -153,16 +173,19 @@ def build_image(component: str, base: str, out: Path, log: Path) -> Path:
             f"--build-arg=PIP_CERT={HOST_CA_BUNDLE}",
         ]
     _run(f"buildah bud {component}", _buildah(*argv, str(REPO_ROOT)), log)
+    image_id = _run("buildah inspect", _buildah("inspect", "--format={{.FromImageID}}",
+                                                image_name(component)), log)  # fmt: skip
+    name = f"{image_name(component).rsplit(':', 1)[0]}:{IMAGE_TAG}-{image_id[:12]}"
+    _run(f"buildah tag {component}", _buildah("tag", image_name(component), name), log)
     tar = out / f"{component}.tar"
     tar.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    dest = f"docker-archive:{tar}:{image_name(component)}"
-    _run(f"buildah push {component}", _buildah("push", image_name(component), dest), log)
-    return tar
+    _run(f"buildah push {component}", _buildah("push", name, f"docker-archive:{tar}:{name}"), log)
+    return Built(tar, name)
 
 
-def build_images(out: Path, log: Path) -> dict[str, Path]:
-    """Both images as tarballs under `out` (component -> tarball)."""
+def build_images(out: Path, log: Path) -> dict[str, Built]:
+    """Both images as tarballs under `out` (component -> what was built)."""
     _check_tools()
     base = ensure_base(log)
     return {c: build_image(c, base, out, log) for c in COMPONENTS}
@@ -179,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImageError as e:
         print(f"make images: {e}", file=sys.stderr)
         return 1
-    for component, tar in built.items():
-        print(f"  {image_name(component)}  {tar}")
+    for b in built.values():
+        print(f"  {b.name}  {b.tar}")
     print(f"images built in {time.monotonic() - t0:.1f}s (log {log})")
     return 0
 

@@ -7,10 +7,13 @@ them into the real node's containerd (`ctr -n k8s.io images import`), then
 webhook/allocator Deployment and the node-agent DaemonSet run as containers on the real node
 only (nodeSelector on its hostname, toleration of its taint), the images never pulled, the
 agent on the NVML emulator (`testing.emulator`, state shared with the emulated agent that
-serves the KWOK nodes from outside the cluster), its host paths the real node's own. The
-webhook's serving certificate is the no-cert-manager path of docs/install.md: a Secret from
-the cluster CA and `certificate.source=secret` with that CA as caBundle. The namespace is
-created first (with Helm's adoption metadata) so the Secret exists before the pods start.
+serves the KWOK nodes from outside the cluster), its host paths the real node's own.
+
+The install is docs/install.md's "Helm without cert-manager", run as written: its three
+marked sh blocks (a CA and serving certificate with openssl; the namespace with Helm's
+adoption metadata and the Secret; `helm upgrade --install` with `certificate.source=secret`),
+the last with `--values` of the local cluster appended. So the documented commands are the
+ones tests/e2e/test_installed.py tests.
 
 Pod networking and the API server's reach are hack/cluster/podnet.py's; this module only
 installs. What it does not do: KWOK nodes' agents (KWOK starts no container), cert-manager.
@@ -18,10 +21,12 @@ installs. What it does not do: KWOK nodes' agents (KWOK starts no container), ce
 
 from __future__ import annotations
 
-import base64
 import json
+import os
+import re
+import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,7 +34,7 @@ from hack.cluster.bins import REPO_ROOT, find_helm
 from hack.cluster.controlplane import ControlPlane
 from hack.cluster.nodes import REAL_NODE_TAINT
 from hack.cluster.realnode import DEVICE_PLUGIN_DIR, RealNode
-from hack.images import COMPONENTS, IMAGE_TAG, build_images
+from hack.images import Built, build_images
 
 __all__ = [
     "CHART",
@@ -45,11 +50,7 @@ __all__ = [
 RELEASE: Final = "instaslice"
 NAMESPACE: Final = "instaslice-system"
 CHART: Final = REPO_ROOT / "charts" / "instaslice"
-TLS_SECRET: Final = "instaslice-webhook-tls"
-SERVICE_DNS: Final = (
-    "instaslice-webhook.instaslice-system.svc",
-    "instaslice-webhook.instaslice-system.svc.cluster.local",
-)
+INSTALL_DOC: Final = REPO_ROOT / "docs" / "install.md"
 MIG_CAPABLE: Final = "nvidia.com/mig.capable"
 WORKLOADS: Final = ("deployment/instaslice-webhook", "daemonset/instaslice-nodeagent")
 
@@ -59,7 +60,12 @@ class ChartInstallError(RuntimeError):
 
 
 def chart_values(
-    *, node: str, root: Path, gpu_state: Path, ca_pem: bytes, extra: dict[str, Any] | None = None
+    *,
+    node: str,
+    root: Path,
+    gpu_state: Path,
+    images: Mapping[str, Built],
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The values of a dev install on the real node `node` whose files live under `root`
     (hack/cluster/realnode_config.Layout); `extra` is merged on top (one level deep)."""
@@ -68,12 +74,8 @@ def chart_values(
     on_node = {"kubernetes.io/hostname": node}
     values: dict[str, Any] = {
         "images": {
-            c: {
-                "repository": f"localhost/instaslice/instaslice-{c}",
-                "tag": IMAGE_TAG,
-                "pullPolicy": "Never",
-            }
-            for c in COMPONENTS
+            c: {"repository": b.repository, "tag": b.tag, "pullPolicy": "Never"}
+            for c, b in images.items()
         },
         "webhook": {"nodeSelector": on_node, "tolerations": tolerate},
         "nodeagent": {
@@ -85,7 +87,6 @@ def chart_values(
                 "state": str(root / "agent-state"),
             },
         },
-        "certificate": {"source": "secret", "caBundle": base64.b64encode(ca_pem).decode()},
         "testing": {
             "emulator": {"enabled": True, "stateDir": str(gpu_state), "devRoot": str(root / "dev")}
         },
@@ -113,31 +114,25 @@ def rollout(cp: ControlPlane, timeout_s: int = 300) -> None:
             raise ChartInstallError(f"{w} did not roll out: {proc.stderr.strip()}")
 
 
-def _namespace_and_secret(cp: ControlPlane) -> None:
-    """The namespace, adoptable by the release, and the webhook's serving certificate in it."""
-    meta = {
-        "name": NAMESPACE,
-        "labels": {"app.kubernetes.io/managed-by": "Helm"},
-        "annotations": {
-            "meta.helm.sh/release-name": RELEASE,
-            "meta.helm.sh/release-namespace": NAMESPACE,
-        },
-    }
-    issued = cp.issue_serving_cert(SERVICE_DNS)
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "kubernetes.io/tls",
-        "metadata": {"name": TLS_SECRET, "namespace": NAMESPACE},
-        "data": {
-            "tls.crt": base64.b64encode(issued.cert_pem).decode(),
-            "tls.key": base64.b64encode(issued.key_pem).decode(),
-        },
-    }
-    body = json.dumps({"apiVersion": "v1", "kind": "List",
-                       "items": [{"apiVersion": "v1", "kind": "Namespace", "metadata": meta},
-                                 secret]})  # fmt: skip
-    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=body)
+def doc_block(name: str, doc: Path = INSTALL_DOC) -> str:
+    """The ```sh block after `<!-- chartinstall: NAME -->` in docs/install.md."""
+    m = re.search(rf"<!-- chartinstall: {name} -->\n```sh\n(.*?)```", doc.read_text(), re.S)
+    if m is None:
+        raise ChartInstallError(f"{doc}: no sh block marked `chartinstall: {name}`")
+    return m.group(1)
+
+
+def _run_block(cp: ControlPlane, name: str, workdir: Path, append: str = "") -> None:
+    """Run the documented block `name` with bash in `workdir`, kubectl and helm on PATH and
+    KUBECONFIG the cluster's (`append`: more arguments for its last command)."""
+    tools = f"{cp.bin_dir}:{find_helm().parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    env = dict(os.environ, PATH=tools, KUBECONFIG=str(cp.kubeconfig))
+    env["KUBECACHEDIR"] = str(cp.kubectl_cache_dir)
+    script = doc_block(name).rstrip() + (f" {append}" if append else "") + "\n"
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise ChartInstallError(f"docs/install.md `{name}` failed: {proc.stderr.strip()}")
 
 
 def install_chart(
@@ -146,30 +141,34 @@ def install_chart(
     gpu_state: Path,
     images_dir: Path,
     *,
-    extra_values: dict[str, Any] | None = None,
+    extra_values: Mapping[str, Any] | None = None,
     helm_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Images built and imported, release installed (or upgraded), both workloads rolled
     out; returns the values used."""
     built = build_images(images_dir, images_dir / "build.log")
-    for tar in built.values():
-        real.ctr("images", "import", str(tar))
+    for b in built.values():
+        real.ctr("images", "import", str(b.tar))
     if not DEVICE_PLUGIN_DIR.is_dir():
         raise ChartInstallError(f"{DEVICE_PLUGIN_DIR} missing: is the real node's kubelet up?")
     values = chart_values(
         node=real.name,
         root=real.root,
         gpu_state=gpu_state,
-        ca_pem=cp.ca_cert_pem,
+        images=built,
         extra=extra_values,
     )
     (real.root / "agent-state").mkdir(exist_ok=True)
     # GPU Feature Discovery's label, which the DaemonSet's node affinity selects
     cp.kubectl("label", "node", real.name, f"{MIG_CAPABLE}=true", "--overwrite")
-    _namespace_and_secret(cp)
-    values_file = images_dir / "values.json"
-    values_file.write_text(json.dumps(values, indent=1))
-    helm(cp, "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE,
-         f"--values={values_file}", *helm_args)  # fmt: skip
+    work = images_dir / "install"
+    work.mkdir(exist_ok=True)
+    if not (work / "charts").exists():
+        (work / "charts").symlink_to(CHART.parent)
+    if not (work / "ca.crt").exists():  # one CA per cluster dir: a reinstall keeps it
+        _run_block(cp, "certs", work)
+    _run_block(cp, "prepare", work)
+    (work / "values.json").write_text(json.dumps(values, indent=1))
+    _run_block(cp, "install", work, shlex.join(["--values=values.json", *helm_args]))
     rollout(cp)
     return values
