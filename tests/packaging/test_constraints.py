@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pins(text: str) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
