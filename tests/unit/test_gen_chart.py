@@ -32,6 +32,14 @@ def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
     if kind == "Deployment":
         spec["replicas"] = 2
+    else:  # the node agent's host directories (values nodeagent.hostPaths)
+        paths = {"cdi": "/var/run/cdi", "pod-resources": "/var/lib/kubelet/pod-resources",
+                 "state": "/var/lib/instaslice"}  # fmt: skip
+        spec["template"]["spec"]["volumes"] = [
+            {"name": k, "hostPath": {"path": v}} for k, v in paths.items()
+        ]
+        container["args"] = ["--cdi-dir=/var/run/cdi"]
+        container["volumeMounts"] = [{"name": "cdi", "mountPath": "/var/run/cdi"}]
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
 
@@ -93,6 +101,7 @@ def test_parameterises_what_users_set() -> None:
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
         "tag": "v1",
+        "pullPolicy": "",
     }
     assert values["bindingMode"] == "device-plugin"
     assert values["webhook"]["replicas"] == 2
