@@ -17,7 +17,18 @@ values users set replaced by template expressions:
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
   empty selector would admit every namespace);
-- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`.
+- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`;
+- `images.*.pullPolicy`, `{webhook,nodeagent}.{nodeSelector,tolerations}` (the node agent's
+  default tolerations are the overlay's), `nodeagent.hostPaths` (the node's CDI, pod-resources
+  and agent-state directories);
+- `certificate`: `cert-manager` (the overlay's Issuers and Certificates, the caBundle injected)
+  or `secret` (no cert-manager: the administrator provides the Secret instaslice-webhook-tls
+  and the CA as `certificate.caBundle`; docs/install.md);
+- `testing.emulator`: tests only (make dev-up's `install: chart`): the node agent runs the NVML
+  emulator on a node whose GPUs are emulated (docs/control-plane.md).
+
+Values that are empty by default (`with`-marks) add nothing to the rendering, so the defaults
+render exactly the overlay.
 
 Before writing anything it checks that the component renderings differ from the default only
 where it parameterises, and fails naming the object otherwise (extend it then, never hand-edit
@@ -47,6 +58,7 @@ from typing import Any
 
 import yaml
 
+from common.version import VERSION
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
 __all__ = [
@@ -205,12 +217,17 @@ def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 _MARK = "HELMMARK{}X"
+_WITH = "with"
+_ITEMS = "x-items"
+Mark = bool | str
 _MARK_RE = re.compile(r"^(?P<indent>( *)(- )?)(?P<key>[\w.-]+): (?P<mark>HELMMARK\d+X)$", re.M)
 
 
-def _template(obj: Obj, exprs: dict[str, tuple[str, bool]]) -> str:
+def _template(obj: Obj, exprs: dict[str, tuple[str, Mark]]) -> str:
     """Dump obj, escape Go-template braces in its own text (Prometheus rules use {{ }}), then
-    put the expressions in: `(expr, block)`: block expressions produce a YAML mapping."""
+    put the expressions in: `(expr, mode)`: False: a scalar; True (block): a YAML mapping or
+    list; `_WITH`: the key and its value only when the value is not empty; the key `_ITEMS`
+    in a list item: the items of expr's list appended there (none when empty)."""
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
 
@@ -219,10 +236,20 @@ def _template(obj: Obj, exprs: dict[str, tuple[str, bool]]) -> str:
     def put(m: re.Match[str]) -> str:
         expr, block = exprs[m.group("mark")]  # one marker may stand in several places
         placed.add(m.group("mark"))
+        indent, key = m.group("indent"), m.group("key")
+        if key == _ITEMS:  # list items appended by expr (a list; nothing when empty)
+            col = len(indent) - 2
+            return f"{{{{- with {expr} }}}}{{{{ toYaml . | nindent {col} }}}}{{{{- end }}}}"
+        if block == _WITH:  # the key only when the value is set
+            if indent.endswith("- "):
+                raise SystemExit(f"{key}: a with-mark cannot be an item's first key")
+            return (
+                f"{{{{- with {expr} }}}}\n{indent}{key}:{{{{ toYaml . | nindent "
+                f"{len(indent) + 2} }}}}\n{{{{- end }}}}"
+            )
         if not block:
-            return f"{m.group('indent')}{m.group('key')}: {expr}"
-        indent = len(m.group("indent")) + 2
-        return f"{m.group('indent')}{m.group('key')}:\n{{{{- {expr} | nindent {indent} }}}}"
+            return f"{indent}{key}: {expr}"
+        return f"{indent}{key}:\n{{{{- {expr} | nindent {len(indent) + 2} }}}}"
 
     text = _MARK_RE.sub(put, text)
     if left := {k: v for k, v in exprs.items() if k not in placed}:
@@ -248,13 +275,43 @@ def _values(default: list[Obj]) -> dict[str, Any]:
             raise SystemExit(
                 f"{kind}/{name}: image {container['image']}, expected */{IMAGES[part]}"
             )
-        values["images"][part] = {"repository": repo, "tag": tag}
-        values[part] = {"resources": container["resources"]}
+        values["images"][part] = {"repository": repo, "tag": tag, "pullPolicy": ""}
+        pod = by_key[(kind, name)]["spec"]["template"]["spec"]
+        values[part] = {
+            "resources": container["resources"],
+            "nodeSelector": pod.get("nodeSelector", {}),
+            "tolerations": pod.get("tolerations", []),
+        }
     replicas = by_key[WORKLOADS["webhook"]]["spec"]["replicas"]
     values["webhook"] = {"replicas": replicas, **values["webhook"]}
+    agent = by_key[WORKLOADS["nodeagent"]]["spec"]["template"]["spec"]
+    paths = {v["name"]: v["hostPath"]["path"] for v in agent["volumes"] if "hostPath" in v}
+    values["nodeagent"]["hostPaths"] = {k: paths[v] for k, v in _AGENT_HOST_PATHS.items()}
     values["monitoring"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
+    values["certificate"] = {"source": "cert-manager", "caBundle": ""}
+    values["testing"] = {"emulator": {"enabled": False, "stateDir": "", "devRoot": ""}}
     return values
+
+
+# the node agent's hostPath volumes a value moves: value key -> volume name
+_AGENT_HOST_PATHS = {"cdi": "cdi", "podResources": "pod-resources", "state": "state"}
+_CERT_MANAGER = 'eq .Values.certificate.source "cert-manager"'
+_EMU = ".Values.testing.emulator"
+# what `testing.emulator.enabled` adds to the node agent (ternary: both branches evaluate)
+_EMU_ARGS = (
+    f'ternary (list "--emulate" (printf "--emu-state=%s" {_EMU}.stateDir) '
+    f'(printf "--dev-root=%s" {_EMU}.devRoot)) (list) {_EMU}.enabled'
+)
+_EMU_MOUNTS = (
+    f'ternary (list (dict "name" "emu-state" "mountPath" {_EMU}.stateDir) '
+    f'(dict "name" "emu-dev" "mountPath" {_EMU}.devRoot "readOnly" true)) (list) {_EMU}.enabled'
+)
+_EMU_VOLUMES = (
+    f'ternary (list (dict "name" "emu-state" "hostPath" (dict "path" {_EMU}.stateDir "type" '
+    f'"Directory")) (dict "name" "emu-dev" "hostPath" (dict "path" {_EMU}.devRoot "type" '
+    f'"Directory"))) (list) {_EMU}.enabled'
+)
 
 
 def _metrics_rules(o: Obj) -> list[Obj]:
@@ -282,11 +339,11 @@ def _scrapers(default: list[Obj]) -> Obj:
     return dict(found[0])
 
 
-def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]]]:
+def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, Mark]]]:
     o = copy.deepcopy(o)
-    exprs: dict[str, tuple[str, bool]] = {}
+    exprs: dict[str, tuple[str, Mark]] = {}
 
-    def mark(expr: str, block: bool = False) -> str:
+    def mark(expr: str, block: Mark = False) -> str:
         m = _MARK.format(len(exprs))
         exprs[m] = (expr, block)
         return m
@@ -307,6 +364,30 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
         container["resources"] = mark(f"toYaml .Values.{part}.resources", block=True)
         if part == "webhook":
             o["spec"]["replicas"] = mark("{{ .Values.webhook.replicas }}")
+        container["imagePullPolicy"] = mark(f"{v}.pullPolicy", _WITH)
+        pod = o["spec"]["template"]["spec"]
+        pod["nodeSelector"] = mark(f".Values.{part}.nodeSelector", _WITH)
+        pod["tolerations"] = mark(f".Values.{part}.tolerations", _WITH)
+        if part == "nodeagent":
+            for volume in pod["volumes"]:
+                for key, vname in _AGENT_HOST_PATHS.items():
+                    if volume["name"] == vname:
+                        volume["hostPath"]["path"] = mark(
+                            f"{{{{ .Values.nodeagent.hostPaths.{key} | quote }}}}"
+                        )
+            container["args"].append({_ITEMS: mark(_EMU_ARGS)})
+            container["volumeMounts"].append({_ITEMS: mark(_EMU_MOUNTS)})
+            pod["volumes"].append({_ITEMS: mark(_EMU_VOLUMES)})
+    if o["kind"] == "MutatingWebhookConfiguration":
+        annotations = o["metadata"].pop("annotations")
+        o["metadata"]["annotations"] = mark(
+            f"ternary (`{json.dumps(annotations)}` | fromJson) (dict) ({_CERT_MANAGER})", _WITH
+        )
+        for hook in o["webhooks"]:
+            hook["clientConfig"]["caBundle"] = mark(
+                'ternary .Values.certificate.caBundle "" (eq .Values.certificate.source "secret")',
+                _WITH,
+            )
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
@@ -314,6 +395,11 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
             )
     return o, exprs
 
+
+_PLACEMENT: dict[str, Any] = {
+    "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+    "tolerations": {"type": "array", "items": {"type": "object"}},
+}
 
 _SCHEMA: dict[str, Any] = {
     "$schema": "http://json-schema.org/draft-07/schema#",
@@ -327,6 +413,8 @@ _SCHEMA: dict[str, Any] = {
         "nodeagent",
         "monitoring",
         "metricsNamespaceSelector",
+        "certificate",
+        "testing",
     ],
     "properties": {
         "images": {
@@ -337,10 +425,12 @@ _SCHEMA: dict[str, Any] = {
                 part: {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["repository", "tag"],
+                    "required": ["repository", "tag", "pullPolicy"],
                     "properties": {
                         "repository": {"type": "string", "minLength": 1},
                         "tag": {"type": "string", "minLength": 1},
+                        # "": the cluster's default (IfNotPresent for a tag)
+                        "pullPolicy": {"enum": ["", "Always", "IfNotPresent", "Never"]},
                     },
                 }
                 for part in IMAGES
@@ -351,18 +441,67 @@ _SCHEMA: dict[str, Any] = {
         "webhook": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["replicas", "resources"],
+            "required": ["replicas", "resources", "nodeSelector", "tolerations"],
             "properties": {
                 # the PodDisruptionBudget keeps 1 available: with 1 replica drains would block
                 "replicas": {"type": "integer", "minimum": 2},
                 "resources": {"type": "object"},
+                **_PLACEMENT,
             },
         },
         "nodeagent": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["resources"],
-            "properties": {"resources": {"type": "object"}},
+            "required": ["resources", "nodeSelector", "tolerations", "hostPaths"],
+            "properties": {
+                "resources": {"type": "object"},
+                **_PLACEMENT,
+                "hostPaths": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": list(_AGENT_HOST_PATHS),
+                    "properties": {
+                        k: {"type": "string", "pattern": "^/"} for k in _AGENT_HOST_PATHS
+                    },
+                },
+            },
+        },
+        "certificate": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["source", "caBundle"],
+            "properties": {
+                "source": {"enum": ["cert-manager", "secret"]},
+                "caBundle": {"type": "string"},
+            },
+            # `secret` without the CA: the API server could not verify the webhook
+            "if": {"properties": {"source": {"const": "secret"}}},
+            "then": {"properties": {"caBundle": {"minLength": 1}}},
+        },
+        "testing": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["emulator"],
+            "properties": {
+                "emulator": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["enabled", "stateDir", "devRoot"],
+                    "properties": {
+                        "enabled": {"type": "boolean"},
+                        "stateDir": {"type": "string"},
+                        "devRoot": {"type": "string"},
+                    },
+                    # both host paths when on: the agent's emulated GPUs and device files
+                    "if": {"properties": {"enabled": {"const": True}}},
+                    "then": {
+                        "properties": {
+                            "stateDir": {"pattern": "^/"},
+                            "devRoot": {"pattern": "^/"},
+                        }
+                    },
+                },
+            },
         },
         "monitoring": {
             "type": "object",
@@ -408,7 +547,8 @@ _VALUES_COMMENT = """\
 # subjects, the admission policies and the webhook certificate, and which the chart creates
 # (with the Pod Security labels the node agent needs). Do not pass
 # `--namespace instaslice-system --create-namespace`; the release record may live anywhere.
-# Needs cert-manager 1.x, as the overlay does. docs/install.md "Helm".
+# With `certificate.source: cert-manager` (the default) it needs cert-manager 1.x, as the
+# overlay does; `secret` needs none. docs/install.md "Helm".
 """
 
 _VALUE_DOCS = {
@@ -426,6 +566,14 @@ _VALUE_DOCS = {
     "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
     "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
     "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
+    "certificate": "the webhook's serving certificate: cert-manager (the overlay's Issuers and "
+    "Certificates,\n# the caBundle injected by cert-manager's cainjector) or secret (no "
+    "cert-manager: you create the\n# Secret instaslice-webhook-tls, tls.crt + tls.key for "
+    "instaslice-webhook.instaslice-system.svc, and\n# set caBundle to its CA, base64 PEM; "
+    'docs/install.md "Helm without cert-manager")',
+    "testing": "tests only (make dev-up's `install: chart`, docs/control-plane.md): the node "
+    "agent runs the\n# NVML emulator, its state and device files in these host directories. "
+    "Never on real GPUs.",
 }
 
 
@@ -442,7 +590,14 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     names, monitoring, dra = check_variants(variants)
     default = variants["default"]
     values = _values(default)
-    app_version = values["images"]["webhook"]["tag"]
+    # One version (common/version.py): the chart's, and the images' tag the overlay pins
+    app_version = f"v{version}"
+    stale = {k: v["tag"] for k, v in values["images"].items() if v["tag"] != app_version}
+    if stale:
+        raise ValueError(
+            f"the overlay's image tags {stale} are not {app_version} (common/version.py): "
+            "set newTag in manifests/overlays/*/kustomization.yaml"
+        )
     files: Chart = {}
     files["Chart.yaml"] = HEADER + yaml.safe_dump(
         {
@@ -483,7 +638,10 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     cm_name = names[("device-plugin", "gates")]
     for o in default:
         obj, exprs = _parameterise(o, cm_name)
-        files[f"templates/{_file_name(o)}"] = HEADER + _template(obj, exprs)
+        body = HEADER + _template(obj, exprs)
+        if o["apiVersion"].startswith("cert-manager.io/"):
+            body = f"{{{{- if {_CERT_MANAGER} }}}}\n{body}{{{{- end }}}}\n"
+        files[f"templates/{_file_name(o)}"] = body
     for o in monitoring:
         obj, exprs = _parameterise(o, cm_name)
         body = _template(obj, exprs)
@@ -500,11 +658,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
 
 
 def project_version() -> str:
-    text = (REPO_ROOT / "pyproject.toml").read_text()
-    m = re.search(r'^version = "([^"]+)"', text, re.M)
-    if m is None:
-        raise SystemExit("no version in pyproject.toml")
-    return m.group(1)
+    return VERSION
 
 
 def write_chart(files: Chart, out: Path) -> None:

@@ -8,7 +8,7 @@ cut short; a create waits at most for the call running when it asks. Within a ra
 is first come, first served, so a release still goes in the order it was asked for.
 
 What it does not do: know what a call touches. A create whose slots a release still holds
-must wait for that release itself, before it asks the lane (`lifecycle.wait_for_releases`);
+must wait for that release itself, before it asks the lane (`create.wait_for_releases`);
 ranked ahead of the release here it would find the slots taken. Releases are not starved by
 creates: a GPU takes only as many creates as it has free slots, and slots are freed only by
 the releases behind them.

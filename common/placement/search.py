@@ -1,13 +1,9 @@
 """The node search behind `place`: how each policy hosts a pod's slices on one node.
 
 Per node the pod's slices are split between its GPUs by a small dynamic programme over
-(GPU, slices still to place); each GPU's share is packed exactly by `tables.pack`. The
-split is the one part of a decision that is computed, not looked up, for every candidate
-node whose GPUs changed, so its pieces are cheap by construction: a demand's shares and
-what each adds to a GPU are listed once per demand (`_shares`), a GPU whose free slots
-hold no share is skipped before any lookup, the limits of a GPU that can take the whole
-demand are not checked share by share, and every packing of (slots, slices still to place)
-is solved once whichever GPU, share or demand reached it first.
+(GPU, slices still to place), each GPU's share packed exactly by `tables.pack` (split.py).
+The split is the one part of a decision that is computed, not looked up, for every candidate
+node whose GPUs changed, so its pieces are cheap by construction (split.py says how).
 
 Speed comes from keys, not from shortcuts. A node's GPU state is one string
 (`NodeState.gpu_key`, hash cached by Python), and every node-level answer is a pure function
@@ -26,8 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from itertools import product
-from typing import Any, NamedTuple
+from typing import Any
 
 from common.catalog import Catalog, load_catalog
 from common.placement import geometry
@@ -38,13 +33,14 @@ from common.placement.model import (
     gpu_keys,
     parse_gpu_key,
 )
+from common.placement.split import Assignment, UsableGpu, expand, split
+from common.placement.split import clear_caches as clear_split_caches
 from common.placement.tables import (
     COST_SCALE,
     MODEL_TABLES_CAP,
     FitMode,
     GpuState,
     ModelTables,
-    Needs,
     ProfileTable,
     SingleFit,
     TableTooLarge,
@@ -55,7 +51,6 @@ from common.placement.tables import (
     free_starts,
     gpu_state,
     model_tables,
-    needs_allowed,
     pack,
     single_table,
     spots_by_shape,
@@ -69,7 +64,6 @@ _MODE = {
     Policy.STATIC_BALANCED: FitMode.STATIC,
 }
 
-Assignment = tuple[tuple[int, str, int], ...]  # (position in node.gpus, profile, start)
 Demand = tuple[tuple[str, int], ...]  # (profile, count), largest profile first
 
 
@@ -132,15 +126,6 @@ def catalog_tables(catalog: Catalog | None) -> CatalogTables:
     if catalog is None or catalog is load_catalog():
         return _builtin_tables()
     return _custom_tables(catalog)
-
-
-class UsableGpu(NamedTuple):  # a tuple: eight are built for every new node state
-    pos: int  # position in node.gpus
-    tables: ModelTables
-    state: GpuState
-    free: int  # free memory slots
-    addable: int  # bit per profile index: count / engine / SM limits allow one more
-    room: tuple[int, ...]  # per profile index: `gpu_room`, what `node_may_fit` adds up
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,15 +255,11 @@ def clear_caches() -> None:
         node_bound,
         node_may_fit,
         node_multi,
-        gpu_options,
-        mask_options,
         rank_table,
         loss_table,
         bound_table,
         _builtin_tables,
         _custom_tables,
-        _shares,
-        _radix,
         pack,
         demand_needs,
         single_table,
@@ -288,6 +269,7 @@ def clear_caches() -> None:
         profile_order,
     ):
         f.cache_clear()
+    clear_split_caches()
 
 
 @lru_cache(maxsize=256)
@@ -361,184 +343,11 @@ def node_multi(ct: CatalogTables, node_key: str, demand: Demand, policy: Policy)
     profiles = tuple(p for p, _ in demand)
     counts = tuple(c for _, c in demand)
     if policy is Policy.INSTASLICE:
-        found = _split(gpus, profiles, counts, FitMode.BEST, want_best=True)
+        found = split(gpus, profiles, counts, FitMode.BEST, want_best=True)
         if found is None:
             return None
         return NodeFit(found[0], found[0] // COST_SCALE, found[1], (found[0], info.potential))
     return _sequential(gpus, profiles, counts, policy)
-
-
-def _expand(profiles: tuple[str, ...], counts: tuple[int, ...]) -> tuple[str, ...]:
-    return tuple(p for p, c in zip(profiles, counts, strict=True) for _ in range(c))
-
-
-@dataclass(frozen=True, slots=True)
-class _Radix:
-    """Sub-vectors of a demand's count vector, numbered in mixed radix: a share `sub` of
-    `rem` (sub <= rem digit by digit) leaves index(rem) - index(sub)."""
-
-    size: int  # number of vectors 0 <= v <= counts
-    subs: tuple[tuple[int, ...], ...]  # by index
-    fits: tuple[tuple[bool, ...], ...]  # fits[r][s]: vector s <= vector r
-    # pairs[s]: (r, r - s) for every non-zero r >= s: where a share s can be taken from
-    pairs: tuple[tuple[tuple[int, int], ...], ...]
-
-
-@lru_cache(maxsize=256)
-def _radix(counts: tuple[int, ...]) -> _Radix:
-    vectors = sorted(product(*(range(c + 1) for c in counts)))  # index order = mixed radix
-    fits = tuple(
-        tuple(all(a <= b for a, b in zip(s, r, strict=True)) for s in vectors) for r in vectors
-    )
-    pairs = tuple(
-        tuple((r, r - s) for r in range(1, len(vectors)) if fits[r][s]) for s in range(len(vectors))
-    )
-    return _Radix(len(vectors), tuple(vectors), fits, pairs)
-
-
-@dataclass(frozen=True, slots=True)
-class _Shares:
-    """The non-empty shares of a demand a GPU of one model could take at all, largest index
-    first — (share index, its slices in demand order, the slots they need); a share with a
-    profile the model does not offer is left out — and what each adds to a GPU's counts,
-    engines and SMs (`needs`, by share index; `cover`: the largest of them, which holds
-    every other)."""
-
-    entries: tuple[tuple[int, tuple[str, ...], int], ...]
-    needs: dict[int, Needs]
-    cover: Needs | None
-    smallest: int  # the fewest slots a share needs (more than the GPU has: none)
-
-
-@lru_cache(maxsize=1 << 10)
-def _shares(tables: ModelTables, profiles: tuple[str, ...], counts: tuple[int, ...]) -> _Shares:
-    sizes = [tables.profiles[p].size if p in tables.profiles else 0 for p in profiles]
-    radix = _radix(counts)
-    entries = []
-    for index in range(radix.size - 1, 0, -1):
-        sub = radix.subs[index]
-        if any(c and not z for c, z in zip(sub, sizes, strict=True)):
-            continue
-        slots = sum(c * z for c, z in zip(sub, sizes, strict=True))
-        entries.append((index, _expand(profiles, sub), slots))
-    needs = {index: demand_needs(tables, demand) for index, demand, _ in entries}
-    return _Shares(
-        tuple(entries),
-        needs,
-        needs[entries[0][0]] if entries else None,
-        min((slots for _, _, slots in entries), default=tables.slots + 1),
-    )
-
-
-Share = tuple[int, int, tuple[str, ...], tuple[int, ...]]  # sub index, cost, demand, starts
-
-
-@lru_cache(maxsize=1 << 14)
-def gpu_options(
-    tables: ModelTables,
-    state: GpuState,
-    profiles: tuple[str, ...],
-    counts: tuple[int, ...],
-    mode: FitMode,
-) -> tuple[Share, ...]:
-    """Every non-empty share of the demand one GPU in `state` can take, with its packing,
-    largest share first: the shares its free slots can take (`mask_options`) that the
-    GPU's count, engine and SM limits allow (all of them when the largest share passes)."""
-    options = mask_options(tables, state.mask, profiles, counts, mode)
-    if not options:
-        return options
-    shares = _shares(tables, profiles, counts)
-    assert shares.cover is not None
-    if needs_allowed(tables, state, shares.cover):
-        return options
-    needs = shares.needs
-    return tuple(share for share in options if needs_allowed(tables, state, needs[share[0]]))
-
-
-@lru_cache(maxsize=1 << 14)
-def mask_options(
-    tables: ModelTables,
-    occupied: int,
-    profiles: tuple[str, ...],
-    counts: tuple[int, ...],
-    mode: FitMode,
-) -> tuple[Share, ...]:
-    """`gpu_options` by slots alone: keyed by the occupied slots, not the whole GPU state,
-    so the searches are shared by every GPU state with the same mask."""
-    free = tables.slots - occupied.bit_count()
-    pot = tables.potential
-    before = pot[occupied]
-    out = []
-    for index, demand, slots in _shares(tables, profiles, counts).entries:
-        if slots > free:
-            continue
-        found = pack(tables, occupied, demand, mode)  # mask_fit, without its GpuFit
-        if found is not None:
-            after = pot[found[0]]
-            out.append((index, (before - after) * COST_SCALE + after, demand, found[1]))
-    return tuple(out)
-
-
-def _split(
-    gpus: tuple[UsableGpu, ...] | list[UsableGpu],
-    profiles: tuple[str, ...],
-    counts: tuple[int, ...],
-    mode: FitMode,
-    want_best: bool,
-) -> tuple[int, Assignment] | None:
-    """Split the slices over the GPUs: the cheapest split (want_best) or the first one in
-    GPU order, largest share first. A dynamic programme over (GPU, slices still to place),
-    run backwards over the GPUs, each GPU's shares tried only where they fit what is left
-    (`_Radix.pairs`); each GPU's shares are memoised per GPU state, so GPUs in the same
-    state anywhere in the cluster are packed once. On equal cost the first GPU takes its
-    largest share that still leads to the least total (test_placement_search.py checks it
-    against brute force)."""
-    radix = _radix(counts)
-    size, fits, pairs = radix.size, radix.fits, radix.pairs
-    table = []
-    smallest: dict[ModelTables, int] = {}
-    for u in gpus:
-        least = smallest.get(u.tables)
-        if least is None:
-            least = smallest[u.tables] = _shares(u.tables, profiles, counts).smallest
-        if u.free < least:
-            continue  # no share fits its free slots: it has no options
-        opts = gpu_options(u.tables, u.state, profiles, counts, mode)
-        if opts:
-            table.append((u, opts))
-    # after[i][r]: least cost to place the share numbered r on GPUs i.. (None: impossible)
-    nothing: list[int | None] = [None] * size
-    nothing[0] = 0
-    after = [nothing]
-    for _, opts in reversed(table):
-        nxt = after[-1]
-        row = nxt.copy()
-        for s, cost, _, _ in opts:
-            if not want_best:
-                cost = 0
-            for r, rest_at in pairs[s]:
-                rest = nxt[rest_at]
-                if rest is not None:
-                    best = row[r]
-                    if best is None or cost + rest < best:
-                        row[r] = cost + rest
-        after.append(row)
-    after.reverse()
-    total = after[0][size - 1]
-    if total is None:
-        return None
-    out: list[tuple[int, str, int]] = []
-    r = size - 1
-    for i, (u, opts) in enumerate(table):
-        if r == 0:
-            break
-        for s, cost, demand, starts in opts:
-            rest = after[i + 1][r - s] if fits[r][s] else None
-            if rest is not None and (not want_best or cost + rest == after[i][r]):
-                out.extend((u.pos, p, st) for p, st in zip(demand, starts, strict=True))
-                r -= s
-                break
-    return total, tuple(out)
 
 
 def _sequential(
@@ -547,12 +356,12 @@ def _sequential(
     """Baselines: each slice, largest first, at the policy's first preferred spot that keeps
     the remaining slices placeable (so the search stays complete)."""
     mode = _MODE[policy]
-    if _split(gpus, profiles, counts, mode, want_best=False) is None:
+    if split(gpus, profiles, counts, mode, want_best=False) is None:
         return None
     current = list(gpus)
     rem = list(counts)
     out: list[tuple[int, str, int]] = []
-    for profile in _expand(profiles, counts):
+    for profile in expand(profiles, counts):
         rem[profiles.index(profile)] -= 1
         order = _spread_order(current) if policy is Policy.SPREAD else current
         placed = False
@@ -568,7 +377,7 @@ def _sequential(
                 room = gpu_room(u.tables, st, bits)
                 after = UsableGpu(u.pos, u.tables, st, u.free - t.size, bits, room)
                 trial = [after if g.pos == u.pos else g for g in current]
-                if _split(trial, profiles, tuple(rem), mode, want_best=False) is not None:
+                if split(trial, profiles, tuple(rem), mode, want_best=False) is not None:
                     current = trial
                     out.append((u.pos, profile, t.starts[i]))
                     placed = True

@@ -29,10 +29,11 @@ from common.kubeapi import ApiError, EventType, Kube, group_path
 from common.workqueue import KeyedQueue
 from nodeagent import cdi
 from nodeagent.checkpoint import ClaimRecord
+from nodeagent.create import CREATE_GI, NOT_OURS
 from nodeagent.dra.claims import ClaimView, Step, cdi_ids, decide, made, parse, slices_for
-from nodeagent.lifecycle import CREATE_GI, NOT_OURS, Lifecycle
+from nodeagent.lifecycle import Lifecycle
 from nodeagent.model import NvmlFailure
-from nodeagent.reconcile import blocked, match, merge_plan
+from nodeagent.reconcile import match
 
 log = structlog.get_logger("dra.claims")
 Obj = dict[str, Any]
@@ -136,23 +137,10 @@ class DraClaims:
         bad = [s.gpu_index for s in fresh if st.is_lost(s.gpu_index) or not st.healthy(s.gpu_index)]
         if bad:
             return self._failed(view, f"GPU {bad[0]} is unhealthy")
-        rec = st.cp.claims.get(view.uid)
-        instances = await life.instances({s.gpu_index for s in fresh}, first=True)
-        if rec is None:
-            why = blocked(fresh, view.uid, instances, match(st.cp, instances))
-            if why:  # a race with another allocator over the same slots: refused, not carved
-                return self._failed(view, why)
-        rec = ClaimRecord(
-            uid=view.uid,
-            namespace=view.namespace,
-            name=view.name,
-            state="creating",
-            slices=merge_plan(rec, fresh),
-            boot_id=st.boot_id,
-            updated=time.time(),
-        )
-        st.put(rec)
-        await st.persist(durable=True)  # intent before NVML
+        written, _ = await life.intent(view, st.cp.claims.get(view.uid), fresh)  # before NVML
+        if isinstance(written, str):  # a race with another allocator over the same slots
+            return self._failed(view, written)
+        rec = written
         why = await life.modes.ensure(view.uid, rec.slices)
         if why:
             await life.rollback(rec)

@@ -31,6 +31,7 @@ from nodeagent.emulator import EmulatorControl
 from tests.e2e.conftest import running_system
 from tests.e2e.helpers import make_real_pod, pods_path, wait_for, wait_pod_running
 from tests.e2e.test_realnode import SHOW, listing
+from tests.e2e.test_realnode import rkube as rkube  # its Kube for this module's `real`
 
 REAL = "real-0"
 SPEC: dict[str, Any] = {
@@ -49,12 +50,6 @@ def real(
     where = tmp_path_factory.mktemp("rd")
     with running_system(request.config, where, SPEC) as started:
         yield started
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def rkube(real: DevSystem) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(real.kubeconfig)) as k:
-        yield k
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -21,7 +21,7 @@ import pytest
 
 from common.kubeapi import Kube
 from hack.cluster import ControlPlane
-from nodeagent import checkpoint, lifecycle
+from nodeagent import checkpoint, create
 from tests.integration.agent_fixtures import (
     GpuNode,
     agent_settings,
@@ -161,7 +161,7 @@ async def test_a_create_whose_slots_stay_held_past_the_cap_goes_on_and_fails(
     """A release that outlasts the create's wait (cap patched small): the create is decided
     afresh, goes on, and its placement check fails it naming the release's instance, which
     the release then destroys as before."""
-    monkeypatch.setattr(lifecycle, "RELEASE_WAIT_S", 0.3)  # the in-process agent reads it per wait
+    monkeypatch.setattr(create, "RELEASE_WAIT_S", 0.3)  # the in-process agent reads it per wait
     node = await gpu_node(agent_kube, tmp_path, [H200])
     settings = agent_settings([node], control_plane.kubeconfig)
     old = slice_allocation(alloc_ns, node, [("c", "2g.35gb", 0, 0, 2)])

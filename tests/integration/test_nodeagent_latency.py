@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from common.allocation import SliceAllocation
+from common.conditions import CONFLICT_FREE
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
-from nodeagent import checkpoint, lifecycle
-from nodeagent.report import CONFLICT_FREE
+from nodeagent import checkpoint, create
 from nodeagent.settings import Settings
 from tests.integration.agent_fixtures import (
     GpuNode,
@@ -130,7 +130,7 @@ async def test_slices_made_are_listed_together_and_slots_freed_at_once(
     h200: NodeAndAgent,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 6.0)
+    monkeypatch.setattr(create, "SLICES_LISTED_WITHIN_S", 6.0)
     node, settings = h200
 
     async def listed() -> list[str]:
@@ -228,7 +228,7 @@ async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
     """A stopped agent writes no MigNode until it is back: a slice made just before the stop
     and not listed yet would be drawn free (`kubectl instaslice nodes`) meanwhile, although
     the GPU holds it (seen in the troubleshooting e2e test)."""
-    monkeypatch.setattr(lifecycle, "SLICES_LISTED_WITHIN_S", 60.0)
+    monkeypatch.setattr(create, "SLICES_LISTED_WITHIN_S", 60.0)
     node, settings = h200
     alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
     async with running_agent(settings):

@@ -32,18 +32,10 @@ from common.constants import (
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
 from testkit.builders import make_pod as allocator_pod
-from webhook.admission import (
-    AdmissionRequest,
-    Allowed,
-    Denied,
-    Patched,
-    Verdict,
-    pod_slice_requests,
-    response_for,
-    review,
-)
+from webhook.admission import pod_slice_requests, review
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import placeholder_pod
+from webhook.reviews import AdmissionRequest, Allowed, Denied, Patched, Verdict, response_for
 from webhook.settings import AdmissionSettings
 
 ENV = AdmissionSettings.from_catalog()

@@ -32,7 +32,8 @@ from tests.unit.test_admission import (
     make_request,
     sidecar,
 )
-from webhook.admission import Allowed, Denied, Patched, Verdict, review
+from webhook.admission import review
+from webhook.reviews import Allowed, Denied, Patched, Verdict
 
 GPU = "nvidia.com/gpu"
 SIZE = "instaslice.io/mig-size."

@@ -18,7 +18,8 @@ import jsonpatch
 from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV
 from common.podspec import SliceAsk, slice_requests
 from tests.unit.test_admission import ENV, NS, claims, container, make_pod, make_request
-from webhook.admission import Allowed, Denied, Patched, Verdict, review
+from webhook.admission import review
+from webhook.reviews import Allowed, Denied, Patched, Verdict
 
 
 def decide(pod: Any, whole: bool = True) -> Verdict:

@@ -32,6 +32,14 @@ def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
     if kind == "Deployment":
         spec["replicas"] = 2
+    else:  # the node agent's host directories (values nodeagent.hostPaths)
+        paths = {"cdi": "/var/run/cdi", "pod-resources": "/var/lib/kubelet/pod-resources",
+                 "state": "/var/lib/instaslice"}  # fmt: skip
+        spec["template"]["spec"]["volumes"] = [
+            {"name": k, "hostPath": {"path": v}} for k, v in paths.items()
+        ]
+        container["args"] = ["--cdi-dir=/var/run/cdi"]
+        container["volumeMounts"] = [{"name": "cdi", "mountPath": "/var/run/cdi"}]
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
 
@@ -100,17 +108,18 @@ def _variants() -> dict[str, list[Any]]:
 
 
 def test_parameterises_what_users_set() -> None:
-    files = build_chart(_variants(), "1.2.3")
+    files = build_chart(_variants(), "1")
     values = yaml.safe_load(files["values.yaml"])
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
         "tag": "v1",
+        "pullPolicy": "",
     }
     assert values["bindingMode"] == "device-plugin"
     assert values["webhook"]["replicas"] == 2
     assert values["monitoring"] == {"enabled": False}
     chart = yaml.safe_load(files["Chart.yaml"])
-    assert (chart["version"], chart["appVersion"]) == ("1.2.3", "v1")
+    assert (chart["version"], chart["appVersion"]) == ("1", "v1")
     deploy = files["templates/deployment-instaslice-webhook.yaml"]
     assert "replicas: {{ .Values.webhook.replicas }}" in deploy
     assert '{{ include "instaslice.configName" . }}' in deploy
@@ -201,3 +210,12 @@ def test_dra_objects_render_only_in_dra_mode() -> None:
     assert not any(f.startswith("templates/deviceclass") for f in files)
     schema = json.loads(files["values.schema.json"])["properties"]["allocationMode"]
     assert schema == {"enum": ["gates", "dra"]}
+
+
+def test_the_chart_refuses_image_tags_other_than_its_version() -> None:
+    """common/version.py is the one version: the chart's appVersion is v<version>, and an
+    overlay pinning another image tag stops the generation instead of shipping both."""
+    chart = yaml.safe_load(build_chart(_variants(), "1")["Chart.yaml"])
+    assert chart["appVersion"] == "v1"
+    with pytest.raises(ValueError, match="not v2"):
+        build_chart(_variants(), "2")

@@ -42,8 +42,9 @@ from nodeagent.emulator import EmulatedNvml, EmulatorControl, provision
 from nodeagent.model import Health
 from nodeagent.report import gpu_status
 from testkit import builders
-from webhook.admission import Denied, review
+from webhook.admission import review
 from webhook.offered import OfferedProfiles
+from webhook.reviews import Denied
 from webhook.settings import AdmissionSettings
 
 REPO = Path(__file__).resolve().parents[2]

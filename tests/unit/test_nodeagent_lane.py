@@ -3,7 +3,7 @@ at a time; waiters served by rank (a create's calls first), then in arrival orde
 is never cut short; a cancelled waiter is skipped, and one cancelled after it was handed the
 lane hands it on.
 
-A create whose slots a release holds waits outside the lane (`lifecycle.wait_for_releases`)
+A create whose slots a release holds waits outside the lane (`create.wait_for_releases`)
 until that record is dropped, or for at most its cap on the agent's clock.
 
 Leaves out which calls of the agent are a create's (tests/integration/test_nodeagent_lane.py
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nodeagent.create import wait_for_releases
 from nodeagent.lane import FIRST, NEXT, Lane
-from nodeagent.lifecycle import wait_for_releases
 from nodeagent.state import AgentNode
 from testkit.builders import G0
 from tests.unit.test_nodeagent_reconcile import rec, srec
@@ -156,7 +156,7 @@ async def test_call_gpu_first_overtakes_the_calls_queued_on_its_gpu() -> None:
     assert time.monotonic() - t0 < 5
 
 
-# ---- a create waiting for a release holding its slots (lifecycle.wait_for_releases) --------
+# ---- a create waiting for a release holding its slots (create.wait_for_releases) --------
 
 
 class StepClock:

@@ -1,4 +1,4 @@
-"""The exact split (search.node_multi, search.gpu_options, tables.mask_fit) against brute force.
+"""The exact split (search.node_multi, split.gpu_options, tables.mask_fit) against brute force.
 
 Covers: on random legal GPU states of every catalog model (instances of every profile,
 `+me` variants included, so count and engine limits bind) and random multi-slice demands,
@@ -28,15 +28,8 @@ from hypothesis import strategies as st
 from common.catalog import load_catalog
 from common.placement.engine import clear_caches
 from common.placement.model import NodeState, Policy
-from common.placement.search import (
-    _expand,
-    _radix,
-    catalog_tables,
-    gpu_options,
-    node_info,
-    node_multi,
-    profile_order,
-)
+from common.placement.search import catalog_tables, node_info, node_multi, profile_order
+from common.placement.split import expand, gpu_options, radix_of
 from common.placement.tables import (
     COST_SCALE,
     FitMode,
@@ -105,10 +98,10 @@ def test_gpu_options_are_the_brute_force_packings_of_every_share(
     case: tuple[ModelTables, GpuState, tuple[str, ...], tuple[int, ...]], mode: FitMode
 ) -> None:
     t, state, profiles, counts = case
-    radix = _radix(counts)
+    radix = radix_of(counts)
     want = []
     for index in range(radix.size - 1, 0, -1):
-        demand = _expand(profiles, radix.subs[index])
+        demand = expand(profiles, radix.subs[index])
         found = brute(t, state, demand, mode)
         if found is not None:
             want.append((index, found[0], demand, found[1]))
@@ -143,8 +136,8 @@ def test_a_packing_is_the_same_whichever_search_reached_it_first(
     """Every share's packing from fresh caches, asked in two orders (each share's memo
     entries then come from another search first), is the brute force's by slots alone."""
     t, state, profiles, counts = case
-    radix = _radix(counts)
-    demands = [_expand(profiles, radix.subs[i]) for i in range(1, radix.size)]
+    radix = radix_of(counts)
+    demands = [expand(profiles, radix.subs[i]) for i in range(1, radix.size)]
     answers = []
     for order in (demands, rng.sample(demands, len(demands))):
         clear_caches()
@@ -183,13 +176,13 @@ def _splits(
             yield 0, ()
         return
     (pos, t, state), rest = gpus[0], gpus[1:]
-    radix = _radix(rem)
+    radix = radix_of(rem)
     for index in range(radix.size - 1, -1, -1):
         share = radix.subs[index]
         if not any(share):
             yield from _splits(rest, profiles, rem, mode)
             continue
-        demand = _expand(profiles, share)
+        demand = expand(profiles, share)
         if any(p not in t.profiles for p in demand):
             continue
         packed = brute(t, state, demand, mode)

@@ -29,7 +29,8 @@ from common.placement.modes import ModeView
 from common.quota import flavor_name, kueue_resources, min_slots, profile_slots, resource_flavors
 from common.sizing import Size, SizeAsk, SizeError, parse_size, place_sized, resolve, size_asks
 from tests.unit.test_admission import NS, claims, container, make_pod, make_request
-from webhook.admission import Denied, Patched, review
+from webhook.admission import review
+from webhook.reviews import Denied, Patched
 from webhook.settings import AdmissionSettings
 
 CAT = load_catalog()

@@ -27,7 +27,8 @@ from nodeagent.model import Health, NodeInventory
 from nodeagent.report import slot_capacity
 from testkit.builders import G0, G1, gpu
 from tests.unit.test_admission import claims, container, make_pod, make_request
-from webhook.admission import Patched, review
+from webhook.admission import review
+from webhook.reviews import Patched
 from webhook.settings import AdmissionSettings
 
 CAT = load_catalog()
