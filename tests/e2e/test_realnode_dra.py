@@ -133,7 +133,7 @@ async def test_a_pods_own_claim_is_prepared_by_the_kubelet_and_released(
         await rkube.create(claims_path(ns), a_claim(f"c{i}", profile))
         await rkube.create(pods_path(ns), dra_pod(f"p{i}", f"c{i}"))
     for i in range(2):
-        await wait_pod_running(rkube, ns, f"p{i}")
+        await running(rkube, real, ns, f"p{i}")
     first = await assert_sees_only_its_own(real, rkube, ns, "p0", "c0")
     second = await assert_sees_only_its_own(real, rkube, ns, "p1", "c1")
     assert first != second
@@ -152,14 +152,9 @@ async def test_a_pods_own_claim_is_prepared_by_the_kubelet_and_released(
     await wait_node_ready(rkube)
     await rkube.create(claims_path(ns), a_claim("c2", "1g.10gb"))
     await rkube.create(pods_path(ns), dra_pod("p2", "c2"))
-    try:
-        # a kubelet that just restarted may be refused the claim once by the node authorizer
-        # (the pod's binding not yet in its graph) and retries with its pod backoff
-        await wait_pod_running(rkube, ns, "p2", timeout_s=180)
-    except AssertionError as exc:
-        log = (real.real.logs / "kubelet.log").read_text(errors="replace")
-        lines = [x for x in log.splitlines() if "p2" in x or "c2" in x or "DRA" in x]
-        raise AssertionError(f"{exc}\nkubelet:\n" + "\n".join(lines[-40:])) from None
+    # a kubelet that just restarted may be refused the claim once by the node authorizer (the
+    # pod's binding not yet in its graph) and retries with its pod backoff
+    await running(rkube, real, ns, "p2", timeout_s=180)
     third = await assert_sees_only_its_own(real, rkube, ns, "p2", "c2")
     assert third not in (first, second)
     assert [r for r in instances(real) if r in before] == before  # the old two untouched
@@ -179,6 +174,18 @@ async def test_a_pods_own_claim_is_prepared_by_the_kubelet_and_released(
     while (left := (cdi_files(real), instances(real))) != ([], []):
         assert time.monotonic() < deadline, f"left over (CDI files, instances): {left}"
         await asyncio.sleep(0.5)
+
+
+async def running(kube: Kube, real: DevSystem, ns: str, pod: str, timeout_s: float = 120) -> None:
+    """`wait_pod_running`, with the kubelet's lines about the pod and DRA on a timeout."""
+    assert real.real is not None
+    try:
+        await wait_pod_running(kube, ns, pod, timeout_s=timeout_s)
+    except AssertionError as exc:
+        log = (real.real.logs / "kubelet.log").read_text(errors="replace")
+        keys = (pod, "DRA", "dynamic resources", "instaslice.io")
+        lines = [x for x in log.splitlines() if any(k in x for k in keys)]
+        raise AssertionError(f"{exc}\nkubelet:\n" + "\n".join(lines[-40:])) from None
 
 
 async def wait_node_ready(kube: Kube, timeout_s: float = 60.0) -> None:
