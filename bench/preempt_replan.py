@@ -102,7 +102,7 @@ def _counting(plans: list[int]) -> Callable[..., Any]:
 
 async def measure(nodes: int = 100, slices: int = 49, deletions: int = 20) -> dict[str, Any]:
     plans = [0]
-    with mock.patch("webhook.allocator.placer.plan_preemption", _counting(plans)):
+    with mock.patch("webhook.allocator.planning.plan_preemption", _counting(plans)):
         out = await _measure(nodes, slices, deletions)
     return {**out, "plans": plans[0]}
 

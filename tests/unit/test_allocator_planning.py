@@ -61,7 +61,7 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         ("plan_sized_preemption", plan_sized_preemption),
         ("plan_whole_preemption", plan_whole_preemption),
     ):
-        monkeypatch.setattr(f"webhook.allocator.placer.{name}", spy(real))
+        monkeypatch.setattr(f"webhook.allocator.planning.{name}", spy(real))
     yield calls
 
 

@@ -82,8 +82,8 @@ from webhook.allocator.autoscale import (
     releasing,
 )
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import Placer, PreemptionSettings
-from webhook.allocator.preemption import Budgets
+from webhook.allocator.placer import Placer
+from webhook.allocator.preemption import Budgets, PreemptionSettings
 from webhook.allocator.scaleup import LOST_BACKOFF_S, Need, ScaleUp
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Tracks

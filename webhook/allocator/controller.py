@@ -66,9 +66,15 @@ from webhook.allocator.agents import AgentWatch
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
-from webhook.allocator.placer import Placer, PreemptionSettings
+from webhook.allocator.placer import Placer
 from webhook.allocator.planning import PlanRounds
-from webhook.allocator.preemption import Budgets, OwnerBackoff, parse_selector, selects
+from webhook.allocator.preemption import (
+    Budgets,
+    OwnerBackoff,
+    PreemptionSettings,
+    parse_selector,
+    selects,
+)
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
@@ -145,10 +151,11 @@ class Controller:
             tell=lambda pod, reason, message: self._event(pod, reason, message, "Warning"),
         )
         if settings.ampere_mode_changes == ASK_DRAIN:
-            self.placer.ask_modes = self._ask_modes
-            self.placer.withdraw_modes = lambda node, uuids: self._set_modes(node, {}, uuids)
-            self.placer.asks.min_interval_s = settings.ampere_mode_change_interval_s
-            self.placer.wall = lambda: self.clock.wall().timestamp()
+            ampere = self.placer.ampere
+            ampere.ask_modes = self._ask_modes
+            ampere.withdraw_modes = lambda node, uuids: self._set_modes(node, {}, uuids)
+            ampere.asks.min_interval_s = settings.ampere_mode_change_interval_s
+            ampere.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
         self.placer.rounds = PlanRounds(settings.preemption_round_cpu_s)
         # namespaces whose pods are Kueue-managed: the admin's selector on namespace labels
@@ -323,10 +330,10 @@ class Controller:
             before = self.state.gpus.get(name, ())
             self.state.upsert_mig_node(obj, gpus)
             self._tell_refused(name, before, gpus)
-            done = withdrawals(obj) if self.placer.ask_modes is not None else set()
+            done = withdrawals(obj) if self.placer.ampere.on else set()
             if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
                 self._set_modes(str(obj["metadata"]["name"]), {}, done)
-                self.placer.asks.done(done)
+                self.placer.ampere.asks.done(done)
             for uid in self.tracks.preempting():  # one may wait for a GPU's MIG mode
                 self.kick(uid)
         self._after_change()
@@ -556,12 +563,12 @@ class Controller:
                     self._after_change()
                 self.tracks.forget(uid)
                 self.placer.queue.remove(uid)
-                self.placer.release_asks(uid)  # a MIG mode change it alone needed is withdrawn
+                self.placer.ampere.release(uid)  # a MIG mode change it alone needed is withdrawn
                 return None
             case Dequeue():
                 self.placer.queue.remove(uid)
                 self.tracks.unpark(track)
-                self.placer.release_asks(uid)
+                self.placer.ampere.release(uid)
                 return None
             case Unserved(pod, reason, message):
                 self.placer.queue.remove(uid)
@@ -660,7 +667,7 @@ class Controller:
             self.placer.start_round()
             while self.placer.waiting():
                 self.placer.place_queued()
-                if self.placer.asks.wake != self._held_wake:  # a MIG mode change held back
+                if self.placer.ampere.asks.wake != self._held_wake:  # a MIG mode change held back
                     self._wake_timer.set()
                 await asyncio.sleep(0)  # let watch events and writes progress between pods
             if self.placer.rounds.deferred:  # plans a spent budget deferred: the next round
@@ -673,7 +680,7 @@ class Controller:
             wait = None if deadline is None else max(0.0, deadline - self.clock.monotonic())
             # a MIG mode change held back by --ampere-mode-change-interval: parked pods are
             # looked at again when it may be asked (a wall-clock time: the agent's)
-            self._held_wake = self.placer.asks.wake
+            self._held_wake = self.placer.ampere.asks.wake
             if self._held_wake is not None:
                 held = max(0.0, self._held_wake - self.clock.wall().timestamp())
                 wait = held if wait is None else min(wait, held)
@@ -681,9 +688,9 @@ class Controller:
             self._wake_timer.clear()
             for uid in self.tracks.due(self.clock.monotonic(), timeout):
                 self.kick(uid)
-            wake = self.placer.asks.wake
+            wake = self.placer.ampere.asks.wake
             if wake is not None and self.clock.wall().timestamp() >= wake:
-                self.placer.asks.wake = None
+                self.placer.ampere.asks.wake = None
                 for uid in self.tracks.take_parked():
                     self.kick(uid)
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +323,16 @@ class ClusterState:
 
     def gpu(self, node: str, index: int) -> GpuView | None:
         return next((g for g in self.gpus.get(node, ()) if g.index == index), None)
+
+    def gpu_uuid(self, node: str) -> Callable[[int], str]:
+        """GPU index → UUID on `node`, for a placement decided on this model."""
+
+        def uuid(index: int) -> str:
+            gpu = self.gpu(node, index)
+            assert gpu is not None, "placement named a GPU outside the snapshot"
+            return gpu.uuid
+
+        return uuid
 
     # --- accounting ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 import structlog
 
-from common.allocation import SliceAllocation
+from common.allocation import SUMMARY_ANNOTATION, SliceAllocation
 from common.clock import Clock
 from common.constants import (
     REASON_ALLOCATED,
@@ -29,7 +29,7 @@ from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
 from webhook.allocator.leader import NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import SUMMARY_ANNOTATION, WRITE_ERROR, Placer
+from webhook.allocator.placer import WRITE_ERROR, Placer
 from webhook.allocator.preemption import Victim
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import (
