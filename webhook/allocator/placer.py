@@ -21,7 +21,7 @@ import structlog
 
 from common.allocation import allocation_for
 from common.catalog import Catalog
-from common.constants import GATE_NAME, GPU_MODEL_LABEL, REASON_PENDING
+from common.constants import GPU_MODEL_LABEL, REASON_PENDING
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
 from common.placement.modes import ModePlacement, ModeView, place_with_modes
 from common.placement.whole import WholePlacement, is_whole, place_whole
@@ -34,7 +34,7 @@ from webhook.allocator.planning import Planned, Planner, PlanRounds, SharedViews
 from webhook.allocator.preemption import Preemption, PreemptionSettings
 from webhook.allocator.queue import PlacementQueue
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import PodTrack, Tracks
+from webhook.allocator.track import PodTrack, Tracks, placeable
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
@@ -142,9 +142,9 @@ class Placer:
     def _decide(self, uid: str) -> None:
         pod = self.state.pods.get(uid)
         track = self.tracks.get(uid)
-        if track is None or pod is None or pod.gates != (GATE_NAME,) or pod.deleting:
+        if track is None or pod is None or not placeable(pod) or pod.claim is None:
             return
-        if pod.claim is None or track.create is not None or track.preempt is not None:
+        if track.create is not None or track.preempt is not None:
             return
         track.plan_deferred = False
         if self.state.allocations_of(uid) or f"{pod.namespace}/{pod.claim}" in (

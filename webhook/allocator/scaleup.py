@@ -34,7 +34,7 @@ import structlog
 
 from common.catalog import Catalog
 from common.clock import Clock, cancel_until_done, wait_or_sleep
-from common.constants import GATE_NAME, SCALE_UP_LABEL
+from common.constants import SCALE_UP_LABEL
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path
 from common.objects import node_label_value
 from common.placeholders import signal_name, stands_for
@@ -61,6 +61,7 @@ from webhook.allocator.autoscale import (
 )
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.state import ClusterState
+from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
 
 log = structlog.get_logger("allocator")
@@ -326,12 +327,7 @@ class ScaleUp:
 
     def _still_gated(self, uid: str) -> bool:
         pod = self.state.pods.get(uid)
-        return (
-            pod is not None
-            and pod.gates == (GATE_NAME,)
-            and not pod.deleting
-            and not self.state.allocations_of(uid)
-        )
+        return pod is not None and placeable(pod) and not self.state.allocations_of(uid)
 
     async def reconcile(self) -> None:
         now = self.clock.monotonic()
