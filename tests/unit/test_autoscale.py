@@ -1015,6 +1015,29 @@ def test_a_placeholder_bound_to_a_node_that_cannot_serve_its_pod_is_replaced_onc
     assert kube.calls == [f"delete {name}", f"create {name}"]
 
 
+def test_a_replaced_placeholders_late_events_are_older_whatever_the_resource_versions() -> None:
+    """resourceVersions are opaque (equality only): the replaced placeholder's late events,
+    arriving after the replacement's create answered, are told older by the watch's order
+    (the replacement not shown yet), not by reading the versions as numbers. Once the
+    watch shows the replacement, another object of that name is news again."""
+    _, s, _ = _full_labelled_cluster()
+    asyncio.run(s.reconcile())
+    made = s.signals["want"]
+    made["metadata"].update(uid="new", resourceVersion="b7")  # not a number
+    gone = _bound("want", "n1")
+    gone["metadata"].update(uid="old", resourceVersion="c9")  # not one either
+    asyncio.run(s._on_signal("MODIFIED", gone))
+    asyncio.run(s._on_signal("DELETED", gone))
+    assert s.signals["want"] is made and s.needs["want"].lost == 0
+    echo = _bound("want", None)
+    echo["metadata"].update(uid="new", resourceVersion="b7")
+    asyncio.run(s._on_signal("ADDED", echo))  # the watch caught up
+    other = _bound("want", "n2")
+    other["metadata"].update(uid="other", resourceVersion="a1")
+    asyncio.run(s._on_signal("DELETED", other))  # after the echo: news, not a late event
+    assert "want" not in s.signals and s.needs["want"].lost == 1
+
+
 def test_the_echo_of_a_withdrawn_placeholder_does_not_hold_back_its_replacement() -> None:
     """The watch's MODIFIED of the old placeholder (deletion under way) runs between the
     withdrawal's answer and the round going on (seen under load): it is not held again, so

@@ -19,6 +19,12 @@ placeholder (no instance type offers it, the NodePool's limits) and a Provisioni
 `Failed`, `BookingExpired` or `CapacityRevoked` condition become `ScaleUpFailed` on the real
 pod; `Provisioned` becomes `ScaleUpProvisioned`. Each is told once per message.
 
+A signal held from our own create's answer (or a read) may be ahead of the watch: until the
+watch shows that object, an event of another object of the same name (a replaced
+placeholder's late MODIFIED or DELETED) is older and changes nothing. Watch order tells it,
+not the resourceVersions, which are opaque (Kubernetes API conventions: compared for
+equality, never ordered).
+
 Verdicts live only for the term (a new leader re-parks every pod within a pass) and signals
 of pods that are still gated are kept across terms, so a leader change does not flap them.
 """
@@ -102,6 +108,9 @@ class ScaleUp:
     _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _raising: dict[str, asyncio.Event] = field(default_factory=dict)  # creates in flight
     rounds: int = 0  # reconcile rounds ended, failed ones too (a test's proof of a chance)
+    # pods whose signal we hold from our own create's answer (or a read), which the watch
+    # has not shown yet: until it does, another object of that name it shows is older
+    _unechoed: set[str] = field(default_factory=set)
 
     @property
     def on(self) -> bool:
@@ -322,6 +331,7 @@ class ScaleUp:
             other = stands_for(obj)
             if other is not None and other in self.signals:
                 self.signals[other] = placeholder_identity(obj)  # bound, before the watch says
+                self._unechoed.add(other)
                 bound.add(other)
         return bound
 
@@ -421,6 +431,7 @@ class ScaleUp:
         else:
             placeholder = self.settings.mode is SignalMode.PLACEHOLDER
             self.signals[uid] = placeholder_identity(made) if placeholder else made
+            self._unechoed.add(uid)
         finally:
             raising.set()
             del self._raising[uid]
@@ -461,6 +472,7 @@ class ScaleUp:
             await self.kube.delete_ignore_missing(path)
             await self.kube.delete_ignore_missing(core_path("podtemplates", ns, name))
         self.signals.pop(uid, None)
+        self._unechoed.discard(uid)
         for key in [k for k in self.told if k[0] == uid]:
             del self.told[key]
         log.info("scale-up withdrawn", pod_uid=uid, signal=name)
@@ -472,9 +484,12 @@ class ScaleUp:
         if uid is None:  # the label alone is no signal of ours: anyone may write it
             return
         held = self.signals.get(uid)
-        if held is not None and _older(obj, held):
-            return  # a replaced placeholder's late event: the replacement's create answered first
+        if held is not None and uid in self._unechoed:
+            if _uid(obj) != _uid(held):
+                return  # a replaced placeholder's late event: our create answered first
+            self._unechoed.discard(uid)  # the watch has caught up with our own write
         if etype == "DELETED":
+            self._unechoed.discard(uid)
             if self.signals.pop(uid, None) is not None and uid not in self._withdrawing:
                 self.lost(uid)  # not our own delete, whose answer is still to come
             return
@@ -530,14 +545,5 @@ class ScaleUp:
         self.tell(pod.obj, reason, message, type_)
 
 
-def _older(event: Obj, held: Obj) -> bool:
-    """`event`'s object is older than the signal `held`: another object of the same name
-    (deleted and created again since) with a lower resourceVersion. The API server's are
-    etcd revisions; one that is no number compares as not older."""
-    e, h = event.get("metadata") or {}, held.get("metadata") or {}
-    if e.get("uid") == h.get("uid"):
-        return False
-    try:
-        return int(e.get("resourceVersion") or "") < int(h.get("resourceVersion") or "")
-    except ValueError:
-        return False
+def _uid(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
