@@ -40,7 +40,6 @@ from common.constants import (
     MIG_NODE_PAGE_SIZE,
     MIG_NODE_PLURAL,
     REASON_GPU_OUT_OF_BOUNDS,
-    REASON_PENDING,
     SLICE_ALLOCATION_PLURAL,
     WHOLE_GPU_KEY,
 )
@@ -63,7 +62,7 @@ from common.placement.tables import TableTooLarge, warm
 from common.workqueue import KeyedQueue
 from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
-from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.leader import LeaderElector
 from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
@@ -80,22 +79,9 @@ from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
 from webhook.allocator.track import (
-    AwaitVictims,
-    Create,
-    Dequeue,
-    Evict,
-    Forget,
-    GiveUp,
-    Kick,
     PodTrack,
-    Queue,
     Seen,
-    Settled,
     Tracks,
-    Unserved,
-    Unstick,
-    UnstickPod,
-    Wait,
     next_step,
 )
 from webhook.allocator.views import GpuView, gpus_of
@@ -117,9 +103,6 @@ def _warm_all(models: list[GpuModel]) -> None:
 
 def _cached_pod(obj: Obj) -> Obj:
     return podlib.slim(lean(obj))
-
-
-_FIRST_BACKOFF_S = 0.2
 
 
 class Controller:
@@ -183,24 +166,30 @@ class Controller:
         )
         if self.scale_up.on:
             self.placer.pendings = self.scale_up
+        self._wake_placer = asyncio.Event()
+        self._wake_timer = asyncio.Event()
         self.steps = Steps(
             Writes(kube, elector, self.clock),
             self.state,
+            self.tracks,
             self.placer,
             metrics,
             self.clock,
             settings.pinned_unschedulable_timeout_s,
+            settings.max_backoff_s,
             tell=self._event,
             after_change=self._after_change,
             make_room=self.scale_up.make_room,
+            kick=self.kick,
+            wake_placer=self._wake_placer.set,
+            wake_timer=self._wake_timer.set,
+            withdraw_modes=lambda node, uuids: self._set_modes(node, {}, uuids),
         )
         self.work = KeyedQueue(self._work, name="allocator", clock=self.clock)
         self._leading = False
         self._tg: asyncio.TaskGroup | None = None
         self._seen_epoch = 0
         self._gone_since: dict[str, float] = {}  # MigNodes without a Node, since when
-        self._wake_placer = asyncio.Event()
-        self._wake_timer = asyncio.Event()
         self._held_wake: float | None = None  # the placer's asks.wake the timer waits for
         self.pods_informer = Informer(
             kube,
@@ -547,112 +536,9 @@ class Controller:
         )
 
     async def _work(self, uid: str) -> float | None:
-        """One pass for one pod: the next step, carried out. A failed step is retried after
-        a backoff (doubling per failure, capped); a kick in between tries it at once."""
+        """One pass for one pod: the next step, carried out (`steps.Steps.run`)."""
         track = self.tracks.ensure(uid)
-        step = next_step(track, self._seen(uid, track))
-        if track.unstick is Unstick.DUE and not isinstance(step, UnstickPod):
-            track.unstick = Unstick.DONE  # no longer applicable (UnstickPod says when it is done)
-        match step:
-            case Wait():
-                return None
-            case Forget():
-                if track.create is not None:  # decided, but the pod left before the create
-                    meta = track.create["metadata"]
-                    self.state.forget(f"{meta['namespace']}/{meta['name']}")
-                    self._after_change()
-                self.tracks.forget(uid)
-                self.placer.queue.remove(uid)
-                self.placer.ampere.release(uid)  # a MIG mode change it alone needed is withdrawn
-                return None
-            case Dequeue():
-                self.placer.queue.remove(uid)
-                self.tracks.unpark(track)
-                self.placer.ampere.release(uid)
-                return None
-            case Unserved(pod, reason, message):
-                self.placer.queue.remove(uid)
-                self.tracks.unpark(track)
-                if track.told != reason:
-                    track.told = reason
-                    log.info("pod not served", pod=pod.key, reason=reason, message=message)
-                    self._event(pod.obj, REASON_PENDING, message, "Warning")
-                return None
-            case Queue(pod):
-                self.tracks.unpark(track)
-                self.placer.queue.push(uid, priority=pod.priority, created=pod.created, key=pod.key)
-                self._wake_placer.set()
-                return None
-            case AwaitVictims(deadline):
-                return max(0.0, deadline - self.clock.monotonic())  # then gives up
-            case GiveUp(why, avoid, refused):
-                self._give_up(track, why, avoid, refused)
-                self.kick(uid)
-                return None
-            case Kick(other):
-                self.kick(other)  # a stale record holds the name: release it first
-                return None
-            case Settled(waiting):
-                self.placer.queue.remove(uid)
-                self.tracks.unpark(track)
-                track.told = None
-                self.tracks.observe_unschedulable(track, waiting, self.clock.monotonic())
-                if waiting:
-                    self._wake_timer.set()
-                return None
-        if isinstance(step, Create) and track.preempt is not None:
-            self.tracks.end_preempt(track)  # the reservation is sent: an ordinary create now
-        try:
-            await self.steps.run(track, step)
-        except NotLeader:
-            # The Lease went unrenewed past the deadline. If it is lost for good this term
-            # is about to be cancelled; if a late renewal keeps it, the step runs again.
-            pass
-        except ApiError as exc:
-            log.warning("allocator write failed", pod_uid=uid, error=str(exc))
-            self.metrics.outcome("error")
-        except Exception:
-            log.exception("allocator step failed", pod_uid=uid)
-        else:
-            track.backoff_s = 0.0
-            if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
-                return 0.0
-            return None  # what comes next is told by the watch events the write causes
-        track.backoff_s = min(
-            max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.settings.max_backoff_s
-        )
-        return track.backoff_s
-
-    def _give_up(
-        self,
-        track: PodTrack,
-        why: str,
-        avoid: frozenset[str],
-        refused: frozenset[str] = frozenset(),
-    ) -> None:
-        """Drop a preemption: its reservation is forgotten (capacity back for the others)
-        and the pod is placed anew, never again preempting `avoid`, and `refused` only as a
-        last resort (a PodDisruptionBudget violation)."""
-        p = self.tracks.end_preempt(track)
-        if p is None:
-            return
-        track.avoid = track.avoid | avoid
-        track.refused = track.refused | refused
-        self.state.forget(p.key)
-        # its Ampere reset, not reached yet, is withdrawn: left standing, the agent would
-        # drain the GPU (for up to its drain timeout, no other Ampere change meanwhile) and
-        # reset it for nobody
-        undo: dict[str, set[str]] = {}
-        for node, index in p.resets:
-            g = self.state.gpu(node, index)
-            if g is not None and g.desired == "disabled" and g.mig_enabled:
-                undo.setdefault(node, set()).add(g.uuid)
-        for node, uuids in undo.items():
-            self._set_modes(node, {}, uuids)
-        self.metrics.outcome("preemption_abandoned")
-        log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid),
-                 refused=len(refused))  # fmt: skip
-        self._after_change()
+        return await self.steps.run(track, next_step(track, self._seen(uid, track)))
 
     def _gauge_view(self) -> GaugeView:
         depth = len(self.placer.queue) + len(self.tracks.parked)
