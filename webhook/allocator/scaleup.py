@@ -69,6 +69,7 @@ from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
+from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
@@ -115,6 +116,11 @@ class ScaleUp:
     @property
     def on(self) -> bool:
         return self.settings.mode is not SignalMode.OFF
+
+    @property
+    def writes(self) -> Writes:
+        """Its writes, each Lease-checked, as every other write of the allocator."""
+        return Writes(self.kube, self.elector, self.clock)
 
     # --- called by the placer (synchronous, pure bookkeeping) -------------------------------
 
@@ -323,11 +329,8 @@ class ScaleUp:
         loop stalled under load, the pin written before the placeholder's delete)."""
         if self.settings.mode is not SignalMode.PLACEHOLDER:
             return set()
-        found = await self.kube.list(
-            core_path("pods"), labelSelector=SCALE_UP_LABEL, fieldSelector=f"spec.nodeName={node}"
-        )
         bound = set()
-        for obj in found.get("items") or []:
+        for obj in await self.writes.placeholders_on(node):
             other = stands_for(obj)
             if other is not None and other in self.signals:
                 self.signals[other] = placeholder_identity(obj)  # bound, before the watch says
@@ -402,14 +405,12 @@ class ScaleUp:
         need = self.needs.get(uid)
         if pod is None or need is None:
             return
-        ns = pod.namespace
-        self.elector.check()
         raising = self._raising[uid] = asyncio.Event()
         try:
             avoid = self._avoid(need, {} if keep_off is None else keep_off)
             if self.settings.mode is SignalMode.PLACEHOLDER:
                 body = placeholder_pod(pod.obj, need.request, avoid, self.settings.image)
-                made = await self.kube.create(core_path("pods", ns), body)
+                made = await self.writes.raise_placeholder(body)
                 what = f"placeholder pod {body['metadata']['name']} for Karpenter"
             else:
                 template, provreq = provisioning_request(
@@ -419,10 +420,7 @@ class ScaleUp:
                     self.settings.provisioning_class,
                     self.settings.image,
                 )
-                await self.kube.create(core_path("podtemplates", ns), template)
-                made = await self.kube.create(
-                    group_path(PROVREQ_API_VERSION, "provisioningrequests", ns), provreq
-                )
+                made = await self.writes.raise_provisioning_request(template, provreq)
                 what = f"ProvisioningRequest {provreq['metadata']['name']}"
         except ApiError as exc:
             if exc.status != 409:
@@ -464,13 +462,10 @@ class ScaleUp:
             return
         ns = obj["metadata"]["namespace"]
         name = signal_name(uid)
-        self.elector.check()
         if self.settings.mode is SignalMode.PLACEHOLDER:
-            await self.kube.delete_ignore_missing(core_path("pods", ns, name), gracePeriodSeconds=0)
+            await self.writes.withdraw_placeholder(ns, name)
         else:
-            path = group_path(PROVREQ_API_VERSION, "provisioningrequests", ns, name)
-            await self.kube.delete_ignore_missing(path)
-            await self.kube.delete_ignore_missing(core_path("podtemplates", ns, name))
+            await self.writes.withdraw_provisioning_request(ns, name)
         self.signals.pop(uid, None)
         self._unechoed.discard(uid)
         for key in [k for k in self.told if k[0] == uid]:

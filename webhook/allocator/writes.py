@@ -3,7 +3,8 @@
 The controller decides *what* to do; this module is *how*, against the API server: the
 SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
 deletes with a UID precondition (so a newer object of the same name is never hit), the JSON
-patch that drops the release finalizer (with a `test` of the current list), pod events. The
+patch that drops the release finalizer (with a `test` of the current list), pod events, the
+autoscaler signal's placeholders and ProvisioningRequests (webhook/allocator/scaleup.py). The
 reads before destructive writes live here too: a cache that has not seen an object yet must
 never be taken as proof that it is gone.
 """
@@ -19,11 +20,13 @@ from common.constants import (
     LEASE_API_VERSION,
     MIG_NODE_KIND,
     RELEASE_FINALIZER,
+    SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
 )
 from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from webhook.allocator import pods as podlib
+from webhook.allocator.autoscale import PROVREQ_API_VERSION
 from webhook.allocator.leader import LeaderElector
 
 COMPONENT = "instaslice-allocator"
@@ -252,3 +255,37 @@ class Writes:
             type_="Warning",
             now=self.clock.wall(),
         )
+
+    # --- the autoscaler signal (scaleup.py) -----------------------------------------------
+
+    async def raise_placeholder(self, body: Obj) -> Obj:
+        """Create a placeholder pod (Karpenter's signal); the pod as created."""
+        self.elector.check()
+        return await self.kube.create(core_path("pods", body["metadata"]["namespace"]), body)
+
+    async def raise_provisioning_request(self, template: Obj, provreq: Obj) -> Obj:
+        """Create a PodTemplate and the ProvisioningRequest naming it (cluster-autoscaler's
+        signal); the ProvisioningRequest as created."""
+        self.elector.check()
+        namespace = provreq["metadata"]["namespace"]
+        await self.kube.create(core_path("podtemplates", namespace), template)
+        path = group_path(PROVREQ_API_VERSION, "provisioningrequests", namespace)
+        return await self.kube.create(path, provreq)
+
+    async def withdraw_placeholder(self, namespace: str, name: str) -> None:
+        self.elector.check()
+        path = core_path("pods", namespace, name)
+        await self.kube.delete_ignore_missing(path, gracePeriodSeconds=0)
+
+    async def withdraw_provisioning_request(self, namespace: str, name: str) -> None:
+        self.elector.check()
+        path = group_path(PROVREQ_API_VERSION, "provisioningrequests", namespace, name)
+        await self.kube.delete_ignore_missing(path)
+        await self.kube.delete_ignore_missing(core_path("podtemplates", namespace, name))
+
+    async def placeholders_on(self, node: str) -> list[Obj]:
+        """The placeholder pods the API server has bound to `node` now (a read)."""
+        found = await self.kube.list(
+            core_path("pods"), labelSelector=SCALE_UP_LABEL, fieldSelector=f"spec.nodeName={node}"
+        )
+        return list(found.get("items") or [])
