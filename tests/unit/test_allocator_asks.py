@@ -239,10 +239,10 @@ async def test_the_controller_looks_again_when_the_interval_has_passed() -> None
     c.lease_informer.synced.set()
     c.opted_in.add("ns")
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
         last = {"from": "enabled", "to": "disabled", "time": kube_time(clock.wall())}
-        await c._on_mig_node("ADDED", mig_node(1, {}, **{G0: {"lastModeChange": last}}))
-        await c._on_pod("ADDED", make_pod("p", uid="p", claim="c-p"))
+        await c.handlers.on_mig_node("ADDED", mig_node(1, {}, **{G0: {"lastModeChange": last}}))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p", claim="c-p"))
         await settle()
         assert _mode_writes(kube) == []
         assert "p" in c.tracks.parked  # told why, waiting
@@ -316,14 +316,14 @@ async def test_a_deleted_pods_ask_is_withdrawn_through_the_controller() -> None:
     c.placer.ampere.withdraw_modes = lambda node, uuids: c._set_modes(node, {}, uuids)
     pod = make_pod("p", uid="p", claim="c-p")
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
-        await c._on_mig_node("ADDED", mig_node(1, {}))
-        await c._on_pod("ADDED", pod)
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_mig_node("ADDED", mig_node(1, {}))
+        await c.handlers.on_pod("ADDED", pod)
         await settle()
         asked = {"spec": {"gpus": [{"uuid": G0, "desiredMigMode": "enabled"}]}}
         assert _mode_writes(kube) == [asked]
-        await c._on_mig_node("MODIFIED", mig_node(1, {G0: "enabled"}))  # the ask comes back
-        await c._on_pod("DELETED", pod)
+        await c.handlers.on_mig_node("MODIFIED", mig_node(1, {G0: "enabled"}))  # the ask comes back
+        await c.handlers.on_pod("DELETED", pod)
         await settle()
     assert _mode_writes(kube) == [asked, {"spec": {"gpus": []}}]
 

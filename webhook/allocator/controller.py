@@ -31,39 +31,24 @@ from typing import Literal
 
 import structlog
 
-from common.catalog import GpuModel, load_catalog
+from common.catalog import load_catalog
 from common.clock import cancel_until_done, monotonic_at, wait_or_sleep
 from common.constants import (
-    ENABLED_KEY,
     GATE_NAME,
-    LEASE_API_VERSION,
-    MIG_NODE_PAGE_SIZE,
-    MIG_NODE_PLURAL,
-    REASON_GPU_OUT_OF_BOUNDS,
     SLICE_ALLOCATION_PLURAL,
-    WHOLE_GPU_KEY,
 )
 from common.kubeapi import (
     ApiError,
-    EventType,
     Informer,
     Kube,
     Obj,
-    core_path,
-    group_path,
-    identity,
     instaslice_path,
-    lean,
 )
-from common.placeholders import is_placeholder
-from common.placement.geometry import token
-from common.placement.search import catalog_tables
-from common.placement.tables import TableTooLarge, warm
 from common.workqueue import KeyedQueue
-from webhook.allocator import pods as podlib
 from webhook.allocator.agents import AgentWatch
+from webhook.allocator.handlers import Handlers, informers
 from webhook.allocator.leader import LeaderElector
-from webhook.allocator.maintenance import ASK_DRAIN, spec_patch, withdrawals
+from webhook.allocator.maintenance import ASK_DRAIN, spec_patch
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
 from webhook.allocator.planning import PlanRounds
@@ -72,40 +57,24 @@ from webhook.allocator.preemption import (
     OwnerBackoff,
     PreemptionSettings,
     parse_selector,
-    selects,
 )
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
 from webhook.allocator.track import (
-    PodTrack,
-    Seen,
     Tracks,
     next_step,
 )
-from webhook.allocator.views import GpuView, gpus_of
 from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
-_ACTIVE_POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
-
-
-def _warm_all(models: list[GpuModel]) -> None:
-    """`tables.warm` each model (in a worker thread); one past the slot bound has no tables."""
-    for model in models:
-        try:
-            warm(model)
-        except TableTooLarge:
-            continue
-
-
-def _cached_pod(obj: Obj) -> Obj:
-    return podlib.slim(lean(obj))
-
 
 class Controller:
+    pods_informer: Informer
+    lease_informer: Informer
+
     def __init__(
         self,
         kube: Kube,
@@ -141,10 +110,28 @@ class Controller:
             ampere.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
         self.placer.rounds = PlanRounds(settings.preemption_round_cpu_s)
-        # namespaces whose pods are Kueue-managed: the admin's selector on namespace labels
-        # (never a pod's own label, which its owner could set: docs/kueue.md "Preemption")
-        self.kueue_selector = parse_selector(settings.kueue_namespace_selector)
-        self.kueue_namespaces: set[str] = set()
+        self._leading = False
+        self.handlers = Handlers(
+            self.state,
+            self.tracks,
+            self.clock,
+            self.catalog,
+            self.agents,
+            self.budgets,
+            self.placer.ampere,
+            leading=lambda: self._leading,
+            kick=self.kick,
+            after_change=self._after_change,
+            set_modes=self._set_modes,
+            warn=self._warn_mig_node,
+            leases_synced=lambda: self.lease_informer.synced.is_set(),
+            # namespaces whose pods are Kueue-managed: the admin's selector on namespace
+            # labels (never a pod's own label, which its owner could set: docs/kueue.md)
+            kueue_selector=parse_selector(settings.kueue_namespace_selector),
+        )
+        self.opted_in = self.handlers.opted_in
+        self.whole_gpu = self.handlers.whole_gpu
+        self.kueue_namespaces = self.handlers.kueue_namespaces
         if settings.preemption:
             self.placer.preemption = PreemptionSettings(
                 self.budgets,
@@ -186,56 +173,12 @@ class Controller:
             withdraw_modes=lambda node, uuids: self._set_modes(node, {}, uuids),
         )
         self.work = KeyedQueue(self._work, name="allocator", clock=self.clock)
-        self._leading = False
         self._tg: asyncio.TaskGroup | None = None
         self._seen_epoch = 0
-        self._gone_since: dict[str, float] = {}  # MigNodes without a Node, since when
         self._held_wake: float | None = None  # the placer's asks.wake the timer waits for
-        self.pods_informer = Informer(
-            kube,
-            core_path("pods"),
-            self._on_pod,
-            field_selector=_ACTIVE_POD_SELECTOR,
-            name="pods",
-            # every pod of the cluster is cached: of most, only what placement reads
-            transform=_cached_pod,
+        self.pods_informer, self.lease_informer, self.informers = informers(
+            kube, settings, self.handlers
         )
-        leases = group_path(LEASE_API_VERSION, "leases", settings.namespace)
-        self.lease_informer = Informer(kube, leases, self._on_lease, name="leases", transform=lean)
-        # Nodes and MigNodes are parsed into `state` (NodeView, GpuView): their informers keep
-        # only each object's identity, not the object (a MigNode is 83 KB in memory).
-        self.informers = [
-            self.pods_informer,
-            Informer(
-                kube,
-                core_path("nodes"),
-                self._on_node,
-                label_selector=settings.node_selector,
-                name="nodes",
-                keep=identity,
-            ),
-            Informer(
-                kube,
-                instaslice_path(MIG_NODE_PLURAL),
-                self._on_mig_node,
-                name="mignodes",
-                keep=identity,
-                page_size=MIG_NODE_PAGE_SIZE,
-            ),
-            Informer(
-                kube,
-                instaslice_path(SLICE_ALLOCATION_PLURAL),
-                self._on_allocation,
-                name="sliceallocations",
-            ),
-            self.lease_informer,  # the node agents' heartbeats (and our own Lease, skipped)
-            Informer(kube, core_path("namespaces"), self._on_namespace, name="namespaces"),
-        ]
-        if settings.preemption:  # which victims a PodDisruptionBudget protects
-            pdbs = group_path("policy/v1", "poddisruptionbudgets")
-            self.informers.append(Informer(kube, pdbs, self._on_pdb, name="pdbs"))
-        self.opted_in: set[str] = set()  # namespaces labelled ENABLED_KEY=true
-        self.whole_gpu: set[str] = set()  # namespaces labelled WHOLE_GPU_KEY=true
 
     @property
     def parked(self) -> dict[str, int]:
@@ -255,114 +198,10 @@ class Controller:
         for informer in self.informers:
             await informer.synced.wait()
 
-    async def _on_pod(self, etype: EventType, obj: Obj) -> None:
-        if etype != "DELETED" and is_placeholder(obj):
-            # a placeholder stands for demand: it must not hold a node's cpu in our model.
-            # Recognised by all InstaSlice gives one, never by its label alone (tenants can
-            # write labels: docs/security.md); and a removal is never skipped, so a pod seen
-            # before still leaves the model and has its slices released
-            return
-        uid = podlib.uid(obj)
-        if etype == "DELETED":
-            self.state.remove_pod(obj)
-            track = self.tracks.get(uid) if self._leading else None
-            if track is not None:  # released without asking again (finished pods too)
-                track.gone = "the pod finished" if podlib.is_terminal(obj) else "its pod is gone"
-            elif not self._leading:
-                self.tracks.forget(uid)
-            if track is not None or self.state.allocations_of(uid):
-                self.kick(uid)
-        else:
-            view = self.state.upsert_pod(obj)
-            if self._leading and view.claim is not None:
-                track = self.tracks.ensure(uid)
-                fresh = track.ungate_start is None and track.pinned_rv is None
-                if fresh and view.gates == (GATE_NAME,):  # ours became its only gate now
-                    track.ungate_start = self.clock.monotonic()
-            if view.claim is not None or self.tracks.get(uid) or self.state.allocations_of(uid):
-                self.kick(uid)
-        self._after_change()
-
-    async def _on_allocation(self, etype: EventType, obj: Obj) -> None:
-        view = (
-            self.state.remove_allocation(obj)
-            if etype == "DELETED"
-            else self.state.upsert_allocation(obj)
-        )
-        if view is not None:
-            self.kick(view.pod_uid)
-            if etype == "DELETED":  # a pod may have been waiting for the name to free up
-                waiting = self.state.pod_by_claim(view.namespace, view.name)
-                if waiting is not None:
-                    self.kick(waiting.uid)
-                for uid in self.tracks.preempting():  # or for a victim's slots
-                    self.kick(uid)
-        self._after_change()
-
-    async def _on_node(self, etype: EventType, obj: Obj) -> None:
-        name = str(obj.get("metadata", {}).get("name", ""))
-        if etype == "DELETED":
-            self.state.remove_node(obj)
-        else:
-            self.state.upsert_node(obj)
-        for alloc in self.state.allocations_on(name):
-            self.kick(alloc.pod_uid)
-        self._after_change()
-
-    async def _on_mig_node(self, etype: EventType, obj: Obj) -> None:
-        if etype == "DELETED":
-            self.state.remove_mig_node(obj)
-        else:
-            name = str(obj["metadata"]["name"])
-            gpus = gpus_of(obj, self.state.geometries)  # GPUs beyond the bounds: refused
-            await self._warm(gpus)
-            before = self.state.gpus.get(name, ())
-            self.state.upsert_mig_node(obj, gpus)
-            self._tell_refused(name, before, gpus)
-            done = withdrawals(obj) if self.placer.ampere.on else set()
-            if done:  # the asked mode is reached, or the agent failed it: withdraw the ask
-                self._set_modes(str(obj["metadata"]["name"]), {}, done)
-                self.placer.ampere.asks.done(done)
-            for uid in self.tracks.preempting():  # one may wait for a GPU's MIG mode
-                self.kick(uid)
-        self._after_change()
-
-    async def _warm(self, gpus: tuple[GpuView, ...]) -> None:
-        """Build the tables of the models these GPUs bring that placement has not met, in a
-        worker thread: a new table (up to 2^16 occupancy masks, tables.MIG_MAX_MEMORY_SLOTS)
-        must not stall admission and the Lease renewal on this loop. Placement then finds
-        them built (tables.warm: what its first decision on such a GPU reads)."""
-        ct = catalog_tables(self.catalog)
-        fresh: dict[str, GpuModel] = {}
-        for g in gpus:
-            key = token(g.geometry) if g.geometry is not None else g.model
-            model = g.geometry or self.catalog.model(g.model)
-            if model is not None and not ct.known(key):
-                fresh[key] = model
-        if not fresh:
-            return
-        await asyncio.to_thread(_warm_all, list(fresh.values()))
-        for key in fresh:
-            ct.tables(key)  # built: only kept here, on the loop
-
-    def _tell_refused(
-        self, node: str, before: tuple[GpuView, ...], gpus: tuple[GpuView, ...]
-    ) -> None:
-        """A Warning event `GpuOutOfBounds` on the MigNode when the GPUs it refuses (or why)
-        change; the gauge `instaslice_allocator_gpus_refused` and `kubectl instaslice nodes`
-        show them meanwhile (docs/troubleshooting.md). Only the agent writes MigNode status,
-        so this is no condition there (docs/security.md)."""
-        now = [g for g in gpus if g.refused]
-        if not now or {(g.uuid, g.refused) for g in now} == {
-            (g.uuid, g.refused) for g in before if g.refused
-        }:
-            return
-        message = "; ".join(f"GPU {g.index} ({g.uuid[:48]}): {g.refused}" for g in now)
-        message += "; nothing is placed on it until its node agent publishes it within bounds"
-        log.warning("MigNode GPUs beyond bounds, not used", node=node, why=message)
+    def _warn_mig_node(self, node: str, reason: str, message: str) -> None:
+        """A Warning event on MigNode `node`, written in the background (leader only)."""
         if self._tg is not None and self._leading:
-            writes = self.steps.writes
-            self._tg.create_task(writes.mig_node_warning(node, REASON_GPU_OUT_OF_BOUNDS, message))
+            self._tg.create_task(self.steps.writes.mig_node_warning(node, reason, message))
 
     def _ask_modes(self, node: str, wants: dict[str, str]) -> None:
         self._set_modes(node, wants, set())
@@ -380,42 +219,6 @@ class Controller:
             await self.steps.writes.set_desired_modes(node, body)
         except ApiError as exc:  # the next MigNode event or pending pod asks again
             log.warning("could not write desired MIG modes", node=node, error=str(exc))
-
-    async def _on_namespace(self, etype: EventType, obj: Obj) -> None:
-        """Only opted-in namespaces are served: a pod carrying InstaSlice's marks elsewhere
-        (the admission policy refuses to create one; this is the second line) is not placed;
-        nor is a pod asking for whole GPUs in a namespace that did not opt in to them."""
-        meta = obj.get("metadata") or {}
-        name = str(meta.get("name") or "")
-        labels = meta.get("labels") or {}
-        kueue = self.kueue_selector is not None and etype != "DELETED"
-        if kueue and selects(self.kueue_selector or {}, labels):
-            self.kueue_namespaces.add(name)
-        else:
-            self.kueue_namespaces.discard(name)
-        changed = False
-        for key, names in ((ENABLED_KEY, self.opted_in), (WHOLE_GPU_KEY, self.whole_gpu)):
-            on = etype != "DELETED" and labels.get(key) == "true"
-            if on != (name in names):
-                changed = True
-                if on:
-                    names.add(name)
-                else:
-                    names.discard(name)
-        if not changed:
-            return
-        for pod in list(self.state.pods.values()):
-            if pod.namespace == name and pod.claim is not None:
-                self.kick(pod.uid)
-
-    async def _on_pdb(self, etype: EventType, obj: Obj) -> None:
-        if etype == "DELETED":
-            self.budgets.remove(obj)
-        else:
-            self.budgets.upsert(obj)
-
-    async def _on_lease(self, etype: EventType, obj: Obj) -> None:
-        await self.agents.on_lease(etype, obj, initial=not self.lease_informer.synced.is_set())
 
     def _sweep_agents(self) -> None:
         self.agents.sweep()
@@ -503,42 +306,10 @@ class Controller:
 
     # --- one pod's worker ---------------------------------------------------------------
 
-    def _seen(self, uid: str, track: PodTrack | None = None) -> Seen:
-        pod = self.state.pods.get(uid)
-        alive: frozenset[str] = frozenset()
-        holding: frozenset[str] = frozenset()
-        pending = False
-        p = track.preempt if track is not None else None
-        if p is not None:
-            pods = [self.state.pods.get(v.uid) for v in p.victims]
-            alive = frozenset(v.uid for v in pods if v and not (v.deleting or v.terminal))
-            holding = frozenset(u for u in p.waits_for if self.state.allocations_of(u))
-            modes = [self.state.gpu(n, i) for n, i in p.resets]
-            pending = any(g is None or g.maintenance or g.whole_if_idle != "off" for g in modes)
-        allocs = tuple(self.state.allocations_of(uid))
-        holder = None
-        if pod is not None and pod.claim is not None and not allocs:
-            other = self.state.allocations.get(f"{pod.namespace}/{pod.claim}")
-            holder = other.pod_uid if other is not None else None
-        return Seen(
-            pod=pod,
-            allocations=allocs,
-            assumed=frozenset(a.key for a in allocs if self.state.is_assumed(a.key)),
-            nodes=frozenset(a.node for a in allocs if a.node in self.state.nodes),
-            agents_down=frozenset(a.node for a in allocs if a.node in self.state.agents_down),
-            name_holder=holder,
-            opted_in=pod is not None and pod.namespace in self.opted_in,
-            whole_gpu=pod is not None and pod.namespace in self.whole_gpu,
-            victims_alive=alive,
-            holding=holding,
-            modes_pending=pending,
-            now=self.clock.monotonic(),
-        )
-
     async def _work(self, uid: str) -> float | None:
         """One pass for one pod: the next step, carried out (`steps.Steps.run`)."""
         track = self.tracks.ensure(uid)
-        return await self.steps.run(track, next_step(track, self._seen(uid, track)))
+        return await self.steps.run(track, next_step(track, self.handlers.seen(uid, track)))
 
     def _gauge_view(self) -> GaugeView:
         depth = len(self.placer.queue) + len(self.tracks.parked)
@@ -583,26 +354,10 @@ class Controller:
     async def _agents_loop(self) -> None:
         while True:
             self._sweep_agents()
-            await self._forget_gone_nodes()
+            await self.agents.forget_gone_nodes(
+                self.steps.writes, self.settings.namespace, self.settings.node_gone_grace_s
+            )
             await self.clock.sleep(self.settings.agent_sweep_s)
-
-    async def _forget_gone_nodes(self) -> None:
-        """A MigNode whose Node has been gone for the grace period (the node was removed for
-        good) is deleted, with its agent's Lease; a node back within it keeps them."""
-        now = self.clock.monotonic()
-        gone = set(self.state.gpus) - set(self.state.nodes)
-        for name in [n for n in self._gone_since if n not in gone]:
-            del self._gone_since[name]
-        for name in sorted(gone):
-            since = self._gone_since.setdefault(name, now)
-            if now - since < self.settings.node_gone_grace_s:
-                continue
-            del self._gone_since[name]  # looked at again after another grace if it stays
-            try:
-                if await self.steps.writes.forget_node(name, self.settings.namespace):
-                    log.info("node gone; its MigNode and agent Lease deleted", node=name)
-            except ApiError as exc:
-                log.warning("could not delete a gone node's records", node=name, error=str(exc))
 
     def _event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
