@@ -881,6 +881,6 @@ async def test_a_given_up_whole_gpu_preemption_withdraws_its_ampere_reset() -> N
     track = c.tracks.ensure("p1")
     p = Preemption({}, "ns/claim", "n1", (), frozenset(), 0.0, resets=(("n1", 0), ("n1", 1)))
     c.tracks.begin_preempt(track, p)
-    c.steps._give_up(track, "refused", frozenset())
+    c.steps.book.give_up(track, "refused", frozenset())
     assert written == [("n1", {}, {gpu_uuid("n1", 0)})]
     assert c.tracks.get("p1") is None or c.tracks.get("p1").preempt is None  # type: ignore[union-attr]

@@ -46,6 +46,7 @@ from common.kubeapi import (
 )
 from common.workqueue import KeyedQueue
 from webhook.allocator.agents import AgentWatch
+from webhook.allocator.bookkeeping import Bookkeeping
 from webhook.allocator.handlers import Handlers, informers
 from webhook.allocator.leader import LeaderElector
 from webhook.allocator.maintenance import ASK_DRAIN, spec_patch
@@ -155,6 +156,19 @@ class Controller:
             self.placer.pendings = self.scale_up
         self._wake_placer = asyncio.Event()
         self._wake_timer = asyncio.Event()
+        book = Bookkeeping(
+            self.state,
+            self.tracks,
+            self.placer,
+            metrics,
+            self.clock,
+            tell=self._event,
+            after_change=self._after_change,
+            kick=self.kick,
+            wake_placer=self._wake_placer.set,
+            wake_timer=self._wake_timer.set,
+            withdraw_modes=lambda node, uuids: self._set_modes(node, {}, uuids),
+        )
         self.steps = Steps(
             Writes(kube, elector, self.clock),
             self.state,
@@ -167,10 +181,7 @@ class Controller:
             tell=self._event,
             after_change=self._after_change,
             make_room=self.scale_up.make_room,
-            kick=self.kick,
-            wake_placer=self._wake_placer.set,
-            wake_timer=self._wake_timer.set,
-            withdraw_modes=lambda node, uuids: self._set_modes(node, {}, uuids),
+            book=book,
         )
         self.work = KeyedQueue(self._work, name="allocator", clock=self.clock)
         self._tg: asyncio.TaskGroup | None = None

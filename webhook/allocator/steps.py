@@ -23,13 +23,13 @@ from common.allocation import SUMMARY_ANNOTATION, SliceAllocation
 from common.clock import Clock
 from common.constants import (
     REASON_ALLOCATED,
-    REASON_PENDING,
     REASON_PINNED_UNSCHEDULABLE,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
+from webhook.allocator.bookkeeping import Bookkeeping
 from webhook.allocator.leader import NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import WRITE_ERROR, Placer
@@ -39,22 +39,14 @@ from webhook.allocator.track import (
     Act,
     AwaitVictims,
     Create,
-    Dequeue,
     Evict,
-    Forget,
-    GiveUp,
-    Kick,
     OnAllocation,
     Pin,
     PodTrack,
-    Queue,
-    Settled,
     Step,
     Tracks,
-    Unserved,
     Unstick,
     UnstickPod,
-    Wait,
 )
 from webhook.allocator.views import PodView
 from webhook.allocator.writes import Writes
@@ -81,11 +73,7 @@ class Steps:
     tell: Tell  # an event, in the background
     after_change: Callable[[], None]  # capacity may have grown (a create failed)
     make_room: Callable[[str, str], Awaitable[None]]  # scale-up signals to go before a pin
-    kick: Callable[[str], None]  # look at a pod again (its worker)
-    wake_placer: Callable[[], None]  # a pod was queued
-    wake_timer: Callable[[], None]  # a pinned pod may be unschedulable
-    # (node, GPU UUIDs): their desiredMigMode entries go, written in the background
-    withdraw_modes: Callable[[str, set[str]], None]
+    book: Bookkeeping  # the bookkeeping steps
 
     async def run(self, track: PodTrack, step: Step) -> float | None:
         """Carry out `step` for `track`'s pod; in how many seconds to look again (None:
@@ -93,7 +81,7 @@ class Steps:
         doubling per failure, capped); a kick in between tries it at once."""
         if track.unstick is Unstick.DUE and not isinstance(step, UnstickPod):
             track.unstick = Unstick.DONE  # no longer applicable (UnstickPod says when it is done)
-        if self._book(track, step):
+        if self.book.run(track, step):
             if isinstance(step, AwaitVictims):  # then gives up
                 return max(0.0, step.deadline - self.clock.monotonic())
             return None
@@ -117,84 +105,6 @@ class Steps:
             return None  # what comes next is told by the watch events the write causes
         track.backoff_s = min(max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.max_backoff_s)
         return track.backoff_s
-
-    # --- bookkeeping: the record and the queues -----------------------------------------
-
-    def _book(self, track: PodTrack, step: Step) -> bool:
-        """Carry out a bookkeeping step; False for a write step."""
-        uid, queue = track.uid, self.placer.queue
-        match step:
-            case Wait() | AwaitVictims():
-                pass
-            case Forget():
-                if track.create is not None:  # decided, but the pod left before the create
-                    meta = track.create["metadata"]
-                    self.state.forget(f"{meta['namespace']}/{meta['name']}")
-                    self.after_change()
-                self.tracks.forget(uid)
-                queue.remove(uid)
-                self.placer.ampere.release(uid)  # a MIG mode change it alone needed: withdrawn
-            case Dequeue():
-                queue.remove(uid)
-                self.tracks.unpark(track)
-                self.placer.ampere.release(uid)
-            case Unserved(pod, reason, message):
-                queue.remove(uid)
-                self.tracks.unpark(track)
-                if track.told != reason:
-                    track.told = reason
-                    log.info("pod not served", pod=pod.key, reason=reason, message=message)
-                    self.tell(pod.obj, REASON_PENDING, message, "Warning")
-            case Queue(pod):
-                self.tracks.unpark(track)
-                queue.push(uid, priority=pod.priority, created=pod.created, key=pod.key)
-                self.wake_placer()
-            case GiveUp(why, avoid, refused):
-                self._give_up(track, why, avoid, refused)
-                self.kick(uid)
-            case Kick(other):
-                self.kick(other)  # a stale record holds the name: release it first
-            case Settled(waiting):
-                queue.remove(uid)
-                self.tracks.unpark(track)
-                track.told = None
-                self.tracks.observe_unschedulable(track, waiting, self.clock.monotonic())
-                if waiting:
-                    self.wake_timer()
-            case _:
-                return False
-        return True
-
-    def _give_up(
-        self,
-        track: PodTrack,
-        why: str,
-        avoid: frozenset[str],
-        refused: frozenset[str] = frozenset(),
-    ) -> None:
-        """Drop a preemption: its reservation is forgotten (capacity back for the others)
-        and the pod is placed anew, never again preempting `avoid`, and `refused` only as a
-        last resort (a PodDisruptionBudget violation)."""
-        p = self.tracks.end_preempt(track)
-        if p is None:
-            return
-        track.avoid = track.avoid | avoid
-        track.refused = track.refused | refused
-        self.state.forget(p.key)
-        # its Ampere reset, not reached yet, is withdrawn: left standing, the agent would
-        # drain the GPU (for up to its drain timeout, no other Ampere change meanwhile) and
-        # reset it for nobody
-        undo: dict[str, set[str]] = {}
-        for node, index in p.resets:
-            g = self.state.gpu(node, index)
-            if g is not None and g.desired == "disabled" and g.mig_enabled:
-                undo.setdefault(node, set()).add(g.uuid)
-        for node, uuids in undo.items():
-            self.withdraw_modes(node, uuids)
-        self.metrics.outcome("preemption_abandoned")
-        log.info("preemption given up", pod_uid=track.uid, why=why, avoid=len(avoid),
-                 refused=len(refused))  # fmt: skip
-        self.after_change()
 
     # --- writes ---------------------------------------------------------------------------
 
