@@ -312,8 +312,10 @@ async def test_a_deleted_pods_ask_is_withdrawn_through_the_controller() -> None:
     """The controller's Forget step releases the pod's asks: its MigNode ask is removed."""
     kube, clock = RecordingKube(), FakeClock()
     c = controller(kube, clock)
-    c.placer.ampere.ask_modes = c._ask_modes  # as --ampere-mode-changes=drain sets it
-    c.placer.ampere.withdraw_modes = lambda node, uuids: c._set_modes(node, {}, uuids)
+    c.placer.ampere.ask_modes = lambda node, wants: c.modes.set(
+        node, wants, set()
+    )  # as --ampere-mode-changes=drain sets it
+    c.placer.ampere.withdraw_modes = lambda node, uuids: c.modes.set(node, {}, uuids)
     pod = make_pod("p", uid="p", claim="c-p")
     async with leading(c):
         await c.handlers.on_node("ADDED", make_node("n1", gpus=1))

@@ -877,7 +877,7 @@ async def test_a_given_up_whole_gpu_preemption_withdraws_its_ampere_reset() -> N
                             for i in range(2)]}  # fmt: skip
     await c.handlers.on_mig_node("ADDED", mig)
     written: list[tuple[str, dict[str, str], set[str]]] = []
-    c._set_modes = lambda node, add, drop: written.append((node, add, drop))  # type: ignore[method-assign]
+    c.modes.set = lambda node, add, drop: written.append((node, add, drop))  # type: ignore[method-assign]
     track = c.tracks.ensure("p1")
     p = Preemption({}, "ns/claim", "n1", (), frozenset(), 0.0, resets=(("n1", 0), ("n1", 1)))
     c.tracks.begin_preempt(track, p)

@@ -1137,7 +1137,7 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
 ) -> None:
     """A burst's pods of one node selection and requests share the round's `NotIn` list
     (6-28 ms at 5000 nodes, each); a pod selecting otherwise gets its own."""
-    from webhook.allocator import scaleup  # the module, to patch it
+    from webhook.allocator import signals  # the module, to patch it
 
     state, _ = _full_cluster()
     for uid, selector in (("want2", {}), ("zoned", {"zone": "a"})):
@@ -1150,7 +1150,7 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
         calls.append(request.name)
         return kept_off(nodes, request, *args)
 
-    monkeypatch.setattr(scaleup, "kept_off", counting)
+    monkeypatch.setattr(signals, "kept_off", counting)
     kube = _Kube()
     kube.answer.set()
     clock = FakeClock()

@@ -27,7 +27,8 @@ has acted on them (they complete when it returns; a deleted node releases them).
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal
 
 import structlog
 
@@ -38,7 +39,6 @@ from common.constants import (
     SLICE_ALLOCATION_PLURAL,
 )
 from common.kubeapi import (
-    ApiError,
     Informer,
     Kube,
     Obj,
@@ -49,7 +49,7 @@ from webhook.allocator.agents import AgentWatch
 from webhook.allocator.bookkeeping import Bookkeeping
 from webhook.allocator.handlers import Handlers, informers
 from webhook.allocator.leader import LeaderElector
-from webhook.allocator.maintenance import ASK_DRAIN, spec_patch
+from webhook.allocator.maintenance import ASK_DRAIN
 from webhook.allocator.metrics import AllocatorMetrics, GaugeView
 from webhook.allocator.placer import Placer
 from webhook.allocator.planning import PlanRounds
@@ -67,7 +67,7 @@ from webhook.allocator.track import (
     Tracks,
     next_step,
 )
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import MigNodeWrites, Writes
 
 log = structlog.get_logger("allocator")
 
@@ -75,6 +75,7 @@ log = structlog.get_logger("allocator")
 class Controller:
     pods_informer: Informer
     lease_informer: Informer
+    modes: MigNodeWrites
 
     def __init__(
         self,
@@ -105,8 +106,8 @@ class Controller:
         )
         if settings.ampere_mode_changes == ASK_DRAIN:
             ampere = self.placer.ampere
-            ampere.ask_modes = self._ask_modes
-            ampere.withdraw_modes = lambda node, uuids: self._set_modes(node, {}, uuids)
+            ampere.ask_modes = lambda node, wants: self.modes.set(node, wants, set())
+            ampere.withdraw_modes = lambda node, uuids: self.modes.set(node, {}, uuids)
             ampere.asks.min_interval_s = settings.ampere_mode_change_interval_s
             ampere.wall = lambda: self.clock.wall().timestamp()
         self.budgets = Budgets()
@@ -123,8 +124,8 @@ class Controller:
             leading=lambda: self._leading,
             kick=self.kick,
             after_change=self._after_change,
-            set_modes=self._set_modes,
-            warn=self._warn_mig_node,
+            set_modes=lambda node, add, drop: self.modes.set(node, add, drop),
+            warn=lambda node, reason, message: self.modes.warn(node, reason, message),
             leases_synced=lambda: self.lease_informer.synced.is_set(),
             # namespaces whose pods are Kueue-managed: the admin's selector on namespace
             # labels (never a pod's own label, which its owner could set: docs/kueue.md)
@@ -167,7 +168,7 @@ class Controller:
             kick=self.kick,
             wake_placer=self._wake_placer.set,
             wake_timer=self._wake_timer.set,
-            withdraw_modes=lambda node, uuids: self._set_modes(node, {}, uuids),
+            withdraw_modes=lambda node, uuids: self.modes.set(node, {}, uuids),
         )
         self.steps = Steps(
             Writes(kube, elector, self.clock),
@@ -183,6 +184,7 @@ class Controller:
             make_room=self.scale_up.make_room,
             book=book,
         )
+        self.modes = MigNodeWrites(self.steps.writes, self.state, self._spawn)
         self.work = KeyedQueue(self._work, name="allocator", clock=self.clock)
         self._tg: asyncio.TaskGroup | None = None
         self._seen_epoch = 0
@@ -208,28 +210,6 @@ class Controller:
     async def synced(self) -> None:
         for informer in self.informers:
             await informer.synced.wait()
-
-    def _warn_mig_node(self, node: str, reason: str, message: str) -> None:
-        """A Warning event on MigNode `node`, written in the background (leader only)."""
-        if self._tg is not None and self._leading:
-            self._tg.create_task(self.steps.writes.mig_node_warning(node, reason, message))
-
-    def _ask_modes(self, node: str, wants: dict[str, str]) -> None:
-        self._set_modes(node, wants, set())
-
-    def _set_modes(self, node: str, add: dict[str, str], drop: set[str]) -> None:
-        """MigNode `node`'s desiredMigMode entries, written in the background (leader only)."""
-        if self._tg is None or not self._leading:
-            return
-        current = {g.uuid: g.desired for g in self.state.gpus.get(node, ()) if g.desired}
-        body = spec_patch(current, add, drop)
-        self._tg.create_task(self._write_modes(node, body))
-
-    async def _write_modes(self, node: str, body: Obj) -> None:
-        try:
-            await self.steps.writes.set_desired_modes(node, body)
-        except ApiError as exc:  # the next MigNode event or pending pod asks again
-            log.warning("could not write desired MIG modes", node=node, error=str(exc))
 
     def _sweep_agents(self) -> None:
         self.agents.sweep()
@@ -369,6 +349,11 @@ class Controller:
                 self.steps.writes, self.settings.namespace, self.settings.node_gone_grace_s
             )
             await self.clock.sleep(self.settings.agent_sweep_s)
+
+    def _spawn(self, write: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """A MigNode write in the background, made only while leading."""
+        if self._tg is not None and self._leading:
+            self._tg.create_task(write())
 
     def _event(
         self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]

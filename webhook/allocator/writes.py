@@ -11,7 +11,11 @@ never be taken as proof that it is gone.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
 
 from common.allocation import SliceAllocation, drop_release_finalizer
 from common.clock import Clock
@@ -28,6 +32,10 @@ from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslic
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import PROVREQ_API_VERSION
 from webhook.allocator.leader import LeaderElector
+from webhook.allocator.maintenance import spec_patch
+from webhook.allocator.state import ClusterState
+
+log = structlog.get_logger("allocator")
 
 COMPONENT = "instaslice-allocator"
 _PIN_ATTEMPTS = 5
@@ -289,3 +297,29 @@ class Writes:
             core_path("pods"), labelSelector=SCALE_UP_LABEL, fieldSelector=f"spec.nodeName={node}"
         )
         return list(found.get("items") or [])
+
+
+@dataclass(eq=False)
+class MigNodeWrites:
+    """The MigNode writes made in the background, off any pod's path and only while leading
+    (`spawn`): the Ampere maintenance's `desiredMigMode` asks and withdrawals (one merge
+    patch of the whole `spec.gpus` list, maintenance.spec_patch) and Warning events."""
+
+    writes: Writes
+    state: ClusterState
+    spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None]
+
+    def set(self, node: str, add: dict[str, str], drop: set[str]) -> None:
+        """MigNode `node`'s desiredMigMode entries: `add` set, `drop` removed."""
+        current = {g.uuid: g.desired for g in self.state.gpus.get(node, ()) if g.desired}
+        body = spec_patch(current, add, drop)
+        self.spawn(lambda: self._write_modes(node, body))
+
+    async def _write_modes(self, node: str, body: Obj) -> None:
+        try:
+            await self.writes.set_desired_modes(node, body)
+        except ApiError as exc:  # the next MigNode event or pending pod asks again
+            log.warning("could not write desired MIG modes", node=node, error=str(exc))
+
+    def warn(self, node: str, reason: str, message: str) -> None:
+        self.spawn(lambda: self.writes.mig_node_warning(node, reason, message))
