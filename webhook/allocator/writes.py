@@ -1,4 +1,5 @@
-"""Every write the allocator makes, each preceded by the Lease check.
+"""Every write the allocator makes, each preceded by the Lease check (but its own Lease's,
+leader.py).
 
 The controller decides *what* to do; this module is *how*, against the API server: the
 SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
