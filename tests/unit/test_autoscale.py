@@ -942,6 +942,34 @@ def test_make_room_waits_for_the_pods_own_create_in_flight() -> None:
     assert s.signals == {}
 
 
+def test_a_placeholder_bound_before_its_create_answered_is_held_bound() -> None:
+    """Under load the watch shows the new placeholder, and the scheduler binding it, before
+    its create's answer reaches the allocator: the answer is the object as written
+    (unbound), older than what the watch showed, so it does not replace the bound view
+    (else a misplaced placeholder would never be seen bound, and never replaced)."""
+    state, pod = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    kube = _Kube()
+    s.kube = kube  # type: ignore[assignment]
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    create = kube.create
+
+    async def watch_first(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        kube.answer.set()
+        made = await create(path, body)
+        made["metadata"] |= {"uid": "ph", "resourceVersion": "x1"}
+        bound = placeholder_identity(made) | {"spec": {"nodeName": "n1"}}
+        bound["metadata"] = {**bound["metadata"], "resourceVersion": "x2"}
+        await s._on_signal("ADDED", placeholder_identity(made))
+        await s._on_signal("MODIFIED", bound)
+        return made
+
+    kube.create = watch_first  # type: ignore[method-assign]
+    asyncio.run(s.reconcile())
+    assert s.signals["want"]["spec"] == {"nodeName": "n1"}
+    assert s.signals["want"]["metadata"]["resourceVersion"] == "x2"
+
+
 def test_make_room_needs_only_its_own_delete_to_succeed() -> None:
     """Another pod's placeholder whose delete fails does not hold the pin back (logged;
     the round tries it again); the pod's own failing does."""

@@ -59,7 +59,7 @@ from webhook.allocator.autoscale import (
     releasing,
 )
 from webhook.allocator.leader import LeaderElector, NotLeader
-from webhook.allocator.signals import Signals
+from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
@@ -359,7 +359,3 @@ class ScaleUp(Signals):
         self.told[(uid, reason)] = message
         log.info("scale-up answer", pod=pod.key, reason=reason, message=message)
         self.tell(pod.obj, reason, message, type_)
-
-
-def _uid(obj: Obj) -> str:
-    return str((obj.get("metadata") or {}).get("uid") or "")

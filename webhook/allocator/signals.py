@@ -194,8 +194,13 @@ class Signals:
             return  # raced with ourselves (or a previous term's): the watch shows it
         else:
             placeholder = self.settings.mode is SignalMode.PLACEHOLDER
-            self.signals[uid] = placeholder_identity(made) if placeholder else made
-            self._unechoed.add(uid)
+            ours = placeholder_identity(made) if placeholder else made
+            held = self.signals.get(uid)
+            if held is None or _uid(held) != _uid(ours):
+                self.signals[uid] = ours
+                self._unechoed.add(uid)
+            # else the watch showed our create before its answer came, maybe newer (bound
+            # already): its view is kept, the answer is the object as we wrote it
         finally:
             raising.set()
             del self._raising[uid]
@@ -237,3 +242,7 @@ class Signals:
         for key in [k for k in self.told if k[0] == uid]:
             del self.told[key]
         log.info("scale-up withdrawn", pod_uid=uid, signal=name)
+
+
+def _uid(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
