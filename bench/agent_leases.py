@@ -1,7 +1,7 @@
 """What watching the node agents' Leases costs the allocator, per node, in CPU.
 
 `python -m bench.agent_leases [--nodes 2000] [--events 20000]`: feeds the allocator's Lease
-handler (`Controller._on_lease`) watch lines as the API server sends them (each decoded
+handler (`Handlers.on_lease`) watch lines as the API server sends them (each decoded
 from JSON, a new `renewTime` each, nodes in turn), then times the leader's sweep over every
 Lease. Prints microseconds per event and the share of one core a fleet of `--nodes` agents
 renewing every 10 s (the default 40 s Lease, renewed every quarter) costs. Leaves out the
@@ -71,7 +71,7 @@ async def measure(nodes: int, events: int) -> dict[str, float]:
     t0 = time.process_time()
     for line in lines:
         event = json.loads(line)
-        await controller._on_lease(event["type"], event["object"])
+        await controller.handlers.on_lease(event["type"], event["object"])
     per_event = (time.process_time() - t0) / events
     sweeps = 200
     t0 = time.process_time()

@@ -289,8 +289,9 @@ def status_kib(field: str) -> int:
 
 
 async def _child(mode: str, pods: int, gpu_pods: int, nodes: int) -> Obj:
+    import webhook.allocator.controller  # noqa: F401  # the allocator's imports, as its process has
     from common.kubeapi import Informer, lean
-    from webhook.allocator import controller  # the allocator's imports, as its process has
+    from webhook.allocator import handlers
     from webhook.allocator.state import ClusterState
 
     state = ClusterState()
@@ -307,7 +308,7 @@ async def _child(mode: str, pods: int, gpu_pods: int, nodes: int) -> Obj:
         "/api/v1/pods",
         handler,
         name="pods",
-        transform=lean if before else controller._cached_pod,
+        transform=lean if before else handlers._cached_pod,
         page_size=pods + gpu_pods if before else PAGE_SIZE,
     )
     gc.collect()

@@ -102,7 +102,7 @@ def _counting(plans: list[int]) -> Callable[..., Any]:
 
 async def measure(nodes: int = 100, slices: int = 49, deletions: int = 20) -> dict[str, Any]:
     plans = [0]
-    with mock.patch("webhook.allocator.placer.plan_preemption", _counting(plans)):
+    with mock.patch("webhook.allocator.planning.plan_preemption", _counting(plans)):
         out = await _measure(nodes, slices, deletions)
     return {**out, "plans": plans[0]}
 
@@ -138,8 +138,8 @@ async def _measure(nodes: int, slices: int, deletions: int) -> dict[str, Any]:
     try:
         await asyncio.sleep(0)
         with mock.patch.object(c.placer, "park", parking):
-            first = await _pass(c._on_pod("ADDED", big), parked)
-            per = [await _pass(c._on_pod("DELETED", pod), parked) for pod in unrelated]
+            first = await _pass(c.handlers.on_pod("ADDED", big), parked)
+            per = [await _pass(c.handlers.on_pod("DELETED", pod), parked) for pod in unrelated]
         track = c.tracks.get("big")
         assert track is not None and track.preempt is None, "the pod found a plan"
     finally:

@@ -12,13 +12,25 @@ What the wire looks like: `common.objects` (TypedDicts) and docs/protocol.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from common.constants import API_VERSION, NODE_LABEL, RELEASE_FINALIZER, SLICE_ALLOCATION_KIND
+from common.constants import (
+    API_VERSION,
+    KIND_GPU,
+    NODE_LABEL,
+    RELEASE_FINALIZER,
+    SLICE_ALLOCATION_KIND,
+    WHOLE_GPU_PROFILE,
+)
 from common.objects import Phase, SliceSpec, node_label_value
 
+if TYPE_CHECKING:  # the node agent reads allocations without the placement engine
+    from common.placement.model import Placement
+
 Obj = dict[str, Any]
+SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +166,36 @@ def build_allocation(
             "slices": slices,
         },
     }
+
+
+def allocation_for(
+    *, namespace: str, claim: str, pod: Obj, placement: Placement, uuid: Callable[[int], str]
+) -> Obj:
+    """The SliceAllocation to create for `placement` of `pod` (`uuid`: a GPU index of the
+    placement's node → that GPU's UUID), its slices summed up in the "Slices" column."""
+    slices: list[SliceSpec] = []
+    for s in placement.slices:
+        spec: SliceSpec = {
+            "container": s.container,
+            "profile": s.profile,
+            "gpuUUID": uuid(s.gpu_index),
+            "gpuIndex": s.gpu_index,
+            "start": s.start,
+            "size": s.size,
+        }
+        if s.profile == WHOLE_GPU_PROFILE:
+            spec["kind"] = KIND_GPU
+        slices.append(spec)
+    body = build_allocation(
+        namespace=namespace, claim=claim, pod=pod, node=placement.node, slices=slices
+    )
+    body["metadata"]["annotations"] = {SUMMARY_ANNOTATION: summary(placement)}
+    return body
+
+
+def summary(placement: Placement) -> str:
+    """`main: 1g.18gb@gpu0[0:1], 3g.71gb@gpu1[4:4]` — the "Slices" printer column."""
+    parts = [
+        f"{s.container}: {s.profile}@gpu{s.gpu_index}[{s.start}:{s.size}]" for s in placement.slices
+    ]
+    return ", ".join(parts)

@@ -84,10 +84,10 @@ class Cluster:
                 pod["metadata"]["name"], []
             ).append(message),
         )
-        self.placer.ask_modes = self._ask
-        self.placer.withdraw_modes = self._withdraw
-        self.placer.asks.min_interval_s = interval_s
-        self.placer.wall = lambda: self.now
+        self.placer.ampere.ask_modes = self._ask
+        self.placer.ampere.withdraw_modes = self._withdraw
+        self.placer.ampere.asks.min_interval_s = interval_s
+        self.placer.ampere.wall = lambda: self.now
         self.show()
 
     def show(self) -> None:
@@ -120,7 +120,7 @@ class Cluster:
         obj = self.state.pods[uid].obj
         self.state.remove_pod(obj)
         self.placer.tracks.forget(uid)
-        self.placer.release_asks(uid)
+        self.placer.ampere.release(uid)
 
     def done(self, uuid: str, mode: str = "enabled") -> None:
         """The agent reached `mode` on `uuid` now; the allocator withdraws the reached ask."""
@@ -129,7 +129,7 @@ class Cluster:
             "lastModeChange": {"from": "disabled", "to": mode, "time": self.stamp(self.now)},
         }
         self.desired.pop(uuid, None)
-        self.placer.asks.done({uuid})
+        self.placer.ampere.asks.done({uuid})
         self.show()
 
     @staticmethod
@@ -159,7 +159,9 @@ def test_an_ask_whose_pod_left_is_withdrawn_before_the_reset(
         c.show()
     c.gone("p")
     assert c.withdrawn == ([{G0}] if withdrawn else [])
-    assert c.placer.asks.asks == {} and c.placer.asks.pods == {}  # nothing left behind
+    assert (
+        c.placer.ampere.asks.asks == {} and c.placer.ampere.asks.pods == {}
+    )  # nothing left behind
 
 
 def test_an_ask_another_parked_pod_waits_for_stays_until_it_leaves_too() -> None:
@@ -201,8 +203,8 @@ def test_an_opposite_change_waits_the_interval_after_the_last_one() -> None:
     assert c.asked == []
     assert "less than 600 s ago (--ampere-mode-change-interval)" in c.told["p"][-1]
     assert c.placer.tracks.ensure("p").told == NEEDS
-    assert c.placer.asks.wake == c.now + 500  # when the controller looks again
-    assert c.placer.asks.queue == {}  # held back, not holding the slot from anyone
+    assert c.placer.ampere.asks.wake == c.now + 500  # when the controller looks again
+    assert c.placer.ampere.asks.queue == {}  # held back, not holding the slot from anyone
     c.now += 499
     c.decide("p")
     assert c.asked == []
@@ -237,10 +239,10 @@ async def test_the_controller_looks_again_when_the_interval_has_passed() -> None
     c.lease_informer.synced.set()
     c.opted_in.add("ns")
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
         last = {"from": "enabled", "to": "disabled", "time": kube_time(clock.wall())}
-        await c._on_mig_node("ADDED", mig_node(1, {}, **{G0: {"lastModeChange": last}}))
-        await c._on_pod("ADDED", make_pod("p", uid="p", claim="c-p"))
+        await c.handlers.on_mig_node("ADDED", mig_node(1, {}, **{G0: {"lastModeChange": last}}))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p", claim="c-p"))
         await settle()
         assert _mode_writes(kube) == []
         assert "p" in c.tracks.parked  # told why, waiting
@@ -267,7 +269,7 @@ def test_the_free_slot_goes_to_the_namespace_served_longest_ago() -> None:
     c.decide("a2")
     c.decide("b1")
     assert "change under way on n1/GPU 0" in c.told["a2"][-1]  # it might fit there too
-    assert c.placer.asks.queue.keys() == {"a", "b"}
+    assert c.placer.ampere.asks.queue.keys() == {"a", "b"}
     c.done(G0)
     c.decide("a1")  # placed on GPU 0
     assert c.placer.tracks.ensure("a1").create is not None
@@ -278,7 +280,7 @@ def test_the_free_slot_goes_to_the_namespace_served_longest_ago() -> None:
     assert c.kicked == ["b1"]  # b's pod is looked at again at once
     c.decide("b1")
     assert c.asked[1:] == [{G1: "enabled"}]
-    assert c.placer.asks.served["b"] > c.placer.asks.served["a"]
+    assert c.placer.ampere.asks.served["b"] > c.placer.ampere.asks.served["a"]
 
 
 def test_a_namespace_that_stops_waiting_passes_the_turn_on() -> None:
@@ -310,18 +312,20 @@ async def test_a_deleted_pods_ask_is_withdrawn_through_the_controller() -> None:
     """The controller's Forget step releases the pod's asks: its MigNode ask is removed."""
     kube, clock = RecordingKube(), FakeClock()
     c = controller(kube, clock)
-    c.placer.ask_modes = c._ask_modes  # as --ampere-mode-changes=drain sets it
-    c.placer.withdraw_modes = lambda node, uuids: c._set_modes(node, {}, uuids)
+    c.placer.ampere.ask_modes = lambda node, wants: c.modes.set(
+        node, wants, set()
+    )  # as --ampere-mode-changes=drain sets it
+    c.placer.ampere.withdraw_modes = lambda node, uuids: c.modes.set(node, {}, uuids)
     pod = make_pod("p", uid="p", claim="c-p")
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
-        await c._on_mig_node("ADDED", mig_node(1, {}))
-        await c._on_pod("ADDED", pod)
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_mig_node("ADDED", mig_node(1, {}))
+        await c.handlers.on_pod("ADDED", pod)
         await settle()
         asked = {"spec": {"gpus": [{"uuid": G0, "desiredMigMode": "enabled"}]}}
         assert _mode_writes(kube) == [asked]
-        await c._on_mig_node("MODIFIED", mig_node(1, {G0: "enabled"}))  # the ask comes back
-        await c._on_pod("DELETED", pod)
+        await c.handlers.on_mig_node("MODIFIED", mig_node(1, {G0: "enabled"}))  # the ask comes back
+        await c.handlers.on_pod("DELETED", pod)
         await settle()
     assert _mode_writes(kube) == [asked, {"spec": {"gpus": []}}]
 
@@ -331,8 +335,8 @@ def test_a_whole_gpu_preemption_does_not_turn_mig_off_within_the_interval() -> N
     MIG off with the plan; not within the interval after the GPU went MIG on."""
     state, p, _, asked = ampere_case(hopper_victims=0)
     now = 2_000_000.0
-    p.wall = lambda: now
-    p.asks.min_interval_s = 600.0
+    p.ampere.wall = lambda: now
+    p.ampere.asks.min_interval_s = 600.0
     obj = make_mig_node("n1", [GpuSpec("A100-40GB"), GpuSpec("H100-80GB")])
     for g in obj["status"]["gpus"]:
         g["modeToggle"] = "reset" if g["model"].startswith("A") else "resetless"
@@ -341,7 +345,7 @@ def test_a_whole_gpu_preemption_does_not_turn_mig_off_within_the_interval() -> N
     obj["status"]["gpus"][0]["lastModeChange"] = last
     state.upsert_mig_node(obj)
     assert decide_whole(p, "train").preempt is None and asked == []
-    assert p.asks.wake == now + 500
+    assert p.ampere.asks.wake == now + 500
     now += 500
     pre = decide_whole(p, "train").preempt
     assert pre is not None and pre.resets == (("n1", 0),)

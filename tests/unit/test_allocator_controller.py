@@ -148,8 +148,8 @@ async def leading(c: Controller) -> AsyncIterator[None]:
 
 
 async def node(c: Controller, name: str = "n1", gpus: int = 1) -> None:
-    await c._on_node("ADDED", make_node(name, gpus=gpus))
-    await c._on_mig_node("ADDED", make_mig_node(name, [GpuSpec()] * gpus))
+    await c.handlers.on_node("ADDED", make_node(name, gpus=gpus))
+    await c.handlers.on_mig_node("ADDED", make_mig_node(name, [GpuSpec()] * gpus))
 
 
 def unschedulable(pod: Obj) -> Obj:
@@ -186,8 +186,8 @@ async def test_pinned_unschedulable_after_the_timeout(owned: bool) -> None:
     kube.objects["/api/v1/namespaces/ns/pods/p"] = unschedulable(pod)  # still stuck when read
     async with leading(c):
         await node(c)
-        await c._on_allocation("ADDED", alloc)
-        await c._on_pod("ADDED", unschedulable(pod))
+        await c.handlers.on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", unschedulable(pod))
         await settle()
         await clock.advance(TIMEOUT - 1)
         assert kube.writes("delete") == []
@@ -219,8 +219,8 @@ async def test_a_pod_bound_meanwhile_is_left_alone_though_the_cache_lags() -> No
     kube.objects["/api/v1/namespaces/ns/pods/p"] = bound
     async with leading(c):
         await node(c)
-        await c._on_allocation("ADDED", alloc)
-        await c._on_pod("ADDED", unschedulable(pod))
+        await c.handlers.on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", unschedulable(pod))
         await clock.advance(TIMEOUT + 1)
     assert kube.writes() == []
 
@@ -231,12 +231,12 @@ async def test_a_pod_that_gets_bound_in_time_is_left_alone() -> None:
     pod = make_pod("p", uid="p")
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", unschedulable(pod))
+        await c.handlers.on_pod("ADDED", unschedulable(pod))
         await clock.advance(TIMEOUT / 2)
         bound = unschedulable(pod)
         bound["spec"]["nodeName"] = "n1"
         bound["status"] = {"phase": "Running"}
-        await c._on_pod("MODIFIED", bound)
+        await c.handlers.on_pod("MODIFIED", bound)
         await clock.advance(TIMEOUT)
     assert kube.writes() == []
 
@@ -252,7 +252,7 @@ async def test_orphan_allocation_is_released_only_when_the_pod_is_really_gone() 
     kube.objects["/api/v1/namespaces/ns/pods/p"] = pod  # exists; our pod cache lags
     async with leading(c):
         await node(c)
-        await c._on_allocation("ADDED", alloc)
+        await c.handlers.on_allocation("ADDED", alloc)
     assert kube.writes() == []
     del kube.objects["/api/v1/namespaces/ns/pods/p"]
     async with leading(c):
@@ -272,8 +272,8 @@ async def test_allocation_of_a_gone_node_is_finalized_only_when_the_node_is_real
     kube.objects[path] = alloc
     kube.objects["/api/v1/nodes/gone"] = make_node("gone")  # our node cache lags
     async with leading(c):
-        await c._on_pod("ADDED", pod)
-        await c._on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", pod)
+        await c.handlers.on_allocation("ADDED", alloc)
     assert kube.writes() == []
     del kube.objects["/api/v1/nodes/gone"]
     async with leading(c):
@@ -298,8 +298,8 @@ async def _gone_node_with(pod: Obj) -> tuple[RecordingKube, str]:
     kube.objects[path] = alloc
     kube.objects["/api/v1/namespaces/ns/pods/p"] = pod
     async with leading(c):
-        await c._on_pod("ADDED", pod)
-        await c._on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", pod)
+        await c.handlers.on_allocation("ADDED", alloc)
     return kube, path
 
 
@@ -338,18 +338,18 @@ async def test_failed_allocation_is_replaced_on_another_gpu() -> None:
     pod = make_pod("p", uid="p", claim="cclaim")
     async with leading(c):
         await node(c, gpus=2)
-        await c._on_pod("ADDED", pod)
+        await c.handlers.on_pod("ADDED", pod)
         await settle()
         (create,) = kube.writes("create")[:1]
         first = create[2]
         failed = copy.deepcopy(first)
         failed["metadata"]["uid"] = "a1"
         failed["status"] = {"phase": "Failed", "message": "boom"}
-        await c._on_allocation("ADDED", failed)
+        await c.handlers.on_allocation("ADDED", failed)
         await settle()
         assert kube.writes("delete")  # released
         failed["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        await c._on_allocation("DELETED", failed)
+        await c.handlers.on_allocation("DELETED", failed)
         await settle()
     creates = [w for w in kube.writes("create") if "sliceallocations" in w[1]]
     assert len(creates) == 2
@@ -364,10 +364,10 @@ async def test_foreign_gate_first_then_ours() -> None:
     pod = make_pod("p", uid="p", gates=("kueue.x-k8s.io/admission", GATE_NAME))
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", pod)
+        await c.handlers.on_pod("ADDED", pod)
     assert kube.writes() == []
     async with leading(c):
-        await c._on_pod("MODIFIED", make_pod("p", uid="p", claim=podlib.claim(pod)))
+        await c.handlers.on_pod("MODIFIED", make_pod("p", uid="p", claim=podlib.claim(pod)))
     assert next(w[1] for w in kube.writes("create")).endswith("/sliceallocations")
 
 
@@ -376,10 +376,12 @@ async def test_pending_event_once_per_reason_and_retry_on_capacity_only() -> Non
     c = controller(kube, clock)
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
         await settle()
         tried = c.metrics.count("pending")
-        await c._on_pod("ADDED", make_pod("other", uid="o", slices={}, claim=None, gates=()))
+        await c.handlers.on_pod(
+            "ADDED", make_pod("other", uid="o", slices={}, claim=None, gates=())
+        )
         await settle()
         assert c.metrics.count("pending") == tried  # a new pod frees nothing: no retry
         await node(c, "n2")  # capacity grew, still not enough for two 7g on one node
@@ -396,7 +398,7 @@ async def test_a_step_refused_for_a_lapsed_lease_is_retried() -> None:
     async with leading(c):
         await node(c)
         elector.leading = False  # the renewal is late
-        await c._on_pod("ADDED", pod)
+        await c.handlers.on_pod("ADDED", pod)
         await settle()
         assert kube.writes() == []
         assert not c.state.allocations  # the assumed decision was forgotten
@@ -415,7 +417,7 @@ async def test_a_pod_parked_while_the_renewal_is_late_is_told_once_it_lands() ->
     async with leading(c):
         await node(c)
         elector.leading = False  # the renewal is late
-        await c._on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"7g.80gb": 2}}))
         await settle()
         assert c.parked == {"p": 0}
         await clock.advance(5.0)
@@ -439,7 +441,7 @@ async def test_a_pending_event_cut_off_by_the_end_of_a_term_is_told_by_the_next(
         async with leading(c):
             await node(c)
             elector.leading = False
-            await c._on_pod("ADDED", pod)
+            await c.handlers.on_pod("ADDED", pod)
             await asyncio.Event().wait()  # until the Lease is lost
 
     term = asyncio.create_task(first_term())
@@ -450,7 +452,7 @@ async def test_a_pending_event_cut_off_by_the_end_of_a_term_is_told_by_the_next(
     assert event_reasons(kube) == []
     elector.leading = True
     async with leading(c):  # won back: every pod is looked at again, as `lead` does
-        await c._on_pod("MODIFIED", pod)
+        await c.handlers.on_pod("MODIFIED", pod)
         await settle()
     assert event_reasons(kube) == [REASON_PENDING]
 
@@ -466,11 +468,11 @@ async def test_an_allocation_it_released_is_never_pinned_to_even_if_it_turns_rea
     ready = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY, uid="a")
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", pod)
-        await c._on_allocation("ADDED", failed)
+        await c.handlers.on_pod("ADDED", pod)
+        await c.handlers.on_allocation("ADDED", failed)
         await settle()
         assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["delete"]
-        await c._on_allocation("MODIFIED", ready)  # landed before the DELETE; seen after it
+        await c.handlers.on_allocation("MODIFIED", ready)  # landed before the DELETE; seen after it
         await clock.advance(2.0)
     assert [w for w in kube.writes() if "/pods/" in w[1]] == []  # not pinned
 
@@ -484,13 +486,13 @@ async def test_a_create_in_flight_when_the_term_ends_keeps_its_slots() -> None:
     second = make_pod("second", uid="u2", slices={"main": {"7g.80gb": 1}})
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", first)
+        await c.handlers.on_pod("ADDED", first)
         await settle()
     c.step_down()  # the term ends with the create still in flight
     (held,) = c.state.allocations.values()
     assert c.state.is_assumed(held.key) and held.pod_uid == "u1"
     async with leading(c):  # won back at once
-        await c._on_pod("ADDED", second)
+        await c.handlers.on_pod("ADDED", second)
         await settle()
         assert c.parked == {"u2": 0}  # the GPU is still promised to "first"
         kube.gate.set()  # the old request lands after all
@@ -512,7 +514,7 @@ async def test_a_failed_create_frees_the_slots_even_after_its_term() -> None:
     kube.create = refuse  # type: ignore[method-assign]
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", make_pod("p", uid="u1", slices={"main": {"7g.80gb": 1}}))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="u1", slices={"main": {"7g.80gb": 1}}))
         await settle()
     c.step_down()
     assert len(c.state.allocations) == 1
@@ -604,13 +606,13 @@ async def test_a_node_whose_agent_stopped_is_left_out_until_it_renews() -> None:
     c = controller(kube, clock)
     async with leading(c):
         await node(c, "n1")
-        await c._on_lease("ADDED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
+        await c.handlers.on_lease("ADDED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
         await clock.advance(40)
         assert c.state.agents_down == set()  # silent for exactly the duration: not yet
-        await c._on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
+        await c.handlers.on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:00.000000Z"))
         await clock.advance(5)  # the same renewTime again is no renewal: 45 s > 40 s
         assert c.state.agents_down == {"n1"}
-        await c._on_pod("ADDED", make_pod("p", uid="p"))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p"))
         await settle()
         assert allocated_nodes(kube) == []
         (message,) = pending_messages(kube)
@@ -624,7 +626,7 @@ async def test_a_node_whose_agent_stopped_is_left_out_until_it_renews() -> None:
         pending = {"reason": "NodeAgentDown"}
         assert c.metrics.registry.get_sample_value("instaslice_pending_pods", pending) == 1
         # A renewal seen brings the node back at once and retries the parked pod.
-        await c._on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:45.000000Z"))
+        await c.handlers.on_lease("MODIFIED", agent_lease("n1", "2026-01-01T00:00:45.000000Z"))
         await settle()
         assert c.state.agents_down == set()
         assert allocated_nodes(kube) == ["n1"]
@@ -637,16 +639,18 @@ async def test_placement_avoids_a_node_whose_agent_stopped() -> None:
     async with leading(c):
         for n in ("n1", "n2"):
             await node(c, n)
-            await c._on_lease("ADDED", agent_lease(n, "t0"))
+            await c.handlers.on_lease("ADDED", agent_lease(n, "t0"))
         await clock.advance(30)
-        await c._on_lease("MODIFIED", agent_lease("n2", "t1"))  # n2 renews, n1 does not
+        await c.handlers.on_lease("MODIFIED", agent_lease("n2", "t1"))  # n2 renews, n1 does not
         await clock.advance(15)
         assert c.state.agents_down == {"n1"}
         for i in range(3):
-            await c._on_pod("ADDED", make_pod(f"p{i}", uid=f"p{i}"))
+            await c.handlers.on_pod("ADDED", make_pod(f"p{i}", uid=f"p{i}"))
         await settle()
         assert allocated_nodes(kube) == ["n2"] * 3
-        await c._on_pod("ADDED", make_pod("big", uid="big", slices={"main": {"7g.80gb": 1}}))
+        await c.handlers.on_pod(
+            "ADDED", make_pod("big", uid="big", slices={"main": {"7g.80gb": 1}})
+        )
         await settle()
         # n2 is too full for a 7g now; n1 is empty but its agent is down: both said
         (message,) = pending_messages(kube)
@@ -656,8 +660,8 @@ async def test_placement_avoids_a_node_whose_agent_stopped() -> None:
             "renewed): n1"
         )
         # A deleted Lease is no heartbeat at all: unknown, not down (nor is a foreign Lease).
-        await c._on_lease("ADDED", agent_lease("n2", "t9", holder="someone-else"))
-        await c._on_lease("DELETED", agent_lease("n1", "t0"))
+        await c.handlers.on_lease("ADDED", agent_lease("n2", "t9", holder="someone-else"))
+        await c.handlers.on_lease("DELETED", agent_lease("n1", "t0"))
         await settle()
         assert c.state.agents_down == set()
 
@@ -683,13 +687,13 @@ async def test_an_allocation_on_a_node_whose_agent_stopped(touched: bool) -> Non
     async with leading(c):
         for n in ("n1", "n2"):
             await node(c, n)
-            await c._on_lease("ADDED", agent_lease(n, "t0"))
-        await c._on_allocation("ADDED", alloc)
-        await c._on_pod("ADDED", pod)
+            await c.handlers.on_lease("ADDED", agent_lease(n, "t0"))
+        await c.handlers.on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", pod)
         await settle()
         assert kube.writes() == []  # the agent is alive: its allocation, its business
         await clock.advance(30)
-        await c._on_lease("MODIFIED", agent_lease("n2", "t1"))
+        await c.handlers.on_lease("MODIFIED", agent_lease("n2", "t1"))
         await clock.advance(15)  # n1's agent silent 45 s > 40 s
         await settle()
         if touched:
@@ -705,7 +709,7 @@ async def test_an_allocation_on_a_node_whose_agent_stopped(touched: bool) -> Non
             ],
         )
         assert delete[:2] == ("delete", path)
-        await c._on_allocation("DELETED", alloc)
+        await c.handlers.on_allocation("DELETED", alloc)
         await settle()
     assert allocated_nodes(kube) == ["n2"]
 
@@ -723,14 +727,14 @@ async def test_a_lease_found_stale_at_startup_is_down_at_the_first_sweep() -> No
     fresh = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     await node(c, "n1")
     await node(c, "n2")
-    await c._on_lease("ADDED", agent_lease("n1", old))
-    await c._on_lease("ADDED", agent_lease("n2", fresh))
+    await c.handlers.on_lease("ADDED", agent_lease("n1", old))
+    await c.handlers.on_lease("ADDED", agent_lease("n2", fresh))
     c.lease_informer.synced.set()
     async with leading(c):
         await settle()
         assert c.state.agents_down == {"n1"}
         # after the sync a renewTime far in the past (a skewed node clock) still counts now
-        await c._on_lease("MODIFIED", agent_lease("n1", old.replace("00Z", "01Z")))
+        await c.handlers.on_lease("MODIFIED", agent_lease("n1", old.replace("00Z", "01Z")))
         assert c.state.agents_down == set()
 
 
@@ -743,7 +747,7 @@ async def test_state_gauges_are_read_from_the_model_when_scraped_and_only_by_the
     reg = c.metrics.registry
     await node(c, "n1", gpus=2)
     pod = make_pod("p", uid="p")
-    await c._on_allocation(
+    await c.handlers.on_allocation(
         "ADDED", make_allocation(pod, "n1", [("main", "3g.40gb", 0, 4, 4)], phase=Phase.READY)
     )
     used = "instaslice_gpu_slots_used"
@@ -761,7 +765,9 @@ async def test_state_gauges_are_read_from_the_model_when_scraped_and_only_by_the
     assert reg.get_sample_value("instaslice_slices", slices) == 1
     assert reg.get_sample_value("instaslice_pending_pods", {"reason": "Full"}) == 0
     assert reg.get_sample_value("instaslice_allocator_queue_depth") == 0
-    await c._on_allocation("DELETED", make_allocation(pod, "n1", [("main", "3g.40gb", 0, 4, 4)]))
+    await c.handlers.on_allocation(
+        "DELETED", make_allocation(pod, "n1", [("main", "3g.40gb", 0, 4, 4)])
+    )
     assert reg.get_sample_value(used, {"node": "n1", "gpu": "0", "model": "H100-80GB"}) == 0
     assert reg.get_sample_value("instaslice_slices", slices) is None
     c.step_down()
@@ -780,14 +786,14 @@ async def test_a_standby_keeps_no_per_pod_records() -> None:
     await node(c)
     pods = [make_pod(f"p{i}", uid=f"u{i}") for i in range(200)]
     for p in pods:
-        await c._on_pod("ADDED", p)
+        await c.handlers.on_pod("ADDED", p)
     assert len(c.tracks) == 0 and c.work.pending == [] and c.work.active == 0
     assert len(c.state.pods) == 200  # the cache is warm
     async with leading(c):
-        await c._on_pod("MODIFIED", pods[0])
+        await c.handlers.on_pod("MODIFIED", pods[0])
         await settle()
     assert len(c.tracks) == 1
-    await c._on_pod("DELETED", pods[0])
+    await c.handlers.on_pod("DELETED", pods[0])
     assert len(c.tracks) == 0
 
 
@@ -800,11 +806,11 @@ async def test_a_pod_in_a_namespace_not_opted_in_is_not_placed() -> None:
     c.opted_in.clear()
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", make_pod("p", uid="p"))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p"))
         await settle()
         assert kube.writes("create") == []
         opted = {"metadata": {"name": "ns", "labels": {"instaslice.io/enabled": "true"}}}
-        await c._on_namespace("MODIFIED", opted)
+        await c.handlers.on_namespace("MODIFIED", opted)
         await settle()
     assert [w[0] for w in kube.writes() if "sliceallocations" in w[1]] == ["create"]
 
@@ -818,12 +824,12 @@ async def test_a_whole_gpu_pod_in_a_namespace_not_opted_in_to_whole_gpus_is_not_
     c = controller(kube, clock)
     c.whole_gpu.clear()
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=2))
-        await c._on_mig_node("ADDED", make_mig_node("n1", [GpuSpec(), GpuSpec(mig=False)]))
-        await c._on_pod("ADDED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
-        await c._on_pod("ADDED", make_pod("s", uid="s"))
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=2))
+        await c.handlers.on_mig_node("ADDED", make_mig_node("n1", [GpuSpec(), GpuSpec(mig=False)]))
+        await c.handlers.on_pod("ADDED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
+        await c.handlers.on_pod("ADDED", make_pod("s", uid="s"))
         await settle()
-        await c._on_pod("MODIFIED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
+        await c.handlers.on_pod("MODIFIED", make_pod("w", uid="w", slices={"main": {"gpu": 1}}))
         await settle()
         created = [w[2] for w in kube.writes("create") if "sliceallocations" in w[1]]
         assert [a["spec"]["podName"] for a in created] == ["s"]
@@ -832,7 +838,7 @@ async def test_a_whole_gpu_pod_in_a_namespace_not_opted_in_to_whole_gpus_is_not_
         assert [e["reason"] for e in told] == [REASON_PENDING]  # once, not at its next event
         assert 'annotate it instaslice.io/whole-gpu: "true"' in told[0]["message"]
         labels = {"instaslice.io/enabled": "true", "instaslice.io/whole-gpu": "true"}
-        await c._on_namespace("MODIFIED", {"metadata": {"name": "ns", "labels": labels}})
+        await c.handlers.on_namespace("MODIFIED", {"metadata": {"name": "ns", "labels": labels}})
         await settle()
     created = [w[2] for w in kube.writes("create") if "sliceallocations" in w[1]]
     assert [a["spec"]["podName"] for a in created] == ["s", "w"]
@@ -865,16 +871,16 @@ async def test_a_given_up_whole_gpu_preemption_withdraws_its_ampere_reset() -> N
     off keeps its entry (the reached ask goes by the MigNode event's own path)."""
     kube, clock = RecordingKube(), FakeClock()
     c = controller(kube, clock)
-    await c._on_node("ADDED", make_node("n1", gpus=2))
+    await c.handlers.on_node("ADDED", make_node("n1", gpus=2))
     mig = make_mig_node("n1", [GpuSpec(model="A100-40GB"), GpuSpec(model="A100-40GB", mig=False)])
     mig["spec"] = {"gpus": [{"uuid": gpu_uuid("n1", i), "desiredMigMode": "disabled"}
                             for i in range(2)]}  # fmt: skip
-    await c._on_mig_node("ADDED", mig)
+    await c.handlers.on_mig_node("ADDED", mig)
     written: list[tuple[str, dict[str, str], set[str]]] = []
-    c._set_modes = lambda node, add, drop: written.append((node, add, drop))  # type: ignore[method-assign]
+    c.modes.set = lambda node, add, drop: written.append((node, add, drop))  # type: ignore[method-assign]
     track = c.tracks.ensure("p1")
     p = Preemption({}, "ns/claim", "n1", (), frozenset(), 0.0, resets=(("n1", 0), ("n1", 1)))
     c.tracks.begin_preempt(track, p)
-    c._give_up(track, "refused", frozenset())
+    c.steps.book.give_up(track, "refused", frozenset())
     assert written == [("n1", {}, {gpu_uuid("n1", 0)})]
     assert c.tracks.get("p1") is None or c.tracks.get("p1").preempt is None  # type: ignore[union-attr]

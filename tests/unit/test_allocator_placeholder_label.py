@@ -71,12 +71,12 @@ async def test_a_labelled_tenant_pod_deleted_has_its_slices_released() -> None:
     alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
     async with leading(c):
         await node(c)
-        await c._on_allocation("ADDED", alloc)
-        await c._on_pod("ADDED", pod)
-        await c._on_pod("MODIFIED", labelled(pod))
+        await c.handlers.on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", pod)
+        await c.handlers.on_pod("MODIFIED", labelled(pod))
         await settle()
         assert kube.writes() == []
-        await c._on_pod("DELETED", labelled(pod))
+        await c.handlers.on_pod("DELETED", labelled(pod))
         await settle()
     assert [(w[0], w[1]) for w in kube.writes()] == [("delete", alloc_path(alloc))]
     assert "p" not in c.state.pods
@@ -92,9 +92,9 @@ async def test_a_deleted_pod_leaves_the_model_whatever_it_looks_like_at_the_end(
     plain = make_pod(signal_name("x"), uid="big", claim=None, gates=(), cpu="6", node_name="n1")
     plain["metadata"]["ownerReferences"] = [{"kind": "Pod", "name": "x", "uid": "x"}]
     plain["spec"]["priorityClassName"] = PLACEHOLDER_PRIORITY_CLASS
-    await c._on_pod("ADDED", plain)
+    await c.handlers.on_pod("ADDED", plain)
     assert c.state.usage("n1").cpu_millis == 6000
-    await c._on_pod("DELETED", labelled(plain, "x"))
+    await c.handlers.on_pod("DELETED", labelled(plain, "x"))
     assert c.state.usage("n1").cpu_millis == 0 and "big" not in c.state.pods
 
 
@@ -116,9 +116,9 @@ async def test_only_a_real_placeholder_is_left_out_of_its_nodes_charge(real: boo
     big["spec"]["nodeName"] = "n1"
     async with leading(c):
         await node(c)
-        await c._on_pod("ADDED", big)
+        await c.handlers.on_pod("ADDED", big)
         assert c.state.usage("n1").cpu_millis == (0 if real else 8000)
-        await c._on_pod("ADDED", gated)
+        await c.handlers.on_pod("ADDED", gated)
         await settle()
     created = [w for w in kube.writes("create") if "sliceallocations" in w[1]]
     assert len(created) == (1 if real else 0)

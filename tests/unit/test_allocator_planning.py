@@ -61,7 +61,7 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         ("plan_sized_preemption", plan_sized_preemption),
         ("plan_whole_preemption", plan_whole_preemption),
     ):
-        monkeypatch.setattr(f"webhook.allocator.placer.{name}", spy(real))
+        monkeypatch.setattr(f"webhook.allocator.planning.{name}", spy(real))
     yield calls
 
 
@@ -345,16 +345,16 @@ async def test_the_loop_runs_the_deferred_round_by_itself(plans: list[str]) -> N
     )
     c.opted_in.update({"a", "b"})
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", cpu="64", memory="256Gi", pods=50))
-        await c._on_mig_node("ADDED", make_mig_node("n1"))
+        await c.handlers.on_node("ADDED", make_node("n1", cpu="64", memory="256Gi", pods=50))
+        await c.handlers.on_mig_node("ADDED", make_mig_node("n1"))
         for s in range(7):
             pod = make_pod(f"h{s}", uid=f"h{s}", namespace="a", priority=50, gates=(),
                            node_name="n1", phase="Running")  # fmt: skip
-            await c._on_pod("ADDED", pod)
+            await c.handlers.on_pod("ADDED", pod)
             alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, s, 1)], phase=Phase.READY)
-            await c._on_allocation("ADDED", alloc)
-        await c._on_pod("ADDED", parked_7g("a1", "a", 30))
-        await c._on_pod("ADDED", parked_7g("b1", "b", 10))
+            await c.handlers.on_allocation("ADDED", alloc)
+        await c.handlers.on_pod("ADDED", parked_7g("a1", "a", 30))
+        await c.handlers.on_pod("ADDED", parked_7g("b1", "b", 10))
         await settle()
         assert sorted(plans) == ["a/a1", "b/b1"]
         assert set(c.parked) == {"a1", "b1"}

@@ -26,7 +26,7 @@ from common.placeholders import (
     signal_name,
 )
 from testkit.builders import make_pod
-from webhook.allocator import controller
+from webhook.allocator import handlers
 from webhook.allocator import pods as podlib
 from webhook.allocator.state import ClusterState
 
@@ -113,7 +113,7 @@ def test_a_pod_we_do_not_serve_is_cut_to_what_every_reader_reads(pod: Obj) -> No
 def test_a_realistic_pod_shrinks_tenfold() -> None:
     pod = realistic_pod(1, "node-0")
     assert 10_000 <= len(json.dumps(pod)) <= 15_000  # the real pod size
-    assert len(json.dumps(controller._cached_pod(pod))) * 10 < len(json.dumps(pod))
+    assert len(json.dumps(handlers._cached_pod(pod))) * 10 < len(json.dumps(pod))
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_a_realistic_pod_shrinks_tenfold() -> None:
 )
 def test_our_pods_are_kept_whole_less_managed_fields(pod: Obj) -> None:
     assert podlib.slim(pod) is pod
-    kept = controller._cached_pod(pod)
+    kept = handlers._cached_pod(pod)
     assert "managedFields" not in kept["metadata"]
     assert kept["spec"] == pod["spec"]
 

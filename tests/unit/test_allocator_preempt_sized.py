@@ -1,4 +1,4 @@
-"""The placer's preemption for size-based asks (webhook/allocator/placer.py `preempt` over
+"""The placer's preemption for size-based asks (webhook/allocator/planning.py `Planner` over
 common/sizing.py `plan_sized_preemption`), on the allocator's model: a high-priority pod
 asking `memory>=20Gi` on a full H100 plans to evict the lower-priority pods its resolved
 profile needs and reserves exactly the allocation a normal sized placement writes once they

@@ -1,4 +1,4 @@
-"""The placer's whole-GPU preemption (webhook/allocator/placer.py `preempt`,
+"""The placer's whole-GPU preemption (webhook/allocator/planning.py `Planner`,
 preemption.whole_candidates, views.whole_if_idle), on the allocator's model: a whole-GPU pod
 that finds every GPU busy plans to evict exactly the lower-priority holders of one GPU and
 reserves that GPU whole (so no MIG pod is placed there while they go); a GPU with a foreign
@@ -21,8 +21,8 @@ from common.constants import KIND_GPU, REASON_PENDING
 from common.placement import Policy
 from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import Placer, PreemptionSettings
-from webhook.allocator.preemption import Budgets
+from webhook.allocator.placer import Placer
+from webhook.allocator.preemption import Budgets, PreemptionSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import PodTrack, Tracks
 from webhook.allocator.views import whole_if_idle
@@ -218,7 +218,7 @@ def ampere_case(
     want(state)
     p, told = placer(state)
     asked: Asked = []
-    p.ask_modes = lambda node, wants: asked.append((node, wants))
+    p.ampere.ask_modes = lambda node, wants: asked.append((node, wants))
     return state, p, told, asked
 
 

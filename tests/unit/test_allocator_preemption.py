@@ -254,16 +254,16 @@ RS = {"kind": "ReplicaSet", "name": "web", "uid": "rs-uid", "controller": True}
 async def preempting_controller(kube: RecordingKube, clock: FakeClock) -> Controller:
     """Preemption on (default back-off), node n1 with one H100."""
     c = controller(kube, clock, preemption=True)
-    await c._on_node("ADDED", make_node("n1", gpus=1))
-    await c._on_mig_node("ADDED", make_mig_node("n1"))
+    await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
+    await c.handlers.on_mig_node("ADDED", make_mig_node("n1"))
     return c
 
 
 async def low_pod(c: Controller, name: str, slot: int, **kw: Any) -> Obj:
     obj = make_pod(name, uid=name, priority=0, gates=(), node_name="n1", phase="Running", **kw)
-    await c._on_pod("ADDED", obj)
+    await c.handlers.on_pod("ADDED", obj)
     alloc = make_allocation(obj, "n1", [("main", "1g.10gb", 0, slot, 1)], phase=Phase.READY)
-    await c._on_allocation("ADDED", alloc)
+    await c.handlers.on_allocation("ADDED", alloc)
     return obj
 
 
@@ -282,18 +282,18 @@ async def test_an_owner_whose_pod_was_deleted_as_pinned_unschedulable_evicts_not
         for slot in range(6):
             await low_pod(c, f"low-{slot}", slot)
         mine = make_allocation(first, "n1", [("main", "1g.10gb", 0, 6, 1)], phase=Phase.READY)
-        await c._on_allocation("ADDED", mine)
+        await c.handlers.on_allocation("ADDED", mine)
         kube.objects["/api/v1/namespaces/ns/pods/web-1"] = unschedulable(first)
-        await c._on_pod("ADDED", unschedulable(first))
+        await c.handlers.on_pod("ADDED", unschedulable(first))
         await settle()
         await clock.advance(30.0)  # the helper's pinned-unschedulable timeout
         await settle()
         assert event_reasons(kube) == [REASON_PINNED_UNSCHEDULABLE]
-        await c._on_pod("DELETED", unschedulable(first))
-        await c._on_allocation("DELETED", mine)
+        await c.handlers.on_pod("DELETED", unschedulable(first))
+        await c.handlers.on_allocation("DELETED", mine)
         await low_pod(c, "low-6", 6)  # a lower-priority pod takes the slot meanwhile
         second = make_pod("web-2", uid="web-2", priority=10, owner=RS)
-        await c._on_pod("ADDED", second)
+        await c.handlers.on_pod("ADDED", second)
         await settle()
     assert evictions(kube) == []
     pending = [c[2]["message"] for c in kube.writes("create")
@@ -311,7 +311,7 @@ async def test_another_controllers_pod_still_preempts_there() -> None:
     async with leading(c):
         for slot in range(7):
             await low_pod(c, f"low-{slot}", slot)
-        await c._on_pod("ADDED", make_pod("job-1", uid="job-1", priority=10, owner=other))
+        await c.handlers.on_pod("ADDED", make_pod("job-1", uid="job-1", priority=10, owner=other))
         await settle()
     assert len(evictions(kube)) == 1
 
@@ -340,11 +340,11 @@ async def test_a_pdb_makes_no_pod_immune_its_violation_is_the_last_resort(allowe
         "spec": {"selector": {"matchLabels": {"app": "web"}}},
         "status": {"disruptionsAllowed": allowed},
     }
-    await c._on_pdb("ADDED", pdb)
+    await c.handlers.on_pdb("ADDED", pdb)
     async with leading(c):
         for slot in range(7):
             await low_pod(c, f"low-{slot}", slot, labels={"app": "web"})
-        await c._on_pod("ADDED", make_pod("hi", uid="hi", priority=10))
+        await c.handlers.on_pod("ADDED", make_pod("hi", uid="hi", priority=10))
         for _ in range(3):  # a refusal is looked at again after a 0 s retry delay
             await settle()
             await clock.advance(0.0)
@@ -358,12 +358,12 @@ async def test_a_pdb_makes_no_pod_immune_its_violation_is_the_last_resort(allowe
 async def test_the_controller_keeps_the_namespaces_the_kueue_selector_matches() -> None:
     kube, clock = RecordingKube(), FakeClock()
     c = controller(kube, clock)
-    assert c.kueue_selector is None  # off by default: no namespace is Kueue's
-    c.kueue_selector = parse_selector("kueue.openshift.io/managed=true")
+    assert c.handlers.kueue_selector is None  # off by default: no namespace is Kueue's
+    c.handlers.kueue_selector = parse_selector("kueue.openshift.io/managed=true")
     labels = {ENABLED_KEY: "true", "kueue.openshift.io/managed": "true"}
     ns: Obj = {"metadata": {"name": "team", "labels": labels}}
-    await c._on_namespace("ADDED", ns)
+    await c.handlers.on_namespace("ADDED", ns)
     assert c.kueue_namespaces == {"team"}
     del ns["metadata"]["labels"]["kueue.openshift.io/managed"]
-    await c._on_namespace("MODIFIED", ns)
+    await c.handlers.on_namespace("MODIFIED", ns)
     assert c.kueue_namespaces == set()

@@ -45,6 +45,7 @@ from webhook.allocator.track import (
     UnstickPod,
     Wait,
     next_step,
+    placeable,
 )
 from webhook.allocator.views import PodView
 
@@ -378,6 +379,24 @@ def test_next_step(track: PodTrack, view: Seen, kind: Kind, detail: str | None) 
     assert kind_of(step) == kind
     if detail is not None:
         assert getattr(step, "why", None) == detail
+
+
+@pytest.mark.parametrize(
+    ("view", "expected"),
+    [
+        (pod(), True),
+        (pod(gates=[GATE_NAME, "kueue.x-k8s.io/admission"]), False),  # another gate first
+        (pod(gates=[]), False),  # ungated
+        (PodView.of({**POD, "metadata": {**POD["metadata"], "deletionTimestamp": "x"}}), False),
+        (pod(phase="Failed"), False),
+        (PodView.of(make_pod("p", uid="p", claim=None)), False),  # not InstaSlice's
+    ],
+    ids=["ours-alone", "another-gate", "ungated", "deleting", "finished", "no-claim"],
+)
+def test_placeable_is_the_one_eligibility_check(view: PodView, expected: bool) -> None:
+    """next_step queues, the placer decides for, and the autoscaler signal keeps a signal
+    for, exactly the pods this says."""
+    assert placeable(view) is expected
 
 
 def test_every_step_has_a_row() -> None:

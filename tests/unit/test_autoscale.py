@@ -82,8 +82,8 @@ from webhook.allocator.autoscale import (
     releasing,
 )
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import Placer, PreemptionSettings
-from webhook.allocator.preemption import Budgets
+from webhook.allocator.placer import Placer
+from webhook.allocator.preemption import Budgets, PreemptionSettings
 from webhook.allocator.scaleup import LOST_BACKOFF_S, Need, ScaleUp
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Tracks
@@ -477,6 +477,7 @@ def _scale_up(state: ClusterState, clock: FakeClock, delay: float = 5.0) -> Scal
         catalog=CATALOG,
         clock=clock,
         tell=lambda pod, reason, message, type_: told.append((reason, message)),
+        instance="allocator-0",
     )
     return s
 
@@ -942,6 +943,34 @@ def test_make_room_waits_for_the_pods_own_create_in_flight() -> None:
     assert s.signals == {}
 
 
+def test_a_placeholder_bound_before_its_create_answered_is_held_bound() -> None:
+    """Under load the watch shows the new placeholder, and the scheduler binding it, before
+    its create's answer reaches the allocator: the answer is the object as written
+    (unbound), older than what the watch showed, so it does not replace the bound view
+    (else a misplaced placeholder would never be seen bound, and never replaced)."""
+    state, pod = _full_cluster()
+    s = _scale_up(state, FakeClock(), delay=0)
+    kube = _Kube()
+    s.kube = kube  # type: ignore[assignment]
+    s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
+    create = kube.create
+
+    async def watch_first(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        kube.answer.set()
+        made = await create(path, body)
+        made["metadata"] |= {"uid": "ph", "resourceVersion": "x1"}
+        bound = placeholder_identity(made) | {"spec": {"nodeName": "n1"}}
+        bound["metadata"] = {**bound["metadata"], "resourceVersion": "x2"}
+        await s._on_signal("ADDED", placeholder_identity(made))
+        await s._on_signal("MODIFIED", bound)
+        return made
+
+    kube.create = watch_first  # type: ignore[method-assign]
+    asyncio.run(s.reconcile())
+    assert s.signals["want"]["spec"] == {"nodeName": "n1"}
+    assert s.signals["want"]["metadata"]["resourceVersion"] == "x2"
+
+
 def test_make_room_needs_only_its_own_delete_to_succeed() -> None:
     """Another pod's placeholder whose delete fails does not hold the pin back (logged;
     the round tries it again); the pod's own failing does."""
@@ -1013,6 +1042,29 @@ def test_a_placeholder_bound_to_a_node_that_cannot_serve_its_pod_is_replaced_onc
     asyncio.run(s.reconcile())
     asyncio.run(s.reconcile())
     assert kube.calls == [f"delete {name}", f"create {name}"]
+
+
+def test_a_replaced_placeholders_late_events_are_older_whatever_the_resource_versions() -> None:
+    """resourceVersions are opaque (equality only): the replaced placeholder's late events,
+    arriving after the replacement's create answered, are told older by the watch's order
+    (the replacement not shown yet), not by reading the versions as numbers. Once the
+    watch shows the replacement, another object of that name is news again."""
+    _, s, _ = _full_labelled_cluster()
+    asyncio.run(s.reconcile())
+    made = s.signals["want"]
+    made["metadata"].update(uid="new", resourceVersion="b7")  # not a number
+    gone = _bound("want", "n1")
+    gone["metadata"].update(uid="old", resourceVersion="c9")  # not one either
+    asyncio.run(s._on_signal("MODIFIED", gone))
+    asyncio.run(s._on_signal("DELETED", gone))
+    assert s.signals["want"] is made and s.needs["want"].lost == 0
+    echo = _bound("want", None)
+    echo["metadata"].update(uid="new", resourceVersion="b7")
+    asyncio.run(s._on_signal("ADDED", echo))  # the watch caught up
+    other = _bound("want", "n2")
+    other["metadata"].update(uid="other", resourceVersion="a1")
+    asyncio.run(s._on_signal("DELETED", other))  # after the echo: news, not a late event
+    assert "want" not in s.signals and s.needs["want"].lost == 1
 
 
 def test_the_echo_of_a_withdrawn_placeholder_does_not_hold_back_its_replacement() -> None:
@@ -1114,7 +1166,7 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
 ) -> None:
     """A burst's pods of one node selection and requests share the round's `NotIn` list
     (6-28 ms at 5000 nodes, each); a pod selecting otherwise gets its own."""
-    from webhook.allocator import scaleup  # the module, to patch it
+    from webhook.allocator import signals  # the module, to patch it
 
     state, _ = _full_cluster()
     for uid, selector in (("want2", {}), ("zoned", {"zone": "a"})):
@@ -1127,7 +1179,7 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
         calls.append(request.name)
         return kept_off(nodes, request, *args)
 
-    monkeypatch.setattr(scaleup, "kept_off", counting)
+    monkeypatch.setattr(signals, "kept_off", counting)
     kube = _Kube()
     kube.answer.set()
     clock = FakeClock()

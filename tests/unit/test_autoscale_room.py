@@ -346,6 +346,7 @@ def _fleet(mode: SignalMode) -> tuple[ClusterState, ScaleUp, _Kube]:
         catalog=CATALOG,
         clock=FakeClock(),
         tell=lambda pod, reason, message, type_: None,
+        instance="allocator-0",
     )
     s.pending(state.pods["want"], podlib.pod_request(want), Pending(PendingReason.FULL, "f"), False)
     s.synced.set()

@@ -219,9 +219,9 @@ async def test_a_refused_gpu_is_told_on_the_mignode_once_and_gauged() -> None:
     c.metrics.state_gauges.source = c._gauge_view
     reg = c.metrics.registry
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
-        await c._on_mig_node("ADDED", edited("start 10^18"))
-        await c._on_mig_node("MODIFIED", edited("start 10^18"))  # the same: not told again
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_mig_node("ADDED", edited("start 10^18"))
+        await c.handlers.on_mig_node("MODIFIED", edited("start 10^18"))  # the same: not told again
         await settle()
         events = [w[2] for w in kube.writes("create") if w[1].endswith("/events")]
         assert [e["reason"] for e in events] == [REASON_GPU_OUT_OF_BOUNDS]
@@ -230,9 +230,9 @@ async def test_a_refused_gpu_is_told_on_the_mignode_once_and_gauged() -> None:
         assert "GPU 0" in events[0]["message"] and "memory slots" in events[0]["message"]
         gauge = {"node": "n1", "gpu": "0"}
         assert reg.get_sample_value("instaslice_allocator_gpus_refused", gauge) == 1
-        await c._on_mig_node("MODIFIED", h100_node())  # fixed: served, gauge gone
+        await c.handlers.on_mig_node("MODIFIED", h100_node())  # fixed: served, gauge gone
         assert reg.get_sample_value("instaslice_allocator_gpus_refused", gauge) is None
-        await c._on_pod("ADDED", make_pod("p", uid="p"))
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p"))
     assert allocated_nodes(kube) == ["n1"]
     assert event_reasons(kube).count(REASON_GPU_OUT_OF_BOUNDS) == 1
 
@@ -284,8 +284,10 @@ async def test_a_new_table_is_built_off_the_event_loop(monkeypatch: pytest.Monke
     c = controller(kube, clock)
     loop_thread = threading.get_ident()
     async with leading(c):
-        await c._on_node("ADDED", make_node("n1", gpus=1))
-        await c._on_mig_node("ADDED", learned_node("n1", f"NVIDIA X10 {uuid.uuid4().hex[:8]}"))
-        await c._on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"3g.36gb": 1}}))
+        await c.handlers.on_node("ADDED", make_node("n1", gpus=1))
+        await c.handlers.on_mig_node(
+            "ADDED", learned_node("n1", f"NVIDIA X10 {uuid.uuid4().hex[:8]}")
+        )
+        await c.handlers.on_pod("ADDED", make_pod("p", uid="p", slices={"main": {"3g.36gb": 1}}))
     assert allocated_nodes(kube) == ["n1"]
     assert built and loop_thread not in built

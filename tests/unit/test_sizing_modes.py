@@ -198,7 +198,7 @@ def test_the_placer_asks_ampere_maintenance_for_a_sized_pod(drain: bool) -> None
     told: list[tuple[str, str]] = []
     placer.tell = lambda pod, reason, message: told.append((reason, message))
     if drain:
-        placer.ask_modes = lambda node, wants: asked.append((node, wants))
+        placer.ampere.ask_modes = lambda node, wants: asked.append((node, wants))
     placer.state.upsert_pod(sized_pod("p"))
     placer.tracks.ensure("p")
     placer.decide("p")
@@ -223,7 +223,7 @@ def test_a_sized_pod_waits_for_the_one_ask_in_flight_before_asking() -> None:
     placer = quiet_placer(state)
     asked: list[tuple[str, dict[str, str]]] = []
     told: list[str] = []
-    placer.ask_modes = lambda node, wants: asked.append((node, wants))
+    placer.ampere.ask_modes = lambda node, wants: asked.append((node, wants))
     placer.tell = lambda pod, reason, message: told.append(message)
     placer.state.upsert_pod(sized_pod("p"))
     placer.tracks.ensure("p")

@@ -7,6 +7,10 @@ node lifecycle controller times kubelets, so clock skew between a node and the a
 does not matter; Leases found by the initial list count from their `renewTime`. The leader's
 sweep leaves out of placement the nodes not renewed for longer than their Lease's duration;
 a renewal seen brings the node back at once. A node with no Lease is unknown, not down.
+
+The same sweep forgets nodes removed for good: a MigNode whose Node has been gone for the
+grace period is deleted, with its agent's Lease (`forget_gone_nodes`); a node back within it
+keeps them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import structlog
 
 from common.clock import Clock, monotonic_at
 from common.constants import AGENT_LEASE_DURATION_S, NODEAGENT_COMPONENT
-from common.kubeapi import EventType, Obj
+from common.kubeapi import ApiError, EventType, Obj
 from webhook.allocator.state import ClusterState
+from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
@@ -66,6 +71,25 @@ class AgentWatch:
     kick: Callable[[str], None]  # look at a pod again (its allocation may move)
     after_change: Callable[[], None]  # capacity may have grown (an agent is back)
     leases: AgentLeases = field(default_factory=lambda: AgentLeases())
+    gone_since: dict[str, float] = field(default_factory=dict)  # MigNodes without a Node
+
+    async def forget_gone_nodes(self, writes: Writes, namespace: str, grace_s: float) -> None:
+        """A MigNode whose Node has been gone for `grace_s` (the node was removed for good)
+        is deleted, with its agent's Lease in `namespace`; a node back within it keeps them."""
+        now = self.clock.monotonic()
+        gone = set(self.state.gpus) - set(self.state.nodes)
+        for name in [n for n in self.gone_since if n not in gone]:
+            del self.gone_since[name]
+        for name in sorted(gone):
+            since = self.gone_since.setdefault(name, now)
+            if now - since < grace_s:
+                continue
+            del self.gone_since[name]  # looked at again after another grace if it stays
+            try:
+                if await writes.forget_node(name, namespace):
+                    log.info("node gone; its MigNode and agent Lease deleted", node=name)
+            except ApiError as exc:
+                log.warning("could not delete a gone node's records", node=name, error=str(exc))
 
     async def on_lease(self, etype: EventType, obj: Obj, *, initial: bool) -> None:
         """A Lease event; `initial`: found by the informer's first list."""

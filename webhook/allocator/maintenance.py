@@ -24,18 +24,27 @@ allocator's record of the asks it wrote this leadership term):
   never) first, whatever the order in which their pods are looked at.
 Asks an admin or an earlier leader wrote are never withdrawn here (they have no record).
 
-Pure helpers and the record here; the write is the controller's (one merge patch of the
-MigNode's spec), the clock the placer's.
+Pure helpers and the record here, and `Ampere`, which the placer asks when a pod needs a
+change (it keeps the record and the one-at-a-time turn); the write is the controller's (one
+merge patch of the MigNode's spec, `ask_modes`/`withdraw_modes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from common.objects import DesiredGpu, desired_modes
+from common.placement import Pending, PendingReason, PodRequest, Snapshot
+from common.placement.whole import is_whole
+from webhook.allocator.state import ClusterState
 from webhook.allocator.views import GpuView
+
+log = structlog.get_logger("allocator")
 
 Obj = dict[str, Any]
 ASK_OFF = "off"
@@ -204,3 +213,154 @@ class AskBook:
         self.pods.clear()
         self.queue.clear()
         self.wake = None
+
+
+@dataclass(eq=False)
+class Ampere:
+    """The placer's side of the Ampere maintenance: asks a MIG mode change for a pod that
+    needs one (one in the cluster at a time, round the namespaces, opposite changes on one
+    GPU spaced), and withdraws the asks no parked pod needs any more. Off (`on` False)
+    unless the controller wires `ask_modes` and `withdraw_modes` (`--ampere-mode-changes`)."""
+
+    state: ClusterState
+    retry: Callable[[str], None]  # unpark pod `uid` and look at it again
+    # (node, {GPU UUID: mode}) → the MigNode's desiredMigMode is written in the background
+    ask_modes: Callable[[str, dict[str, str]], None] | None = None
+    # ... and withdrawn (node, GPU UUIDs); the record of the asks, and the wall clock their
+    # minimum interval is measured on
+    withdraw_modes: Callable[[str, set[str]], None] | None = None
+    asks: AskBook = field(default_factory=AskBook)
+    wall: Callable[[], float] = time.time
+
+    @property
+    def on(self) -> bool:
+        return self.ask_modes is not None
+
+    def decided(self, uid: str, namespace: str | None, told: str | None) -> None:
+        """The placer decided for pod `uid` (of `namespace`, None when gone): `told` is the
+        pending reason it was parked with, None when placed, preempting or not placeable."""
+        if told == PendingReason.MIG_MODE_CHANGE_UNDER_WAY.value and namespace is not None:
+            self.asks.under_way(uid, namespace)  # it needs the ask in flight
+        elif uid not in self.asks.pods:
+            return
+        elif told is None:
+            self.release(uid)  # placed, preempting, or not ours to place any more
+        elif told != PendingReason.NEEDS_MIG_MODE_CHANGE.value:
+            self._stop_waiting(uid)  # pending for another reason; its asks still needed
+
+    def ask(
+        self,
+        uid: str,
+        namespace: str,
+        snapshot: Snapshot,
+        request: PodRequest,
+        resets: tuple[tuple[str, int], ...],
+        pending: Pending,
+    ) -> Pending:
+        """Ask for the MIG mode change the pod needs on Ampere GPUs, `resets` (its plan's;
+        one ask in the cluster at a time, round the namespaces, opposite changes on one GPU
+        spaced); the pod waits NeedsMigModeChange."""
+        assert self.ask_modes is not None
+        target = "disabled" if is_whole(request) else "enabled"  # whole GPUs need MIG off
+        gpus = [(n, g) for n, i in resets if (g := self.state.gpu(n, i)) is not None]
+        if names := self.under_way(snapshot):
+            self.asks.wait(uid, namespace, {g.uuid: target for _, g in gpus})
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change (a GPU reset); one is under way on "
+                f"{names} (Ampere maintenance), asked again once it is done",
+            )
+        if not resets:
+            self._stop_waiting(uid)
+            return pending
+        node = resets[0][0]
+        wants = {g.uuid: target for n, g in gpus if n == node}
+        names = ", ".join(f"{node}/GPU {i}" for _, i in resets)
+        held = [u for n, g in gpus if (u := self.asks.held_until(g.last_change, target))]
+        if held and (until := max(held)) > self.wall():
+            self._stop_waiting(uid)
+            self.asks.hold(until)
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change on {names}, whose last change went the "
+                f"other way less than {self.asks.min_interval_s:g} s ago "
+                "(--ampere-mode-change-interval); asked once that has passed (Ampere "
+                "maintenance)",
+            )
+        turn = self.asks.turn(namespace)
+        if turn != namespace:
+            self.asks.wait(uid, namespace, wants)
+            self._kick_waiters(turn)
+            return Pending(
+                pending.reason,
+                f"it fits only after a MIG mode change on {names}; the one change at a time "
+                f"goes round the namespaces waiting for one, and namespace {turn} is next "
+                "(Ampere maintenance)",
+            )
+        self.ask_modes(node, wants)
+        self.asks.grant(uid, namespace, node, wants)
+        log.info("MIG mode change asked (Ampere maintenance)", node=node, gpus=sorted(wants))
+        return Pending(
+            pending.reason,
+            f"it fits only after a MIG mode change on {names}: asked for (Ampere maintenance: "
+            "the node agent drains the GPU, pauses the GPU Operator's clients, resets it); "
+            "the pod is placed once it is done",
+        )
+
+    def turn_off(self, node: str, gpus: Iterable[tuple[str, int]]) -> None:
+        """A preemption plan reserved whole GPUs whose MIG mode goes off only by a reset:
+        asked with the plan (the agent drains, the victims go, it resets)."""
+        if self.ask_modes is not None:
+            wants = {g.uuid: "disabled" for n, i in gpus if (g := self.state.gpu(n, i))}
+            self.ask_modes(node, wants)
+
+    def held_back(self, node: str, index: int) -> bool:
+        """A whole-GPU plan may not turn MIG off on this Ampere GPU yet (its last change, to
+        MIG on, was less than the interval ago); the controller looks again when it may."""
+        g = self.state.gpu(node, index)
+        if g is None or g.whole_if_idle != "reset":
+            return False
+        until = self.asks.held_until(g.last_change, "disabled")
+        if until is None or until <= self.wall():
+            return False
+        self.asks.hold(until)
+        return True
+
+    def release(self, uid: str) -> None:
+        """Pod `uid` was placed or left: the asks it alone needed are withdrawn, unless the
+        agent is already resetting the GPU (that change completes and is withdrawn then)."""
+        if uid not in self.asks.pods:
+            return
+        orphans = self.asks.release(uid)
+        self._turn_moved()
+        for node, uuids in orphans.items():
+            views = {g.uuid: g for g in self.state.gpus.get(node, ())}
+            stop = {u for u in uuids if (g := views.get(u)) is None or g.phase != "Resetting"}
+            if stop and self.withdraw_modes is not None:
+                log.info(
+                    "MIG mode change no longer needed; withdrawn", node=node, gpus=sorted(stop)
+                )
+                self.withdraw_modes(node, stop)
+
+    def _stop_waiting(self, uid: str) -> None:
+        if self.asks.stop_waiting(uid):
+            self._turn_moved()
+
+    def _turn_moved(self) -> None:
+        """A namespace stopped waiting for the slot: with the slot free, the next one's pods
+        are looked at again (they may have been turned away for its turn)."""
+        head = self.asks.head()
+        if head is not None and not in_flight(self.state.gpus):
+            self._kick_waiters(head)
+
+    def _kick_waiters(self, namespace: str) -> None:
+        for uid in self.asks.waiters(namespace):
+            self.retry(uid)
+
+    def under_way(self, snapshot: Snapshot) -> str:
+        """The GPUs with an Ampere MIG mode change in flight on nodes in `snapshot` (one at a
+        time in the cluster; an ask on a node that is down waits), named for a message
+        ("node/GPU i, ..."); "" when there is none."""
+        placeable = {n.name for n in snapshot.nodes}
+        busy = [(n, g) for n, g in in_flight(self.state.gpus) if n in placeable]
+        return ", ".join(f"{n}/GPU {g.index}" for n, g in busy[:4])

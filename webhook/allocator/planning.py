@@ -24,6 +24,12 @@ each retry spent that CPU over and over on the same answer. Three guards, all pu
   every round from the others. A plan in progress is never cut: the budget is checked
   before each, so every round makes at least one.
 
+`Planner` makes the plan for one pod the placer found no room for, within those guards:
+the holders and the room they free (preemption.py), the search (common/placement/preempt.py,
+preempt_whole.py, common/sizing.py), and on Ampere a whole-GPU plan's MIG mode change
+(maintenance.py). It returns the preemption to record (`Planned`), or why there is none
+(`NotPlanned`); the placer records it. No I/O.
+
 What this module does not do: choose victims (common/placement/preempt.py) or decide who may
 be one (preemption.py).
 """
@@ -34,14 +40,33 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from common.allocation import allocation_for, summary
 from common.catalog import Catalog
 from common.constants import WHOLE_GPU_PROFILE
-from common.placement import NodeState, PodRequest, Snapshot
+from common.placement import NodeState, Pending, PendingReason, PodRequest, Policy, Snapshot
+from common.placement.preempt import Frees, Holder, PreemptionPlan, plan_preemption
+from common.placement.preempt_whole import plan_whole_preemption
 from common.placement.search import catalog_tables
 from common.placement.selectors import Mismatch, mismatch
 from common.placement.tables import ModelTables
-from common.sizing import SizeAsk, resolved_on
+from common.placement.whole import is_whole
+from common.sizing import SizeAsk, plan_sized_preemption, resolved_on
+from webhook.allocator import pods as podlib
+from webhook.allocator.maintenance import Ampere
+from webhook.allocator.preemption import (
+    NO_RESET,
+    Preemption,
+    PreemptionSettings,
+    Victim,
+    holders,
+    never_preempts,
+    spare,
+    whole_candidates,
+)
+from webhook.allocator.state import ClusterState
+from webhook.allocator.views import PodView
 
 TOO_LARGE = "LargerThanAnyNode"  # the AllocationPending reason of an ask no node holds
 
@@ -63,6 +88,9 @@ class PlanInputs:
     short: Short  # the nodes short of its cpu / memory / a pod slot
     kueue: frozenset[str] = frozenset()  # the namespaces whose pods Kueue manages
     away: frozenset[str] = frozenset()  # nodes its controller is backed off from
+    # AskBook.holds: changes held back by the mode-change interval so far. The wall clock is
+    # an input no version counts: a plan that met a GPU held back is planned again
+    holds: int = 0
 
 
 def short_nodes(snapshot: Snapshot, request: PodRequest) -> Short:
@@ -261,3 +289,229 @@ class PlanRounds:
         self.deferred.clear()
         self.order.clear()
         self.spent, self.plans = 0.0, 0
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+class PlanRecord(Protocol):
+    """What a plan reads and keeps of the pod's record (track.PodTrack)."""
+
+    avoid: frozenset[str]
+    refused: frozenset[str]
+    failed_gpus: frozenset[tuple[str, str]]
+    no_plan: tuple[PlanInputs, str] | None
+    plan_deferred: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A preemption to record: its reservation (not assumed yet) and its victims."""
+
+    preemption: Preemption
+
+
+@dataclass(frozen=True, slots=True)
+class NotPlanned:
+    """No preemption: the pending reason and message the pod is told."""
+
+    reason: str
+    message: str
+
+
+@dataclass(eq=False)
+class Planner:
+    """The preemption plan for one pod that does not fit (docs/allocator.md "Preemption"):
+    who may be a victim, the search, and the guards above. Size asks are planned per GPU
+    model, resolved as `place_sized` resolves them, so the reservation names the profiles
+    they resolve to there."""
+
+    state: ClusterState
+    catalog: Catalog
+    policy: Policy
+    ampere: Ampere
+    settings: PreemptionSettings | None
+    rounds: PlanRounds
+    shared: SharedViews
+
+    def plan(
+        self,
+        pod: PodView,
+        track: PlanRecord,
+        request: PodRequest,
+        sized: list[SizeAsk],
+        snapshot: Snapshot,
+        pending: Pending,
+        told: tuple[str, str],
+    ) -> Planned | NotPlanned:
+        """`told`: the reason and message the pod is parked with when nothing is planned."""
+        reason, message = told
+        p = self.settings
+        if pending.reason not in (PendingReason.FULL, PendingReason.FRAGMENTED):
+            return NotPlanned(reason, message)
+        shapes = self.shared.shapes(self.state.node_states(), request, self.catalog)
+        if big := too_large(shapes, request, sized, self.catalog):
+            why = f"{big}: no node can hold it, so no preemption is planned for it"
+            return NotPlanned(TOO_LARGE, why)
+        if p is None:
+            return NotPlanned(reason, message)
+        if never_preempts(pod.obj):
+            why = f"{message}; its preemptionPolicy is Never: it preempts no pod"
+            return NotPlanned(reason, why)
+        owner = podlib.controller_ref(pod.obj)
+        # its controller's pod was deleted there as pinned-unschedulable lately
+        away = p.backoff.nodes(owner.get("uid") if owner else None, p.now())
+        inputs = PlanInputs(
+            holders=self.state.holders_version,
+            budgets=p.budgets.version,
+            generation=pod.generation,
+            avoid=track.avoid | track.refused,
+            excluded=track.failed_gpus,
+            short=self.shared.short(snapshot, request),
+            kueue=frozenset(p.kueue),
+            away=frozenset(away),
+            holds=self.ampere.asks.holds,
+        )
+        backed_off = ""
+        if away:
+            snapshot = Snapshot(tuple(n for n in snapshot.nodes if n.name not in away))
+            names = sorted(away)
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            backed_off = (
+                f" (not planned on {', '.join(names[:5])}{more} for now: a pod of its "
+                "controller was pinned there and stayed unschedulable)"
+            )
+        if track.no_plan is not None and track.no_plan[0] == inputs:
+            return NotPlanned(reason, f"{message}; {track.no_plan[1]}")  # nothing changed
+        if not self.rounds.allows():
+            track.plan_deferred = True
+            self.rounds.deferred.add(pod.uid)
+            return NotPlanned(
+                reason,
+                f"{message}; preemption: planned in the next placement round (this round's "
+                "planning budget is spent)",
+            )
+        start = self.rounds.cpu()
+        held = holders(
+            self.state,
+            pod,
+            p.budgets,
+            kueue_ok=p.kueue_ok,
+            kueue=p.kueue,
+            avoid=track.avoid,
+            refused=track.refused,
+        )
+        room = spare(self.state, pod, held, kueue_ok=p.kueue_ok, kueue=p.kueue)
+        allowed = p.budgets.allowed()
+        for h in held:  # the API server refused its eviction: its budgets are spent
+            if h.refused:
+                allowed.update(dict.fromkeys(h.pdbs, 0))
+        resets: tuple[tuple[str, int], ...] = ()
+        why = "preemption: no set of lower-priority pods frees a placement for it"
+        if is_whole(request):  # every holder of one GPU (of N GPUs of one node)
+            found, resets, waits = self._plan_whole(snapshot, request, held, allowed, room)
+            if waits:
+                why = (
+                    "preemption: no set of lower-priority pods frees a GPU whose MIG mode goes "
+                    f"off without a reset; a plan with a reset waits for the change under way "
+                    f"on {waits} (Ampere maintenance)"
+                )
+        elif sized:
+            found = plan_sized_preemption(
+                snapshot,
+                request,
+                sized,
+                held,
+                catalog=self.catalog,
+                pdb_allowed=allowed,
+                policy=self.policy,
+                spare=room,
+            )
+        else:
+            found = plan_preemption(
+                snapshot,
+                request,
+                held,
+                pdb_allowed=allowed,
+                policy=self.policy,
+                catalog=self.catalog,
+                spare=room,
+            )
+        self.rounds.charge(pod.namespace, self.rounds.cpu() - start)
+        if found is None:  # the reason stays the engine's (metrics count Full/Fragmented)
+            # planned again once what it read changes (a GPU held back by the mode-change
+            # interval too: `PlanInputs.holds`)
+            why = f"{why}{backed_off}"
+            track.no_plan = (inputs, why)
+            return NotPlanned(reason, f"{message}; {why}")
+        track.no_plan = None
+        assert pod.claim is not None
+        node = found.placement.node
+        body = allocation_for(
+            namespace=pod.namespace,
+            claim=pod.claim,
+            pod=pod.obj,
+            placement=found.placement,
+            uuid=self.state.gpu_uuid(node),
+        )
+        victims = tuple(
+            Victim(v.uid, v.namespace, v.name)
+            for v in (self.state.pods.get(u) for u in found.victims)
+            if v is not None
+        )
+        return Planned(
+            Preemption(
+                body=body,
+                key=f"{pod.namespace}/{body['metadata']['name']}",
+                node=node,
+                victims=victims,
+                waits_for=frozenset(found.victims) | frozenset(found.waits_for),
+                deadline=p.now() + p.wait_s,
+                summary=summary(found.placement),
+                resets=resets,
+                past_pdb=found.cost[0] > 0,
+            )
+        )
+
+    def _plan_whole(
+        self,
+        snapshot: Snapshot,
+        request: PodRequest,
+        held: list[Holder],
+        allowed: dict[str, int],
+        room: dict[str, Frees],
+    ) -> tuple[PreemptionPlan | None, tuple[tuple[str, int], ...], str]:
+        """A whole-GPU preemption plan on GPUs whose MIG mode goes off without a reset; with
+        the Ampere maintenance on and no change in flight, else on GPUs that need one too
+        (returned: the Ampere maintenance is asked for them with the plan). Third: the GPUs
+        whose change in flight kept a plan with a reset from being tried ("" if none)."""
+
+        def plan(classes: tuple[str, ...]) -> PreemptionPlan | None:
+            candidates = whole_candidates(self.state, snapshot, classes)
+            if "reset" in classes:  # not a GPU whose last change went the other way lately
+                candidates = frozenset(c for c in candidates if not self.ampere.held_back(*c))
+            return plan_whole_preemption(
+                snapshot,
+                request,
+                held,
+                candidates,
+                pdb_allowed=allowed,
+                catalog=self.catalog,
+                spare=room,
+            )
+
+        found = plan(NO_RESET)
+        if found is not None or not self.ampere.on:
+            return found, (), ""
+        if busy := self.ampere.under_way(snapshot):  # one at a time: planned again after
+            return None, (), busy
+        found = plan((*NO_RESET, "reset"))
+        if found is None:
+            return None, (), ""
+        node = found.placement.node
+        resets = tuple(
+            (node, s.gpu_index)
+            for s in found.placement.slices
+            if (g := self.state.gpu(node, s.gpu_index)) is not None and g.whole_if_idle == "reset"
+        )
+        return found, resets, ""

@@ -30,7 +30,7 @@ no preemption there for a while (docs/allocator.md "Preemption").
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -75,6 +75,18 @@ class Preemption:
     # whole GPUs: the reserved GPUs whose MIG mode goes off only through the Ampere
     # maintenance (asked with the plan); the reservation is created once that is done
     resets: tuple[GpuRef, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreemptionSettings:
+    budgets: Budgets  # the PodDisruptionBudgets, kept by a watch
+    kueue_ok: bool  # Kueue-managed pods may be victims
+    wait_s: float  # how long victims may take to release their slices
+    now: Callable[[], float]  # monotonic
+    # the namespaces whose pods are Kueue-managed (the admin's selector; a watch keeps it)
+    kueue: Collection[str] = frozenset()
+    # controllers whose pod was deleted as pinned-unschedulable: no preemption on that node
+    backoff: OwnerBackoff = field(default_factory=lambda: OwnerBackoff())
 
 
 # --- PodDisruptionBudgets -----------------------------------------------------------------

@@ -19,6 +19,12 @@ placeholder (no instance type offers it, the NodePool's limits) and a Provisioni
 `Failed`, `BookingExpired` or `CapacityRevoked` condition become `ScaleUpFailed` on the real
 pod; `Provisioned` becomes `ScaleUpProvisioned`. Each is told once per message.
 
+A signal held from our own create's answer (or a read) may be ahead of the watch: until the
+watch shows that object, an event of another object of the same name (a replaced
+placeholder's late MODIFIED or DELETED) is older and changes nothing. Watch order tells it,
+not the resourceVersions, which are opaque (Kubernetes API conventions: compared for
+equality, never ordered).
+
 Verdicts live only for the term (a new leader re-parks every pod within a pass) and signals
 of pods that are still gated are kept across terms, so a leader change does not flap them.
 """
@@ -34,34 +40,30 @@ import structlog
 
 from common.catalog import Catalog
 from common.clock import Clock, cancel_until_done, wait_or_sleep
-from common.constants import GATE_NAME, SCALE_UP_LABEL, EventReason
+from common.constants import SCALE_UP_LABEL, EventReason
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path
-from common.objects import node_label_value
 from common.placeholders import signal_name, stands_for
 from common.placement import Pending, PodRequest, Policy
 from webhook.allocator.autoscale import (
     PROVREQ_API_VERSION,
     REASON_FAILED,
     REASON_PROVISIONED,
-    REASON_REQUESTED,
     ScaleUpSettings,
     SignalMode,
     Verdict,
     after_releases,
     classify,
     condition,
-    hostname_value,
-    kept_off,
     misplaced,
     placeholder_identity,
-    placeholder_pod,
-    provisioning_request,
     releasing,
-    selection,
 )
 from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
+from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
+from webhook.allocator.writes import Writes
 
 log = structlog.get_logger("allocator")
 
@@ -82,7 +84,7 @@ class Need:
 
 
 @dataclass(eq=False)
-class ScaleUp:
+class ScaleUp(Signals):
     kube: Kube
     elector: LeaderElector
     state: ClusterState
@@ -91,9 +93,12 @@ class ScaleUp:
     catalog: Catalog
     clock: Clock
     tell: Tell
+    instance: str  # the pod this replica runs in (its writes' reportingInstance)
     needs: dict[str, Need] = field(default_factory=dict)  # pod uid → since when
     waits: set[str] = field(default_factory=set)  # classified: no new node needed
-    told: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) → message
+    told: dict[tuple[str, EventReason], str] = field(
+        default_factory=dict
+    )  # (uid, reason) → message
     signals: dict[str, Obj] = field(default_factory=dict)  # pod uid → its signal object
     # set once this term's watches have listed the signals (`make_room` waits for it)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
@@ -101,10 +106,14 @@ class ScaleUp:
     _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _raising: dict[str, asyncio.Event] = field(default_factory=dict)  # creates in flight
     rounds: int = 0  # reconcile rounds ended, failed ones too (a test's proof of a chance)
+    # pods whose signal we hold from our own create's answer (or a read), which the watch
+    # has not shown yet: until it does, another object of that name it shows is older
+    _unechoed: set[str] = field(default_factory=set)
 
     @property
-    def on(self) -> bool:
-        return self.settings.mode is not SignalMode.OFF
+    def writes(self) -> Writes:
+        """Its writes, each Lease-checked, as every other write of the allocator."""
+        return Writes(self.kube, self.elector, self.clock, self.instance)
 
     # --- called by the placer (synchronous, pure bookkeeping) -------------------------------
 
@@ -253,85 +262,9 @@ class ScaleUp:
         """`uid`'s signal is no longer wanted: its pod is decided, gone, ungated or waits."""
         return uid not in self.needs and (uid in self.waits or not self._still_gated(uid))
 
-    def in_the_way(self, uid: str, node: str) -> list[str]:
-        """The signals to withdraw before pod `uid` is pinned to `node`: its own, every
-        placeholder bound to `node`, also one whose pod still waits for a node (the pins
-        fill the node's GPUs, and a placeholder asks for the same `instaslice.io/mig-*`
-        upper bound), and every one no longer wanted wherever it stands (the scheduler may
-        bind it to `node` before the round deletes it). One left there holds the pinned
-        pod's room in the kube-scheduler's eyes: it preempts the placeholder, and its async
-        preemption can leave the pod unschedulable until its 5-minute flush
-        (kubernetes/kubernetes#141694: a redundant second preemption finds the victim gone,
-        whether we deleted it meanwhile or the first preemption did and the scheduler's
-        cache lagged; our timer deleted the pod first, seen in CI). Deleted first, the
-        deletions reach the scheduler's pod watch before the pin does, and the scheduler
-        never preempts."""
-        return sorted(
-            other
-            for other, obj in self.signals.items()
-            if other == uid or (obj.get("spec") or {}).get("nodeName") == node or self._goes(other)
-        )
-
-    async def make_room(self, uid: str, node: str) -> None:
-        """Withdraw `in_the_way(uid, node)` before the pin, the deletes sent together and
-        answered. It waits first for this term's watches to have listed the signals (a new
-        leader's first pins would see none) and for `uid`'s own create if one is in flight
-        (answered after the pin, it would stand there). Only `uid`'s own delete must
-        succeed; another's failure is logged (the round tries it again). A pod still
-        waiting for a node whose placeholder went so asks again after `lost`'s wait, as if
-        the scheduler had preempted it (at once, it would take the room back); pins to the
-        node at the same time share the delete and count it once."""
-        if not self.on:
-            return
-        await self.synced.wait()
-        raising = self._raising.get(uid)
-        if raising is not None:
-            await raising.wait()
-        ways = self.in_the_way(uid, node)
-        if any(
-            not (o.get("spec") or {}).get("nodeName")
-            for other, o in self.signals.items()
-            if other not in ways  # own and unwanted ones go wherever they stand
-        ):
-            ways = sorted({*ways, *await self._bound_now(node)})
-        wanted = {o for o in ways if o != uid and o not in self._withdrawing and not self._goes(o)}
-        deletes = [asyncio.shield(self._withdrawal(o)) for o in ways]  # before another pin looks
-        outcomes = await asyncio.gather(*deletes, return_exceptions=True)
-        for other, outcome in zip(ways, outcomes, strict=True):
-            if isinstance(outcome, ApiError) and other != uid:
-                log.warning("scale-up signal delete failed", pod_uid=other, error=str(outcome))
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            elif other in wanted:
-                self.lost(other)
-
-    async def _bound_now(self, node: str) -> set[str]:
-        """The placeholders the API server has bound to `node` by now, of pods we hold a
-        signal for. Asked only while one that would stay is unbound as far as the watch told: the
-        scheduler may have bound it to `node` in an event still on its way to a busy
-        allocator, and there it holds the pin's room (`in_the_way`; seen with the event
-        loop stalled under load, the pin written before the placeholder's delete)."""
-        if self.settings.mode is not SignalMode.PLACEHOLDER:
-            return set()
-        found = await self.kube.list(
-            core_path("pods"), labelSelector=SCALE_UP_LABEL, fieldSelector=f"spec.nodeName={node}"
-        )
-        bound = set()
-        for obj in found.get("items") or []:
-            other = stands_for(obj)
-            if other is not None and other in self.signals:
-                self.signals[other] = placeholder_identity(obj)  # bound, before the watch says
-                bound.add(other)
-        return bound
-
     def _still_gated(self, uid: str) -> bool:
         pod = self.state.pods.get(uid)
-        return (
-            pod is not None
-            and pod.gates == (GATE_NAME,)
-            and not pod.deleting
-            and not self.state.allocations_of(uid)
-        )
+        return pod is not None and placeable(pod) and not self.state.allocations_of(uid)
 
     async def reconcile(self) -> None:
         now = self.clock.monotonic()
@@ -363,112 +296,6 @@ class ScaleUp:
                 except ApiError as exc:
                     log.warning("scale-up signal write failed", pod_uid=uid, error=str(exc))
 
-    def _avoid(self, need: Need, lists: dict[Hashable, list[str]]) -> list[str]:
-        """The `NotIn` values of `need`'s signal: `kept_off`, the same list for every pod of
-        one selection and requests in a round (a burst's pods share it), and the nodes its
-        placeholders were misplaced on. Karpenter refuses a pod naming
-        kubernetes.io/hostname ("might interfere with the internal provisioning logic",
-        measured): placeholders name the agents' own label."""
-        placeholder = self.settings.mode is SignalMode.PLACEHOLDER
-        key = selection(need.request)
-        if key not in lists and placeholder:
-            # a placeholder bound where its pod cannot go is replaced (`misplaced`), so the
-            # nodes whose room cannot take it now may be left out; not those whose agent is
-            # down: `misplaced` leaves a placeholder there alone
-            down = self.state.agents_down
-            lists[key] = kept_off(
-                self.state.node_states(),
-                need.request,
-                lambda node: None if node in down else self.state.room(node),
-            )
-        elif key not in lists:
-            # nothing replaces a ProvisioningRequest the autoscaler found room for on an
-            # existing node (`CapacityIsFound`: no node is made): name every such node
-            lists[key] = kept_off(self.state.node_states(), need.request, value=hostname_value)
-        if not placeholder or not need.misplaced_on:
-            return lists[key]
-        return sorted({*lists[key], *(node_label_value(n) for n in need.misplaced_on)})
-
-    async def _raise(
-        self, uid: str, note: str = "", keep_off: dict[Hashable, list[str]] | None = None
-    ) -> None:
-        pod = self.state.pods.get(uid)
-        need = self.needs.get(uid)
-        if pod is None or need is None:
-            return
-        ns = pod.namespace
-        self.elector.check()
-        raising = self._raising[uid] = asyncio.Event()
-        try:
-            avoid = self._avoid(need, {} if keep_off is None else keep_off)
-            if self.settings.mode is SignalMode.PLACEHOLDER:
-                body = placeholder_pod(pod.obj, need.request, avoid, self.settings.image)
-                made = await self.kube.create(core_path("pods", ns), body)
-                what = f"placeholder pod {body['metadata']['name']} for Karpenter"
-            else:
-                template, provreq = provisioning_request(
-                    pod.obj,
-                    need.request,
-                    avoid,
-                    self.settings.provisioning_class,
-                    self.settings.image,
-                )
-                await self.kube.create(core_path("podtemplates", ns), template)
-                made = await self.kube.create(
-                    group_path(PROVREQ_API_VERSION, "provisioningrequests", ns), provreq
-                )
-                what = f"ProvisioningRequest {provreq['metadata']['name']}"
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            return  # raced with ourselves (or a previous term's): the watch shows it
-        else:
-            placeholder = self.settings.mode is SignalMode.PLACEHOLDER
-            self.signals[uid] = placeholder_identity(made) if placeholder else made
-        finally:
-            raising.set()
-            del self._raising[uid]
-        log.info("scale-up requested", pod=pod.key, signal=what, why=need.why, kept_off=len(avoid))
-        self.tell(
-            pod.obj,
-            REASON_REQUESTED,
-            f"asked the cluster autoscaler for a new node: {need.why}; {what} "
-            f"(kept off the {len(avoid)} node(s) that cannot serve it){note}",
-            "Normal",
-        )
-
-    async def _withdraw(self, uid: str) -> None:
-        """Delete `uid`'s signal; callers at the same time (pins to one node, the round)
-        share one delete and all see its outcome."""
-        await asyncio.shield(self._withdrawal(uid))
-
-    def _withdrawal(self, uid: str) -> asyncio.Task[None]:
-        """The delete of `uid`'s signal under way, started here if none is."""
-        task = self._withdrawing.get(uid)
-        if task is None:
-            task = asyncio.create_task(self._delete_signal(uid), name=f"withdraw-{uid}")
-            self._withdrawing[uid] = task
-            task.add_done_callback(lambda _: self._withdrawing.pop(uid, None))
-        return task
-
-    async def _delete_signal(self, uid: str) -> None:
-        obj = self.signals.get(uid)
-        if obj is None:
-            return
-        ns = obj["metadata"]["namespace"]
-        name = signal_name(uid)
-        self.elector.check()
-        if self.settings.mode is SignalMode.PLACEHOLDER:
-            await self.kube.delete_ignore_missing(core_path("pods", ns, name), gracePeriodSeconds=0)
-        else:
-            path = group_path(PROVREQ_API_VERSION, "provisioningrequests", ns, name)
-            await self.kube.delete_ignore_missing(path)
-            await self.kube.delete_ignore_missing(core_path("podtemplates", ns, name))
-        self.signals.pop(uid, None)
-        for key in [k for k in self.told if k[0] == uid]:
-            del self.told[key]
-        log.info("scale-up withdrawn", pod_uid=uid, signal=name)
-
     # --- what the autoscaler answers --------------------------------------------------------
 
     async def _on_signal(self, etype: str, obj: Obj) -> None:
@@ -476,9 +303,12 @@ class ScaleUp:
         if uid is None:  # the label alone is no signal of ours: anyone may write it
             return
         held = self.signals.get(uid)
-        if held is not None and _older(obj, held):
-            return  # a replaced placeholder's late event: the replacement's create answered first
+        if held is not None and uid in self._unechoed:
+            if _uid(obj) != _uid(held):
+                return  # a replaced placeholder's late event: our create answered first
+            self._unechoed.discard(uid)  # the watch has caught up with our own write
         if etype == "DELETED":
+            self._unechoed.discard(uid)
             if self.signals.pop(uid, None) is not None and uid not in self._withdrawing:
                 self.lost(uid)  # not our own delete, whose answer is still to come
             return
@@ -532,16 +362,3 @@ class ScaleUp:
         self.told[(uid, reason)] = message
         log.info("scale-up answer", pod=pod.key, reason=reason, message=message)
         self.tell(pod.obj, reason, message, type_)
-
-
-def _older(event: Obj, held: Obj) -> bool:
-    """`event`'s object is older than the signal `held`: another object of the same name
-    (deleted and created again since) with a lower resourceVersion. The API server's are
-    etcd revisions; one that is no number compares as not older."""
-    e, h = event.get("metadata") or {}, held.get("metadata") or {}
-    if e.get("uid") == h.get("uid"):
-        return False
-    try:
-        return int(e.get("resourceVersion") or "") < int(h.get("resourceVersion") or "")
-    except ValueError:
-        return False

@@ -1,10 +1,12 @@
-"""How each step of `next_step` is carried out: the I/O shell of one pod's record.
+"""How each step of `next_step` is carried out: the one executor of one pod's record.
 
-`Steps.run(track, step)` executes one step against the API server (through `writes`, every
-write Lease-checked) and records in the pod's record what it did: the create in flight, the
-pin's resourceVersion, the allocations it deleted. Deciding is not done here
-(webhook.allocator.track); neither is retrying (the controller's worker backs off when a
-step raises).
+`Steps.run(track, step)` executes any step — the bookkeeping ones on the record and the
+queues (`Wait`, `Forget`, `Dequeue`, `Unserved`, `Queue`, `Kick`, `Settled`, `AwaitVictims`,
+`GiveUp`), the write ones against the API server (through `writes`, every write
+Lease-checked) — and records in the pod's record what it did: the create in flight, the
+pin's resourceVersion, the allocations it deleted, the retry backoff. It answers when to
+look at the pod again (None: when a watch event says). Deciding is not done here
+(webhook.allocator.track); the controller's worker only asks `next_step` and runs this.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 
 import structlog
 
-from common.allocation import SliceAllocation
+from common.allocation import SUMMARY_ANNOTATION, SliceAllocation
 from common.clock import Clock
 from common.constants import (
     REASON_ALLOCATED,
@@ -28,19 +30,22 @@ from common.constants import (
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
+from webhook.allocator.bookkeeping import Bookkeeping
 from webhook.allocator.leader import NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
-from webhook.allocator.placer import SUMMARY_ANNOTATION, WRITE_ERROR, Placer
+from webhook.allocator.placer import WRITE_ERROR, Placer
 from webhook.allocator.preemption import Victim
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import (
     Act,
+    AwaitVictims,
     Create,
     Evict,
     OnAllocation,
     Pin,
     PodTrack,
     Step,
+    Tracks,
     Unstick,
     UnstickPod,
 )
@@ -53,19 +58,58 @@ EventType_ = Literal["Normal", "Warning"]
 Tell = Callable[[Obj, EventReason, str, EventType_], None]
 
 
+_FIRST_BACKOFF_S = 0.2
+
+
 @dataclass(eq=False)
 class Steps:
     writes: Writes
     state: ClusterState
+    tracks: Tracks
     placer: Placer
     metrics: AllocatorMetrics
     clock: Clock
     timeout_s: float  # pinned_unschedulable_timeout_s, for the message
+    max_backoff_s: float  # the longest retry delay after failed writes
     tell: Tell  # an event, in the background
     after_change: Callable[[], None]  # capacity may have grown (a create failed)
     make_room: Callable[[str, str], Awaitable[None]]  # scale-up signals to go before a pin
+    book: Bookkeeping  # the bookkeeping steps
 
-    async def run(self, track: PodTrack, step: Step) -> None:
+    async def run(self, track: PodTrack, step: Step) -> float | None:
+        """Carry out `step` for `track`'s pod; in how many seconds to look again (None:
+        when a watch event says). A failed write is retried after a backoff (0.2 s,
+        doubling per failure, capped); a kick in between tries it at once."""
+        if track.unstick is Unstick.DUE and not isinstance(step, UnstickPod):
+            track.unstick = Unstick.DONE  # no longer applicable (UnstickPod says when it is done)
+        if self.book.run(track, step):
+            if isinstance(step, AwaitVictims):  # then gives up
+                return max(0.0, step.deadline - self.clock.monotonic())
+            return None
+        if isinstance(step, Create) and track.preempt is not None:
+            self.tracks.end_preempt(track)  # the reservation is sent: an ordinary create now
+        try:
+            await self._write(track, step)
+        except NotLeader:
+            # The Lease went unrenewed past the deadline. If it is lost for good this term
+            # is about to be cancelled; if a late renewal keeps it, the step runs again.
+            pass
+        except ApiError as exc:
+            log.warning("allocator write failed", pod_uid=track.uid, error=str(exc))
+            self.metrics.outcome("error")
+        except Exception:
+            log.exception("allocator step failed", pod_uid=track.uid)
+        else:
+            track.backoff_s = 0.0
+            if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
+                return 0.0
+            return None  # what comes next is told by the watch events the write causes
+        track.backoff_s = min(max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.max_backoff_s)
+        return track.backoff_s
+
+    # --- writes ---------------------------------------------------------------------------
+
+    async def _write(self, track: PodTrack, step: Step) -> None:
         match step:
             case Create(pod, body):
                 await self.create(track, pod, body)

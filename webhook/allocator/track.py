@@ -247,6 +247,19 @@ Step = (
 )
 
 
+def placeable(pod: PodView) -> bool:
+    """The one eligibility check (next_step's, the placer's, the autoscaler signal's): the
+    pod carries a claim, ours is its only scheduling gate (other gates, Kueue's, go first),
+    and it is neither being deleted nor finished. Whether its namespace opted in is `Seen`'s
+    (the caches'); whether it holds or was decided anything, the record's."""
+    return (
+        pod.claim is not None
+        and pod.gates == (GATE_NAME,)
+        and not pod.deleting
+        and not pod.terminal
+    )
+
+
 def next_step(track: PodTrack, seen: Seen) -> Step:
     pod = seen.pod
     if track.create is not None and pod is not None:
@@ -299,7 +312,7 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
 
 
 def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
-    if pod.gates != (GATE_NAME,) or pod.deleting or not seen.opted_in:
+    if not placeable(pod) or not seen.opted_in:
         return Dequeue()
     if pod.whole and not seen.whole_gpu and not seen.allocations:
         message = (
@@ -329,7 +342,7 @@ def _preempt_step(p: Preemption, seen: Seen) -> Step:
     pod = seen.pod
     if pod is None or pod.claim is None or pod.deleting or pod.terminal:
         return GiveUp("the preemptor is gone")
-    if pod.gates != (GATE_NAME,) or not seen.opted_in or (pod.whole and not seen.whole_gpu):
+    if not placeable(pod) or not seen.opted_in or (pod.whole and not seen.whole_gpu):
         return GiveUp("the preemptor is no longer InstaSlice's to place")
     if p.refused:
         why = "an eviction was refused (PodDisruptionBudget)"

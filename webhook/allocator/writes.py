@@ -1,16 +1,22 @@
-"""Every write the allocator makes, each preceded by the Lease check.
+"""Every write the allocator makes, each preceded by the Lease check (but its own Lease's,
+leader.py).
 
 The controller decides *what* to do; this module is *how*, against the API server: the
 SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
 deletes with a UID precondition (so a newer object of the same name is never hit), the JSON
-patch that drops the release finalizer (with a `test` of the current list), pod events. The
+patch that drops the release finalizer (with a `test` of the current list), pod events, the
+autoscaler signal's placeholders and ProvisioningRequests (webhook/allocator/scaleup.py). The
 reads before destructive writes live here too: a cache that has not seen an object yet must
 never be taken as proof that it is gone.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
 
 from common.allocation import SliceAllocation, drop_release_finalizer
 from common.clock import Clock
@@ -19,13 +25,19 @@ from common.constants import (
     LEASE_API_VERSION,
     MIG_NODE_KIND,
     RELEASE_FINALIZER,
+    SCALE_UP_LABEL,
     SLICE_ALLOCATION_PLURAL,
     EventReason,
 )
 from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from webhook.allocator import pods as podlib
+from webhook.allocator.autoscale import PROVREQ_API_VERSION
 from webhook.allocator.leader import LeaderElector
+from webhook.allocator.maintenance import spec_patch
+from webhook.allocator.state import ClusterState
+
+log = structlog.get_logger("allocator")
 
 COMPONENT = "instaslice-allocator"
 _PIN_ATTEMPTS = 5
@@ -256,3 +268,63 @@ class Writes:
             type_="Warning",
             now=self.clock.wall(),
         )
+
+    # --- the autoscaler signal (scaleup.py) -----------------------------------------------
+
+    async def raise_placeholder(self, body: Obj) -> Obj:
+        """Create a placeholder pod (Karpenter's signal); the pod as created."""
+        self.elector.check()
+        return await self.kube.create(core_path("pods", body["metadata"]["namespace"]), body)
+
+    async def raise_provisioning_request(self, template: Obj, provreq: Obj) -> Obj:
+        """Create a PodTemplate and the ProvisioningRequest naming it (cluster-autoscaler's
+        signal); the ProvisioningRequest as created."""
+        self.elector.check()
+        namespace = provreq["metadata"]["namespace"]
+        await self.kube.create(core_path("podtemplates", namespace), template)
+        path = group_path(PROVREQ_API_VERSION, "provisioningrequests", namespace)
+        return await self.kube.create(path, provreq)
+
+    async def withdraw_placeholder(self, namespace: str, name: str) -> None:
+        self.elector.check()
+        path = core_path("pods", namespace, name)
+        await self.kube.delete_ignore_missing(path, gracePeriodSeconds=0)
+
+    async def withdraw_provisioning_request(self, namespace: str, name: str) -> None:
+        self.elector.check()
+        path = group_path(PROVREQ_API_VERSION, "provisioningrequests", namespace, name)
+        await self.kube.delete_ignore_missing(path)
+        await self.kube.delete_ignore_missing(core_path("podtemplates", namespace, name))
+
+    async def placeholders_on(self, node: str) -> list[Obj]:
+        """The placeholder pods the API server has bound to `node` now (a read)."""
+        found = await self.kube.list(
+            core_path("pods"), labelSelector=SCALE_UP_LABEL, fieldSelector=f"spec.nodeName={node}"
+        )
+        return list(found.get("items") or [])
+
+
+@dataclass(eq=False)
+class MigNodeWrites:
+    """The MigNode writes made in the background, off any pod's path and only while leading
+    (`spawn`): the Ampere maintenance's `desiredMigMode` asks and withdrawals (one merge
+    patch of the whole `spec.gpus` list, maintenance.spec_patch) and Warning events."""
+
+    writes: Writes
+    state: ClusterState
+    spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None]
+
+    def set(self, node: str, add: dict[str, str], drop: set[str]) -> None:
+        """MigNode `node`'s desiredMigMode entries: `add` set, `drop` removed."""
+        current = {g.uuid: g.desired for g in self.state.gpus.get(node, ()) if g.desired}
+        body = spec_patch(current, add, drop)
+        self.spawn(lambda: self._write_modes(node, body))
+
+    async def _write_modes(self, node: str, body: Obj) -> None:
+        try:
+            await self.writes.set_desired_modes(node, body)
+        except ApiError as exc:  # the next MigNode event or pending pod asks again
+            log.warning("could not write desired MIG modes", node=node, error=str(exc))
+
+    def warn(self, node: str, reason: EventReason, message: str) -> None:
+        self.spawn(lambda: self.writes.mig_node_warning(node, reason, message))
