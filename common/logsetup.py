@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
 
@@ -74,6 +74,17 @@ class LogLevel:
         loop.add_signal_handler(signal.SIGUSR2, lambda: self.set(self.initial, "SIGUSR2"))
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is when a line is written: a logger cached on first use must not
+    keep a stream that was replaced (and closed) since, e.g. by a test's capture."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", stream: TextIO | None = None) -> LogLevel:
     """structlog → one JSON object per line on `stream` (default: stderr). For each entry
     point to call once; the returned LogLevel changes the level later."""
@@ -88,7 +99,7 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> LogL
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=wrapper,
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or cast(TextIO, _Stderr())),
         cache_logger_on_first_use=True,
     )
     return LogLevel(initial=level, wrapper=wrapper)
