@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 CLUSTER_SPEC ?= hack/specs/dev.yaml
 CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
@@ -14,17 +14,18 @@ FUZZ_SEED ?= 1
 VERSION := $(shell sed -n 's/^VERSION = "\(.*\)"$$/\1/p' common/version.py)
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
-        node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
+        node-deps node-bins images cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency bench-autoscale bench-memory bench-apiserver bench-check \
         chaos fuzz release clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the images ship (tests/packaging/test_constraints.py)
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP) ## create .venv/ with the project (editable) and its dev tools
@@ -44,12 +45,18 @@ kube-bins: install node-deps control-plane-bins ## also node-bins, helm, kueue a
 	hack/kueue/build.sh
 	hack/karpenter/build.sh
 
-node-deps: ## Debian packages the real node needs: runc, busybox-static (apt-get when missing)
-	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ]; then :; else \
-		apt-get install -y runc busybox-static || { apt-get update && apt-get install -y runc busybox-static; }; fi
+NODE_DEBS := runc busybox-static containernetworking-plugins
+node-deps: ## Debian packages the real node needs: runc, busybox-static, CNI bridge + host-local (apt-get when missing)
+	@if [ -x /usr/sbin/runc ] && [ -x /bin/busybox ] && [ -x /usr/lib/cni/bridge ]; then :; else \
+		apt-get install -y $(NODE_DEBS) || { apt-get update && apt-get install -y $(NODE_DEBS); }; fi
 
 node-bins: node-deps ## build (or verify cached) kubelet, containerd, ctr, shim, CNI loopback, pause, nvidia-container-runtime
 	hack/kube/build-node.sh
+
+images: install ## build the webhook and node-agent images from the Containerfiles (Buildah, a Debian base; no registry)
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || \
+		apt-get install -y buildah mmdebstrap || { apt-get update && apt-get install -y buildah mmdebstrap; }
+	$(BIN)/python -m hack.images
 
 test-unit: install ## pure-logic tests (milliseconds each)
 	$(BIN)/pytest -q tests/unit
@@ -66,10 +73,10 @@ protos: install ## regenerate the committed kubelet gRPC stubs from third_party/
 test-integration: install kube-bins ## components against the real local control plane
 	$(BIN)/pytest -q tests/integration
 
-test-e2e: install kube-bins ## whole system on the local control plane
+test-e2e: install kube-bins images ## whole system on the local control plane
 	$(BIN)/pytest -q tests/e2e
 
-test: lint kube-bins ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
+test: lint kube-bins images ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
 	@mkdir -p .dev && rm -f .dev/test-report.xml
 	$(BIN)/pytest -q tests --durations=25 --junitxml=.dev/test-report.xml || { status=$$?; \
 		$(BIN)/python -m hack.test_report .dev/test-report.xml; exit $$status; }

@@ -45,6 +45,21 @@ class BindingMode(enum.StrEnum):
     DEVICE_PLUGIN = "device-plugin"  # the node agent's device plugin answers Allocate
 
 
+class AllocationMode(enum.StrEnum):
+    """How pods get slices, for the whole cluster (docs/dra.md); one value in the ConfigMap
+    instaslice-config (`allocation-mode`) that every component reads (`--allocation-mode`)."""
+
+    GATES = "gates"  # SliceAllocations and scheduling gates (docs/contract.md §1-§4)
+    DRA = "dra"  # resource.k8s.io/v1 objects are the record: ResourceSlices, ResourceClaims
+
+
+# DRA mode (docs/dra.md): the driver, its DeviceClasses and the device model's names.
+DRA_DRIVER: Final = "instaslice.io"
+DRA_API_VERSION: Final = "resource.k8s.io/v1"
+DEVICE_CLASS_MIG: Final = "mig.instaslice.io"
+DEVICE_CLASS_GPU: Final = "gpu.instaslice.io"
+
+
 # Objects.
 SLICE_ALLOCATION_KIND: Final = "SliceAllocation"
 SLICE_ALLOCATION_PLURAL: Final = "sliceallocations"

@@ -19,13 +19,14 @@ With `kueue: true` in the spec, Kueue runs too (hack/kueue.py: CRDs, webhooks, m
 local process); its configuration charges `instaslice.io/memory-slots` only when the webhook
 runs with `--slot-accounting` (the spec's `slotAccounting: true`, docs/kueue.md).
 
-What it does not do: build container images of InstaSlice (its components run as local
-processes, also for the real node).
+With `install: chart` (docs/contract.md §5) InstaSlice runs as shipped instead: images built
+from the Containerfiles, `helm install` of charts/instaslice, the webhook/allocator and the
+real node's agent as pods there (hack/cluster/chartinstall.py, pod networking
+hack/cluster/podnet.py); the KWOK nodes keep the emulated agent process outside the cluster.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
@@ -34,7 +35,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,16 +44,16 @@ import yaml
 from kubernetes_asyncio import config as k8s_config
 
 from common.catalog import load_catalog, load_model_file
-from common.constants import BindingMode
+from common.constants import AllocationMode, BindingMode
 from common.kubeapi import harden
 from hack import kueue
 from hack.cluster import karpenter
+from hack.cluster.chartinstall import install_chart
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import (
     ClusterSpec,
     NodeGroup,
     create_nodes,
-    load_spec,
     wait_nodes_ready,
 )
 from hack.cluster.procs import ProcessRecord, free_ports, spawn, stop_process
@@ -65,6 +66,7 @@ MANIFESTS = REPO / "manifests" / "base"
 NAMESPACE = "instaslice-system"
 CONTROLLER_SA = "instaslice-controller"
 SLOT_ACCOUNTING = "--slot-accounting"  # the webhook's flag (docs/kueue.md)
+DRA_MODE = f"--allocation-mode={AllocationMode.DRA}"  # every component's (docs/dra.md)
 # What a dev install applies (the Deployments/DaemonSet are replaced by local processes).
 INSTALL = [
     "crds/sliceallocations.yaml",
@@ -82,6 +84,9 @@ INSTALL = [
     "policy/instaslice-controller.yaml",
     "policy/unserved-asks.yaml",
 ]
+# DRA mode (`dra: true`): what the component manifests/components/dra adds
+DRA_INSTALL = ["../components/dra/deviceclasses.yaml", "../components/dra/rbac.yaml",
+               "../components/dra/policy.yaml"]  # fmt: skip
 _STATE = "system.json"
 PART_OF = {"app.kubernetes.io/part-of": "instaslice"}
 
@@ -104,6 +109,7 @@ class DevSystem:
     real: RealNode | None = None  # the runtime: containerd group's node
     real_binding: BindingMode = BindingMode.DEVICE_PLUGIN
     kueue_port: int = 0  # Kueue's webhook port when the spec says `kueue: true`, else 0
+    chart: bool = False  # `install: chart`: InstaSlice's pods on the real node, from Helm
     # children started by this Python process: reaped through their Popen (no zombie, no
     # "still running" ResourceWarning); a DevSystem attached from another process has none
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -182,11 +188,16 @@ class DevSystem:
             agent_args=tuple(agent_args),
             webhook_args=tuple(webhook_args),
             real_binding=real_binding,
+            chart=spec.install == "chart",
         )
         if spec.slot_accounting and SLOT_ACCOUNTING not in system.webhook_args:
             system.webhook_args += (SLOT_ACCOUNTING,)
+        if spec.dra:  # every component in DRA mode, as the ConfigMap sets it (docs/dra.md)
+            system.webhook_args += (DRA_MODE,) if DRA_MODE not in system.webhook_args else ()
+            system.agent_args += (DRA_MODE,) if DRA_MODE not in system.agent_args else ()
         try:
-            system.install()
+            if not system.chart:  # the chart installs all of it itself
+                system.install(dra=spec.dra)
             if spec.kueue:
                 system.start_kueue(system.kueue_settings(), die_with_parent=die_with_parent)
             asyncio.run(_create_nodes(cp.kubeconfig, spec))
@@ -209,10 +220,13 @@ class DevSystem:
             if (real := spec.real_group) is not None:
                 runtime: Runtime = "nvidia" if real_binding == "env" else "runc"
                 system.start_real_node(real, runtime=runtime, die_with_parent=die_with_parent)
-            system.start_webhook(die_with_parent=die_with_parent)
+            if system.chart:
+                system.install_chart()
+            else:
+                system.start_webhook(die_with_parent=die_with_parent)
             if system.kwok_nodes:
                 system.start_agent(die_with_parent=die_with_parent)
-            if system.real is not None:
+            if system.real is not None and not system.chart:
                 system.start_real_agent(die_with_parent=die_with_parent)
             if spec.autoscaled_groups:
                 system.start_autoscaling(spec.autoscaled_groups, die_with_parent=die_with_parent)
@@ -228,9 +242,9 @@ class DevSystem:
             raise
         return system
 
-    def install(self) -> None:
+    def install(self, *, dra: bool = False) -> None:
         docs = []
-        for f in INSTALL:
+        for f in (*INSTALL, *(DRA_INSTALL if dra else ())):
             for doc in yaml.safe_load_all((MANIFESTS / f).read_text()):
                 if doc:  # the label the base kustomization adds (docs select by it)
                     doc.setdefault("metadata", {}).setdefault("labels", {}).update(PART_OF)
@@ -333,9 +347,18 @@ class DevSystem:
             self.cp,
             group,
             runtime=runtime,
+            pod_network=self.chart,
             die_with_parent=die_with_parent,
         )
         self.save()
+
+    def install_chart(self, extra_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Images built and imported, `helm upgrade --install` (hack/cluster/chartinstall.py)
+        with `extra_values` over the dev values; both workloads rolled out. The values used."""
+        assert self.real is not None
+        return install_chart(
+            self.cp, self.real, self.gpu_state, self.dir / "images", extra_values=extra_values
+        )
 
     def start_real_agent(
         self, *, binding: BindingMode | None = None, die_with_parent: bool = False
@@ -343,6 +366,7 @@ class DevSystem:
         """The real node's agent: its own process, as a DaemonSet pod would be."""
         assert self.real is not None
         self.real_binding = binding or self.real_binding
+        kubelet_root = self.real.pod_resources_socket.parents[1]  # <root>/pod-resources/x.sock
         argv = [
             _bin("instaslice-nodeagent"),
             f"--kubeconfig={self.kubeconfig}",
@@ -354,6 +378,9 @@ class DevSystem:
             f"--binding-mode={self.real_binding}",
             f"--kubelet-dir={DEVICE_PLUGIN_DIR}",
             f"--pod-resources-socket={self.real.pod_resources_socket}",
+            # DRA mode: the plugin watcher's and the plugins' dirs under the kubelet's root dir
+            f"--kubelet-registry-dir={kubelet_root / 'plugins_registry'}",
+            f"--kubelet-plugins-dir={kubelet_root / 'plugins'}",
             f"--namespace={NAMESPACE}",
             *self.agent_args,
         ]
@@ -472,13 +499,13 @@ class DevSystem:
             for name, rec in self.processes.items():
                 if not rec.alive():
                     raise RuntimeError(f"{name} exited; see {rec.log}")
-            try:
+            try:  # the chart's webhook: its rollout (install_chart) was its readiness
                 with urllib.request.urlopen(
                     f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2
                 ) as r:
-                    ready = r.status == 200
+                    ready = self.chart or r.status == 200
             except OSError:
-                ready = False
+                ready = self.chart
             out = self.cp.kubectl("get", "mignodes", "-o", "name", check=False).stdout
             have = {line.split("/", 1)[1] for line in out.split() if "/" in line}
             if ready and want <= have:
@@ -499,6 +526,7 @@ class DevSystem:
             "real": None if self.real is None else str(self.real.root),
             "real_binding": self.real_binding,
             "kueue_port": self.kueue_port,
+            "chart": self.chart,
         }
         (self.dir / _STATE).write_text(json.dumps(state, indent=1))
 
@@ -525,6 +553,7 @@ class DevSystem:
             RealNode.attach(Path(st["real"])) if st.get("real") else None,
             BindingMode(st.get("real_binding", "device-plugin")),
             st.get("kueue_port", 0),
+            st.get("chart", False),
         )
 
 
@@ -543,60 +572,7 @@ async def _create_nodes(kubeconfig: Path, spec: ClusterSpec) -> None:
         await wait_nodes_ready(api, names, timeout_s=180)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hack.dev", description=__doc__)
-    ap.add_argument("command", choices=["up", "down", "status"])
-    ap.add_argument("--dir", type=Path, default=Path(".dev"))
-    ap.add_argument("--spec", type=Path, default=REPO / "hack" / "specs" / "dev.yaml")
-    args = ap.parse_args(argv)
-    if args.command == "down":
-        system = DevSystem.attach(args.dir)
-        if system is None:
-            cp = ControlPlane.attach(args.dir.absolute() / "cluster", require_alive=False)
-            if cp is not None:
-                cp.stop()
-            print("nothing running" if cp is None else "stopped the control plane")
-            return 0
-        system.down()
-        print("stopped InstaSlice and the control plane")
-        return 0
-    if args.command == "status":
-        system = DevSystem.attach(args.dir)
-        if system is None:
-            print("not running")
-            return 1
-        node_procs = list(system.real.processes.items()) if system.real is not None else []
-        for name, rec in [*system.processes.items(), *node_procs]:
-            print(
-                f"  {name:<10} pid {rec.pid:<8} {'running' if rec.alive() else 'DEAD'}  {rec.log}"
-            )
-        return 0
-    t0 = time.monotonic()
-    spec = load_spec(args.spec)
-    system = DevSystem.up(args.dir, spec)
-    real = "" if system.real is None else f" + real node {system.real.name} (kubelet+containerd)"
-    auto = "".join(
-        f" + autoscaled {g.prefix} (0..{g.autoscaled_max} nodes, Karpenter)"
-        for g in spec.autoscaled_groups
-    )
-    print(
-        f"InstaSlice is up in {time.monotonic() - t0:.1f}s on "
-        f"{len(system.kwok_nodes)} KWOK GPU nodes{real}{auto}"
-    )
-    print(f"  kubeconfig: {system.kubeconfig}")
-    print(
-        f"  kubectl:    {args.dir / 'bin' / 'kubectl'} --kubeconfig {system.kubeconfig} get pods -A"
-    )
-    print(f"  slice map:  .venv/bin/kubectl-instaslice --kubeconfig {system.kubeconfig} nodes")
-    print(
-        f"  logs:       {system.logs}/   GPUs: {system.gpu_state}/   CDI: {system.dir / 'nodes'}/"
-    )
-    print("  opt a namespace in: kubectl annotate ns NS instaslice.io/enabled=true")
-    if system.kueue_port:
-        config = system.dir / "kueue-config.yaml"
-        print(f"  Kueue:      {system.logs}/kueue.log, configuration {config} (docs/kueue.md)")
-    return 0
+if __name__ == "__main__":  # `python -m hack.dev up|down|status`: the CLI is hack/dev_cli.py
+    from hack.dev_cli import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

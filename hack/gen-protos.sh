@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Generate the kubelet device-plugin (v1beta1) and PodResources (v1) Python gRPC stubs from the
+# Generate the kubelet device-plugin (v1beta1), PodResources (v1), DRA plugin (v1) and plugin
+# registration (v1) Python gRPC stubs from the
 # .proto files vendored in third_party/k8s.io/kubelet/ (with their license). The generated code
 # is committed (nodeagent/deviceplugin/_gen/), so builds need neither Go nor protoc; run this
 # (`make protos`) only after changing the vendored protos or the pinned grpcio-tools.
@@ -13,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 VENDOR=third_party/k8s.io/kubelet
-APIS=(deviceplugin/v1beta1 podresources/v1)
+APIS=(deviceplugin/v1beta1 podresources/v1 dra/v1 pluginregistration/v1)
 
 if [[ "${1:-}" == "--vendor" ]]; then
   VERSION="${KUBELET_VERSION:-v0.37.2}"

@@ -9,11 +9,26 @@ values users set replaced by template expressions:
   instaslice-config, i.e. the component manifests/components/binding-env. The ConfigMap's
   name carries kustomize's content hash, so the generator renders both modes and the chart
   picks the name kustomize would give (a mode change rolls both workloads, as with kustomize);
+- `allocationMode` (gates | dra): the allocation-mode of the same ConfigMap, i.e. the
+  component manifests/components/dra, and the objects that component adds (DeviceClasses,
+  the node agent's DRA RBAC), rendered only with `dra`; the chart knows the ConfigMap's name
+  for each of the four (binding mode, allocation mode) pairs;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
   empty selector would admit every namespace);
-- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`.
+- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`;
+- `images.*.pullPolicy`, `{webhook,nodeagent}.{nodeSelector,tolerations}` (the node agent's
+  default tolerations are the overlay's), `nodeagent.hostPaths` (the node's CDI, pod-resources
+  and agent-state directories);
+- `certificate`: `cert-manager` (the overlay's Issuers and Certificates, the caBundle injected)
+  or `secret` (no cert-manager: the administrator provides the Secret instaslice-webhook-tls
+  and the CA as `certificate.caBundle`; docs/install.md);
+- `testing.emulator`: tests only (make dev-up's `install: chart`): the node agent runs the NVML
+  emulator on a node whose GPUs are emulated (docs/control-plane.md).
+
+Values that are empty by default (`with`-marks) add nothing to the rendering, so the defaults
+render exactly the overlay.
 
 Before writing anything it checks that the component renderings differ from the default only
 where it parameterises, and fails naming the object otherwise (extend it then, never hand-edit
@@ -61,6 +76,14 @@ CHART_DIR = REPO_ROOT / "charts" / "instaslice"
 OVERLAY = "kubernetes"
 CONFIG_MAP = "instaslice-config"
 BINDING_MODES = ("device-plugin", "env")
+ALLOCATION_MODES = ("gates", "dra")
+# (binding mode, allocation mode) -> the rendering with exactly the components that set them
+MODE_VARIANTS = {
+    ("device-plugin", "gates"): "default",
+    ("env", "gates"): "binding-env",
+    ("device-plugin", "dra"): "dra",
+    ("env", "dra"): "binding-env+dra",
+}
 IMAGES = {"webhook": "instaslice-webhook", "nodeagent": "instaslice-nodeagent"}
 WORKLOADS = {
     "webhook": ("Deployment", "instaslice-webhook"),
@@ -91,14 +114,14 @@ def render_variants(kubectl: Path) -> dict[str, list[Obj]]:
     """The overlay alone and with each component, as an administrator's own overlay would
     use it (the same shape tests/integration/test_manifests.py renders)."""
     out = {"default": _kustomize(kubectl, REPO_ROOT / "manifests" / "overlays" / OVERLAY)}
-    for variant in ("binding-env", "monitoring"):
+    for variant in ("binding-env", "monitoring", "dra", "binding-env+dra"):
         with tempfile.TemporaryDirectory(prefix="instaslice-chart-") as tmp:
             rel = Path(os.path.relpath(REPO_ROOT / "manifests", tmp))
             kust = {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
                 "resources": [str(rel / "overlays" / OVERLAY)],
-                "components": [str(rel / "components" / variant)],
+                "components": [str(rel / "components" / c) for c in variant.split("+")],
             }
             (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kust))
             out[variant] = _kustomize(kubectl, Path(tmp))
@@ -145,26 +168,38 @@ def _without_config(objs: list[Obj]) -> dict[tuple[str, str, str], Obj]:
     return out
 
 
-def check_variants(variants: dict[str, list[Obj]]) -> tuple[dict[str, str], list[Obj]]:
-    """(ConfigMap name per binding mode, the objects monitoring adds); SystemExit naming the
-    object when a component changes anything else."""
+Names = dict[tuple[str, str], str]  # (binding mode, allocation mode) -> the ConfigMap's name
+
+
+def check_variants(variants: dict[str, list[Obj]]) -> tuple[Names, list[Obj], list[Obj]]:
+    """(ConfigMap name per pair of modes, the objects monitoring adds, the objects DRA mode
+    adds); SystemExit naming the object when a component changes anything else."""
     default = variants["default"]
-    names = {}
-    for mode, objs in (("device-plugin", default), ("env", variants["binding-env"])):
-        cm = _config_map(objs)
-        if cm.get("data") != {"binding-mode": mode}:
-            raise SystemExit(f"{cm['metadata']['name']}: data {cm.get('data')}, expected {mode}")
-        names[mode] = cm["metadata"]["name"]
-    base, env = _without_config(default), _without_config(variants["binding-env"])
-    changed = sorted(k for k in base.keys() | env.keys() if base.get(k) != env.get(k))
-    if changed:
-        raise SystemExit(f"binding-env changes more than {CONFIG_MAP}: {changed}; extend gen_chart")
+    base = _without_config(default)
+    names: Names = {}
+    dra: dict[tuple[str, str, str], Obj] | None = None
+    for (binding, allocation), variant in MODE_VARIANTS.items():
+        cm = _config_map(variants[variant])
+        want = {"binding-mode": binding, "allocation-mode": allocation}
+        if cm.get("data") != want:
+            raise SystemExit(f"{cm['metadata']['name']}: data {cm.get('data')}, expected {want}")
+        names[(binding, allocation)] = cm["metadata"]["name"]
+        objs = _without_config(variants[variant])
+        changed = sorted(k for k in base if objs.get(k) != base[k])
+        added = {k: o for k, o in objs.items() if k not in base}
+        if changed or (allocation == "gates" and added):
+            what = changed or sorted(added)
+            raise SystemExit(f"{variant} changes more than {CONFIG_MAP}: {what}; extend gen_chart")
+        if allocation == "dra":
+            if dra is not None and added != dra:
+                raise SystemExit(f"{variant} adds other objects than dra alone; extend gen_chart")
+            dra = added
     mon = {_key(o): o for o in variants["monitoring"]}
     plain = {_key(o): o for o in default}
     changed = sorted(k for k in plain if mon.get(k) != plain[k])
     if changed:
         raise SystemExit(f"monitoring changes existing objects {changed}; extend gen_chart")
-    return names, [o for k, o in mon.items() if k not in plain]
+    return names, [o for k, o in mon.items() if k not in plain], list((dra or {}).values())
 
 
 # --- templating ------------------------------------------------------------------------------
@@ -182,25 +217,43 @@ def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 _MARK = "HELMMARK{}X"
+_WITH = "with"
+_ITEMS = "x-items"
+Mark = bool | str
 _MARK_RE = re.compile(r"^(?P<indent>( *)(- )?)(?P<key>[\w.-]+): (?P<mark>HELMMARK\d+X)$", re.M)
 
 
-def _template(obj: Obj, exprs: dict[str, tuple[str, bool]]) -> str:
+def _template(obj: Obj, exprs: dict[str, tuple[str, Mark]]) -> str:
     """Dump obj, escape Go-template braces in its own text (Prometheus rules use {{ }}), then
-    put the expressions in: `(expr, block)`: block expressions produce a YAML mapping."""
+    put the expressions in: `(expr, mode)`: False: a scalar; True (block): a YAML mapping or
+    list; `_WITH`: the key and its value only when the value is not empty; the key `_ITEMS`
+    in a list item: the items of expr's list appended there (none when empty)."""
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
 
+    placed: set[str] = set()
+
     def put(m: re.Match[str]) -> str:
-        expr, block = exprs.pop(m.group("mark"))
+        expr, block = exprs[m.group("mark")]  # one marker may stand in several places
+        placed.add(m.group("mark"))
+        indent, key = m.group("indent"), m.group("key")
+        if key == _ITEMS:  # list items appended by expr (a list; nothing when empty)
+            col = len(indent) - 2
+            return f"{{{{- with {expr} }}}}{{{{ toYaml . | nindent {col} }}}}{{{{- end }}}}"
+        if block == _WITH:  # the key only when the value is set
+            if indent.endswith("- "):
+                raise SystemExit(f"{key}: a with-mark cannot be an item's first key")
+            return (
+                f"{{{{- with {expr} }}}}\n{indent}{key}:{{{{ toYaml . | nindent "
+                f"{len(indent) + 2} }}}}\n{{{{- end }}}}"
+            )
         if not block:
-            return f"{m.group('indent')}{m.group('key')}: {expr}"
-        indent = len(m.group("indent")) + 2
-        return f"{m.group('indent')}{m.group('key')}:\n{{{{- {expr} | nindent {indent} }}}}"
+            return f"{indent}{key}: {expr}"
+        return f"{indent}{key}:\n{{{{- {expr} | nindent {len(indent) + 2} }}}}"
 
     text = _MARK_RE.sub(put, text)
-    if exprs:
-        raise SystemExit(f"markers not placed (not a mapping value?): {exprs}")
+    if left := {k: v for k, v in exprs.items() if k not in placed}:
+        raise SystemExit(f"markers not placed (not a mapping value?): {left}")
     return text
 
 
@@ -214,6 +267,7 @@ def _file_name(o: Obj) -> str:
 def _values(default: list[Obj]) -> dict[str, Any]:
     by_key = {(o["kind"], o["metadata"]["name"]): o for o in default}
     values: dict[str, Any] = {"images": {}, "bindingMode": "device-plugin"}
+    values["allocationMode"] = "gates"
     for part, (kind, name) in WORKLOADS.items():
         (container,) = by_key[(kind, name)]["spec"]["template"]["spec"]["containers"]
         repo, _, tag = container["image"].rpartition(":")
@@ -221,13 +275,43 @@ def _values(default: list[Obj]) -> dict[str, Any]:
             raise SystemExit(
                 f"{kind}/{name}: image {container['image']}, expected */{IMAGES[part]}"
             )
-        values["images"][part] = {"repository": repo, "tag": tag}
-        values[part] = {"resources": container["resources"]}
+        values["images"][part] = {"repository": repo, "tag": tag, "pullPolicy": ""}
+        pod = by_key[(kind, name)]["spec"]["template"]["spec"]
+        values[part] = {
+            "resources": container["resources"],
+            "nodeSelector": pod.get("nodeSelector", {}),
+            "tolerations": pod.get("tolerations", []),
+        }
     replicas = by_key[WORKLOADS["webhook"]]["spec"]["replicas"]
     values["webhook"] = {"replicas": replicas, **values["webhook"]}
+    agent = by_key[WORKLOADS["nodeagent"]]["spec"]["template"]["spec"]
+    paths = {v["name"]: v["hostPath"]["path"] for v in agent["volumes"] if "hostPath" in v}
+    values["nodeagent"]["hostPaths"] = {k: paths[v] for k, v in _AGENT_HOST_PATHS.items()}
     values["monitoring"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
+    values["certificate"] = {"source": "cert-manager", "caBundle": ""}
+    values["testing"] = {"emulator": {"enabled": False, "stateDir": "", "devRoot": ""}}
     return values
+
+
+# the node agent's hostPath volumes a value moves: value key -> volume name
+_AGENT_HOST_PATHS = {"cdi": "cdi", "podResources": "pod-resources", "state": "state"}
+_CERT_MANAGER = 'eq .Values.certificate.source "cert-manager"'
+_EMU = ".Values.testing.emulator"
+# what `testing.emulator.enabled` adds to the node agent (ternary: both branches evaluate)
+_EMU_ARGS = (
+    f'ternary (list "--emulate" (printf "--emu-state=%s" {_EMU}.stateDir) '
+    f'(printf "--dev-root=%s" {_EMU}.devRoot)) (list) {_EMU}.enabled'
+)
+_EMU_MOUNTS = (
+    f'ternary (list (dict "name" "emu-state" "mountPath" {_EMU}.stateDir) '
+    f'(dict "name" "emu-dev" "mountPath" {_EMU}.devRoot "readOnly" true)) (list) {_EMU}.enabled'
+)
+_EMU_VOLUMES = (
+    f'ternary (list (dict "name" "emu-state" "hostPath" (dict "path" {_EMU}.stateDir "type" '
+    f'"Directory")) (dict "name" "emu-dev" "hostPath" (dict "path" {_EMU}.devRoot "type" '
+    f'"Directory"))) (list) {_EMU}.enabled'
+)
 
 
 def _metrics_rules(o: Obj) -> list[Obj]:
@@ -255,11 +339,11 @@ def _scrapers(default: list[Obj]) -> Obj:
     return dict(found[0])
 
 
-def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]]]:
+def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, Mark]]]:
     o = copy.deepcopy(o)
-    exprs: dict[str, tuple[str, bool]] = {}
+    exprs: dict[str, tuple[str, Mark]] = {}
 
-    def mark(expr: str, block: bool = False) -> str:
+    def mark(expr: str, block: Mark = False) -> str:
         m = _MARK.format(len(exprs))
         exprs[m] = (expr, block)
         return m
@@ -270,6 +354,7 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
         del exprs[config_name]
     if o["kind"] == "ConfigMap" and o["metadata"]["name"] == config_name:
         o["data"]["binding-mode"] = mark("{{ .Values.bindingMode | quote }}")
+        o["data"]["allocation-mode"] = mark("{{ .Values.allocationMode | quote }}")
     for part, (kind, name) in WORKLOADS.items():
         if (o["kind"], o["metadata"]["name"]) != (kind, name):
             continue
@@ -279,6 +364,30 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
         container["resources"] = mark(f"toYaml .Values.{part}.resources", block=True)
         if part == "webhook":
             o["spec"]["replicas"] = mark("{{ .Values.webhook.replicas }}")
+        container["imagePullPolicy"] = mark(f"{v}.pullPolicy", _WITH)
+        pod = o["spec"]["template"]["spec"]
+        pod["nodeSelector"] = mark(f".Values.{part}.nodeSelector", _WITH)
+        pod["tolerations"] = mark(f".Values.{part}.tolerations", _WITH)
+        if part == "nodeagent":
+            for volume in pod["volumes"]:
+                for key, vname in _AGENT_HOST_PATHS.items():
+                    if volume["name"] == vname:
+                        volume["hostPath"]["path"] = mark(
+                            f"{{{{ .Values.nodeagent.hostPaths.{key} | quote }}}}"
+                        )
+            container["args"].append({_ITEMS: mark(_EMU_ARGS)})
+            container["volumeMounts"].append({_ITEMS: mark(_EMU_MOUNTS)})
+            pod["volumes"].append({_ITEMS: mark(_EMU_VOLUMES)})
+    if o["kind"] == "MutatingWebhookConfiguration":
+        annotations = o["metadata"].pop("annotations")
+        o["metadata"]["annotations"] = mark(
+            f"ternary (`{json.dumps(annotations)}` | fromJson) (dict) ({_CERT_MANAGER})", _WITH
+        )
+        for hook in o["webhooks"]:
+            hook["clientConfig"]["caBundle"] = mark(
+                'ternary .Values.certificate.caBundle "" (eq .Values.certificate.source "secret")',
+                _WITH,
+            )
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
@@ -287,6 +396,11 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]
     return o, exprs
 
 
+_PLACEMENT: dict[str, Any] = {
+    "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+    "tolerations": {"type": "array", "items": {"type": "object"}},
+}
+
 _SCHEMA: dict[str, Any] = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "type": "object",
@@ -294,10 +408,13 @@ _SCHEMA: dict[str, Any] = {
     "required": [
         "images",
         "bindingMode",
+        "allocationMode",
         "webhook",
         "nodeagent",
         "monitoring",
         "metricsNamespaceSelector",
+        "certificate",
+        "testing",
     ],
     "properties": {
         "images": {
@@ -308,31 +425,83 @@ _SCHEMA: dict[str, Any] = {
                 part: {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["repository", "tag"],
+                    "required": ["repository", "tag", "pullPolicy"],
                     "properties": {
                         "repository": {"type": "string", "minLength": 1},
                         "tag": {"type": "string", "minLength": 1},
+                        # "": the cluster's default (IfNotPresent for a tag)
+                        "pullPolicy": {"enum": ["", "Always", "IfNotPresent", "Never"]},
                     },
                 }
                 for part in IMAGES
             },
         },
         "bindingMode": {"enum": list(BINDING_MODES)},
+        "allocationMode": {"enum": list(ALLOCATION_MODES)},
         "webhook": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["replicas", "resources"],
+            "required": ["replicas", "resources", "nodeSelector", "tolerations"],
             "properties": {
                 # the PodDisruptionBudget keeps 1 available: with 1 replica drains would block
                 "replicas": {"type": "integer", "minimum": 2},
                 "resources": {"type": "object"},
+                **_PLACEMENT,
             },
         },
         "nodeagent": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["resources"],
-            "properties": {"resources": {"type": "object"}},
+            "required": ["resources", "nodeSelector", "tolerations", "hostPaths"],
+            "properties": {
+                "resources": {"type": "object"},
+                **_PLACEMENT,
+                "hostPaths": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": list(_AGENT_HOST_PATHS),
+                    "properties": {
+                        k: {"type": "string", "pattern": "^/"} for k in _AGENT_HOST_PATHS
+                    },
+                },
+            },
+        },
+        "certificate": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["source", "caBundle"],
+            "properties": {
+                "source": {"enum": ["cert-manager", "secret"]},
+                "caBundle": {"type": "string"},
+            },
+            # `secret` without the CA: the API server could not verify the webhook
+            "if": {"properties": {"source": {"const": "secret"}}},
+            "then": {"properties": {"caBundle": {"minLength": 1}}},
+        },
+        "testing": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["emulator"],
+            "properties": {
+                "emulator": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["enabled", "stateDir", "devRoot"],
+                    "properties": {
+                        "enabled": {"type": "boolean"},
+                        "stateDir": {"type": "string"},
+                        "devRoot": {"type": "string"},
+                    },
+                    # both host paths when on: the agent's emulated GPUs and device files
+                    "if": {"properties": {"enabled": {"const": True}}},
+                    "then": {
+                        "properties": {
+                            "stateDir": {"pattern": "^/"},
+                            "devRoot": {"pattern": "^/"},
+                        }
+                    },
+                },
+            },
         },
         "monitoring": {
             "type": "object",
@@ -378,13 +547,16 @@ _VALUES_COMMENT = """\
 # subjects, the admission policies and the webhook certificate, and which the chart creates
 # (with the Pod Security labels the node agent needs). Do not pass
 # `--namespace instaslice-system --create-namespace`; the release record may live anywhere.
-# Needs cert-manager 1.x, as the overlay does. docs/install.md "Helm".
+# With `certificate.source: cert-manager` (the default) it needs cert-manager 1.x, as the
+# overlay does; `secret` needs none. docs/install.md "Helm".
 """
 
 _VALUE_DOCS = {
     "images": "images of the two components (the overlay's `images:`)",
     "bindingMode": "device-plugin | env: the component manifests/components/binding-env\n"
     "# (docs/binding.md)",
+    "allocationMode": "gates | dra: the component manifests/components/dra (docs/dra.md;\n"
+    "# Kubernetes 1.36 or later); dra adds the DeviceClasses and the node agent's DRA RBAC",
     "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",
     "nodeagent": "the node agent DaemonSet",
     "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
@@ -394,6 +566,14 @@ _VALUE_DOCS = {
     "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
     "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
     "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
+    "certificate": "the webhook's serving certificate: cert-manager (the overlay's Issuers and "
+    "Certificates,\n# the caBundle injected by cert-manager's cainjector) or secret (no "
+    "cert-manager: you create the\n# Secret instaslice-webhook-tls, tls.crt + tls.key for "
+    "instaslice-webhook.instaslice-system.svc, and\n# set caBundle to its CA, base64 PEM; "
+    'docs/install.md "Helm without cert-manager")',
+    "testing": "tests only (make dev-up's `install: chart`, docs/control-plane.md): the node "
+    "agent runs the\n# NVML emulator, its state and device files in these host directories. "
+    "Never on real GPUs.",
 }
 
 
@@ -407,7 +587,7 @@ def _values_yaml(values: dict[str, Any]) -> str:
 
 def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     """The chart's files, from the renderings (pure: the unit tests call it directly)."""
-    names, monitoring = check_variants(variants)
+    names, monitoring, dra = check_variants(variants)
     default = variants["default"]
     values = _values(default)
     # One version (common/version.py): the chart's, and the images' tag the overlay pins
@@ -436,32 +616,43 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     files["templates/_helpers.tpl"] = (
         "{{/* Generated by hack/gen_chart.py (make chart): do not edit. */}}\n"
         "{{/* kustomize's name for the ConfigMap instaslice-config, which carries a hash of its\n"
-        "     content; one per binding mode, so a mode change rolls both workloads. */}}\n"
+        "     content; one per pair of modes, so a mode change rolls both workloads. */}}\n"
         '{{- define "instaslice.configName" -}}\n'
+        '{{- $modes := printf "%s/%s" .Values.bindingMode .Values.allocationMode -}}\n'
         + "".join(
-            f'{"{{- if" if i == 0 else "{{- else if"} eq .Values.bindingMode "{mode}" -}}}}\n'
-            f"{names[mode]}\n"
-            for i, mode in enumerate(BINDING_MODES)
+            f'{"{{- if" if i == 0 else "{{- else if"} eq $modes "{b}/{a}" -}}}}\n{names[(b, a)]}\n'
+            for i, (b, a) in enumerate(MODE_VARIANTS)
         )
-        + '{{- else -}}\n{{- fail (printf "bindingMode %q: device-plugin or env" '
-        ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n"
+        + '{{- else -}}\n{{- fail (printf "bindingMode %q, allocationMode %q: device-plugin '
+        'or env, gates or dra" .Values.bindingMode .Values.allocationMode) -}}\n'
+        "{{- end -}}\n{{- end -}}\n"
     )
     files["templates/NOTES.txt"] = (
         "InstaSlice {{ .Chart.AppVersion }} installs into the namespace instaslice-system\n"
-        "(binding mode {{ .Values.bindingMode }}). Wait for it:\n"
+        "(binding mode {{ .Values.bindingMode }}, allocation mode "
+        "{{ .Values.allocationMode }}). Wait for it:\n"
         "  kubectl -n instaslice-system rollout status deployment/instaslice-webhook\n"
         "  kubectl -n instaslice-system rollout status daemonset/instaslice-nodeagent\n"
         'Then opt a namespace in: docs/install.md "3. Opt a namespace in".\n'
     )
-    cm_name = names["device-plugin"]
+    cm_name = names[("device-plugin", "gates")]
     for o in default:
         obj, exprs = _parameterise(o, cm_name)
-        files[f"templates/{_file_name(o)}"] = HEADER + _template(obj, exprs)
+        body = HEADER + _template(obj, exprs)
+        if o["apiVersion"].startswith("cert-manager.io/"):
+            body = f"{{{{- if {_CERT_MANAGER} }}}}\n{body}{{{{- end }}}}\n"
+        files[f"templates/{_file_name(o)}"] = body
     for o in monitoring:
         obj, exprs = _parameterise(o, cm_name)
         body = _template(obj, exprs)
         files[f"templates/monitoring/{_file_name(o)}"] = (
             "{{- if .Values.monitoring.enabled }}\n" + HEADER + body + "{{- end }}\n"
+        )
+    for o in dra:
+        obj, exprs = _parameterise(o, cm_name)
+        body = _template(obj, exprs)
+        files[f"templates/dra/{_file_name(o)}"] = (
+            '{{- if eq .Values.allocationMode "dra" }}\n' + HEADER + body + "{{- end }}\n"
         )
     return files
 

@@ -26,12 +26,15 @@ from common.allocation import SliceAllocation
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
 from common.conditions import observed, with_condition
-from common.constants import EventReason
+from common.constants import AllocationMode, EventReason
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, heartbeat, modes, writes
 from nodeagent.binding import Binding
 from nodeagent.device import HealthHub, NodeGpus
+from nodeagent.dra.carve import DraClaims
+from nodeagent.dra.pool import pool_slices
+from nodeagent.dra.publish import PoolPublisher
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.maintenance import Maintenance, Reset
 from nodeagent.metrics import AgentMetrics
@@ -130,6 +133,10 @@ class NodeAgent:
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
         self._last_labels: dict[str, str | None] | None = None
         self.idle_mode: str | None = None  # the Node's instaslice.io/idle-mig-mode (modes.py)
+        # DRA mode: the node's ResourceSlices, written with the MigNode (docs/dra.md)
+        dra = settings.allocation is AllocationMode.DRA
+        self.pool = PoolPublisher(kube, node, self.st.publish.set) if dra else None
+        self.claims = DraClaims(self.life, kube) if dra else None  # ResourceClaims allocated here
         self._idle_mode_told = ""
 
     # ---- informer → agent --------------------------------------------------------------------
@@ -199,6 +206,8 @@ class NodeAgent:
         try:
             async with asyncio.TaskGroup() as tg:
                 self.queue.start(tg)
+                if self.claims is not None:
+                    self.claims.queue.start(tg)
                 tg.create_task(self._publisher(), name=f"publish-{self.node}")
                 tg.create_task(self._lease(), name=f"lease-{self.node}")
                 tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
@@ -298,6 +307,11 @@ class NodeAgent:
         """Write MigNode status and Node capacity (env binding only) if they changed; a retry
         delay if the Node object does not exist yet."""
         st = self.st
+        modes = self.life.modes
+        if self.pool is not None:
+            await self.pool.publish(
+                pool_slices(st.inv, st.health, modes.can_enable, modes.can_be_whole)
+            )
         status = mig_node_status(
             st.inv,
             st.health,
@@ -331,7 +345,6 @@ class NodeAgent:
             ours = sum(len(r.slices) for r in st.cp.claims.values())
             self.metrics.slices.labels(self.node, "instaslice").set(ours)
             self.metrics.slices.labels(self.node, "foreign").set(len(st.foreign))
-        modes = self.life.modes
         desired = slot_capacity(
             st.inv, st.health, self.life.catalog, modes.can_enable, modes.can_be_whole
         )
@@ -396,14 +409,14 @@ class NodeAgent:
         retried (by their allocation's worker, never beside it), remove CDI files nobody
         claims, and rescan NVML for foreign instances."""
         st = self.st
-        live = set(st.allocs)
+        live = set(st.allocs) | (self.claims.live() if self.claims is not None else set())
         due, self._orphan_seen = orphans(
             st.cp, live, self._orphan_seen, self.clock.monotonic(), self.settings.gc_grace_s
         )
         stuck = [
             uid
             for uid, rec in st.cp.claims.items()
-            if uid in live
+            if uid in st.allocs
             and rec.state == "releasing"
             and not SliceAllocation.parse(st.allocs[uid]).deleting
         ]

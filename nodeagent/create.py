@@ -24,7 +24,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import structlog
 
@@ -45,6 +45,18 @@ from nodeagent.state import AgentNode
 log = structlog.get_logger("lifecycle")  # one logger name for the whole life
 A = TypeVar("A")
 B = TypeVar("B")
+
+
+class Claimed(Protocol):
+    """What an intent record names: a SliceAllocation, or a ResourceClaim (DRA mode)."""
+
+    @property
+    def uid(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
 
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 NOT_OURS = -1  # a GI id no instance has: the slice claims nothing
@@ -332,7 +344,7 @@ class Create(LifeBase):
             await self.binding.slices_released(alloc.namespace, alloc.name, alloc.uid)
 
     async def intent(
-        self, alloc: SliceAllocation, rec: ClaimRecord | None, fresh: list[SliceRecord]
+        self, alloc: Claimed, rec: ClaimRecord | None, fresh: list[SliceRecord]
     ) -> tuple[ClaimRecord | str, list[Instance]]:
         """The create's intent record, on disk before NVML makes anything, and the GPUs'
         instances; or why not. Intent first, but only for placements that are free: an

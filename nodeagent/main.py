@@ -29,7 +29,7 @@ import structlog
 
 from common.catalog import load_catalog
 from common.clock import stoppable
-from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, BindingMode
+from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, AllocationMode, BindingMode
 from common.kubeapi import (
     EventType,
     Informer,
@@ -48,6 +48,8 @@ from nodeagent.agent import NodeAgent
 from nodeagent.binding import Binding, EnvBinding
 from nodeagent.device import HealthHub, NodeGpus
 from nodeagent.discover import discover, render, report
+from nodeagent.dra.informers import dra_claims, dra_slices
+from nodeagent.dra.plugin import Sockets, serving
 from nodeagent.maintenance import Reset, ResetRefused, command_reset
 from nodeagent.metrics import AgentMetrics, health_server
 from nodeagent.nvml import NvmlModule, real_nvml
@@ -93,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=BindingMode.ENV.value,
         help="how a container gets its slice (docs/binding.md); must match the webhook's "
         "--binding-mode (the manifests set both from the ConfigMap instaslice-config)",
+    )
+    p.add_argument(
+        "--allocation-mode",
+        choices=[m.value for m in AllocationMode],
+        default=AllocationMode.GATES.value,
+        help="gates, or dra: publish this node's ResourceSlices and serve the kubelet's DRA "
+        "plugin API (docs/dra.md); the manifests set it, for every component, from the "
+        "ConfigMap instaslice-config",
+    )
+    p.add_argument(
+        "--kubelet-registry-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins_registry"),
+        help="DRA mode, one node: where the kubelet's plugin watcher finds the agent's "
+        "registration socket",
+    )
+    p.add_argument(
+        "--kubelet-plugins-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins"),
+        help="DRA mode, one node: the DRA plugin socket goes in DIR/instaslice.io/",
     )
     p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
     p.add_argument(
@@ -209,6 +232,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         state_dir=a.state_dir,
         namespace=a.namespace,
         binding=BindingMode(a.binding),
+        allocation=AllocationMode(a.allocation_mode),
+        # one node's kubelet: emulated KWOK nodes have none (an emulated node under a real
+        # kubelet has its --dev-root)
+        dra_registry_dir=(
+            a.kubelet_registry_dir
+            if len(nodes) == 1 and (not a.emulate or a.dev_root is not None)
+            else None
+        ),
+        dra_plugins_dir=a.kubelet_plugins_dir,
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
@@ -367,6 +399,7 @@ async def serve(
     reset_for = reset_factory(settings)
     agents: dict[str, NodeAgent] = {}
     metrics = AgentMetrics()
+    dra = settings.allocation is AllocationMode.DRA
 
     by_label = {node_label_value(n): n for n in settings.nodes}  # a long name's is cut
 
@@ -444,6 +477,8 @@ async def serve(
                 agents,
                 NodeAgent.on_mig_node,
             )
+            claims_informer = dra_claims(kube, agents) if dra else None
+            slices_informer = dra_slices(kube, settings.nodes, agents) if dra else None
             for agent in agents.values():  # read when scraped: the agent's live view
                 metrics.slice_info.sources.append(functools.partial(_slice_info, agent))
             if settings.binding == "device-plugin":
@@ -459,6 +494,11 @@ async def serve(
                 started = all(a.started.is_set() for a in agents.values())
                 return started and informer.synced.is_set()
 
+            if dra and settings.dra_registry_dir is not None:
+                (agent,) = agents.values()
+                assert agent.claims is not None
+                sockets = Sockets(settings.dra_registry_dir, settings.dra_plugins_dir)
+                await stack.enter_async_context(serving(agent.claims, sockets))
             if settings.metrics_port:
                 await stack.enter_async_context(
                     health_server(
@@ -477,6 +517,13 @@ async def serve(
                     tg.create_task(agent.run(), name=f"agent-{agent.node}")
                 tg.create_task(stoppable(informer.run(), "informer"), name="informer-guard")
                 tg.create_task(binding.run(), name="binding")
+                if claims_informer is not None and slices_informer is not None:
+                    tg.create_task(
+                        stoppable(claims_informer.run(), "resourceclaims"), name="claims-guard"
+                    )
+                    tg.create_task(
+                        stoppable(slices_informer.run(), "resourceslices"), name="slices-guard"
+                    )
                 tg.create_task(stoppable(nodes_informer.run(), "nodes"), name="nodes-guard")
                 tg.create_task(
                     stoppable(mig_nodes_informer.run(), "mignodes"), name="mignodes-guard"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.constants import AGENT_LEASE_DURATION_S, BindingMode
+from common.constants import AGENT_LEASE_DURATION_S, AllocationMode, BindingMode
 from common.metricsauth import MetricsAuthLimits
 from common.version import VERSION
 
@@ -35,6 +35,14 @@ class Settings:
     state_dir: Path | None = None  # default: emu_state under --emulate, else DEFAULT_STATE_DIR
     namespace: str = "instaslice-system"
     binding: BindingMode = BindingMode.ENV
+    # dra: also publish this node's pool as ResourceSlices and serve the kubelet's DRA plugin
+    # API (docs/dra.md); gates: neither
+    allocation: AllocationMode = AllocationMode.GATES
+    # DRA mode with one node: serve the kubelet's DRA plugin API, registered in this dir
+    # (None: no kubelet plugin, e.g. emulated KWOK nodes); the plugin socket goes under
+    # dra_plugins_dir/instaslice.io/
+    dra_registry_dir: Path | None = None
+    dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     discover_only: bool = False
     gc_grace_s: float = 60.0
     gc_period_s: float = 30.0

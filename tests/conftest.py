@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # kubelet + containerd node. `pytest -m unit`, `-m "not system"`, `-m realnode` select them.
 _TIERS = {"unit", "integration", "e2e", "packaging"}
 _SYSTEM_MODULES = {"test_chaos_quick.py", "test_bench_latency_quick.py"}
-_REALNODE_MODULES = {"test_realnode.py"}
+_REALNODE_MODULES = {"test_realnode.py", "test_installed.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
-from common.constants import BindingMode
+from common.constants import AllocationMode, BindingMode
 from common.heap import settle_collector
 from common.kubeapi import Kube
 from common.logsetup import LEVELS, configure_logging
@@ -52,6 +52,8 @@ class Settings:
     log_level: str = "info"
     metrics_auth: bool = False
     metrics_auth_limits: MetricsAuthLimits = field(default_factory=MetricsAuthLimits)
+    # gates or dra (docs/dra.md), as the node agents': what the allocator is to run in
+    allocation_mode: AllocationMode = AllocationMode.GATES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[m.value for m in BindingMode],
         default=BindingMode.ENV.value,
         help="must match the node agents' (the manifests set both from one ConfigMap)",
+    )
+    p.add_argument(
+        "--allocation-mode",
+        choices=[m.value for m in AllocationMode],
+        default=AllocationMode.GATES.value,
+        help="gates or dra (docs/dra.md); must match the node agents' (the manifests set "
+        "both from one ConfigMap)",
     )
     p.add_argument("--namespace", default="instaslice-system", help="for the leader Lease")
     p.add_argument("--identity", default=None, help="leader-election identity")
@@ -249,6 +258,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         a.log_level,
         a.metrics_auth,
         limits_from(a),
+        AllocationMode(a.allocation_mode),
     )
 
 

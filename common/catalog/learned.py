@@ -98,6 +98,11 @@ def learn(name: str, rows: Sequence[_Row]) -> GpuModel | None:
     )
 
 
+def learn_profiles(name: str, profiles: Sequence[Mapping[str, Any]]) -> GpuModel | None:
+    """`learn` from MigNode profile entries (`status.gpus[].profiles`) as published."""
+    return learn(name, [r for r in (_row(p) for p in profiles) if r is not None])
+
+
 def agrees(model: GpuModel, rows: Sequence[_Row]) -> bool:
     """Whether the published rows say what the catalog entry says, for planning."""
     if len(rows) != len(model.profiles):

@@ -277,6 +277,21 @@ def single_table(tables: ModelTables, profile: str, mode: FitMode) -> tuple[Sing
     return tuple(out)
 
 
+def static_preference(tables: ModelTables) -> tuple[tuple[str, int], ...]:
+    """Every (profile, start) of the model, the one InstaSlice would rather fill first on an
+    empty GPU first: by the loss of potential an instance there costs (the measure
+    `single_table`'s BEST mode minimises), ties to the higher start (as BEST's), then by
+    name. Small profiles at high starts come first, the full GPU's profile at 0 last. The
+    order a DRA driver publishes its devices in, for a first-fit scheduler (docs/dra.md)."""
+    pot = tables.potential
+    keyed = [
+        (pot[0] - pot[m], -s, t.name, s)
+        for t in tables.by_index
+        for s, m in zip(t.starts, t.masks, strict=True)
+    ]
+    return tuple((name, s) for _, _, name, s in sorted(keyed))
+
+
 @lru_cache(maxsize=256)
 def free_spots(tables: ModelTables, profile: str) -> tuple[int, ...]:
     """For every occupancy mask: at how many of its starts one `profile` instance would

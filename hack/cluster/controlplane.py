@@ -461,6 +461,9 @@ def _apiserver_args(s: ClusterSettings, pki: Path, etcd_port: int, port: int) ->
         "--allow-privileged=true",
         # the kubernetes Service's endpoint would be 127.0.0.1, which Endpoints reject
         "--endpoint-reconciler-type=none",
+        # no kube-proxy: a webhook Service (the chart's, `install: chart`) is reached by
+        # dialing its endpoints, as for aggregated APIs (hack/cluster/podnet.py)
+        "--enable-aggregator-routing=true",
         f"--default-not-ready-toleration-seconds={s.not_ready_toleration_s}",
         f"--default-unreachable-toleration-seconds={s.unreachable_toleration_s}",
         "--profiling=false",

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, cast, get_args
 
 import yaml
 from kubernetes_asyncio import client, watch
@@ -49,6 +49,7 @@ TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 _EFFECTS: Final = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 Runtime = Literal["kwok", "containerd"]
 _RUNTIMES: Final = ("kwok", "containerd")
+Install = Literal["processes", "chart"]
 # A `runtime: containerd` group's node is real (hack/cluster/realnode.py); only pods that
 # tolerate this taint land there.
 REAL_NODE_TAINT: Final = ("instaslice.io/real-node", "true", "NoSchedule")
@@ -97,6 +98,15 @@ class ClusterSpec:
     # top-level `slotAccounting: true`: the webhook runs with --slot-accounting (and a Kueue
     # of the spec charges instaslice.io/memory-slots, docs/kueue.md)
     slot_accounting: bool = False
+    # top-level `dra: true`: every component runs with --allocation-mode=dra (docs/dra.md).
+    # No feature gate is set for it: on v1.37.2 resource.k8s.io/v1, partitionable devices
+    # (shared counters) and the kubelet's DRA plugin API are on by default (the counters
+    # survive the API server's field dropping: tests/integration/test_dra_pool.py)
+    dra: bool = False
+    # top-level `install: chart`: InstaSlice runs as pods from images built here, installed with
+    # `helm install` on the real node (hack/cluster/chartinstall.py); `processes` (default):
+    # the components run as local processes
+    install: Install = "processes"
 
     def node_names(self) -> list[str]:
         return [n for g in self.groups for n in g.names()]
@@ -191,11 +201,28 @@ def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
     slots = doc.get("slotAccounting", False)
     if not isinstance(slots, bool):
         raise SpecError(f"slotAccounting: {slots!r} is not true or false")
+    dra = doc.get("dra", False)
+    if not isinstance(dra, bool):
+        raise SpecError(f"dra: {dra!r} is not true or false")
+    install = doc.get("install", "processes")
+    if install not in get_args(Install):
+        raise SpecError(f"install: {install!r} is not one of {', '.join(get_args(Install))}")
     spec = ClusterSpec(
         tuple(_group(i, e, base) for i, e in enumerate(entries)),
         kueue=kueue,
         slot_accounting=slots,
+        dra=dra,
+        install=install,
     )
+    if install == "chart" and dra:
+        raise SpecError(
+            "dra: true with install: chart is not supported yet (the chart's node agent would "
+            "register with /var/lib/kubelet, not the real node's kubelet dirs); use processes"
+        )
+    if install == "chart" and spec.real_group is None:
+        raise SpecError(
+            "install: chart needs a `runtime: containerd` group (InstaSlice's pods run there)"
+        )
     names = spec.node_names()
     if len(set(names)) != len(names):
         raise SpecError("node names collide; give each group its own prefix")

@@ -7,8 +7,10 @@ build-node.sh) and Debian's runc; its GPUs stay emulated (NVML), but get real ch
 devices under a per-node dev root (`<root>/dev`, numbered like the emulator's mig-minors), so
 the CDI specs' hostPaths exist and runc creates them in the container.
 
-What it deliberately does not do: pod networking (a loopback-only CNI config; its pods use
-`hostNetwork: true`), registry pulls (two images are imported from local OCI tarballs), or
+What it deliberately does not do: pod networking unless asked (a loopback-only CNI config;
+its test pods use `hostNetwork: true`; with `pod_network`, for InstaSlice's own pods under
+`install: chart`, a bridge: hack/cluster/podnet.py), registry pulls (two images are imported
+from local OCI tarballs), or
 more than one real node per machine (the kubelet's device-plugin socket dir
 `/var/lib/kubelet/device-plugins` is fixed, so `OWNER_FILE` records who holds it).
 
@@ -39,10 +41,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from hack.cluster import podnet
 from hack.cluster.bins import find_node_bin_dir
 from hack.cluster.controlplane import ControlPlane
 from hack.cluster.kubeconfig import write_kubeconfig
@@ -86,6 +90,8 @@ class RealNode:
     root: Path
     bin_dir: Path
     runtime: Runtime = "runc"
+    # pods without hostNetwork get IPs on a bridge (hack/cluster/podnet.py): `install: chart`
+    pod_network: bool = False
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)  # as launched, for restarts
     _popens: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -129,6 +135,7 @@ class RealNode:
         group: NodeGroup,
         *,
         runtime: Runtime = "runc",
+        pod_network: bool = False,
         die_with_parent: bool = False,
         bin_dir: Path | None = None,
         timeout_s: float = 120.0,
@@ -136,7 +143,7 @@ class RealNode:
         """Start containerd and the kubelet for `group`'s node; blocks until it is Ready."""
         _check_host()
         root = root.absolute()
-        node = cls(group.names()[0], root, bin_dir or find_node_bin_dir(), runtime)
+        node = cls(group.names()[0], root, bin_dir or find_node_bin_dir(), runtime, pod_network)
         old = cls.attach(root)
         if old is not None:
             old.stop()
@@ -158,16 +165,25 @@ class RealNode:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         DEVICE_PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
         make_dev_root(self.dev_root, range(group.gpus))
-        (self.root / "cni" / "net.d" / "10-loopback.conflist").write_text(
-            json.dumps(
-                {"cniVersion": "1.0.0", "name": "instaslice-lo", "plugins": [{"type": "loopback"}]}
-            )
-        )
+        plugins = {"loopback": self.bin_dir / "loopback"}
+        network = {
+            "cniVersion": "1.0.0",
+            "name": "instaslice-lo",
+            "plugins": [{"type": "loopback"}],
+        }
+        for old in (self.root / "cni" / "net.d").glob("*.conflist"):
+            old.unlink()
+        if self.pod_network:
+            plugins |= podnet.plugin_paths()
+            network = podnet.conflist(self.root / "cni" / "ipam")
+            podnet.up(urlsplit(cp.server).port or 443)
+        (self.root / "cni" / "net.d" / "10-instaslice.conflist").write_text(json.dumps(network))
         cni_bin = self.root / "cni" / "bin"
         cni_bin.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            (cni_bin / "loopback").unlink()
-        (cni_bin / "loopback").symlink_to(self.bin_dir / "loopback")
+        for name, path in plugins.items():
+            with contextlib.suppress(FileNotFoundError):
+                (cni_bin / name).unlink()
+            (cni_bin / name).symlink_to(path)
         (self.root / "containerd.toml").write_text(containerd_toml(self.layout, self.runtime))
         self.layout.nvidia_config.write_text(nvidia_runtime_toml(self.layout))
         pause_image(self.root / "images" / "pause.tar", self.bin_dir / "pause")
@@ -343,6 +359,9 @@ class RealNode:
         shutil.rmtree(self.root / "containerd", ignore_errors=True)
         shutil.rmtree(self.root / "run", ignore_errors=True)
         shutil.rmtree(SHIM_SOCKET_DIR, ignore_errors=True)
+        if self.pod_network:
+            podnet.down()
+            shutil.rmtree(self.root / "cni" / "ipam", ignore_errors=True)
         (self.root / _STATE).unlink(missing_ok=True)
         with contextlib.suppress(OSError, ValueError):
             if json.loads(OWNER_FILE.read_text()).get("root") == str(self.root):
@@ -368,6 +387,7 @@ class RealNode:
             "name": self.name,
             "bin_dir": str(self.bin_dir),
             "runtime": self.runtime,
+            "pod_network": self.pod_network,
             "processes": {k: v.to_json() for k, v in self.processes.items()},
             "argv": self.argv,
         }
@@ -382,7 +402,15 @@ class RealNode:
             return None
         procs = {k: ProcessRecord.from_json(v) for k, v in st["processes"].items()}
         runtime = st.get("runtime", "runc")
-        return cls(st["name"], root, Path(st["bin_dir"]), runtime, procs, st.get("argv", {}))
+        return cls(
+            st["name"],
+            root,
+            Path(st["bin_dir"]),
+            runtime,
+            st.get("pod_network", False),
+            procs,
+            st.get("argv", {}),
+        )
 
 
 def make_dev_root(dev: Path, gpu_minors: Sequence[int]) -> None:

@@ -170,6 +170,15 @@ class ProfileServer(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             )
         log.info("registered with the kubelet", resource=self.resource, socket=str(self.socket))
 
+    async def start_or_retry_later(self) -> None:
+        """`start`; when the kubelet refuses, stop serving, so the next round tries again."""
+        try:
+            await self.start()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("kubelet registration failed; retrying", resource=self.resource,
+                        error=str(exc))  # fmt: skip
+            await self.stop()
+
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=0.5)
@@ -222,14 +231,16 @@ class DevicePluginBinding:
             while True:
                 await self.refresh_servers()
                 sock = _inode(self.kubelet_sock)
-                lost = any(s.server is None or not s.socket.exists() for s in self.servers.values())
-                if sock is not None and (sock != registered or lost):
-                    try:
-                        for s in self.servers.values():
-                            await s.start()
-                        registered = sock
-                    except grpc.aio.AioRpcError as exc:
-                        log.warning("kubelet registration failed; retrying", error=str(exc))
+                if sock is not None:
+                    # a new kubelet (its socket anew) gets every resource; the same kubelet
+                    # only those not served yet (a profile that appeared) or whose socket went:
+                    # registering a served one again, the kubelet refuses ("device plugin
+                    # already connected") and the new ones never came
+                    anew = sock != registered
+                    registered = sock
+                    for s in self.servers.values():
+                        if anew or s.server is None or not s.socket.exists():
+                            await s.start_or_retry_later()
                 with contextlib.suppress(grpc.aio.AioRpcError, OSError):
                     # also with nothing bound yet: after a restart the kubelet's running
                     # containers are bound again from PodResources (and their aliases rewritten)

@@ -32,6 +32,7 @@ from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2 as dp
 from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2 as pr
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2_grpc as pr_grpc
+from nodeagent.deviceplugin.plugin import DevicePluginBinding
 from nodeagent.state import AgentNode
 from tests.integration.agent_fixtures import (
     agent_settings,
@@ -437,3 +438,40 @@ async def test_a_slice_is_allocatable_as_soon_as_its_allocation_says_ready(
             finally:
                 let_go.set()
             assert got.container_responses[0].cdi_devices[0].name
+
+
+async def test_a_profile_that_appears_later_is_registered_without_the_others_again(
+    kubelet: FakeKubelet, tmp_path: Path
+) -> None:
+    """The agent's capacity grows after it registered (found by the chart install, where the
+    agent's pod starts before its MIG capacity is known): the new profile is registered, the
+    one already served is not registered again (a real kubelet refuses that with "device
+    plugin already connected", and the new profile never came)."""
+    capacity = {GPU_RES: "1"}
+    binding = DevicePluginBinding(
+        kube=None,
+        cdi_dir=tmp_path,
+        kubelet_dir=kubelet.root,
+        pod_resources_socket=kubelet.root / "pr.sock",
+        refresh_s=0.05,
+    )
+    binding.attach(lambda: capacity, list)
+
+    def names() -> list[str]:
+        return sorted(r.resource_name for r in kubelet.registered)
+
+    async def has(want: list[str]) -> bool:
+        return names() == want
+
+    task = asyncio.create_task(binding.run())
+    try:
+        await eventually(lambda: has([GPU_RES]), what="instaslice.io/gpu registered")
+        capacity[RES] = "7"
+        await eventually(lambda: has([GPU_RES, RES]), what=f"{RES} registered, gpu once")
+        kubelet.registered.clear()
+        await kubelet.restart()  # a new kubelet: every resource again, once
+        await eventually(lambda: has([GPU_RES, RES]), what="both registered with the new kubelet")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -48,6 +48,8 @@ VALUES = {
     "default": ((), "default"),
     "binding-env": (("bindingMode=env",), "binding-env"),
     "monitoring": (("monitoring.enabled=true",), "monitoring"),
+    "dra": (("allocationMode=dra",), "dra"),
+    "binding-env+dra": (("bindingMode=env", "allocationMode=dra"), "binding-env+dra"),
 }
 
 
@@ -178,6 +180,7 @@ def test_the_metrics_namespace_selector_decides_who_scrapes(helm: Path) -> None:
     ("value", "complaint"),
     [
         ("bindingMode=bogus", "bindingMode"),
+        ("allocationMode=bogus", "allocationMode"),
         ("webhook.replicas=1", "replicas"),
         # `{}` would admit every namespace (Helm merges maps: null removes the default's key)
         ("metricsNamespaceSelector.matchExpressions=null", "metricsNamespaceSelector"),

@@ -321,7 +321,12 @@ def test_skaffold_config_matches_skaffolds_schema(fetched: Path) -> None:
 
 # --- settings the components share: one value, read by both ------------------------------------
 
-COMPONENTS = {"default": (), "binding-env": ("binding-env",)}
+COMPONENTS = {
+    "default": (),
+    "binding-env": ("binding-env",),
+    "dra": ("dra",),
+    "binding-env+dra": ("binding-env", "dra"),
+}
 
 
 def _render_with(cp: ControlPlane, tmp: Path, overlay: str, components: tuple[str, ...]) -> str:
@@ -365,6 +370,13 @@ def resolved_args(docs: list[dict[str, Any]], kind: str, name: str) -> list[str]
 
 def binding_modes(docs: list[dict[str, Any]]) -> tuple[str, str]:
     """(webhook's, node agent's) binding mode, parsed by each binary's own command line."""
+    (webhook, _), (agent, _) = parsed_modes(docs)
+    return webhook, agent
+
+
+def parsed_modes(docs: list[dict[str, Any]]) -> tuple[tuple[str, str], tuple[str, str]]:
+    """((binding, allocation) mode of the webhook, the same of the node agent), parsed by each
+    binary's own command line."""
     from nodeagent.main import parse_args as agent_args
     from webhook.main import parse_args as webhook_args
 
@@ -373,7 +385,10 @@ def binding_modes(docs: list[dict[str, Any]]) -> tuple[str, str]:
     agent, _ = agent_args(
         ["--node", "n1", *resolved_args(docs, "DaemonSet", "instaslice-nodeagent")]
     )
-    return webhook.server.admission.binding_mode.value, agent.binding
+    return (
+        (webhook.server.admission.binding_mode.value, webhook.allocation_mode.value),
+        (agent.binding.value, agent.allocation.value),
+    )
 
 
 @pytest.mark.parametrize("components", COMPONENTS, ids=str)
@@ -382,12 +397,17 @@ def test_webhook_and_node_agents_agree_on_the_binding_mode(
     control_plane: ControlPlane, tmp_path: Path, overlay: str, components: str
 ) -> None:
     docs = _docs(_render_with(control_plane, tmp_path, overlay, COMPONENTS[components]))
-    webhook, agent = binding_modes(docs)
+    webhook, agent = parsed_modes(docs)
     assert webhook == agent, f"{overlay}+{components}: webhook {webhook}, node agents {agent}"
-    assert webhook == ("env" if components == "binding-env" else "device-plugin")
+    want = (
+        "env" if "binding-env" in components else "device-plugin",
+        "dra" if "dra" in components else "gates",
+    )
+    assert webhook == want
     # the one setting lives in one object
     maps = [d for d in docs if d["kind"] == "ConfigMap" and "binding-mode" in d.get("data", {})]
     assert len(maps) == 1, maps
+    assert set(maps[0]["data"]) == {"binding-mode", "allocation-mode"}
 
 
 def test_binding_check_sees_a_disagreement(control_plane: ControlPlane, tmp_path: Path) -> None:
@@ -434,6 +454,31 @@ def test_monitoring_component_passes_server_side_dry_run(
     )  # fmt: skip
     out = _ok(proc, f"dry-run of the monitoring component ({overlay})")
     assert out.count("(server dry run)") == 2, out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dra_components_pass_server_side_dry_run(
+    control_plane: ControlPlane, tmp_path: Path, overlay: str
+) -> None:
+    """The DRA component's objects (DeviceClasses, the agent's RBAC and policy) and the
+    optional per-profile classes, against the v1.37.2 API server's own schemas."""
+    text = _render_with(control_plane, tmp_path, overlay, ("dra", "dra-extended-resources"))
+    docs = _docs(text)
+    new = [
+        d
+        for d in docs
+        if d["kind"] == "DeviceClass" or d["metadata"]["name"] == "instaslice-nodeagent-dra"
+    ]
+    assert {d["kind"] for d in new} == {
+        "DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }  # fmt: skip
+    proc = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-",
+        stdin=yaml.safe_dump_all(new), check=False,
+    )  # fmt: skip
+    out = _ok(proc, f"dry-run of the dra components ({overlay})")
+    assert out.count("(server dry run)") == len(new) == 2 + 6 + 4, out
 
 
 # --- who may connect: the NetworkPolicies, read as a CNI would ------------------------------

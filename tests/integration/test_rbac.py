@@ -999,9 +999,11 @@ def test_node_agent_is_privileged_only_as_nvml_needs() -> None:
     assert sc["readOnlyRootFilesystem"] is True
     host = {v["hostPath"]["path"]: v["name"] for v in ds["volumes"] if "hostPath" in v}
     # CDI specs it writes, the toolkit's spec it reads, its checkpoint; the kubelet's
-    # device-plugin sockets and PodResources API (device-plugin binding mode)
+    # device-plugin sockets and PodResources API (device-plugin binding mode); the plugin
+    # watcher's registry and its own DRA plugin socket dir (DRA mode)
     read_only = {"/etc/cdi", "/var/lib/kubelet/pod-resources"}
     writable = {"/var/run/cdi", "/var/lib/instaslice", "/var/lib/kubelet/device-plugins"}
+    writable |= {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins/instaslice.io"}
     assert set(host) == read_only | writable
     mounts = {m["name"]: m for m in ds["containers"][0]["volumeMounts"]}
     for path in read_only:

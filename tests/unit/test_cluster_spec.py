@@ -53,6 +53,17 @@ def test_kueue_is_a_top_level_boolean() -> None:
         parse_spec({"kueue": "yes", "nodes": [group]})
 
 
+def test_dra_is_a_top_level_boolean_off_by_default() -> None:
+    group = {"prefix": "n", "count": 1, "gpus": 1, "model": "H100-80GB"}
+    assert parse_spec({"nodes": [group]}).dra is False
+    assert parse_spec({"dra": True, "nodes": [group]}).dra is True
+    with pytest.raises(SpecError, match="dra: 'yes' is not true or false"):
+        parse_spec({"dra": "yes", "nodes": [group]})
+    real = {**group, "runtime": "containerd"}
+    with pytest.raises(SpecError, match="not supported yet"):
+        parse_spec({"dra": True, "install": "chart", "nodes": [real]})
+
+
 def test_slot_accounting_is_a_top_level_boolean_off_by_default() -> None:
     group = {"prefix": "h", "count": 1, "gpus": 1, "model": "H100-80GB"}
     assert parse_spec({"kueue": True, "nodes": [group]}).slot_accounting is False

@@ -32,6 +32,14 @@ def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
     if kind == "Deployment":
         spec["replicas"] = 2
+    else:  # the node agent's host directories (values nodeagent.hostPaths)
+        paths = {"cdi": "/var/run/cdi", "pod-resources": "/var/lib/kubelet/pod-resources",
+                 "state": "/var/lib/instaslice"}  # fmt: skip
+        spec["template"]["spec"]["volumes"] = [
+            {"name": k, "hostPath": {"path": v}} for k, v in paths.items()
+        ]
+        container["args"] = ["--cdi-dir=/var/run/cdi"]
+        container["volumeMounts"] = [{"name": "cdi", "mountPath": "/var/run/cdi"}]
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
 
@@ -53,13 +61,15 @@ def _metrics_rule(selector: dict[str, Any]) -> dict[str, Any]:
     return {"from": [{"namespaceSelector": selector}], "ports": [{"port": "metrics"}]}
 
 
-def _rendering(mode: str = "device-plugin", cm: str = "instaslice-config-aaaa") -> list[Any]:
+def _rendering(
+    mode: str = "device-plugin", cm: str = "instaslice-config-aaaa", allocation: str = "gates"
+) -> list[Any]:
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "data": {"binding-mode": mode},
+            "data": {"binding-mode": mode, "allocation-mode": allocation},
             "metadata": {"name": cm, "namespace": NS},
         },
         _workload("Deployment", "instaslice-webhook", "quay.io/x/instaslice-webhook:v1", cm),
@@ -79,11 +89,21 @@ RULE = {
 }
 
 
+CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": "mig.instaslice.io"},
+    "spec": {"selectors": [{"cel": {"expression": 'device.driver == "instaslice.io"'}}]},
+}
+
+
 def _variants() -> dict[str, list[Any]]:
     return {
         "default": _rendering(),
         "binding-env": _rendering("env", "instaslice-config-bbbb"),
         "monitoring": [*_rendering(), RULE],
+        "dra": [*_rendering("device-plugin", "instaslice-config-cccc", "dra"), CLASS],
+        "binding-env+dra": [*_rendering("env", "instaslice-config-dddd", "dra"), CLASS],
     }
 
 
@@ -93,6 +113,7 @@ def test_parameterises_what_users_set() -> None:
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
         "tag": "v1",
+        "pullPolicy": "",
     }
     assert values["bindingMode"] == "device-plugin"
     assert values["webhook"]["replicas"] == 2
@@ -105,10 +126,14 @@ def test_parameterises_what_users_set() -> None:
     assert "resources:\n{{- toYaml .Values.webhook.resources | nindent 10 }}" in deploy
     assert "instaslice-config-aaaa" not in deploy
     helpers = files["templates/_helpers.tpl"]
-    assert '"device-plugin" -}}\ninstaslice-config-aaaa' in helpers
-    assert '"env" -}}\ninstaslice-config-bbbb' in helpers
+    assert '"device-plugin/gates" -}}\ninstaslice-config-aaaa' in helpers
+    assert '"env/gates" -}}\ninstaslice-config-bbbb' in helpers
+    assert '"device-plugin/dra" -}}\ninstaslice-config-cccc' in helpers
+    assert '"env/dra" -}}\ninstaslice-config-dddd' in helpers
     cm = files["templates/configmap-instaslice-config.yaml"]
     assert "binding-mode: {{ .Values.bindingMode | quote }}" in cm
+    assert "allocation-mode: {{ .Values.allocationMode | quote }}" in cm
+    assert values["allocationMode"] == "gates"
 
 
 def test_the_metrics_namespace_selector_is_a_value() -> None:
@@ -165,8 +190,26 @@ def test_refuses_a_component_that_changes_more() -> None:
     with pytest.raises(SystemExit, match="monitoring changes existing objects"):
         check_variants({**v, "monitoring": mon})
     wrong = _rendering("env")  # the default rendering must be device-plugin
-    with pytest.raises(SystemExit, match="expected device-plugin"):
+    with pytest.raises(SystemExit, match=r"expected .*'device-plugin'"):
         check_variants({**v, "default": wrong})
+    dra = copy.deepcopy(v["dra"])
+    dra[2]["spec"]["replicas"] = 3  # the dra component touching the Deployment
+    with pytest.raises(SystemExit, match="dra changes more"):
+        check_variants({**v, "dra": dra})
+    with pytest.raises(SystemExit, match="binding-env changes more"):  # adds in gate mode
+        check_variants({**v, "binding-env": [*v["binding-env"], CLASS]})
+
+
+def test_dra_objects_render_only_in_dra_mode() -> None:
+    """What the dra component adds (DeviceClasses, RBAC) is in the chart behind
+    allocationMode=dra, never in a gate-mode install."""
+    files = build_chart(_variants(), "1")
+    cls = files["templates/dra/deviceclass-mig.instaslice.io.yaml"]
+    assert cls.startswith('{{- if eq .Values.allocationMode "dra" }}\n')
+    assert cls.endswith("{{- end }}\n")
+    assert not any(f.startswith("templates/deviceclass") for f in files)
+    schema = json.loads(files["values.schema.json"])["properties"]["allocationMode"]
+    assert schema == {"enum": ["gates", "dra"]}
 
 
 def test_the_chart_refuses_image_tags_other_than_its_version() -> None:

@@ -35,6 +35,22 @@ def test_settings_from_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert s.checkpoint_path("a") == tmp_path / "a.agent.json"
 
 
+def test_dra_plugin_only_for_a_node_with_a_kubelet(tmp_path: Path) -> None:
+    """DRA mode: the kubelet plugin is served by the agent of one real node (or of one
+    emulated node under a real kubelet, --dev-root), never by emulated KWOK nodes."""
+    emu = ["--emulate", "--emu-state", str(tmp_path)]
+    s, _ = parse_args(["--node", "n1", "--allocation-mode", "dra"])
+    assert s.allocation == "dra"
+    assert s.dra_registry_dir == Path("/var/lib/kubelet/plugins_registry")
+    assert s.dra_plugins_dir == Path("/var/lib/kubelet/plugins")
+    s, _ = parse_args(["--node", "n1", *emu, "--allocation-mode", "dra"])
+    assert s.dra_registry_dir is None  # a KWOK node
+    s, _ = parse_args(["--node", "n1", *emu, "--dev-root", "/d", "--kubelet-registry-dir", "/r"])
+    assert s.dra_registry_dir == Path("/r")
+    s, _ = parse_args(["--nodes", "a,b", *emu, "--cdi-root", "/c"])
+    assert s.dra_registry_dir is None and s.allocation == "gates"
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

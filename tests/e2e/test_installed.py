@@ -1,0 +1,295 @@
+"""InstaSlice as shipped: `install: chart` (docs/contract.md §5, hack/cluster/chartinstall.py).
+
+The two images are built here from the Containerfiles (make images), imported into the real
+node's containerd, and `helm upgrade --install instaslice charts/instaslice` runs the
+webhook/allocator Deployment and the node-agent DaemonSet as pods on the real node (pod network
+on a bridge, the API server reaching the webhook's Service through its endpoints; the agent on
+the NVML emulator via the chart's `testing.emulator` value); the KWOK node keeps its emulated
+agent outside the cluster. No InstaSlice process runs outside the cluster but that agent.
+
+Covers: the release is deployed from the images built here; InstaSlice's pods are Running and
+Ready on the real node with pod-network IPs; a MIG pod on the real node gets its slice through
+the installed components and its container sees exactly its device; a pod on the KWOK node is
+served by the in-cluster allocator; a `helm upgrade` that changes a setting of both workloads
+restarts every InstaSlice pod, keeps running pods' slices Ready and serves new pods; after the
+pods are gone no MIG instance, CDI file or finalizer is left; `helm uninstall` while a slice is
+in use is refused (the chart's pre-delete hook, docs/upgrade.md).
+
+Leaves out: cert-manager (the chart's `certificate.source=secret` path of docs/install.md),
+NetworkPolicy enforcement (the bridge CNI has none), real GPUs (emulated; device files without
+a driver). Its own control plane (module fixture), as tests/e2e/test_realnode.py has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from common.constants import ENABLED_KEY
+from common.kubeapi import Kube, Obj, core_path
+from hack.cluster import podnet
+from hack.cluster.chartinstall import NAMESPACE, RELEASE, ChartInstallError, helm
+from hack.dev import DevSystem
+from nodeagent.emulator import EmulatorControl
+from tests.e2e.conftest import running_system
+from tests.e2e.helpers import (
+    RELEASE_TIMEOUT_S,
+    allocs_path,
+    cdi_file_for,
+    cdi_files,
+    make_pod,
+    make_real_pod,
+    pods_path,
+    wait_for,
+    wait_opted_in,
+    wait_pod_running,
+)
+from tests.e2e.test_realnode import REAL, SHOW, alloc_of, assert_sees_only_its_own
+from webhook.allocator.leader import LEASE_NAME
+
+pytestmark = pytest.mark.timeout(900)  # the first test builds both images
+KWOK = "kwok-0"
+ON_KWOK = {"kubernetes.io/hostname": KWOK}
+SPEC: dict[str, Any] = {
+    "install": "chart",
+    "nodes": [
+        {"prefix": "kwok", "count": 1, "gpus": 1, "model": "H100-80GB",
+         "labels": {"nvidia.com/mig.capable": "true"}},
+        {"prefix": "real", "count": 1, "gpus": 1, "model": "H100-80GB", "runtime": "containerd"},
+    ],
+}  # fmt: skip
+ONE = {"main": {"1g.10gb": 1}}
+
+
+@pytest.fixture(scope="module")
+def installed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevSystem]:
+    with running_system(request.config, tmp_path_factory.mktemp("installed"), SPEC) as started:
+        yield started
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def ikube(installed: DevSystem) -> AsyncIterator[Kube]:
+    async with await Kube.connect(str(installed.kubeconfig)) as k:
+        yield k
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ns(ikube: Kube) -> AsyncIterator[str]:
+    created = await ikube.create(
+        core_path("namespaces"),
+        {"metadata": {"generateName": "inst-", "annotations": {ENABLED_KEY: "true"}}},
+    )
+    name: str = created["metadata"]["name"]
+    await wait_for(
+        ikube, core_path("serviceaccounts", name), lambda sas: "default" in sas, what="SA"
+    )
+    await wait_opted_in(ikube, name)
+    try:
+        yield name
+    finally:
+        await ikube.delete(core_path("namespaces", name=name))
+        await wait_for(
+            ikube,
+            allocs_path(name),
+            lambda a: not a,
+            what=f"SliceAllocations of {name} gone",
+            timeout_s=RELEASE_TIMEOUT_S,
+        )
+
+
+async def instaslice_pods(kube: Kube) -> dict[str, Obj]:
+    """InstaSlice's pods, without those being deleted (a rollout's old ones terminating)."""
+    listing = await kube.get(core_path("pods", NAMESPACE))
+    return {
+        p["metadata"]["name"]: p
+        for p in listing["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    }
+
+
+async def assert_served_on_kwok(kube: Kube, system: DevSystem, ns: str, name: str) -> None:
+    """The pod's allocation is Ready on the KWOK node, whose emulated GPUs hold exactly its
+    instances, with their CDI file (the KWOK node's agent runs outside the cluster; in the
+    chart's device-plugin mode no kubelet binds, so the pod carries no device env)."""
+    pod = await kube.get(pods_path(ns, name))
+    assert pod["spec"]["nodeName"] == KWOK and pod["status"]["phase"] == "Running", pod["status"]
+    alloc = await alloc_of(kube, ns, name)
+    assert alloc["status"]["phase"] == "Ready", alloc["status"]
+    assert alloc["spec"]["nodeName"] == KWOK and alloc["spec"]["podUID"] == pod["metadata"]["uid"]
+    uuids = {s["migUUID"] for s in alloc["status"]["slices"]}
+    instances = {i.mig_uuid for i in EmulatorControl(system.gpu_state, KWOK).instances()}
+    assert uuids <= instances, (uuids, instances)
+    assert cdi_file_for(system, KWOK, ns, alloc["metadata"]["name"]) is not None, alloc
+
+
+def ready(pod: Obj) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def release_values(system: DevSystem) -> dict[str, Any]:
+    out = helm(system.cp, "get", "values", RELEASE, "-n", NAMESPACE, "--all", "-o", "json")
+    values: dict[str, Any] = json.loads(out)
+    return values
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+async def test_the_release_is_deployed_from_the_images_built_here(installed: DevSystem) -> None:
+    status = json.loads(helm(installed.cp, "status", RELEASE, "-n", NAMESPACE, "-o", "json"))
+    assert status["info"]["status"] == "deployed", status["info"]
+    assert installed.real is not None
+    imported = installed.real.ctr("images", "ls", "-q").stdout.split()
+    for part, image in release_values(installed)["images"].items():
+        ref = f"{image['repository']}:{image['tag']}"
+        assert ref.startswith(f"localhost/instaslice/instaslice-{part}:dev-"), ref
+        assert ref in imported, f"{ref} not in the real node's containerd: {imported}"
+    # nothing of InstaSlice runs outside the cluster but the KWOK node's emulated agent
+    assert set(installed.processes) == {"nodeagent"}, installed.processes
+
+
+async def test_instaslices_pods_run_on_the_real_node(ikube: Kube, installed: DevSystem) -> None:
+    pods = await instaslice_pods(ikube)
+    kinds = {p["metadata"]["labels"]["app.kubernetes.io/name"] for p in pods.values()}
+    assert kinds == {"instaslice-webhook", "instaslice-nodeagent"}, sorted(pods)
+    for name, pod in pods.items():
+        assert pod["spec"]["nodeName"] == REAL, f"{name} on {pod['spec'].get('nodeName')}"
+        assert pod["status"]["phase"] == "Running" and ready(pod), (name, pod["status"])
+        assert not pod["spec"].get("hostNetwork"), name
+        assert pod["status"]["podIP"].startswith(podnet.SUBNET.rsplit(".", 2)[0]), pod["status"]
+    webhooks = [p for p in pods.values() if p["metadata"]["name"].startswith("instaslice-webhook")]
+    assert len(webhooks) == 2, sorted(pods)
+    # the API server calls the webhook through its Service (no URL, no local process)
+    mwc = await ikube.get(
+        "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/instaslice"
+    )
+    for hook in mwc["webhooks"]:
+        assert hook["clientConfig"]["service"]["name"] == "instaslice-webhook", hook
+        assert "url" not in hook["clientConfig"], hook
+
+
+async def test_a_mig_pod_on_the_real_node_sees_exactly_its_device(
+    ikube: Kube, installed: DevSystem, ns: str
+) -> None:
+    await ikube.create(pods_path(ns), make_real_pod("a", REAL, ONE, SHOW))
+    await wait_pod_running(ikube, ns, "a")
+    mine = await assert_sees_only_its_own(ikube, installed, ns, "a", ["main"])
+    assert len(mine) == 1, mine
+    alloc = await alloc_of(ikube, ns, "a")
+    assert alloc["status"]["phase"] == "Ready", alloc["status"]
+    # the emulated GPU holds exactly that instance, made by the agent's pod
+    held = {i.mig_uuid for i in EmulatorControl(installed.gpu_state, REAL).instances()}
+    assert held == mine, (held, mine)
+
+
+async def test_a_pod_on_the_kwok_node_is_served_by_the_in_cluster_allocator(
+    ikube: Kube, installed: DevSystem, ns: str
+) -> None:
+    pods = await instaslice_pods(ikube)
+    lease = await ikube.get(
+        f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{LEASE_NAME}"
+    )
+    holder = lease["spec"]["holderIdentity"]  # <pod name>_<random>
+    assert holder.rsplit("_", 1)[0] in pods, f"allocator Lease held by {holder}: {sorted(pods)}"
+    await ikube.create(pods_path(ns), make_pod("k", slices=ONE, node_selector=ON_KWOK))
+    await wait_pod_running(ikube, ns, "k")
+    await assert_served_on_kwok(ikube, installed, ns, "k")
+
+
+async def test_helm_upgrade_restarts_every_component_and_keeps_running_slices(
+    ikube: Kube, installed: DevSystem, ns: str
+) -> None:
+    await ikube.create(pods_path(ns), make_real_pod("before", REAL, ONE, SHOW))
+    await ikube.create(pods_path(ns), make_pod("kb", slices=ONE, node_selector=ON_KWOK))
+    for name in ("before", "kb"):
+        await wait_pod_running(ikube, ns, name)
+    old = {p["metadata"]["uid"] for p in (await instaslice_pods(ikube)).values()}
+    theirs = await assert_sees_only_its_own(ikube, installed, ns, "before", ["main"])
+    # a setting of both workloads: their memory limits (every InstaSlice pod is replaced)
+    changed = {
+        part: {"resources": {**release_values(installed)[part]["resources"],
+                             "limits": {"memory": "600Mi"}}}
+        for part in ("webhook", "nodeagent")
+    }  # fmt: skip
+    await asyncio.to_thread(installed.install_chart, changed)
+    now = await instaslice_pods(ikube)
+    assert not old & {p["metadata"]["uid"] for p in now.values()}, "a pod was not replaced"
+    for name, pod in now.items():
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["memory"] == "600Mi" and ready(pod), (name, limits, pod["status"])
+    # the running pods kept their slices and containers
+    for name in ("before", "kb"):
+        pod = await ikube.get(pods_path(ns, name))
+        assert pod["status"]["phase"] == "Running", pod["status"]
+        assert all(c.get("restartCount", 0) == 0 for c in pod["status"]["containerStatuses"])
+    await assert_served_on_kwok(ikube, installed, ns, "kb")
+    assert await assert_sees_only_its_own(ikube, installed, ns, "before", ["main"]) == theirs
+    # and new pods are served by the new pods
+    await ikube.create(pods_path(ns), make_real_pod("after", REAL, ONE, SHOW))
+    await ikube.create(pods_path(ns), make_pod("ka", slices=ONE, node_selector=ON_KWOK))
+    for name in ("after", "ka"):
+        await wait_pod_running(ikube, ns, name)
+    await assert_served_on_kwok(ikube, installed, ns, "ka")
+    mine = await assert_sees_only_its_own(ikube, installed, ns, "after", ["main"])
+    assert not mine & theirs, (mine, theirs)
+
+
+async def test_nothing_is_left_behind_after_the_pods_are_gone(
+    ikube: Kube, installed: DevSystem, ns: str
+) -> None:
+    """No MIG instance, no CDI file, and no finalizer holding a SliceAllocation or a pod."""
+    await ikube.create(pods_path(ns), make_real_pod("r", REAL, ONE, SHOW))
+    await ikube.create(pods_path(ns), make_pod("k", slices=ONE, node_selector=ON_KWOK))
+    for name in ("r", "k"):
+        await wait_pod_running(ikube, ns, name)
+        await ikube.delete(pods_path(ns, name))
+    await wait_for(ikube, pods_path(ns), lambda p: not p, what="the pods gone")
+    await wait_for(
+        ikube,
+        allocs_path(None),
+        lambda a: not a,
+        what="no SliceAllocation anywhere",
+        timeout_s=RELEASE_TIMEOUT_S,
+    )
+    for node in (REAL, KWOK):
+        assert not cdi_files(installed, node), f"CDI files left on {node}"
+        instances = EmulatorControl(installed.gpu_state, node).instances()
+        assert not instances, f"MIG instances left on {node}: {instances}"
+
+
+async def test_helm_uninstall_with_a_slice_in_use_is_refused(
+    ikube: Kube, installed: DevSystem
+) -> None:
+    """docs/upgrade.md: the chart's pre-delete hook refuses while any slice is in use. Last,
+    in a namespace of its own left for the module's teardown: if the uninstall went through,
+    InstaSlice (and its CRDs) would be gone for whatever came after it."""
+    ns = (
+        await ikube.create(
+            core_path("namespaces"),
+            {"metadata": {"generateName": "busy-", "annotations": {ENABLED_KEY: "true"}}},
+        )
+    )["metadata"]["name"]
+    await wait_for(ikube, core_path("serviceaccounts", ns), lambda sas: "default" in sas, what="SA")
+    await wait_opted_in(ikube, ns)
+    await ikube.create(pods_path(ns), make_real_pod("busy", REAL, ONE, SHOW))
+    await wait_pod_running(ikube, ns, "busy")
+    try:
+        helm(installed.cp, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=60s")
+    except ChartInstallError as e:
+        refusal = str(e)
+    else:
+        refusal = "it went through"
+    assert "pre-delete" in refusal, f"helm uninstall not refused by the pre-delete hook: {refusal}"
+    status = json.loads(helm(installed.cp, "status", RELEASE, "-n", NAMESPACE, "-o", "json"))
+    assert status["info"]["status"] == "deployed", status["info"]
+    pods = await instaslice_pods(ikube)
+    assert pods and all(ready(p) for p in pods.values()), sorted(pods)
+    await assert_sees_only_its_own(ikube, installed, ns, "busy", ["main"])
