@@ -215,6 +215,9 @@ class Fleet:
             res["processes"] = procs = s.stop()
             text = await self.api_metrics()
             res["api"] = writes_summary(before, api_writes(text), pods, wall)
+            # API writes per pod by kind (pod, SliceAllocation, its status, events, MigNode,
+            # Leases): what the contract's chain costs the API server (docs/benchmarks.md)
+            res["writes_per_pod"] = res["api"]["per_pod_by_kind"]
             # mean latency per request kind: the API server's own time for each (watches
             # left out), so a queue in a client shows as the gap to the step's time
             res["api"]["latency"] = dict(

@@ -295,6 +295,38 @@ def api_writes(metrics_text: str) -> Counter[str]:
     return out
 
 
+# the kinds a pod's writes are counted by (issue 37 §3): `resource[/subresource]` → kind
+WRITE_KINDS = {
+    "sliceallocations/status": "status",
+    "sliceallocations": "SliceAllocation",
+    "events": "events",
+    "mignodes": "MigNode",
+    "mignodes/status": "MigNode",
+    "leases": "Leases",
+}
+
+
+def write_kind(resource: str) -> str:
+    """The kind a write to `resource[/subresource]` counts as: `pod` for a pod and its
+    subresources (binding, status), `other` for what no kind names (Node status, ...)."""
+    if resource == "pods" or resource.startswith("pods/"):
+        return "pod"
+    return WRITE_KINDS.get(resource, "other")
+
+
+def writes_per_pod(delta: Counter[str], pods: int) -> dict[str, float]:
+    """`delta` (`VERB resource[/subresource]` → writes) per pod by kind (`write_kind`), every
+    kind listed, with their `total`."""
+    kinds: Counter[str] = Counter(
+        dict.fromkeys((*dict.fromkeys(WRITE_KINDS.values()), "pod", "other"), 0)
+    )
+    for key, n in delta.items():
+        kinds[write_kind(key.partition(" ")[2])] += n
+    out = {k: r3(n / pods) if pods else math.nan for k, n in kinds.items()}
+    out["total"] = r3(sum(kinds.values()) / pods) if pods else math.nan
+    return out
+
+
 def writes_summary(before: Counter[str], after: Counter[str], pods: int, wall: float) -> Obj:
     delta = after - before
     total = sum(delta.values())
@@ -303,6 +335,7 @@ def writes_summary(before: Counter[str], after: Counter[str], pods: int, wall: f
         "writes_per_pod": r3(total / pods) if pods else math.nan,
         "writes_per_s": r3(total / wall) if wall > 0 else math.nan,
         "by_kind": dict(delta.most_common(12)),
+        "per_pod_by_kind": writes_per_pod(delta, pods),
     }
 
 

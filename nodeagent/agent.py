@@ -145,7 +145,10 @@ class NodeAgent:
         uid = obj.get("metadata", {}).get("uid", "")
         if etype == "DELETED":
             self.st.allocs.pop(uid, None)
+            self.st.live_added.discard(uid)
         else:
+            if etype == "ADDED" and self.synced.is_set():
+                self.st.live_added.add(uid)
             self.st.allocs[uid] = obj
         self.queue.kick(uid)
 

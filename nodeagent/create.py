@@ -1,10 +1,18 @@
 """Making an allocation's slices: create → Ready (nodeagent/lifecycle.py says when).
 
-plan (pure) → status Creating → check the placements are free → write the intent record →
-bring each GPU to the MIG mode its slices need (`modechange`) → per slice: GI at exactly the
-placement (or adopt the one the record claims), its default CI, MIG UUID by walking MIG
-handles → CDI file → record `ready` → status Ready + pod event. On an NVML error: destroy
-what the record holds, drop it, status Failed with the NVML error (`LifeBase.give_up`).
+plan (pure) → check the placements are free → write the intent record → bring each GPU to
+the MIG mode its slices need (`modechange`) → per slice: GI at exactly the placement (or
+adopt the one the record claims), its default CI, MIG UUID by walking MIG handles → CDI
+file → status Ready → record `ready` + pod event. On an NVML error: destroy what the record
+holds, drop it, status Failed with the NVML error (`LifeBase.give_up`).
+
+`Creating` is optional (docs/contract.md §3): written only once a create has taken
+`creating_after_s` (`LateCreating`), and before anything is made only where the agent's view
+of the allocation may be stale — one found by its first list (the allocator may be moving it
+off a node whose agent was down, docs/allocator.md) or a re-create. A fresh allocation the
+watch brought goes without it: one write and one link fewer on a pod's path. The write was
+also the check that the allocation still exists; without it, the `Ready` write is: an
+allocation found gone by either write has what was made destroyed (`gone`).
 
 A create whose slots a release still holds waits for it here, outside the GPU's NVML lane
 (`wait_for_releases`; nodeagent/lane.py).
@@ -14,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, TypeVar
 
@@ -147,6 +155,42 @@ def _steps(t0: float, marks: dict[str, float] | None) -> dict[str, float] | None
     return out
 
 
+class LateCreating:
+    """`Creating`, written only once a create has taken `after_s` (docs/protocol.md): a fast
+    create says nothing until `Ready`. `settled` waits for a write already under way (so
+    `Ready` is never overtaken by it) and says whether the allocation was still there;
+    `finish` drops the timer if it has not fired."""
+
+    def __init__(
+        self, write: Callable[[], Awaitable[bool]], after_s: float, clock: Clock, key: str
+    ) -> None:
+        self._writing = False
+        self._task = asyncio.ensure_future(self._after(write, after_s, clock, key))
+
+    async def _after(
+        self, write: Callable[[], Awaitable[bool]], after_s: float, clock: Clock, key: str
+    ) -> bool:
+        await clock.sleep(after_s)
+        self._writing = True
+        log.info("create takes long; Creating written", claim=key, after_s=after_s)
+        return await write()
+
+    async def settled(self) -> bool:
+        """False when the write ran and found the allocation gone; an API error raises."""
+        if not self._writing:
+            self._task.cancel()
+            return True
+        return await self._task
+
+    async def finish(self) -> None:
+        """The timer stopped; a write under way ended (its outcome is `settled`'s to use)."""
+        if not self._writing:
+            self._task.cancel()
+        await asyncio.wait((self._task,))
+        if not self._task.cancelled():
+            self._task.exception()  # retrieved: `settled` raised it where it mattered
+
+
 @dataclass(kw_only=True, eq=False)
 class Create(LifeBase):
     # claims whose wait for a release ran RELEASE_WAIT_S: the next create goes on at once
@@ -193,21 +237,56 @@ class Create(LifeBase):
             return AFTER_RELEASE_WAIT_S
         took: dict[str, float] = {}
         intent = _timed(self.intent(alloc, rec, fresh), took, "intent_record", self.clock)
-        if alloc.phase != Phase.CREATING or reason:
-            # The Creating status and the intent record side by side (an API round trip
-            # beside a placement check and an fsync): both are done before NVML makes
-            # anything, which is all their order has to guarantee.
+        late: LateCreating | None = None
+        if reason or (alloc.phase != Phase.CREATING and uid not in self.st.live_added):
+            # A view that may be stale (or a re-create): the Creating status first, as the
+            # check that the allocation still exists, side by side with the intent record (an
+            # API round trip beside a placement check and an fsync): both are done before NVML
+            # makes anything, which is all their order has to guarantee.
             write = self.status(alloc, status_creating(reason))
             creating = _timed(write, took, "creating_write", self.clock)
             alive, (made, instances) = await _both(creating, intent)
-        else:
+        elif alloc.phase == Phase.CREATING:  # said already (a create resumed)
             alive, (made, instances) = True, await intent
-        marks = {"intent": self.clock.monotonic()}  # phase ends, for the "slices ready" log
-        if not alive:  # deleted meanwhile (e.g. moved off while this agent was down): make nothing
-            if rec is None and isinstance(made, ClaimRecord):
-                self.st.drop(uid)  # the record written beside the status write claims nothing
-                await self.st.persist()
-            return None
+        else:  # a fresh allocation: Creating is said only when making it takes long
+            late = LateCreating(
+                lambda: self.status(alloc, status_creating()),
+                self.settings.creating_after_s,
+                self.clock,
+                alloc.key,
+            )
+            alive = True
+        try:
+            if late is not None:
+                made, instances = await intent
+            marks = {"intent": self.clock.monotonic()}  # phase ends, for the "slices ready" log
+            if not alive:  # deleted meanwhile (moved off while the agent was down): make nothing
+                if rec is None and isinstance(made, ClaimRecord):
+                    self.st.drop(uid)  # the record written beside the status write claims nothing
+                    await self.st.persist()
+                return None
+            await self._make(alloc, rec, made, instances, reason, t0, marks, took, late)
+        finally:
+            if late is not None:
+                # A late Creating under way is awaited before Ready is written (`settled`); one
+                # landing after a Failed write is answered with Failed again (reconcile.decide)
+                await late.finish()
+        return None
+
+    async def _make(
+        self,
+        alloc: SliceAllocation,
+        rec: ClaimRecord | None,
+        made: ClaimRecord | str,
+        instances: list[Instance],
+        reason: str,
+        t0: float,
+        marks: dict[str, float],
+        took: dict[str, float],
+        late: LateCreating | None,
+    ) -> None:
+        """The create past its intent record: check, make, write the CDI file, say Ready."""
+        uid = alloc.uid
         if isinstance(made, str):
             await self.fail(alloc, made)
             return None
@@ -250,8 +329,19 @@ class Create(LifeBase):
         rec = replace(rec, state="ready", updated=time.time())
         self.st.put(rec)
         marks["cdi"] = self.clock.monotonic()
+        if late is not None and not await late.settled():  # its write found the allocation gone
+            await self.gone(alloc, rec)
+            return None
         await self.ready(alloc, rec, t0, persist=True, marks=marks, took=took)
         return None
+
+    async def gone(self, alloc: SliceAllocation, rec: ClaimRecord) -> None:
+        """The allocation was deleted while its slices were made (a status write found it
+        gone): destroy them, remove the CDI file, drop the record, tell the binding. What
+        NVML refuses stays `releasing` for garbage collection (`rollback`)."""
+        log.info("allocation gone while its slices were made; destroying them", claim=alloc.key)
+        if await self.rollback(rec):
+            await self.binding.slices_released(alloc.namespace, alloc.name, alloc.uid)
 
     async def intent(
         self, alloc: Claimed, rec: ClaimRecord | None, fresh: list[SliceRecord]
@@ -345,7 +435,9 @@ class Create(LifeBase):
         # window of the record's write, and the pod failed UnexpectedAdmissionError)
         await self.announce(alloc)
         write = self.status(alloc, status_ready(slices, self.st.boot_id, conds))
-        await _timed(write, took, "ready_write", self.clock)
+        if not await _timed(write, took, "ready_write", self.clock):
+            await self.gone(alloc, rec)  # deleted meanwhile: nothing may outlive it
+            return
         if marks is not None:
             marks["ready"] = self.clock.monotonic()
         if persist:

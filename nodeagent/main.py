@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gc-period-s", type=float, default=30.0)
     p.add_argument(
+        "--creating-after-s",
+        type=float,
+        default=1.0,
+        help="a create that has taken this long writes status Creating; a faster one goes "
+        "straight to Ready (docs/protocol.md)",
+    )
+    p.add_argument(
         "--maintenance-wait-s",
         type=float,
         default=300.0,
@@ -237,6 +244,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         discover_only=a.discover_only,
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
+        creating_after_s=a.creating_after_s,
         idle_mig_mode_after_s=a.idle_mig_mode_after_s,
         maintenance_wait_s=a.maintenance_wait_s,
         maintenance_drain_timeout_s=a.maintenance_drain_timeout_s,

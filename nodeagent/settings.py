@@ -61,6 +61,9 @@ class Settings:
     maintenance_drain_timeout_s: float = 1800.0
     gpu_reset_command: tuple[str, ...] = ("nvidia-smi", "--gpu-reset", "-i", "{index}")
     lease_duration_s: int = AGENT_LEASE_DURATION_S
+    # a create that has taken this long writes `Creating` (docs/protocol.md); a faster one
+    # goes from nothing to `Ready`
+    creating_after_s: float = 1.0
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
     nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists

@@ -31,6 +31,10 @@ class AgentNode:
     foreign: tuple[Instance, ...] = ()
     lost: set[int] = field(default_factory=set)  # GPUs that answered GPU_IS_LOST
     allocs: dict[str, Obj] = field(default_factory=dict)  # uid → latest SliceAllocation
+    # allocations this process first saw by a watch event after its first list: fresh, so
+    # made without the `Creating` write first (nodeagent/create.py); those found by the first
+    # list may be moved off meanwhile (the agent was down) and are checked by that write
+    live_added: set[str] = field(default_factory=set)
     # Ready allocations whose instances vanished while the agent ran (a driver reload or GPU
     # reset, same boot): marked and told once, kept until released (agent.gc, lifecycle.verify)
     vanished: set[str] = field(default_factory=set)

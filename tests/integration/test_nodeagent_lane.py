@@ -101,8 +101,8 @@ async def test_a_create_goes_before_releases_queued_on_its_gpu(
     calls = log.calls
     made = calls.index(("create_gi", gi))
     # the destroys that ended between the create's arrival and its GI: the one running when
-    # it arrived, one more at most in each of its two gaps (its scan asked for, its Creating
-    # write and record before the create call). FIFO: the scan and the create each waited
+    # it arrived, one more at most in each of its two gaps (its scan asked for, its intent
+    # record before the create call). FIFO: the scan and the create each waited
     # for every release's queued call as well (6-8 here).
     assert made - asked <= 3, (asked, calls)
     destroys = sorted(c for c in calls if c[0] != "create_gi")

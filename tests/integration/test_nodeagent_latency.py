@@ -1,8 +1,13 @@
 """The node agent's share of a pod's time to slice (issue 25), against a real API server.
 
-- A create's `Creating` status write and its intent record (placement check, record on disk)
-  run side by side, and NVML makes nothing before both are done; the `Ready` write goes
-  first and its record's `ready` after it is answered, not beside it.
+- `Creating` is optional (docs/protocol.md): a fresh allocation made fast goes from no status
+  to `Ready`; one whose making takes `creating_after_s` is written `Creating` then, while NVML
+  works; one deleted while its slices were made has them destroyed at once, not after the
+  garbage collector's grace.
+- For an allocation found by the agent's first list, the `Creating` write (the check that it
+  still exists) and its intent record (placement check, record on disk) run side by side,
+  and NVML makes nothing before both are done; the `Ready` write goes first and its
+  record's `ready` after it is answered, not beside it.
 - A slice made is listed on the MigNode within `SLICES_LISTED_WITHIN_S`, coalesced with the
   slices made meanwhile (one status write for several pods, not one each); slots freed are
   listed at once, as before.
@@ -15,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 import pytest
@@ -24,6 +30,8 @@ from common.conditions import CONFLICT_FREE
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent import checkpoint, create
+from nodeagent.lifebase import LifeBase
+from nodeagent.lifecycle import Lifecycle
 from nodeagent.settings import Settings
 from tests.integration.agent_fixtures import (
     GpuNode,
@@ -76,9 +84,10 @@ async def _one_slice_with_held_writes(
 
 
 async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nvml(
-    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    node, _ = h200
+    """An allocation found by the agent's first list (created while it was down)."""
+    node, settings = h200
     seen: dict[str, Any] = {}
 
     async def hold(alloc: SliceAllocation, body: dict[str, Any]) -> None:
@@ -94,7 +103,17 @@ async def test_the_creating_write_overlaps_the_intent_record_and_both_precede_nv
             await asyncio.sleep(0.3)  # time enough for an NVML create that did not wait
             seen["instances"] = node.instances()
 
-    await _one_slice_with_held_writes(agent_kube, alloc_ns, h200, hold)
+    real_status = LifeBase.status
+
+    async def held_status(self: LifeBase, alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+        await hold(alloc, body)
+        return await real_status(self, alloc, body)
+
+    monkeypatch.setattr(LifeBase, "status", held_status)
+    alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+    await create_allocation(agent_kube, alloc)  # before the agent starts: its first list has it
+    async with running_agent(settings):
+        await wait_phase(agent_kube, alloc, "Ready")
     assert seen["record"], "the intent record waited for the Creating write"
     assert seen["instances"] == [], "NVML made a slice before Creating was written"
     assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
@@ -342,3 +361,97 @@ async def test_a_slice_takes_one_trip_to_its_gpus_nvml_lane(
     making = {"create_gi", "create_ci", "mig_uuid", "_gi_ci_uuid"}  # (scans, listings aside)
     assert [t for t in trips if t in making] == ["_gi_ci_uuid"], trips
     assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
+
+
+def _phases_written(life: Lifecycle) -> list[str]:
+    """The phases `life` writes to allocations' status from now on, in order."""
+    phases: list[str] = []
+    real_status = life.status
+
+    async def noted(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
+        phases.append(str(body["status"].get("phase")))
+        return await real_status(alloc, body)
+
+    life.status = noted  # type: ignore[method-assign]
+    return phases
+
+
+def _held_gi_creates(life: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> tuple[Event, Event]:
+    """NVML's GI creates of `life` wait for the second event once they set the first."""
+    entered, go = Event(), Event()
+    session = life.gpus.s
+    real = session.create_gi
+
+    def held(*args: Any) -> int:
+        entered.set()
+        assert go.wait(30), "the GI create was never let go"
+        return int(real(*args))
+
+    monkeypatch.setattr(session, "create_gi", held)
+    return entered, go
+
+
+async def test_a_fast_create_goes_to_ready_without_creating(
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent
+) -> None:
+    """A fresh allocation (the watch brought it) made within `creating_after_s`: one status
+    write, `Ready`; the allocation never shows `Creating` (issue 37 §1)."""
+    node, settings = h200
+    async with running_agent(replace(settings, creating_after_s=30.0)) as agents:
+        phases = _phases_written(agents[node.name].life)
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    assert phases == ["Ready"]
+    assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
+
+
+async def test_a_slow_create_writes_creating_while_nvml_makes_the_slice(
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create that takes longer than `creating_after_s` (its GI create held) is written
+    `Creating` while NVML works — not before NVML begins — then `Ready`."""
+    node, settings = h200
+    async with running_agent(replace(settings, creating_after_s=1.5)) as agents:
+        life = agents[node.name].life
+        phases = _phases_written(life)
+        entered, go = _held_gi_creates(life, monkeypatch)
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        await create_allocation(agent_kube, alloc)
+        creating = await wait_phase(agent_kube, alloc, "Creating")
+        assert entered.is_set(), "Creating was written before NVML began"
+        assert phases == ["Creating"]
+        go.set()
+        ready = await wait_phase(agent_kube, alloc, "Ready")
+    assert phases == ["Creating", "Ready"]
+    assert int(ready["metadata"]["resourceVersion"]) > int(creating["metadata"]["resourceVersion"])
+    assert node.instances() == [(0, "1g.18gb", 0, 1, 0)]
+
+
+async def test_a_fresh_allocation_deleted_while_made_has_its_slices_destroyed(
+    agent_kube: Kube, alloc_ns: str, h200: NodeAndAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Moved off while its slices were made (the allocator drops the finalizer of an
+    allocation with no status and deletes it, docs/allocator.md): the `Ready` write finds it
+    gone and what was made is destroyed at once — no instance, record or CDI file left —
+    not after the garbage collector's grace (60 s)."""
+    node, settings = h200
+    async with running_agent(replace(settings, creating_after_s=30.0)) as agents:
+        life = agents[node.name].life
+        entered, go = _held_gi_creates(life, monkeypatch)
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        meta = (await create_allocation(agent_kube, alloc))["metadata"]
+        assert await asyncio.to_thread(entered.wait, 20), "the GI create never began"
+        path = instaslice_path("sliceallocations", alloc_ns, meta["name"])
+        await agent_kube.patch(path, {"metadata": {"finalizers": None}})
+        await agent_kube.delete(path)
+        go.set()
+
+        async def nothing_left() -> bool:
+            return bool(
+                node.instances() == []
+                and node.cdi_files() == []
+                and meta["uid"] not in checkpoint.load(node.checkpoint, node.name).claims
+            )
+
+        await eventually(nothing_left, within=10, what="the slice made for it destroyed")

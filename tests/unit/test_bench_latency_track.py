@@ -9,11 +9,13 @@ import math
 from bench.latency_track import (
     PodTimes,
     Tracker,
+    api_writes,
     latency_delta,
     machine_busy_s,
     occupancy,
     peaks,
     request_seconds,
+    writes_summary,
 )
 
 
@@ -120,3 +122,33 @@ def test_latency_delta_is_the_mean_of_the_requests_between_two_scrapes() -> None
         "PUT pods": {"n": 5, "mean_ms": 100.0},
         "POST pods": {"n": 3, "mean_ms": 100.0},
     }
+
+
+def _requests(**by_label: int) -> str:
+    return "\n".join(
+        f'apiserver_request_total{{code="201",{labels}}} {n}' for labels, n in by_label.items()
+    )
+
+
+def test_writes_per_pod_are_counted_by_kind_from_the_api_servers_counters() -> None:
+    """Issue 37 §3: pod, SliceAllocation, its status, events, MigNode, Leases (and what no
+    kind names), per pod; reads and watches are not writes."""
+    rows = {
+        'resource="pods",subresource="",verb="POST"': 2,
+        'resource="pods",subresource="binding",verb="POST"': 2,
+        'resource="pods",subresource="",verb="PUT"': 2,
+        'resource="sliceallocations",subresource="",verb="POST"': 2,
+        'resource="sliceallocations",subresource="status",verb="PATCH"': 4,
+        'resource="events",subresource="",verb="POST"': 6,
+        'resource="mignodes",subresource="status",verb="PATCH"': 1,
+        'resource="leases",subresource="",verb="PUT"': 3,
+        'resource="nodes",subresource="status",verb="PATCH"': 1,
+        'resource="pods",subresource="",verb="GET"': 50,
+    }
+    before = api_writes(_requests(**dict.fromkeys(rows, 0)))
+    after = api_writes(_requests(**rows))
+    got = writes_summary(before, after, pods=2, wall=1.0)["per_pod_by_kind"]
+    assert got == {
+        "status": 2.0, "SliceAllocation": 1.0, "events": 3.0, "MigNode": 0.5, "Leases": 1.5,
+        "pod": 3.0, "other": 0.5, "total": 11.5,
+    }  # fmt: skip

@@ -44,14 +44,17 @@ def test_admission_seconds_by_webhook_step_and_handler_creates_only() -> None:
 
 
 def test_the_floor_is_the_sum_of_the_contracts_links_over_the_static_path() -> None:
+    """`Creating` is optional (docs/contract.md): its link, the status patch answered, is
+    reported beside the floor, not counted in it."""
     p = dict.fromkeys(LINKS, 1.0)
     p.update(
         static=20.0, gated_seen=8.0, alloc_seen=6.0, status_answer=4.0, status_seen=6.0,
         ungate_put=21.0, post_plain=5.0, post_noop=7.0, post_instaslice=9.5,
     )  # fmt: skip
     got = chain(p)
-    assert got["floor_ms"] == 8 + 6 + 4 + 6 + 21
-    assert got["floor_ratio"] == round(45 / 20, 2)
+    assert got["floor_ms"] == 8 + 6 + 6 + 21
+    assert got["floor_with_creating_ms"] == 8 + 6 + 4 + 6 + 21
+    assert got["floor_ratio"] == round(41 / 20, 2)
     assert got["webhook_noop_extra_ms"] == 2.0
     assert got["webhook_instaslice_extra_ms"] == 4.5
 
@@ -106,3 +109,23 @@ def test_the_floor_is_a_scenario_of_bench_latency(monkeypatch: pytest.MonkeyPatc
     assert doc["scenarios"] == {"floor": {"chain": {"floor_ms": 60.0, "static_ms": 32.0,
                                                      "floor_ratio": 1.88}}}  # fmt: skip
     assert seen == {"nodes": 10, "static": True, "latency": (0, 0), "rounds": (40, 3)}
+
+
+def test_the_sequential_p50_is_set_against_the_floor_of_the_same_run() -> None:
+    scenarios: dict[str, Any] = {
+        "floor": {"chain": {"floor_ms": 40.0}},
+        "sequential": {"running_p50_s": 0.05},
+        "sequential-static": {"running_p50_s": 0.02},
+    }
+    latency.add_floor_ratio(scenarios)
+    assert scenarios["sequential"]["ratio_to_floor"] == 1.25
+    assert "ratio_to_floor" not in scenarios["sequential-static"]
+
+
+def test_the_noop_webhook_copies_instaslices_entry_for_mig_pods() -> None:
+    """The floor's pods ask for MIG slices: the entry copied must be the one that admits
+    them (the whole-GPU entry, first in the file, matched none, and the floor waited for a
+    gate that never came)."""
+    hook = floor.noop_configuration("https://127.0.0.1:1/mutate", b"ca")["webhooks"][0]
+    assert [c["name"] for c in hook["matchConditions"]] == ["asks-for-mig-slices"]
+    assert hook["namespaceSelector"] == {"matchLabels": {floor.NOOP_LABEL: "true"}}
