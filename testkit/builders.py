@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,22 +48,34 @@ _uids = itertools.count(1)
 SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
 
 
-def _container(name: str, asks: Mapping[str, int], cpu: str | None, memory: str | None) -> Obj:
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    for profile, count in asks.items():
-        res = INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
-        requests[res] = str(count)
-        limits[res] = str(count)
+def _admitted_name(profile: str) -> str:
+    """A profile's resource name once admission rewrote it."""
+    return INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
+
+
+def _container(
+    name: str,
+    asks: Mapping[str, int],
+    cpu: str | None,
+    memory: str | None,
+    *,
+    resource: Callable[[str], str] = _admitted_name,
+    requests: Mapping[str, int | str] | None = None,
+) -> Obj:
+    """A container asking `asks` (profile -> count) in its limits, named by `resource`; the
+    slices in `requests` (None: the same as the limits, as admission leaves them), then
+    `cpu` and `memory`, in its requests."""
+    limits = {resource(p): str(n) for p, n in asks.items()}
+    reqs = {resource(p): str(n) for p, n in (asks if requests is None else requests).items()}
     if cpu is not None:
-        requests["cpu"] = cpu
+        reqs["cpu"] = cpu
     if memory is not None:
-        requests["memory"] = memory
+        reqs["memory"] = memory
     resources: Obj = {}
-    if requests:
-        resources["requests"] = requests
     if limits:
         resources["limits"] = limits
+    if reqs:
+        resources["requests"] = reqs
     return {"name": name, "image": PAUSE_IMAGE, "resources": resources}
 
 
@@ -171,30 +183,6 @@ def sidecar(c: Obj) -> Obj:
     return {**c, "restartPolicy": "Always"}
 
 
-def _user_container(
-    name: str,
-    asks: Mapping[str, int],
-    *,
-    cpu: str | None,
-    memory: str | None,
-    requests: Mapping[str, int | str] | None,
-) -> Obj:
-    limits: dict[str, str] = {nvidia_resource(p): str(n) for p, n in asks.items()}
-    reqs: dict[str, str] = {}
-    if requests is not None:
-        reqs.update({nvidia_resource(p): str(n) for p, n in requests.items()})
-    if cpu is not None:
-        reqs["cpu"] = cpu
-    if memory is not None:
-        reqs["memory"] = memory
-    resources: Obj = {}
-    if limits:
-        resources["limits"] = limits
-    if reqs:
-        resources["requests"] = reqs
-    return {"name": name, "image": PAUSE_IMAGE, "resources": resources}
-
-
 def pod_spec(
     slices: SliceAsks,
     *,
@@ -208,12 +196,13 @@ def pod_spec(
     key), as a user writes it; for pods, Deployments and Jobs."""
     spec: Obj = {
         "containers": [
-            _user_container(
+            _container(
                 c,
                 asks,
-                cpu=cpu,
-                memory=memory,
-                requests=(slice_requests or {}).get(c),
+                cpu,
+                memory,
+                resource=nvidia_resource,
+                requests=(slice_requests or {}).get(c, {}),
             )
             for c, asks in slices.items()
         ],

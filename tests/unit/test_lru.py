@@ -8,14 +8,12 @@ Leaves out: thread safety (none is promised).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from common.lru import Lru
+from testkit.counting import CountingStore
 
 
 def test_the_least_recently_used_goes_first() -> None:
@@ -58,28 +56,6 @@ def test_pop_drops_one_key_and_tolerates_a_missing_one() -> None:
 def test_a_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         Lru(0)
-
-
-class CountingStore(OrderedDict[Any, Any]):
-    """Counts the entries each call touches (an iteration would count them all)."""
-
-    touched = 0
-
-    def __getitem__(self, key: Any) -> Any:
-        self.touched += 1
-        return super().__getitem__(key)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.touched += 1
-        super().__setitem__(key, value)
-
-    def move_to_end(self, key: Any, last: bool = True) -> None:
-        self.touched += 1
-        super().move_to_end(key, last)
-
-    def popitem(self, last: bool = True) -> tuple[Any, Any]:
-        self.touched += 1
-        return super().popitem(last)
 
 
 def test_each_call_touches_a_constant_number_of_entries() -> None:
