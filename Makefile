@@ -10,11 +10,13 @@ CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
 FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
+# The one version (common/version.py): image tags v$(VERSION) and labels, the chart, krew
+VERSION := $(shell sed -n 's/^VERSION = "\(.*\)"$$/\1/p' common/version.py)
 
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
         node-deps node-bins cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency bench-autoscale bench-memory bench-apiserver bench-check \
-        chaos fuzz clean
+        chaos fuzz release clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -116,6 +118,10 @@ chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 
 fuzz: install ## hostile AdmissionReviews against the admission server (no cluster); .dev/bench/fuzz.json
 	$(BIN)/python -m bench.fuzz --reviews $(FUZZ_REVIEWS) --seed $(FUZZ_SEED)
+
+release: install ## the release's files (version: common/version.py) in .dev/release/: images (make images), chart package, krew archive, SHA256SUMS; pushes nothing
+	$(MAKE) images
+	$(BIN)/python -m hack.release --out .dev/release
 
 uninstall: install ## the checked uninstall of docs/upgrade.md: make uninstall OVERLAY=manifests/overlays/<platform>
 	@test -n "$(OVERLAY)" || { echo "usage: make uninstall OVERLAY=<the kustomize dir you installed>"; exit 2; }

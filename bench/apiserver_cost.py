@@ -73,6 +73,7 @@ import yaml
 from bench.apiserver_pprof import HANDLER, go_traces, share
 from bench.latency_track import cpu_s, load
 from common.allocation import build_allocation
+from common.conditions import condition
 from common.constants import (
     CLAIM_ANNOTATION,
     ENABLED_KEY,
@@ -83,7 +84,7 @@ from common.constants import (
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.dev import CONTROLLER_SA, INSTALL, MANIFESTS, NAMESPACE
-from nodeagent.report import condition, status_creating, status_ready
+from nodeagent.report import status_creating, status_ready
 
 Obj = dict[str, Any]
 NS = "cost"
@@ -412,12 +413,13 @@ class Bench:
 
     async def event(self, i: int) -> None:
         """`SliceReady` as the agent records it (`common.events.pod_event`)."""
+        from common.constants import EventReason
         from common.events import pod_event
 
         pod = self.pods[i % len(self.pods)] if self.pods else {}
         meta = pod.get("metadata") or {"name": "p", "namespace": NS, "uid": "u"}
-        await pod_event(self.admin, {"metadata": meta}, "SliceReady", f"main: MIG-{i}",
-                        component="instaslice-nodeagent")  # fmt: skip
+        await pod_event(self.admin, {"metadata": meta}, EventReason.SLICE_READY, f"main: MIG-{i}",
+                        component="instaslice-nodeagent", instance="node-0")  # fmt: skip
 
     # -- SliceAllocations
     async def alloc_create(self, variant: str, i: int) -> None:

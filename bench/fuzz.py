@@ -93,7 +93,8 @@ QUANTITIES: list[Any] = [
 
 def serve_main(cert: str, key: str, port_file: str) -> None:
     """Child process: the admission server alone, on a free port written to `port_file`."""
-    from webhook.server import configure_logging, running
+    from common.logsetup import configure_logging
+    from webhook.server import running
     from webhook.settings import ServerSettings
 
     configure_logging("warning")

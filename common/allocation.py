@@ -51,6 +51,7 @@ class SliceAllocation:
     boot_id: str
     status_slices: tuple[Obj, ...]
     obj: Obj
+    generation: int = 0  # metadata.generation (the spec is immutable: 1 once created)
 
     @classmethod
     def parse(cls, obj: Obj) -> SliceAllocation:
@@ -73,6 +74,7 @@ class SliceAllocation:
             boot_id=str(status.get("bootID") or ""),
             status_slices=tuple(status.get("slices") or ()),
             obj=obj,
+            generation=int(meta.get("generation") or 0),
         )
 
     @property

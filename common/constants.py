@@ -97,16 +97,44 @@ IDLE_MIG_MODE_LABEL: Final = "instaslice.io/idle-mig-mode"
 # ran past --maintenance-drain-timeout-s): the only Failed that frees the GPU while it is asked
 DRAIN_TIMED_OUT: Final = "DrainTimedOut"
 
-# Event reasons (docs/contract.md §4).
-REASON_ALLOCATED: Final = "SliceAllocated"
-REASON_READY: Final = "SliceReady"
-REASON_RELEASED: Final = "SliceReleased"
-REASON_PENDING: Final = "AllocationPending"
-REASON_PINNED_UNSCHEDULABLE: Final = "PinnedUnschedulable"
-REASON_PREEMPTING: Final = "Preempting"  # on a preemptor: the victims it evicts
-REASON_PREEMPTED: Final = "Preempted"  # on each victim: the preemptor it made room for
-# On a MigNode: GPUs whose entry lies beyond the bounds above, which the allocator leaves unused
-REASON_GPU_OUT_OF_BOUNDS: Final = "GpuOutOfBounds"
+
+class EventReason(enum.StrEnum):
+    """Every reason of an event InstaSlice emits (docs/contract.md §4), the one list: the event
+    writers (common.events) take only these, and `kubectl instaslice gather` keeps the
+    events that carry them, so a new reason cannot be left out of a bug report."""
+
+    # on pods
+    SLICE_ALLOCATED = "SliceAllocated"
+    SLICE_READY = "SliceReady"
+    SLICE_RELEASED = "SliceReleased"
+    ALLOCATION_PENDING = "AllocationPending"
+    PINNED_UNSCHEDULABLE = "PinnedUnschedulable"
+    PREEMPTING = "Preempting"  # on a preemptor: the victims it evicts
+    PREEMPTED = "Preempted"  # on each victim: the preemptor it made room for
+    SLICE_CREATE_FAILED = "SliceCreateFailed"
+    SLICE_LOST = "SliceLost"
+    SLICE_IN_USE = "SliceInUse"
+    GPU_UNHEALTHY = "GPUUnhealthy"
+    SCALE_UP_REQUESTED = "ScaleUpRequested"  # a signal was raised for this pod
+    SCALE_UP_FAILED = "ScaleUpFailed"  # the autoscaler said it cannot
+    SCALE_UP_PROVISIONED = "ScaleUpProvisioned"  # a ProvisioningRequest is Provisioned
+    # on MigNodes
+    GPU_OUT_OF_BOUNDS = "GpuOutOfBounds"  # GPUs beyond the bounds above, left unused
+    MIG_MODE_DRAIN_TIMED_OUT = "MigModeDrainTimedOut"  # a maintenance ask given up
+    BASE_CDI_SPEC_NOT_FOUND = "BaseCdiSpecNotFound"  # the reasons of a False node condition
+    DEVICE_PLUGIN_ACTIVE = "DevicePluginActive"
+    MIG_MANAGER_ACTIVE = "MigManagerActive"
+    FOREIGN_INSTANCES = "ForeignInstances"
+
+
+REASON_ALLOCATED: Final = EventReason.SLICE_ALLOCATED
+REASON_READY: Final = EventReason.SLICE_READY
+REASON_RELEASED: Final = EventReason.SLICE_RELEASED
+REASON_PENDING: Final = EventReason.ALLOCATION_PENDING
+REASON_PINNED_UNSCHEDULABLE: Final = EventReason.PINNED_UNSCHEDULABLE
+REASON_PREEMPTING: Final = EventReason.PREEMPTING
+REASON_PREEMPTED: Final = EventReason.PREEMPTED
+REASON_GPU_OUT_OF_BOUNDS: Final = EventReason.GPU_OUT_OF_BOUNDS
 
 
 def cdi_device_name(namespace: str, claim: str, container: str) -> str:

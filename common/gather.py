@@ -4,8 +4,12 @@ Runs `kubectl` (the one that invoked the plugin, or `--kubectl`), so it sees exa
 the user's context and credentials see, and collects into `instaslice-gather-<time>.tar.gz`:
 InstaSlice's objects (MigNodes, SliceAllocations, CRDs, admission hooks and policies,
 everything in its namespace except Secrets), the GPU nodes, pods waiting behind InstaSlice's
-gate, InstaSlice's events, and the logs (current and previous) of the webhook and node-agent
-pods. A command the user may not run (RBAC) is noted in `errors.txt` and the rest goes on:
+gate, InstaSlice's events, the logs (current and previous) of the webhook and node-agent
+pods, the GPU Operator's ClusterPolicy when there is one, and from each node agent's pod
+(`kubectl exec`) what the node itself shows: `instaslice-nodeagent --discover-only` (the GPUs,
+MIG modes and instances NVML reports) and the listing of the CDI directories. InstaSlice's
+namespace is a parameter (`gather -n`, default instaslice-system). A command the user may
+not run (RBAC) is noted in `errors.txt` and the rest goes on:
 a partial archive is still a useful one. Secrets are never collected; logs and objects may
 still name pods and namespaces, so look before sharing.
 """
@@ -14,37 +18,24 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.constants import GATE_NAME
+from common.constants import GATE_NAME, EventReason
+from common.kubectl import Run
 
 NAMESPACE = "instaslice-system"
+AGENT_SELECTOR = "app.kubernetes.io/name=instaslice-nodeagent"
+AGENT_CONTAINER = "nodeagent"
+# the node agent's --cdi-dir and the read-only place nvidia-ctk also writes (its DaemonSet)
+CDI_DIRS = ("/var/run/cdi", "/etc/cdi")
+CLUSTER_POLICY = "clusterpolicies.nvidia.com"
 PART_OF = "app.kubernetes.io/part-of=instaslice"
-# Event reasons InstaSlice emits (docs/contract.md §4, the node agent's node conditions)
-EVENT_REASONS = frozenset(
-    {
-        "SliceAllocated",
-        "SliceReady",
-        "SliceReleased",
-        "AllocationPending",
-        "PinnedUnschedulable",
-        "GPUUnhealthy",
-        "SliceInUse",
-        "SliceCreateFailed",
-        "SliceLost",
-        "BaseCdiSpecNotFound",
-        "DevicePluginActive",
-        "MigManagerActive",
-        "ForeignInstances",
-    }
-)
-
-Run = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+# Event reasons InstaSlice emits: derived from the one list (common.constants.EventReason),
+# so a reason added there is gathered without a second edit here
+EVENT_REASONS = frozenset(str(r) for r in EventReason)
 
 
 @dataclass
@@ -69,7 +60,7 @@ class Gather:
         dest.write_text(text)
 
 
-def instaslice_events(events_json: str) -> list[dict[str, object]]:
+def instaslice_events(events_json: str, namespace: str = NAMESPACE) -> list[dict[str, object]]:
     """The events InstaSlice emitted or that concern its objects, oldest first."""
     items = json.loads(events_json).get("items", [])
     ours = [
@@ -78,7 +69,7 @@ def instaslice_events(events_json: str) -> list[dict[str, object]]:
         if e.get("reason") in EVENT_REASONS
         or str((e.get("source") or {}).get("component", "")).startswith("instaslice")
         or str(e.get("reportingComponent", "")).startswith("instaslice")
-        or (e.get("involvedObject") or {}).get("namespace") == NAMESPACE
+        or (e.get("involvedObject") or {}).get("namespace") == namespace
     ]
     return sorted(ours, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
@@ -92,7 +83,34 @@ def gated_pods(pods_json: str, gate: str = GATE_NAME) -> list[str]:
     ]
 
 
-def collect(g: Gather, tail: int) -> None:
+def collect_node_side(g: Gather, namespace: str) -> None:
+    """What only the nodes know, through each node agent's pod: its discovery report and the
+    CDI directories. A pod that cannot be exec'd into (not running, RBAC) is an error line."""
+    pods = g.run(["-n", namespace, "get", "pods", "-l", AGENT_SELECTOR, "-o", "json"])
+    if pods.returncode != 0:
+        g.errors.append(f"nodes/: node agent pods: {pods.stderr.strip()}")
+        return
+    for pod in json.loads(pods.stdout).get("items", []):
+        name = pod["metadata"]["name"]
+        node = pod.get("spec", {}).get("nodeName") or f"unscheduled-{name}"
+        exec_ = ["-n", namespace, "exec", name, "-c", AGENT_CONTAINER, "--"]
+        g.kubectl(f"nodes/{node}/discover.txt", *exec_, "instaslice-nodeagent", "--discover-only")
+        g.kubectl(f"nodes/{node}/cdi.txt", *exec_, "ls", "-la", *CDI_DIRS)
+
+
+def collect_gpu_operator(g: Gather) -> None:
+    """The GPU Operator's ClusterPolicy (its MIG manager and device plugin settings decide
+    what InstaSlice may do); its absence is a fact, not an error."""
+    proc = g.run(["get", CLUSTER_POLICY, "-o", "yaml"])
+    if proc.returncode == 0:
+        g.write("gpu-operator/clusterpolicy.yaml", proc.stdout)
+    elif "doesn't have a resource type" in proc.stderr:
+        g.write("gpu-operator/clusterpolicy.yaml", "# no ClusterPolicy CRD: no GPU Operator\n")
+    else:
+        g.errors.append(f"gpu-operator/clusterpolicy.yaml: {proc.stderr.strip()}")
+
+
+def collect(g: Gather, tail: int, namespace: str = NAMESPACE) -> None:
     g.kubectl("cluster/version.yaml", "version", "-o", "yaml")
     g.kubectl("cluster/nodes.txt", "get", "nodes", "-o", "wide")
     g.kubectl("cluster/gpu-nodes.yaml", "get", "nodes", "-l", "nvidia.com/mig.capable=true",
@@ -105,7 +123,7 @@ def collect(g: Gather, tail: int) -> None:
     g.kubectl("instaslice/admission.yaml", "get",
               "mutatingwebhookconfigurations,validatingadmissionpolicies,"
               "validatingadmissionpolicybindings", "-l", PART_OF, "-o", "yaml")  # fmt: skip
-    g.kubectl(f"namespace/{NAMESPACE}.yaml", "-n", NAMESPACE, "get",
+    g.kubectl(f"namespace/{namespace}.yaml", "-n", namespace, "get",
               "deployments,daemonsets,pods,services,configmaps,leases,endpoints,"
               "poddisruptionbudgets,networkpolicies", "-o", "yaml")  # fmt: skip
     pods = g.kubectl("cluster/pods.json", "get", "pods", "-A", "-o", "json")
@@ -114,20 +132,30 @@ def collect(g: Gather, tail: int) -> None:
         (g.root / "cluster/pods.json").unlink()  # every pod of the cluster: too much to share
     events = g.kubectl("events.json", "get", "events", "-A", "-o", "json")
     if events is not None:
-        g.write("instaslice/events.json", json.dumps(instaslice_events(events), indent=1))
+        g.write(
+            "instaslice/events.json", json.dumps(instaslice_events(events, namespace), indent=1)
+        )
         (g.root / "events.json").unlink()
-    names = g.kubectl("logs/pods.txt", "-n", NAMESPACE, "get", "pods", "-o", "name")
+    names = g.kubectl("logs/pods.txt", "-n", namespace, "get", "pods", "-o", "name")
     for name in (names or "").split():
         pod = name.removeprefix("pod/")
-        g.kubectl(f"logs/{pod}.log", "-n", NAMESPACE, "logs", name, "--all-containers",
+        g.kubectl(f"logs/{pod}.log", "-n", namespace, "logs", name, "--all-containers",
                   f"--tail={tail}", "--timestamps")  # fmt: skip
-        previous = g.run(["-n", NAMESPACE, "logs", name, "--all-containers", "--previous",
+        previous = g.run(["-n", namespace, "logs", name, "--all-containers", "--previous",
                           f"--tail={tail}", "--timestamps"])  # fmt: skip
         if previous.returncode == 0 and previous.stdout:
             g.write(f"logs/{pod}.previous.log", previous.stdout)
+    collect_gpu_operator(g)
+    collect_node_side(g, namespace)
 
 
-def gather(run: Run, dest: Path | None, tail: int = 2000, now: dt.datetime | None = None) -> Path:
+def gather(
+    run: Run,
+    dest: Path | None,
+    tail: int = 2000,
+    now: dt.datetime | None = None,
+    namespace: str = NAMESPACE,
+) -> Path:
     """Collect and pack; returns the archive's path."""
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
     name = f"instaslice-gather-{stamp}"
@@ -135,28 +163,8 @@ def gather(run: Run, dest: Path | None, tail: int = 2000, now: dt.datetime | Non
     with tempfile.TemporaryDirectory() as tmp:
         g = Gather(run, Path(tmp) / name)
         g.root.mkdir()
-        collect(g, tail)
+        collect(g, tail, namespace)
         g.write("errors.txt", "\n".join(g.errors) + ("\n" if g.errors else ""))
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(g.root, arcname=name)
     return archive
-
-
-def kubectl_runner(
-    kubectl: str, kubeconfig: str | None, context: str | None, timeout_s: float = 60.0
-) -> Run:
-    base = [kubectl]
-    if kubeconfig:
-        base += ["--kubeconfig", kubeconfig]
-    if context:
-        base += ["--context", context]
-
-    def run(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        try:
-            return subprocess.run(
-                [*base, *args], capture_output=True, text=True, check=False, timeout=timeout_s
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return subprocess.CompletedProcess([*base, *args], 1, "", str(exc))
-
-    return run

@@ -1,271 +1,128 @@
-"""`kubectl instaslice` — who holds which MIG slice, drawn per node and GPU.
+"""`kubectl instaslice`: the command line around the plugin's views (common/plugin_view.py).
 
-`kubectl instaslice nodes` draws each GPU's memory slots and which pod holds which;
-`kubectl instaslice pods` lists allocations with node, GPU, profile, placement, MIG UUID and
-phase (`-n NS` one namespace, which is all a tenant may read; `-A` or nothing: all);
-`-o json|yaml` prints the same rows as data; `--context` picks the kubeconfig context;
-`kubectl instaslice gather` packs what a bug report needs (common/gather.py);
-`kubectl instaslice kueue-config` prints Kueue's resource transformations and one
-ResourceFlavor per GPU model, from the catalog (common/quota.py, docs/kueue.md). `nodes` and
-`pods` read only MigNodes and SliceAllocations. Rendering is pure (tested without a cluster);
-the shell around it fetches two lists.
+Commands: `nodes`, `pods`, `gather` (common/gather.py), `kueue-config` (common/quota.py),
+`version`, `completion` (common/plugin_complete.py). Every cluster read goes through the
+user's kubectl with kubectl's own connection flags passed on (common/kubectl.py), so the
+kubeconfig rules, the context's namespace and impersonation are kubectl's. This module parses
+the command line, runs the lists, and prints; rendering is pure and tested without a cluster.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
-import string
 import sys
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from common.allocation import SliceAllocation
 from common.catalog import load_catalog
-from common.gather import gather, kubectl_runner
-from common.kubeapi import ApiError, Kube, Obj, instaslice_path
-from common.objects import gpu_out_of_bounds, short_value
+from common.gather import NAMESPACE, gather
+from common.kubectl import Connection, KubectlError, kubectl_runner, list_items
+from common.plugin_complete import candidates, completion_script, kubectl_names
+from common.plugin_view import dump, gpu_rows, pod_rows, render_nodes, render_pods
 from common.quota import kueue_resources, resource_flavors
+from common.version import VERSION
 
-_LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
+__all__ = ["build_parser", "dump", "gpu_rows", "main", "pod_rows", "render_nodes", "render_pods"]
 
+SLICE_ALLOCATIONS = "sliceallocations.instaslice.io"
+MIG_NODES = "mignodes.instaslice.io"
+DESCRIPTION = """\
+Show which pod holds which NVIDIA MIG slice, per node and GPU, on a cluster running
+InstaSlice; pack a bug report; print Kueue's configuration for MIG quotas.
 
-@dataclass(frozen=True)
-class Holder:
-    key: str  # namespace/pod
-    profile: str
-    start: int
-    size: int
-    phase: str
-
-
-def _holders_by_gpu(allocations: Sequence[Obj]) -> dict[str, list[Holder]]:
-    out: dict[str, list[Holder]] = {}
-    for a in map(SliceAllocation.parse, allocations):
-        key = f"{a.namespace}/{a.pod_name or '?'}"
-        for s in a.slices:
-            out.setdefault(s.gpu_uuid, []).append(Holder(key, s.profile, s.start, s.size, a.phase))
-    return out
-
-
-def render_nodes(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> str:
-    """One line per GPU: its slots as letters (held by a live allocation), '#' (an instance no
-    live allocation holds: not InstaSlice's, or orphaned until the agent's GC), '.' (free)."""
-    holders = _holders_by_gpu(allocations)
-    live = {a["metadata"].get("name") for a in allocations}
-    legend: dict[str, str] = {}
-    lines = [
-        f"{'NODE':<20} {'GPU':>3}  {'MODEL':<13} {'MIG':<9} {'MODE CHANGE':<11} {'HEALTH':<9} SLOTS"
-    ]
-    notes: list[str] = []
-    for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
-        for gpu in mn.get("status", {}).get("gpus", []):
-            refused = gpu_out_of_bounds(gpu)
-            if refused is not None:  # not drawn: its slots may be 2^60 (docs/security.md)
-                lines.append(
-                    f"{mn['metadata']['name']:<20} {short_value(gpu.get('index', '?')):>3}  "
-                    f"{'?':<13} {'?':<9} {'-':<11} {'REFUSED':<9} |?|"
-                )
-                notes.append(
-                    f"  {mn['metadata']['name']} GPU {short_value(gpu.get('index', '?'))}: beyond "
-                    f"InstaSlice's bounds, nothing is placed on it: {refused}"
-                )
-                continue
-            slots = max(
-                [8]
-                + [
-                    p["start"] + p["size"]
-                    for prof in gpu.get("profiles", [])
-                    for p in prof.get("placements", [])
-                ]
-            )
-            cells = ["."] * slots
-            for inst in gpu.get("slices", []):
-                if inst.get("claim") not in live:
-                    for i in range(inst["start"], min(slots, inst["start"] + inst["size"])):
-                        cells[i] = "#"
-            for h in holders.get(gpu.get("uuid", ""), []):
-                label = f"{h.key} {h.profile} [{h.start}:{h.size}] {h.phase}"
-                letter = legend.setdefault(label, _LETTERS[len(legend) % len(_LETTERS)])
-                for i in range(h.start, min(slots, h.start + h.size)):
-                    cells[i] = letter
-            mode = gpu.get("migMode", {})
-            mig = mode.get("current", "?")
-            if mode.get("pending") and mode.get("pending") != mode.get("current"):
-                mig += "*"
-            health = "ok" if gpu.get("healthy", False) else "UNHEALTHY"
-            change = _mode_change(gpu)
-            lines.append(
-                f"{mn['metadata']['name']:<20} {gpu.get('index', '?'):>3}  "
-                f"{gpu.get('model', '?'):<13} {mig:<9} {change:<11} {health:<9} "
-                f"|{''.join(cells)}|"
-            )
-            failed = gpu.get("modeChange") or {}
-            if failed.get("phase") == "Failed":
-                notes.append(
-                    f"  {mn['metadata']['name']} GPU {gpu.get('index', '?')}: MIG mode change "
-                    f"failed, avoided for a back-off: {failed.get('message', '')}"
-                )
-    if legend:
-        lines.append("")
-        lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
-    lines.append(
-        "  . = free   # = instance held by no live allocation (foreign, or awaiting GC)"
-        "   REFUSED = its MigNode entry lies beyond InstaSlice's bounds (event GpuOutOfBounds)"
-    )
-    lines.append(
-        "  MODE CHANGE: resetless = the agent changes MIG mode on demand; reset = only a GPU "
-        "reset does (Ampere: pods wait with NeedsMigModeChange); none = cannot (VM guest)"
-    )
-    lines.extend(notes)
-    return "\n".join(lines)
+Reads through kubectl (the one on PATH, or --kubectl) with the connection flags given here,
+so KUBECONFIG, contexts, namespaces and impersonation work as they do for kubectl."""
+EXAMPLES = """\
+examples:
+  kubectl instaslice nodes                 # each GPU's memory slots and who holds them
+  kubectl instaslice pods                  # slices in the context's namespace
+  kubectl instaslice pods -A -o wide       # every namespace, with each allocation's name
+  kubectl instaslice gather                # instaslice-gather-<time>.tar.gz for a bug report
+  kubectl instaslice completion bash       # shell completion (see its --help)"""
 
 
-def _mode_change(gpu: Obj) -> str:
-    """The MODE CHANGE column: how the GPU's MIG mode can change, or what a change is doing."""
-    phase = (gpu.get("modeChange") or {}).get("phase")
-    if phase == "Failed":
-        return "FAILED"
-    if phase in ("Changing", "Draining", "Resetting"):
-        return str(phase).lower()
-    return str(gpu.get("modeToggle") or "-")
-
-
-def pod_rows(allocations: Sequence[Obj]) -> list[dict[str, str]]:
-    """One row per slice: what `pods` prints, as data."""
-    rows = []
-    parsed = sorted(
-        map(SliceAllocation.parse, allocations), key=lambda a: (a.namespace, a.pod_name)
-    )
-    for a in parsed:
-        done = a.status_slices
-        for i, s in enumerate(a.slices):
-            rows.append(
-                {
-                    "namespace": a.namespace,
-                    "pod": a.pod_name or "?",
-                    "container": s.container,
-                    "node": a.node or "?",
-                    "gpu": str(s.gpu_index if s.gpu_index is not None else s.gpu_uuid or "?"),
-                    "profile": s.profile,
-                    "placement": f"{s.start}:{s.size}",
-                    "migUUID": str(done[i].get("migUUID", "-")) if i < len(done) else "-",
-                    "phase": a.phase,
-                    "claim": a.name,
-                }
-            )
-    return rows
-
-
-def render_pods(allocations: Sequence[Obj]) -> str:
-    rows = [("NAMESPACE", "POD", "NODE", "GPU", "PROFILE", "PLACEMENT", "MIG UUID", "PHASE")]
-    for r in pod_rows(allocations):
-        rows.append(
-            (
-                r["namespace"],
-                f"{r['pod']}/{r['container']}",
-                r["node"],
-                r["gpu"],
-                r["profile"],
-                r["placement"],
-                r["migUUID"],
-                r["phase"],
-            )
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
-def gpu_rows(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> list[dict[str, Any]]:
-    """One row per GPU: what `nodes` draws, as data (slices held by live allocations, and
-    instances no live allocation holds under `unclaimed`)."""
-    holders = _holders_by_gpu(allocations)
-    live = {a["metadata"].get("name") for a in allocations}
-    rows = []
-    for mn in sorted(mignodes, key=lambda o: o["metadata"]["name"]):
-        for gpu in mn.get("status", {}).get("gpus", []):
-            rows.append(
-                {
-                    "node": mn["metadata"]["name"],
-                    "gpu": gpu.get("index"),
-                    "uuid": gpu.get("uuid", ""),
-                    "model": gpu.get("model", ""),
-                    "migMode": gpu.get("migMode", {}),
-                    "healthy": bool(gpu.get("healthy", False)),
-                    "refused": gpu_out_of_bounds(gpu),
-                    "slices": [
-                        {
-                            "pod": h.key,
-                            "profile": h.profile,
-                            "start": h.start,
-                            "size": h.size,
-                            "phase": h.phase,
-                        }
-                        for h in holders.get(gpu.get("uuid", ""), [])
-                    ],
-                    "unclaimed": [
-                        {"profile": i.get("profile", ""), "start": i["start"], "size": i["size"]}
-                        for i in gpu.get("slices", [])
-                        if i.get("claim") not in live
-                    ],
-                }
-            )
-    return rows
-
-
-def dump(rows: Sequence[Any], output: str) -> str:
-    if output == "json":
-        return json.dumps(list(rows), indent=2)
-    return yaml.safe_dump(list(rows), sort_keys=False).rstrip()
-
-
-async def _fetch(
-    kubeconfig: str | None, context: str | None, namespace: str | None
-) -> tuple[list[Obj], list[Obj]]:
-    async with await Kube.connect(kubeconfig, context=context) as kube:
-        allocs = await kube.list(instaslice_path("sliceallocations", namespace))
-        nodes = await kube.list(instaslice_path("mignodes")) if namespace is None else {}
-    return nodes.get("items", []), allocs.get("items", [])
-
-
-def _default_kubeconfig() -> str | None:
-    env = os.environ.get("KUBECONFIG")
-    if env:
-        return env.split(os.pathsep)[0]
-    home = Path.home() / ".kube" / "config"
-    return str(home) if home.exists() else None
+def _connection_flags(suppress: bool) -> argparse.ArgumentParser:
+    """kubectl's global flags, accepted before or after the command. On the commands'
+    parsers their default is SUPPRESS, so a flag given before the command is not reset."""
+    p = argparse.ArgumentParser(add_help=False)
+    group = p.add_argument_group("connection (kubectl's own flags, passed on to it)")
+    default: Any = argparse.SUPPRESS if suppress else None
+    specs: tuple[tuple[list[str], dict[str, Any]], ...] = (
+        (["--kubeconfig"], {"help": "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"}),
+        (["--context"], {"help": "kubeconfig context (default: the current one)"}),
+        (["--cluster"], {"help": "kubeconfig cluster"}),
+        (["--user"], {"help": "kubeconfig user"}),
+        (["--as"], {"dest": "as_user", "metavar": "USER", "help": "impersonate USER"}),
+        (["--as-group"], {"dest": "as_groups", "metavar": "GROUP", "action": "append",
+                          "help": "impersonate GROUP (repeatable)"}),
+        (["--request-timeout"], {"metavar": "DURATION",
+                                 "help": "per request, kubectl's format (5s, 1m; 0: none)"}),
+        (["--kubectl"], {"help": "the kubectl (or oc) to run (default: $KUBECTL, PATH)"}),
+    )  # fmt: skip
+    for flags, extra in specs:
+        group.add_argument(*flags, default=default, **extra)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubectl instaslice", description=__doc__)
-    parser.add_argument("what", choices=["nodes", "pods", "gather", "kueue-config"])
-    parser.add_argument("--kubeconfig", default=None)
-    parser.add_argument("--context", default=None, help="kubeconfig context (default: current)")
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", default=None, help="pods: only this namespace")
-    scope.add_argument(
-        "-A", "--all-namespaces", action="store_true", help="pods: every namespace (default)"
-    )
-    parser.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
-    parser.add_argument("--dest", type=Path, default=None, help="gather: the archive to write")
-    parser.add_argument("--tail", type=int, default=2000, help="gather: log lines per pod")
-    parser.add_argument(
-        "--kubectl", default=None, help="gather: the kubectl to run (default: on PATH)"
-    )
-    parser.add_argument(
-        "--slot-accounting",
-        action="store_true",
-        help="kueue-config: the webhook runs with --slot-accounting (docs/kueue.md)",
-    )
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="kubectl instaslice", description=DESCRIPTION, epilog=EXAMPLES,
+        formatter_class=fmt, parents=[_connection_flags(suppress=False)],
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="what", metavar="COMMAND", required=True)
+    conn = _connection_flags(suppress=True)
+
+    def command(name: str, summary: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=summary, description=summary, epilog=epilog, parents=[conn]
+        )
+
+    def printing(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-o", "--output", choices=["wide", "json", "yaml"], default=None,
+                       help="wide: more columns; json|yaml: the rows as data")  # fmt: skip
+        p.add_argument("--no-headers", action="store_true", help="no header line")
+
+    nodes = command("nodes", "per node and GPU: memory slots and who holds them",
+                    "Letters: slots a pod's slice holds (legend below the map); '#': an instance "
+                    "no live allocation holds; '.': free.")  # fmt: skip
+    printing(nodes)
+    pods = command("pods", "one line per slice: pod, node, GPU, profile, MIG UUID",
+                   "Without -n or -A: the kubeconfig context's namespace (kubectl's rule). "
+                   "A tenant may read only namespaces where they hold view or edit.")  # fmt: skip
+    scope = pods.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", default=None,
+                       help="this namespace (default: the context's)")  # fmt: skip
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    printing(pods)
+    g = command("gather", "write an archive with what a bug report needs",
+                "Collects InstaSlice's objects, events and logs, the GPU Operator's "
+                "ClusterPolicy, and through each node agent's pod its --discover-only report and "
+                "the CDI directories. Never Secrets; look before sharing.")  # fmt: skip
+    g.add_argument("-n", "--namespace", default=NAMESPACE,
+                   help=f"the namespace InstaSlice runs in (default {NAMESPACE})")  # fmt: skip
+    g.add_argument("--dest", type=Path, default=None,
+                   help="the archive (default: instaslice-gather-<time>.tar.gz)")  # fmt: skip
+    g.add_argument("--tail", type=int, default=2000, help="log lines per pod (default 2000)")
+    k = command("kueue-config", "print Kueue's resource transformations and flavors")
+    k.add_argument("--slot-accounting", action="store_true",
+                   help="the webhook runs with --slot-accounting (docs/kueue.md)")  # fmt: skip
+    v = command("version", "print the plugin's version and the node agents' (from MigNodes)")
+    v.add_argument("--client", action="store_true", help="the plugin's version only")
+    v.add_argument("-o", "--output", choices=["json", "yaml"], default=None)
+    c = command("completion", "print a shell completion script",
+                "bash|zsh: source it, e.g. `source <(kubectl-instaslice completion bash)` for "
+                "the kubectl-instaslice command. kubectl: save it as an executable named "
+                "kubectl_complete-instaslice on PATH, and `kubectl instaslice <TAB>` completes "
+                "(kubectl 1.26 or newer).")  # fmt: skip
+    c.add_argument("shell", choices=["bash", "zsh", "kubectl"])
     return parser
 
 
@@ -283,36 +140,118 @@ def kueue_config(slot_accounting: bool) -> str:
     return head + yaml.safe_dump_all(docs, sort_keys=False)
 
 
+def connection(args: argparse.Namespace) -> Connection:
+    return Connection(
+        kubeconfig=getattr(args, "kubeconfig", None),
+        context=getattr(args, "context", None),
+        cluster=getattr(args, "cluster", None),
+        user=getattr(args, "user", None),
+        as_user=getattr(args, "as_user", None),
+        as_groups=tuple(getattr(args, "as_groups", None) or ()),
+        request_timeout=getattr(args, "request_timeout", None),
+    )
+
+
+def _kubectl(args: argparse.Namespace) -> str | None:
+    return (
+        getattr(args, "kubectl", None)
+        or os.environ.get("KUBECTL")
+        or shutil.which("kubectl")
+        or shutil.which("oc")
+    )
+
+
+def _show(args: argparse.Namespace, kubectl: str) -> int:
+    run = kubectl_runner(kubectl, connection(args))
+    every = args.what == "nodes" or args.all_namespaces
+    scope = ["-A"] if every else (["-n", args.namespace] if args.namespace else [])
+    try:
+        allocs = list_items(run, SLICE_ALLOCATIONS, *scope)
+        mignodes = list_items(run, MIG_NODES) if args.what == "nodes" else []
+    except KubectlError as exc:
+        forbidden = "forbidden" in str(exc).lower() and every and args.what == "pods"
+        hint = " (a tenant: name your namespace with -n <namespace>)" if forbidden else ""
+        print(f"error: {exc}{hint}", file=sys.stderr)
+        return 1
+    if args.output in ("json", "yaml"):
+        rows = gpu_rows(mignodes, allocs) if args.what == "nodes" else pod_rows(allocs)
+        print(dump(rows, args.output))
+        return 0
+    wide, headers = args.output == "wide", not args.no_headers
+    if args.what == "nodes":
+        text = render_nodes(mignodes, allocs, wide=wide, headers=headers)
+    else:
+        text = render_pods(allocs, namespace_column=every, wide=wide, headers=headers)
+        if not text:
+            where = "any namespace" if every else f"namespace {args.namespace or '(current)'}"
+            print(f"No slice allocations found in {where}.", file=sys.stderr)
+            return 0
+    print(text)
+    return 0
+
+
+def _version(args: argparse.Namespace, kubectl: str | None) -> int:
+    """The plugin's version and, unless --client, the versions the node agents publish in
+    their MigNodes (`status.agent.version`) with how many nodes run each; as kubectl version
+    does, an unreachable cluster is an error after the client's line."""
+    info: dict[str, Any] = {"pluginVersion": f"v{VERSION}", "python": sys.version.split()[0]}
+    error = None
+    if kubectl is not None:
+        try:
+            mignodes = list_items(kubectl_runner(kubectl, connection(args)), MIG_NODES)
+            agents = Counter(
+                str((m.get("status", {}).get("agent") or {}).get("version", "unknown"))
+                for m in mignodes
+            )
+            info["nodeAgentVersions"] = dict(sorted(agents.items()))
+        except KubectlError as exc:
+            error = str(exc)
+    if args.output == "json":
+        print(json.dumps(info, indent=2))
+    elif args.output == "yaml":
+        print(yaml.safe_dump(info, sort_keys=False), end="")
+    else:
+        print(f"Plugin Version: v{VERSION} (Python {info['python']})")
+        if "nodeAgentVersions" in info:
+            found = ", ".join(
+                f"{v} ({n} node{'s' if n != 1 else ''})"
+                for v, n in info["nodeAgentVersions"].items()
+            )
+            print(f"Node Agent Versions: {found or 'none (no MigNode)'}")
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["__complete"]:  # kubectl_complete-instaslice (`completion kubectl`)
+        names = kubectl_names(shutil.which("kubectl"))
+        print("\n".join(candidates(parser, argv[1:], names)))
+        return 0
+    args = parser.parse_args(argv)
     if args.what == "kueue-config":
         print(kueue_config(args.slot_accounting), end="")
         return 0
-    kubeconfig = args.kubeconfig or _default_kubeconfig()
-    if args.what == "gather":
-        kubectl = args.kubectl or shutil.which("kubectl") or shutil.which("oc")
-        if kubectl is None:
-            print("error: gather needs kubectl (or oc) on PATH, or --kubectl", file=sys.stderr)
-            return 1
-        run = kubectl_runner(kubectl, args.kubeconfig, args.context)
-        print(gather(run, args.dest, tail=args.tail))
+    if args.what == "version" and args.client:
+        return _version(args, None)
+    if args.what == "completion":
+        print(completion_script(args.shell), end="")
         return 0
-    namespace = None if args.all_namespaces else args.namespace
-    if args.what == "nodes" and namespace is not None:
-        print("error: nodes are cluster-wide; -n applies to pods", file=sys.stderr)
-        return 2
-    try:
-        mignodes, allocs = asyncio.run(_fetch(kubeconfig, args.context, namespace))
-    except ApiError as exc:
-        hint = "" if namespace or exc.status != 403 else " (a tenant: try -n <namespace>)"
-        print(f"error: {exc}{hint}", file=sys.stderr)
+    kubectl = _kubectl(args)
+    if kubectl is None:
+        print("error: kubectl (or oc) is not on PATH: install it, or pass --kubectl",
+              file=sys.stderr)  # fmt: skip
         return 1
-    if args.output != "text":
-        rows = gpu_rows(mignodes, allocs) if args.what == "nodes" else pod_rows(allocs)
-        print(dump(rows, args.output))
-    else:
-        print(render_nodes(mignodes, allocs) if args.what == "nodes" else render_pods(allocs))
-    return 0
+    if args.what == "version":
+        return _version(args, kubectl)
+    if args.what == "gather":
+        run = kubectl_runner(kubectl, connection(args))
+        print(gather(run, args.dest, tail=args.tail, namespace=args.namespace))
+        return 0
+    return _show(args, kubectl)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from common.version import VERSION
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
 __all__ = [
@@ -409,7 +410,14 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     names, monitoring = check_variants(variants)
     default = variants["default"]
     values = _values(default)
-    app_version = values["images"]["webhook"]["tag"]
+    # One version (common/version.py): the chart's, and the images' tag the overlay pins
+    app_version = f"v{version}"
+    stale = {k: v["tag"] for k, v in values["images"].items() if v["tag"] != app_version}
+    if stale:
+        raise ValueError(
+            f"the overlay's image tags {stale} are not {app_version} (common/version.py): "
+            "set newTag in manifests/overlays/*/kustomization.yaml"
+        )
     files: Chart = {}
     files["Chart.yaml"] = HEADER + yaml.safe_dump(
         {
@@ -459,11 +467,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
 
 
 def project_version() -> str:
-    text = (REPO_ROOT / "pyproject.toml").read_text()
-    m = re.search(r'^version = "([^"]+)"', text, re.M)
-    if m is None:
-        raise SystemExit("no version in pyproject.toml")
-    return m.group(1)
+    return VERSION
 
 
 def write_chart(files: Chart, out: Path) -> None:

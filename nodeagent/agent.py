@@ -25,6 +25,8 @@ import structlog
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
+from common.conditions import observed, with_condition
+from common.constants import EventReason
 from common.kubeapi import ApiError, EventType, Kube
 from common.workqueue import KeyedQueue
 from nodeagent import cdi, checkpoint, heartbeat, modes, writes
@@ -46,14 +48,13 @@ from nodeagent.report import (
     node_labels,
     slot_capacity,
     stamped,
-    with_condition,
 )
 from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
 
 log = structlog.get_logger("agent")
 Obj = dict[str, Any]
-REASON_UNHEALTHY = "GPUUnhealthy"
+REASON_UNHEALTHY = EventReason.GPU_UNHEALTHY
 STOP_PUBLISH_S = 2.0  # a stopping agent lists the slices it made just before, if it can
 
 
@@ -142,8 +143,12 @@ class NodeAgent:
         self.queue.kick(uid)
 
     def on_mig_node(self, etype: EventType, obj: Obj) -> None:
-        """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance."""
+        """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance. A spec
+        generation acted on is published as `status.observedGeneration`."""
+        before = self.maint.observed_generation
         self.maint.on_mig_node({} if etype == "DELETED" else obj)
+        if self.maint.observed_generation != before:
+            self.st.publish.set()
 
     def on_node(self, etype: EventType, obj: Obj) -> None:
         """Our Node changed: when its `instaslice.io/mig-*` capacity is not what we last wrote
@@ -299,9 +304,16 @@ class NodeAgent:
             boot_id=st.boot_id,
             conditions=self.node_conditions,
             modes=self.life.modes.status(),
+            generation=self.maint.observed_generation,
+            now=kube_time(),
         )
+        self.node_conditions = status["conditions"]  # Ready too: its transition time holds
         if status != self._last_status:
-            await writes.patch_mig_node_status(self.kube, self.node, status)
+            created = await writes.patch_mig_node_status(self.kube, self.node, status)
+            if created:  # made just now, spec empty: generation 1 observed, nothing to redo
+                self.maint.observed_generation = created
+                status = {**status, "observedGeneration": created}
+                status["conditions"] = observed(status["conditions"], created, "")
             self._last_status = status
             if not self._conditions_told:  # those known at start; later ones tell themselves
                 self._conditions_told = True
@@ -503,9 +515,7 @@ class NodeAgent:
                 self.queue.kick(uid)
                 await writes.event(
                     self.kube,
-                    alloc.namespace,
-                    alloc.pod_name,
-                    alloc.pod_uid,
+                    alloc,
                     REASON_UNHEALTHY,
                     f"GPU {gpu.index} ({gpu.uuid}) on {self.node} is unhealthy: {ev.message}",
                     warning=True,

@@ -22,6 +22,7 @@ import structlog
 
 from common.allocation import SliceAllocation
 from common.clock import Clock, kube_time, wait_or_sleep
+from common.conditions import condition, with_condition
 from common.constants import REASON_READY
 from common.objects import Phase, SliceStatus
 from nodeagent import cdi, writes
@@ -30,7 +31,7 @@ from nodeagent.lifebase import LifeBase
 from nodeagent.model import Instance, NvmlFailure
 from nodeagent.nvml import NvmlSession
 from nodeagent.reconcile import blocked, held_by_release, match, merge_plan, plan
-from nodeagent.report import condition, gpu_condition, status_creating, status_ready, with_condition
+from nodeagent.report import gpu_condition, status_creating, status_ready
 from nodeagent.state import AgentNode
 
 log = structlog.get_logger("lifecycle")  # one logger name for the whole life
@@ -350,9 +351,7 @@ class Create(LifeBase):
         )  # fmt: skip
         await writes.event(
             self.kube,
-            alloc.namespace,
-            alloc.pod_name,
-            alloc.pod_uid,
+            alloc,
             REASON_READY,
             f"{'whole GPUs' if all(s.whole for s in rec.slices) else 'MIG slices'} ready on "
             f"{self.st.node}: {uuids}",

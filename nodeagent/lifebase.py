@@ -19,7 +19,8 @@ import structlog
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock, kube_time
-from common.constants import qualified_cdi_device
+from common.conditions import allocation_status, condition, with_condition
+from common.constants import EventReason, qualified_cdi_device
 from common.kubeapi import Kube
 from nodeagent import cdi, writes
 from nodeagent.binding import Binding
@@ -29,13 +30,13 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.modechange import ModeChanger
 from nodeagent.model import Health, Instance, NvmlFailure
 from nodeagent.reconcile import adopt_from_status, match
-from nodeagent.report import condition, status_failed, with_condition
+from nodeagent.report import status_failed
 from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
 
 log = structlog.get_logger("lifecycle")  # one logger name for the whole life
 
-REASON_FAILED = "SliceCreateFailed"
+REASON_FAILED = EventReason.SLICE_CREATE_FAILED
 
 
 @dataclass(kw_only=True, eq=False)
@@ -77,11 +78,15 @@ class LifeBase:
         return out
 
     async def status(self, alloc: SliceAllocation, body: cdi.Obj) -> bool:
-        """False when the allocation is gone."""
-        return (
-            await writes.patch_alloc_status(self.kube, alloc.namespace, alloc.name, body)
-            is not None
+        """False when the allocation is gone. Every write carries the conditions whole, the
+        `Ready` summary derived from the phase (common.conditions.allocation_status)."""
+        full = allocation_status(
+            body["status"], self.conditions(alloc), alloc.phase, alloc.generation, kube_time()
         )
+        written = await writes.patch_alloc_status(
+            self.kube, alloc.namespace, alloc.name, {"status": full}
+        )
+        return written is not None
 
     def conditions(self, alloc: SliceAllocation) -> list[cdi.Obj]:
         obj = self.st.allocs.get(alloc.uid) or {}
@@ -97,9 +102,7 @@ class LifeBase:
         rec = ClaimRecord(alloc.uid, alloc.namespace, alloc.name, "failed", (), self.st.boot_id)
         self.st.put(replace(rec, updated=time.time(), message=message))  # in memory only
         await self.write_failed(alloc, message)
-        await writes.event(
-            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_FAILED, message, True
-        )
+        await writes.event(self.kube, alloc, REASON_FAILED, message, True)
 
     async def write_failed(self, alloc: SliceAllocation, message: str) -> None:
         conds = with_condition(

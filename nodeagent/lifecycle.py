@@ -26,7 +26,8 @@ import structlog
 
 from common.allocation import SliceAllocation
 from common.clock import kube_time
-from common.constants import REASON_RELEASED
+from common.conditions import condition, with_condition
+from common.constants import REASON_RELEASED, EventReason
 from common.kubeapi import ApiError
 from common.objects import Phase
 from nodeagent import cdi, writes
@@ -34,13 +35,13 @@ from nodeagent.checkpoint import ClaimRecord
 from nodeagent.create import Create
 from nodeagent.model import NvmlFailure
 from nodeagent.reconcile import Action, decide, plan
-from nodeagent.report import condition, gpu_condition, status_releasing, with_condition
+from nodeagent.report import gpu_condition, status_releasing
 
 log = structlog.get_logger("lifecycle")  # one logger name for the whole life
 
-REASON_LOST = "SliceLost"
+REASON_LOST = EventReason.SLICE_LOST
 SLICES_PRESENT = "SlicesPresent"
-REASON_IN_USE = "SliceInUse"
+REASON_IN_USE = EventReason.SLICE_IN_USE
 API_RETRY_S = 1.0
 
 
@@ -146,8 +147,7 @@ class Lifecycle(Create):
             "status": {"conditions": with_condition(self.conditions(alloc), cond), "message": msg}
         }
         await self.status(alloc, body)
-        await writes.event(
-            self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_LOST, msg,
+        await writes.event(self.kube, alloc, REASON_LOST, msg,
             warning=True,
         )  # fmt: skip
 
@@ -205,9 +205,7 @@ class Lifecycle(Create):
         self.metrics.releases.labels(self.st.node, "released").inc()
         await writes.event(
             self.kube,
-            alloc.namespace,
-            alloc.pod_name,
-            alloc.pod_uid,
+            alloc,
             REASON_RELEASED,
             f"MIG slices released on {self.st.node}",
         )
@@ -224,9 +222,7 @@ class Lifecycle(Create):
         msg = f"slice still in use by a process ({exc.text}); retrying with backoff"
         await self.status(alloc, status_releasing(msg))
         if not told:
-            await writes.event(
-                self.kube, alloc.namespace, alloc.pod_name, alloc.pod_uid, REASON_IN_USE, msg, True
-            )
+            await writes.event(self.kube, alloc, REASON_IN_USE, msg, True)
         log.info("release waits: slice in use", claim=alloc.key, retry_s=delay)
         self.metrics.releases.labels(self.st.node, "in_use").inc()
         return delay

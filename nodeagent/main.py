@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import logging
 import os
 import signal
 import sys
@@ -41,6 +40,7 @@ from common.kubeapi import (
     instaslice_path,
     lean,
 )
+from common.logsetup import LEVELS, LogLevel, configure_logging
 from common.metricsauth import MetricsAuth, add_flags, limits_from
 from common.objects import node_label_value
 from nodeagent import cdi
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
     )
     add_flags(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LEVELS)
     return p
 
 
@@ -219,22 +219,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         pod_resources_socket=a.pod_resources_socket,
     )
     return settings, f"{a.output}:{a.log_level}"
-
-
-def configure_logging(level: str) -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
 
 
 # --- dependencies ---------------------------------------------------------------------------
@@ -497,12 +481,13 @@ async def serve(
             await asyncio.to_thread(shared.shutdown, wait=True)
 
 
-async def _serve_until_signal(settings: Settings) -> None:
+async def _serve_until_signal(settings: Settings, levels: LogLevel) -> None:
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
+    levels.install_signals(loop)  # SIGUSR1/SIGUSR2: docs/configuration.md "Logging"
     log.info(
         "starting", nodes=len(settings.nodes), emulate=settings.emulate, binding=settings.binding
     )
@@ -520,8 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for node in settings.nodes:
             print(render(report(node, discover(nv_for(node), catalog), catalog), output))
         return 0
-    configure_logging(level)
-    asyncio.run(_serve_until_signal(settings))
+    asyncio.run(_serve_until_signal(settings, configure_logging(level)))
     return 0
 
 

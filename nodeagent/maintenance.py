@@ -55,6 +55,7 @@ import structlog
 
 from common.clock import Clock, SystemClock, kube_time
 from common.constants import DRAIN_TIMED_OUT as GIVEN_UP_REASON
+from common.constants import EventReason
 from common.kubeapi import ApiError, Kube
 from common.objects import desired_modes
 from nodeagent import modes, writes
@@ -72,7 +73,9 @@ OPERATOR_COMPONENTS = ("device-plugin", "gpu-feature-discovery", "dcgm-exporter"
 DEPLOY_LABEL_PREFIX = "nvidia.com/gpu.deploy."
 PAUSED = "paused-for-mig-change"
 DESIRED_CLAIM = "desired-mig-mode"  # the `claim` of a reset-less change's intent record
-DRAIN_TIMED_OUT = "MigModeDrainTimedOut"  # the Warning event's reason (docs/contract.md)
+DRAIN_TIMED_OUT = (
+    EventReason.MIG_MODE_DRAIN_TIMED_OUT
+)  # the Warning event's reason (docs/contract.md)
 
 
 class ResetRefused(Exception):
@@ -204,14 +207,21 @@ class Maintenance:
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     restored: bool = False  # drains and given_up read from the checkpoint (once, at start)
     steps: int = 0  # steps ended, failed ones too (a test's proof that one had its chance)
+    generation: int = 0  # the MigNode's metadata.generation last read
+    observed_generation: int = 0  # the last one a step carried out (or had nothing to do for)
 
     def on_mig_node(self, obj: Mapping[str, object]) -> None:
         desired = desired_modes(obj)
+        meta = obj.get("metadata")
+        generation = meta.get("generation") if isinstance(meta, dict) else None
+        self.generation = generation if isinstance(generation, int) else 0
         # a recorded drain or give-up is checked against every spec (an ask removed while
         # the agent was down is forgotten then, not when it is written anew)
         if desired != self.desired or self.st.cp.drains:
             self.desired = desired
             self.kick.set()
+        elif not self.kick.is_set():  # nothing to carry out: observed as read
+            self.observed_generation = max(self.observed_generation, self.generation)
 
     def restore(self) -> None:
         """The drain clocks and given-up asks from the checkpoint, once it is loaded."""
@@ -240,11 +250,16 @@ class Maintenance:
         while True:
             await self.kick.wait()
             self.kick.clear()
+            generation = self.generation
             try:
                 await self.step()
             except (ApiError, NvmlFailure) as exc:  # labels restored by step's finally, or
                 # at the next step from the record; the next GC pass kicks again
                 log.warning("maintenance step failed", node=self.st.node, error=str(exc))
+            else:
+                if generation > self.observed_generation:
+                    self.observed_generation = generation  # MigNode status.observedGeneration
+                    self.st.publish.set()
             self.steps += 1
 
     async def step(self) -> None:

@@ -16,6 +16,15 @@ from typing import Any
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.conditions import (
+    BASE_CDI_SPEC,
+    CONFLICT_FREE,
+    GPU_HEALTHY,
+    condition,
+    node_ready,
+    observed,
+    with_condition,
+)
 from common.constants import (
     GPU_COUNT_LABEL,
     GPU_MODEL_LABEL,
@@ -23,6 +32,7 @@ from common.constants import (
     INSTASLICE_MIG_PREFIX,
     MEMORY_SLOTS_RESOURCE,
     NODE_LABEL,
+    EventReason,
 )
 from common.objects import (
     GpuStatus,
@@ -121,8 +131,14 @@ def mig_node_status(
     boot_id: str,
     conditions: Sequence[Obj] = (),
     modes: Mapping[str, Obj] | None = None,
+    generation: int = 0,
+    now: str = "",
 ) -> Obj:
-    """`modes`: GPU UUID → its MIG mode-change fields (`nodeagent.modes.mode_status`)."""
+    """`modes`: GPU UUID → its MIG mode-change fields (`nodeagent.modes.mode_status`).
+    `conditions` are the node's findings (and the Ready last written, whose transition time
+    is kept while its status holds); the status carries them with the `Ready` summary
+    (`common.conditions.node_ready`), each stamped with `generation`, the MigNode spec's
+    generation the agent has acted on (also `observedGeneration`; 0: none seen yet)."""
     claimed = claimed_slices(cp)
     gpus = [
         gpu_status(
@@ -140,14 +156,14 @@ def mig_node_status(
         "agent": {"version": version, "bootID": boot_id},
         "gpus": gpus,
     }
-    if conditions:
-        out["conditions"] = sorted(conditions, key=lambda c: str(c["type"]))
+    ready = node_ready(gpus, conditions, now)
+    out["conditions"] = observed(with_condition(conditions, ready), generation, now)
+    if generation:
+        out["observedGeneration"] = generation
     return out
 
 
 # --- MigNode conditions: node-level findings an administrator must act on --------------------
-
-BASE_CDI_SPEC = "BaseCdiSpecFound"
 
 
 def base_spec_condition(found: Path | None, tried: Sequence[Path]) -> Obj:
@@ -164,7 +180,7 @@ def base_spec_condition(found: Path | None, tried: Sequence[Path]) -> Obj:
     return {
         "type": BASE_CDI_SPEC,
         "status": "False",
-        "reason": "BaseCdiSpecNotFound",
+        "reason": EventReason.BASE_CDI_SPEC_NOT_FOUND,  # told as an event on the MigNode
         "message": "no NVIDIA CDI spec at "
         + ", ".join(str(t) for t in tried)
         + ": containers get their slices' device nodes but no driver libraries or hooks."
@@ -282,32 +298,6 @@ def capacity_patch(
 # --- SliceAllocation status ----------------------------------------------------------------------
 
 
-def condition(type_: str, ok: bool, reason: str, message: str, now: str) -> Obj:
-    return {
-        "type": type_,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message[:4000],
-        "lastTransitionTime": now,
-    }
-
-
-def with_condition(existing: Sequence[Obj], new: Obj) -> list[Obj]:
-    """Upsert `new` by type; an unchanged status keeps its lastTransitionTime."""
-    out: list[Obj] = []
-    for c in existing:
-        if c.get("type") == new["type"]:
-            if c.get("status") == new["status"]:
-                new = {
-                    **new,
-                    "lastTransitionTime": c.get("lastTransitionTime", new["lastTransitionTime"]),
-                }
-            continue
-        out.append(c)
-    out.append(new)
-    return sorted(out, key=lambda c: str(c.get("type")))
-
-
 def status_creating(message: str = "") -> Obj:
     return {"status": {"phase": Phase.CREATING.value, "message": message}}
 
@@ -346,9 +336,9 @@ def gpu_condition(health: Mapping[int, Health], gpu_indexes: Sequence[int], now:
         (i, health[i]) for i in sorted(set(gpu_indexes)) if i in health and not health[i].healthy
     ]
     if not bad:
-        return condition("GPUHealthy", True, "Healthy", "", now)
+        return condition(GPU_HEALTHY, True, "Healthy", "", now)
     msg = "; ".join(f"GPU {i}: {h.message}" for i, h in bad)
-    return condition("GPUHealthy", False, "GPUUnhealthy", msg, now)
+    return condition(GPU_HEALTHY, False, "GPUUnhealthy", msg, now)
 
 
 # --- the per-slice info series ---------------------------------------------------------------
@@ -380,7 +370,6 @@ def slice_info(node: str, allocations: Iterable[Obj]) -> list[tuple[str, ...]]:
 
 # --- conflicts: another MIG manager on a node InstaSlice manages -------------------------------
 
-CONFLICT_FREE = "ConflictFree"
 DEPLOY_DEVICE_PLUGIN = "nvidia.com/gpu.deploy.device-plugin"
 DEPLOY_MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
 MIG_CONFIG = "nvidia.com/mig.config"
@@ -422,6 +411,9 @@ def conflicts(labels: Mapping[str, str], foreign: int) -> dict[str, str]:
 def conflict_condition(found: Mapping[str, str], now: str) -> Obj:
     if not found:
         return condition(CONFLICT_FREE, True, "NoConflict", "", now)
-    reason = {"device_plugin": "DevicePluginActive", "mig_manager": "MigManagerActive",
-              "foreign_instances": "ForeignInstances"}[next(iter(found))]  # fmt: skip
+    reason = {  # told as an event on the MigNode: EventReason members
+        "device_plugin": EventReason.DEVICE_PLUGIN_ACTIVE,
+        "mig_manager": EventReason.MIG_MANAGER_ACTIVE,
+        "foreign_instances": EventReason.FOREIGN_INSTANCES,
+    }[next(iter(found))]
     return condition(CONFLICT_FREE, False, reason, "; ".join(found.values()), now)

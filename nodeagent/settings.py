@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.constants import AGENT_LEASE_DURATION_S, BindingMode
 from common.metricsauth import MetricsAuthLimits
+from common.version import VERSION
 
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/instaslice")
@@ -69,7 +70,7 @@ class Settings:
     kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")  # device-plugin binding
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     plugin_refresh_s: float = 1.0
-    version: str = "0.1.0"
+    version: str = VERSION  # common/version.py
 
     def node_cdi_dir(self, node: str) -> Path:
         if self.cdi_root is not None:

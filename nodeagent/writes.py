@@ -12,9 +12,17 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from common.allocation import drop_release_finalizer
+from common.allocation import SliceAllocation, drop_release_finalizer
 from common.clock import micro_time
-from common.constants import LEASE_API_VERSION, NODEAGENT_COMPONENT, RELEASE_FINALIZER
+from common.conditions import observed
+from common.constants import (
+    API_VERSION,
+    LEASE_API_VERSION,
+    MIG_NODE_KIND,
+    NODEAGENT_COMPONENT,
+    RELEASE_FINALIZER,
+    EventReason,
+)
 from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, core_path, group_path, instaslice_path
 from common.objects import mig_node
@@ -65,24 +73,33 @@ async def drop_finalizer(kube: Kube, namespace: str, name: str, finalizers: list
     raise ApiError(409, "Conflict", f"finalizers of {namespace}/{name} keep changing")
 
 
-async def ensure_mig_node(kube: Kube, node: str) -> None:
+async def ensure_mig_node(kube: Kube, node: str) -> int:
+    """Create MigNode `node`: the generation of the one made, 0 when it existed already."""
     try:
-        await kube.create(instaslice_path("mignodes"), mig_node(node))
+        made = await kube.create(instaslice_path("mignodes"), mig_node(node))
     except ApiError as exc:
         if exc.status != 409:
             raise
+        return 0
+    return int(made.get("metadata", {}).get("generation") or 0)
 
 
-async def patch_mig_node_status(kube: Kube, node: str, status: Obj) -> None:
-    """Publish MigNode status (creating the object on first use)."""
+async def patch_mig_node_status(kube: Kube, node: str, status: Obj) -> int:
+    """Publish MigNode status (creating the object on first use). The generation of a MigNode
+    made here (its spec empty, so observed as written: `observedGeneration`); 0 otherwise."""
     path = instaslice_path("mignodes", name=node) + "/status"
     try:
         await kube.patch(path, {"status": status})
+        return 0
     except ApiError as exc:
         if not exc.not_found:
             raise
-        await ensure_mig_node(kube, node)
-        await kube.patch(path, {"status": status})
+    made = await ensure_mig_node(kube, node)
+    if made:
+        status = {**status, "observedGeneration": made}
+        status["conditions"] = observed(status.get("conditions") or [], made, "")
+    await kube.patch(path, {"status": status})
+    return made
 
 
 async def get_node(kube: Kube, node: str) -> Obj | None:
@@ -139,42 +156,35 @@ async def renew_lease(kube: Kube, namespace: str, node: str, duration_s: int) ->
 
 
 async def event(
-    kube: Kube,
-    namespace: str,
-    pod_name: str,
-    pod_uid: str,
-    reason: str,
-    message: str,
-    warning: bool = False,
+    kube: Kube, alloc: SliceAllocation, reason: EventReason, message: str, warning: bool = False
 ) -> None:
-    """A pod event (best effort: never fails the caller)."""
-    if not pod_name:
+    """An event on `alloc`'s pod, reported by its node (best effort: never fails the caller)."""
+    if not alloc.pod_name:
         return
-    pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": pod_uid}}
+    pod = {"metadata": {"name": alloc.pod_name, "namespace": alloc.namespace, "uid": alloc.pod_uid}}
     await pod_event(
         kube,
         pod,
         reason,
         message,
         component=NODEAGENT_COMPONENT,
+        instance=alloc.node,
+        host=alloc.node,
         type_="Warning" if warning else "Normal",
     )
 
 
-async def mig_node_warning(kube: Kube, node: str, reason: str, message: str) -> None:
+async def mig_node_warning(kube: Kube, node: str, reason: EventReason, message: str) -> None:
     """A Warning event on the node's MigNode (best effort)."""
-    involved = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "name": node}
+    involved = {"apiVersion": API_VERSION, "kind": MIG_NODE_KIND, "name": node}
     await object_event(
-        kube, involved, reason, message, component=NODEAGENT_COMPONENT, type_="Warning"
-    )
+        kube, involved, reason, message,
+        component=NODEAGENT_COMPONENT, instance=node, host=node, type_="Warning",
+    )  # fmt: skip
 
 
 async def mig_node_event(kube: Kube, node: str, condition: Obj) -> None:
     """A Warning event on the node's MigNode for a condition that is False (best effort);
-    the event's reason is the condition's."""
-    involved = {"apiVersion": "instaslice.io/v1alpha1", "kind": "MigNode", "name": node}
+    the event's reason is the condition's (an `EventReason`: common.conditions)."""
     message = f"{condition['type']}={condition['status']}: {condition['message']}"
-    await object_event(
-        kube, involved, condition["reason"], message,
-        component=NODEAGENT_COMPONENT, type_="Warning",
-    )  # fmt: skip
+    await mig_node_warning(kube, node, EventReason(condition["reason"]), message)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from common.constants import BindingMode
 from common.heap import settle_collector
 from common.kubeapi import Kube
+from common.logsetup import LEVELS, configure_logging
 from common.metricsauth import MetricsAuth, MetricsAuthLimits, add_flags, limits_from
 from common.placement import Policy
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, default_identity, run_allocator
@@ -36,7 +37,7 @@ from webhook.allocator.preemption import parse_selector
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.offered import OfferedProfiles, watch_mig_nodes
-from webhook.server import configure_logging, serve
+from webhook.server import serve
 from webhook.settings import AdmissionSettings, ServerSettings
 
 log = structlog.get_logger("main")
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LEVELS)
     p.add_argument(
         "--metrics-auth",
         action="store_true",
@@ -276,7 +277,7 @@ async def run(settings: Settings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
-    configure_logging(settings.log_level)
+    levels = configure_logging(settings.log_level)
 
     async def _main() -> None:
         task = asyncio.current_task()
@@ -284,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             if task is not None:
                 loop.add_signal_handler(sig, task.cancel)
+        levels.install_signals(loop)  # SIGUSR1/SIGUSR2: docs/configuration.md "Logging"
         with contextlib.suppress(asyncio.CancelledError):
             await run(settings)
         log.info("stopped")

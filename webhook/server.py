@@ -364,22 +364,3 @@ async def serve(
         settings, metrics=metrics, new_claim=new_claim, metrics_auth=metrics_auth, offered=offered
     ):
         await asyncio.Event().wait()
-
-
-def configure_logging(level: str = "info") -> None:
-    """structlog → one JSON object per line on stdout (for the entry point to call once)."""
-    import logging
-
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
-        cache_logger_on_first_use=True,
-    )

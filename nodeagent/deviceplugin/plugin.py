@@ -32,6 +32,7 @@ import structlog
 
 from common.allocation import SliceAllocation
 from common.clock import kube_time
+from common.conditions import condition, observed, with_condition
 from common.constants import CDI_KIND, INSTASLICE_GPU, INSTASLICE_MIG_PREFIX, WHOLE_GPU_PROFILE
 from common.kubeapi import ApiError, Kube
 from common.profiles import profile_from_suffix
@@ -41,7 +42,6 @@ from nodeagent.deviceplugin._gen.deviceplugin.v1beta1 import api_pb2_grpc as dp_
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2 as pr
 from nodeagent.deviceplugin._gen.podresources.v1 import api_pb2_grpc as pr_grpc
 from nodeagent.deviceplugin.core import Bindings, IdKey, NoSlice, Unit, key_of
-from nodeagent.report import condition, with_condition
 
 log = structlog.get_logger("deviceplugin")
 Obj = dict[str, Any]
@@ -367,6 +367,7 @@ class DevicePluginBinding:
             (alloc.get("status") or {}).get("conditions") or [],
             condition("DeviceBound", True, "KubeletDevicePlugin", text, now),
         )
+        conds = observed(conds, int(alloc["metadata"].get("generation") or 0), now)
         try:
             await writes.patch_alloc_status(
                 self.kube, unit.namespace, unit.claim, {"status": {"conditions": conds}}

@@ -2,7 +2,8 @@
 
 Covers, on KWOK GPU nodes with the real webhook/allocator and node-agent processes:
 - one pod's whole lifecycle: rewritten and gated at admission, allocated, Ready, pinned and
-  ungated, Running; SliceAllocated/SliceReady in `kubectl describe pod`; on delete
+  ungated, Running; SliceAllocated/SliceReady in `kubectl describe pod`, reported by the
+  node and the allocator's instance; `kubectl wait --for=condition=Ready` on both kinds; on delete
   SliceReleased, the GPU instance destroyed, the CDI file removed, the allocation gone;
 - a pod in a namespace that never opted in is not touched (no gate, no claim, no allocation);
 - admission refusals (unknown profile, count 0, requests ≠ limits) with the webhook's message;
@@ -109,15 +110,26 @@ async def test_pod_lifecycle(kube: Kube, system: DevSystem, namespace: str) -> N
     assert alloc["metadata"]["name"] == claim
     assert alloc["metadata"]["labels"][NODE_LABEL] == "h200-0"
     uid = pod["metadata"]["uid"]
-    await wait_event(kube, namespace, "train", REASON_ALLOCATED, uid=uid)
+    allocated = await wait_event(kube, namespace, "train", REASON_ALLOCATED, uid=uid)
     ready = await wait_event(kube, namespace, "train", REASON_READY, uid=uid)
     (held,) = held_slices(system, alloc)
     assert held.mig_uuid in ready["message"], ready["message"]
+    # who reported: the agent's node, the allocator's own pod (its host here), never a
+    # component name shared by every agent (docs/contract.md §4)
+    assert (ready["reportingComponent"], ready["reportingInstance"]) == (
+        "instaslice-nodeagent", "h200-0",
+    )  # fmt: skip
+    assert allocated["reportingComponent"] == "instaslice-allocator"
+    assert allocated["reportingInstance"] not in ("", "instaslice-allocator"), allocated
 
     described = await kubectl(system, "-n", namespace, "describe", "pod", "train")
     assert described.rc == 0, described.err
     for reason in (REASON_ALLOCATED, REASON_READY):
         assert reason in described.out, f"{reason} not in kubectl describe pod:\n{described.out}"
+    # the Ready conditions, as generic tooling waits for them (docs/contract.md §3)
+    for args in (("-n", namespace, f"sliceallocation/{claim}"), ("mignode/h200-0",)):
+        waited = await kubectl(system, "wait", "--for=condition=Ready", "--timeout=30s", *args)
+        assert waited.rc == 0, waited.err
 
     await _release(kube, system, namespace, "train")
     await assert_node_matches(kube, system, "h200-0")

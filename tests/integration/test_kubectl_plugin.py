@@ -2,18 +2,26 @@
 
 Covers: `pods -o json|yaml` and `nodes -o json` rows from real MigNode and SliceAllocation
 objects; `--context` picks a context other than the kubeconfig's current one (which points
-nowhere); a real user (client certificate, no admin groups) bound to the default `view` or
-`edit` role in one namespace reads that namespace's allocations through the aggregated
-`instaslice-view` ClusterRole, is told to use `-n` when asking for all namespaces, and may not
-change or delete an allocation; `gather` writes an archive with InstaSlice's objects and
-events and records what it could not read.
-Leaves out: pod logs in the archive (no InstaSlice pods run on the local control plane).
+nowhere); `KUBECONFIG` with two files merged as kubectl merges them (the current context set
+only in the second), the context's namespace as the default and `-A` for all, `-o wide`,
+`--no-headers`; `--as` impersonation and `--request-timeout` reaching the API server;
+`version` with the node agents' versions from their MigNodes; kubectl's own completion of
+the plugin's arguments through `completion kubectl`'s script; a real
+user (client certificate, no admin groups) bound to the default `view` or `edit` role in one
+namespace reads that namespace's allocations through the aggregated `instaslice-view`
+ClusterRole, is told to use `-n` when asking for all namespaces, and may not change or delete
+an allocation; `gather -n NS` writes an archive with InstaSlice's objects and events, the GPU
+Operator's ClusterPolicy, and records what it could not read — here the node agent's
+`--discover-only` and CDI listing, since its pod cannot run on this control plane.
+Leaves out: pod logs and a successful `kubectl exec` into a node agent (no kubelet runs here;
+tests/unit/test_kubectl_plugin.py checks the exec commands and where their output goes).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -78,6 +86,13 @@ def objects(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     _k(cp, "delete", "-f", str(role), "--ignore-not-found")
 
 
+@pytest.fixture(autouse=True)
+def _kubectl(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin reads through kubectl: this control plane's, as `KUBECTL` names it."""
+    monkeypatch.setenv("KUBECTL", str(control_plane.kubectl_path))
+    monkeypatch.setenv("KUBECACHEDIR", str(control_plane.kubectl_cache_dir))
+
+
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -129,6 +144,98 @@ def test_pods_and_nodes_as_data_with_a_chosen_context(
     assert gpu["unclaimed"] == []
 
 
+def _split_kubeconfig(cp: ControlPlane, tmp: Path) -> str:
+    """KUBECONFIG of two files: the first names only a context that reaches nothing and sets no
+    current context; the second holds the real one (namespace NS) and makes it current. Only
+    kubectl's merge of every path finds it."""
+    cfg = yaml.safe_load(cp.kubeconfig.read_text())
+    ctx, cluster, user = cfg["contexts"][0], cfg["clusters"][0], cfg["users"][0]
+    first = {"apiVersion": "v1", "kind": "Config",
+             "clusters": [{"name": "nowhere",
+                           "cluster": {**cluster["cluster"], "server": "https://127.0.0.1:1"}}],
+             "users": [user],
+             "contexts": [{"name": "nowhere",
+                           "context": {"cluster": "nowhere", "user": user["name"]}}]}  # fmt: skip
+    second = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster], "users": [user],
+              "contexts": [{"name": "real", "context": {**ctx["context"], "namespace": NS}}],
+              "current-context": "real"}  # fmt: skip
+    (tmp / "first").write_text(yaml.safe_dump(first))
+    (tmp / "second").write_text(yaml.safe_dump(second))
+    return f"{tmp / 'first'}:{tmp / 'second'}"
+
+
+def test_every_kubeconfig_path_and_the_contexts_namespace(
+    objects: ControlPlane,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp = objects
+    other = "plugin-other"
+    _k(cp, "create", "namespace", other)
+    alloc = {"apiVersion": "instaslice.io/v1alpha1", "kind": "SliceAllocation",
+             "metadata": {"name": "claim-p2", "namespace": other},
+             "spec": {"podName": "other", "podUID": "u2", "nodeName": NODE,
+                      "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-p0",
+                                  "start": 3, "size": 1}]}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    try:
+        monkeypatch.setenv("KUBECONFIG", _split_kubeconfig(cp, tmp_path))
+        rc, out, err = _run(capsys, "pods", "-o", "json")  # the context's namespace: NS
+        assert rc == 0, err
+        assert [r["claim"] for r in json.loads(out)] == ["claim-p1"]
+        rc, out, err = _run(capsys, "pods")
+        header, row = out.splitlines()
+        assert header.split()[:2] == ["POD", "NODE"] and row.startswith("trainer/main")
+        rc, out, err = _run(capsys, "pods", "-A", "-o", "wide", "--no-headers")
+        assert rc == 0, err
+        rows = [line.split() for line in out.splitlines() if line.split()[0] == NS]
+        assert rows == [[NS, "trainer/main", NODE, "GPU-p0", "1g.18gb", "2:1", "-", "Pending",
+                         "claim-p1"]]  # fmt: skip
+    finally:
+        _k(cp, "delete", "namespace", other, "--wait=false")
+
+
+def test_impersonation_and_request_timeout_reach_the_api_server(
+    objects: ControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cp, kc = objects, str(objects.kubeconfig)
+    user = "tenant-as"
+    _k(cp, "-n", NS, "create", "rolebinding", user, "--clusterrole=view", f"--user={user}")
+    deadline = time.monotonic() + 20  # the authorizer catches up with the binding
+    while time.monotonic() < deadline:
+        rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "--as", user)
+        if rc == 0:
+            break
+    assert rc == 0 and "trainer/main" in out, err
+    rc, _, err = _run(capsys, "pods", "-A", "--kubeconfig", kc, "--as", user)
+    assert rc == 1 and f'User "{user}" cannot list' in err
+    rc, _, err = _run(capsys, "--as", user, "--as-group", "system:masters", "pods", "-A",
+                      "--kubeconfig", kc)  # fmt: skip
+    assert rc == 0, err  # before the command, and repeatable groups
+    rc, _, err = _run(capsys, "nodes", "--kubeconfig", kc, "--request-timeout", "1ns")
+    assert rc == 1 and ("deadline" in err or "Timeout" in err), err
+    rc, _, err = _run(capsys, "nodes", "--kubeconfig", kc, "--request-timeout", "30s")
+    assert rc == 0, err
+
+
+def test_version_reports_the_plugin_and_the_node_agents(
+    objects: ControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.version import VERSION
+
+    cp, kc = objects, str(objects.kubeconfig)
+    _k(cp, "patch", "mignode", NODE, "--subresource=status", "--type=merge",
+       "-p", json.dumps({"status": {"agent": {"version": VERSION, "bootID": "b"}}}))  # fmt: skip
+    rc, out, err = _run(capsys, "version", "--kubeconfig", kc, "-o", "json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["pluginVersion"] == f"v{VERSION}"
+    assert info["nodeAgentVersions"] == {VERSION: 1}
+    rc, out, err = _run(capsys, "version", "--kubeconfig", kc, "--request-timeout", "1ns")
+    assert rc == 1 and out.startswith(f"Plugin Version: v{VERSION}") and "error:" in err
+
+
 @pytest.mark.parametrize("role", ["view", "edit"])
 def test_a_tenant_reads_only_their_own_allocations(
     objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str
@@ -152,8 +259,8 @@ def test_a_tenant_reads_only_their_own_allocations(
     rc, out, err = _run(capsys, "pods", "-n", NS, "--kubeconfig", kc, "-o", "json")
     assert rc == 0, err
     assert [r["pod"] for r in json.loads(out)] == ["trainer"]
-    rc, _, err = _run(capsys, "pods", "--kubeconfig", kc)
-    assert rc == 1 and "403" in err and "-n <namespace>" in err
+    rc, _, err = _run(capsys, "pods", "-A", "--kubeconfig", kc)
+    assert rc == 1 and "forbidden" in err.lower() and "-n <namespace>" in err
     proc = subprocess.run(
         [str(cp.kubectl_path), "--kubeconfig", kc, f"--cache-dir={cp.kubectl_cache_dir}",
          "-n", NS, "get", "slicealloc"],
@@ -162,19 +269,50 @@ def test_a_tenant_reads_only_their_own_allocations(
     assert proc.returncode == 0 and "claim-p1" in proc.stdout, proc.stderr
 
 
-def test_gather_packs_objects_and_events(
+CLUSTER_POLICY_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterpolicies.nvidia.com"},
+    "spec": {"group": "nvidia.com", "scope": "Cluster",
+             "names": {"plural": "clusterpolicies", "singular": "clusterpolicy",
+                       "kind": "ClusterPolicy", "listKind": "ClusterPolicyList"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {
+                               "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}  # fmt: skip
+
+
+def test_gather_packs_objects_events_and_node_side_data(
     objects: ControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cp = objects
+    ops = "plugin-ops"  # InstaSlice installed in a namespace of the admin's choosing
     event = {"apiVersion": "v1", "kind": "Event",
              "metadata": {"name": "trainer.gather", "namespace": NS},
              "involvedObject": {"kind": "Pod", "name": "trainer", "namespace": NS},
              "reason": "AllocationPending", "message": "no node offers 1g.18gb",
              "type": "Normal", "source": {"component": "instaslice-allocator"}}  # fmt: skip
     _k(cp, "create", "-f", "-", stdin=json.dumps(event))
+    _k(cp, "create", "namespace", ops)
+    agent = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "agent-0", "namespace": ops,
+                          "labels": {"app.kubernetes.io/name": "instaslice-nodeagent"}},
+             "spec": {"nodeName": NODE,
+                      "containers": [{"name": "nodeagent", "image": "agent:test"}]}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(agent))
+    _k(cp, "create", "-f", "-", stdin=json.dumps(CLUSTER_POLICY_CRD))
+    _k(cp, "wait", "--for=condition=Established", "--timeout=60s",
+       "crd/clusterpolicies.nvidia.com")  # fmt: skip
+    policy = {"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy",
+              "metadata": {"name": "cluster-policy"},
+              "spec": {"migManager": {"enabled": False}}}  # fmt: skip
+    _k(cp, "create", "-f", "-", stdin=json.dumps(policy))
     dest = tmp_path / "bug.tar.gz"
-    rc, out, err = _run(capsys, "gather", "--dest", str(dest), "--kubectl", str(cp.kubectl_path),
-                        "--kubeconfig", str(cp.kubeconfig))  # fmt: skip
+    try:
+        rc, out, err = _run(capsys, "gather", "-n", ops, "--dest", str(dest),
+                            "--kubeconfig", str(cp.kubeconfig))  # fmt: skip
+    finally:
+        _k(cp, "delete", "crd", "clusterpolicies.nvidia.com", "--wait=false")
+        _k(cp, "delete", "namespace", ops, "--wait=false")
     assert rc == 0, err
     assert out.strip() == str(dest)
     with tarfile.open(dest) as tar:
@@ -190,5 +328,64 @@ def test_gather_packs_objects_and_events(
         reasons = {e["reason"] for e in json.loads(text("instaslice/events.json"))}
         assert "AllocationPending" in reasons
         assert "cluster/pods.json" not in files  # every pod of the cluster is not shared
-        assert "errors.txt" in files
+        assert "agent-0" in text(f"namespace/{ops}.yaml")
+        assert "migManager" in text("gpu-operator/clusterpolicy.yaml")
+        errors = text("errors.txt")
+        # no kubelet runs here: both execs into the agent's pod fail, and are recorded
+        assert (
+            f"nodes/{NODE}/discover.txt: kubectl -n {ops} exec agent-0 -c nodeagent -- "
+            "instaslice-nodeagent --discover-only" in errors
+        )
+        assert f"nodes/{NODE}/cdi.txt:" in errors
         assert not any("secret" in name for name in files)
+
+
+def test_the_krew_archive_reads_the_cluster_with_nothing_installed(
+    objects: ControlPlane, tmp_path: Path
+) -> None:
+    """The krew archive, unpacked, under a python3 with only its standard library: what a
+    krew user runs on first use, with no PyPI to reach."""
+    from hack.krew_archive import build
+
+    path, _ = build(tmp_path / "dist")
+    with tarfile.open(path) as tar:
+        tar.extractall(tmp_path / "krew", filter="data")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = subprocess.run(
+        [str(bare / "bin" / "python"), str(tmp_path / "krew" / "kubectl-instaslice"), "pods",
+         "-n", NS, "-o", "yaml", "--kubeconfig", str(objects.kubeconfig),
+         "--kubectl", str(objects.kubectl_path)],
+        capture_output=True, text=True, check=False,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             "KUBECACHEDIR": str(objects.kubectl_cache_dir)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [r["claim"] for r in yaml.safe_load(proc.stdout)] == ["claim-p1"]
+
+
+def test_kubectl_completes_the_plugins_arguments(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """kubectl's own plugin completion (`kubectl instaslice <TAB>`): kubectl runs
+    kubectl_complete-instaslice, which `completion kubectl` prints, and reads its answer."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").symlink_to(control_plane.kubectl_path)
+    (bin_dir / "kubectl-instaslice").symlink_to(Path(sys.executable).parent / "kubectl-instaslice")
+    script = bin_dir / "kubectl_complete-instaslice"
+    printed = subprocess.run([str(bin_dir / "kubectl-instaslice"), "completion", "kubectl"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    script.write_text(printed.stdout)
+    script.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def complete(*words: str) -> list[str]:
+        proc = subprocess.run([str(bin_dir / "kubectl"), "__complete", "instaslice", *words],
+                              capture_output=True, text=True, check=False, env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert complete("po") == ["pods", ":4"]
+    assert complete("pods", "-o", "") == ["json", "wide", "yaml", ":4"]
+    assert complete("gather", "--t") == ["--tail", ":4"]

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from common.allocation import SliceAllocation
+from common.conditions import CONFLICT_FREE
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent import checkpoint, create
-from nodeagent.report import CONFLICT_FREE
 from nodeagent.settings import Settings
 from tests.integration.agent_fixtures import (
     GpuNode,

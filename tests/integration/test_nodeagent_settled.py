@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from common.conditions import CONFLICT_FREE
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
-from nodeagent.report import CONFLICT_FREE
 from tests.integration.agent_fixtures import agent_settings, eventually, gpu_node, running_agent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

@@ -61,8 +61,11 @@ from common.constants import (
     ENABLED_KEY,
     GATE_NAME,
     NODE_LABEL,
+    NODEAGENT_COMPONENT,
     RELEASE_FINALIZER,
+    EventReason,
 )
+from common.events import new_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
 from common.objects import desired_modes, node_label_value
 from hack.cluster import ControlPlane
@@ -163,7 +166,8 @@ CONTROLLER_RULES: dict[tuple[str, str, str], set[str]] = {
     ("policy", "poddisruptionbudgets", ""): {"list", "watch"},  # which victims a PDB guards
     ("", "nodes", ""): {"get", "list", "watch"},
     ("", "namespaces", ""): {"get", "list", "watch", "patch"},  # the opt-in label mirror
-    ("", "events", ""): {"create", "list", "watch"},  # list/watch: Karpenter's answers
+    # patch: a repeat counted on its event; list/watch: Karpenter's answers
+    ("", "events", ""): {"create", "patch", "list", "watch"},
     ("", "podtemplates", ""): {"create", "delete"},  # --autoscaler-signal=provisioning-request
     ("autoscaling.x-k8s.io", "provisioningrequests", ""): {"get", "list", "watch", "create"}
     | {"delete"},
@@ -182,7 +186,7 @@ AGENT_RULES: dict[tuple[str, str, str], set[str]] = {
     ("instaslice.io", "mignodes", "status"): {"patch"},
     ("", "nodes", ""): {"get", "list", "watch", "patch"},
     ("", "nodes", "status"): {"patch"},
-    ("", "events", ""): {"create"},
+    ("", "events", ""): {"create", "patch"},  # patch: a repeat counted on its event
 }
 AGENT_IN_NS: dict[tuple[str, str, str], set[str]] = {
     ("coordination.k8s.io", "leases", ""): {"create", "patch"},
@@ -539,6 +543,34 @@ async def _confined(kube: Kube, agent: Kube, nodes: Nodes, ns: str) -> None:
     )
     await _refused(agent.create(group_path(LEASES, "leases", "kube-node-lease"), lease))
 
+    # Events: only those it reports as its node; a repeat's patch only of its own
+    events = core_path("events", ns)
+
+    def event(instance: str) -> Obj:
+        pod = {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": ns, "uid": "u"}
+        return new_event(pod, EventReason.SLICE_READY, f"from {instance}",
+                         component=NODEAGENT_COMPONENT, instance=instance,
+                         type_="Normal", stamp="2026-01-01T00:00:00Z")  # fmt: skip
+
+    async def events_confined() -> bool:  # the policy reaches the admission chain
+        try:
+            await agent.create(events, event(nodes.b), dryRun="All")
+        except ApiError as exc:
+            return "may only write events" in exc.message
+        return False
+
+    await eventually(events_confined, within=30, what="instaslice-nodeagent-events enforced")
+    own = await agent.create(events, event(nodes.a))
+    own_path = core_path("events", ns, own["metadata"]["name"])
+    await agent.patch(own_path, {"lastTimestamp": "2026-01-01T00:00:01Z"})
+    await _refused(agent.patch(own_path, {"reportingInstance": nodes.b}), "may only write events")
+    await _refused(agent.create(events, event(nodes.b)), "may only write events")
+    others = await kube.create(events, event("instaslice-allocator-0"))
+    await _refused(
+        agent.patch(core_path("events", ns, others["metadata"]["name"]), {"count": 9}),
+        "may only write events",
+    )
+
     # nothing else: secrets, pods
     await _refused(agent.list(core_path("secrets", NS)), "forbidden")
     await _refused(agent.list(core_path("pods")), "forbidden")
@@ -600,6 +632,10 @@ async def test_agent_token_without_a_node_writes_nothing(
     )  # fmt: skip
     lease = {"metadata": {"name": nodes.a}, "spec": {"holderIdentity": "x"}}
     await _refused(agent.create(group_path(LEASES, "leases", NS), lease), "has no node identity")
+    pod = {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": namespace, "uid": "u"}
+    ev = new_event(pod, EventReason.SLICE_READY, "m", component=NODEAGENT_COMPONENT,
+                   instance=nodes.a, type_="Normal", stamp="2026-01-01T00:00:00Z")  # fmt: skip
+    await _refused(agent.create(core_path("events", namespace), ev), "has no node identity")
 
 
 async def test_another_member_of_the_agents_group_writes_nothing(
@@ -857,7 +893,7 @@ async def test_controller_asks_mig_modes_only_of_the_gpus_a_mig_node_reports(
     path = await _reported_mig_node(kube, name, ["GPU-a", "GPU-b"])
     identity = control_plane.user_kubeconfig(CONTROLLER, SA_GROUPS[:2])
     async with await Kube.connect(str(identity)) as controller:
-        writes = Writes(controller, cast(LeaderElector, _Leading()), SystemClock())
+        writes = Writes(controller, cast(LeaderElector, _Leading()), SystemClock(), "test")
         stray = spec_patch({}, {"GPU-elsewhere": "enabled"}, set())
         await _wait_confined(controller, path, stray, MIGNODES_POLICY)
         vap = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=MIGNODES_POLICY)

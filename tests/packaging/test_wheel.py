@@ -206,3 +206,42 @@ def test_kubectl_plugin_needs_only_the_base_dependencies(venv: Path, tmp_path: P
     assert "gather" in out
     for component in ("webhook", "nodeagent"):
         assert "[server]" in (ROOT / f"Containerfile.{component}").read_text()
+
+
+# --- the daemons without the server's dependencies ------------------------------------------------
+
+_DAEMON_ALONE = f"""
+import importlib, importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {SERVER_ONLY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+module, function = sys.argv[1].split(":")
+sys.argv = [sys.argv[2], "--help"]
+sys.exit(getattr(importlib.import_module(module), function)())
+"""
+
+
+@pytest.mark.parametrize("script", ["instaslice-webhook", "instaslice-nodeagent", "instaslice-emu"])
+def test_a_daemon_without_the_server_extra_says_which_extra_to_install(
+    venv: Path, tmp_path: Path, script: str
+) -> None:
+    """`pip install instaslice` without `[server]`: the console script's own entry point (as
+    pyproject.toml names it) exits 1 with one line naming the extra, not a traceback."""
+    entry = PYPROJECT["project"]["scripts"][script]
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-I", "-c", _DAEMON_ALONE, entry, script],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{script}: " in proc.stderr and "pip install 'instaslice[server]'" in proc.stderr
+
+
+def test_the_extras_module_knows_every_server_dependency() -> None:
+    from common.extras import SERVER_MODULES
+
+    server = {re.split(r"[<>=\[ ]", d)[0].lower() for d in
+              PYPROJECT["project"]["optional-dependencies"]["server"]}  # fmt: skip
+    assert set(SERVER_MODULES.values()) == server

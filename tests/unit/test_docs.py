@@ -166,3 +166,16 @@ def test_code_cites_only_files_of_the_repository() -> None:
             if not (ROOT / "docs" / m.group(1)).exists():
                 bad.append(f"{path.relative_to(ROOT)}: cites missing docs/{m.group(1)}")
     assert not bad, "\n".join(bad)
+
+
+def test_metrics_doc_says_once_what_a_standby_exports() -> None:
+    """docs/metrics.md said both that a standby exports the allocator's model gauges without
+    samples and that a replica which lost the Lease keeps exporting its last values. The code
+    does the first (StateCollector's source is None off the Lease; `term()` resets it)."""
+    from webhook.allocator.metrics import StateCollector
+
+    families = list(StateCollector().collect())
+    assert families and all(not f.samples for f in families)
+    text = " ".join((ROOT / "docs" / "metrics.md").read_text().split())
+    assert "a standby exports the names without samples" in text
+    assert "keeps exporting its last" not in text

@@ -88,7 +88,7 @@ def _variants() -> dict[str, list[Any]]:
 
 
 def test_parameterises_what_users_set() -> None:
-    files = build_chart(_variants(), "1.2.3")
+    files = build_chart(_variants(), "1")
     values = yaml.safe_load(files["values.yaml"])
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
@@ -98,7 +98,7 @@ def test_parameterises_what_users_set() -> None:
     assert values["webhook"]["replicas"] == 2
     assert values["monitoring"] == {"enabled": False}
     chart = yaml.safe_load(files["Chart.yaml"])
-    assert (chart["version"], chart["appVersion"]) == ("1.2.3", "v1")
+    assert (chart["version"], chart["appVersion"]) == ("1", "v1")
     deploy = files["templates/deployment-instaslice-webhook.yaml"]
     assert "replicas: {{ .Values.webhook.replicas }}" in deploy
     assert '{{ include "instaslice.configName" . }}' in deploy
@@ -167,3 +167,12 @@ def test_refuses_a_component_that_changes_more() -> None:
     wrong = _rendering("env")  # the default rendering must be device-plugin
     with pytest.raises(SystemExit, match="expected device-plugin"):
         check_variants({**v, "default": wrong})
+
+
+def test_the_chart_refuses_image_tags_other_than_its_version() -> None:
+    """common/version.py is the one version: the chart's appVersion is v<version>, and an
+    overlay pinning another image tag stops the generation instead of shipping both."""
+    chart = yaml.safe_load(build_chart(_variants(), "1")["Chart.yaml"])
+    assert chart["appVersion"] == "v1"
+    with pytest.raises(ValueError, match="not v2"):
+        build_chart(_variants(), "2")

@@ -56,17 +56,25 @@ def test_none_found_is_a_false_condition_naming_every_path(tmp_path: Path) -> No
     assert "nvidia-ctk cdi generate" in cond["message"]
 
 
-def test_mig_node_status_carries_conditions_only_when_given() -> None:
+def test_mig_node_status_carries_its_findings_and_the_ready_summary() -> None:
     from nodeagent.checkpoint import Checkpoint
     from nodeagent.model import NodeInventory
 
     inv = NodeInventory(gpus=(), instances=(), lost=())
     cp = Checkpoint(node="n", boot_id="b", claims={})
-    plain = mig_node_status(inv, {}, cp, [], version="v", boot_id="b")
-    assert "conditions" not in plain
+    plain = mig_node_status(inv, {}, cp, [], version="v", boot_id="b", now="T")
+    assert [(c["type"], c["status"], c["reason"]) for c in plain["conditions"]] == [
+        ("Ready", "False", "NoGpus")
+    ]
     _, cond = find_base_spec(())
-    with_cond = mig_node_status(inv, {}, cp, [], version="v", boot_id="b", conditions=[cond])
-    assert with_cond["conditions"] == [cond]
+    with_cond = mig_node_status(
+        inv, {}, cp, [], version="v", boot_id="b", conditions=[cond], now="T"
+    )
+    found, ready = with_cond["conditions"]
+    assert found == {**cond, "lastTransitionTime": "T"}
+    assert (ready["type"], ready["status"], ready["reason"]) == (
+        "Ready", "False", "BaseCdiSpecNotFound",
+    )  # fmt: skip
 
 
 # --- instaslice_slice_info ------------------------------------------------------------------

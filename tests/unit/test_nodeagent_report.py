@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.catalog import load_catalog
+from common.conditions import condition, with_condition
 from common.objects import node_label_value
 from nodeagent import checkpoint
 from nodeagent.checkpoint import Checkpoint, ClaimRecord, SliceRecord
@@ -20,7 +21,6 @@ from nodeagent.model import Health, Instance, NodeInventory
 from nodeagent.report import (
     capacity,
     capacity_patch,
-    condition,
     gpu_condition,
     gpu_labels,
     label_patch,
@@ -28,7 +28,6 @@ from nodeagent.report import (
     mig_node_status,
     node_labels,
     slot_capacity,
-    with_condition,
 )
 from testkit.builders import G0, G1, gpu
 

@@ -281,6 +281,8 @@ def test_dashboard_has_the_panels_operators_need() -> None:
 
 
 def test_krew_manifest_describes_the_console_script() -> None:
+    from common.version import VERSION
+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["kubectl-instaslice"] == "common.kubectl_plugin:main"
     plugin = _yaml(ROOT / "plugins" / "krew" / "instaslice.yaml")
@@ -288,7 +290,7 @@ def test_krew_manifest_describes_the_console_script() -> None:
     assert plugin["kind"] == "Plugin"
     assert plugin["metadata"]["name"] == "instaslice"
     spec = plugin["spec"]
-    version = f"v{pyproject['project']['version']}"
+    version = f"v{VERSION}"
     assert spec["version"] == version
     assert spec["shortDescription"] and len(spec["shortDescription"]) <= 80
     assert spec["platforms"]
@@ -296,7 +298,8 @@ def test_krew_manifest_describes_the_console_script() -> None:
         assert platform["bin"] == "kubectl-instaslice"
         assert re.fullmatch(r"[0-9a-f]{64}", platform["sha256"])
         assert platform["uri"].startswith("https://") and version in platform["uri"]
-        assert {f["from"] for f in platform["files"]} >= {"kubectl-instaslice"}
+        assert {f["from"] for f in platform["files"]} == {"kubectl-instaslice", "LICENSE", "lib",
+                                                          "licenses"}  # fmt: skip
         oses = {
             v
             for e in platform["selector"]["matchExpressions"]
@@ -305,6 +308,30 @@ def test_krew_manifest_describes_the_console_script() -> None:
         }
         assert oses <= {"linux", "darwin", "windows"} and oses
     assert (ROOT / "plugins" / "krew" / "kubectl-instaslice").stat().st_mode & 0o111
+
+
+def test_every_version_is_the_one_in_common_version() -> None:
+    """docs/release.md: common/version.py is the one place; everything else says the same."""
+    from common.version import VERSION
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" in pyproject["project"]["dynamic"] and "version" not in pyproject["project"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "common.version.VERSION"
+    }
+    for overlay in OVERLAYS:
+        images = _yaml(MANIFESTS / "overlays" / overlay / "kustomization.yaml")["images"]
+        assert {i["newTag"] for i in images} == {f"v{VERSION}"}, overlay
+    chart = _yaml(ROOT / "charts" / "instaslice" / "Chart.yaml")
+    assert (chart["version"], chart["appVersion"]) == (VERSION, f"v{VERSION}")
+    for component in IMAGES:
+        text = (ROOT / f"Containerfile.{component.removeprefix('instaslice-')}").read_text()
+        assert re.findall(r"^ARG VERSION=(.*)$", text, re.M) == [VERSION], component
+    makefile = (ROOT / "Makefile").read_text()
+    assert "VERSION := $(shell sed -n" in makefile and "common/version.py" in makefile
+    from nodeagent.settings import Settings
+
+    assert Settings.version == VERSION  # what the agent publishes in MigNode status.agent
 
 
 # --- monitoring component ----------------------------------------------------------------------

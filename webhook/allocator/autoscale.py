@@ -51,7 +51,13 @@ from typing import Any, Final
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
-from common.constants import INSTASLICE_GPU, NODE_LABEL, SCALE_UP_LABEL, WHOLE_GPU_PROFILE
+from common.constants import (
+    INSTASLICE_GPU,
+    NODE_LABEL,
+    SCALE_UP_LABEL,
+    WHOLE_GPU_PROFILE,
+    EventReason,
+)
 from common.objects import node_label_value, node_labelled
 from common.placeholders import (
     MANAGED_BY,
@@ -81,9 +87,11 @@ PLACEHOLDER_IMAGE: Final = "registry.k8s.io/pause:3.10"
 PROVREQ_API_VERSION: Final = "autoscaling.x-k8s.io/v1"
 DEFAULT_PROVREQ_CLASS: Final = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
 HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
-REASON_REQUESTED: Final = "ScaleUpRequested"  # Normal: a signal was raised for this pod
-REASON_FAILED: Final = "ScaleUpFailed"  # Warning: the autoscaler said it cannot
-REASON_PROVISIONED: Final = "ScaleUpProvisioned"  # Normal: ProvisioningRequest Provisioned
+REASON_REQUESTED: Final = EventReason.SCALE_UP_REQUESTED  # Normal: a signal raised for it
+REASON_FAILED: Final = EventReason.SCALE_UP_FAILED  # Warning: the autoscaler said it cannot
+REASON_PROVISIONED: Final = (
+    EventReason.SCALE_UP_PROVISIONED
+)  # Normal: ProvisioningRequest Provisioned
 
 # The engine's reasons a new node can cure. NoMatchingNode qualifies: with no node of a
 # group yet (count 0), nothing matches the pod's selector until the autoscaler makes one.

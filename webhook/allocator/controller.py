@@ -43,6 +43,7 @@ from common.constants import (
     REASON_PENDING,
     SLICE_ALLOCATION_PLURAL,
     WHOLE_GPU_KEY,
+    EventReason,
 )
 from common.kubeapi import (
     ApiError,
@@ -177,7 +178,7 @@ class Controller:
         if self.scale_up.on:
             self.placer.pendings = self.scale_up
         self.steps = Steps(
-            Writes(kube, elector, self.clock),
+            Writes(kube, elector, self.clock, settings.instance),
             self.state,
             self.placer,
             metrics,
@@ -712,7 +713,7 @@ class Controller:
                 log.warning("could not delete a gone node's records", node=name, error=str(exc))
 
     def _event(
-        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
+        self, pod: Obj, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:
         """An event written in the background, off the pod's critical path."""
         if self._tg is None:

@@ -28,6 +28,7 @@ from common.constants import (
     KIND_GPU,
     REASON_PENDING,
     WHOLE_GPU_PROFILE,
+    EventReason,
 )
 from common.objects import SliceSpec
 from common.placement import Pending, PendingReason, Placement, PodRequest, Policy, Snapshot
@@ -79,7 +80,9 @@ INTERNAL_ERROR = "InternalError"
 AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
 SUMMARY_ANNOTATION = "instaslice.io/summary"  # the SliceAllocation "Slices" printer column
 
-Tell = Callable[[Obj, str, str], None]  # (pod, reason, message): a Warning event, in the background
+Tell = Callable[
+    [Obj, EventReason, str], None
+]  # (pod, reason, message): a Warning event, in the background
 
 
 class Pendings(Protocol):

@@ -34,7 +34,7 @@ import structlog
 
 from common.catalog import Catalog
 from common.clock import Clock, cancel_until_done, wait_or_sleep
-from common.constants import GATE_NAME, SCALE_UP_LABEL
+from common.constants import GATE_NAME, SCALE_UP_LABEL, EventReason
 from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, group_path
 from common.objects import node_label_value
 from common.placeholders import signal_name, stands_for
@@ -65,7 +65,7 @@ from webhook.allocator.views import PodView
 
 log = structlog.get_logger("allocator")
 
-Tell = Callable[[Obj, str, str, Literal["Normal", "Warning"]], None]
+Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 _PROVREQ_FAILURES = ("Failed", "BookingExpired", "CapacityRevoked")
 LOST_BACKOFF_S = 30.0
 
@@ -522,7 +522,7 @@ class ScaleUp:
             self._tell_once(uid, REASON_FAILED, f"Karpenter: {obj.get('message', '')}", "Warning")
 
     def _tell_once(
-        self, uid: str, reason: str, message: str, type_: Literal["Normal", "Warning"]
+        self, uid: str, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:
         if self.told.get((uid, reason)) == message:
             return

@@ -18,9 +18,14 @@ from webhook.allocator.leader import LEASE_NAME, LeaseSettings
 from webhook.allocator.preemption import BACKOFF_S
 
 
+def default_instance() -> str:
+    """This replica's pod (the Downward API's POD_NAME), else the host's name."""
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
 def default_identity() -> str:
     """`<hostname>_<random>`: unique per process, readable in `kubectl get lease`."""
-    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{secrets.token_hex(4)}"
+    return f"{default_instance()}_{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class AllocatorSettings:
 
     namespace: where the leader-election Lease lives (InstaSlice's namespace).
     identity: this replica's name in the Lease; unique per process.
+    instance: the pod this replica runs in, its events' `reportingInstance`.
     pinned_unschedulable_timeout_s: how long a pinned pod may stay unschedulable before its
       slices are released (docs/contract.md §4 step 4).
     lease_*: leader election (client-go's defaults: 15 s lease, renew every 5 s, give up
@@ -66,6 +72,7 @@ class AllocatorSettings:
 
     namespace: str
     identity: str = field(default_factory=default_identity)
+    instance: str = field(default_factory=default_instance)
     pinned_unschedulable_timeout_s: float = 60.0
     policy: Policy = Policy.INSTASLICE
     catalog: Catalog | None = None

@@ -24,6 +24,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
+    EventReason,
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
@@ -49,7 +50,7 @@ from webhook.allocator.writes import Writes
 log = structlog.get_logger("allocator")
 
 EventType_ = Literal["Normal", "Warning"]
-Tell = Callable[[Obj, str, str, EventType_], None]
+Tell = Callable[[Obj, EventReason, str, EventType_], None]
 
 
 @dataclass(eq=False)

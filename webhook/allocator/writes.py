@@ -20,6 +20,7 @@ from common.constants import (
     MIG_NODE_KIND,
     RELEASE_FINALIZER,
     SLICE_ALLOCATION_PLURAL,
+    EventReason,
 )
 from common.events import object_event, pod_event
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
@@ -32,10 +33,11 @@ _LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal look
 
 
 class Writes:
-    def __init__(self, kube: Kube, elector: LeaderElector, clock: Clock) -> None:
+    def __init__(self, kube: Kube, elector: LeaderElector, clock: Clock, instance: str) -> None:
         self.kube = kube
         self.elector = elector
         self.clock = clock
+        self.instance = instance  # the pod this replica runs in: its events' reportingInstance
 
     async def create_allocation(self, body: Obj) -> Obj:
         self.elector.check()
@@ -224,7 +226,7 @@ class Writes:
         return True
 
     async def event(
-        self, pod: Obj, reason: str, message: str, type_: Literal["Normal", "Warning"]
+        self, pod: Obj, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
     ) -> None:
         """Best effort (common.events), written only while this replica's leadership is
         confirmed. While a renewal is late it waits, for a decision made in that moment must
@@ -233,10 +235,11 @@ class Writes:
         while not self.elector.is_leader:
             await self.clock.sleep(_LEADER_WAIT_S)
         await pod_event(
-            self.kube, pod, reason, message, component=COMPONENT, type_=type_, now=self.clock.wall()
-        )
+            self.kube, pod, reason, message,
+            component=COMPONENT, instance=self.instance, type_=type_, now=self.clock.wall(),
+        )  # fmt: skip
 
-    async def mig_node_warning(self, node: str, reason: str, message: str) -> None:
+    async def mig_node_warning(self, node: str, reason: EventReason, message: str) -> None:
         """A Warning event on MigNode `node` (best effort, like `event`; recorded in `default`,
         as Kubernetes does for cluster-scoped objects). Only while leading: a standby's
         would repeat the leader's."""
@@ -249,6 +252,7 @@ class Writes:
             reason,
             message,
             component=COMPONENT,
+            instance=self.instance,
             type_="Warning",
             now=self.clock.wall(),
         )
