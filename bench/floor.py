@@ -163,11 +163,17 @@ class NoopWebhook:
         return resp
 
 
+MIG_WEBHOOK = "mig.pods.instaslice.io"  # the entry whose rules the floor's webhook copies
+
+
 def noop_configuration(url: str, ca_pem: bytes) -> Obj:
-    """InstaSlice's own MutatingWebhookConfiguration entry (rules, matchConditions, timeout),
-    pointed at the no-op webhook and the floor's namespace."""
+    """InstaSlice's own MutatingWebhookConfiguration entry for MIG asks (rules,
+    matchConditions, timeout), pointed at the no-op webhook and the floor's namespace. Taken
+    by name: the whole-GPU entry, first in the file, matches no MIG pod, and the floor's
+    probe then waited for a gate that never came."""
     mwc = yaml.safe_load((MANIFESTS / "webhook" / "mutatingwebhookconfiguration.yaml").read_text())
-    hook = copy.deepcopy(mwc["webhooks"][0])
+    (ours,) = [h for h in mwc["webhooks"] if h["name"] == MIG_WEBHOOK]
+    hook = copy.deepcopy(ours)
     hook["name"] = "noop.floor.instaslice.io"
     hook["clientConfig"] = {"url": url, "caBundle": base64.b64encode(ca_pem).decode()}
     hook["namespaceSelector"] = {"matchLabels": {NOOP_LABEL: "true"}}

@@ -106,3 +106,15 @@ def test_the_floor_is_a_scenario_of_bench_latency(monkeypatch: pytest.MonkeyPatc
     assert doc["scenarios"] == {"floor": {"chain": {"floor_ms": 60.0, "static_ms": 32.0,
                                                      "floor_ratio": 1.88}}}  # fmt: skip
     assert seen == {"nodes": 10, "static": True, "latency": (0, 0), "rounds": (40, 3)}
+
+
+def test_the_noop_webhook_copies_the_mig_entry() -> None:
+    """The floor's no-op webhook is sent what InstaSlice's MIG entry is sent: with the
+    whole-GPU entry's rules (first in the file) no MIG pod reached it and the floor's setup
+    timed out ("the floor's CRD or webhook never became ready")."""
+    mwc = floor.noop_configuration("https://127.0.0.1:1/mutate", b"ca")
+    (hook,) = mwc["webhooks"]
+    assert hook["name"] == "noop.floor.instaslice.io"
+    conditions = " ".join(c["expression"] for c in hook["matchConditions"])
+    assert "nvidia.com/mig-" in conditions, conditions
+    assert hook["namespaceSelector"] == {"matchLabels": {floor.NOOP_LABEL: "true"}}
