@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from bench import latency
 from hack.dev import DevSystem
 
 pytestmark = pytest.mark.integration
-SEQ_PODS = 6
 
 
 # The benchmark attaches to the control plane it started (a fresh ControlPlane object), so
@@ -33,10 +31,7 @@ def test_quick_run_writes_json_with_every_pod_ungated(tmp_path: Path) -> None:
     out = tmp_path / "latency.json"
     run_dir = tmp_path / "run"
     plots = tmp_path / "plots"
-    # 6 sequential pods per variant, not the quick plan's 12: they run one after another, and
-    # what this checks (every pod ungated, ordered finite percentiles) needs no more
-    argv = ["--quick", "--set", f"seq_pods={SEQ_PODS}", "--out", str(out), "--dir", str(run_dir)]
-    rc = latency.main([*argv, "--report", str(plots)])
+    rc = latency.main(["--quick", "--out", str(out), "--dir", str(run_dir), "--report", str(plots)])
     assert rc == 0
     doc = json.loads(out.read_text())
 
@@ -47,7 +42,7 @@ def test_quick_run_writes_json_with_every_pod_ungated(tmp_path: Path) -> None:
         *("sequential", "sequential-realistic", "sequential-static"),
         *("burst", "burst-realistic", "burst-static"),
     }
-    plan = replace(latency.QUICK, seq_pods=SEQ_PODS)
+    plan = latency.QUICK
     for key in ("sequential-static", "burst-static"):  # pre-sliced capacity, no InstaSlice
         sc = scenarios.pop(key)
         want = plan.seq_pods if key.startswith("sequential") else plan.burst_pods
