@@ -170,8 +170,10 @@ class NoopWebhook:
 
 
 def noop_configuration(url: str, ca_pem: bytes) -> Obj:
-    """InstaSlice's own MutatingWebhookConfiguration entry (rules, matchConditions, timeout),
-    pointed at the no-op webhook and the floor's namespace."""
+    """InstaSlice's own MutatingWebhookConfiguration entry for MIG asks (rules,
+    matchConditions, timeout), pointed at the no-op webhook and the floor's namespace. Taken
+    by name: the whole-GPU entry, first in the file, matches no MIG pod, and the floor's
+    probe then waited for a gate that never came."""
     mwc = yaml.safe_load((MANIFESTS / "webhook" / "mutatingwebhookconfiguration.yaml").read_text())
     # the MIG pods' entry by name: the whole-GPU one comes first in the file
     hook = copy.deepcopy(next(h for h in mwc["webhooks"] if h["name"] == MIG_WEBHOOK))

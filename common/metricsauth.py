@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from common.kubeapi import ApiError, Kube, Obj, group_path
+from common.lru import Lru
 
 TOKEN_REVIEW = group_path("authentication.k8s.io/v1", "tokenreviews")
 ACCESS_REVIEW = group_path("authorization.k8s.io/v1", "subjectaccessreviews")
@@ -115,30 +116,30 @@ def jwt_shaped(token: str) -> bool:
 
 @dataclass(eq=False)
 class DecisionCache:
-    """An LRU of (expiry, verdict) per key, at most `size` entries. `store` is injectable so
-    a test can count what each call touches."""
+    """An LRU (common/lru.py) of (expiry, verdict) per key, at most `size` entries. `store`
+    is injectable so a test can count what each call touches."""
 
     size: int
     store: OrderedDict[Key, tuple[float, int]] = field(default_factory=OrderedDict)
+    _lru: Lru[Key, tuple[float, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._lru = Lru(self.size, self.store)
 
     def get(self, key: Key, now: float) -> int | None:
-        hit = self.store.get(key)
+        hit = self._lru.get(key)
         if hit is None:
             return None
         if hit[0] <= now:
-            del self.store[key]  # met expired: gone, whatever else is stale waits its turn
+            self._lru.pop(key)  # met expired: gone, whatever else is stale waits its turn
             return None
-        self.store.move_to_end(key)
         return hit[1]
 
     def put(self, key: Key, verdict: int, expires: float) -> None:
-        self.store[key] = (expires, verdict)
-        self.store.move_to_end(key)
-        while len(self.store) > self.size:  # one out per one in
-            self.store.popitem(last=False)
+        self._lru.put(key, (expires, verdict))  # one out per one in
 
     def __len__(self) -> int:
-        return len(self.store)
+        return len(self._lru)
 
 
 @dataclass(eq=False)

@@ -16,8 +16,10 @@ to import `testkit`, and the wheel does not ship it (only `common*`, `webhook*`,
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.allocation import build_allocation
 from common.catalog import GpuModel, load_catalog
@@ -31,37 +33,50 @@ from common.constants import (
 )
 from common.kubeapi import Obj
 from common.objects import Phase, SliceSpec, new_claim_id
-from common.placement import Policy
-from common.profiles import instaslice_resource
+from common.placement import NodeSelectorRequirement, PodRequest, Policy, SliceRequest, Toleration
+from common.profiles import instaslice_resource, nvidia_resource
 from nodeagent.model import GpuInfo, ProfileInfo
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Tracks
 
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 _uids = itertools.count(1)
 
 SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
 
 
-def _container(name: str, asks: Mapping[str, int], cpu: str | None, memory: str | None) -> Obj:
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    for profile, count in asks.items():
-        res = INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
-        requests[res] = str(count)
-        limits[res] = str(count)
+def _admitted_name(profile: str) -> str:
+    """A profile's resource name once admission rewrote it."""
+    return INSTASLICE_GPU if profile == WHOLE_GPU_PROFILE else instaslice_resource(profile)
+
+
+def _container(
+    name: str,
+    asks: Mapping[str, int],
+    cpu: str | None,
+    memory: str | None,
+    *,
+    resource: Callable[[str], str] = _admitted_name,
+    requests: Mapping[str, int | str] | None = None,
+) -> Obj:
+    """A container asking `asks` (profile -> count) in its limits, named by `resource`; the
+    slices in `requests` (None: the same as the limits, as admission leaves them), then
+    `cpu` and `memory`, in its requests."""
+    limits = {resource(p): str(n) for p, n in asks.items()}
+    reqs = {resource(p): str(n) for p, n in (asks if requests is None else requests).items()}
     if cpu is not None:
-        requests["cpu"] = cpu
+        reqs["cpu"] = cpu
     if memory is not None:
-        requests["memory"] = memory
+        reqs["memory"] = memory
     resources: Obj = {}
-    if requests:
-        resources["requests"] = requests
     if limits:
         resources["limits"] = limits
-    return {"name": name, "image": "registry.k8s.io/pause:3.10", "resources": resources}
+    if reqs:
+        resources["requests"] = reqs
+    return {"name": name, "image": PAUSE_IMAGE, "resources": resources}
 
 
 def make_pod(
@@ -133,6 +148,138 @@ def make_pod(
     if phase is not None:
         pod["status"] = {"phase": phase}
     return pod
+
+
+# --- pods as a user writes them (before admission) ----------------------------------------
+
+USER_IMAGE = "registry.invalid/cuda:12"
+USER_MIG = "nvidia.com/mig-1g.18gb"  # a user pod's default ask
+
+
+def container(
+    name: str = "main",
+    limits: Mapping[str, Any] | None = None,
+    requests: Mapping[str, Any] | None = None,
+    env: list[Obj] | None = None,
+) -> Obj:
+    """A container as a user writes it: `limits`, `requests` and `env` as given (an empty
+    one is kept: admission must judge it), none of them when None."""
+    c: Obj = {"name": name, "image": USER_IMAGE}
+    resources: Obj = {}
+    if limits is not None:
+        resources["limits"] = dict(limits)
+    if requests is not None:
+        resources["requests"] = dict(requests)
+    if resources:
+        c["resources"] = resources
+    if env is not None:
+        c["env"] = env
+    return c
+
+
+def sidecar(c: Obj) -> Obj:
+    """`c` as a sidecar: an init container with `restartPolicy: Always` (the only init
+    containers that may ask for slices, docs/contract.md §1)."""
+    return {**c, "restartPolicy": "Always"}
+
+
+def pod_spec(
+    slices: SliceAsks,
+    *,
+    cpu: str | None = None,
+    memory: str | None = None,
+    slice_requests: SliceAsks | None = None,
+    restart_policy: str | None = None,
+    node_selector: Mapping[str, str] | None = None,
+) -> Obj:
+    """A pod spec whose containers ask for `slices` in NVIDIA's names (one container per
+    key), as a user writes it; for pods, Deployments and Jobs."""
+    spec: Obj = {
+        "containers": [
+            _container(
+                c,
+                asks,
+                cpu,
+                memory,
+                resource=nvidia_resource,
+                requests=(slice_requests or {}).get(c, {}),
+            )
+            for c, asks in slices.items()
+        ],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if restart_policy is not None:
+        spec["restartPolicy"] = restart_policy
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    return spec
+
+
+def user_pod(
+    *containers: Obj,
+    name: str | None = None,
+    namespace: str | None = None,
+    slices: SliceAsks | None = None,
+    cpu: str | None = None,
+    memory: str | None = None,
+    slice_requests: SliceAsks | None = None,
+    labels: Mapping[str, str] | None = None,
+    node_selector: Mapping[str, str] | None = None,
+    init: list[Obj] | None = None,
+    annotations: Mapping[str, str] | None = None,
+    gates: Sequence[str] | None = None,
+    node_name: str | None = None,
+) -> Obj:
+    """A pod as a user writes it, before admission (`make_pod` is one after it).
+
+    Its containers: `containers` as given; or, with `slices`, one per key asking those
+    slices in NVIDIA's names (`pod_spec`: `cpu`, `memory`, `slice_requests` for requests that
+    may differ from the limits, `node_selector`), e.g.
+    `user_pod(name="p", slices={"main": {"3g.71gb": 1}})`; else one container asking one
+    `USER_MIG`. `name`: a fresh random one when None. Every other field is set when given,
+    as given (an empty one too: admission must judge it)."""
+    meta: Obj = {"name": name or f"p-{secrets.token_hex(3)}"}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    if labels is not None:
+        meta["labels"] = dict(labels)
+    if annotations is not None:
+        meta["annotations"] = dict(annotations)
+    if slices is not None:
+        spec = pod_spec(
+            slices,
+            cpu=cpu,
+            memory=memory,
+            slice_requests=slice_requests,
+            node_selector=node_selector,
+        )
+    else:
+        spec = {"containers": list(containers) or [container(limits={USER_MIG: "1"})]}
+    if init is not None:
+        spec["initContainers"] = init
+    if gates is not None:
+        spec["schedulingGates"] = [{"name": g} for g in gates]
+    if node_name is not None:
+        spec["nodeName"] = node_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def pod_request(
+    *slices: tuple[str, str, int] | tuple[str, str],
+    cpu: int = 1000,
+    memory: int = 1 << 30,
+    name: str = "pod",
+    selector: Mapping[str, str] | None = None,
+    affinity: tuple[tuple[NodeSelectorRequirement, ...], ...] = (),
+    tolerations: tuple[Toleration, ...] = (),
+) -> PodRequest:
+    """What the placement engine is asked for one pod (common/placement/model.py).
+    `slices`: (container, profile[, count])."""
+    reqs = tuple(SliceRequest(s[0], s[1], s[2] if len(s) > 2 else 1) for s in slices)
+    return PodRequest(name, cpu, memory, reqs, dict(selector or {}), affinity, tolerations)
+
+
+# --- nodes ---------------------------------------------------------------------------------
 
 
 def mig_capacity(model: str, gpus: int) -> dict[str, str]:

@@ -20,6 +20,11 @@ class FakeClock:
     def monotonic(self) -> float:
         return self.t
 
+    def step(self, seconds: float) -> None:
+        """A blocking sleep on this clock (the NVML emulator's `sleep`): time moves at once,
+        and no `sleep` is woken (nothing async waits beside a blocking caller)."""
+        self.t += seconds
+
     def wall(self) -> dt.datetime:
         return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=self.t)
 

@@ -4,6 +4,8 @@
   Tests may poll where nothing can be watched; the product never does (docs/style.md).
 - `passes(count, more=n)`: until a component's pass counter has grown by `n`, before a test
   asserts that nothing happened (a sleep would prove nothing on a loaded machine).
+- `wait_for(kube, path, check)`: list, then watch `path` until `check(objects)` answers;
+  the one wait on the API server of both tiers (watches, not polling).
 - `wait_admission_sees_opt_in(kube, ns, probe)`: until admission treats namespace `ns` as
   opted in. The API server matches a webhook's namespaceSelector, and hands a
   ValidatingAdmissionPolicy its namespaceObject, from its own namespace cache, which may lag
@@ -25,15 +27,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 
-from common.kubeapi import ApiError, Kube, Obj, core_path
+from common.kubeapi import ApiError, Kube, Obj, core_path, obj_key
 
 T = TypeVar("T")
 AVOID_CREATES_ENV = "INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT"
@@ -93,6 +97,94 @@ async def passes(
         return all(count() >= s + more for count, s in zip(counts, start, strict=True))
 
     await eventually(grown, within=within, interval=0.02, what=f"{more} more {what}")
+
+
+async def wait_for(
+    kube: Kube,
+    path: str,
+    check: Callable[[dict[str, Obj]], T | None],
+    *,
+    what: str = "",
+    within: float = 60.0,
+    **query: Any,
+) -> T:
+    """List `path` (with `query`: labelSelector, fieldSelector), then watch it; the first
+    `check(objects)` that is neither None nor False (an empty list is an answer). The objects
+    are keyed by name within one namespace's path, by `namespace/name` across namespaces
+    (cluster-scoped ones by name). A dropped or expired watch is re-listed; 429 (a new CRD's
+    storage still initializing, on a loaded machine) is retried. Fails with `what` and a
+    summary of the last objects seen on timeout."""
+    within_ns = "/namespaces/" in path
+    objs: dict[str, Obj] = {}
+
+    def key(o: Obj) -> str:
+        return str(o["metadata"]["name"]) if within_ns else obj_key(o)
+
+    async def run() -> T:
+        while True:
+            try:
+                listing = await kube.list(path, **query)
+            except ApiError as exc:
+                if exc.status != 429:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
+            objs.clear()
+            objs.update({key(o): o for o in listing.get("items", [])})
+            if (got := check(objs)) is not None and got is not False:
+                return got
+            rv = str(listing.get("metadata", {}).get("resourceVersion", ""))
+            remaining = max(1, int(deadline - time.monotonic()) + 1)
+            events = cast(
+                AsyncGenerator[tuple[str, Obj], None],
+                kube.watch(path, rv, timeout_s=remaining, **query),
+            )
+            # aclosing: returning mid-stream must release the connection now, not at GC
+            with contextlib.suppress(ApiError):
+                async with contextlib.aclosing(events):
+                    async for etype, obj in events:
+                        if etype == "BOOKMARK":
+                            continue
+                        if etype == "DELETED":
+                            objs.pop(key(obj), None)
+                        else:
+                            objs[key(obj)] = obj
+                        if (got := check(objs)) is not None and got is not False:
+                            return got
+
+    deadline = time.monotonic() + within
+    try:
+        async with asyncio.timeout(within):
+            return await run()
+    except TimeoutError:
+        seen = json.dumps(_summaries(objs), indent=1)[:4000]
+        raise AssertionError(
+            f"timed out after {within:.0f}s waiting for {what or path}; last seen:\n{seen}"
+        ) from None
+
+
+def listed(predicate: Callable[[list[Obj]], T | None]) -> Callable[[dict[str, Obj]], T | None]:
+    """`predicate` over the objects as a list, as `wait_for`'s check."""
+    return lambda objs: predicate(list(objs.values()))
+
+
+def _summaries(objs: Mapping[str, Obj]) -> dict[str, Any]:
+    """What a failure message shows of each object: phase, gates, node, conditions."""
+    out: dict[str, Any] = {}
+    for name, o in objs.items():
+        spec, status = o.get("spec", {}), o.get("status", {})
+        out[name] = {
+            "phase": status.get("phase"),
+            "node": spec.get("nodeName"),
+            "gates": spec.get("schedulingGates"),
+            "message": status.get("message"),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status", "reason", "message")}
+                for c in status.get("conditions", [])
+            ],
+            "deleting": "deletionTimestamp" in o.get("metadata", {}),
+        }
+    return out
 
 
 async def wait_admission_sees_opt_in(

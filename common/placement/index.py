@@ -31,12 +31,12 @@ that builds the snapshot.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Hashable
 from heapq import heappop, heappush
 from typing import Any
 
 from common.catalog import Catalog
+from common.lru import Lru
 from common.placement import engine
 from common.placement.explain import explain
 from common.placement.lazyheap import Entry, LazyHeap, take
@@ -144,7 +144,7 @@ class FleetIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, tuple[NodeState, Any]] = {}  # name -> (state, sort key)
         self._orders: dict[Hashable, _Order] = {}
-        self._whys: OrderedDict[Hashable, ShapeWhy] = OrderedDict()
+        self._whys: Lru[Hashable, ShapeWhy] = Lru(WHY_SHAPES)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -216,11 +216,8 @@ class FleetIndex:
         shape = (ctx.ct, ctx.demand, ctx.policy)
         why = self._whys.get(shape)
         if why is None:
-            why = self._whys[shape] = ShapeWhy(ctx, self._nodes)
-            if len(self._whys) > WHY_SHAPES:
-                self._whys.popitem(last=False)
-        else:
-            self._whys.move_to_end(shape)
+            why = ShapeWhy(ctx, self._nodes)
+            self._whys.put(shape, why)
         return why.explain(request, self._nodes)
 
     def _order(

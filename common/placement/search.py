@@ -19,12 +19,12 @@ leaves the rest placeable (a backtracking scheduler would do the same).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
 
 from common.catalog import Catalog, load_catalog
+from common.lru import Lru
 from common.placement import geometry
 from common.placement.model import (
     NodeState,
@@ -86,23 +86,19 @@ class CatalogTables:
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        self._tables: OrderedDict[str, ModelTables | None] = OrderedDict()
+        self._tables: Lru[str, ModelTables | None] = Lru(MODEL_TABLES_CAP)
 
     def tables(self, model: str) -> ModelTables | None:
         try:
-            t = self._tables[model]
+            return self._tables[model]
         except KeyError:
             m = self.catalog.model(model) or geometry.lookup(model)
             try:
                 t = model_tables(m) if m is not None else None
             except TableTooLarge:
                 t = None
-            self._tables[model] = t
-            if len(self._tables) > MODEL_TABLES_CAP:
-                self._tables.popitem(last=False)
+            self._tables.put(model, t)
             return t
-        self._tables.move_to_end(model)
-        return t
 
     def known(self, model: str) -> bool:
         """Whether `model`'s tables (or the answer that it has none) are at hand."""

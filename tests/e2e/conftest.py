@@ -45,13 +45,8 @@ from hack.cluster import BinariesMissing
 from hack.cluster.nodes import parse_spec
 from hack.cluster.realnode import RealNodeError
 from hack.dev import DevSystem
-from tests.e2e.helpers import (
-    RELEASE_TIMEOUT_S,
-    allocs_path,
-    wait_for,
-    wait_opted_in,
-)
-from tests.support import avoid_creates_in_flight, log_tails, on_the_session_loop
+from tests.e2e.helpers import RELEASE_TIMEOUT_S, allocs_path, wait_opted_in
+from tests.support import avoid_creates_in_flight, log_tails, on_the_session_loop, wait_for
 
 _HERE = Path(__file__).parent
 X10_TABLE = _HERE.parents[1] / "hack" / "specs" / "models" / "x10-120gb.yaml"
@@ -182,7 +177,7 @@ async def _new_namespace(kube: Kube, prefix: str, annotations: dict[str, str]) -
         core_path("serviceaccounts", name),
         lambda sas: "default" in sas,
         what=f"ServiceAccount {name}/default",
-        timeout_s=30,
+        within=30,
     )
     return name
 
@@ -199,7 +194,7 @@ async def _delete_namespace(kube: Kube, name: str, *, wait_released: bool) -> No
             allocs_path(name),
             lambda allocs: not allocs,
             what=f"every SliceAllocation of deleted namespace {name} gone",
-            timeout_s=RELEASE_TIMEOUT_S,
+            within=RELEASE_TIMEOUT_S,
         )
 
 
@@ -230,7 +225,7 @@ async def whole_gpu_namespace(kube: Kube, prefix: str) -> AsyncIterator[str]:
                 == "true"
             ),
             what="whole-gpu label mirrored",
-            timeout_s=30,
+            within=30,
             fieldSelector=f"metadata.name={name}",
         )
         yield name

@@ -1,8 +1,8 @@
 """Builders, waits and the slice invariant for the end-to-end tests.
 
-Builders (`make_pod`, `make_deployment`, `make_job`) return what a user writes: plain wire
-JSON asking for `nvidia.com/mig-<profile>` in limits (docs/contract.md §1), never the rewritten
-form, so admission is exercised on every object.
+Builders (`make_deployment`, `make_job`, `make_real_pod`; plain pods: `testkit.builders.user_pod`)
+return what a user writes: plain wire JSON asking for `nvidia.com/mig-<profile>` in limits
+(docs/contract.md §1), never the rewritten form, so admission is exercised on every object.
 
 Waits are list-then-watch (`wait_for`): the predicate sees the current objects after the
 list and after every watch event, and a bounded deadline turns "never happened" into an
@@ -17,13 +17,11 @@ hold exactly what its allocations promise (no leaked and no duplicate instance).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TypeVar
 
 from common.constants import (
     CDI_FILE_PREFIX,
@@ -36,17 +34,17 @@ from common.constants import (
     cdi_device_name,
     qualified_cdi_device,
 )
-from common.kubeapi import ApiError, Kube, Obj, core_path, group_path, instaslice_path
-from common.profiles import instaslice_resource, nvidia_resource
+from common.kubeapi import Kube, Obj, core_path, group_path, instaslice_path
+from common.profiles import instaslice_resource
 from hack.cluster.nodes import REAL_NODE_TAINT
 from hack.cluster.ociimage import BUSYBOX_IMAGE
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
-from tests.support import wait_admission_sees_opt_in
+from testkit.builders import PAUSE_IMAGE, SliceAsks, pod_spec, user_pod
+from tests.support import wait_admission_sees_opt_in, wait_for
 
 T = TypeVar("T")
-SliceAsks = Mapping[str, Mapping[str, int]]  # container -> profile -> count
-IMAGE = "registry.k8s.io/pause:3.10"
+IMAGE = PAUSE_IMAGE
 READY_TIMEOUT_S = 60.0  # pod creation to Running, with slices, on a busy 2-core machine
 RELEASE_TIMEOUT_S = 60.0
 
@@ -57,98 +55,11 @@ RELEASE_TIMEOUT_S = 60.0
 # --- builders -----------------------------------------------------------------------------
 
 
-def _container(
-    name: str,
-    asks: Mapping[str, int],
-    *,
-    cpu: str | None,
-    memory: str | None,
-    requests: Mapping[str, int | str] | None,
-) -> Obj:
-    limits: dict[str, str] = {nvidia_resource(p): str(n) for p, n in asks.items()}
-    reqs: dict[str, str] = {}
-    if requests is not None:
-        reqs.update({nvidia_resource(p): str(n) for p, n in requests.items()})
-    if cpu is not None:
-        reqs["cpu"] = cpu
-    if memory is not None:
-        reqs["memory"] = memory
-    resources: Obj = {}
-    if limits:
-        resources["limits"] = limits
-    if reqs:
-        resources["requests"] = reqs
-    return {"name": name, "image": IMAGE, "resources": resources}
-
-
-def pod_spec(
-    slices: SliceAsks,
-    *,
-    cpu: str | None = None,
-    memory: str | None = None,
-    slice_requests: SliceAsks | None = None,
-    restart_policy: str | None = None,
-    node_selector: Mapping[str, str] | None = None,
-) -> Obj:
-    """A pod spec whose containers ask for `slices` (one container per key)."""
-    spec: Obj = {
-        "containers": [
-            _container(
-                c,
-                asks,
-                cpu=cpu,
-                memory=memory,
-                requests=(slice_requests or {}).get(c),
-            )
-            for c, asks in slices.items()
-        ],
-        "terminationGracePeriodSeconds": 0,
-    }
-    if restart_policy is not None:
-        spec["restartPolicy"] = restart_policy
-    if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
-    return spec
-
-
-def make_pod(
-    name: str,
-    *,
-    slices: SliceAsks,
-    namespace: str | None = None,
-    cpu: str | None = None,
-    memory: str | None = None,
-    slice_requests: SliceAsks | None = None,
-    labels: Mapping[str, str] | None = None,
-    node_selector: Mapping[str, str] | None = None,
-) -> Obj:
-    """A bare Pod asking `slices`, e.g. `make_pod("p", slices={"main": {"3g.71gb": 1}})`.
-
-    `slice_requests` adds `resources.requests` for slices (absent by default: the contract
-    makes them optional), so a test can write requests that differ from the limits.
-    """
-    meta: Obj = {"name": name, "labels": dict(labels or {})}
-    if namespace is not None:
-        meta["namespace"] = namespace
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": meta,
-        "spec": pod_spec(
-            slices,
-            cpu=cpu,
-            memory=memory,
-            slice_requests=slice_requests,
-            node_selector=node_selector,
-        ),
-    }
-
-
 def make_real_pod(name: str, node: str, slices: SliceAsks, command: str) -> Obj:
     """A bare Pod for the real node (hack/cluster/realnode.py): busybox running `command` in
     every container, hostNetwork (the node has no pod network), tolerating the node's taint
     and selecting it, never restarted, killed at once on delete."""
-    pod = make_pod(name, slices=slices, node_selector={"kubernetes.io/hostname": node})
+    pod = user_pod(name=name, slices=slices, node_selector={"kubernetes.io/hostname": node})
     key, value, effect = REAL_NODE_TAINT
     pod["spec"].update(
         hostNetwork=True,
@@ -219,76 +130,6 @@ def jobs_path(ns: str, name: str | None = None) -> str:
 # --- waits --------------------------------------------------------------------------------
 
 
-async def wait_for(
-    kube: Kube,
-    path: str,
-    check: Callable[[dict[str, Obj]], T | None],
-    *,
-    what: str,
-    timeout_s: float = READY_TIMEOUT_S,
-    **query: Any,
-) -> T:
-    """List `path` (with `query` selectors), then watch it; return the first truthy
-    `check(objects by name)`. Fails with `what` and the last objects seen on timeout."""
-    objs: dict[str, Obj] = {}
-    deadline = time.monotonic() + timeout_s
-
-    async def run() -> T:
-        while True:  # a dropped or expired watch is re-listed
-            listing = await kube.list(path, **query)
-            objs.clear()
-            objs.update({o["metadata"]["name"]: o for o in listing.get("items", [])})
-            if (got := check(objs)) is not None and got is not False:
-                return got
-            rv = listing["metadata"]["resourceVersion"]
-            remaining = max(1, int(deadline - time.monotonic()) + 1)
-            events = cast(
-                AsyncGenerator[tuple[str, Obj], None],
-                kube.watch(path, rv, timeout_s=remaining, **query),
-            )
-            # aclosing: returning mid-stream must release the connection now, not at GC
-            with contextlib.suppress(ApiError):
-                async with contextlib.aclosing(events):
-                    async for etype, obj in events:
-                        if etype == "BOOKMARK":
-                            continue
-                        name = obj["metadata"]["name"]
-                        if etype == "DELETED":
-                            objs.pop(name, None)
-                        else:
-                            objs[name] = obj
-                        if (got := check(objs)) is not None and got is not False:
-                            return got
-
-    try:
-        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-            return await run()
-    except TimeoutError:
-        seen = json.dumps(_summaries(objs), indent=1)[:4000]
-        raise AssertionError(
-            f"timed out after {timeout_s:.0f}s waiting for {what}; last seen:\n{seen}"
-        ) from None
-
-
-def _summaries(objs: Mapping[str, Obj]) -> dict[str, Any]:
-    """What a failure message shows of each object: phase, gates, node, conditions."""
-    out: dict[str, Any] = {}
-    for name, o in objs.items():
-        spec, status = o.get("spec", {}), o.get("status", {})
-        out[name] = {
-            "phase": status.get("phase"),
-            "node": spec.get("nodeName"),
-            "gates": spec.get("schedulingGates"),
-            "message": status.get("message"),
-            "conditions": [
-                {k: c.get(k) for k in ("type", "status", "reason", "message")}
-                for c in status.get("conditions", [])
-            ],
-            "deleting": "deletionTimestamp" in o.get("metadata", {}),
-        }
-    return out
-
-
 async def wait_pod_running(
     kube: Kube, ns: str, name: str, timeout_s: float = READY_TIMEOUT_S
 ) -> Obj:
@@ -301,7 +142,7 @@ async def wait_pod_running(
         pods_path(ns),
         running,
         what=f"pod {ns}/{name} Running",
-        timeout_s=timeout_s,
+        within=timeout_s,
         fieldSelector=f"metadata.name={name}",
     )
 
@@ -321,7 +162,7 @@ async def wait_pods_running(
         pods_path(ns),
         done,
         what=f"{count} Running pods matching {selector} in {ns}",
-        timeout_s=timeout_s,
+        within=timeout_s,
         labelSelector=selector,
     )
 
@@ -334,7 +175,7 @@ async def wait_gone(
         path,
         lambda objs: name not in objs,
         what=f"{path}/{name} deleted",
-        timeout_s=timeout_s,
+        within=timeout_s,
         fieldSelector=f"metadata.name={name}",
     )
 
@@ -361,7 +202,7 @@ async def wait_event(
         core_path("events", ns),
         first,
         what=f"event {reason} on pod {ns}/{pod}",
-        timeout_s=timeout_s,
+        within=timeout_s,
         fieldSelector=selector,
     )
 
@@ -378,11 +219,11 @@ async def wait_opted_in(kube: Kube, ns: str) -> None:
         core_path("namespaces"),
         mirrored,
         what=f"label {ENABLED_KEY}=true mirrored onto namespace {ns}",
-        timeout_s=30,
+        within=30,
         fieldSelector=f"metadata.name={ns}",
     )
     # the webhook's namespaceSelector is matched against the API server's namespace cache
-    probe = make_pod("opt-in-probe", slices={"c": {"1g.10gb": 1}})
+    probe = user_pod(name="opt-in-probe", slices={"c": {"1g.10gb": 1}})
     await wait_admission_sees_opt_in(kube, ns, probe, admitted=_gated)
 
 

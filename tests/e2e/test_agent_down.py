@@ -21,15 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.constants import REASON_PENDING
 from common.kubeapi import Kube
 from hack.dev import DevSystem
+from testkit.builders import user_pod
 from tests.e2e.conftest import AGENT_LEASE_S
-from tests.e2e.helpers import (
-    allocs_path,
-    make_pod,
-    pods_path,
-    wait_event,
-    wait_for,
-    wait_pod_running,
-)
+from tests.e2e.helpers import allocs_path, pods_path, wait_event, wait_pod_running
+from tests.support import wait_for
 
 
 def _agents_down(system: DevSystem) -> float | None:
@@ -61,14 +56,16 @@ async def test_pods_wait_while_the_node_agent_is_down(
     system.kill("nodeagent")
     try:
         # placed while the Leases are still fresh: its allocation waits for a dead agent
-        await kube.create(pods_path(namespace), make_pod("early", slices={"c": {"1g.10gb": 1}}))
+        await kube.create(
+            pods_path(namespace), user_pod(name="early", slices={"c": {"1g.10gb": 1}})
+        )
         first = await wait_for(
             kube, allocs_path(namespace), lambda a: next(iter(a.values()), None), what="early's"
         )
         assert not first.get("status"), first  # no agent acted on it
         # a Lease duration, the leader's 5 s sweep, and some slack for a loaded machine
         await _wait_agents_down(system, len(system.nodes), AGENT_LEASE_S + 5 + 30)
-        await kube.create(pods_path(namespace), make_pod("late", slices={"c": {"1g.10gb": 1}}))
+        await kube.create(pods_path(namespace), user_pod(name="late", slices={"c": {"1g.10gb": 1}}))
         # early's allocation was dropped: it waits with late. Its node's Lease may go stale a
         # sweep before the others' (the agent's renewals spread out under load): then early
         # waits with fewer nodes named, and is told again only when its reason changes

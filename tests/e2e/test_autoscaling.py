@@ -41,7 +41,7 @@ from common.kubeapi import Kube, core_path, instaslice_path
 from common.placeholders import signal_name
 from hack.cluster.karpenter import GROUP_LABEL
 from tests.e2e.conftest import whole_gpu_namespace
-from tests.e2e.helpers import wait_for
+from tests.support import wait_for
 from webhook.allocator.autoscale import REASON_FAILED, REASON_REQUESTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -77,7 +77,7 @@ async def group_emptied(kube: Kube) -> None:
         core_path("nodes"),
         lambda nodes: not nodes,
         what="no node in the autoscaled group",
-        timeout_s=180,
+        within=180,
         labelSelector=GROUP_LABEL,
     )
 
@@ -93,10 +93,10 @@ async def placeholder_then_new_node(
         core_path("pods", ns),
         lambda items: items.get(signal_name(made["metadata"]["uid"])),
         what=f"pod {name}'s placeholder",
-        timeout_s=120,
+        within=120,
     )
     ran = await wait_for(
-        kube, core_path("pods", ns), running(name), what=f"pod {name} Running", timeout_s=240
+        kube, core_path("pods", ns), running(name), what=f"pod {name} Running", within=240
     )
     node = str(ran["spec"]["nodeName"])
     assert node in await group_nodes(kube)  # the node Karpenter made for it
@@ -111,7 +111,7 @@ async def node_goes_leaving_nothing(kube: Kube, ns: str, node: str) -> None:
         core_path("nodes"),
         lambda nodes: node not in nodes,
         what=f"empty node {node} removed by Karpenter",
-        timeout_s=180,
+        within=180,
     )
     left = await leftovers(kube, ns, {node})
     deadline = time.monotonic() + 30
@@ -125,7 +125,7 @@ async def test_one_pod_gets_a_new_node_a_slice_and_runs(own_kube: Kube, own_ns: 
     assert await group_nodes(own_kube) == []  # the group starts with no node
     await own_kube.create(core_path("pods", own_ns), pod("one"))
     ran = await wait_for(
-        own_kube, core_path("pods", own_ns), running("one"), what="pod one Running", timeout_s=180
+        own_kube, core_path("pods", own_ns), running("one"), what="pod one Running", within=180
     )
     node = ran["spec"]["nodeName"]
     # dev-up runs the webhook with --karpenter-do-not-disrupt: Karpenter leaves the node be
@@ -229,7 +229,7 @@ async def test_a_pod_no_instance_type_serves_is_told_why(own_kube: Kube, own_ns:
         core_path("events", own_ns),
         told_failed("a100-only"),
         what="ScaleUpFailed",
-        timeout_s=120,
+        within=120,
     )
     assert failed["type"] == "Warning" and failed["message"].startswith("Karpenter: ")
     assert set(await group_nodes(own_kube)) <= before  # no node was made for it
@@ -253,10 +253,10 @@ async def test_a_node_full_of_one_profile_does_not_keep_another_from_a_new_node(
     served, and the pod waited for good."""
     pods = core_path("pods", own_ns)
     await own_kube.create(pods, asking("big-0", "7g.80gb"))
-    first = await wait_for(own_kube, pods, running("big-0"), what="big-0 Running", timeout_s=180)
+    first = await wait_for(own_kube, pods, running("big-0"), what="big-0 Running", within=180)
     full = first["spec"]["nodeName"]
     await own_kube.create(pods, asking("big-1", "7g.80gb"))  # the node's other GPU
-    second = await wait_for(own_kube, pods, running("big-1"), what="big-1 Running", timeout_s=120)
+    second = await wait_for(own_kube, pods, running("big-1"), what="big-1 Running", within=120)
     assert second["spec"]["nodeName"] == full
     node = await own_kube.get(core_path("nodes", name=full))
     assert node["status"]["allocatable"]["instaslice.io/mig-1g.10gb"] == str(7 * GPUS)
@@ -267,9 +267,9 @@ async def test_a_node_full_of_one_profile_does_not_keep_another_from_a_new_node(
         pods,
         lambda items: items.get(signal_name(small["metadata"]["uid"])),
         what="small's placeholder",
-        timeout_s=60,
+        within=60,
     )
-    ran = await wait_for(own_kube, pods, running("small"), what="small Running", timeout_s=240)
+    ran = await wait_for(own_kube, pods, running("small"), what="small Running", within=240)
     assert ran["spec"]["nodeName"] not in ("", full)
     assert ran["spec"]["nodeName"] in await group_nodes(own_kube)  # one Karpenter made
     node = await own_kube.get(core_path("nodes", name=full))
@@ -293,5 +293,5 @@ async def test_a_node_full_of_one_profile_does_not_keep_another_from_a_new_node(
         core_path("nodes"),
         lambda nodes: not [n for n in nodes if n in (full, ran["spec"]["nodeName"])],
         what="both nodes removed by Karpenter once empty",
-        timeout_s=180,
+        within=180,
     )

@@ -45,17 +45,17 @@ from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from common.quota import flavor_name, resource_flavors
 from hack import kueue
 from hack.dev import DevSystem
+from testkit.builders import user_pod
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
     jobs_path,
     make_job,
-    make_pod,
     pods_path,
     wait_event,
-    wait_for,
     wait_opted_in,
 )
+from tests.support import wait_for
 
 KUEUE = "kueue.x-k8s.io/v1beta2"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -137,7 +137,7 @@ async def team(kk: Kube) -> AsyncIterator[str]:
         )
     )["metadata"]["name"]
     await wait_for(kk, core_path("serviceaccounts", ns), lambda s: "default" in s,
-                   what=f"ServiceAccount {ns}/default", timeout_s=30)  # fmt: skip
+                   what=f"ServiceAccount {ns}/default", within=30)  # fmt: skip
     await wait_opted_in(kk, ns)  # it creates a pod (dry run): after the ServiceAccount
     yield ns
     await kk.delete_ignore_missing(core_path("namespaces", name=ns))
@@ -307,7 +307,7 @@ async def test_plain_pods_quota_in_either_webhook_order(
     try:
         q = await local_queue(kk, team, {"any": {"nvidia.com/mig-1g.10gb": 2}})
         for i in range(3):
-            pod = make_pod(f"p{i}", slices={"main": {"1g.10gb": 1}}, labels={QUEUE_LABEL: q})
+            pod = user_pod(name=f"p{i}", slices={"main": {"1g.10gb": 1}}, labels={QUEUE_LABEL: q})
             created = await kk.create(pods_path(team), pod)
             # (Kueue also adds its topology gate, lifted at admission when TAS is not used)
             gates = [
@@ -364,7 +364,7 @@ async def test_admitted_but_unplaceable_is_explained_and_requeued(
 ) -> None:
     # both 7g.80gb GPUs hold a 4g.40gb slice of a pod Kueue does not manage
     for model in ("H100-80GB", "A100-80GB"):
-        pod = make_pod(f"hold-{model.lower()}", slices={"main": {"4g.40gb": 1}},
+        pod = user_pod(name=f"hold-{model.lower()}", slices={"main": {"4g.40gb": 1}},
                        node_selector={GPU_MODEL_LABEL: model})  # fmt: skip
         await kk.create(pods_path(team), pod)
     await running_pods(kk, team, 2)
@@ -382,7 +382,7 @@ async def test_admitted_but_unplaceable_is_explained_and_requeued(
         kk, workloads_path(team),
         lambda ws: next((w for w in ws.values() if owner(w) == "big"
                          and w.get("status", {}).get("requeueState", {}).get("count")), None),
-        what="the Workload evicted by waitForPodsReady and requeued", timeout_s=120,
+        what="the Workload evicted by waitForPodsReady and requeued", within=120,
     )  # fmt: skip
     reasons = {c["type"]: c.get("reason") for c in wl["status"]["conditions"]}
     assert reasons.get("Evicted") == "PodsReadyTimeout" or "PodsReadyTimeout" in str(wl), wl
@@ -401,10 +401,10 @@ async def test_memory_slots_limit_a_namespace_across_profiles(
     await wait_for(kk, core_path("resourcequotas", team),
                    lambda r: r.get("slots", {}).get("status", {}).get("hard"),
                    what="the quota's status")  # fmt: skip
-    await kk.create(pods_path(team), make_pod("s1", slices={"main": {"1g.10gb": 1}}))
-    await kk.create(pods_path(team), make_pod("s2", slices={"main": {"2g.20gb": 1}}))
+    await kk.create(pods_path(team), user_pod(name="s1", slices={"main": {"1g.10gb": 1}}))
+    await kk.create(pods_path(team), user_pod(name="s2", slices={"main": {"2g.20gb": 1}}))
     with pytest.raises(ApiError) as refused:
-        await kk.create(pods_path(team), make_pod("s3", slices={"main": {"1g.10gb": 1}}))
+        await kk.create(pods_path(team), user_pod(name="s3", slices={"main": {"1g.10gb": 1}}))
     assert refused.value.status == 403 and MEMORY_SLOTS_RESOURCE in str(refused.value)
     await running_pods(kk, team, 2)
     for name in ("s1", "s2"):
@@ -449,7 +449,7 @@ async def test_size_based_pod_gets_the_smallest_fitting_profile(
     profile: str,
     slots: int,
 ) -> None:
-    pod = make_pod("sized", slices={}, node_selector=selector)
+    pod = user_pod(name="sized", slices={}, node_selector=selector)
     pod["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
     pod["metadata"]["annotations"] = {"instaslice.io/mig-size.main": "memory>=20Gi"}
     await kk.create(pods_path(team), pod)

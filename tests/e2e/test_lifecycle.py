@@ -47,6 +47,7 @@ from common.kubeapi import ApiError, Kube, Obj, core_path
 from common.profiles import nvidia_resource
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
+from testkit.builders import user_pod
 from tests.e2e.helpers import (
     IMAGE,
     Held,
@@ -60,15 +61,14 @@ from tests.e2e.helpers import (
     kubectl,
     make_deployment,
     make_job,
-    make_pod,
     pods_path,
     resource_of,
     wait_event,
-    wait_for,
     wait_gone,
     wait_pod_running,
     wait_pods_running,
 )
+from tests.support import wait_for
 
 # Nodes no test deletes; the A30 nodes are for the tests that delete one.
 SHARED_NODES = ("h100-0", "h100-1", "h200-0", "a100-0")
@@ -93,7 +93,7 @@ async def _release(kube: Kube, system: DevSystem, ns: str, name: str) -> None:
 
 async def test_pod_lifecycle(kube: Kube, system: DevSystem, namespace: str) -> None:
     created = await _create_pod(
-        kube, namespace, make_pod("train", slices={"main": {"3g.71gb": 1}}, cpu="500m")
+        kube, namespace, user_pod(name="train", slices={"main": {"3g.71gb": 1}}, cpu="500m")
     )
     # Admission: rewritten resources, the gate, a claim, the CDI device in the env.
     main = created["spec"]["containers"][0]
@@ -139,7 +139,7 @@ async def test_pod_in_plain_namespace_untouched(
     kube: Kube, system: DevSystem, plain_namespace: str
 ) -> None:
     ns = plain_namespace
-    created = await _create_pod(kube, ns, make_pod("outside", slices={"c": {"1g.10gb": 1}}))
+    created = await _create_pod(kube, ns, user_pod(name="outside", slices={"c": {"1g.10gb": 1}}))
     spec, meta = created["spec"], created["metadata"]
     assert not spec.get("schedulingGates"), spec
     assert CLAIM_ANNOTATION not in meta.get("annotations", {}), meta
@@ -194,7 +194,7 @@ async def test_invalid_request_refused(
     slice_requests: dict[str, dict[str, int]] | None,
     expected: tuple[str, ...],
 ) -> None:
-    pod = make_pod("bad", slices=slices, slice_requests=slice_requests)
+    pod = user_pod(name="bad", slices=slices, slice_requests=slice_requests)
     with pytest.raises(ApiError) as refused:
         await _create_pod(kube, namespace, pod)
     msg = refused.value.message
@@ -210,10 +210,12 @@ async def test_exhaustion_pending_then_placed(
 ) -> None:
     # The H200 node has two GPUs, each holding one 7g.141gb.
     for name in ("big-0", "big-1"):
-        await _create_pod(kube, namespace, make_pod(name, slices={"c": {"7g.141gb": 1}}))
+        await _create_pod(kube, namespace, user_pod(name=name, slices={"c": {"7g.141gb": 1}}))
     for name in ("big-0", "big-1"):
         await wait_pod_running(kube, namespace, name)
-    waiting = await _create_pod(kube, namespace, make_pod("big-2", slices={"c": {"7g.141gb": 1}}))
+    waiting = await _create_pod(
+        kube, namespace, user_pod(name="big-2", slices={"c": {"7g.141gb": 1}})
+    )
     pending = await wait_event(kube, namespace, "big-2", REASON_PENDING)
     assert pending["type"] == "Warning", pending
     assert "7g.141gb" in pending["message"] and "full" in pending["message"], pending["message"]
@@ -257,7 +259,7 @@ async def test_multi_container_slices_distinct(
     kube: Kube, system: DevSystem, namespace: str
 ) -> None:
     slices = {"a": {"1g.10gb": 2}, "b": {"1g.10gb+me": 1, "1g.20gb": 1}}
-    created = await _create_pod(kube, namespace, make_pod("multi", slices=slices))
+    created = await _create_pod(kube, namespace, user_pod(name="multi", slices=slices))
     b = created["spec"]["containers"][1]
     assert b["resources"]["limits"] == {
         resource_of("1g.10gb+me"): "1",
@@ -281,7 +283,7 @@ async def test_a_sidecar_gets_its_own_slice_and_a_plain_init_container_none(
     """docs/contract.md §1: a sidecar (an init container with restartPolicy: Always) asks like
     an app container and gets its own slice, device and CDI entry; an init container that is
     not a sidecar may not ask (no quota would count its slices) and the pod is refused."""
-    pod = make_pod("side", slices={"main": {"1g.10gb": 1}})
+    pod = user_pod(name="side", slices={"main": {"1g.10gb": 1}})
     proxy = {"name": "proxy", "image": IMAGE, "restartPolicy": "Always",
              "resources": {"limits": {nvidia_resource("1g.20gb"): "1"}}}  # fmt: skip
     pod["spec"]["initContainers"] = [proxy]
@@ -293,7 +295,7 @@ async def test_a_sidecar_gets_its_own_slice_and_a_plain_init_container_none(
     held = sorted((h.container, h.profile) for h in held_slices(system, alloc))
     assert held == [("main", "1g.10gb"), ("proxy", "1g.20gb")], held
 
-    plain = make_pod("plain", slices={"main": {"1g.10gb": 1}})
+    plain = user_pod(name="plain", slices={"main": {"1g.10gb": 1}})
     plain["spec"]["initContainers"] = [{k: v for k, v in proxy.items() if k != "restartPolicy"}]
     with pytest.raises(ApiError) as refused:
         await _create_pod(kube, namespace, plain)
@@ -355,7 +357,7 @@ def slow_creates(system: DevSystem) -> Iterator[None]:
 async def test_agent_killed_and_restarted(
     kube: Kube, system: DevSystem, namespace: str, slow_creates: None
 ) -> None:
-    await _create_pod(kube, namespace, make_pod("before", slices={"c": {"1g.18gb": 1}}))
+    await _create_pod(kube, namespace, user_pod(name="before", slices={"c": {"1g.18gb": 1}}))
     await wait_pod_running(kube, namespace, "before")
     before = await assert_holds_slices(kube, system, namespace, "before")
     kept = held_slices(system, before)
@@ -367,7 +369,7 @@ async def test_agent_killed_and_restarted(
         "during-3": "2g.35gb",
     }
     for name, profile in names.items():
-        await _create_pod(kube, namespace, make_pod(name, slices={"c": {profile: 1}}))
+        await _create_pod(kube, namespace, user_pod(name=name, slices={"c": {profile: 1}}))
 
     def creating(allocs: dict[str, Obj]) -> bool:
         return any(a.get("status", {}).get("phase") == "Creating" for a in allocs.values())
@@ -436,7 +438,7 @@ async def test_node_deleted(kube: Kube, system: DevSystem, namespace: str) -> No
         pods_path(namespace),
         replaced,
         what=f"the replica re-placed after {lost} was deleted",
-        timeout_s=150,
+        within=150,
         labelSelector="app=solo",
     )
     assert new["spec"]["nodeName"] in others

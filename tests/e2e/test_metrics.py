@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.kubeapi import Kube
 from hack.dev import DevSystem
-from tests.e2e.helpers import allocs_path, make_pod, pods_path, wait_gone, wait_pod_running
+from testkit.builders import user_pod
+from tests.e2e.helpers import allocs_path, pods_path, wait_gone, wait_pod_running
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -66,7 +67,7 @@ async def test_documented_series_exist_and_move(
         assert family in exported, f"{metric} is documented in docs/metrics.md but not exported"
 
     await kube.create(
-        pods_path(namespace), make_pod("m", slices={"main": {"1g.18gb": 1}}, cpu="100m")
+        pods_path(namespace), user_pod(name="m", slices={"main": {"1g.18gb": 1}}, cpu="100m")
     )
     pod = await wait_pod_running(kube, namespace, "m")
     claim = pod["metadata"]["annotations"]["instaslice.io/claim"]

@@ -39,17 +39,17 @@ from common.constants import (
 )
 from common.kubeapi import Kube, Obj, instaslice_path
 from hack.dev import DevSystem
+from testkit.builders import user_pod
 from tests.e2e.conftest import _NODE, whole_gpu_namespace
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
     cdi_file_for,
-    make_pod,
     pods_path,
     wait_event,
-    wait_for,
     wait_pod_running,
 )
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 OWN_SPEC: dict[str, Any] = {  # own_system
@@ -100,7 +100,9 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
     assert [g["migMode"]["current"] for g in before] == ["disabled", "disabled"]
     assert {(g["architecture"], g["modeToggle"]) for g in before} == {("hopper", "resetless")}
 
-    await own_kube.create(pods_path(own_ns), make_pod("first", slices={"main": {"3g.40gb": 1}}))
+    await own_kube.create(
+        pods_path(own_ns), user_pod(name="first", slices={"main": {"3g.40gb": 1}})
+    )
     await wait_pod_running(own_kube, own_ns, "first")
     alloc = await assert_holds_slices(own_kube, own_system, own_ns, "first")
     gpu = alloc["spec"]["slices"][0]["gpuIndex"]
@@ -109,7 +111,9 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
     assert after[gpu]["lastModeChange"]["to"] == "enabled"
     assert after[1 - gpu]["migMode"]["current"] == "disabled"  # no needless toggle
 
-    await own_kube.create(pods_path(own_ns), make_pod("second", slices={"main": {"2g.20gb": 1}}))
+    await own_kube.create(
+        pods_path(own_ns), user_pod(name="second", slices={"main": {"2g.20gb": 1}})
+    )
     await wait_pod_running(own_kube, own_ns, "second")
     second = await assert_holds_slices(own_kube, own_system, own_ns, "second")
     assert second["spec"]["slices"][0]["gpuIndex"] == gpu  # the GPU already in MIG mode
@@ -134,7 +138,7 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
 async def test_ampere_gpu_with_mig_off_is_named_in_the_pending_reason(
     own_kube: Kube, own_ns: str
 ) -> None:
-    await own_kube.create(pods_path(own_ns), make_pod("amp", slices={"main": {"1g.5gb": 1}}))
+    await own_kube.create(pods_path(own_ns), user_pod(name="amp", slices={"main": {"1g.5gb": 1}}))
     event = await wait_event(own_kube, own_ns, "amp", REASON_PENDING)
     assert "amp-0/GPU 0" in event["message"] and "needs a GPU reset" in event["message"], event
     pod = await own_kube.get(pods_path(own_ns, "amp"))
@@ -145,7 +149,7 @@ async def test_a_sized_pod_only_an_ampere_gpu_with_mig_off_serves_is_named_too(
     own_kube: Kube, own_ns: str
 ) -> None:
     """As the pod above, asking by size (`memory>=4Gi`, resolved on the A100-40GB: 1g.5gb)."""
-    pod = make_pod("amp-sized", slices={}, node_selector={GPU_MODEL_LABEL: "A100-40GB"})
+    pod = user_pod(name="amp-sized", slices={}, node_selector={GPU_MODEL_LABEL: "A100-40GB"})
     pod["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
     pod["metadata"]["annotations"] = {SIZE_ANNOTATION_PREFIX + "main": "memory>=4Gi"}
     await own_kube.create(pods_path(own_ns), pod)

@@ -18,14 +18,9 @@ import pytest
 from common.constants import MIG_NODE_PLURAL
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.dev import DevSystem
-from tests.e2e.helpers import (
-    assert_holds_slices,
-    assert_node_matches,
-    make_pod,
-    pods_path,
-    wait_for,
-    wait_pod_running,
-)
+from testkit.builders import user_pod
+from tests.e2e.helpers import assert_holds_slices, assert_node_matches, pods_path, wait_pod_running
+from tests.support import wait_for
 
 NODE = "x10-0"
 # hack/specs/models/x10-120gb.yaml: profile -> (size, legal starts)
@@ -40,7 +35,7 @@ async def _published(kube: Kube) -> dict[str, tuple[int, set[int]]]:
             nodes[NODE] if (nodes.get(NODE, {}).get("status") or {}).get("gpus") else None
         ),
         what=f"MigNode {NODE} with its GPUs",
-        timeout_s=60,
+        within=60,
     )
     gpu = node["status"]["gpus"][0]
     assert gpu["model"] == "NVIDIA X10", gpu["model"]  # NVML's product name: no catalog entry
@@ -61,7 +56,7 @@ async def test_a_model_in_no_catalog_is_published_admitted_placed_and_run(
 
     taken = 0
     for name, profile in (("big", "4g.60gb"), ("mid", "3g.36gb")):
-        await kube.create(pods_path(namespace), make_pod(name, slices={"c": {profile: 1}}))
+        await kube.create(pods_path(namespace), user_pod(name=name, slices={"c": {profile: 1}}))
         await wait_pod_running(kube, namespace, name)
         alloc = await assert_holds_slices(kube, system, namespace, name)
         assert alloc["spec"]["nodeName"] == NODE, alloc["spec"]
@@ -82,7 +77,9 @@ async def test_a_misspelt_profile_is_refused_with_the_offered_ones(
 
     async def refusal() -> str:
         with pytest.raises(ApiError) as refused:
-            await kube.create(pods_path(namespace), make_pod("typo", slices={"c": {"3g.63gb": 1}}))
+            await kube.create(
+                pods_path(namespace), user_pod(name="typo", slices={"c": {"3g.63gb": 1}})
+            )
         assert refused.value.status == 422, refused.value
         return refused.value.message
 

@@ -27,15 +27,9 @@ from common.kubeapi import Kube, Obj
 from hack.cluster.priority import ensure_priority_classes
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
+from testkit.builders import user_pod
 from tests.e2e.conftest import _NODE, whole_gpu_namespace
-from tests.e2e.helpers import (
-    allocs_path,
-    cdi_file_for,
-    make_pod,
-    pods_path,
-    wait_event,
-    wait_pod_running,
-)
+from tests.e2e.helpers import allocs_path, cdi_file_for, pods_path, wait_event, wait_pod_running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 OWN_SPEC: dict[str, Any] = {  # own_system
@@ -46,7 +40,7 @@ LOW, HIGH = "e2e-whole-low", "e2e-whole-high"
 
 
 async def pod(kube: Kube, ns: str, name: str, klass: str, asks: dict[str, str]) -> Obj:
-    body = make_pod(name, slices={}, node_selector={"kubernetes.io/hostname": NODE})
+    body = user_pod(name=name, slices={}, node_selector={"kubernetes.io/hostname": NODE})
     body["spec"]["containers"] = [{"name": "main", "image": "cuda", "resources": {"limits": asks}}]
     body["spec"]["priorityClassName"] = klass
     body["spec"]["terminationGracePeriodSeconds"] = 0

@@ -30,16 +30,16 @@ from common.kubeapi import Kube, Obj, core_path, group_path
 from hack.cluster.priority import ensure_priority_classes
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
+from testkit.builders import user_pod
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
     assert_node_matches,
-    make_pod,
     pods_path,
     wait_event,
-    wait_for,
     wait_pod_running,
 )
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -57,7 +57,7 @@ async def priority_classes(kube: Kube) -> AsyncIterator[None]:
 async def create(
     kube: Kube, ns: str, name: str, klass: str, profile: str, on: dict[str, str] | None = None
 ) -> Obj:
-    body = make_pod(name, slices={"main": {profile: 1}}, node_selector=on)
+    body = user_pod(name=name, slices={"main": {profile: 1}}, node_selector=on)
     body["spec"]["priorityClassName"] = klass
     return await kube.create(pods_path(ns), body)
 
@@ -146,7 +146,7 @@ async def test_a_size_based_pod_preempts_like_one_naming_its_profile(
     """`memory>=70Gi` held to the full H100s resolves to 7g.80gb there (the free H200 would
     give 4g.71gb: the selector keeps it off): the pods of one GPU go and it gets that slice."""
     where = await fill_h100s(kube, namespace)
-    body = make_pod("big", slices={}, node_selector={GPU_MODEL_LABEL: "H100-80GB"})
+    body = user_pod(name="big", slices={}, node_selector={GPU_MODEL_LABEL: "H100-80GB"})
     body["spec"]["containers"] = [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]
     body["spec"]["priorityClassName"] = HIGH
     body["metadata"]["annotations"] = {"instaslice.io/mig-size.main": "memory>=70Gi"}

@@ -52,10 +52,10 @@ from tests.e2e.helpers import (
     make_real_pod,
     pods_path,
     wait_event,
-    wait_for,
     wait_opted_in,
     wait_pod_running,
 )
+from tests.support import wait_for
 
 REAL = "real-0"
 SPEC: dict[str, Any] = {
@@ -105,7 +105,7 @@ async def ns(rkube: Kube, real: DevSystem) -> AsyncIterator[str]:
             allocs_path(name),
             lambda a: not a,
             what=f"SliceAllocations of {name} gone",
-            timeout_s=RELEASE_TIMEOUT_S,
+            within=RELEASE_TIMEOUT_S,
         )
 
 
@@ -211,7 +211,7 @@ async def test_the_real_node_is_ready_next_to_kwok(rkube: Kube, real: DevSystem)
             and n[REAL]["status"].get("allocatable", {}).get("instaslice.io/mig-1g.10gb") == "7"
         ),
         what="instaslice.io/mig-1g.10gb: 7 allocatable on the real node",
-        timeout_s=60,
+        within=60,
     )
     kwok = await rkube.get(core_path("nodes", name="kwok-0"))
     assert kwok["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"

@@ -44,6 +44,7 @@ from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GPU_MODEL_LABEL, NOD
 from common.kubeapi import Kube, Obj, core_path, group_path
 from hack.dev import REPO, DevSystem
 from nodeagent.emulator import EmulatorControl
+from testkit.builders import user_pod
 from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
@@ -53,14 +54,13 @@ from tests.e2e.helpers import (
     held_slices,
     kubectl,
     make_deployment,
-    make_pod,
     pods_path,
-    wait_for,
     wait_gone,
     wait_opted_in,
     wait_pod_running,
     wait_pods_running,
 )
+from tests.support import wait_for
 
 DOCS = REPO / "docs"
 OVERLAY = "manifests/overlays/kubernetes"
@@ -296,7 +296,7 @@ async def ops_install(kube: Kube, system: DevSystem) -> AsyncIterator[None]:
     # (not `kubectl wait`: it errors out while a new CRD has no status.conditions yet)
     await wait_for(
         kube, group_path("apiextensions.k8s.io/v1", "customresourcedefinitions"), established,
-        what="cert-manager's CRDs Established", timeout_s=60,
+        what="cert-manager's CRDs Established", within=60,
     )  # fmt: skip
     rendered = await kubectl(system, "kustomize", str(REPO / OVERLAY))
     assert rendered.rc == 0, rendered.err
@@ -382,8 +382,8 @@ async def test_slice_that_will_not_release(kube: Kube, system: DevSystem, namesp
     node = await _a30_node(kube)
     names = ("s-agent", "s-force", "s-nodegone")
     for name in names:
-        pod = make_pod(
-            name, slices={"c": {"1g.6gb": 1}}, node_selector={"kubernetes.io/hostname": node}
+        pod = user_pod(
+            name=name, slices={"c": {"1g.6gb": 1}}, node_selector={"kubernetes.io/hostname": node}
         )
         await kube.create(pods_path(ns), pod)
     allocs: dict[str, Obj] = {}
@@ -488,10 +488,10 @@ async def test_troubleshooting_read_only_blocks(
 ) -> None:
     doc = "troubleshooting.md"
     ns = namespace
-    await kube.create(pods_path(ns), make_pod("served", slices={"main": {"1g.18gb": 1}}))
+    await kube.create(pods_path(ns), user_pod(name="served", slices={"main": {"1g.18gb": 1}}))
     # Pending for good: every node has 8 CPUs.
     await kube.create(
-        pods_path(ns), make_pod("waiting", slices={"main": {"1g.10gb": 1}}, cpu="100")
+        pods_path(ns), user_pod(name="waiting", slices={"main": {"1g.10gb": 1}}, cpu="100")
     )
     served = await wait_pod_running(kube, ns, "served")
     alloc = await assert_holds_slices(kube, system, ns, "served")
@@ -616,8 +616,10 @@ async def test_upgrade_then_uninstall(
     """The upgrade, then the uninstall in its documented order; then InstaSlice is installed
     again (as `hack.dev` does) so the session's system stays whole."""
     doc, ns = "upgrade.md", namespace
-    await kube.create(pods_path(ns), make_pod("holder", slices={"c": {"1g.10gb": 1}}))
-    await kube.create(pods_path(ns), make_pod("gated", slices={"c": {"1g.10gb": 1}}, cpu="100"))
+    await kube.create(pods_path(ns), user_pod(name="holder", slices={"c": {"1g.10gb": 1}}))
+    await kube.create(
+        pods_path(ns), user_pod(name="gated", slices={"c": {"1g.10gb": 1}}, cpu="100")
+    )
     holder = await wait_pod_running(kube, ns, "holder")
     alloc = await assert_holds_slices(kube, system, ns, "holder")
 
@@ -674,7 +676,7 @@ async def test_upgrade_then_uninstall(
         core_path("namespaces", name=ns), {"metadata": {"annotations": {ENABLED_KEY: "true"}}}
     )
     await wait_opted_in(kube, ns)
-    await kube.create(pods_path(ns), make_pod("again", slices={"c": {"1g.10gb": 1}}))
+    await kube.create(pods_path(ns), user_pod(name="again", slices={"c": {"1g.10gb": 1}}))
     await wait_pod_running(kube, ns, "again")
     await assert_holds_slices(kube, system, ns, "again")
 

@@ -33,7 +33,7 @@ from common.constants import (
     SLICE_ALLOCATION_PLURAL,
     WHOLE_GPU_KEY,
 )
-from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path, obj_key
+from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, instaslice_path
 from common.objects import Phase
 from hack.cluster import ControlPlane
 from testkit.builders import GpuSpec as GpuSpec
@@ -45,7 +45,7 @@ from testkit.builders import make_pod as make_pod
 from testkit.builders import mig_capacity as mig_capacity
 from testkit.clock import FakeClock as FakeClock
 from testkit.clock import settle as settle
-from tests.support import avoid_creates_in_flight
+from tests.support import avoid_creates_in_flight, listed, wait_for
 from webhook.allocator import AllocatorSettings, build_controller, run_controller
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
@@ -57,56 +57,6 @@ from webhook.allocator.metrics import AllocatorMetrics
 # --- waiting on the API server (watches, not polling) --------------------------------------
 
 T = TypeVar("T")
-
-
-async def wait_for(
-    kube: Kube,
-    path: str,
-    predicate: Callable[[list[Obj]], T | None],
-    *,
-    within: float = 30.0,
-    what: str = "",
-    label_selector: str | None = None,
-    field_selector: str | None = None,
-) -> T:
-    """List `path`, then watch it, until `predicate(all objects)` returns neither None nor
-    False (an empty list is an answer)."""
-    selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
-    items: dict[str, Obj] = {}
-    last: list[Obj] = []
-    try:
-        async with asyncio.timeout(within):
-            while True:
-                try:
-                    listing = await kube.list(path, **selectors)
-                except ApiError as exc:
-                    if exc.status != 429:  # a new CRD's storage still initializing (loaded CI)
-                        raise
-                    await asyncio.sleep(0.2)
-                    continue
-                items = {obj_key(o): o for o in listing.get("items", [])}
-                last = list(items.values())
-                result = predicate(last)
-                if result is not None and result is not False:
-                    return result
-                rv = str(listing.get("metadata", {}).get("resourceVersion", ""))
-                with contextlib.suppress(ApiError):
-                    async for etype, obj in kube.watch(path, rv, timeout_s=60, **selectors):
-                        if etype == "BOOKMARK":
-                            continue
-                        if etype == "DELETED":
-                            items.pop(obj_key(obj), None)
-                        else:
-                            items[obj_key(obj)] = obj
-                        last = list(items.values())
-                        result = predicate(last)
-                        if result is not None and result is not False:
-                            return result
-    except TimeoutError:
-        names = sorted(obj_key(o) for o in last)
-        raise AssertionError(
-            f"timed out after {within}s waiting for {what or path}: {names}"
-        ) from None
 
 
 # --- the emulated node agents -------------------------------------------------------------
@@ -245,7 +195,7 @@ async def ensure_crds(kube: Kube, crds: list[Obj]) -> None:
         }
         return set(names) <= ok
 
-    await wait_for(kube, path, established, what="CRDs established")
+    await wait_for(kube, path, listed(established), what="CRDs established")
 
 
 async def create_mig_node(kube: Kube, body: Obj) -> None:
@@ -290,10 +240,10 @@ async def wait_node_ready(kube: Kube, name: str, *, within: float = 60.0) -> Non
     await wait_for(
         kube,
         core_path("nodes"),
-        lambda items: any(node_ready(n) for n in items),
+        listed(lambda items: any(node_ready(n) for n in items)),
         within=within,
         what=f"node {name} ready",
-        field_selector=f"metadata.name={name}",
+        fieldSelector=f"metadata.name={name}",
     )
 
 
@@ -437,10 +387,10 @@ class AllocatorEnv:
         return await wait_for(
             self.kube,
             core_path("pods", self.namespace),
-            check,
+            listed(check),
             within=within,
             what=f"pod {name}: {what}",
-            field_selector=f"metadata.name={name}",
+            fieldSelector=f"metadata.name={name}",
         )
 
     async def wait_ungated(self, name: str, *, within: float = 30.0) -> Obj:
@@ -480,10 +430,10 @@ class AllocatorEnv:
         await wait_for(
             self.kube,
             core_path("pods", self.namespace),
-            lambda items: not items,
+            listed(lambda items: not items),
             within=within,
             what=f"pod {name} gone",
-            field_selector=f"metadata.name={name}",
+            fieldSelector=f"metadata.name={name}",
         )
 
     async def events(self, pod: str, reason: str) -> list[Obj]:
@@ -504,10 +454,10 @@ class AllocatorEnv:
         return await wait_for(
             self.kube,
             core_path("events", self.namespace),
-            found,
+            listed(found),
             within=within,
             what=f"{reason} event on {pod}",
-            field_selector=f"involvedObject.name={pod},reason={reason}",
+            fieldSelector=f"involvedObject.name={pod},reason={reason}",
         )
 
     # --- allocations ---------------------------------------------------------------------
@@ -525,7 +475,7 @@ class AllocatorEnv:
         result: list[Obj] = await wait_for(
             self.kube,
             instaslice_path(SLICE_ALLOCATION_PLURAL, self.namespace),
-            check,
+            listed(check),
             within=within,
             what=f"allocations: {what}",
         )

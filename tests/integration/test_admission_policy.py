@@ -41,22 +41,19 @@ from common.constants import (
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.cluster import ControlPlane
+from testkit.builders import container, sidecar, user_pod
 from tests.integration.webhook_fixtures import (
     ADMISSIONREG,
     MIG,
     Webhook,
-    container,
     dry_run_create,
-    eventually,
     is_rewritten,
     kube,
     load_manifest,
-    make_pod,
     opted_in_namespace,
-    sidecar,
     webhook,
 )
-from tests.support import wait_admission_sees_opt_in
+from tests.support import eventually, wait_admission_sees_opt_in
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import placeholder_pod
 
@@ -87,7 +84,7 @@ def _wired_pod(
     leaves out the instaslice.io/mig-* resource, so that the webhook configuration (if a test
     of this module installed it) never sees the pod and only the policies speak."""
     env = [{"name": VISIBLE_DEVICES_ENV, "value": _device(ns, claim, env_container)}]
-    return make_pod(
+    return user_pod(
         container("main", limits={ISL: "1"} if asks else None, env=env),
         annotations={CLAIM_ANNOTATION: claim},
         gates=[GATE_NAME] if gate else None,
@@ -101,7 +98,7 @@ async def _opt_in(kube: Kube, ns: str) -> str:
     body = {"metadata": {"annotations": enabled, "labels": enabled}}
     await kube.patch(core_path("namespaces", name=ns), body)
     # the policies read the namespace from the API server's cache
-    gated = make_pod(container("main"), gates=[GATE_NAME])
+    gated = user_pod(container("main"), gates=[GATE_NAME])
     await wait_admission_sees_opt_in(kube, ns, gated, refused_until=NOT_OPTED_IN)
     return ns
 
@@ -119,7 +116,7 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
         path = group_path(ADMISSIONREG, plural)
         await kube.create(path, doc)
         created.append(f"{path}/{doc['metadata']['name']}")
-    probe = make_pod(container("main", env=[{"name": "X", "value": _device("x", "c", "y")}]))
+    probe = user_pod(container("main", env=[{"name": "X", "value": _device("x", "c", "y")}]))
 
     async def enforced() -> bool:
         try:
@@ -129,7 +126,7 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
         return False
 
     try:
-        await eventually(enforced, timeout_s=30)
+        await eventually(enforced, within=30)
         # the apiserver type-checks every expression against the schemas: no warnings
         for name in (POLICY, "instaslice-controller-pods", "instaslice-controller-namespaces"):
             vap_path = group_path(ADMISSIONREG, "validatingadmissionpolicies", name=name)
@@ -140,7 +137,7 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
                 vap = await kube.get(path)
                 return "typeChecking" in vap.get("status", {})
 
-            await eventually(checked, timeout_s=30)
+            await eventually(checked, within=30)
             assert not vap["status"]["typeChecking"].get("expressionWarnings"), vap["status"]
         yield
     finally:
@@ -243,12 +240,12 @@ async def test_env_may_name_only_the_containers_own_device(
     other_claim = _wired_pod(namespace, "cmine", asks=False)
     other_claim["metadata"]["annotations"][CLAIM_ANNOTATION] = "cother"
     await _refused(kube.create(pods, other_claim))
-    no_claim = make_pod(
+    no_claim = user_pod(
         container("main", env=[{"name": "GPU", "value": _device(namespace, "c", "main")}]),
         container("side"),
     )
     await _refused(kube.create(pods, no_claim), "containers main:")
-    init = make_pod(
+    init = user_pod(
         container("main"),
         init=[container("prep", env=[{"name": "D", "value": _device(namespace, "c1", "x")}])],
     )
@@ -257,14 +254,14 @@ async def test_env_may_name_only_the_containers_own_device(
 
 async def test_refused_in_default_namespace_too(kube: Kube, policy: None) -> None:
     env = [{"name": VISIBLE_DEVICES_ENV, "value": _device("a", "c", "main")}]
-    pod = make_pod(container("main", env=env))
+    pod = user_pod(container("main", env=env))
     await _refused(dry_run_create(kube, "default", pod))
 
 
 async def test_ephemeral_containers_may_name_no_device(
     kube: Kube, policy: None, namespace: str
 ) -> None:
-    pod = await kube.create(core_path("pods", namespace), make_pod(container("main")))
+    pod = await kube.create(core_path("pods", namespace), user_pod(container("main")))
     name = pod["metadata"]["name"]
     debug = {
         "name": "debug",
@@ -282,12 +279,12 @@ async def test_cdi_annotations_may_not_name_instaslice_devices(
     kube: Kube, policy: None, namespace: str
 ) -> None:
     pods = core_path("pods", namespace)
-    annotated = make_pod(
+    annotated = user_pod(
         container("main"), annotations={"cdi.k8s.io/gpu": _device(namespace, "c", "main")}
     )
     await _refused(kube.create(pods, annotated), "cdi.k8s.io/")
     pod = await kube.create(
-        pods, make_pod(container("main"), annotations={"cdi.k8s.io/x": "v/a=b"})
+        pods, user_pod(container("main"), annotations={"cdi.k8s.io/x": "v/a=b"})
     )
     patch = {"metadata": {"annotations": {"cdi.k8s.io/x": _device(namespace, "c", "main")}}}
     await _refused(kube.patch(core_path("pods", namespace, pod["metadata"]["name"]), patch))
@@ -297,14 +294,14 @@ async def test_instaslice_marks_need_the_gate_on_create(
     kube: Kube, policy: None, namespace: str
 ) -> None:
     pods = core_path("pods", namespace)
-    await _refused(kube.create(pods, make_pod(container("main", limits={ISL: "1"}))), "gate")
-    claimed = make_pod(container("main"), annotations={CLAIM_ANNOTATION: "cabc"})
+    await _refused(kube.create(pods, user_pod(container("main", limits={ISL: "1"}))), "gate")
+    claimed = user_pod(container("main"), annotations={CLAIM_ANNOTATION: "cabc"})
     await _refused(kube.create(pods, claimed), "gate")
     await _refused(kube.create(pods, _wired_pod(namespace, "cmine", gate=False)), "gate")
-    whole_gpu = make_pod(container("main", limits={"instaslice.io/gpu": "1"}))
+    whole_gpu = user_pod(container("main", limits={"instaslice.io/gpu": "1"}))
     await _refused(kube.create(pods, whole_gpu), "gate")
     # what users write outside opted-in namespaces is none of the policy's business
-    plain = await kube.create(pods, make_pod(container("main", limits={MIG: "1"})))
+    plain = await kube.create(pods, user_pod(container("main", limits={MIG: "1"})))
     assert not is_rewritten(plain)
 
 
@@ -321,7 +318,7 @@ async def test_an_init_container_that_is_not_a_sidecar_may_not_ask_on_create(
 
     def pod(resource: str = "instaslice.io/gpu", *, is_sidecar: bool = False) -> Obj:
         prep = container("prep", limits={resource: "1", "cpu": "100m"})
-        return make_pod(
+        return user_pod(
             container("main"), init=[sidecar(prep) if is_sidecar else prep], gates=[GATE_NAME],
             annotations={CLAIM_ANNOTATION: "cmine"},
         )  # fmt: skip
@@ -348,7 +345,7 @@ async def test_only_instaslice_removes_the_gate_or_changes_the_claim(
     mallory, allocator, sa = users["mallory"], users["allocator"], users["serviceaccount"]
 
     async def gated_pod() -> str:
-        asking = make_pod(container("main", limits={MIG: "1"}))
+        asking = user_pod(container("main", limits={MIG: "1"}))
         pod = await mallory.create(core_path("pods", ns), asking)
         assert is_rewritten(pod)
         return str(pod["metadata"]["name"])
@@ -412,7 +409,7 @@ async def test_gate_and_claim_are_guarded_after_the_namespace_opted_out(
         await allocator.patch(bare_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cx"}}})
     assert CONTROLLER_PODS in exc.value.message and "the claim included" in exc.value.message
     await allocator.patch(bare_path, ungate, "json")
-    plain = await mallory.create(pods, make_pod(container("main")))
+    plain = await mallory.create(pods, user_pod(container("main")))
     plain_path = core_path("pods", namespace, plain["metadata"]["name"])
     await _refused(
         mallory.patch(plain_path, {"metadata": {"annotations": {CLAIM_ANNOTATION: "cmine"}}})
@@ -425,7 +422,7 @@ async def test_controller_made_pods_pass_webhook_and_policy(
 ) -> None:
     """The policy must not stand in the way of what the webhook produces for controllers."""
     ns = await opted_in_namespace(kube, namespace)
-    pod = make_pod(
+    pod = user_pod(
         container("main", limits={MIG: "1"}), init=[sidecar(container("prep", limits={MIG: "1"}))]
     )
     spec = {**pod["spec"], "restartPolicy": "Never"}
@@ -440,7 +437,7 @@ async def test_controller_made_pods_pass_webhook_and_policy(
         pods = (await kube.list(core_path("pods", ns), labelSelector="app=job"))["items"]
         return len(pods) == 2
 
-    await eventually(both, timeout_s=30)
+    await eventually(both, within=30)
     assert all(is_rewritten(p) for p in pods)
 
 
@@ -462,7 +459,7 @@ async def test_updates_that_change_nothing_guarded_are_not_evaluated(
     binding_path = group_path(ADMISSIONREG, "validatingadmissionpolicybindings", name=POLICY)
     binding = await kube.get(binding_path)
     foreign = _device("team-b", "cvictim", "main")
-    probe = make_pod(container("main", env=[{"name": "X", "value": foreign}]))
+    probe = user_pod(container("main", env=[{"name": "X", "value": foreign}]))
 
     async def enforced(want: bool) -> bool:
         try:
@@ -473,8 +470,8 @@ async def test_updates_that_change_nothing_guarded_are_not_evaluated(
 
     await kube.delete(binding_path)
     try:
-        await eventually(lambda: enforced(False), timeout_s=30)
-        old = make_pod(
+        await eventually(lambda: enforced(False), within=30)
+        old = user_pod(
             container("main", env=[{"name": "D", "value": foreign}]),
             annotations={"cdi.k8s.io/gpu": foreign},
         )
@@ -483,7 +480,7 @@ async def test_updates_that_change_nothing_guarded_are_not_evaluated(
         meta = binding["metadata"]
         binding["metadata"] = {"name": meta["name"], "labels": meta.get("labels", {})}
         await kube.create(group_path(ADMISSIONREG, "validatingadmissionpolicybindings"), binding)
-    await eventually(lambda: enforced(True), timeout_s=30)
+    await eventually(lambda: enforced(True), within=30)
     path = core_path("pods", namespace, pod["metadata"]["name"])
     cond = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-12-02T00:00:00Z"}
     await mallory.patch(path + "/status", {"status": {"conditions": [cond]}})
@@ -502,7 +499,7 @@ async def test_updates_that_change_nothing_guarded_are_not_evaluated(
             mallory.patch(path + sub, {"metadata": {"annotations": {"note": "x"}}}), words
         )
     # a plain pod: an annotation written through its status is checked too
-    plain = await kube.create(core_path("pods", namespace), make_pod(container("main")))
+    plain = await kube.create(core_path("pods", namespace), user_pod(container("main")))
     plain_status = core_path("pods", namespace, plain["metadata"]["name"]) + "/status"
     await _refused(
         mallory.patch(plain_status, {"metadata": {"annotations": {"cdi.k8s.io/x": foreign}}}),
@@ -535,17 +532,17 @@ async def test_a_create_is_checked_wherever_a_mark_hides(
     no_env["env"] = []
     cases: dict[str, tuple[Obj, tuple[str, ...]]] = {
         "a slice asked by a sidecar only": (
-            make_pod(container("main"), init=[sidecar(container("prep", limits={ISL: "1"}))]),
+            user_pod(container("main"), init=[sidecar(container("prep", limits={ISL: "1"}))]),
             ("gate",),
         ),
         "a slice asked by an init container that is not a sidecar": (
-            make_pod(
+            user_pod(
                 container("main"), init=[container("x"), container("prep", limits={ISL: "1"})]
             ),
             ("initContainers prep:", "not a sidecar"),
         ),
         "a device in a later container's later env entry": (
-            make_pod(
+            user_pod(
                 container("main", env=_env(("A", "1"))),
                 no_env,
                 container("side", env=_env(("X", "1"), ("D", device))),
@@ -553,7 +550,7 @@ async def test_a_create_is_checked_wherever_a_mark_hides(
             ("containers side:", "not their own"),
         ),
         "NVIDIA_VISIBLE_DEVICES from a Secret, in an init container": (
-            make_pod(
+            user_pod(
                 container("main"),
                 init=[
                     container("prep", env=[_from_secret("X"), _from_secret(VISIBLE_DEVICES_ENV)])
@@ -562,15 +559,15 @@ async def test_a_create_is_checked_wherever_a_mark_hides(
             ("containers prep:", SELF_SELECTING),
         ),
         "a claim among other annotations": (
-            make_pod(container("main"), annotations={"team": "a", CLAIM_ANNOTATION: "c1"}),
+            user_pod(container("main"), annotations={"team": "a", CLAIM_ANNOTATION: "c1"}),
             ("gate",),
         ),
         "a CDI annotation among others": (
-            make_pod(container("main"), annotations={"team": "a", "cdi.k8s.io/x": device}),
+            user_pod(container("main"), annotations={"team": "a", "cdi.k8s.io/x": device}),
             ("cdi.k8s.io/",),
         ),
         "every offending container, in order": (
-            make_pod(
+            user_pod(
                 container("main", env=_env((VISIBLE_DEVICES_ENV, "all"))),
                 container("ok", env=_env((VISIBLE_DEVICES_ENV, "void"))),
                 no_env,
@@ -579,7 +576,7 @@ async def test_a_create_is_checked_wherever_a_mark_hides(
             ("containers main, side:", SELF_SELECTING),
         ),
         "every container naming a device": (
-            make_pod(
+            user_pod(
                 container("main", env=_env(("D", device))),
                 container("side", env=_env(("D", device))),
             ),
@@ -606,7 +603,7 @@ async def test_a_create_without_marks_passes_however_busy(
         {"name": "EMPTY"},
         *_env(("NOTE", "see instaslice.io/mig-1g.10gb"), ("CUDA_VISIBLE_DEVICES", "0")),
     ]
-    busy = make_pod(
+    busy = user_pod(
         container("main", env=env, limits={"nvidia.com/gpu": "1", "cpu": "1"}),
         container("side", env=_env(("A", "1"))),
         init=[container("prep", env=env)],
@@ -626,7 +623,7 @@ async def test_own_devices_pass_and_a_neighbours_does_not(
     own = {c: _device(namespace, "c1", c) for c in ("main", "side")}
 
     def pod(side_device: str) -> Obj:
-        return make_pod(
+        return user_pod(
             container("main", env=_env(("A", "1"), (VISIBLE_DEVICES_ENV, own["main"]))),
             container("side", env=_env((VISIBLE_DEVICES_ENV, side_device), ("D", side_device))),
             container("plain"),
@@ -673,12 +670,12 @@ async def test_instaslice_marks_only_in_opted_in_namespaces(
     namespaces: refused, whichever mark it carries."""
     pods = core_path("pods", namespace)
     marked = {
-        "gate only": make_pod(container("main"), gates=[GATE_NAME]),
-        "gate and claim": make_pod(
+        "gate only": user_pod(container("main"), gates=[GATE_NAME]),
+        "gate and claim": user_pod(
             container("main"), gates=[GATE_NAME], annotations={CLAIM_ANNOTATION: "cmine"}
         ),
-        "gate and slice": make_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
-        "gate and whole GPU": make_pod(
+        "gate and slice": user_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
+        "gate and whole GPU": user_pod(
             container("main", limits={"instaslice.io/gpu": "1"}), gates=[GATE_NAME]
         ),
     }
@@ -701,8 +698,8 @@ async def test_instaslice_marks_only_in_opted_in_namespaces(
             return True
         return False
 
-    await eventually(refused_again, timeout_s=30)
-    await kube.create(pods, make_pod(container("main")), dryRun="All")  # ordinary pods pass
+    await eventually(refused_again, within=30)
+    await kube.create(pods, user_pod(container("main")), dryRun="All")  # ordinary pods pass
 
 
 async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
@@ -718,15 +715,15 @@ async def test_whole_gpus_only_in_namespaces_opted_in_to_them(
     pods = core_path("pods", namespace)
     whole = {"instaslice.io/gpu": "1"}
     hand = {
-        "container": make_pod(container("main", limits=whole), gates=[GATE_NAME],
+        "container": user_pod(container("main", limits=whole), gates=[GATE_NAME],
                               annotations={CLAIM_ANNOTATION: "cwhole"}),
-        "sidecar": make_pod(container("main"), init=[sidecar(container("prep", limits=whole))],
+        "sidecar": user_pod(container("main"), init=[sidecar(container("prep", limits=whole))],
                             gates=[GATE_NAME]),
     }  # fmt: skip
     for what, pod in hand.items():
         message = await _refused(kube.create(pods, pod, dryRun="All"), NOT_WHOLE)
         assert namespace in message and f'{WHOLE_GPU_KEY}="true"' in message, what
-    await kube.create(pods, make_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
+    await kube.create(pods, user_pod(container("main", limits={ISL: "1"}), gates=[GATE_NAME]),
                       dryRun="All")  # fmt: skip
     on = {WHOLE_GPU_KEY: "true"}
     body = {"metadata": {"annotations": on, "labels": on}}
@@ -760,13 +757,13 @@ async def test_env_mode_refuses_self_selected_devices(
     env = [{"name": VISIBLE_DEVICES_ENV, "value": value}]
     pods = core_path("pods", namespace)
     await _refused(
-        kube.create(pods, make_pod(container("main", env=env)), dryRun="All"),
+        kube.create(pods, user_pod(container("main", env=env)), dryRun="All"),
         "containers main:",
         SELF_SELECTING,
     )
-    init = make_pod(container("main"), init=[container("prep", env=env)])
+    init = user_pod(container("main"), init=[container("prep", env=env)])
     await _refused(kube.create(pods, init, dryRun="All"), "containers prep:", SELF_SELECTING)
-    await kube.create(core_path("pods", "kube-system"), make_pod(container("main", env=env)),
+    await kube.create(core_path("pods", "kube-system"), user_pod(container("main", env=env)),
                       dryRun="All")  # fmt: skip
 
 
@@ -777,16 +774,16 @@ async def test_env_mode_refuses_visible_devices_from_elsewhere_and_in_debug_cont
     from_cm = {"name": VISIBLE_DEVICES_ENV,
                "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}  # fmt: skip
     await _refused(
-        kube.create(pods, make_pod(container("main", env=[from_cm])), dryRun="All"),
+        kube.create(pods, user_pod(container("main", env=[from_cm])), dryRun="All"),
         SELF_SELECTING,
     )
     for harmless in ("void", "none"):
         env = [{"name": VISIBLE_DEVICES_ENV, "value": harmless}, {"name": "X", "value": "all"}]
-        await kube.create(pods, make_pod(container("main", env=env)), dryRun="All")
-    await kube.create(pods, make_pod(container("main", env=[{"name": VISIBLE_DEVICES_ENV}])),
+        await kube.create(pods, user_pod(container("main", env=env)), dryRun="All")
+    await kube.create(pods, user_pod(container("main", env=[{"name": VISIBLE_DEVICES_ENV}])),
                       dryRun="All")  # fmt: skip
     await _opt_in(kube, namespace)
-    pod = await kube.create(pods, make_pod(container("main")))
+    pod = await kube.create(pods, user_pod(container("main")))
     debug = {"name": "debug", "image": "busybox",
              "env": [{"name": VISIBLE_DEVICES_ENV, "value": "all"}]}  # fmt: skip
     patch = [{"op": "add", "path": "/spec/ephemeralContainers", "value": [debug]}]
@@ -799,7 +796,7 @@ async def test_env_mode_refuses_visible_devices_from_elsewhere_and_in_debug_cont
 
 async def _controller_policies_enforced(kube: Kube, allocator: Kube, namespace: str) -> None:
     """The controller policies reach the admission chain a moment after they are created."""
-    probe = make_pod(container("main"))
+    probe = user_pod(container("main"))
 
     async def enforced() -> bool:
         try:
@@ -808,7 +805,7 @@ async def _controller_policies_enforced(kube: Kube, allocator: Kube, namespace: 
             return CONTROLLER_PODS in exc.message
         return False
 
-    await eventually(enforced, timeout_s=30)
+    await eventually(enforced, within=30)
     ns_path = core_path("namespaces", name=namespace)
 
     async def ns_enforced() -> bool:
@@ -818,7 +815,7 @@ async def _controller_policies_enforced(kube: Kube, allocator: Kube, namespace: 
             return CONTROLLER_NAMESPACES in exc.message
         return False
 
-    await eventually(ns_enforced, timeout_s=30)
+    await eventually(ns_enforced, within=30)
 
 
 def _pin(node: str) -> list[Obj]:
@@ -877,7 +874,7 @@ async def test_instaslice_only_pins_and_ungates_gated_pods(
         await me.patch(two_path, [{"op": "remove", "path": "/spec/schedulingGates/1"}], "json")
         # never creates pods, writes status or adds debug containers
         with pytest.raises(ApiError) as exc:
-            await me.create(pods, make_pod(container("main")), dryRun="All")
+            await me.create(pods, user_pod(container("main")), dryRun="All")
         assert CONTROLLER_PODS in exc.value.message
         with pytest.raises(ApiError) as exc:
             await me.patch(path + "/status", {"metadata": {"labels": {"x": "y"}}})
@@ -896,7 +893,7 @@ async def test_instaslice_deletes_only_pods_with_a_claim(
     allocator = users["allocator"]
     await _controller_policies_enforced(kube, allocator, namespace)
     pods = core_path("pods", namespace)
-    plain = await kube.create(pods, make_pod(container("main")))
+    plain = await kube.create(pods, user_pod(container("main")))
     plain_path = core_path("pods", namespace, plain["metadata"]["name"])
     with pytest.raises(ApiError) as exc:
         await allocator.delete(plain_path)
@@ -991,14 +988,14 @@ async def test_only_instaslice_sets_changes_or_removes_the_placeholder_label(
     await _controller_policies_enforced(kube, allocator, ns)
     await _priority_classes(kube)
     pods = core_path("pods", ns)
-    tagged = make_pod(container("main", limits={MIG: "1"}))  # rewritten by the webhook
+    tagged = user_pod(container("main", limits={MIG: "1"}))  # rewritten by the webhook
     tagged["metadata"]["labels"] = {SCALE_UP_LABEL: "u-victim"}
-    plain_tagged = make_pod(container("main"))  # nothing else a rule reads
+    plain_tagged = user_pod(container("main"))  # nothing else a rule reads
     plain_tagged["metadata"]["labels"] = {SCALE_UP_LABEL: "u-victim", "team": "a"}
     for who in (mallory, kube):
         for body in (tagged, plain_tagged):
             await _refused(who.create(pods, body, dryRun="All"), LABEL_GUARDED)
-    plain = await mallory.create(pods, make_pod(container("main")))
+    plain = await mallory.create(pods, user_pod(container("main")))
     path = core_path("pods", ns, plain["metadata"]["name"])
     add = {"metadata": {"labels": {SCALE_UP_LABEL: "u-victim"}}}
     for who in (mallory, kube):
@@ -1026,7 +1023,7 @@ async def test_instaslice_evicts_pods_and_creates_no_other_subresource(
     allocator = users["allocator"]
     await _controller_policies_enforced(kube, allocator, namespace)
     pods = core_path("pods", namespace)
-    victim = await kube.create(pods, make_pod(container("main")))
+    victim = await kube.create(pods, user_pod(container("main")))
     name = victim["metadata"]["name"]
     binding = {
         "apiVersion": "v1",
@@ -1071,7 +1068,7 @@ async def test_instaslice_deletes_only_node_agent_leases(
             return CONTROLLER_LEASES in exc.message
         return False
 
-    await eventually(enforced, timeout_s=30)
+    await eventually(enforced, within=30)
     with pytest.raises(ApiError) as exc:
         await allocator.delete(leader_path)
     assert "deletes only node agent Leases" in exc.value.message

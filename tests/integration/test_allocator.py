@@ -38,9 +38,8 @@ from tests.integration.allocator_fixtures import (
     gpu_uuid,
     kube,
     set_gpus,
-    wait_for,
 )
-from tests.support import eventually
+from tests.support import eventually, listed, wait_for
 from webhook.allocator import pods as podlib
 from webhook.allocator.track import Unstick
 
@@ -58,8 +57,12 @@ async def env(kube: Kube, namespace: str) -> AsyncIterator[AllocatorEnv]:
     await wait_for(
         kube,
         core_path("pods"),
-        lambda pods: (
-            not any(p["metadata"]["namespace"] in ending and podlib.has_our_gate(p) for p in pods)
+        listed(
+            lambda pods: (
+                not any(
+                    p["metadata"]["namespace"] in ending and podlib.has_our_gate(p) for p in pods
+                )
+            )
         ),
         within=60,
         what=f"the gated pods of namespaces being deleted gone: {sorted(ending)}",
@@ -330,7 +333,7 @@ async def test_a_node_gone_for_good_leaves_no_mignode_or_lease(env: AllocatorEnv
     await wait_for(
         env.kube,
         instaslice_path("mignodes"),
-        lambda objs: not any(o["metadata"]["name"] == gone for o in objs),
+        listed(lambda objs: not any(o["metadata"]["name"] == gone for o in objs)),
         within=15,
         what=f"MigNode {gone} deleted",
     )

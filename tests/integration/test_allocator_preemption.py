@@ -24,14 +24,9 @@ import pytest
 from common.constants import REASON_PENDING, REASON_PREEMPTED, REASON_PREEMPTING
 from common.kubeapi import ApiError, Kube, core_path, group_path
 from hack.cluster.priority import ensure_priority_classes
-from tests.integration.allocator_fixtures import (
-    AllocatorEnv,
-    assert_no_double_booking,
-    make_pod,
-    wait_for,
-)
+from tests.integration.allocator_fixtures import AllocatorEnv, assert_no_double_booking, make_pod
 from tests.integration.test_allocator import env, kube  # noqa: F401  (fixtures)
-from tests.support import eventually
+from tests.support import eventually, listed, wait_for
 from webhook.allocator import pods as podlib
 from webhook.allocator.controller import Controller
 from webhook.allocator.preemption import start_time
@@ -135,8 +130,10 @@ async def pdb(env: AllocatorEnv, selector: dict[str, str], pods: int) -> None:  
     await wait_for(
         env.kube,
         path,
-        lambda items: (
-            items if items and "disruptionsAllowed" in items[0].get("status", {}) else None
+        listed(
+            lambda items: (
+                items if items and "disruptionsAllowed" in items[0].get("status", {}) else None
+            )
         ),
         within=30,
         what="the PDB's status computed by the disruption controller",
@@ -260,7 +257,11 @@ async def test_killed_mid_preemption_the_new_leader_keeps_the_reservation(
             return names if len(names) == 7 else None
 
         victims = await wait_for(
-            env.kube, core_path("pods", env.namespace), terminating, within=30, what="7 victims"
+            env.kube,
+            core_path("pods", env.namespace),
+            listed(terminating),
+            within=30,
+            what="7 victims",
         )
         await env.stop("first")  # a crash mid-preemption: the victims still terminating
         same = await create(env, "same", LOW)  # equal to the victims: must not get their slots

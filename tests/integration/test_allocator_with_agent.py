@@ -39,9 +39,8 @@ from tests.integration.allocator_fixtures import (
     FakeAgent,
     assert_no_double_booking,
     kube,
-    wait_for,
 )
-from tests.support import eventually
+from tests.support import eventually, listed, wait_for
 from webhook.allocator import pods as podlib
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -87,7 +86,10 @@ class AgentWorld:
             return set(names) <= ready
 
         await wait_for(
-            self.env.kube, instaslice_path(MIG_NODE_PLURAL), published, what="MigNodes published"
+            self.env.kube,
+            instaslice_path(MIG_NODE_PLURAL),
+            listed(published),
+            what="MigNodes published",
         )
         return names
 

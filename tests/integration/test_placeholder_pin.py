@@ -39,9 +39,9 @@ from tests.integration.allocator_fixtures import (
     allocator_env,
     create_mig_node,
     make_mig_node,
-    wait_for,
 )
 from tests.integration.test_allocator import kube  # noqa: F401  (fixture)
+from tests.support import listed, wait_for
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import ScaleUpSettings, SignalMode
 from webhook.allocator.scaleup import ScaleUp
@@ -91,9 +91,12 @@ async def wait_pod_there(env: AllocatorEnv, name: str, node: str | None, what: s
     await wait_for(
         env.kube,
         core_path("pods", env.namespace),
-        lambda items: any(
-            p["metadata"]["name"] == name and (node is None or p["spec"].get("nodeName") == node)
-            for p in items
+        listed(
+            lambda items: any(
+                p["metadata"]["name"] == name
+                and (node is None or p["spec"].get("nodeName") == node)
+                for p in items
+            )
         ),
         what=what,
     )
@@ -230,11 +233,11 @@ async def test_a_placeholder_bound_where_its_pod_cannot_go_is_replaced_once(
         replacement = await wait_for(
             env.kube,
             pods,
-            lambda items: next(
+            listed(lambda items: next(
                 (p for p in items if p["metadata"]["name"] == name
                  and p["metadata"]["uid"] != first["metadata"]["uid"]),
                 None,
-            ),
+            )),
             what="q's placeholder replaced",
         )  # fmt: skip
         await asyncio.sleep(2.0)  # ten rounds, and the scheduler's tries

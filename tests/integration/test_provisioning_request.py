@@ -35,7 +35,6 @@ from tests.integration.allocator_fixtures import (
     allocator_env,
     ensure_crds,
     load_crds,
-    wait_for,
 )
 from tests.integration.test_allocator_preemption import (
     HIGH,
@@ -44,7 +43,7 @@ from tests.integration.test_allocator_preemption import (
     priority_classes,  # noqa: F401  (fixture)
     release_holds,
 )
-from tests.support import passes
+from tests.support import listed, passes, wait_for
 from webhook.allocator import pods as podlib
 from webhook.allocator.autoscale import (
     DEFAULT_PROVREQ_CLASS,
@@ -115,7 +114,7 @@ async def wait_provreqs(env: AllocatorEnv, count: int, what: str) -> list[dict[s
     return await wait_for(
         env.kube,
         group_path(API, PROVREQS, env.namespace),
-        lambda items: items if len(items) == count else None,
+        listed(lambda items: items if len(items) == count else None),
         within=30,
         what=what,
     )
@@ -186,7 +185,7 @@ async def test_signal_withdrawn_when_the_pending_pod_is_deleted(env: AllocatorEn
     await wait_for(
         env.kube,
         core_path("podtemplates", env.namespace),
-        lambda items: True if not items else None,
+        listed(lambda items: True if not items else None),
         within=30,
         what="the PodTemplate gone with its pod",
     )

@@ -18,15 +18,9 @@ import pytest
 
 from common.constants import ENABLED_KEY, NVIDIA_GPU, WHOLE_GPU_KEY
 from common.kubeapi import Kube, Obj, core_path, group_path
-from tests.integration.webhook_fixtures import (
-    ADMISSIONREG,
-    MIG,
-    container,
-    eventually,
-    kube,
-    load_manifest,
-    make_pod,
-)
+from testkit.builders import container, user_pod
+from tests.integration.webhook_fixtures import ADMISSIONREG, MIG, kube, load_manifest
+from tests.support import eventually
 
 __all__ = ["kube"]  # fixture, imported for pytest
 
@@ -62,15 +56,15 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
         async def checked() -> bool:
             return "typeChecking" in (await kube.get(vap_path)).get("status", {})
 
-        await eventually(checked, timeout_s=30)
+        await eventually(checked, within=30)
         status = (await kube.get(vap_path))["status"]
         assert not status["typeChecking"].get("expressionWarnings"), status
-        probe = make_pod(container("main", limits={MIG: "1"}))
+        probe = user_pod(container("main", limits={MIG: "1"}))
 
         async def warning() -> bool:
             return bool(await _create(kube, "default", probe, dry_run=True))
 
-        await eventually(warning, timeout_s=30)
+        await eventually(warning, within=30)
         yield
     finally:
         for path in reversed(created):
@@ -80,21 +74,21 @@ async def policy(kube: Kube) -> AsyncIterator[None]:
 async def _label(kube: Kube, namespace: str, labels: dict[str, str]) -> None:
     """Label `namespace` as the namespace mirror would, and wait until the policy sees it."""
     await kube.patch(core_path("namespaces", name=namespace), {"metadata": {"labels": labels}})
-    probe = make_pod(container("main", limits={MIG: "1"}))
+    probe = user_pod(container("main", limits={MIG: "1"}))
 
     async def seen() -> bool:
         return not await _create(kube, namespace, probe, dry_run=True)
 
-    await eventually(seen, timeout_s=30)
+    await eventually(seen, within=30)
 
 
 async def test_a_mig_ask_where_instaslice_is_not_enabled_is_warned_about_and_created(
     kube: Kube, policy: None, namespace: str
 ) -> None:
     for i, pod in enumerate([
-        make_pod(container("main", limits={MIG: "1"})),
-        make_pod(container("main"), init=[container("prep", limits={MIG: "1"})]),
-        make_pod(container("main"), annotations={"instaslice.io/mig-size.main": "20Gi"}),
+        user_pod(container("main", limits={MIG: "1"})),
+        user_pod(container("main"), init=[container("prep", limits={MIG: "1"})]),
+        user_pod(container("main"), annotations={"instaslice.io/mig-size.main": "20Gi"}),
     ]):  # fmt: skip
         pod["metadata"]["name"] = f"mig-{i}"
         warnings = await _create(kube, namespace, pod)
@@ -102,10 +96,10 @@ async def test_a_mig_ask_where_instaslice_is_not_enabled_is_warned_about_and_cre
         assert NOT_SERVED in warnings[0] and "MIG slice ask" in warnings[0], warnings
         assert f"{namespace} opts in" in warnings[0] and ENABLED_KEY in warnings[0], warnings
         await kube.get(core_path("pods", namespace, name=pod["metadata"]["name"]))  # created
-    plain = make_pod(container("main"))
+    plain = user_pod(container("main"))
     assert await _create(kube, namespace, plain, dry_run=True) == []
     # a whole GPU outside InstaSlice's namespaces is NVIDIA's device plugin's business
-    gpu = make_pod(container("main", limits={NVIDIA_GPU: "1"}))
+    gpu = user_pod(container("main", limits={NVIDIA_GPU: "1"}))
     assert await _create(kube, namespace, gpu, dry_run=True) == []
 
 
@@ -113,7 +107,7 @@ async def test_a_whole_gpu_ask_without_the_whole_gpu_opt_in_is_warned_about_and_
     kube: Kube, policy: None, namespace: str
 ) -> None:
     await _label(kube, namespace, {ENABLED_KEY: "true"})
-    gpu = make_pod(container("main", limits={NVIDIA_GPU: "1"}))
+    gpu = user_pod(container("main", limits={NVIDIA_GPU: "1"}))
     gpu["metadata"]["name"] = "gpu"
     warnings = await _create(kube, namespace, gpu)
     assert len(warnings) == 1 and "whole-GPU ask" in warnings[0], warnings
@@ -124,7 +118,7 @@ async def test_a_whole_gpu_ask_without_the_whole_gpu_opt_in_is_warned_about_and_
     )
 
     async def served() -> bool:
-        probe = make_pod(container("main", limits={NVIDIA_GPU: "1"}))
+        probe = user_pod(container("main", limits={NVIDIA_GPU: "1"}))
         return not await _create(kube, namespace, probe, dry_run=True)
 
-    await eventually(served, timeout_s=30)
+    await eventually(served, within=30)

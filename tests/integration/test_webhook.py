@@ -34,23 +34,21 @@ from common.constants import (
     WHOLE_GPU_KEY,
 )
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
+from testkit.builders import container, sidecar, user_pod
 from tests.integration.webhook_fixtures import (
     MIG,
     Webhook,
-    container,
     dry_run_create,
-    eventually,
     is_rewritten,
     kube,
-    make_pod,
     mig_pod,
     opt_in,
     opted_in_namespace,
-    sidecar,
     strip_for_create,
     webhook,
     webhook_applies,
 )
+from tests.support import eventually
 from webhook.metrics import LATENCY_BUCKETS
 
 __all__ = ["kube", "webhook"]  # fixtures, imported for pytest
@@ -94,7 +92,7 @@ async def test_mig_pod_in_opted_in_namespace_is_rewritten(
     kube: Kube, webhook: Webhook, opted_in: str
 ) -> None:
     before = webhook.reviews()
-    pod = make_pod(
+    pod = user_pod(
         container("train", limits={MIG: "2", "cpu": "1"}, requests={MIG: "2", "cpu": "500m"},
                   env=[{"name": "EPOCHS", "value": "3"}]),
         container("logger", limits={"cpu": "100m"}),
@@ -140,9 +138,9 @@ async def test_pods_without_mig_requests_and_updates_never_reach_the_webhook(
     mig = await kube.create(core_path("pods", opted_in), mig_pod())
     before = webhook.reviews()
     plain = [
-        make_pod(container("a", limits={"cpu": "1", "memory": "1Gi"})),
-        make_pod(container("a", limits={"nvidia.com/gpu": "1"})),
-        make_pod(container("a"), init=[container("i", limits={"cpu": "1"})]),
+        user_pod(container("a", limits={"cpu": "1", "memory": "1Gi"})),
+        user_pod(container("a", limits={"nvidia.com/gpu": "1"})),
+        user_pod(container("a"), init=[container("i", limits={"cpu": "1"})]),
     ]
     for pod in plain:
         created = await kube.create(core_path("pods", opted_in), pod)
@@ -162,7 +160,9 @@ async def test_opt_in_and_out_by_annotation_takes_effect_within_seconds(
     ns_path = core_path("namespaces", name=namespace)
     assert not await webhook_applies(kube, namespace)
     await opt_in(kube, namespace)
-    took_in = await eventually(lambda: webhook_applies(kube, namespace), timeout_s=10)
+    t0 = time.monotonic()
+    await eventually(lambda: webhook_applies(kube, namespace), within=10)
+    took_in = time.monotonic() - t0
     labels = (await kube.get(ns_path))["metadata"]["labels"]
     assert labels[ENABLED_KEY] == "true"
 
@@ -171,7 +171,9 @@ async def test_opt_in_and_out_by_annotation_takes_effect_within_seconds(
     async def not_applied() -> bool:
         return not await webhook_applies(kube, namespace)
 
-    took_out = await eventually(not_applied, timeout_s=10)
+    t0 = time.monotonic()
+    await eventually(not_applied, within=10)
+    took_out = time.monotonic() - t0
     assert ENABLED_KEY not in ((await kube.get(ns_path))["metadata"].get("labels") or {})
     print(f"\nopt-in took {took_in:.2f}s, opt-out {took_out:.2f}s")
     assert took_in < 5 and took_out < 5
@@ -183,7 +185,7 @@ async def test_opt_in_and_out_by_annotation_takes_effect_within_seconds(
         ns = await kube.get(ns_path)
         return ENABLED_KEY not in (ns["metadata"].get("labels") or {})
 
-    await eventually(label_gone, timeout_s=10)
+    await eventually(label_gone, within=10)
 
 
 async def test_a_refusal_names_the_webhook_entry_that_judged_it(
@@ -194,7 +196,7 @@ async def test_a_refusal_names_the_webhook_entry_that_judged_it(
     whole-GPU entry rewrote is not sent to the MIG entry (one gate, one claim)."""
     await kube.patch(core_path("namespaces", name=namespace), {"metadata": {"annotations": {
         ENABLED_KEY: "true", WHOLE_GPU_KEY: "true"}}})  # fmt: skip
-    whole = make_pod(container("train", limits={NVIDIA_GPU: "1"}))
+    whole = user_pod(container("train", limits={NVIDIA_GPU: "1"}))
 
     async def whole_gpus_served() -> bool:
         try:
@@ -204,8 +206,8 @@ async def test_a_refusal_names_the_webhook_entry_that_judged_it(
 
     await eventually(whole_gpus_served)
     cases = [
-        (make_pod(container("m", limits={"nvidia.com/mig-5g.99gb": "1"})), "mig.pods"),
-        (make_pod(container("m", limits={MIG: "1", NVIDIA_GPU: "1"})), "whole-gpu.pods"),
+        (user_pod(container("m", limits={"nvidia.com/mig-5g.99gb": "1"})), "mig.pods"),
+        (user_pod(container("m", limits={MIG: "1", NVIDIA_GPU: "1"})), "whole-gpu.pods"),
     ]
     for pod, entry in cases:
         with pytest.raises(ApiError) as exc:
@@ -221,31 +223,31 @@ async def test_a_refusal_names_the_webhook_entry_that_judged_it(
 # --- denials ---------------------------------------------------------------------------------
 
 INVALID: list[tuple[str, Obj, list[str]]] = [
-    ("unknown profile", make_pod(container("train", limits={"nvidia.com/mig-9g.99gb": "1"})),
+    ("unknown profile", user_pod(container("train", limits={"nvidia.com/mig-9g.99gb": "1"})),
      ['container "train"', "resources.limits[nvidia.com/mig-9g.99gb]",
       "unknown MIG profile 9g.99gb", "no GPU model in the catalog offers it"]),
-    ("fractional count", make_pod(container("train", limits={MIG: "0.5"})),
+    ("fractional count", user_pod(container("train", limits={MIG: "0.5"})),
      ['container "train"', f"resources.limits[{MIG}]", 'count "500m" is not a positive integer']),
-    ("zero count", make_pod(container("train", limits={MIG: "0"})),
+    ("zero count", user_pod(container("train", limits={MIG: "0"})),
      ['container "train"', 'count "0" is not a positive integer']),
-    ("negative count", make_pod(container("train", limits={MIG: "-1"})),
+    ("negative count", user_pod(container("train", limits={MIG: "-1"})),
      ['container "train"', 'count "-1" is not a positive integer']),
-    ("suffixed count", make_pod(container("train", limits={MIG: "1k"})),
+    ("suffixed count", user_pod(container("train", limits={MIG: "1k"})),
      ['container "train"', 'count "1k" is not a positive integer']),
-    ("requests differ", make_pod(container("train", limits={MIG: "1"}, requests={MIG: "2"})),
+    ("requests differ", user_pod(container("train", limits={MIG: "1"}, requests={MIG: "2"})),
      ['container "train"', f"resources.requests[{MIG}]", "must equal limits"]),
-    ("requests only", make_pod(container("train", requests={MIG: "1"})),
+    ("requests only", user_pod(container("train", requests={MIG: "1"})),
      ['container "train"', f"resources.requests[{MIG}]", "must also be in limits"]),
     ("node name set", mig_pod(node_name="gpu-0"),
      ["spec.nodeName", "must let InstaSlice choose its node"]),
-    ("sets NVIDIA_VISIBLE_DEVICES", make_pod(container("train", limits={MIG: "1"}, env=[
+    ("sets NVIDIA_VISIBLE_DEVICES", user_pod(container("train", limits={MIG: "1"}, env=[
         {"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
      ['container "train"', f"{VISIBLE_DEVICES_ENV} (value)", "may not set it"]),
-    ("NVIDIA_VISIBLE_DEVICES from a ConfigMap", make_pod(container("train", limits={MIG: "1"}, env=[
+    ("NVIDIA_VISIBLE_DEVICES from a ConfigMap", user_pod(container("train", limits={MIG: "1"}, env=[
         {"name": VISIBLE_DEVICES_ENV, "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
     ])),
      ['container "train"', f"{VISIBLE_DEVICES_ENV} (valueFrom)"]),
-    ("names a device", make_pod(container("train", limits={MIG: "1"}), container("peek", env=[
+    ("names a device", user_pod(container("train", limits={MIG: "1"}), container("peek", env=[
         {"name": "DEV", "value": "instaslice.io/mig=other_cabc_train"}])),
      ['container "peek"', 'env[0] "DEV"', "names an instaslice.io/mig CDI device itself"]),
     ("CDI annotation", mig_pod(annotations={"cdi.k8s.io/gpu": "instaslice.io/mig=x_c_y"}),
@@ -296,7 +298,7 @@ async def test_replayed_dry_run_output_gets_one_gate_and_a_fresh_claim(
 
 
 def _template(app: str) -> Obj:
-    pod = make_pod(
+    pod = user_pod(
         container("train", limits={MIG: "1"}),
         init=[sidecar(container("prep", limits={"nvidia.com/mig-1g.18gb.me": "1"}))],
     )
@@ -312,7 +314,7 @@ async def _pods_of(kube: Kube, namespace: str, app: str, count: int) -> list[Obj
         pods = listing["items"]
         return len(pods) >= count
 
-    await eventually(enough, timeout_s=30)
+    await eventually(enough, within=30)
     return pods
 
 

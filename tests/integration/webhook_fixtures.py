@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from common.constants import ENABLED_KEY, GATE_NAME
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from common.objects import new_claim_id
 from hack.cluster import ControlPlane
+from testkit.builders import container, user_pod
 from tests import support
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
@@ -101,72 +101,13 @@ async def webhook(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Async
 # --- builders --------------------------------------------------------------------------------
 
 
-def container(
-    name: str = "main",
-    limits: dict[str, str] | None = None,
-    requests: dict[str, str] | None = None,
-    env: list[Obj] | None = None,
-) -> Obj:
-    c: Obj = {"name": name, "image": "registry.invalid/cuda:12"}
-    resources: Obj = {}
-    if limits:
-        resources["limits"] = limits
-    if requests:
-        resources["requests"] = requests
-    if resources:
-        c["resources"] = resources
-    if env:
-        c["env"] = env
-    return c
-
-
-def sidecar(c: Obj) -> Obj:
-    """`c` as a sidecar: an init container with `restartPolicy: Always` (the only init
-    containers that may ask for slices, docs/contract.md §1)."""
-    return {**c, "restartPolicy": "Always"}
-
-
-def make_pod(
-    *containers: Obj,
-    name: str | None = None,
-    init: list[Obj] | None = None,
-    annotations: dict[str, str] | None = None,
-    gates: list[str] | None = None,
-    node_name: str | None = None,
-) -> Obj:
-    meta: Obj = {"name": name or f"p-{secrets.token_hex(3)}"}
-    if annotations:
-        meta["annotations"] = annotations
-    spec: Obj = {"containers": list(containers) or [container(limits={MIG: "1"})]}
-    if init:
-        spec["initContainers"] = init
-    if gates:
-        spec["schedulingGates"] = [{"name": g} for g in gates]
-    if node_name:
-        spec["nodeName"] = node_name
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
-
-
 def mig_pod(**kw: Any) -> Obj:
-    return make_pod(container(limits={MIG: "1"}), **kw)
+    return user_pod(container(limits={MIG: "1"}), **kw)
 
 
 def is_rewritten(pod: Obj) -> bool:
     gates = pod["spec"].get("schedulingGates") or []
     return {"name": GATE_NAME} in gates
-
-
-# --- waiting -------------------------------------------------------------------------------
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, every_s: float = 0.1
-) -> float:
-    """Poll `check` until true (tests/support.py); returns the seconds it took. Fails the
-    test on timeout."""
-    start = time.monotonic()
-    await support.eventually(check, within=timeout_s, interval=every_s)
-    return time.monotonic() - start
 
 
 async def dry_run_create(kube: Kube, namespace: str, pod: Obj) -> Obj:
@@ -191,7 +132,7 @@ async def webhook_applies(kube: Kube, namespace: str) -> bool:
 async def opted_in_namespace(kube: Kube, namespace: str) -> str:
     """Opt `namespace` in and wait until the apiserver sends its MIG pods to the webhook."""
     await opt_in(kube, namespace)
-    await eventually(lambda: webhook_applies(kube, namespace))
+    await support.eventually(lambda: webhook_applies(kube, namespace), what="the opt-in")
     return namespace
 
 

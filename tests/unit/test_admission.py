@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from functools import partial
 from typing import Any
 
 import jsonpatch
@@ -31,6 +32,7 @@ from common.constants import (
 )
 from common.podspec import SliceAsk
 from common.profiles import instaslice_resource, nvidia_resource, profile_from_resource
+from testkit.builders import container, sidecar, user_pod
 from testkit.builders import make_pod as allocator_pod
 from webhook.admission import pod_slice_requests, review
 from webhook.allocator import pods as podlib
@@ -49,48 +51,8 @@ MIG_PREFIX = "nvidia.com/mig-"
 # --- builders ------------------------------------------------------------------------------
 
 
-def container(
-    name: str = "main",
-    limits: dict[str, Any] | None = None,
-    requests: dict[str, Any] | None = None,
-    env: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    c: dict[str, Any] = {"name": name, "image": "cuda:12"}
-    resources: dict[str, Any] = {}
-    if limits is not None:
-        resources["limits"] = limits
-    if requests is not None:
-        resources["requests"] = requests
-    if resources:
-        c["resources"] = resources
-    if env is not None:
-        c["env"] = env
-    return c
-
-
-def sidecar(c: dict[str, Any]) -> dict[str, Any]:
-    """`c` as a sidecar: an init container with `restartPolicy: Always`."""
-    return {**c, "restartPolicy": "Always"}
-
-
-def make_pod(
-    *containers: dict[str, Any],
-    init: list[dict[str, Any]] | None = None,
-    annotations: dict[str, str] | None = None,
-    gates: list[str] | None = None,
-    node_name: str | None = None,
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": "p", "namespace": NS}
-    if annotations is not None:
-        meta["annotations"] = annotations
-    spec: dict[str, Any] = {"containers": list(containers) or [container()]}
-    if init is not None:
-        spec["initContainers"] = init
-    if gates is not None:
-        spec["schedulingGates"] = [{"name": g} for g in gates]
-    if node_name is not None:
-        spec["nodeName"] = node_name
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+# A pod as a user writes it in the test's namespace; named "p" unless the test names it.
+team_pod = partial(user_pod, name="p", namespace=NS)
 
 
 def make_request(
@@ -138,7 +100,7 @@ DEV = f"instaslice.io/mig={NS}_{CLAIM0}_main"
 
 
 def test_limits_only_pod_is_gated_claimed_renamed_and_wired() -> None:
-    pod = make_pod(container(limits={MIG: "1", "cpu": "2"}))
+    pod = team_pod(container(limits={MIG: "1", "cpu": "2"}))
     d, out = patched(pod)
     assert d.claim == CLAIM0
     assert out["metadata"]["annotations"] == {CLAIM_ANNOTATION: CLAIM0}
@@ -152,13 +114,13 @@ def test_limits_only_pod_is_gated_claimed_renamed_and_wired() -> None:
 
 
 def test_patch_paths_escape_slash_and_tilde() -> None:
-    d, _ = patched(make_pod(container(limits={MIG: "1"}, requests={MIG: "1"})))
+    d, _ = patched(team_pod(container(limits={MIG: "1"}, requests={MIG: "1"})))
     paths = [(op["op"], op["path"]) for op in d.patch]
     assert ("remove", "/spec/containers/0/resources/limits/nvidia.com~1mig-1g.18gb") in paths
     assert ("add", "/spec/containers/0/resources/limits/instaslice.io~1mig-1g.18gb") in paths
     assert ("remove", "/spec/containers/0/resources/requests/nvidia.com~1mig-1g.18gb") in paths
     assert ("add", "/metadata/annotations") in paths  # no annotations yet: add the map
-    pod = make_pod(container(limits={MIG: "1"}), annotations={"a~b/c": "x"})
+    pod = team_pod(container(limits={MIG: "1"}), annotations={"a~b/c": "x"})
     d, out = patched(pod)
     assert {"op": "add", "path": "/metadata/annotations/instaslice.io~1claim", "value": CLAIM0} in (
         d.patch
@@ -167,7 +129,7 @@ def test_patch_paths_escape_slash_and_tilde() -> None:
 
 
 def test_requests_equal_to_limits_are_renamed_too() -> None:
-    _, out = patched(make_pod(container(limits={MIG: "2"}, requests={MIG: "2", "memory": "1Gi"})))
+    _, out = patched(team_pod(container(limits={MIG: "2"}, requests={MIG: "2", "memory": "1Gi"})))
     assert out["spec"]["containers"][0]["resources"] == {
         "limits": {ISL: "2"},
         "requests": {"memory": "1Gi", ISL: "2"},
@@ -176,7 +138,7 @@ def test_requests_equal_to_limits_are_renamed_too() -> None:
 
 def test_several_profiles_and_me_spelling() -> None:
     limits = {MIG: "2", "nvidia.com/mig-3g.71gb": "1", "nvidia.com/mig-1g.18gb.me": "1"}
-    d, out = patched(make_pod(container(limits=limits)))
+    d, out = patched(team_pod(container(limits=limits)))
     assert out["spec"]["containers"][0]["resources"]["limits"] == {
         ISL: "2",
         "instaslice.io/mig-3g.71gb": "1",
@@ -198,7 +160,7 @@ def test_sidecars_are_rewritten_and_other_containers_left_alone() -> None:
     logger = container("logger", limits={"cpu": "1"}, env=[{"name": "A", "value": "b"}])
     env = [{"name": "X", "value": "1"}]
     side = sidecar(container("warmup", limits={"nvidia.com/mig-2g.35gb": "1"}, env=env))
-    d, out = patched(make_pod(container(limits={MIG: "1"}), logger, init=[side]))
+    d, out = patched(team_pod(container(limits={MIG: "1"}), logger, init=[side]))
     assert out["spec"]["containers"][1] == logger
     w = out["spec"]["initContainers"][0]
     assert w["resources"]["limits"] == {"instaslice.io/mig-2g.35gb": "1"}
@@ -212,14 +174,14 @@ def test_sidecars_are_rewritten_and_other_containers_left_alone() -> None:
 
 def test_only_a_sidecar_asks() -> None:
     _, out = patched(
-        make_pod(container("app"), init=[sidecar(container("prep", limits={MIG: "1"}))])
+        team_pod(container("app"), init=[sidecar(container("prep", limits={MIG: "1"}))])
     )
     assert "env" not in out["spec"]["containers"][0]
     assert out["spec"]["initContainers"][0]["env"][0]["value"].endswith("_prep")
 
 
 def test_other_gates_and_annotations_are_kept_and_ours_appended() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container(limits={MIG: "1"}), annotations={"x": "y"}, gates=["kueue.x-k8s.io/admission"]
     )
     _, out = patched(pod)
@@ -231,7 +193,7 @@ def test_other_gates_and_annotations_are_kept_and_ours_appended() -> None:
 
 
 def test_null_annotations_gates_and_env_are_replaced() -> None:
-    pod = make_pod(container(limits={MIG: "1"}))
+    pod = team_pod(container(limits={MIG: "1"}))
     pod["metadata"]["annotations"] = None
     pod["spec"]["schedulingGates"] = None
     pod["spec"]["containers"][0]["env"] = None
@@ -242,33 +204,33 @@ def test_null_annotations_gates_and_env_are_replaced() -> None:
 
 
 def test_missing_metadata_uses_request_namespace() -> None:
-    pod = make_pod(container(limits={MIG: "1"}))
+    pod = team_pod(container(limits={MIG: "1"}))
     del pod["metadata"]
     _, out = patched(pod)
     assert out["metadata"] == {"annotations": {CLAIM_ANNOTATION: CLAIM0}}
 
 
 def test_namespace_from_object_when_request_has_none() -> None:
-    d = decide(make_pod(container(limits={MIG: "1"})), namespace=None)
+    d = decide(team_pod(container(limits={MIG: "1"})), namespace=None)
     assert isinstance(d, Patched) and d.devices == (DEV,)
 
 
 def test_device_plugin_mode_sets_no_env() -> None:
-    d, out = patched(make_pod(container(limits={MIG: "1"})), PLUGIN)
+    d, out = patched(team_pod(container(limits={MIG: "1"})), PLUGIN)
     assert "env" not in out["spec"]["containers"][0]
     assert d.devices == ()
     assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
 
 
 def test_asking_in_instaslice_spelling_is_gated_without_rename() -> None:
-    d, out = patched(make_pod(container(limits={ISL: "1"}, requests={ISL: "1"})))
+    d, out = patched(team_pod(container(limits={ISL: "1"}, requests={ISL: "1"})))
     assert not [op for op in d.patch if "resources" in op["path"]]
     assert out["spec"]["containers"][0]["resources"]["limits"] == {ISL: "1"}
     assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
 
 
 def test_json_int_counts_are_accepted() -> None:
-    d, out = patched(make_pod(container(limits={MIG: 3})))
+    d, out = patched(team_pod(container(limits={MIG: 3})))
     assert d.asks == (SliceAsk("main", "1g.18gb", 3),)
     assert out["spec"]["containers"][0]["resources"]["limits"] == {ISL: 3}
 
@@ -279,13 +241,13 @@ def test_json_int_counts_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("pod", "kw", "reason"),
     [
-        (make_pod(container(limits={"cpu": "1", "nvidia.com/gpu": "1"})), {}, "no MIG request"),
-        (make_pod(container(limits={MIG: "1"})), {"op": "UPDATE"}, "only CREATE is mutated"),
-        (make_pod(container(limits={MIG: "1"})), {"op": "DELETE"}, "only CREATE is mutated"),
-        (make_pod(container(limits={MIG: "1"})), {"kind": "Deployment"}, "not a v1 Pod"),
+        (team_pod(container(limits={"cpu": "1", "nvidia.com/gpu": "1"})), {}, "no MIG request"),
+        (team_pod(container(limits={MIG: "1"})), {"op": "UPDATE"}, "only CREATE is mutated"),
+        (team_pod(container(limits={MIG: "1"})), {"op": "DELETE"}, "only CREATE is mutated"),
+        (team_pod(container(limits={MIG: "1"})), {"kind": "Deployment"}, "not a v1 Pod"),
         # an ephemeral container never gets slices, and is not even looked at
         (
-            {**make_pod(), "spec": {"containers": [container()], "ephemeralContainers": [
+            {**team_pod(), "spec": {"containers": [container()], "ephemeralContainers": [
                 container("dbg", limits={MIG: "1"})]}},
             {},
             "no MIG request",
@@ -297,18 +259,18 @@ def test_allowed_unchanged(pod: Any, kw: dict[str, Any], reason: str) -> None:
 
 
 def test_subresource_is_allowed() -> None:
-    req = make_request(make_pod(container(limits={MIG: "1"})))
+    req = make_request(team_pod(container(limits={MIG: "1"})))
     req["subResource"] = "ephemeralcontainers"
     assert review(req, ENV, new_claim=claims()) == Allowed("a subresource")
 
 
 def test_pod_without_mig_is_allowed_even_if_otherwise_odd() -> None:
-    pod = make_pod(container(env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}]), node_name="n1")
+    pod = team_pod(container(env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}]), node_name="n1")
     assert decide(pod) == Allowed("no MIG request")
 
 
 def test_do_not_disrupt_annotation_when_asked() -> None:
-    pod = make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"}))
+    pod = team_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"}))
     s = AdmissionSettings.from_catalog(BindingMode.ENV, do_not_disrupt=True)
     _, out = patched(pod, s)
     assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
@@ -316,7 +278,7 @@ def test_do_not_disrupt_annotation_when_asked() -> None:
     _, out = patched(pod, s)
     assert out["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     assert out["metadata"]["annotations"]["team"] == "a"
-    _, plain = patched(make_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"})))
+    _, plain = patched(team_pod(container(limits={"nvidia.com/mig-1g.18gb": "1"})))
     assert "karpenter.sh/do-not-disrupt" not in plain["metadata"]["annotations"]
 
 
@@ -384,16 +346,16 @@ def test_a_tenant_pod_labelled_as_a_placeholder_is_rewritten_or_refused_like_any
     message. The pod policy then refuses the label itself (tests/integration/
     test_admission_policy.py)."""
     labels = {SCALE_UP_LABEL: "u-victim", "app.kubernetes.io/managed-by": "instaslice"}
-    tenant = make_pod(container(limits={MIG: "1"}))
+    tenant = team_pod(container(limits={MIG: "1"}))
     tenant["metadata"]["labels"] = labels
     d, out = patched(tenant)
     assert out["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
     assert out["spec"]["containers"][0]["resources"]["limits"] == {ISL: "1"}
     assert out["metadata"]["annotations"][CLAIM_ANNOTATION] == d.claim == CLAIM0
-    written = make_pod(container(limits={ISL: "1"}))  # the rewritten form, by hand
+    written = team_pod(container(limits={ISL: "1"}))  # the rewritten form, by hand
     written["metadata"]["labels"] = labels
     assert patched(written)[1]["spec"]["schedulingGates"] == [{"name": GATE_NAME}]
-    bad = make_pod(container(limits={"nvidia.com/mig-9g.99gb": "1"}))
+    bad = team_pod(container(limits={"nvidia.com/mig-9g.99gb": "1"}))
     plain = denial(copy.deepcopy(bad))
     bad["metadata"]["labels"] = labels
     assert denial(bad) == plain
@@ -406,77 +368,77 @@ def test_a_tenant_pod_labelled_as_a_placeholder_is_rewritten_or_refused_like_any
     ("pod", "words"),
     [
         (
-            make_pod(container("train", limits={"nvidia.com/mig-9g.99gb": "1"})),
+            team_pod(container("train", limits={"nvidia.com/mig-9g.99gb": "1"})),
             ['container "train"', "resources.limits[nvidia.com/mig-9g.99gb]",
              "unknown MIG profile 9g.99gb", "no GPU model in the catalog offers it"],
         ),
         (
-            make_pod(container("train", limits={"nvidia.com/mig-big": "1"})),
+            team_pod(container("train", limits={"nvidia.com/mig-big": "1"})),
             ['container "train"', "resources.limits[nvidia.com/mig-big]",
              '"big" is not a MIG profile'],
         ),
         (
-            make_pod(container("train", limits={"nvidia.com/mig-1c.2g.35gb": "1"})),
+            team_pod(container("train", limits={"nvidia.com/mig-1c.2g.35gb": "1"})),
             ["resources.limits[nvidia.com/mig-1c.2g.35gb]", "is not a MIG profile"],
         ),
         (
-            make_pod(container("train", limits={MIG: "1"}, requests={MIG: "2"})),
+            team_pod(container("train", limits={MIG: "1"}, requests={MIG: "2"})),
             ['container "train"', f"resources.requests[{MIG}]", '"2" differs from the limit "1"',
              "requests, if given, must equal limits)"],
         ),
         (
-            make_pod(container("train", limits={"cpu": "1"}, requests={MIG: "1"})),
+            team_pod(container("train", limits={"cpu": "1"}, requests={MIG: "1"})),
             ['container "train"', f"resources.requests[{MIG}]",
              "a MIG resource in requests must also be in limits"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}), node_name="gpu-node-3"),
+            team_pod(container("a", limits={MIG: "1"}), node_name="gpu-node-3"),
             ['spec.nodeName', '"gpu-node-3"', "must let InstaSlice choose its node"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"},
+            team_pod(container("a", limits={MIG: "1"},
                                env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
             ['container "a"', f"env[0] {VISIBLE_DEVICES_ENV} (value)", "may not set it",
              "remove this env entry"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}, env=[
+            team_pod(container("a", limits={MIG: "1"}, env=[
                 {"name": "X", "value": "1"},
                 {"name": VISIBLE_DEVICES_ENV,
                  "valueFrom": {"configMapKeyRef": {"name": "m", "key": "k"}}}])),
             ['container "a"', f"env[1] {VISIBLE_DEVICES_ENV} (valueFrom)", "may not set it"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}),
+            team_pod(container("a", limits={MIG: "1"}),
                      container("side", env=[{"name": VISIBLE_DEVICES_ENV, "value": "0"}])),
             ['container "side"', f"env[0] {VISIBLE_DEVICES_ENV} (value)"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}),
+            team_pod(container("a", limits={MIG: "1"}),
                      container("side", env=[{"name": "GPU", "value":
                                              f"instaslice.io/mig={NS}_cother_a"}])),
             ['container "side"', 'env[0] "GPU"', "names an instaslice.io/mig CDI device itself"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}),
+            team_pod(container("a", limits={MIG: "1"}),
                      annotations={"cdi.k8s.io/x": "instaslice.io/mig=ns_c_a"}),
             ["metadata.annotations[cdi.k8s.io/x]", "never by pod annotation"],
         ),
         (
-            make_pod(container("a", limits={MIG: "1", ISL: "1"})),
+            team_pod(container("a", limits={MIG: "1", ISL: "1"})),
             ['container "a"', f"resources.limits[{ISL}]",
              f"profile 1g.18gb is also asked as {MIG}"],
         ),
         (
-            make_pod(container("Bad_Name", limits={MIG: "1"})),
+            team_pod(container("Bad_Name", limits={MIG: "1"})),
             ['spec.containers[0]: name "Bad_Name" is not a DNS-1123 label'],
         ),
         (
-            make_pod(container("a", limits={MIG: "1"}), init=[container("a")]),
+            team_pod(container("a", limits={MIG: "1"}), init=[container("a")]),
             ['spec.initContainers[0]: container name "a" is used twice'],
         ),
         (
-            make_pod(container("a", limits={MIG: "2000"})),
+            team_pod(container("a", limits={MIG: "2000"})),
             ["count 2000 exceeds the limit of 1024"],
         ),
     ],
@@ -497,16 +459,16 @@ def test_denied_with_container_field_and_reason(pod: Any, words: list[str]) -> N
 @pytest.mark.parametrize(
     ("pod", "field", "reason"),
     [
-        (make_pod(container("a", limits={"nvidia.com/mig-1g.99gb": "1"})),
+        (team_pod(container("a", limits={"nvidia.com/mig-1g.99gb": "1"})),
          "spec.containers[0].resources.limits[nvidia.com/mig-1g.99gb]", "FieldValueInvalid"),
-        (make_pod(container("a"), container("b", limits={MIG: "0"})),
+        (team_pod(container("a"), container("b", limits={MIG: "0"})),
          f"spec.containers[1].resources.limits[{MIG}]", "FieldValueInvalid"),
-        (make_pod(container("a", limits={MIG: "1"}, requests={MIG: "2"})),
+        (team_pod(container("a", limits={MIG: "1"}, requests={MIG: "2"})),
          f"spec.containers[0].resources.requests[{MIG}]", "FieldValueInvalid"),
-        (make_pod(container("a", limits={MIG: "1"},
+        (team_pod(container("a", limits={MIG: "1"},
                             env=[{"name": VISIBLE_DEVICES_ENV, "value": "all"}])),
          "spec.containers[0].env[0]", "FieldValueForbidden"),
-        (make_pod(container("a", limits={MIG: "1"}), init=[container("a")]),
+        (team_pod(container("a", limits={MIG: "1"}), init=[container("a")]),
          "spec.initContainers[0].name", "FieldValueDuplicate"),
     ],
 )  # fmt: skip
@@ -531,13 +493,13 @@ def test_a_denial_is_invalid_with_the_api_field_path_of_each_problem(
               None, [1], {"n": 1}, "1" * 40]
 )  # fmt: skip
 def test_counts_must_be_positive_integers(count: Any) -> None:
-    message = denial(make_pod(container("a", limits={MIG: count}, requests={MIG: count})))
+    message = denial(team_pod(container("a", limits={MIG: count}, requests={MIG: count})))
     assert f'container "a": resources.limits[{MIG}]: count ' in message
     assert "is not a positive integer" in message
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container("a", limits={"nvidia.com/mig-9g.99gb": "1", MIG: "0"}),
         init=[sidecar(container("b", requests={MIG: "1"}))],
         node_name="n",
@@ -549,7 +511,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 def test_problem_list_is_capped() -> None:
     limits = {f"nvidia.com/mig-{g}g.{n}gb": "1" for g in (5, 6) for n in range(100, 130)}
-    message = denial(make_pod(container("a", limits=limits)))
+    message = denial(team_pod(container("a", limits=limits)))
     assert message.count("; ") == 20
     assert message.endswith("and 40 more problems")
 
@@ -558,11 +520,11 @@ def test_problem_list_is_capped() -> None:
     ("pod", "kw", "words"),
     [
         (None, {}, "request.object is missing"),
-        (make_pod(container(limits={MIG: "1"})), {"namespace": "Bad_NS"}, "namespace"),
+        (team_pod(container(limits={MIG: "1"})), {"namespace": "Bad_NS"}, "namespace"),
         ({"spec": {"containers": [container(limits={MIG: "1"})]}}, {"namespace": None},
          "namespace null is not a DNS-1123 label"),
-        ({**make_pod(container(limits={MIG: "1"})), "metadata": "x"}, {}, "object.metadata"),
-        ({**make_pod(container(limits={MIG: "1"})), "metadata": {"annotations": [1]}}, {},
+        ({**team_pod(container(limits={MIG: "1"})), "metadata": "x"}, {}, "object.metadata"),
+        ({**team_pod(container(limits={MIG: "1"})), "metadata": {"annotations": [1]}}, {},
          "object.metadata.annotations is not an object"),
         ({"spec": {"containers": [container(limits={MIG: "1"})], "schedulingGates": {}}}, {},
          "object.spec.schedulingGates is not a list"),
@@ -585,13 +547,13 @@ def test_malformed_objects_are_refused_with_400(pod: Any, kw: dict[str, Any], wo
     ],
 )
 def test_malformed_containers_are_denied(mutate: Any, words: str) -> None:
-    pod = make_pod(container("a", limits={MIG: "1"}), container("b", limits={MIG: "1"}))
+    pod = team_pod(container("a", limits={MIG: "1"}), container("b", limits={MIG: "1"}))
     mutate(pod["spec"]["containers"][0])
     assert words in denial(pod)
 
 
 def test_non_object_container_is_denied() -> None:
-    pod = make_pod(container("a", limits={MIG: "1"}))
+    pod = team_pod(container("a", limits={MIG: "1"}))
     pod["spec"]["initContainers"] = ["oops"]
     assert "spec.initContainers[0]: is not a container object" in denial(pod)
 
@@ -600,7 +562,7 @@ def test_non_object_container_is_denied() -> None:
 
 
 def test_rewritten_pod_reviewed_again_gets_one_gate_and_a_fresh_claim() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container("a", limits={MIG: "1"}, env=[{"name": "K", "value": "v"}]),
         init=[sidecar(container("i", limits={MIG: "1"}))],
     )
@@ -622,14 +584,14 @@ def test_rewritten_pod_reviewed_again_gets_one_gate_and_a_fresh_claim() -> None:
 
 
 def test_replay_into_device_plugin_mode_drops_the_old_device() -> None:
-    _, out = patched(make_pod(container("a", limits={MIG: "1"})))
+    _, out = patched(team_pod(container("a", limits={MIG: "1"})))
     d = review(make_request(out), PLUGIN, new_claim=lambda: "cnew")
     assert isinstance(d, Patched)
     assert jsonpatch.apply_patch(out, d.patch)["spec"]["containers"][0]["env"] == []
 
 
 def test_replay_naming_another_claims_device_is_denied() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container("a", limits={ISL: "1"}, env=[
             {"name": VISIBLE_DEVICES_ENV, "value": f"instaslice.io/mig={NS}_cvictim_a"}]),
         annotations={CLAIM_ANNOTATION: "cmine"},
@@ -639,7 +601,7 @@ def test_replay_naming_another_claims_device_is_denied() -> None:
 
 
 def test_replay_in_another_namespace_is_denied() -> None:
-    _, out = patched(make_pod(container("a", limits={MIG: "1"})))
+    _, out = patched(team_pod(container("a", limits={MIG: "1"})))
     assert "may not set it" in denial(out, namespace="elsewhere")
 
 
@@ -685,7 +647,7 @@ def valid_pods(draw: st.DrawFn) -> dict[str, Any]:
     gates = draw(
         st.lists(st.sampled_from(["a.io/x", "b.io/y"]), max_size=2, unique=True) | st.none()
     )
-    return make_pod(*containers, init=init or None, annotations=annotations, gates=gates)
+    return team_pod(*containers, init=init or None, annotations=annotations, gates=gates)
 
 
 def _undo(out: dict[str, Any], claim: str) -> dict[str, Any]:
@@ -771,7 +733,7 @@ def test_patch_applies_and_changes_only_what_the_contract_says(
 
 def test_resource_spellings_round_trip_for_every_catalog_profile() -> None:
     for p in _PROFILES:
-        pod = make_pod(container("a", limits={nvidia_resource(p): "1"}))
+        pod = team_pod(container("a", limits={nvidia_resource(p): "1"}))
         d, out = patched(pod)
         assert out["spec"]["containers"][0]["resources"]["limits"] == {instaslice_resource(p): "1"}
         assert d.asks == (SliceAsk("a", p, 1),)

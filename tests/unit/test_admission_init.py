@@ -22,16 +22,8 @@ import pytest
 from common.constants import VISIBLE_DEVICES_ENV
 from common.podspec import SliceAsk, SliceRequestError, slice_requests
 from common.sizing import Size, SizeAsk, SizeError, size_asks
-from tests.unit.test_admission import (
-    ENV,
-    MIG,
-    NS,
-    claims,
-    container,
-    make_pod,
-    make_request,
-    sidecar,
-)
+from testkit.builders import container, sidecar
+from tests.unit.test_admission import ENV, MIG, NS, claims, make_request, team_pod
 from webhook.admission import review
 from webhook.reviews import Allowed, Denied, Patched, Verdict
 
@@ -56,23 +48,23 @@ def _main() -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("pod", "whole", "field"),
     [
-        (make_pod(_main(), init=[container("prep", limits={MIG: "1"})]), False,
+        (team_pod(_main(), init=[container("prep", limits={MIG: "1"})]), False,
          f"spec.initContainers[0].resources.limits[{MIG}]"),
-        (make_pod(container("main"), init=[container("prep", limits={MIG: "2"})]), False,
+        (team_pod(container("main"), init=[container("prep", limits={MIG: "2"})]), False,
          f"spec.initContainers[0].resources.limits[{MIG}]"),
-        (make_pod(_main(), init=[container("prep", requests={MIG: "1"})]), False,
+        (team_pod(_main(), init=[container("prep", requests={MIG: "1"})]), False,
          f"spec.initContainers[0].resources.requests[{MIG}]"),
-        (make_pod(_main(), init=[container("prep", limits={"instaslice.io/mig-1g.18gb": "1"})]),
+        (team_pod(_main(), init=[container("prep", limits={"instaslice.io/mig-1g.18gb": "1"})]),
          False, "spec.initContainers[0].resources.limits[instaslice.io/mig-1g.18gb]"),
-        (make_pod(container("main", limits={GPU: "1"}),
+        (team_pod(container("main", limits={GPU: "1"}),
                   init=[container("a"), container("prep", limits={GPU: "1"})]), True,
          f"spec.initContainers[1].resources.limits[{GPU}]"),
-        (make_pod(_main(), init=[container("prep", limits={"instaslice.io/gpu": "1"})]), False,
+        (team_pod(_main(), init=[container("prep", limits={"instaslice.io/gpu": "1"})]), False,
          "spec.initContainers[0].resources.limits[instaslice.io/gpu]"),
-        (make_pod(_main(), init=[container("prep")], annotations={SIZE + "prep": "memory>=1Gi"}),
+        (team_pod(_main(), init=[container("prep")], annotations={SIZE + "prep": "memory>=1Gi"}),
          False, f"metadata.annotations[{SIZE}prep] (spec.initContainers[0])"),
         # only "Always" makes a sidecar (the API server refuses any other value anyway)
-        (make_pod(_main(), init=[{**container("prep", limits={MIG: "1"}),
+        (team_pod(_main(), init=[{**container("prep", limits={MIG: "1"}),
                                   "restartPolicy": "OnFailure"}]), False,
          f"spec.initContainers[0].resources.limits[{MIG}]"),
     ],
@@ -93,7 +85,7 @@ def test_an_init_container_that_is_not_a_sidecar_may_not_ask(
 
 def test_the_reason_is_given_once_and_every_ask_is_named() -> None:
     prep = container("prep", limits={MIG: "1", "nvidia.com/mig-3g.71gb": "1"})
-    d = decide(make_pod(_main(), init=[prep, container("more", limits={MIG: "1"})]))
+    d = decide(team_pod(_main(), init=[prep, container("more", limits={MIG: "1"})]))
     assert isinstance(d, Denied)
     problems = d.message.split("; ")
     assert [p.split(":")[0] for p in problems] == [
@@ -107,14 +99,14 @@ def test_the_reason_is_given_once_and_every_ask_is_named() -> None:
 @pytest.mark.parametrize(
     ("pod", "whole", "asks"),
     [
-        (make_pod(_main(), init=[sidecar(container("side", limits={MIG: "2"}))]), False,
+        (team_pod(_main(), init=[sidecar(container("side", limits={MIG: "2"}))]), False,
          (SliceAsk("main", "1g.18gb", 1), SliceAsk("side", "1g.18gb", 2))),
-        (make_pod(container("main"), init=[sidecar(container("side", limits={MIG: "1"}))]),
+        (team_pod(container("main"), init=[sidecar(container("side", limits={MIG: "1"}))]),
          False, (SliceAsk("side", "1g.18gb", 1),)),
-        (make_pod(container("main", limits={GPU: "1"}),
+        (team_pod(container("main", limits={GPU: "1"}),
                   init=[sidecar(container("side", limits={GPU: "1"}))]), True,
          (SliceAsk("main", "gpu", 1), SliceAsk("side", "gpu", 1))),
-        (make_pod(_main(), init=[sidecar(container("side"))],
+        (team_pod(_main(), init=[sidecar(container("side"))],
                   annotations={SIZE + "side": "memory>=1Gi"}), False,
          (SliceAsk("main", "1g.18gb", 1),)),
     ],
@@ -138,12 +130,12 @@ def test_a_sidecar_asks_like_an_app_container(
     ("pod", "whole", "want"),
     [
         # ephemeral containers never get slices and are not looked at, as before
-        ({**make_pod(), "spec": {"containers": [container()], "ephemeralContainers": [
+        ({**team_pod(), "spec": {"containers": [container()], "ephemeralContainers": [
             container("dbg", limits={MIG: "1"})]}}, False, Allowed("no MIG request")),
         # nvidia.com/gpu outside the whole-GPU opt-in is NVIDIA's device plugin's, not ours
-        (make_pod(container("main"), init=[container("prep", limits={GPU: "1"})]), False,
+        (team_pod(container("main"), init=[container("prep", limits={GPU: "1"})]), False,
          Allowed("no MIG request")),
-        (make_pod(_main(), init=[container("prep", limits={"cpu": "1"})]), False, Patched),
+        (team_pod(_main(), init=[container("prep", limits={"cpu": "1"})]), False, Patched),
     ],
 )  # fmt: skip
 def test_what_is_not_a_slice_ask_of_an_init_container_passes(
@@ -160,14 +152,14 @@ def test_after_admission_such_asks_are_refused_too() -> None:
     """A pod that bypassed the webhook (the pod policy refuses it too) is not placed."""
     prep = container("prep", limits={"instaslice.io/mig-1g.18gb": "1"})
     with pytest.raises(SliceRequestError, match=r"init container 'prep'.*not a sidecar"):
-        slice_requests(make_pod(container("main"), init=[prep]))
-    assert slice_requests(make_pod(container("main"), init=[sidecar(prep)])) == [
+        slice_requests(team_pod(container("main"), init=[prep]))
+    assert slice_requests(team_pod(container("main"), init=[sidecar(prep)])) == [
         SliceAsk("prep", "1g.18gb", 1)
     ]
     sized = {SIZE + "prep": "memory>=1Gi"}
     with pytest.raises(SizeError, match=r"mig-size.prep\]: names an init container"):
-        size_asks(make_pod(container("main"), init=[container("prep")], annotations=sized))
+        size_asks(team_pod(container("main"), init=[container("prep")], annotations=sized))
     got = size_asks(
-        make_pod(container("main"), init=[sidecar(container("prep"))], annotations=sized)
+        team_pod(container("main"), init=[sidecar(container("prep"))], annotations=sized)
     )
     assert got == [SizeAsk("prep", Size(1024))]

@@ -17,7 +17,8 @@ import jsonpatch
 
 from common.constants import CLAIM_ANNOTATION, GATE_NAME, VISIBLE_DEVICES_ENV
 from common.podspec import SliceAsk, slice_requests
-from tests.unit.test_admission import ENV, NS, claims, container, make_pod, make_request
+from testkit.builders import container
+from tests.unit.test_admission import ENV, NS, claims, make_request, team_pod
 from webhook.admission import review
 from webhook.reviews import Allowed, Denied, Patched, Verdict
 
@@ -27,7 +28,7 @@ def decide(pod: Any, whole: bool = True) -> Verdict:
 
 
 def test_whole_gpu_pod_is_gated_claimed_renamed_and_wired() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container(limits={"nvidia.com/gpu": "2", "cpu": "1"}, requests={"nvidia.com/gpu": "2"})
     )
     d = decide(pod)
@@ -45,7 +46,7 @@ def test_whole_gpu_pod_is_gated_claimed_renamed_and_wired() -> None:
 
 
 def test_without_the_second_opt_in_nvidia_gpu_is_left_alone() -> None:
-    pod = make_pod(container(limits={"nvidia.com/gpu": "1"}))
+    pod = team_pod(container(limits={"nvidia.com/gpu": "1"}))
     assert isinstance(decide(pod, whole=False), Allowed)
 
 
@@ -56,22 +57,22 @@ def _denied(pod: Any) -> str:
 
 
 def test_bad_whole_gpu_asks_are_refused_naming_the_field() -> None:
-    msg = _denied(make_pod(container(limits={"nvidia.com/gpu": "0"})))
+    msg = _denied(team_pod(container(limits={"nvidia.com/gpu": "0"})))
     assert 'container "main": resources.limits[nvidia.com/gpu]: count "0"' in msg
     msg = _denied(
-        make_pod(container(limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "2"}))
+        team_pod(container(limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "2"}))
     )
     assert "resources.requests[nvidia.com/gpu]" in msg and "differs from the limit" in msg
-    msg = _denied(make_pod(container(requests={"nvidia.com/gpu": "1"})))
+    msg = _denied(team_pod(container(requests={"nvidia.com/gpu": "1"})))
     assert "must also be in limits" in msg
     msg = _denied(
-        make_pod(container(limits={"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"}))
+        team_pod(container(limits={"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"}))
     )
     assert "whole GPUs (nvidia.com/gpu) and MIG slices (1g.10gb) together" in msg
-    msg = _denied(make_pod(container(limits={"nvidia.com/gpu": "1", "instaslice.io/gpu": "1"})))
+    msg = _denied(team_pod(container(limits={"nvidia.com/gpu": "1", "instaslice.io/gpu": "1"})))
     assert "both nvidia.com/gpu and instaslice.io/gpu" in msg
 
 
 def test_mig_pods_in_a_whole_gpu_namespace_are_rewritten_as_usual() -> None:
-    d = decide(make_pod(container(limits={"nvidia.com/mig-1g.10gb": "1"})))
+    d = decide(team_pod(container(limits={"nvidia.com/mig-1g.10gb": "1"})))
     assert isinstance(d, Patched) and d.asks == (SliceAsk("main", "1g.10gb", 1),)

@@ -26,6 +26,7 @@ import pytest
 from common.catalog import GpuModel, load_catalog
 from nodeagent.emulator import EmulatedNvml, EmulatorControl, EmulatorError, provision, rules
 from nodeagent.emulator import state as st
+from testkit.clock import FakeClock
 
 CATALOG = load_catalog()
 REPO = Path(__file__).resolve().parents[2]
@@ -793,21 +794,11 @@ def test_fail_next(tmp_path: Path) -> None:
 # ---- lost GPUs and events ------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 def test_gpu_lost_and_xid_events(tmp_path: Path) -> None:
     clock = FakeClock()
+    t0 = clock.monotonic()
     nv, ctl = make(
-        tmp_path, ["H200-141GB", "H200-141GB"], sleep=clock.sleep, monotonic=clock.monotonic
+        tmp_path, ["H200-141GB", "H200-141GB"], sleep=clock.step, monotonic=clock.monotonic
     )
     dev0, dev1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
     gi = gi_at(nv, dev0, 19, 0, 1)
@@ -821,7 +812,7 @@ def test_gpu_lost_and_xid_events(tmp_path: Path) -> None:
         nv.nvmlDeviceRegisterEvents(dev0, pynvml.nvmlEventTypePState, events)
     with pytest.raises(pynvml.NVMLError_Timeout):
         nv.nvmlEventSetWait(events, 500)
-    assert clock.now >= 0.5
+    assert clock.monotonic() - t0 >= 0.5
     ctl.gpu_lost(0)
     ctl.emit_xid(1, 48, gi_id=3)
     first = nv.nvmlEventSetWait_v2(events, 1000)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from common.metricsauth import (
     add_flags,
     limits_from,
 )
+from testkit.counting import CountingStore
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -143,55 +143,6 @@ async def test_the_longest_jwt_shaped_token_is_reviewed() -> None:
     token = "e." + "x" * (MAX_TOKEN_CHARS - 4) + ".s"
     api = FakeApi({token: "p"}, {"p"})
     assert await auth(api).check(f"Bearer {token}", "/metrics") == 200
-
-
-class CountingStore(OrderedDict[Any, Any]):
-    """An OrderedDict counting every entry a call touches: single-key operations count 1,
-    anything iterating over the entries counts them all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.touched = 0
-
-    def __getitem__(self, key: Any) -> Any:
-        self.touched += 1
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.touched += 1
-        return super().get(key, default)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.touched += 1
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        self.touched += 1
-        super().__delitem__(key)
-
-    def move_to_end(self, key: Any, last: bool = True) -> None:
-        self.touched += 1
-        super().move_to_end(key, last)
-
-    def popitem(self, last: bool = True) -> tuple[Any, Any]:
-        self.touched += 1
-        return super().popitem(last)
-
-    def __iter__(self) -> Any:
-        self.touched += len(self)
-        return super().__iter__()
-
-    def items(self) -> Any:
-        self.touched += len(self)
-        return super().items()
-
-    def values(self) -> Any:
-        self.touched += len(self)
-        return super().values()
-
-    def keys(self) -> Any:
-        self.touched += len(self)
-        return super().keys()
 
 
 async def test_the_cache_never_exceeds_its_size() -> None:

@@ -25,12 +25,12 @@ from common.placement import (
     Placement,
     PodRequest,
     Policy,
-    SliceRequest,
     Snapshot,
     Taint,
     Toleration,
     place,
 )
+from testkit.builders import pod_request
 
 GI = 1 << 30
 
@@ -66,20 +66,6 @@ def make_node(
         gpus = [make_gpu(model, i) for i in range(count)]
     gpus = tuple(Gpu(i, g.model, g.mig_enabled, g.healthy, g.occupied) for i, g in enumerate(gpus))
     return NodeState(name, dict(labels or {}), taints, unschedulable, cpu, memory, pods, gpus)
-
-
-def make_pod(
-    *slices: tuple[str, str, int] | tuple[str, str],
-    cpu: int = 1000,
-    memory: int = GI,
-    name: str = "pod",
-    selector: Mapping[str, str] | None = None,
-    affinity: tuple[tuple[NodeSelectorRequirement, ...], ...] = (),
-    tolerations: tuple[Toleration, ...] = (),
-) -> PodRequest:
-    """`slices`: (container, profile[, count])."""
-    reqs = tuple(SliceRequest(s[0], s[1], s[2] if len(s) > 2 else 1) for s in slices)
-    return PodRequest(name, cpu, memory, reqs, dict(selector or {}), affinity, tolerations)
 
 
 def snap(*nodes: NodeState) -> Snapshot:
@@ -134,7 +120,7 @@ def run_sequence(
 ) -> tuple[Snapshot, list[Placement | Pending]]:
     results: list[Placement | Pending] = []
     for i, profile in enumerate(profiles):
-        pod = make_pod(("c", profile), name=f"p{i}")
+        pod = pod_request(("c", profile), name=f"p{i}")
         r = place(s, pod, policy)
         results.append(r)
         if isinstance(r, Placement):
@@ -162,7 +148,7 @@ def test_trap_3g_1g_3g_4g_on_two_h200() -> None:
 
 @pytest.mark.parametrize("policy", list(Policy))
 def test_trap_one_pod_1g_1g_2g_3g_on_one_a100(policy: Policy) -> None:
-    pod = make_pod(("a", "1g.5gb"), ("b", "1g.5gb"), ("c", "2g.10gb"), ("d", "3g.20gb"))
+    pod = pod_request(("a", "1g.5gb"), ("b", "1g.5gb"), ("c", "2g.10gb"), ("d", "3g.20gb"))
     p = placed(place(snap(make_node("n")), pod, policy))
     layout = {(s.profile, s.start) for s in p.slices}
     # Only the 3g at slot 4 leaves slots 0-3 for the 2g and both 1g.
@@ -177,7 +163,7 @@ def test_removal_order_islands_are_reported_as_fragmented() -> None:
             "a", [make_gpu("A100-40GB", 0, [("1g.5gb", 0, 1), ("1g.5gb", 1, 1), ("1g.5gb", 5, 1)])]
         )
     )
-    msg = pending(place(s, make_pod(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
+    msg = pending(place(s, pod_request(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
     assert msg.startswith(
         "3g.20gb needs 4 contiguous slots at start 0 or 4; "
         "free slots are fragmented: a gpu0 {2-4,6,7}"
@@ -186,26 +172,34 @@ def test_removal_order_islands_are_reported_as_fragmented() -> None:
 
 # --- Pending reasons ------------------------------------------------------------------------
 def test_no_profile_names_the_catalog_models_that_have_it() -> None:
-    msg = pending(place(snap(make_node("a")), make_pod(("c", "1g.18gb"))), PendingReason.NO_PROFILE)
+    msg = pending(
+        place(snap(make_node("a")), pod_request(("c", "1g.18gb"))), PendingReason.NO_PROFILE
+    )
     assert msg.startswith(
         "no GPU model in the cluster offers 1g.18gb (the catalog has it on H200-141GB"
     )
 
 
 def test_no_profile_unknown_to_the_catalog() -> None:
-    msg = pending(place(snap(make_node("a")), make_pod(("c", "5g.99gb"))), PendingReason.NO_PROFILE)
+    msg = pending(
+        place(snap(make_node("a")), pod_request(("c", "5g.99gb"))), PendingReason.NO_PROFILE
+    )
     assert msg == "no GPU model in the cluster offers 5g.99gb (no catalog model has it)"
 
 
 def test_no_profile_when_no_single_node_has_all_models() -> None:
     s = snap(make_node("a"), make_node("b", model="H200-141GB"))
-    msg = pending(place(s, make_pod(("c", "1g.5gb"), ("d", "1g.18gb"))), PendingReason.NO_PROFILE)
+    msg = pending(
+        place(s, pod_request(("c", "1g.5gb"), ("d", "1g.18gb"))), PendingReason.NO_PROFILE
+    )
     assert "no node has GPUs offering all of 1g.18gb and 1g.5gb" in msg
 
 
 def test_full() -> None:
     full = [make_gpu("H100-80GB", i, [("7g.80gb", 0, 8)]) for i in range(2)]
-    msg = pending(place(snap(make_node("a", full)), make_pod(("c", "3g.40gb"))), PendingReason.FULL)
+    msg = pending(
+        place(snap(make_node("a", full)), pod_request(("c", "3g.40gb"))), PendingReason.FULL
+    )
     assert msg.startswith("all 2 H100-80GB GPUs that offer 3g.40gb are full")
 
 
@@ -215,14 +209,16 @@ def test_full_counts_gpus_across_models_and_mentions_unavailable_ones() -> None:
         make_gpu("H100-80GB", 1, [("7g.80gb", 0, 8)]),
         make_gpu("H100-80GB", 2, healthy=False),
     ]
-    msg = pending(place(snap(make_node("a", gpus)), make_pod(("c", "3g.40gb"))), PendingReason.FULL)
+    msg = pending(
+        place(snap(make_node("a", gpus)), pod_request(("c", "3g.40gb"))), PendingReason.FULL
+    )
     assert msg.startswith("all 2 GPUs (1 A100-80GB, 1 H100-80GB) that offer 3g.40gb are full")
     assert msg.endswith("; besides, 1 GPU unhealthy")
 
 
 def test_full_when_the_pod_needs_more_gpus_than_a_node_has() -> None:
     msg = pending(
-        place(snap(make_node("a", model="H100-80GB", count=2)), make_pod(("c", "7g.80gb", 3))),
+        place(snap(make_node("a", model="H100-80GB", count=2)), pod_request(("c", "7g.80gb", 3))),
         PendingReason.FULL,
     )
     assert msg.startswith("no node has room for 3x 7g.80gb")
@@ -232,7 +228,7 @@ def test_full_when_the_pod_needs_more_gpus_than_a_node_has() -> None:
 def test_fragmented_lists_free_slots_per_gpu_largest_first_and_truncates() -> None:
     gpus = [make_gpu("A100-40GB", i, [("1g.5gb", 0, 1), ("1g.5gb", 4, 1)]) for i in range(3)]
     nodes = [make_node(f"n{k}", gpus) for k in range(2)]
-    msg = pending(place(snap(*nodes), make_pod(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
+    msg = pending(place(snap(*nodes), pod_request(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
     assert msg == (
         "3g.20gb needs 4 contiguous slots at start 0 or 4; free slots are fragmented: "
         "n0 gpu0 {1-3,5-7}, n0 gpu1 {1-3,5-7}, n0 gpu2 {1-3,5-7}, n1 gpu0 {1-3,5-7}, "
@@ -243,14 +239,16 @@ def test_fragmented_lists_free_slots_per_gpu_largest_first_and_truncates() -> No
 def test_node_resources_says_which_resource_and_the_most_free() -> None:
     nodes = [make_node(f"n{i}", cpu=2000) for i in range(3)]
     msg = pending(
-        place(snap(*nodes), make_pod(("c", "1g.5gb"), cpu=4000)), PendingReason.NODE_RESOURCES
+        place(snap(*nodes), pod_request(("c", "1g.5gb"), cpu=4000)), PendingReason.NODE_RESOURCES
     )
     assert msg == "node cpu short on all 3 candidate nodes (need 4 cpu, most free 2)"
 
 
 def test_node_resources_memory_and_pods() -> None:
     s = snap(make_node("a", memory=GI, pods=0))
-    msg = pending(place(s, make_pod(("c", "1g.5gb"), memory=8 * GI)), PendingReason.NODE_RESOURCES)
+    msg = pending(
+        place(s, pod_request(("c", "1g.5gb"), memory=8 * GI)), PendingReason.NODE_RESOURCES
+    )
     assert msg == (
         "node memory and pods short on the only candidate node "
         "(need 8Gi memory, most free 1Gi; need 1 pod slot, most free 0)"
@@ -261,21 +259,22 @@ def test_node_resources_wins_over_fragmented_and_full_elsewhere() -> None:
     fragmented = make_node("frag", [make_gpu("A100-40GB", 0, [("1g.5gb", 0, 1), ("1g.5gb", 4, 1)])])
     full = make_node("full", [make_gpu("A100-40GB", 0, [("7g.40gb", 0, 8)])])
     short = make_node("short", cpu=500)
-    r = place(snap(fragmented, full, short), make_pod(("c", "3g.20gb")))
+    r = place(snap(fragmented, full, short), pod_request(("c", "3g.20gb")))
     assert "the only candidate node" in pending(r, PendingReason.NODE_RESOURCES)
 
 
 def test_fragmented_wins_over_full() -> None:
     fragmented = make_node("frag", [make_gpu("A100-40GB", 0, [("1g.5gb", 0, 1), ("1g.5gb", 4, 1)])])
     full = make_node("full", [make_gpu("A100-40GB", 0, [("7g.40gb", 0, 8)])])
-    pending(place(snap(full, fragmented), make_pod(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
+    pending(place(snap(full, fragmented), pod_request(("c", "3g.20gb"))), PendingReason.FRAGMENTED)
 
 
 def test_gpu_unavailable_counts_unhealthy_and_mig_disabled() -> None:
     gpus = [make_gpu("H100-80GB", 0, healthy=False), make_gpu("H100-80GB", 1, healthy=False)]
     gpus += [make_gpu("H100-80GB", i, mig=False) for i in range(2, 8)]
     msg = pending(
-        place(snap(make_node("a", gpus)), make_pod(("c", "1g.10gb"))), PendingReason.GPU_UNAVAILABLE
+        place(snap(make_node("a", gpus)), pod_request(("c", "1g.10gb"))),
+        PendingReason.GPU_UNAVAILABLE,
     )
     assert msg.startswith("2 GPUs unhealthy, 6 in MIG-disabled mode: no usable GPU offers 1g.10gb")
 
@@ -283,7 +282,7 @@ def test_gpu_unavailable_counts_unhealthy_and_mig_disabled() -> None:
 def test_full_wins_over_unavailable() -> None:
     sick = make_node("sick", [make_gpu("A100-40GB", 0, healthy=False)])
     full = make_node("full", [make_gpu("A100-40GB", 0, [("7g.40gb", 0, 8)])])
-    pending(place(snap(sick, full), make_pod(("c", "1g.5gb"))), PendingReason.FULL)
+    pending(place(snap(sick, full), pod_request(("c", "1g.5gb"))), PendingReason.FULL)
 
 
 def test_no_matching_node_breaks_the_exclusions_down() -> None:
@@ -293,7 +292,7 @@ def test_no_matching_node_breaks_the_exclusions_down() -> None:
         make_node("c", unschedulable=True, labels={"zone": "y"}),
     ]
     msg = pending(
-        place(snap(*nodes), make_pod(("c", "1g.5gb"), selector={"zone": "y"})),
+        place(snap(*nodes), pod_request(("c", "1g.5gb"), selector={"zone": "y"})),
         PendingReason.NO_MATCHING_NODE,
     )
     assert msg.startswith(
@@ -310,13 +309,13 @@ def test_no_matching_node_breaks_the_exclusions_down() -> None:
 def test_no_matching_node_when_the_offering_nodes_are_excluded() -> None:
     nodes = [make_node("a", model="H200-141GB"), make_node("b", labels={"team": "x"})]
     msg = pending(
-        place(snap(*nodes), make_pod(("c", "1g.5gb"), selector={"team": "y"})),
+        place(snap(*nodes), pod_request(("c", "1g.5gb"), selector={"team": "y"})),
         PendingReason.NO_MATCHING_NODE,
     )
     assert msg.startswith("no node matches")
     nodes = [make_node("a", model="H200-141GB", labels={"team": "y"}), make_node("b")]
     msg = pending(
-        place(snap(*nodes), make_pod(("c", "1g.5gb"), selector={"team": "y"})),
+        place(snap(*nodes), pod_request(("c", "1g.5gb"), selector={"team": "y"})),
         PendingReason.NO_MATCHING_NODE,
     )
     assert msg == (
@@ -326,7 +325,7 @@ def test_no_matching_node_when_the_offering_nodes_are_excluded() -> None:
 
 
 def test_empty_cluster() -> None:
-    pending(place(snap(), make_pod(("c", "1g.5gb"))), PendingReason.NO_PROFILE)
+    pending(place(snap(), pod_request(("c", "1g.5gb"))), PendingReason.NO_PROFILE)
 
 
 # --- selectors, affinity, taints ------------------------------------------------------------
@@ -354,7 +353,7 @@ def test_required_affinity(
 ) -> None:
     a = make_node("a", labels={"zone": "x", "ssd": "1", "gen": "2"})
     b = make_node("b", labels={"zone": "y", "gen": "5"})
-    r = place(snap(a, b), make_pod(("c", "1g.5gb"), affinity=terms))
+    r = place(snap(a, b), pod_request(("c", "1g.5gb"), affinity=terms))
     if expected is None:
         pending(r, PendingReason.NO_MATCHING_NODE)
     else:
@@ -374,30 +373,30 @@ def test_required_affinity(
 )
 def test_tolerations(toleration: Toleration, ok: bool) -> None:
     s = snap(make_node("a", taints=(Taint("gpu", "yes", "NoSchedule"),)))
-    r = place(s, make_pod(("c", "1g.5gb"), tolerations=(toleration,)))
+    r = place(s, pod_request(("c", "1g.5gb"), tolerations=(toleration,)))
     assert isinstance(r, Placement) is ok
 
 
 def test_prefer_no_schedule_taint_does_not_filter() -> None:
     s = snap(make_node("a", taints=(Taint("gpu", "yes", "PreferNoSchedule"),)))
-    placed(place(s, make_pod(("c", "1g.5gb"))))
+    placed(place(s, pod_request(("c", "1g.5gb"))))
 
 
 def test_cordoned_node_needs_the_unschedulable_toleration() -> None:
     s = snap(make_node("a", unschedulable=True))
-    pending(place(s, make_pod(("c", "1g.5gb"))), PendingReason.NO_MATCHING_NODE)
+    pending(place(s, pod_request(("c", "1g.5gb"))), PendingReason.NO_MATCHING_NODE)
     t = Toleration("node.kubernetes.io/unschedulable", "Exists", "", "NoSchedule")
-    placed(place(s, make_pod(("c", "1g.5gb"), tolerations=(t,))))
+    placed(place(s, pod_request(("c", "1g.5gb"), tolerations=(t,))))
 
 
 def test_node_selector() -> None:
     s = snap(make_node("a", labels={"x": "1"}), make_node("b", labels={"x": "2"}))
-    assert placed(place(s, make_pod(("c", "1g.5gb"), selector={"x": "2"}))).node == "b"
+    assert placed(place(s, pod_request(("c", "1g.5gb"), selector={"x": "2"}))).node == "b"
 
 
 # --- several slices ---------------------------------------------------------------------------
 def test_slices_come_back_in_request_order() -> None:
-    pod = make_pod(("small", "1g.10gb"), ("big", "4g.40gb"), ("mid", "2g.20gb", 2))
+    pod = pod_request(("small", "1g.10gb"), ("big", "4g.40gb"), ("mid", "2g.20gb", 2))
     p = placed(place(snap(make_node("a", model="H100-80GB", count=2)), pod))
     assert [(s.container, s.profile) for s in p.slices] == [
         ("small", "1g.10gb"),
@@ -410,7 +409,7 @@ def test_slices_come_back_in_request_order() -> None:
 
 def test_a_pod_spreads_over_the_gpus_of_one_node() -> None:
     s = snap(make_node("a", model="H100-80GB", count=1), make_node("b", model="H100-80GB", count=2))
-    p = placed(place(s, make_pod(("c", "7g.80gb", 2))))
+    p = placed(place(s, pod_request(("c", "7g.80gb", 2))))
     assert p.node == "b"
     assert sorted(x.gpu_index for x in p.slices) == [0, 1]
 
@@ -418,7 +417,7 @@ def test_a_pod_spreads_over_the_gpus_of_one_node() -> None:
 def test_init_containers_get_their_own_slices() -> None:
     """Init containers' slices are requested like any other container's; they never share
     a slice with an app container (docs/placement.md)."""
-    pod = make_pod(("init", "3g.20gb"), ("app", "3g.20gb"), ("app", "1g.5gb"))
+    pod = pod_request(("init", "3g.20gb"), ("app", "3g.20gb"), ("app", "1g.5gb"))
     p = placed(place(snap(make_node("a", count=2)), pod))
     used = [(x.gpu_index, x.start) for x in p.slices]
     assert len(set(used)) == 3
@@ -427,26 +426,26 @@ def test_init_containers_get_their_own_slices() -> None:
 
 def test_heterogeneous_models_on_one_node() -> None:
     node = make_node("a", [make_gpu("A100-40GB", 0), make_gpu("H200-141GB", 1)])
-    p = placed(place(snap(node), make_pod(("c", "1g.5gb"), ("d", "1g.18gb"))))
+    p = placed(place(snap(node), pod_request(("c", "1g.5gb"), ("d", "1g.18gb"))))
     assert {(x.profile, x.gpu_index) for x in p.slices} == {("1g.5gb", 0), ("1g.18gb", 1)}
 
 
 def test_same_profile_name_on_two_models_uses_each_models_size() -> None:
     """1g.10gb is one slot on an A100-80GB but two (the 2x-memory 1g) on an A100-40GB."""
     node = make_node("a", [make_gpu("A100-40GB", 0, [("7g.40gb", 0, 8)]), make_gpu("A100-80GB", 1)])
-    p = placed(place(snap(node), make_pod(("c", "1g.10gb"))))
+    p = placed(place(snap(node), pod_request(("c", "1g.10gb"))))
     assert (p.slices[0].gpu_index, p.slices[0].size) == (1, 1)
     node = make_node("a", [make_gpu("A100-40GB", 0), make_gpu("A100-80GB", 1, [("7g.80gb", 0, 8)])])
-    p = placed(place(snap(node), make_pod(("c", "1g.10gb"))))
+    p = placed(place(snap(node), pod_request(("c", "1g.10gb"))))
     assert (p.slices[0].gpu_index, p.slices[0].size) == (0, 2)
 
 
 def test_only_one_plus_me_instance_per_gpu() -> None:
     s = snap(make_node("a", model="H100-80GB", count=2))
-    p = placed(place(s, make_pod(("c", "1g.10gb+me", 2))))
+    p = placed(place(s, pod_request(("c", "1g.10gb+me", 2))))
     assert sorted(x.gpu_index for x in p.slices) == [0, 1]
     pending(
-        place(snap(make_node("a", model="H100-80GB")), make_pod(("c", "1g.10gb+me", 2))),
+        place(snap(make_node("a", model="H100-80GB")), pod_request(("c", "1g.10gb+me", 2))),
         PendingReason.FULL,
     )
 
@@ -455,17 +454,17 @@ def test_unknown_model_and_unusable_gpus_are_skipped() -> None:
     node = make_node(
         "a", [make_gpu("Z9000"), make_gpu("A100-40GB", mig=False), make_gpu("A100-40GB")]
     )
-    assert placed(place(snap(node), make_pod(("c", "1g.5gb")))).slices[0].gpu_index == 2
+    assert placed(place(snap(node), pod_request(("c", "1g.5gb")))).slices[0].gpu_index == 2
 
 
 def test_pod_without_slices_goes_to_a_node_with_room() -> None:
     s = snap(make_node("a", cpu=0), make_node("b"))
-    assert place(s, make_pod()) == Placement("b", ())
+    assert place(s, pod_request()) == Placement("b", ())
 
 
 # --- the policies' preferences ----------------------------------------------------------------
 def test_instaslice_puts_a_lone_1g_where_it_keeps_the_4g() -> None:
-    p = placed(place(snap(make_node("a")), make_pod(("c", "1g.5gb"))))
+    p = placed(place(snap(make_node("a")), pod_request(("c", "1g.5gb"))))
     assert p.slices[0].start >= 4
 
 
@@ -474,7 +473,7 @@ def test_instaslice_packs_into_a_broken_gpu_and_a_busy_node() -> None:
         "busy", [make_gpu("A100-40GB", 0, [("1g.5gb", 6, 1)]), make_gpu("A100-40GB", 1)]
     )
     idle = make_node("idle", count=2)
-    p = placed(place(snap(idle, busy), make_pod(("c", "1g.5gb"))))
+    p = placed(place(snap(idle, busy), pod_request(("c", "1g.5gb"))))
     assert (p.node, p.slices[0].gpu_index) == ("busy", 0)
     assert p.slices[0].start in (4, 5)
 
@@ -483,12 +482,12 @@ def test_instaslice_keeps_whole_gpus_for_7g() -> None:
     s = snap(make_node("a", model="H100-80GB", count=2))
     s, results = run_sequence(s, ["1g.10gb", "1g.10gb", "2g.20gb", "1g.20gb", "1g.10gb"])
     assert {placed(r).slices[0].gpu_index for r in results} == {0}
-    placed(place(s, make_pod(("c", "7g.80gb"))))
+    placed(place(s, pod_request(("c", "7g.80gb"))))
 
 
 def test_first_fit_takes_the_lowest_start_first_gpu_first_node() -> None:
     s = snap(make_node("a", count=2), make_node("b", count=2))
-    p = placed(place(s, make_pod(("c", "1g.5gb")), Policy.FIRST_FIT))
+    p = placed(place(s, pod_request(("c", "1g.5gb")), Policy.FIRST_FIT))
     assert (p.node, p.slices[0].gpu_index, p.slices[0].start) == ("a", 0, 0)
 
 
@@ -497,24 +496,24 @@ def test_spread_takes_the_emptiest_node_and_gpu() -> None:
     idle = make_node(
         "idle", [make_gpu("A100-40GB", 0, [("1g.5gb", 0, 1)]), make_gpu("A100-40GB", 1)]
     )
-    p = placed(place(snap(idle, busy), make_pod(("c", "1g.5gb")), Policy.SPREAD))
+    p = placed(place(snap(idle, busy), pod_request(("c", "1g.5gb")), Policy.SPREAD))
     assert (p.node, p.slices[0].gpu_index, p.slices[0].start) == ("busy", 0, 0)
-    p = placed(place(snap(idle), make_pod(("c", "1g.5gb")), Policy.SPREAD))
+    p = placed(place(snap(idle), pod_request(("c", "1g.5gb")), Policy.SPREAD))
     assert (p.slices[0].gpu_index, p.slices[0].start) == (1, 0)
 
 
 def test_static_balanced_only_hands_out_layout_slices() -> None:
     s = snap(make_node("a"))
-    p = placed(place(s, make_pod(("c", "3g.20gb")), Policy.STATIC_BALANCED))
+    p = placed(place(s, pod_request(("c", "3g.20gb")), Policy.STATIC_BALANCED))
     assert p.slices[0].start == 4
-    p = placed(place(s, make_pod(("c", "1g.5gb")), Policy.STATIC_BALANCED))
+    p = placed(place(s, pod_request(("c", "1g.5gb")), Policy.STATIC_BALANCED))
     assert p.slices[0].start == 2
     msg = pending(
-        place(s, make_pod(("c", "4g.20gb")), Policy.STATIC_BALANCED), PendingReason.NO_PROFILE
+        place(s, pod_request(("c", "4g.20gb")), Policy.STATIC_BALANCED), PendingReason.NO_PROFILE
     )
     assert msg == "the static all-balanced layout has no 4g.20gb slice"
     taken = snap(make_node("a", [make_gpu("A100-40GB", 0, [("3g.20gb", 4, 4)])]))
-    pending(place(taken, make_pod(("c", "3g.20gb")), Policy.STATIC_BALANCED), PendingReason.FULL)
+    pending(place(taken, pod_request(("c", "3g.20gb")), Policy.STATIC_BALANCED), PendingReason.FULL)
 
 
 def test_policy_values_are_the_cli_spellings() -> None:
@@ -526,5 +525,5 @@ def test_custom_catalog_is_honoured() -> None:
 
     only_a30 = Catalog(tuple(m for m in load_catalog().models if m.name == "A30-24GB"))
     s = snap(make_node("a", model="A30-24GB"), make_node("b"))
-    assert placed(place(s, make_pod(("c", "2g.12gb")), catalog=only_a30)).node == "a"
-    pending(place(s, make_pod(("c", "1g.5gb")), catalog=only_a30), PendingReason.NO_PROFILE)
+    assert placed(place(s, pod_request(("c", "2g.12gb")), catalog=only_a30)).node == "a"
+    pending(place(s, pod_request(("c", "1g.5gb")), catalog=only_a30), PendingReason.NO_PROFILE)

@@ -36,7 +36,8 @@ from common.placement import (
     place,
 )
 from common.placement.modes import ModeView, place_with_modes, with_mig
-from tests.unit.test_placement import make_gpu, make_node, make_pod, snap
+from testkit.builders import pod_request
+from tests.unit.test_placement import make_gpu, make_node, snap
 from tests.unit.test_placement_properties import brute_force, requests, snapshots
 from webhook.allocator.views import mode_class
 
@@ -47,7 +48,7 @@ A100 = "A100-80GB"
 def test_gpu_in_mig_mode_that_fits_wins_over_a_toggle() -> None:
     node = make_node("n", [make_gpu(H100, 0, [("3g.40gb", 4, 4)]), make_gpu(H100, mig=False)])
     got = place_with_modes(
-        snap(node), make_pod(("c", "3g.40gb")), ModeView(flex=frozenset({("n", 1)}))
+        snap(node), pod_request(("c", "3g.40gb")), ModeView(flex=frozenset({("n", 1)}))
     )
     assert isinstance(got.result, Placement) and got.toggles == ()
     assert [s.gpu_index for s in got.result.slices] == [0]
@@ -58,10 +59,10 @@ def test_flex_gpu_serves_only_when_nothing_else_fits() -> None:
         "n", [make_gpu(H100, 0, [("4g.40gb", 0, 4), ("3g.40gb", 4, 4)]), make_gpu(H100, mig=False)]
     )
     got = place_with_modes(
-        snap(node), make_pod(("c", "1g.10gb")), ModeView(flex=frozenset({("n", 1)}))
+        snap(node), pod_request(("c", "1g.10gb")), ModeView(flex=frozenset({("n", 1)}))
     )
     assert isinstance(got.result, Placement) and got.toggles == (1,)
-    plain = place_with_modes(snap(node), make_pod(("c", "1g.10gb")), ModeView())
+    plain = place_with_modes(snap(node), pod_request(("c", "1g.10gb")), ModeView())
     assert isinstance(plain.result, Pending) and plain.result.reason is PendingReason.FULL
 
 
@@ -85,20 +86,20 @@ def test_every_attempt_goes_through_the_given_place_and_modes_are_derived_only_w
         derived.append(s)
         return ModeView(flex=frozenset({("n", 1)}))
 
-    toggled = place_with_modes(snap(node), make_pod(("c", "3g.40gb")), view, place=spy)
+    toggled = place_with_modes(snap(node), pod_request(("c", "3g.40gb")), view, place=spy)
     assert isinstance(toggled.result, Placement) and toggled.toggles == (1,)
     assert seen == [(True, False), (True, True)] and len(derived) == 1
     seen.clear()
     derived.clear()
     plain = snap(make_node("m", [make_gpu(H100)]))
-    got = place_with_modes(plain, make_pod(("c", "1g.10gb")), view, place=spy)
+    got = place_with_modes(plain, pod_request(("c", "1g.10gb")), view, place=spy)
     assert isinstance(got.result, Placement) and seen == [(True,)] and derived == []
 
 
 def test_ampere_gpus_are_named_and_never_used() -> None:
     nodes = snap(make_node("a", [make_gpu(A100, mig=False), make_gpu(A100, mig=False)]))
     view = ModeView(needs_reset=frozenset({("a", 0), ("a", 1)}))
-    got = place_with_modes(nodes, make_pod(("c", "1g.10gb")), view)
+    got = place_with_modes(nodes, pod_request(("c", "1g.10gb")), view)
     assert isinstance(got.result, Pending)
     assert got.result.reason is PendingReason.NEEDS_MIG_MODE_CHANGE
     assert "a/GPU 0" in got.result.message and "1 more GPU" in got.result.message
@@ -118,7 +119,7 @@ UNDER_WAY = make_node(
         (
             [UNDER_WAY],
             ModeView(needs_reset=frozenset({("a", 1)}), under_way=frozenset({("a", 0)})),
-            make_pod(("c", "1g.10gb")),
+            pod_request(("c", "1g.10gb")),
             PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
             "a/GPU 0 is done (MIG on",
         ),
@@ -126,7 +127,7 @@ UNDER_WAY = make_node(
         (
             [UNDER_WAY],
             ModeView(under_way=frozenset({("a", 0)})),
-            make_pod(("c", "7g.80gb")),
+            pod_request(("c", "7g.80gb")),
             PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
             "under way on a/GPU 0 is done",
         ),
@@ -134,7 +135,7 @@ UNDER_WAY = make_node(
         (
             [UNDER_WAY],
             ModeView(under_way=frozenset({("a", 0)})),
-            make_pod(("c", "7g.80gb", 2)),
+            pod_request(("c", "7g.80gb", 2)),
             PendingReason.GPU_UNAVAILABLE,
             "",
         ),
@@ -143,7 +144,7 @@ UNDER_WAY = make_node(
         (
             [UNDER_WAY],
             ModeView(needs_reset=frozenset({("a", 1)}), under_way=frozenset({("a", 0)})),
-            make_pod(("c", "7g.80gb", 2)),
+            pod_request(("c", "7g.80gb", 2)),
             PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
             "under way on a/GPU 0 is done (MIG on; Ampere maintenance: the GPU takes nothing "
             "new while its node agent drains and resets it), and then a MIG mode change on "
@@ -157,7 +158,7 @@ UNDER_WAY = make_node(
                 needs_reset=frozenset({("a", 1)}),
                 under_way=frozenset({("a", 0)}),
             ),
-            make_pod(("c", "7g.80gb", 2)),
+            pod_request(("c", "7g.80gb", 2)),
             PendingReason.MIG_MODE_CHANGE_UNDER_WAY,
             "a/GPU 0 is done",
         ),
@@ -165,7 +166,7 @@ UNDER_WAY = make_node(
         (
             [replace(UNDER_WAY, cpu_millis_free=1000), make_node("b", [make_gpu(A100, mig=False)])],
             ModeView(needs_reset=frozenset({("b", 0)}), under_way=frozenset({("a", 0)})),
-            make_pod(("c", "1g.10gb"), cpu=4000),
+            pod_request(("c", "1g.10gb"), cpu=4000),
             PendingReason.NEEDS_MIG_MODE_CHANGE,
             "b/GPU 0",
         ),
@@ -184,7 +185,7 @@ def test_a_pod_that_fits_once_a_change_under_way_is_done_waits_for_it(
 def test_a_pod_that_fits_now_is_placed_while_a_change_is_under_way() -> None:
     free = make_node("h", [make_gpu(H100)])
     view = ModeView(under_way=frozenset({("a", 0)}))
-    got = place_with_modes(snap(UNDER_WAY, free), make_pod(("c", "1g.10gb")), view)
+    got = place_with_modes(snap(UNDER_WAY, free), pod_request(("c", "1g.10gb")), view)
     assert isinstance(got.result, Placement) and got.result.node == "h"
 
 
@@ -322,7 +323,7 @@ def ampere_cases(draw: st.DrawFn) -> tuple[Snapshot, ModeView, PodRequest]:
             )
         nodes.append(make_node(f"n{i}", gpus))
     profile = draw(st.sampled_from(["7g.80gb", "4g.40gb", "3g.40gb"]))
-    pod = make_pod(("c", profile, draw(st.integers(1, 4))))
+    pod = pod_request(("c", profile, draw(st.integers(1, 4))))
     return snap(*nodes), ModeView(needs_reset=frozenset(reset), under_way=frozenset(under)), pod
 
 

@@ -35,7 +35,8 @@ from common.placement import (
     Snapshot,
 )
 from common.placement.whole import WholeView, is_whole, place_whole, wanted
-from tests.unit.test_placement import make_gpu, make_node, make_pod, snap
+from testkit.builders import pod_request
+from tests.unit.test_placement import make_gpu, make_node, snap
 from webhook.allocator.views import whole_class
 
 H100 = "H100-80GB"
@@ -43,7 +44,7 @@ A100 = "A100-80GB"
 
 
 def whole_pod(n: int = 1, **kw: Any) -> PodRequest:
-    return make_pod(("main", "gpu", n), **kw)
+    return pod_request(("main", "gpu", n), **kw)
 
 
 def test_right_mode_gpus_win_over_a_toggle() -> None:
@@ -183,7 +184,7 @@ def test_a_pod_needing_a_change_under_way_and_a_reset_waits_for_the_change(
 
 def test_is_whole_and_wanted() -> None:
     assert is_whole(whole_pod(3)) and wanted(whole_pod(3)) == 3
-    assert not is_whole(make_pod(("c", "1g.10gb")))
+    assert not is_whole(pod_request(("c", "1g.10gb")))
 
 
 def _gpu(**kw: Any) -> dict[str, Any]:

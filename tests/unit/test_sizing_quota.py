@@ -28,7 +28,8 @@ from common.placement.model import (
 from common.placement.modes import ModeView
 from common.quota import flavor_name, kueue_resources, min_slots, profile_slots, resource_flavors
 from common.sizing import Size, SizeAsk, SizeError, parse_size, place_sized, resolve, size_asks
-from tests.unit.test_admission import NS, claims, container, make_pod, make_request
+from testkit.builders import container
+from tests.unit.test_admission import NS, claims, make_request, team_pod
 from webhook.admission import review
 from webhook.reviews import Denied, Patched
 from webhook.settings import AdmissionSettings
@@ -237,7 +238,7 @@ def admit(pod: dict[str, Any], s: AdmissionSettings) -> Any:
 
 
 def test_slot_accounting_adds_memory_slots_to_each_asking_container() -> None:
-    pod = make_pod(
+    pod = team_pod(
         container("a", limits={"nvidia.com/mig-1g.10gb": "2", "nvidia.com/mig-3g.40gb": 1}),
         container("b"),
         container("c", requests={"cpu": "1"}),
@@ -279,7 +280,7 @@ def test_slot_accounting_adds_memory_slots_to_each_asking_container() -> None:
 def test_size_annotations_are_validated_at_admission(
     annotations: dict[str, str], words: str | None
 ) -> None:
-    d = admit(make_pod(container("main"), annotations=annotations), ENV)
+    d = admit(team_pod(container("main"), annotations=annotations), ENV)
     if words is None:
         assert isinstance(d, Patched)
     else:
@@ -289,7 +290,7 @@ def test_size_annotations_are_validated_at_admission(
 def test_size_requests_need_the_env_binding_mode() -> None:
     s = AdmissionSettings.from_catalog(ENV.binding_mode.__class__("device-plugin"))
     d = admit(
-        make_pod(container("main"), annotations={"instaslice.io/mig-size.main": "memory>=1Gi"}), s
+        team_pod(container("main"), annotations={"instaslice.io/mig-size.main": "memory>=1Gi"}), s
     )
     assert isinstance(d, Denied) and "env binding mode" in d.message
 

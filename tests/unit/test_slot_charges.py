@@ -25,8 +25,8 @@ from common.quota import admitted_models, slot_bound
 from common.sizing import resolve, size_asks
 from nodeagent.model import Health, NodeInventory
 from nodeagent.report import slot_capacity
-from testkit.builders import G0, G1, gpu
-from tests.unit.test_admission import claims, container, make_pod, make_request
+from testkit.builders import G0, G1, container, gpu
+from tests.unit.test_admission import claims, make_request, team_pod
 from webhook.admission import review
 from webhook.reviews import Patched
 from webhook.settings import AdmissionSettings
@@ -64,7 +64,7 @@ def charged(
 ) -> int:
     """The memory slots admission (with --slot-accounting) writes into container "main"."""
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else None
-    pod = make_pod(container("main", limits=limits),
+    pod = team_pod(container("main", limits=limits),
                    annotations={SIZE: size} if size else None)  # fmt: skip
     if selector is not None:
         pod["spec"]["nodeSelector"] = selector
