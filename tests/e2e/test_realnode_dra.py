@@ -29,9 +29,10 @@ from hack.dev import DevSystem
 from nodeagent.cdi import formula_minor
 from nodeagent.emulator import EmulatorControl
 from tests.e2e.conftest import running_system
-from tests.e2e.helpers import make_real_pod, pods_path, wait_for, wait_pod_running
+from tests.e2e.helpers import make_real_pod, pods_path, wait_pod_running
 from tests.e2e.test_realnode import SHOW, listing
 from tests.e2e.test_realnode import rkube as rkube  # its Kube for this module's `real`
+from tests.support import wait_for
 
 REAL = "real-0"
 SPEC: dict[str, Any] = {
