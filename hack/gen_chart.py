@@ -4,21 +4,31 @@ The chart is not a second copy of the manifests: every template is one object of
 `kubectl kustomize manifests/overlays/kubernetes` (the control plane's kubectl), with only the
 values users set replaced by template expressions:
 
-- `images.{webhook,nodeagent}.{repository,tag}`: the overlay's `images:`;
+- `images.{webhook,nodeagent}.{repository,tag}`: the overlay's `images:` (plus `digest` and
+  `pullPolicy`, unset by default, and `imagePullSecrets`);
 - `bindingMode` (device-plugin | env): the binding-mode of the generated ConfigMap
   instaslice-config, i.e. the component manifests/components/binding-env. The ConfigMap's
   name carries kustomize's content hash, so the generator renders both modes and the chart
   picks the name kustomize would give (a mode change rolls both workloads, as with kustomize);
+- the daemons' flags in hack/chart_values.py ARG_VALUES (`--policy`, `--log-level`, ...):
+  their value in manifests/ is the default;
+- per workload: `resources`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName`
+  (the manifests' are the defaults), `podLabels`, `podAnnotations`; `webhook.replicas`;
+  `nodeagent.kubeletDir`, the root of the host paths under /var/lib/kubelet;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
-  empty selector would admit every namespace);
-- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`.
+  empty selector would admit every namespace).
+
+The namespace is the release's: every `instaslice-system` in the rendering (metadata, RBAC
+subjects, the admission policies' CEL, the webhook's namespaceSelector, the certificate's DNS
+names) becomes `{{ .Release.Namespace }}`, and the Namespace object is left to
+`helm install --create-namespace`. Every object gets the standard labels (helm.sh/chart,
+app.kubernetes.io/{managed-by,instance,version}).
 
 Before writing anything it checks that the component renderings differ from the default only
 where it parameterises, and fails naming the object otherwise (extend it then, never hand-edit
-the chart). The namespace is not a value: instaslice-system is named in RBAC subjects,
-admission policies and the certificate, and the chart creates it itself.
+the chart).
 
     python -m hack.gen_chart              # rewrite charts/instaslice
     python -m hack.gen_chart --out DIR    # write the chart elsewhere (the drift test does)
@@ -43,6 +53,7 @@ from typing import Any
 
 import yaml
 
+from hack.chart_values import ARG_VALUES, BINDING_MODES, POD_FIELDS, schema, values_yaml
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
 __all__ = [
@@ -59,7 +70,10 @@ __all__ = [
 CHART_DIR = REPO_ROOT / "charts" / "instaslice"
 OVERLAY = "kubernetes"
 CONFIG_MAP = "instaslice-config"
-BINDING_MODES = ("device-plugin", "env")
+NAMESPACE = "instaslice-system"  # the manifests'; the chart's is the release's
+KUBELET_DIR = (
+    "/var/lib/kubelet"  # the manifests' host paths under it are .Values.nodeagent.kubeletDir
+)
 IMAGES = {"webhook": "instaslice-webhook", "nodeagent": "instaslice-nodeagent"}
 WORKLOADS = {
     "webhook": ("Deployment", "instaslice-webhook"),
@@ -182,22 +196,48 @@ _Dumper.add_representer(str, _str)
 
 _MARK = "HELMMARK{}X"
 _MARK_RE = re.compile(r"^(?P<indent>( *)(- )?)(?P<key>[\w.-]+): (?P<mark>HELMMARK\d+X)$", re.M)
+_LINE_RE = re.compile(r"^(?P<indent> *)(?P<mark>HELMMARK\d+X): ''$", re.M)
+_INLINE_RE = re.compile(r"HELMMARK\d+X")
+
+# A mark is (kind, text): "value" puts an expression as a mapping value, "block" an expression
+# producing a YAML mapping/list under its key, "line" replaces a whole `MARK: ''` line with
+# template lines (in text, `{pad}` is that line's indent, `{i}` its width, `{j}` two more),
+# "inline" replaces part of a string.
+Mark = tuple[str, str]
 
 
-def _template(obj: Obj, exprs: dict[str, tuple[str, bool]]) -> str:
+def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
     """Dump obj, escape Go-template braces in its own text (Prometheus rules use {{ }}), then
-    put the expressions in: `(expr, block)`: block expressions produce a YAML mapping."""
+    put the expressions in, and the release's namespace wherever the manifests name theirs."""
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
+    text = text.replace(NAMESPACE, "{{ .Release.Namespace }}")
 
     def put(m: re.Match[str]) -> str:
-        expr, block = exprs.pop(m.group("mark"))
-        if not block:
+        kind, expr = exprs.pop(m.group("mark"))
+        if kind == "value":
             return f"{m.group('indent')}{m.group('key')}: {expr}"
+        if kind != "block":
+            raise SystemExit(f"mark {m.group('mark')} ({kind}) is a mapping value")
         indent = len(m.group("indent")) + 2
         return f"{m.group('indent')}{m.group('key')}:\n{{{{- {expr} | nindent {indent} }}}}"
 
+    def line(m: re.Match[str]) -> str:
+        kind, text = exprs.pop(m.group("mark"))
+        if kind != "line":
+            raise SystemExit(f"mark {m.group('mark')} ({kind}) is a line")
+        i = len(m.group("indent"))
+        return text.replace("{pad}", " " * i).replace("{i}", str(i)).replace("{j}", str(i + 2))
+
+    def inline(m: re.Match[str]) -> str:
+        kind, expr = exprs.pop(m.group(0))
+        if kind != "inline":
+            raise SystemExit(f"mark {m.group(0)} ({kind}) inside a string")
+        return expr
+
     text = _MARK_RE.sub(put, text)
+    text = _LINE_RE.sub(line, text)
+    text = _INLINE_RE.sub(inline, text)
     if exprs:
         raise SystemExit(f"markers not placed (not a mapping value?): {exprs}")
     return text
@@ -210,20 +250,67 @@ def _file_name(o: Obj) -> str:
     return f"{o['kind'].lower()}-{name}.yaml".replace(":", "-")
 
 
+def _pod_spec(o: Obj) -> Obj:
+    spec: Obj = o["spec"]["template"]["spec"]
+    return spec
+
+
+def _flag_values(part: str, container: Obj) -> dict[str, str]:
+    """value path -> the default the manifests' flag gives it."""
+    out = {}
+    for arg in container.get("args") or []:
+        flag, _, value = arg.partition("=")
+        if (part, flag) in ARG_VALUES:
+            out[ARG_VALUES[(part, flag)]] = value
+    missing = {v for (p, _), v in ARG_VALUES.items() if p == part} - out.keys()
+    if missing:
+        raise SystemExit(f"{part}: no flag for the values {sorted(missing)} in its args")
+    return out
+
+
+def _kubelet_volumes(o: Obj) -> list[Obj]:
+    vols = [v for v in _pod_spec(o).get("volumes") or [] if "hostPath" in v]
+    return [v for v in vols if v["hostPath"]["path"].startswith(KUBELET_DIR + "/")]
+
+
 def _values(default: list[Obj]) -> dict[str, Any]:
     by_key = {(o["kind"], o["metadata"]["name"]): o for o in default}
-    values: dict[str, Any] = {"images": {}, "bindingMode": "device-plugin"}
+    values: dict[str, Any] = {
+        "images": {},
+        "imagePullSecrets": [],
+        "bindingMode": "device-plugin",
+        "allocationMode": "gates",
+        "logLevel": None,
+        "allocator": {},
+    }
+    flags: dict[str, str] = {}
     for part, (kind, name) in WORKLOADS.items():
-        (container,) = by_key[(kind, name)]["spec"]["template"]["spec"]["containers"]
+        o = by_key[(kind, name)]
+        (container,) = _pod_spec(o)["containers"]
         repo, _, tag = container["image"].rpartition(":")
         if not repo.endswith("/" + IMAGES[part]):
             raise SystemExit(
                 f"{kind}/{name}: image {container['image']}, expected */{IMAGES[part]}"
             )
-        values["images"][part] = {"repository": repo, "tag": tag}
-        values[part] = {"resources": container["resources"]}
+        values["images"][part] = {"repository": repo, "tag": tag, "digest": "", "pullPolicy": ""}
+        for path, value in _flag_values(part, container).items():
+            if flags.setdefault(path, value) != value:
+                raise SystemExit(f"{path}: {flags[path]} and {value} in the two workloads")
+        spec = _pod_spec(o)
+        values[part] = {
+            "resources": container["resources"],
+            **{f: spec.get(f, empty) for f, empty in POD_FIELDS.items()},
+            "podLabels": {},
+            "podAnnotations": {},
+        }
+    for path, value in flags.items():
+        head, _, leaf = path.rpartition(".")
+        (values[head] if head else values)[leaf] = value
     replicas = by_key[WORKLOADS["webhook"]]["spec"]["replicas"]
     values["webhook"] = {"replicas": replicas, **values["webhook"]}
+    if not _kubelet_volumes(by_key[WORKLOADS["nodeagent"]]):
+        raise SystemExit(f"the node agent mounts nothing under {KUBELET_DIR}; extend gen_chart")
+    values["nodeagent"]["kubeletDir"] = KUBELET_DIR
     values["monitoring"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
     return values
@@ -254,154 +341,76 @@ def _scrapers(default: list[Obj]) -> Obj:
     return dict(found[0])
 
 
-def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, bool]]]:
-    o = copy.deepcopy(o)
-    exprs: dict[str, tuple[str, bool]] = {}
+def _optional(key: str, expr: str, scalar: bool = False) -> str:
+    """Template lines for `key:` holding expr's YAML, left out when expr is empty."""
+    if scalar:
+        return f"{{{{- with {expr} }}}}\n{{pad}}{key}: {{{{ . | quote }}}}\n{{{{- end }}}}"
+    block = "{{- toYaml . | nindent {j} }}"
+    return f"{{{{- with {expr} }}}}\n{{pad}}{key}:\n{block}\n{{{{- end }}}}"
 
-    def mark(expr: str, block: bool = False) -> str:
+
+def _parameterise_workload(o: Obj, part: str, mark: Callable[[str, str], str]) -> None:
+    spec = _pod_spec(o)
+    (container,) = spec["containers"]
+    v = f".Values.{part}"
+    img = f".Values.images.{part}"
+    container["image"] = mark("value", f'{{{{ include "instaslice.image" {img} | quote }}}}')
+    container[mark("line", f"{{{{- with {img}.pullPolicy }}}}\n{{pad}}imagePullPolicy: "
+                   "{{ . }}\n{{- end }}")] = ""  # fmt: skip
+    container["resources"] = mark("block", f"toYaml {v}.resources")
+    args = []
+    for arg in container.get("args") or []:
+        flag, _, _ = arg.partition("=")
+        if (part, flag) in ARG_VALUES:
+            arg = f"{flag}=" + mark("inline", f"{{{{ .Values.{ARG_VALUES[(part, flag)]} }}}}")
+        args.append(arg)
+    container["args"] = args
+    if part == "webhook":
+        o["spec"]["replicas"] = mark("value", f"{{{{ {v}.replicas }}}}")
+    for field in POD_FIELDS:
+        spec.pop(field, None)
+        scalar = isinstance(POD_FIELDS[field], str)
+        spec[mark("line", _optional(field, f"{v}.{field}", scalar))] = ""
+    spec[mark("line", _optional("imagePullSecrets", ".Values.imagePullSecrets"))] = ""
+    meta = o["spec"]["template"]["metadata"]
+    meta.setdefault("labels", {})[mark("line", _LABELS + f"\n{{{{- with {v}.podLabels }}}}"
+                                   "{{ toYaml . | nindent {i} }}{{- end }}")] = ""  # fmt: skip
+    if "annotations" in meta:
+        raise SystemExit(f"{o['kind']}/{o['metadata']['name']}: pod annotations; extend gen_chart")
+    meta[mark("line", _optional("annotations", f"{v}.podAnnotations"))] = ""
+    for vol in _kubelet_volumes(o):
+        rest = vol["hostPath"]["path"][len(KUBELET_DIR) :]
+        vol["hostPath"]["path"] = mark("inline", f"{{{{ {v}.kubeletDir }}}}") + rest
+
+
+_LABELS = '{{- include "instaslice.labels" . | nindent {i} }}'
+
+
+def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, Mark]]:
+    o = copy.deepcopy(o)
+    exprs: dict[str, Mark] = {}
+
+    def mark(kind: str, expr: str) -> str:
         m = _MARK.format(len(exprs))
-        exprs[m] = (expr, block)
+        exprs[m] = (kind, expr)
         return m
 
-    config_name = mark('{{ include "instaslice.configName" . }}')
+    config_name = mark("value", '{{ include "instaslice.configName" . }}')
     o = _replace_strings(o, lambda s: config_name if s == cm_name else s)
     if config_name not in json.dumps(o):
         del exprs[config_name]
     if o["kind"] == "ConfigMap" and o["metadata"]["name"] == config_name:
-        o["data"]["binding-mode"] = mark("{{ .Values.bindingMode | quote }}")
+        o["data"]["binding-mode"] = mark("value", "{{ .Values.bindingMode | quote }}")
+    o["metadata"].setdefault("labels", {})[mark("line", _LABELS)] = ""
     for part, (kind, name) in WORKLOADS.items():
-        if (o["kind"], o["metadata"]["name"]) != (kind, name):
-            continue
-        (container,) = o["spec"]["template"]["spec"]["containers"]
-        v = f".Values.images.{part}"
-        container["image"] = mark(f'{{{{ printf "%s:%s" {v}.repository {v}.tag | quote }}}}')
-        container["resources"] = mark(f"toYaml .Values.{part}.resources", block=True)
-        if part == "webhook":
-            o["spec"]["replicas"] = mark("{{ .Values.webhook.replicas }}")
+        if (o["kind"], o["metadata"]["name"]) == (kind, name):
+            _parameterise_workload(o, part, mark)
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
-                "toYaml .Values.metricsNamespaceSelector", block=True
+                "block", "toYaml .Values.metricsNamespaceSelector"
             )
     return o, exprs
-
-
-_SCHEMA: dict[str, Any] = {
-    "$schema": "http://json-schema.org/draft-07/schema#",
-    "type": "object",
-    "additionalProperties": False,
-    "required": [
-        "images",
-        "bindingMode",
-        "webhook",
-        "nodeagent",
-        "monitoring",
-        "metricsNamespaceSelector",
-    ],
-    "properties": {
-        "images": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(IMAGES),
-            "properties": {
-                part: {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["repository", "tag"],
-                    "properties": {
-                        "repository": {"type": "string", "minLength": 1},
-                        "tag": {"type": "string", "minLength": 1},
-                    },
-                }
-                for part in IMAGES
-            },
-        },
-        "bindingMode": {"enum": list(BINDING_MODES)},
-        "webhook": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["replicas", "resources"],
-            "properties": {
-                # the PodDisruptionBudget keeps 1 available: with 1 replica drains would block
-                "replicas": {"type": "integer", "minimum": 2},
-                "resources": {"type": "object"},
-            },
-        },
-        "nodeagent": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["resources"],
-            "properties": {"resources": {"type": "object"}},
-        },
-        "monitoring": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["enabled"],
-            "properties": {"enabled": {"type": "boolean"}},
-        },
-        # a LabelSelector that selects something: `{}` would admit every namespace
-        "metricsNamespaceSelector": {
-            "type": "object",
-            "additionalProperties": False,
-            "minProperties": 1,
-            "properties": {
-                "matchLabels": {
-                    "type": "object",
-                    "minProperties": 1,
-                    "additionalProperties": {"type": "string"},
-                },
-                "matchExpressions": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["key", "operator"],
-                        "properties": {
-                            "key": {"type": "string", "minLength": 1},
-                            "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                            "values": {"type": "array", "items": {"type": "string"}},
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
-
-_VALUES_COMMENT = """\
-# Values of the InstaSlice chart (generated by hack/gen_chart.py from manifests/; defaults are
-# the Kubernetes overlay's). values.schema.json refuses anything else.
-#
-# Not a value: the namespace. Everything installs into instaslice-system, which is named in RBAC
-# subjects, the admission policies and the webhook certificate, and which the chart creates
-# (with the Pod Security labels the node agent needs). Do not pass
-# `--namespace instaslice-system --create-namespace`; the release record may live anywhere.
-# Needs cert-manager 1.x, as the overlay does. docs/install.md "Helm".
-"""
-
-_VALUE_DOCS = {
-    "images": "images of the two components (the overlay's `images:`)",
-    "bindingMode": "device-plugin | env: the component manifests/components/binding-env\n"
-    "# (docs/binding.md)",
-    "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",
-    "nodeagent": "the node agent DaemonSet",
-    "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
-    "# Prometheus Operator's monitoring.coreos.com CRDs",
-    "metricsNamespaceSelector": "the namespaces whose pods may connect to the metrics ports "
-    '(both NetworkPolicies;\n# docs/metrics.md "Who may scrape"): your Prometheus\'s, by '
-    "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
-    "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
-    "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
-}
-
-
-def _values_yaml(values: dict[str, Any]) -> str:
-    parts = [_VALUES_COMMENT]
-    for key, value in values.items():
-        parts.append(f"\n# {_VALUE_DOCS[key]}\n")
-        parts.append(yaml.dump({key: value}, Dumper=_Dumper, sort_keys=False))
-    return "".join(parts)
 
 
 def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
@@ -423,8 +432,8 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         },
         sort_keys=False,
     )
-    files["values.yaml"] = _values_yaml(values)
-    files["values.schema.json"] = json.dumps(_SCHEMA, indent=2) + "\n"
+    files["values.yaml"] = values_yaml(values, _Dumper)
+    files["values.schema.json"] = json.dumps(schema(), indent=2) + "\n"
     files["templates/_helpers.tpl"] = (
         "{{/* Generated by hack/gen_chart.py (make chart): do not edit. */}}\n"
         "{{/* kustomize's name for the ConfigMap instaslice-config, which carries a hash of its\n"
@@ -436,17 +445,20 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
             for i, mode in enumerate(BINDING_MODES)
         )
         + '{{- else -}}\n{{- fail (printf "bindingMode %q: device-plugin or env" '
-        ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n"
+        ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n" + _HELPERS
     )
+    files["templates/validate.yaml"] = '{{- include "instaslice.validate" . -}}\n'
     files["templates/NOTES.txt"] = (
-        "InstaSlice {{ .Chart.AppVersion }} installs into the namespace instaslice-system\n"
+        "InstaSlice {{ .Chart.AppVersion }} installs into the namespace {{ .Release.Namespace }}\n"
         "(binding mode {{ .Values.bindingMode }}). Wait for it:\n"
-        "  kubectl -n instaslice-system rollout status deployment/instaslice-webhook\n"
-        "  kubectl -n instaslice-system rollout status daemonset/instaslice-nodeagent\n"
+        "  kubectl -n {{ .Release.Namespace }} rollout status deployment/instaslice-webhook\n"
+        "  kubectl -n {{ .Release.Namespace }} rollout status daemonset/instaslice-nodeagent\n"
         'Then opt a namespace in: docs/install.md "3. Opt a namespace in".\n'
     )
     cm_name = names["device-plugin"]
     for o in default:
+        if o["kind"] == "Namespace":
+            continue  # the release's: `helm install -n NS --create-namespace`
         obj, exprs = _parameterise(o, cm_name)
         files[f"templates/{_file_name(o)}"] = HEADER + _template(obj, exprs)
     for o in monitoring:
@@ -456,6 +468,31 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
             "{{- if .Values.monitoring.enabled }}\n" + HEADER + body + "{{- end }}\n"
         )
     return files
+
+
+_HELPERS = """\
+{{/* The standard labels of every object and pod (helm.sh, app.kubernetes.io). */}}
+{{- define "instaslice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+{{/* repository@digest when a digest is set, else repository:tag (of .Values.images.X). */}}
+{{- define "instaslice.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+{{/* What the schema cannot say. */}}
+{{- define "instaslice.validate" -}}
+{{- if eq .Values.allocationMode "dra" -}}
+{{- fail "allocationMode dra: this chart version allocates through scheduling gates (gates)" -}}
+{{- end -}}
+{{- end -}}
+"""
 
 
 def project_version() -> str:

@@ -21,6 +21,7 @@ certificate); the chart's NOTES.txt.
 
 from __future__ import annotations
 
+import copy
 import filecmp
 import subprocess
 import time
@@ -72,14 +73,38 @@ def variants(kubectl: Path) -> dict[str, list[dict[str, Any]]]:
     return render_variants(kubectl)
 
 
-def helm_template(helm: Path, *sets: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    args = [str(helm), "template", "instaslice", str(CHART_DIR)]
+# what Helm adds to every object and pod (the chart's standard labels), not in kustomize's
+HELM_LABELS = (
+    "helm.sh/chart",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+)
+
+
+def helm_template(
+    helm: Path, *sets: str, check: bool = True, namespace: str = manifests.NAMESPACE
+) -> subprocess.CompletedProcess[str]:
+    args = [str(helm), "template", "instaslice", str(CHART_DIR), "--namespace", namespace]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.run(args, capture_output=True, text=True, check=False)
     if check:
         assert proc.returncode == 0, f"helm template {sets} failed:\n{proc.stderr}"
     return proc
+
+
+def without_helm_labels(d: dict[str, Any]) -> dict[str, Any]:
+    """d without the standard labels Helm adds (on the object and on its pod template)."""
+    d = copy.deepcopy(d)
+    metas = [d["metadata"], ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}]
+    for meta in metas:
+        labels = meta.get("labels") or {}
+        for k in HELM_LABELS:
+            labels.pop(k, None)
+        if "labels" in meta and not labels:
+            del meta["labels"]
+    return d
 
 
 def _by_identity(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -111,9 +136,12 @@ def test_committed_chart_is_what_the_generator_makes(
 def test_chart_renders_the_overlays_objects(
     helm: Path, variants: dict[str, list[dict[str, Any]]], values: str
 ) -> None:
+    """Into the manifests' namespace, less Helm's labels: the same objects but the Namespace
+    itself (the release's, `--create-namespace`)."""
     sets, variant = VALUES[values]
-    chart = _by_identity(manifests._docs(helm_template(helm, *sets).stdout))
-    kustomize = _by_identity(variants[variant])
+    docs = manifests._docs(helm_template(helm, *sets).stdout)
+    chart = _by_identity([without_helm_labels(d) for d in docs])
+    kustomize = _by_identity([o for o in variants[variant] if o["kind"] != "Namespace"])
     assert chart.keys() == kustomize.keys(), (
         f"only in the chart: {sorted(chart.keys() - kustomize.keys())}; "
         f"only in kustomize: {sorted(kustomize.keys() - chart.keys())}"

@@ -20,18 +20,33 @@ from hack.gen_chart import build_chart, check_variants
 NS = "instaslice-system"
 
 
+FLAGS = {
+    "Deployment": ["--policy=instaslice", "--preemption=gpu", "--autoscaler-signal=off",
+                   "--log-level=info", "--port=8443"],
+    "DaemonSet": ["--log-level=info", "--kubelet-dir=/var/lib/kubelet/device-plugins"],
+}  # fmt: skip
+
+
 def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     container = {
         "name": name,
         "image": image,
+        "args": FLAGS[kind],
         "env": [
             {"name": "M", "valueFrom": {"configMapKeyRef": {"name": cm, "key": "binding-mode"}}}
         ],
         "resources": {"limits": {"memory": "512Mi"}},
     }
-    spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
+    pod: dict[str, Any] = {"containers": [container]}
+    spec: dict[str, Any] = {"template": {"metadata": {"labels": {"app": name}}, "spec": pod}}
     if kind == "Deployment":
         spec["replicas"] = 2
+    else:
+        pod["priorityClassName"] = "system-node-critical"
+        pod["volumes"] = [
+            {"name": "dp", "hostPath": {"path": "/var/lib/kubelet/device-plugins"}},
+            {"name": "state", "hostPath": {"path": "/var/lib/instaslice"}},
+        ]
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
 
@@ -93,6 +108,8 @@ def test_parameterises_what_users_set() -> None:
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
         "tag": "v1",
+        "digest": "",
+        "pullPolicy": "",
     }
     assert values["bindingMode"] == "device-plugin"
     assert values["webhook"]["replicas"] == 2
@@ -109,6 +126,57 @@ def test_parameterises_what_users_set() -> None:
     assert '"env" -}}\ninstaslice-config-bbbb' in helpers
     cm = files["templates/configmap-instaslice-config.yaml"]
     assert "binding-mode: {{ .Values.bindingMode | quote }}" in cm
+
+
+def test_daemon_flags_pod_fields_and_kubelet_dir_are_values() -> None:
+    """The manifests' flags give the defaults and become template expressions; pod fields
+    the manifests set are defaults of optional values; host paths under the kubelet's dir
+    follow `kubeletDir`."""
+    files = build_chart(_variants(), "1")
+    values = yaml.safe_load(files["values.yaml"])
+    assert values["allocator"] == {
+        "policy": "instaslice", "preemption": "gpu", "autoscalerSignal": "off"
+    }  # fmt: skip
+    assert (values["logLevel"], values["allocationMode"]) == ("info", "gates")
+    assert values["nodeagent"]["priorityClassName"] == "system-node-critical"
+    assert values["nodeagent"]["kubeletDir"] == "/var/lib/kubelet"
+    assert values["webhook"]["priorityClassName"] == ""
+    deploy = files["templates/deployment-instaslice-webhook.yaml"]
+    assert "- --policy={{ .Values.allocator.policy }}" in deploy
+    assert "- --log-level={{ .Values.logLevel }}" in deploy
+    assert "- --port=8443" in deploy  # not a value
+    assert 'image: {{ include "instaslice.image" .Values.images.webhook | quote }}' in deploy
+    ds = files["templates/daemonset-instaslice-nodeagent.yaml"]
+    assert "priorityClassName: system-node-critical" not in ds
+    assert (
+        "{{- with .Values.nodeagent.priorityClassName }}\n      priorityClassName: "
+        "{{ . | quote }}\n{{- end }}" in ds
+    )
+    assert "path: {{ .Values.nodeagent.kubeletDir }}/device-plugins" in ds
+    assert "path: /var/lib/instaslice" in ds  # not under the kubelet's dir
+    assert (
+        '        app: instaslice-nodeagent\n{{- include "instaslice.labels" . | nindent 8 }}' in ds
+    )
+
+
+def test_the_namespace_is_the_releases() -> None:
+    files = build_chart(_variants(), "1")
+    assert not any(name.startswith("templates/namespace-") for name in files)
+    for name, text in files.items():
+        if name.startswith("templates/") and name.endswith(".yaml"):
+            assert NS not in text, name
+            assert 'include "instaslice.labels"' in text or name == "templates/validate.yaml"
+    assert (
+        "namespace: {{ .Release.Namespace }}" in files["templates/configmap-instaslice-config.yaml"]
+    )
+
+
+def test_refuses_a_workload_without_the_flags_it_parameterises() -> None:
+    v = copy.deepcopy(_variants())
+    for objs in v.values():
+        objs[2]["spec"]["template"]["spec"]["containers"][0]["args"] = ["--port=8443"]
+    with pytest.raises(SystemExit, match="no flag for the values"):
+        build_chart(v, "1")
 
 
 def test_the_metrics_namespace_selector_is_a_value() -> None:
