@@ -156,6 +156,15 @@ def schema() -> dict[str, Any]:
         },
         # a LabelSelector that selects something: `{}` would admit every namespace
         "metricsNamespaceSelector": _SELECTOR,
+        "uninstallHook": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["enabled", "timeoutSeconds"],
+            "properties": {
+                "enabled": {"type": "boolean"},
+                "timeoutSeconds": {"type": "integer", "minimum": 1},
+            },
+        },
     }
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
@@ -197,6 +206,10 @@ _VALUE_DOCS = {
     "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
     "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
     "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
+    "uninstallHook": "`helm uninstall` runs instaslice-uninstall as pre-/post-delete Jobs: it "
+    "refuses while a slice\n# is in use, else releases everything as `make uninstall` does "
+    '(docs/upgrade.md "Helm");\n# timeoutSeconds bounds each of its waits. The CRDs are '
+    "kept (helm.sh/resource-policy: keep).",
 }
 
 

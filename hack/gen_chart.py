@@ -24,7 +24,8 @@ The namespace is the release's: every `instaslice-system` in the rendering (meta
 subjects, the admission policies' CEL, the webhook's namespaceSelector, the certificate's DNS
 names) becomes `{{ .Release.Namespace }}`, and the Namespace object is left to
 `helm install --create-namespace`. Every object gets the standard labels (helm.sh/chart,
-app.kubernetes.io/{managed-by,instance,version}).
+app.kubernetes.io/{managed-by,instance,version}). The CRDs carry `helm.sh/resource-policy:
+keep`; the uninstall hooks (hack/chart_hooks.py) are the chart's own.
 
 Before writing anything it checks that the component renderings differ from the default only
 where it parameterises, and fails naming the object otherwise (extend it then, never hand-edit
@@ -53,6 +54,7 @@ from typing import Any
 
 import yaml
 
+from hack.chart_hooks import UNINSTALL_HOOKS
 from hack.chart_values import ARG_VALUES, BINDING_MODES, POD_FIELDS, schema, values_yaml
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
@@ -71,6 +73,7 @@ CHART_DIR = REPO_ROOT / "charts" / "instaslice"
 OVERLAY = "kubernetes"
 CONFIG_MAP = "instaslice-config"
 NAMESPACE = "instaslice-system"  # the manifests'; the chart's is the release's
+KEEP = ("helm.sh/resource-policy", "keep")
 KUBELET_DIR = (
     "/var/lib/kubelet"  # the manifests' host paths under it are .Values.nodeagent.kubeletDir
 )
@@ -313,6 +316,7 @@ def _values(default: list[Obj]) -> dict[str, Any]:
     values["nodeagent"]["kubeletDir"] = KUBELET_DIR
     values["monitoring"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
+    values["uninstallHook"] = {"enabled": True, "timeoutSeconds": 600}
     return values
 
 
@@ -402,6 +406,8 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, Mark]]:
     if o["kind"] == "ConfigMap" and o["metadata"]["name"] == config_name:
         o["data"]["binding-mode"] = mark("value", "{{ .Values.bindingMode | quote }}")
     o["metadata"].setdefault("labels", {})[mark("line", _LABELS)] = ""
+    if o["kind"] == "CustomResourceDefinition":  # kept by `helm uninstall`: docs/upgrade.md
+        o["metadata"].setdefault("annotations", {})[KEEP[0]] = KEEP[1]
     for part, (kind, name) in WORKLOADS.items():
         if (o["kind"], o["metadata"]["name"]) == (kind, name):
             _parameterise_workload(o, part, mark)
@@ -447,6 +453,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         + '{{- else -}}\n{{- fail (printf "bindingMode %q: device-plugin or env" '
         ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n" + _HELPERS
     )
+    files["templates/hooks/uninstall.yaml"] = UNINSTALL_HOOKS
     files["templates/validate.yaml"] = '{{- include "instaslice.validate" . -}}\n'
     files["templates/NOTES.txt"] = (
         "InstaSlice {{ .Chart.AppVersion }} installs into the namespace {{ .Release.Namespace }}\n"

@@ -32,7 +32,14 @@ import pytest
 
 from hack.cluster import ControlPlane
 from hack.cluster.bins import BinariesMissing, find_bin_dir, find_helm
-from hack.gen_chart import CHART_DIR, build_chart, project_version, render_variants, write_chart
+from hack.gen_chart import (
+    CHART_DIR,
+    KEEP,
+    build_chart,
+    project_version,
+    render_variants,
+    write_chart,
+)
 from tests.integration import test_manifests as manifests
 
 pytestmark = pytest.mark.integration
@@ -104,6 +111,10 @@ def without_helm_labels(d: dict[str, Any]) -> dict[str, Any]:
             labels.pop(k, None)
         if "labels" in meta and not labels:
             del meta["labels"]
+    annotations = d["metadata"].get("annotations") or {}
+    kept = d["kind"] == "CustomResourceDefinition" and annotations.pop(KEEP[0], None) == KEEP[1]
+    if kept and not annotations:
+        del d["metadata"]["annotations"]
     return d
 
 
@@ -136,11 +147,15 @@ def test_committed_chart_is_what_the_generator_makes(
 def test_chart_renders_the_overlays_objects(
     helm: Path, variants: dict[str, list[dict[str, Any]]], values: str
 ) -> None:
-    """Into the manifests' namespace, less Helm's labels: the same objects but the Namespace
-    itself (the release's, `--create-namespace`)."""
+    """Into the manifests' namespace, less Helm's labels, the CRDs' keep annotation and the
+    uninstall hooks (test_helm_hooks.py): the same objects but the Namespace itself (the
+    release's, `--create-namespace`)."""
     sets, variant = VALUES[values]
     docs = manifests._docs(helm_template(helm, *sets).stdout)
-    chart = _by_identity([without_helm_labels(d) for d in docs])
+    hooks = [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+    assert {d["kind"] for d in hooks} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                                          "Job"}  # fmt: skip
+    chart = _by_identity([without_helm_labels(d) for d in docs if d not in hooks])
     kustomize = _by_identity([o for o in variants[variant] if o["kind"] != "Namespace"])
     assert chart.keys() == kustomize.keys(), (
         f"only in the chart: {sorted(chart.keys() - kustomize.keys())}; "

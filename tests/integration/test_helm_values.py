@@ -173,6 +173,10 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
     yield _row("webhook.replicas", 3,
            lambda o: _eq(o[WORKLOADS["webhook"]]["spec"]["replicas"], 3))  # fmt: skip
     yield _row("nodeagent.kubeletDir", "/data/kubelet", _kubelet_dir)
+    yield _row("uninstallHook.enabled", False,
+               lambda o: _eq([k for k in o if k[0] == "Job"], []))  # fmt: skip
+    yield _row("uninstallHook.timeoutSeconds", 90,
+               lambda o: _eq(_hook_args(o)["--timeout"], "90"))  # fmt: skip
     yield _row("monitoring.enabled", True, lambda o: _eq(("PodMonitor", "instaslice") in o, True))
     sel = {"matchLabels": {"team": "obs"}}  # null drops the default's matchExpressions
     yield _row("metricsNamespaceSelector", {**sel, "matchExpressions": None},
@@ -194,6 +198,12 @@ def _pod_labels(objs: Objs, part: str) -> str:
     selector = objs[WORKLOADS[part]]["spec"]["selector"]["matchLabels"]
     assert "team" not in selector and set(selector.items()) <= set(labels.items())
     return str(labels.get("team"))
+
+
+def _hook_args(objs: Objs) -> dict[str, str]:
+    job = objs[("Job", "instaslice-uninstall-pre-delete")]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    return dict(a.partition("=")[::2] for a in c["args"])
 
 
 def _pull_secrets(objs: Objs) -> None:
