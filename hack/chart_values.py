@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from common.placement import Policy
+from hack.chart_certs import MODES as CERT_MODES
 from webhook.allocator.autoscale import SignalMode
 
 __all__ = [
@@ -156,6 +157,12 @@ def schema() -> dict[str, Any]:
         },
         # a LabelSelector that selects something: `{}` would admit every namespace
         "metricsNamespaceSelector": _SELECTOR,
+        "certificates": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["mode"],
+            "properties": {"mode": {"enum": list(CERT_MODES)}},
+        },
         "uninstallHook": {
             "type": "object",
             "additionalProperties": False,
@@ -182,7 +189,6 @@ _VALUES_COMMENT = """\
 #
 # The namespace is the release's: `helm install -n instaslice-system --create-namespace ...`.
 # The node agent needs the `privileged` Pod Security level there (docs/install.md "Helm").
-# Needs cert-manager 1.x, as the overlay does.
 """
 
 _VALUE_DOCS = {
@@ -206,6 +212,9 @@ _VALUE_DOCS = {
     "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
     "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
     "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
+    "certificates": "the webhook's serving certificate. self: the webhook issues, rotates and "
+    "injects it\n# itself (no cert-manager needed); cert-manager: the overlay's Issuer and "
+    "Certificate (cert-manager\n# 1.x); openshift: the service CA operator",
     "uninstallHook": "`helm uninstall` runs instaslice-uninstall as pre-/post-delete Jobs: it "
     "refuses while a slice\n# is in use, else releases everything as `make uninstall` does "
     '(docs/upgrade.md "Helm");\n# timeoutSeconds bounds each of its waits. The CRDs are '

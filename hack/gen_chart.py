@@ -54,6 +54,7 @@ from typing import Any
 
 import yaml
 
+from hack import chart_certs
 from hack.chart_hooks import UNINSTALL_HOOKS
 from hack.chart_values import ARG_VALUES, BINDING_MODES, POD_FIELDS, schema, values_yaml
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
@@ -214,7 +215,6 @@ def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
     put the expressions in, and the release's namespace wherever the manifests name theirs."""
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
-    text = text.replace(NAMESPACE, "{{ .Release.Namespace }}")
 
     def put(m: re.Match[str]) -> str:
         kind, expr = exprs.pop(m.group("mark"))
@@ -243,7 +243,7 @@ def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
     text = _INLINE_RE.sub(inline, text)
     if exprs:
         raise SystemExit(f"markers not placed (not a mapping value?): {exprs}")
-    return text
+    return text.replace(NAMESPACE, "{{ .Release.Namespace }}")
 
 
 def _file_name(o: Obj) -> str:
@@ -317,6 +317,7 @@ def _values(default: list[Obj]) -> dict[str, Any]:
     values["monitoring"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
     values["uninstallHook"] = {"enabled": True, "timeoutSeconds": 600}
+    values["certificates"] = {"mode": chart_certs.MODES[0]}
     return values
 
 
@@ -411,6 +412,7 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, Mark]]:
     for part, (kind, name) in WORKLOADS.items():
         if (o["kind"], o["metadata"]["name"]) == (kind, name):
             _parameterise_workload(o, part, mark)
+    chart_certs.parameterise(o, mark)
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
@@ -454,6 +456,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n" + _HELPERS
     )
     files["templates/hooks/uninstall.yaml"] = UNINSTALL_HOOKS
+    files["templates/webhook-cert-rbac.yaml"] = chart_certs.SELF_CERT_RBAC
     files["templates/validate.yaml"] = '{{- include "instaslice.validate" . -}}\n'
     files["templates/NOTES.txt"] = (
         "InstaSlice {{ .Chart.AppVersion }} installs into the namespace {{ .Release.Namespace }}\n"
@@ -467,7 +470,10 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         if o["kind"] == "Namespace":
             continue  # the release's: `helm install -n NS --create-namespace`
         obj, exprs = _parameterise(o, cm_name)
-        files[f"templates/{_file_name(o)}"] = HEADER + _template(obj, exprs)
+        body = HEADER + _template(obj, exprs)
+        if (cond := chart_certs.guard(o)) is not None:
+            body = f"{{{{- if {cond} }}}}\n{body}{{{{- end }}}}\n"
+        files[f"templates/{_file_name(o)}"] = body
     for o in monitoring:
         obj, exprs = _parameterise(o, cm_name)
         body = _template(obj, exprs)

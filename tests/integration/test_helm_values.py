@@ -177,6 +177,7 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
                lambda o: _eq([k for k in o if k[0] == "Job"], []))  # fmt: skip
     yield _row("uninstallHook.timeoutSeconds", 90,
                lambda o: _eq(_hook_args(o)["--timeout"], "90"))  # fmt: skip
+    yield _row("certificates.mode", "cert-manager", _cert_manager)
     yield _row("monitoring.enabled", True, lambda o: _eq(("PodMonitor", "instaslice") in o, True))
     sel = {"matchLabels": {"team": "obs"}}  # null drops the default's matchExpressions
     yield _row("metricsNamespaceSelector", {**sel, "matchExpressions": None},
@@ -198,6 +199,14 @@ def _pod_labels(objs: Objs, part: str) -> str:
     selector = objs[WORKLOADS[part]]["spec"]["selector"]["matchLabels"]
     assert "team" not in selector and set(selector.items()) <= set(labels.items())
     return str(labels.get("team"))
+
+
+def _cert_manager(objs: Objs) -> None:
+    assert {("Certificate", "instaslice-webhook"), ("Issuer", "instaslice-ca")} <= objs.keys()
+    ann = objs[("MutatingWebhookConfiguration", "instaslice")]["metadata"]["annotations"]
+    assert ann == {"cert-manager.io/inject-ca-from": "instaslice-system/instaslice-webhook"}
+    _flag(objs, "--cert-mode=files", "webhook")
+    assert ("Role", "instaslice-webhook-cert") not in objs
 
 
 def _hook_args(objs: Objs) -> dict[str, str]:
@@ -291,14 +300,49 @@ def test_refuses_values_it_cannot_honour(
     assert complaint in proc.stderr, proc.stderr
 
 
+def test_the_webhook_makes_its_own_certificate_by_default(helm: Path, tmp_path: Path) -> None:
+    """certificates.mode self: no cert-manager object or annotation; the webhook issues the
+    pair (--cert-mode=self) into a writable in-memory volume, with RBAC for its one Secret
+    and the caBundle of its one webhook configuration."""
+    objs = objects(render(helm, {}, tmp_path))
+    assert not {k for k in objs if k[0] in ("Certificate", "Issuer")}
+    mwc = objs[("MutatingWebhookConfiguration", "instaslice")]
+    assert "annotations" not in mwc["metadata"]
+    _flag(objs, "--cert-mode=self", "webhook")
+    (vol,) = [v for v in pod(objs, "webhook")["spec"]["volumes"] if v["name"] == "tls"]
+    assert vol == {"name": "tls", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    (mount,) = [m for m in container(objs, "webhook")["volumeMounts"] if m["name"] == "tls"]
+    assert mount["readOnly"] is False
+    role = objs[("Role", "instaslice-webhook-cert")]
+    mine = {"apiGroups": [""], "resources": ["secrets"],
+            "verbs": ["get", "list", "watch", "update"],
+            "resourceNames": ["instaslice-webhook-tls"]}  # fmt: skip
+    assert mine in role["rules"]
+    (rule,) = objs[("ClusterRole", "instaslice-webhook-cert")]["rules"]
+    assert (rule["resourceNames"], rule["verbs"]) == (["instaslice"], ["get", "patch"])
+
+
+def test_openshift_certificates_come_from_the_service_ca(helm: Path, tmp_path: Path) -> None:
+    objs = objects(render(helm, {"certificates": {"mode": "openshift"}}, tmp_path))
+    svc = objs[("Service", "instaslice-webhook")]["metadata"]["annotations"]
+    assert svc == {"service.beta.openshift.io/serving-cert-secret-name": "instaslice-webhook-tls"}
+    mwc = objs[("MutatingWebhookConfiguration", "instaslice")]["metadata"]["annotations"]
+    assert mwc == {"service.beta.openshift.io/inject-cabundle": "true"}
+    assert not {k for k in objs if k[0] in ("Certificate", "Issuer")}
+    assert ("Role", "instaslice-webhook-cert") not in objs
+    _flag(objs, "--cert-mode=files", "webhook")
+
+
 def test_gates_is_the_default_allocation_mode(helm: Path, tmp_path: Path) -> None:
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     assert values["allocationMode"] == "gates"
     objects(render(helm, {"allocationMode": "gates"}, tmp_path))
 
 
-def test_namespace_is_the_releases(helm: Path, tmp_path: Path) -> None:
-    proc = render(helm, {"monitoring": {"enabled": True}}, tmp_path, namespace="gpu-ops")
+@pytest.mark.parametrize("mode", ["self", "cert-manager", "openshift"])
+def test_namespace_is_the_releases(helm: Path, tmp_path: Path, mode: str) -> None:
+    values = {"monitoring": {"enabled": True}, "certificates": {"mode": mode}}
+    proc = render(helm, values, tmp_path, namespace="gpu-ops")
     objs = objects(proc)
     assert manifests.NAMESPACE not in proc.stdout
     assert "Namespace" not in {k for k, _ in objs}  # --create-namespace makes it

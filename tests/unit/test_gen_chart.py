@@ -21,8 +21,8 @@ NS = "instaslice-system"
 
 
 FLAGS = {
-    "Deployment": ["--policy=instaslice", "--preemption=gpu", "--autoscaler-signal=off",
-                   "--log-level=info", "--port=8443"],
+    "Deployment": ["--cert-mode=files", "--policy=instaslice", "--preemption=gpu",
+                   "--autoscaler-signal=off", "--log-level=info", "--port=8443"],
     "DaemonSet": ["--log-level=info", "--kubelet-dir=/var/lib/kubelet/device-plugins"],
 }  # fmt: skip
 
@@ -41,6 +41,8 @@ def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"template": {"metadata": {"labels": {"app": name}}, "spec": pod}}
     if kind == "Deployment":
         spec["replicas"] = 2
+        container["volumeMounts"] = [{"name": "tls", "mountPath": "/tls", "readOnly": True}]
+        pod["volumes"] = [{"name": "tls", "secret": {"secretName": "instaslice-webhook-tls"}}]
     else:
         pod["priorityClassName"] = "system-node-critical"
         pod["volumes"] = [
@@ -83,6 +85,15 @@ def _rendering(mode: str = "device-plugin", cm: str = "instaslice-config-aaaa") 
             "instaslice-webhook", {"ports": [{"port": "webhook"}]}, _metrics_rule(MONITORING_NS)
         ),
         _policy("instaslice-nodeagent", _metrics_rule(MONITORING_NS)),
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {
+                "name": "instaslice",
+                "annotations": {"cert-manager.io/inject-ca-from": f"{NS}/instaslice-webhook"},
+            },
+            "webhooks": [],
+        },
     ]
 
 
