@@ -55,7 +55,7 @@ from typing import Any
 import yaml
 
 from hack import chart_certs
-from hack.chart_hooks import UNINSTALL_HOOKS
+from hack.chart_hooks import DASHBOARD, DASHBOARD_CONFIGMAP, UNINSTALL_HOOKS
 from hack.chart_values import ARG_VALUES, BINDING_MODES, POD_FIELDS, schema, values_yaml
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
@@ -456,6 +456,8 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         ".Values.bindingMode) -}}\n{{- end -}}\n{{- end -}}\n" + _HELPERS
     )
     files["templates/hooks/uninstall.yaml"] = UNINSTALL_HOOKS
+    files["templates/monitoring/configmap-instaslice-grafana-dashboard.yaml"] = DASHBOARD_CONFIGMAP
+    files[DASHBOARD] = (REPO_ROOT / DASHBOARD).read_text()
     files["templates/webhook-cert-rbac.yaml"] = chart_certs.SELF_CERT_RBAC
     files["templates/validate.yaml"] = '{{- include "instaslice.validate" . -}}\n'
     files["templates/NOTES.txt"] = (

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry
 
+from common import buildinfo
 from common.clock import SystemClock
 from common.constants import BindingMode
 from common.heap import settle_collector
@@ -281,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
 
 
 async def run(settings: Settings) -> None:
-    registry = CollectorRegistry()
+    registry = buildinfo.registry("webhook")
     webhook_metrics = WebhookMetrics(registry)
     allocator_metrics = AllocatorMetrics(registry)
     async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:

@@ -333,6 +333,15 @@ def test_openshift_certificates_come_from_the_service_ca(helm: Path, tmp_path: P
     _flag(objs, "--cert-mode=files", "webhook")
 
 
+def test_grafana_dashboard_ships_as_a_config_map(helm: Path, tmp_path: Path) -> None:
+    objs = objects(render(helm, {"monitoring": {"enabled": True}}, tmp_path))
+    cm = objs[("ConfigMap", "instaslice-grafana-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # Grafana's sidecar loads it
+    dashboard = (ROOT / "dashboards" / "instaslice-grafana.json").read_text()
+    assert json.loads(cm["data"]["instaslice-grafana.json"]) == json.loads(dashboard)
+    assert ("ConfigMap", "instaslice-grafana-dashboard") not in objects(render(helm, {}, tmp_path))
+
+
 def test_gates_is_the_default_allocation_mode(helm: Path, tmp_path: Path) -> None:
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     assert values["allocationMode"] == "gates"
