@@ -155,6 +155,12 @@ def schema() -> dict[str, Any]:
             "required": ["enabled"],
             "properties": {"enabled": {"type": "boolean"}},
         },
+        "metricsAuth": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["enabled"],
+            "properties": {"enabled": {"type": "boolean"}},
+        },
         # a LabelSelector that selects something: `{}` would admit every namespace
         "metricsNamespaceSelector": _SELECTOR,
         "certificates": {
@@ -207,6 +213,9 @@ _VALUE_DOCS = {
     "nodes\n# (device-plugins/ and pod-resources/ under it)",
     "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
     "# Prometheus Operator's monitoring.coreos.com CRDs",
+    "metricsAuth": "the component manifests/components/metrics-auth: /metrics over TLS for a "
+    "bearer token\n# granted instaslice-metrics-reader only; the PodMonitor sends the "
+    "token of instaslice-metrics-scraper",
     "metricsNamespaceSelector": "the namespaces whose pods may connect to the metrics ports "
     '(both NetworkPolicies;\n# docs/metrics.md "Who may scrape"): your Prometheus\'s, by '
     "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "

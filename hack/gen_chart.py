@@ -16,6 +16,7 @@ values users set replaced by template expressions:
   (the manifests' are the defaults), `podLabels`, `podAnnotations`; `webhook.replicas`;
   `nodeagent.kubeletDir`, the root of the host paths under /var/lib/kubelet;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
+- `metricsAuth.enabled`: what manifests/components/metrics-auth does (hack/chart_auth.py);
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
   empty selector would admit every namespace).
@@ -54,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from hack import chart_certs
+from hack import chart_auth, chart_certs
 from hack.chart_hooks import DASHBOARD, DASHBOARD_CONFIGMAP, UNINSTALL_HOOKS
 from hack.chart_values import ARG_VALUES, BINDING_MODES, POD_FIELDS, schema, values_yaml
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
@@ -108,14 +109,16 @@ def render_variants(kubectl: Path) -> dict[str, list[Obj]]:
     """The overlay alone and with each component, as an administrator's own overlay would
     use it (the same shape tests/integration/test_manifests.py renders)."""
     out = {"default": _kustomize(kubectl, REPO_ROOT / "manifests" / "overlays" / OVERLAY)}
-    for variant in ("binding-env", "monitoring"):
+    variants = {"binding-env": ("binding-env",), "monitoring": ("monitoring",),
+                **chart_auth.VARIANTS}  # fmt: skip
+    for variant, components in variants.items():
         with tempfile.TemporaryDirectory(prefix="instaslice-chart-") as tmp:
             rel = Path(os.path.relpath(REPO_ROOT / "manifests", tmp))
             kust = {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
                 "resources": [str(rel / "overlays" / OVERLAY)],
-                "components": [str(rel / "components" / variant)],
+                "components": [str(rel / "components" / c) for c in components],
             }
             (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kust))
             out[variant] = _kustomize(kubectl, Path(tmp))
@@ -201,6 +204,7 @@ _Dumper.add_representer(str, _str)
 _MARK = "HELMMARK{}X"
 _MARK_RE = re.compile(r"^(?P<indent>( *)(- )?)(?P<key>[\w.-]+): (?P<mark>HELMMARK\d+X)$", re.M)
 _LINE_RE = re.compile(r"^(?P<indent> *)(?P<mark>HELMMARK\d+X): ''$", re.M)
+_ITEM_RE = re.compile(r"^(?P<indent> *)- (?P<mark>HELMMARK\d+X)$", re.M)
 _INLINE_RE = re.compile(r"HELMMARK\d+X")
 
 # A mark is (kind, text): "value" puts an expression as a mapping value, "block" an expression
@@ -227,7 +231,7 @@ def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
 
     def line(m: re.Match[str]) -> str:
         kind, text = exprs.pop(m.group("mark"))
-        if kind != "line":
+        if kind not in ("line", "item"):
             raise SystemExit(f"mark {m.group('mark')} ({kind}) is a line")
         i = len(m.group("indent"))
         return text.replace("{pad}", " " * i).replace("{i}", str(i)).replace("{j}", str(i + 2))
@@ -240,6 +244,7 @@ def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
 
     text = _MARK_RE.sub(put, text)
     text = _LINE_RE.sub(line, text)
+    text = _ITEM_RE.sub(line, text)
     text = _INLINE_RE.sub(inline, text)
     if exprs:
         raise SystemExit(f"markers not placed (not a mapping value?): {exprs}")
@@ -315,6 +320,7 @@ def _values(default: list[Obj]) -> dict[str, Any]:
         raise SystemExit(f"the node agent mounts nothing under {KUBELET_DIR}; extend gen_chart")
     values["nodeagent"]["kubeletDir"] = KUBELET_DIR
     values["monitoring"] = {"enabled": False}
+    values["metricsAuth"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
     values["uninstallHook"] = {"enabled": True, "timeoutSeconds": 600}
     values["certificates"] = {"mode": chart_certs.MODES[0]}
@@ -413,6 +419,7 @@ def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, Mark]]:
         if (o["kind"], o["metadata"]["name"]) == (kind, name):
             _parameterise_workload(o, part, mark)
     chart_certs.parameterise(o, mark)
+    chart_auth.parameterise(o, mark)
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
@@ -426,6 +433,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     names, monitoring = check_variants(variants)
     default = variants["default"]
     values = _values(default)
+    auth = chart_auth.check(default, variants["metrics-auth"])
     app_version = values["images"]["webhook"]["tag"]
     files: Chart = {}
     files["Chart.yaml"] = HEADER + yaml.safe_dump(
@@ -476,6 +484,12 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         if (cond := chart_certs.guard(o)) is not None:
             body = f"{{{{- if {cond} }}}}\n{body}{{{{- end }}}}\n"
         files[f"templates/{_file_name(o)}"] = body
+    for o in auth:
+        obj, exprs = _parameterise(o, cm_name)
+        body = _template(obj, exprs)
+        files[f"templates/metrics-auth/{_file_name(o)}"] = (
+            "{{- if .Values.metricsAuth.enabled }}\n" + HEADER + body + "{{- end }}\n"
+        )
     for o in monitoring:
         obj, exprs = _parameterise(o, cm_name)
         body = _template(obj, exprs)

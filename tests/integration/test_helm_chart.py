@@ -58,6 +58,11 @@ VALUES = {
     "default": ((CM,), "default"),
     "binding-env": ((CM, "bindingMode=env"), "binding-env"),
     "monitoring": ((CM, "monitoring.enabled=true"), "monitoring"),
+    "metrics-auth": ((CM, "metricsAuth.enabled=true"), "metrics-auth"),
+    "monitoring-auth": (
+        (CM, "monitoring.enabled=true", "metricsAuth.enabled=true"),
+        "monitoring-auth",
+    ),
 }
 
 
@@ -257,7 +262,9 @@ def crds_served(
 
 
 @pytest.mark.parametrize(
-    "sets", [(), ("bindingMode=env", "monitoring.enabled=true")], ids=["default", "env+monitoring"]
+    "sets",
+    [(), ("bindingMode=env", "monitoring.enabled=true", "metricsAuth.enabled=true")],
+    ids=["default", "env+monitoring+auth"],
 )
 def test_chart_passes_server_side_dry_run(
     control_plane: ControlPlane,

@@ -178,6 +178,7 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
     yield _row("uninstallHook.timeoutSeconds", 90,
                lambda o: _eq(_hook_args(o)["--timeout"], "90"))  # fmt: skip
     yield _row("certificates.mode", "cert-manager", _cert_manager)
+    yield _row("metricsAuth.enabled", True, _metrics_auth)
     yield _row("monitoring.enabled", True, lambda o: _eq(("PodMonitor", "instaslice") in o, True))
     sel = {"matchLabels": {"team": "obs"}}  # null drops the default's matchExpressions
     yield _row("metricsNamespaceSelector", {**sel, "matchExpressions": None},
@@ -199,6 +200,13 @@ def _pod_labels(objs: Objs, part: str) -> str:
     selector = objs[WORKLOADS[part]]["spec"]["selector"]["matchLabels"]
     assert "team" not in selector and set(selector.items()) <= set(labels.items())
     return str(labels.get("team"))
+
+
+def _metrics_auth(objs: Objs) -> None:
+    _flag(objs, "--metrics-auth", "webhook", "nodeagent")
+    for part in WORKLOADS:
+        assert container(objs, part)["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert ("Secret", "instaslice-metrics-scraper-token") in objs
 
 
 def _cert_manager(objs: Objs) -> None:

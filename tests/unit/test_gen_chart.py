@@ -110,7 +110,18 @@ def _variants() -> dict[str, list[Any]]:
         "default": _rendering(),
         "binding-env": _rendering("env", "instaslice-config-bbbb"),
         "monitoring": [*_rendering(), RULE],
+        "metrics-auth": _with_auth(_rendering()),
     }
+
+
+def _with_auth(objs: list[Any]) -> list[Any]:
+    """What manifests/components/metrics-auth does to the synthetic rendering."""
+    objs = copy.deepcopy(objs)
+    for o in objs[2:4]:  # the two workloads
+        o["spec"]["template"]["spec"]["containers"][0]["args"].append("--metrics-auth")
+    reader = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+              "metadata": {"name": "instaslice-metrics-reader"}, "rules": []}  # fmt: skip
+    return [*objs, reader]
 
 
 def test_parameterises_what_users_set() -> None:
@@ -231,6 +242,18 @@ def test_monitoring_objects_are_optional_and_braces_escaped() -> None:
     assert rule.startswith("{{- if .Values.monitoring.enabled }}\n")
     assert rule.endswith("{{- end }}\n")
     assert 'pod {{ "{{" }} $labels.pod }} down' in rule
+
+
+def test_metrics_auth_is_a_value() -> None:
+    files = build_chart(_variants(), "1")
+    deploy = files["templates/deployment-instaslice-webhook.yaml"]
+    assert "{{- if .Values.metricsAuth.enabled }}\n        - --metrics-auth\n{{- end }}" in deploy
+    role = files["templates/metrics-auth/clusterrole-instaslice-metrics-reader.yaml"]
+    assert role.startswith("{{- if .Values.metricsAuth.enabled }}\n")
+    v = _variants()
+    v["metrics-auth"][2]["spec"]["replicas"] = 5  # the component touching something else
+    with pytest.raises(SystemExit, match="metrics-auth changes more"):
+        build_chart(v, "1")
 
 
 def test_refuses_a_component_that_changes_more() -> None:
