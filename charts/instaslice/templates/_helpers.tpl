@@ -10,3 +10,24 @@ instaslice-config-m9d4c2t28m
 {{- fail (printf "bindingMode %q: device-plugin or env" .Values.bindingMode) -}}
 {{- end -}}
 {{- end -}}
+{{/* The standard labels of every object and pod (helm.sh, app.kubernetes.io). */}}
+{{- define "instaslice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+{{/* repository@digest when a digest is set, else repository:tag (of .Values.images.X). */}}
+{{- define "instaslice.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+{{/* What the schema cannot say. */}}
+{{- define "instaslice.validate" -}}
+{{- if eq .Values.allocationMode "dra" -}}
+{{- fail "allocationMode dra: this chart version allocates through scheduling gates (gates)" -}}
+{{- end -}}
+{{- end -}}
