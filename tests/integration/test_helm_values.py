@@ -45,6 +45,8 @@ Objs = dict[tuple[str, str], dict[str, Any]]
 DIGEST = "sha256:" + "ab" * 32
 WORKLOADS = {"webhook": ("Deployment", "instaslice-webhook"),
              "nodeagent": ("DaemonSet", "instaslice-nodeagent")}  # fmt: skip
+# testing.emulator's values only work together (the schema wants both paths when enabled)
+EMULATOR = {"enabled": True, "stateDir": "/e/state", "devRoot": "/e/dev"}
 # maps whose keys are the user's, not the chart's: one value each
 OPAQUE = {"metricsNamespaceSelector"}
 
@@ -173,6 +175,11 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
     yield _row("webhook.replicas", 3,
            lambda o: _eq(o[WORKLOADS["webhook"]]["spec"]["replicas"], 3))  # fmt: skip
     yield _row("nodeagent.kubeletDir", "/data/kubelet", _kubelet_dir)
+    for key in ("cdi", "state"):
+        yield _row(f"nodeagent.hostPaths.{key}", f"/data/{key}",
+                   lambda o, key=key: _eq(_host_paths(o)[key], f"/data/{key}"))  # fmt: skip
+    for key in EMULATOR:  # set together (the schema), each checked where it lands
+        yield _row(f"testing.emulator.{key}", EMULATOR[key], _emulator)
     yield _row("uninstallHook.enabled", False,
                lambda o: _eq([k for k in o if k[0] == "Job"], []))  # fmt: skip
     yield _row("uninstallHook.timeoutSeconds", 90,
@@ -228,11 +235,28 @@ def _pull_secrets(objs: Objs) -> None:
         _eq(pod(objs, part)["spec"]["imagePullSecrets"], [{"name": "regcred"}])
 
 
+def _host_paths(objs: Objs) -> dict[str, str]:
+    return {v["name"]: v["hostPath"]["path"]
+            for v in pod(objs, "nodeagent")["spec"]["volumes"] if "hostPath" in v}  # fmt: skip
+
+
 def _kubelet_dir(objs: Objs) -> None:
-    paths = {v["name"]: v["hostPath"]["path"]
-             for v in pod(objs, "nodeagent")["spec"]["volumes"] if "hostPath" in v}  # fmt: skip
-    assert paths["device-plugins"] == "/data/kubelet/device-plugins", paths
+    paths = _host_paths(objs)
     assert paths["pod-resources"] == "/data/kubelet/pod-resources", paths
+    # the kubelet fixes the device plugins' directory whatever its --root-dir
+    assert paths["device-plugins"] == "/var/lib/kubelet/device-plugins", paths
+
+
+def _emulator(objs: Objs) -> None:
+    """The node agent on the NVML emulator: its flags, and both host directories mounted."""
+    _flag(objs, "--emulate", "nodeagent")
+    _flag(objs, "--emu-state=/e/state", "nodeagent")
+    _flag(objs, "--dev-root=/e/dev", "nodeagent")
+    paths = _host_paths(objs)
+    _eq((paths["emu-state"], paths["emu-dev"]), ("/e/state", "/e/dev"))
+    mounts = {m["name"]: m for m in container(objs, "nodeagent")["volumeMounts"]}
+    _eq(mounts["emu-state"]["mountPath"], "/e/state")
+    _eq((mounts["emu-dev"]["mountPath"], mounts["emu-dev"]["readOnly"]), ("/e/dev", True))
 
 
 def _scrapers(objs: Objs, sel: dict[str, Any]) -> None:
@@ -272,7 +296,10 @@ def test_every_value_has_a_render_row(leaves: list[str]) -> None:
 def test_value_reaches_the_objects(
     helm: Path, tmp_path: Path, path: str, value: Any, check: Check
 ) -> None:
-    check(objects(render(helm, _nested(path, value), tmp_path)))
+    values = _nested(path, value)
+    if path.startswith("testing.emulator."):
+        values = {"testing": {"emulator": EMULATOR}}
+    check(objects(render(helm, values, tmp_path)))
 
 
 def test_defaults_leave_optional_fields_out(helm: Path, tmp_path: Path) -> None:
@@ -298,6 +325,9 @@ def test_defaults_leave_optional_fields_out(helm: Path, tmp_path: Path) -> None:
         ({"allocator": {"policy": "best"}}, "policy"),
         ({"nodeagent": {"kubeletDir": "var/lib/kubelet"}}, "kubeletDir"),
         ({"webhook": {"nodeSelektor": {}}}, "nodeSelektor"),
+        ({"nodeagent": {"hostPaths": {"cdi": "run/cdi"}}}, "cdi"),
+        ({"nodeagent": {"hostPaths": {"podResources": "/p"}}}, "podResources"),  # kubeletDir's
+        ({"testing": {"emulator": {"enabled": True}}}, "stateDir"),  # no host directories
     ],
 )
 def test_refuses_values_it_cannot_honour(
