@@ -133,6 +133,21 @@ async def assert_served_on_kwok(kube: Kube, system: DevSystem, ns: str, name: st
     assert cdi_file_for(system, KWOK, ns, alloc["metadata"]["name"]) is not None, alloc
 
 
+async def assert_nothing_left(kube: Kube, system: DevSystem) -> None:
+    """No SliceAllocation (waited for), and no MIG instance or CDI file on either node."""
+    await wait_for(
+        kube,
+        allocs_path(None),
+        lambda a: not a,
+        what="no SliceAllocation anywhere",
+        timeout_s=RELEASE_TIMEOUT_S,
+    )
+    for node in (REAL, KWOK):
+        assert not cdi_files(system, node), f"CDI files left on {node}"
+        instances = EmulatorControl(system.gpu_state, node).instances()
+        assert not instances, f"MIG instances left on {node}: {instances}"
+
+
 def ready(pod: Obj) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
@@ -256,17 +271,7 @@ async def test_nothing_is_left_behind_after_the_pods_are_gone(
         await wait_pod_running(ikube, ns, name)
         await ikube.delete(pods_path(ns, name))
     await wait_for(ikube, pods_path(ns), lambda p: not p, what="the pods gone")
-    await wait_for(
-        ikube,
-        allocs_path(None),
-        lambda a: not a,
-        what="no SliceAllocation anywhere",
-        timeout_s=RELEASE_TIMEOUT_S,
-    )
-    for node in (REAL, KWOK):
-        assert not cdi_files(installed, node), f"CDI files left on {node}"
-        instances = EmulatorControl(installed.gpu_state, node).instances()
-        assert not instances, f"MIG instances left on {node}: {instances}"
+    await assert_nothing_left(ikube, installed)
 
 
 async def test_helm_uninstall_with_a_slice_in_use_is_refused(
@@ -298,7 +303,11 @@ async def test_helm_uninstall_with_a_slice_in_use_is_refused(
     mwc = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/instaslice"
     assert (await ikube.get(mwc))["webhooks"], "the admission hooks were deleted"
     pods = await instaslice_pods(ikube)
-    assert pods and all(ready(p) for p in pods.values()), sorted(pods)
+    # the hook's Job ran on the real node (the webhook's placement and image) and failed
+    (hook,) = [p for n, p in pods.items() if n.startswith("instaslice-uninstall-pre-delete")]
+    assert (hook["spec"]["nodeName"], hook["status"]["phase"]) == (REAL, "Failed"), hook["status"]
+    running = {n: p for n, p in pods.items() if p is not hook}
+    assert running and all(ready(p) for p in running.values()), sorted(running)
     await assert_sees_only_its_own(ikube, installed, ns, "busy", ["main"])
 
 
@@ -307,21 +316,15 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
 ) -> None:
     """After the refusal above: once the pod holding the slice is gone, `helm uninstall` (its
     pre- and post-delete Jobs on the real node) goes through; no InstaSlice pod, admission
-    hook, MIG instance, CDI file or `instaslice.io/*` Node capacity is left, the CRDs are
-    kept. The KWOK node's agent, outside the cluster, stops first, as the DaemonSet's pods
-    do on a real cluster (it would advertise its capacity again)."""
+    hook, MIG instance, CDI file or `instaslice.io/*` Node capacity is left (the real node's
+    kubelet keeps its device plugins' names at 0 until its own grace period ends), the CRDs
+    are kept. The KWOK node's agent, outside the cluster, stops first, as the DaemonSet's
+    pods do on a real cluster (it would advertise its capacity again)."""
     listing = await ikube.get(core_path("namespaces"))
     for ns in [n["metadata"]["name"] for n in listing["items"]]:
         if ns.startswith("busy-"):
             await ikube.delete(core_path("namespaces", name=ns))
-    await wait_for(
-        ikube,
-        allocs_path(None),
-        lambda a: not a,
-        what="no SliceAllocation anywhere",
-        timeout_s=RELEASE_TIMEOUT_S,
-    )
-    installed.stop("nodeagent")
+    installed.stop("nodeagent")  # no slice on the KWOK node: the tests above released theirs
     # --timeout: at least uninstallHook.timeoutSeconds (docs/upgrade.md)
     helm(installed.cp, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=600s",
          timeout_s=660)  # fmt: skip
@@ -335,10 +338,10 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
             f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}.instaslice.io"
         )
     for node in (await ikube.get(core_path("nodes")))["items"]:
-        capacity = node["status"].get("capacity", {})
-        left = [r for r in capacity if r.startswith("instaslice.io/")]
-        assert not left, f"{node['metadata']['name']}: {left}"
-    for node in (REAL, KWOK):
-        assert not cdi_files(installed, node), f"CDI files left on {node}"
-        instances = EmulatorControl(installed.gpu_state, node).instances()
-        assert not instances, f"MIG instances left on {node}: {instances}"
+        name, status = node["metadata"]["name"], node["status"]
+        left = {r: q for r, q in status.get("allocatable", {}).items() if "instaslice.io/" in r}
+        if name == REAL:  # the kubelet's: none allocatable
+            assert set(left.values()) <= {"0"}, left
+        else:
+            assert not left and "instaslice.io/gpu" not in status["capacity"], (name, left)
+    await assert_nothing_left(ikube, installed)  # the pre-delete hook waited for it

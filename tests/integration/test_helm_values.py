@@ -176,8 +176,7 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
            lambda o: _eq(o[WORKLOADS["webhook"]]["spec"]["replicas"], 3))  # fmt: skip
     yield _row("nodeagent.kubeletDir", "/data/kubelet", _kubelet_dir)
     for key in ("cdi", "state"):
-        yield _row(f"nodeagent.hostPaths.{key}", f"/data/{key}",
-                   lambda o, key=key: _eq(_host_paths(o)[key], f"/data/{key}"))  # fmt: skip
+        yield _row(f"nodeagent.hostPaths.{key}", f"/data/{key}", _host_path_is(key))
     for key in EMULATOR:  # set together (the schema), each checked where it lands
         yield _row(f"testing.emulator.{key}", EMULATOR[key], _emulator)
     yield _row("uninstallHook.enabled", False,
@@ -238,6 +237,10 @@ def _pull_secrets(objs: Objs) -> None:
 def _host_paths(objs: Objs) -> dict[str, str]:
     return {v["name"]: v["hostPath"]["path"]
             for v in pod(objs, "nodeagent")["spec"]["volumes"] if "hostPath" in v}  # fmt: skip
+
+
+def _host_path_is(volume: str) -> Check:
+    return lambda objs: _eq(_host_paths(objs)[volume], f"/data/{volume}")
 
 
 def _kubelet_dir(objs: Objs) -> None:
