@@ -324,7 +324,8 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
     for ns in [n["metadata"]["name"] for n in listing["items"]]:
         if ns.startswith("busy-"):
             await ikube.delete(core_path("namespaces", name=ns))
-    installed.stop("nodeagent")  # no slice on the KWOK node: the tests above released theirs
+    await assert_nothing_left(ikube, installed)  # the busy pod's slice released
+    installed.stop("nodeagent")
     # --timeout: at least uninstallHook.timeoutSeconds (docs/upgrade.md)
     helm(installed.cp, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=600s",
          timeout_s=660)  # fmt: skip
@@ -344,4 +345,4 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
             assert set(left.values()) <= {"0"}, left
         else:
             assert not left and "instaslice.io/gpu" not in status["capacity"], (name, left)
-    await assert_nothing_left(ikube, installed)  # the pre-delete hook waited for it
+    await assert_nothing_left(ikube, installed)  # and nothing made again
