@@ -353,8 +353,9 @@ class DevSystem:
         self.save()
 
     def install_chart(self, extra_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Images built and imported, `helm upgrade --install` (hack/cluster/chartinstall.py)
-        with `extra_values` over the dev values; both workloads rolled out. The values used."""
+        """Images built and imported, `helm install` or else `helm upgrade`
+        (hack/cluster/chartinstall.py) with `extra_values` over the dev values; both workloads
+        rolled out. The values used."""
         assert self.real is not None
         return install_chart(
             self.cp, self.real, self.gpu_state, self.dir / "images", extra_values=extra_values

@@ -4,36 +4,41 @@ The chart is not a second copy of the manifests: every template is one object of
 `kubectl kustomize manifests/overlays/kubernetes` (the control plane's kubectl), with only the
 values users set replaced by template expressions:
 
-- `images.{webhook,nodeagent}.{repository,tag}`: the overlay's `images:`;
+- `images.{webhook,nodeagent}.{repository,tag}`: the overlay's `images:` (plus `digest` and
+  `pullPolicy`, unset by default, and `imagePullSecrets`);
 - `bindingMode` (device-plugin | env): the binding-mode of the generated ConfigMap
   instaslice-config, i.e. the component manifests/components/binding-env. The ConfigMap's
   name carries kustomize's content hash, so the generator renders both modes and the chart
   picks the name kustomize would give (a mode change rolls both workloads, as with kustomize);
 - `allocationMode` (gates | dra): the allocation-mode of the same ConfigMap, i.e. the
-  component manifests/components/dra, and the objects that component adds (DeviceClasses,
-  the node agent's DRA RBAC), rendered only with `dra`; the chart knows the ConfigMap's name
-  for each of the four (binding mode, allocation mode) pairs;
+  component manifests/components/dra, and the objects it adds (DeviceClasses, the node agent's
+  DRA RBAC), rendered only with `dra`; one ConfigMap name per (binding, allocation) pair;
+- the daemons' flags in hack/chart_values.py ARG_VALUES (`--policy`, `--log-level`, ...):
+  their value in manifests/ is the default;
+- per workload: `resources`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName`
+  (the manifests' are the defaults), `podLabels`, `podAnnotations`; `webhook.replicas`;
+  `nodeagent.kubeletDir`, the kubelet's root directory (pod-resources/ under it; the device
+  plugins' directory is /var/lib/kubelet/device-plugins whatever the root, the kubelet fixes it),
+  `nodeagent.hostPaths.{cdi,state}`, the node's CDI-spec and agent-state directories;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
+- `metricsAuth.enabled`: what manifests/components/metrics-auth does (hack/chart_auth.py);
 - `metricsNamespaceSelector`: which namespaces' pods the NetworkPolicies admit to the
   metrics ports (the `namespaceSelector` of both policies' metrics rule; never empty: an
   empty selector would admit every namespace);
-- `webhook.replicas`, `webhook.resources`, `nodeagent.resources`;
-- `images.*.pullPolicy`, `{webhook,nodeagent}.{nodeSelector,tolerations}` (the node agent's
-  default tolerations are the overlay's), `nodeagent.hostPaths` (the node's CDI, pod-resources
-  and agent-state directories);
-- `certificate`: `cert-manager` (the overlay's Issuers and Certificates, the caBundle injected)
-  or `secret` (no cert-manager: the administrator provides the Secret instaslice-webhook-tls
-  and the CA as `certificate.caBundle`; docs/install.md);
+- `certificates.mode` (hack/chart_certs.py), `uninstallHook` (hack/chart_hooks.py);
 - `testing.emulator`: tests only (make dev-up's `install: chart`): the node agent runs the NVML
   emulator on a node whose GPUs are emulated (docs/control-plane.md).
 
-Values that are empty by default (`with`-marks) add nothing to the rendering, so the defaults
-render exactly the overlay.
+The namespace is the release's: every `instaslice-system` in the rendering (metadata, RBAC
+subjects, the admission policies' CEL, the webhook's namespaceSelector, the certificate's DNS
+names) becomes `{{ .Release.Namespace }}`, and the Namespace object is left to
+`helm install --create-namespace`. Every object gets the standard labels (helm.sh/chart,
+app.kubernetes.io/{managed-by,instance,version}). The CRDs carry `helm.sh/resource-policy:
+keep`; the uninstall hooks (hack/chart_hooks.py) are the chart's own.
 
 Before writing anything it checks that the component renderings differ from the default only
 where it parameterises, and fails naming the object otherwise (extend it then, never hand-edit
-the chart). The namespace is not a value: instaslice-system is named in RBAC subjects,
-admission policies and the certificate, and the chart creates it itself.
+the chart).
 
     python -m hack.gen_chart              # rewrite charts/instaslice
     python -m hack.gen_chart --out DIR    # write the chart elsewhere (the drift test does)
@@ -59,6 +64,17 @@ from typing import Any
 import yaml
 
 from common.version import VERSION
+from hack import chart_auth, chart_certs, chart_emulator
+from hack.chart_helpers import Names, helpers_tpl
+from hack.chart_hooks import DASHBOARD, DASHBOARD_CONFIGMAP, UNINSTALL_HOOKS
+from hack.chart_values import (
+    AGENT_HOST_PATHS,
+    ARG_VALUES,
+    MODE_VARIANTS,
+    POD_FIELDS,
+    schema,
+    values_yaml,
+)
 from hack.cluster.bins import REPO_ROOT, find_bin_dir
 
 __all__ = [
@@ -75,15 +91,11 @@ __all__ = [
 CHART_DIR = REPO_ROOT / "charts" / "instaslice"
 OVERLAY = "kubernetes"
 CONFIG_MAP = "instaslice-config"
-BINDING_MODES = ("device-plugin", "env")
-ALLOCATION_MODES = ("gates", "dra")
-# (binding mode, allocation mode) -> the rendering with exactly the components that set them
-MODE_VARIANTS = {
-    ("device-plugin", "gates"): "default",
-    ("env", "gates"): "binding-env",
-    ("device-plugin", "dra"): "dra",
-    ("env", "dra"): "binding-env+dra",
-}
+NAMESPACE = "instaslice-system"  # the manifests'; the chart's is the release's
+KEEP = ("helm.sh/resource-policy", "keep")
+KUBELET_DIR = "/var/lib/kubelet"  # the manifests' host paths under it: nodeagent.kubeletDir
+# but the device plugins' directory, which the kubelet fixes whatever its --root-dir
+DEVICE_PLUGIN_DIR = KUBELET_DIR + "/device-plugins"
 IMAGES = {"webhook": "instaslice-webhook", "nodeagent": "instaslice-nodeagent"}
 WORKLOADS = {
     "webhook": ("Deployment", "instaslice-webhook"),
@@ -114,14 +126,17 @@ def render_variants(kubectl: Path) -> dict[str, list[Obj]]:
     """The overlay alone and with each component, as an administrator's own overlay would
     use it (the same shape tests/integration/test_manifests.py renders)."""
     out = {"default": _kustomize(kubectl, REPO_ROOT / "manifests" / "overlays" / OVERLAY)}
-    for variant in ("binding-env", "monitoring", "dra", "binding-env+dra"):
+    variants = {"binding-env": ("binding-env",), "monitoring": ("monitoring",),
+                "dra": ("dra",), "binding-env+dra": ("binding-env", "dra"),
+                **chart_auth.VARIANTS}  # fmt: skip
+    for variant, components in variants.items():
         with tempfile.TemporaryDirectory(prefix="instaslice-chart-") as tmp:
             rel = Path(os.path.relpath(REPO_ROOT / "manifests", tmp))
             kust = {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
                 "resources": [str(rel / "overlays" / OVERLAY)],
-                "components": [str(rel / "components" / c) for c in variant.split("+")],
+                "components": [str(rel / "components" / c) for c in components],
             }
             (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kust))
             out[variant] = _kustomize(kubectl, Path(tmp))
@@ -166,9 +181,6 @@ def _without_config(objs: list[Obj]) -> dict[tuple[str, str, str], Obj]:
             o = {**o, "data": {}}
         out[_key(o)] = o
     return out
-
-
-Names = dict[tuple[str, str], str]  # (binding mode, allocation mode) -> the ConfigMap's name
 
 
 def check_variants(variants: dict[str, list[Obj]]) -> tuple[Names, list[Obj], list[Obj]]:
@@ -217,101 +229,151 @@ def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 _MARK = "HELMMARK{}X"
-_WITH = "with"
-_ITEMS = "x-items"
-Mark = bool | str
 _MARK_RE = re.compile(r"^(?P<indent>( *)(- )?)(?P<key>[\w.-]+): (?P<mark>HELMMARK\d+X)$", re.M)
+_LINE_RE = re.compile(r"^(?P<indent> *)(?P<mark>HELMMARK\d+X): ''$", re.M)
+_ITEM_RE = re.compile(r"^(?P<indent> *)- (?P<mark>HELMMARK\d+X)$", re.M)
+_INLINE_RE = re.compile(r"HELMMARK\d+X")
+
+# A mark is (kind, text): "value" puts an expression as a mapping value, "block" an expression
+# producing a YAML mapping/list under its key, "line" replaces a whole `MARK: ''` line with
+# template lines (in text, `{pad}` is that line's indent, `{i}` its width, `{j}` two more),
+# "inline" replaces part of a string.
+Mark = tuple[str, str]
 
 
-def _template(obj: Obj, exprs: dict[str, tuple[str, Mark]]) -> str:
+def _template(obj: Obj, exprs: dict[str, Mark]) -> str:
     """Dump obj, escape Go-template braces in its own text (Prometheus rules use {{ }}), then
-    put the expressions in: `(expr, mode)`: False: a scalar; True (block): a YAML mapping or
-    list; `_WITH`: the key and its value only when the value is not empty; the key `_ITEMS`
-    in a list item: the items of expr's list appended there (none when empty)."""
+    put the expressions in, and the release's namespace wherever the manifests name theirs."""
     text = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     text = text.replace("{{", '{{ "{{" }}')
-
     placed: set[str] = set()
 
+    def take(mark: str) -> Mark:  # one mark may stand in several places (the ConfigMap's name)
+        placed.add(mark)
+        return exprs[mark]
+
     def put(m: re.Match[str]) -> str:
-        expr, block = exprs[m.group("mark")]  # one marker may stand in several places
-        placed.add(m.group("mark"))
-        indent, key = m.group("indent"), m.group("key")
-        if key == _ITEMS:  # list items appended by expr (a list; nothing when empty)
-            col = len(indent) - 2
-            return f"{{{{- with {expr} }}}}{{{{ toYaml . | nindent {col} }}}}{{{{- end }}}}"
-        if block == _WITH:  # the key only when the value is set
-            if indent.endswith("- "):
-                raise SystemExit(f"{key}: a with-mark cannot be an item's first key")
-            return (
-                f"{{{{- with {expr} }}}}\n{indent}{key}:{{{{ toYaml . | nindent "
-                f"{len(indent) + 2} }}}}\n{{{{- end }}}}"
-            )
-        if not block:
-            return f"{indent}{key}: {expr}"
-        return f"{indent}{key}:\n{{{{- {expr} | nindent {len(indent) + 2} }}}}"
+        kind, expr = take(m.group("mark"))
+        if kind == "value":
+            return f"{m.group('indent')}{m.group('key')}: {expr}"
+        if kind != "block":
+            raise SystemExit(f"mark {m.group('mark')} ({kind}) is a mapping value")
+        indent = len(m.group("indent")) + 2
+        return f"{m.group('indent')}{m.group('key')}:\n{{{{- {expr} | nindent {indent} }}}}"
+
+    def line(m: re.Match[str]) -> str:
+        kind, text = take(m.group("mark"))
+        if kind not in ("line", "item"):
+            raise SystemExit(f"mark {m.group('mark')} ({kind}) is a line")
+        i = len(m.group("indent"))
+        return text.replace("{pad}", " " * i).replace("{i}", str(i)).replace("{j}", str(i + 2))
+
+    def inline(m: re.Match[str]) -> str:
+        kind, expr = take(m.group(0))
+        if kind != "inline":
+            raise SystemExit(f"mark {m.group(0)} ({kind}) inside a string")
+        return expr
 
     text = _MARK_RE.sub(put, text)
+    text = _LINE_RE.sub(line, text)
+    text = _ITEM_RE.sub(line, text)
+    text = _INLINE_RE.sub(inline, text)
     if left := {k: v for k, v in exprs.items() if k not in placed}:
         raise SystemExit(f"markers not placed (not a mapping value?): {left}")
-    return text
+    return text.replace(NAMESPACE, "{{ .Release.Namespace }}")
 
 
 def _file_name(o: Obj) -> str:
     name = o["metadata"]["name"]
     if o["kind"] == "ConfigMap" and name.startswith(CONFIG_MAP + "-"):
-        name = CONFIG_MAP  # not its hash: the file is the same for both binding modes
+        name = CONFIG_MAP  # not its hash: one file for every pair of modes
     return f"{o['kind'].lower()}-{name}.yaml".replace(":", "-")
+
+
+def _pod_spec(o: Obj) -> Obj:
+    spec: Obj = o["spec"]["template"]["spec"]
+    return spec
+
+
+def _flag_values(part: str, container: Obj) -> dict[str, str]:
+    """value path -> the default the manifests' flag gives it."""
+    out = {}
+    for arg in container.get("args") or []:
+        flag, _, value = arg.partition("=")
+        if (part, flag) in ARG_VALUES:
+            out[ARG_VALUES[(part, flag)]] = value
+    missing = {v for (p, _), v in ARG_VALUES.items() if p == part} - out.keys()
+    if missing:
+        raise SystemExit(f"{part}: no flag for the values {sorted(missing)} in its args")
+    return out
+
+
+def _kubelet_volumes(o: Obj) -> list[Obj]:
+    vols = [v for v in _pod_spec(o).get("volumes") or [] if "hostPath" in v]
+    return [
+        v
+        for v in vols
+        if v["hostPath"]["path"].startswith(KUBELET_DIR + "/")
+        and v["hostPath"]["path"] != DEVICE_PLUGIN_DIR
+    ]
+
+
+def _host_path_volumes(o: Obj) -> dict[str, Obj]:
+    """nodeagent.hostPaths key -> the node agent's volume it sets."""
+    vols = {v["name"]: v for v in _pod_spec(o).get("volumes") or [] if "hostPath" in v}
+    missing = set(AGENT_HOST_PATHS.values()) - vols.keys()
+    if missing:
+        raise SystemExit(f"the node agent has no hostPath volumes {sorted(missing)}")
+    return {k: vols[name] for k, name in AGENT_HOST_PATHS.items()}
 
 
 def _values(default: list[Obj]) -> dict[str, Any]:
     by_key = {(o["kind"], o["metadata"]["name"]): o for o in default}
-    values: dict[str, Any] = {"images": {}, "bindingMode": "device-plugin"}
-    values["allocationMode"] = "gates"
+    values: dict[str, Any] = {
+        "images": {},
+        "imagePullSecrets": [],
+        "bindingMode": "device-plugin",
+        "allocationMode": "gates",
+        "logLevel": None,
+        "allocator": {},
+    }
+    flags: dict[str, str] = {}
     for part, (kind, name) in WORKLOADS.items():
-        (container,) = by_key[(kind, name)]["spec"]["template"]["spec"]["containers"]
+        o = by_key[(kind, name)]
+        (container,) = _pod_spec(o)["containers"]
         repo, _, tag = container["image"].rpartition(":")
         if not repo.endswith("/" + IMAGES[part]):
             raise SystemExit(
                 f"{kind}/{name}: image {container['image']}, expected */{IMAGES[part]}"
             )
-        values["images"][part] = {"repository": repo, "tag": tag, "pullPolicy": ""}
-        pod = by_key[(kind, name)]["spec"]["template"]["spec"]
+        values["images"][part] = {"repository": repo, "tag": tag, "digest": "", "pullPolicy": ""}
+        for path, value in _flag_values(part, container).items():
+            if flags.setdefault(path, value) != value:
+                raise SystemExit(f"{path}: {flags[path]} and {value} in the two workloads")
+        spec = _pod_spec(o)
         values[part] = {
             "resources": container["resources"],
-            "nodeSelector": pod.get("nodeSelector", {}),
-            "tolerations": pod.get("tolerations", []),
+            **{f: spec.get(f, empty) for f, empty in POD_FIELDS.items()},
+            "podLabels": {},
+            "podAnnotations": {},
         }
+    for path, value in flags.items():
+        head, _, leaf = path.rpartition(".")
+        (values[head] if head else values)[leaf] = value
     replicas = by_key[WORKLOADS["webhook"]]["spec"]["replicas"]
     values["webhook"] = {"replicas": replicas, **values["webhook"]}
-    agent = by_key[WORKLOADS["nodeagent"]]["spec"]["template"]["spec"]
-    paths = {v["name"]: v["hostPath"]["path"] for v in agent["volumes"] if "hostPath" in v}
-    values["nodeagent"]["hostPaths"] = {k: paths[v] for k, v in _AGENT_HOST_PATHS.items()}
+    if not _kubelet_volumes(by_key[WORKLOADS["nodeagent"]]):
+        raise SystemExit(f"the node agent mounts nothing under {KUBELET_DIR}; extend gen_chart")
+    values["nodeagent"]["kubeletDir"] = KUBELET_DIR
+    vols = _host_path_volumes(by_key[WORKLOADS["nodeagent"]])
+    values["nodeagent"]["hostPaths"] = {k: v["hostPath"]["path"] for k, v in vols.items()}
     values["monitoring"] = {"enabled": False}
+    values["metricsAuth"] = {"enabled": False}
     values["metricsNamespaceSelector"] = _scrapers(default)
-    values["certificate"] = {"source": "cert-manager", "caBundle": ""}
+    values["uninstallHook"] = {"enabled": True, "timeoutSeconds": 600}
+    values["certificates"] = {"mode": chart_certs.MODES[0]}
     values["testing"] = {"emulator": {"enabled": False, "stateDir": "", "devRoot": ""}}
     return values
-
-
-# the node agent's hostPath volumes a value moves: value key -> volume name
-_AGENT_HOST_PATHS = {"cdi": "cdi", "podResources": "pod-resources", "state": "state"}
-_CERT_MANAGER = 'eq .Values.certificate.source "cert-manager"'
-_EMU = ".Values.testing.emulator"
-# what `testing.emulator.enabled` adds to the node agent (ternary: both branches evaluate)
-_EMU_ARGS = (
-    f'ternary (list "--emulate" (printf "--emu-state=%s" {_EMU}.stateDir) '
-    f'(printf "--dev-root=%s" {_EMU}.devRoot)) (list) {_EMU}.enabled'
-)
-_EMU_MOUNTS = (
-    f'ternary (list (dict "name" "emu-state" "mountPath" {_EMU}.stateDir) '
-    f'(dict "name" "emu-dev" "mountPath" {_EMU}.devRoot "readOnly" true)) (list) {_EMU}.enabled'
-)
-_EMU_VOLUMES = (
-    f'ternary (list (dict "name" "emu-state" "hostPath" (dict "path" {_EMU}.stateDir "type" '
-    f'"Directory")) (dict "name" "emu-dev" "hostPath" (dict "path" {_EMU}.devRoot "type" '
-    f'"Directory"))) (list) {_EMU}.enabled'
-)
 
 
 def _metrics_rules(o: Obj) -> list[Obj]:
@@ -339,250 +401,85 @@ def _scrapers(default: list[Obj]) -> Obj:
     return dict(found[0])
 
 
-def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, tuple[str, Mark]]]:
-    o = copy.deepcopy(o)
-    exprs: dict[str, tuple[str, Mark]] = {}
+def _optional(key: str, expr: str, scalar: bool = False) -> str:
+    """Template lines for `key:` holding expr's YAML, left out when expr is empty."""
+    if scalar:
+        return f"{{{{- with {expr} }}}}\n{{pad}}{key}: {{{{ . | quote }}}}\n{{{{- end }}}}"
+    block = "{{- toYaml . | nindent {j} }}"
+    return f"{{{{- with {expr} }}}}\n{{pad}}{key}:\n{block}\n{{{{- end }}}}"
 
-    def mark(expr: str, block: Mark = False) -> str:
+
+def _parameterise_workload(o: Obj, part: str, mark: Callable[[str, str], str]) -> None:
+    spec = _pod_spec(o)
+    (container,) = spec["containers"]
+    v = f".Values.{part}"
+    img = f".Values.images.{part}"
+    container["image"] = mark("value", f'{{{{ include "instaslice.image" {img} | quote }}}}')
+    container[mark("line", f"{{{{- with {img}.pullPolicy }}}}\n{{pad}}imagePullPolicy: "
+                   "{{ . }}\n{{- end }}")] = ""  # fmt: skip
+    container["resources"] = mark("block", f"toYaml {v}.resources")
+    args = []
+    for arg in container.get("args") or []:
+        flag, _, _ = arg.partition("=")
+        if (part, flag) in ARG_VALUES:
+            arg = f"{flag}=" + mark("inline", f"{{{{ .Values.{ARG_VALUES[(part, flag)]} }}}}")
+        args.append(arg)
+    container["args"] = args
+    if part == "webhook":
+        o["spec"]["replicas"] = mark("value", f"{{{{ {v}.replicas }}}}")
+    for field in POD_FIELDS:
+        spec.pop(field, None)
+        scalar = isinstance(POD_FIELDS[field], str)
+        spec[mark("line", _optional(field, f"{v}.{field}", scalar))] = ""
+    spec[mark("line", _optional("imagePullSecrets", ".Values.imagePullSecrets"))] = ""
+    meta = o["spec"]["template"]["metadata"]
+    meta.setdefault("labels", {})[mark("line", _LABELS + f"\n{{{{- with {v}.podLabels }}}}"
+                                   "{{ toYaml . | nindent {i} }}{{- end }}")] = ""  # fmt: skip
+    if "annotations" in meta:
+        raise SystemExit(f"{o['kind']}/{o['metadata']['name']}: pod annotations; extend gen_chart")
+    meta[mark("line", _optional("annotations", f"{v}.podAnnotations"))] = ""
+    for vol in _kubelet_volumes(o):
+        rest = vol["hostPath"]["path"][len(KUBELET_DIR) :]
+        vol["hostPath"]["path"] = mark("inline", f"{{{{ {v}.kubeletDir }}}}") + rest
+    if part == "nodeagent":
+        for key, vol in _host_path_volumes(o).items():
+            vol["hostPath"]["path"] = mark("value", f"{{{{ {v}.hostPaths.{key} | quote }}}}")
+        chart_emulator.parameterise(spec, mark)
+
+
+_LABELS = '{{- include "instaslice.labels" . | nindent {i} }}'
+
+
+def _parameterise(o: Obj, cm_name: str) -> tuple[Obj, dict[str, Mark]]:
+    o = copy.deepcopy(o)
+    exprs: dict[str, Mark] = {}
+
+    def mark(kind: str, expr: str) -> str:
         m = _MARK.format(len(exprs))
-        exprs[m] = (expr, block)
+        exprs[m] = (kind, expr)
         return m
 
-    config_name = mark('{{ include "instaslice.configName" . }}')
+    config_name = mark("value", '{{ include "instaslice.configName" . }}')
     o = _replace_strings(o, lambda s: config_name if s == cm_name else s)
     if config_name not in json.dumps(o):
         del exprs[config_name]
     if o["kind"] == "ConfigMap" and o["metadata"]["name"] == config_name:
-        o["data"]["binding-mode"] = mark("{{ .Values.bindingMode | quote }}")
-        o["data"]["allocation-mode"] = mark("{{ .Values.allocationMode | quote }}")
+        o["data"]["binding-mode"] = mark("value", "{{ .Values.bindingMode | quote }}")
+        o["data"]["allocation-mode"] = mark("value", "{{ .Values.allocationMode | quote }}")
+    o["metadata"].setdefault("labels", {})[mark("line", _LABELS)] = ""
+    if o["kind"] == "CustomResourceDefinition":  # kept by `helm uninstall`: docs/upgrade.md
+        o["metadata"].setdefault("annotations", {})[KEEP[0]] = KEEP[1]
     for part, (kind, name) in WORKLOADS.items():
-        if (o["kind"], o["metadata"]["name"]) != (kind, name):
-            continue
-        (container,) = o["spec"]["template"]["spec"]["containers"]
-        v = f".Values.images.{part}"
-        container["image"] = mark(f'{{{{ printf "%s:%s" {v}.repository {v}.tag | quote }}}}')
-        container["resources"] = mark(f"toYaml .Values.{part}.resources", block=True)
-        if part == "webhook":
-            o["spec"]["replicas"] = mark("{{ .Values.webhook.replicas }}")
-        container["imagePullPolicy"] = mark(f"{v}.pullPolicy", _WITH)
-        pod = o["spec"]["template"]["spec"]
-        pod["nodeSelector"] = mark(f".Values.{part}.nodeSelector", _WITH)
-        pod["tolerations"] = mark(f".Values.{part}.tolerations", _WITH)
-        if part == "nodeagent":
-            for volume in pod["volumes"]:
-                for key, vname in _AGENT_HOST_PATHS.items():
-                    if volume["name"] == vname:
-                        volume["hostPath"]["path"] = mark(
-                            f"{{{{ .Values.nodeagent.hostPaths.{key} | quote }}}}"
-                        )
-            container["args"].append({_ITEMS: mark(_EMU_ARGS)})
-            container["volumeMounts"].append({_ITEMS: mark(_EMU_MOUNTS)})
-            pod["volumes"].append({_ITEMS: mark(_EMU_VOLUMES)})
-    if o["kind"] == "MutatingWebhookConfiguration":
-        annotations = o["metadata"].pop("annotations")
-        o["metadata"]["annotations"] = mark(
-            f"ternary (`{json.dumps(annotations)}` | fromJson) (dict) ({_CERT_MANAGER})", _WITH
-        )
-        for hook in o["webhooks"]:
-            hook["clientConfig"]["caBundle"] = mark(
-                'ternary .Values.certificate.caBundle "" (eq .Values.certificate.source "secret")',
-                _WITH,
-            )
+        if (o["kind"], o["metadata"]["name"]) == (kind, name):
+            _parameterise_workload(o, part, mark)
+    chart_certs.parameterise(o, mark)
+    chart_auth.parameterise(o, mark)
     if o["kind"] == "NetworkPolicy":
         for rule in _metrics_rules(o):
             rule["from"][0]["namespaceSelector"] = mark(
-                "toYaml .Values.metricsNamespaceSelector", block=True
+                "block", "toYaml .Values.metricsNamespaceSelector"
             )
     return o, exprs
-
-
-_PLACEMENT: dict[str, Any] = {
-    "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-    "tolerations": {"type": "array", "items": {"type": "object"}},
-}
-
-_SCHEMA: dict[str, Any] = {
-    "$schema": "http://json-schema.org/draft-07/schema#",
-    "type": "object",
-    "additionalProperties": False,
-    "required": [
-        "images",
-        "bindingMode",
-        "allocationMode",
-        "webhook",
-        "nodeagent",
-        "monitoring",
-        "metricsNamespaceSelector",
-        "certificate",
-        "testing",
-    ],
-    "properties": {
-        "images": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(IMAGES),
-            "properties": {
-                part: {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["repository", "tag", "pullPolicy"],
-                    "properties": {
-                        "repository": {"type": "string", "minLength": 1},
-                        "tag": {"type": "string", "minLength": 1},
-                        # "": the cluster's default (IfNotPresent for a tag)
-                        "pullPolicy": {"enum": ["", "Always", "IfNotPresent", "Never"]},
-                    },
-                }
-                for part in IMAGES
-            },
-        },
-        "bindingMode": {"enum": list(BINDING_MODES)},
-        "allocationMode": {"enum": list(ALLOCATION_MODES)},
-        "webhook": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["replicas", "resources", "nodeSelector", "tolerations"],
-            "properties": {
-                # the PodDisruptionBudget keeps 1 available: with 1 replica drains would block
-                "replicas": {"type": "integer", "minimum": 2},
-                "resources": {"type": "object"},
-                **_PLACEMENT,
-            },
-        },
-        "nodeagent": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["resources", "nodeSelector", "tolerations", "hostPaths"],
-            "properties": {
-                "resources": {"type": "object"},
-                **_PLACEMENT,
-                "hostPaths": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": list(_AGENT_HOST_PATHS),
-                    "properties": {
-                        k: {"type": "string", "pattern": "^/"} for k in _AGENT_HOST_PATHS
-                    },
-                },
-            },
-        },
-        "certificate": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["source", "caBundle"],
-            "properties": {
-                "source": {"enum": ["cert-manager", "secret"]},
-                "caBundle": {"type": "string"},
-            },
-            # `secret` without the CA: the API server could not verify the webhook
-            "if": {"properties": {"source": {"const": "secret"}}},
-            "then": {"properties": {"caBundle": {"minLength": 1}}},
-        },
-        "testing": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["emulator"],
-            "properties": {
-                "emulator": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["enabled", "stateDir", "devRoot"],
-                    "properties": {
-                        "enabled": {"type": "boolean"},
-                        "stateDir": {"type": "string"},
-                        "devRoot": {"type": "string"},
-                    },
-                    # both host paths when on: the agent's emulated GPUs and device files
-                    "if": {"properties": {"enabled": {"const": True}}},
-                    "then": {
-                        "properties": {
-                            "stateDir": {"pattern": "^/"},
-                            "devRoot": {"pattern": "^/"},
-                        }
-                    },
-                },
-            },
-        },
-        "monitoring": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["enabled"],
-            "properties": {"enabled": {"type": "boolean"}},
-        },
-        # a LabelSelector that selects something: `{}` would admit every namespace
-        "metricsNamespaceSelector": {
-            "type": "object",
-            "additionalProperties": False,
-            "minProperties": 1,
-            "properties": {
-                "matchLabels": {
-                    "type": "object",
-                    "minProperties": 1,
-                    "additionalProperties": {"type": "string"},
-                },
-                "matchExpressions": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["key", "operator"],
-                        "properties": {
-                            "key": {"type": "string", "minLength": 1},
-                            "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                            "values": {"type": "array", "items": {"type": "string"}},
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
-
-_VALUES_COMMENT = """\
-# Values of the InstaSlice chart (generated by hack/gen_chart.py from manifests/; defaults are
-# the Kubernetes overlay's). values.schema.json refuses anything else.
-#
-# Not a value: the namespace. Everything installs into instaslice-system, which is named in RBAC
-# subjects, the admission policies and the webhook certificate, and which the chart creates
-# (with the Pod Security labels the node agent needs). Do not pass
-# `--namespace instaslice-system --create-namespace`; the release record may live anywhere.
-# With `certificate.source: cert-manager` (the default) it needs cert-manager 1.x, as the
-# overlay does; `secret` needs none. docs/install.md "Helm".
-"""
-
-_VALUE_DOCS = {
-    "images": "images of the two components (the overlay's `images:`)",
-    "bindingMode": "device-plugin | env: the component manifests/components/binding-env\n"
-    "# (docs/binding.md)",
-    "allocationMode": "gates | dra: the component manifests/components/dra (docs/dra.md;\n"
-    "# Kubernetes 1.36 or later); dra adds the DeviceClasses and the node agent's DRA RBAC",
-    "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",
-    "nodeagent": "the node agent DaemonSet",
-    "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
-    "# Prometheus Operator's monitoring.coreos.com CRDs",
-    "metricsNamespaceSelector": "the namespaces whose pods may connect to the metrics ports "
-    '(both NetworkPolicies;\n# docs/metrics.md "Who may scrape"): your Prometheus\'s, by '
-    "name (the label the API server sets).\n# Never empty: {} would admit every namespace. "
-    "OpenShift: values [openshift-monitoring,\n# openshift-user-workload-monitoring]. "
-    "Helm merges maps: to select by matchLabels instead,\n# set matchExpressions to null.",
-    "certificate": "the webhook's serving certificate: cert-manager (the overlay's Issuers and "
-    "Certificates,\n# the caBundle injected by cert-manager's cainjector) or secret (no "
-    "cert-manager: you create the\n# Secret instaslice-webhook-tls, tls.crt + tls.key for "
-    "instaslice-webhook.instaslice-system.svc, and\n# set caBundle to its CA, base64 PEM; "
-    'docs/install.md "Helm without cert-manager")',
-    "testing": "tests only (make dev-up's `install: chart`, docs/control-plane.md): the node "
-    "agent runs the\n# NVML emulator, its state and device files in these host directories. "
-    "Never on real GPUs.",
-}
-
-
-def _values_yaml(values: dict[str, Any]) -> str:
-    parts = [_VALUES_COMMENT]
-    for key, value in values.items():
-        parts.append(f"\n# {_VALUE_DOCS[key]}\n")
-        parts.append(yaml.dump({key: value}, Dumper=_Dumper, sort_keys=False))
-    return "".join(parts)
 
 
 def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
@@ -590,6 +487,7 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
     names, monitoring, dra = check_variants(variants)
     default = variants["default"]
     values = _values(default)
+    auth = chart_auth.check(default, variants["metrics-auth"])
     # One version (common/version.py): the chart's, and the images' tag the overlay pins
     app_version = f"v{version}"
     stale = {k: v["tag"] for k, v in values["images"].items() if v["tag"] != app_version}
@@ -611,37 +509,36 @@ def build_chart(variants: dict[str, list[Obj]], version: str) -> Chart:
         },
         sort_keys=False,
     )
-    files["values.yaml"] = _values_yaml(values)
-    files["values.schema.json"] = json.dumps(_SCHEMA, indent=2) + "\n"
-    files["templates/_helpers.tpl"] = (
-        "{{/* Generated by hack/gen_chart.py (make chart): do not edit. */}}\n"
-        "{{/* kustomize's name for the ConfigMap instaslice-config, which carries a hash of its\n"
-        "     content; one per pair of modes, so a mode change rolls both workloads. */}}\n"
-        '{{- define "instaslice.configName" -}}\n'
-        '{{- $modes := printf "%s/%s" .Values.bindingMode .Values.allocationMode -}}\n'
-        + "".join(
-            f'{"{{- if" if i == 0 else "{{- else if"} eq $modes "{b}/{a}" -}}}}\n{names[(b, a)]}\n'
-            for i, (b, a) in enumerate(MODE_VARIANTS)
-        )
-        + '{{- else -}}\n{{- fail (printf "bindingMode %q, allocationMode %q: device-plugin '
-        'or env, gates or dra" .Values.bindingMode .Values.allocationMode) -}}\n'
-        "{{- end -}}\n{{- end -}}\n"
-    )
+    files["values.yaml"] = values_yaml(values, _Dumper)
+    files["values.schema.json"] = json.dumps(schema(), indent=2) + "\n"
+    files["templates/_helpers.tpl"] = helpers_tpl(names)
+    files["templates/hooks/uninstall.yaml"] = UNINSTALL_HOOKS
+    files["templates/monitoring/configmap-instaslice-grafana-dashboard.yaml"] = DASHBOARD_CONFIGMAP
+    files[DASHBOARD] = (REPO_ROOT / DASHBOARD).read_text()
+    files["templates/webhook-cert-rbac.yaml"] = chart_certs.SELF_CERT_RBAC
     files["templates/NOTES.txt"] = (
-        "InstaSlice {{ .Chart.AppVersion }} installs into the namespace instaslice-system\n"
+        "InstaSlice {{ .Chart.AppVersion }} installs into the namespace {{ .Release.Namespace }}\n"
         "(binding mode {{ .Values.bindingMode }}, allocation mode "
         "{{ .Values.allocationMode }}). Wait for it:\n"
-        "  kubectl -n instaslice-system rollout status deployment/instaslice-webhook\n"
-        "  kubectl -n instaslice-system rollout status daemonset/instaslice-nodeagent\n"
+        "  kubectl -n {{ .Release.Namespace }} rollout status deployment/instaslice-webhook\n"
+        "  kubectl -n {{ .Release.Namespace }} rollout status daemonset/instaslice-nodeagent\n"
         'Then opt a namespace in: docs/install.md "3. Opt a namespace in".\n'
     )
     cm_name = names[("device-plugin", "gates")]
     for o in default:
+        if o["kind"] == "Namespace":
+            continue  # the release's: `helm install -n NS --create-namespace`
         obj, exprs = _parameterise(o, cm_name)
         body = HEADER + _template(obj, exprs)
-        if o["apiVersion"].startswith("cert-manager.io/"):
-            body = f"{{{{- if {_CERT_MANAGER} }}}}\n{body}{{{{- end }}}}\n"
+        if (cond := chart_certs.guard(o)) is not None:
+            body = f"{{{{- if {cond} }}}}\n{body}{{{{- end }}}}\n"
         files[f"templates/{_file_name(o)}"] = body
+    for o in auth:
+        obj, exprs = _parameterise(o, cm_name)
+        body = _template(obj, exprs)
+        files[f"templates/metrics-auth/{_file_name(o)}"] = (
+            "{{- if .Values.metricsAuth.enabled }}\n" + HEADER + body + "{{- end }}\n"
+        )
     for o in monitoring:
         obj, exprs = _parameterise(o, cm_name)
         body = _template(obj, exprs)

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-GATE = "instaslice.io/allocation"
+from webhook.uninstall import blockers, capacity_patch
+
 OPT_IN = "instaslice.io/enabled"
 PART_OF = "app.kubernetes.io/part-of=instaslice"
 # every request is bounded; what must go away is polled with plain GETs, never waited for on
@@ -117,24 +118,13 @@ def opt_out_namespaces(k: Kubectl) -> None:
 
 
 def check_no_waiting_pods(k: Kubectl) -> None:
-    gated = [
-        f"{p['metadata']['namespace']}/{p['metadata']['name']}"
-        for p in k.items("pods", "-A")
-        if any(g.get("name") == GATE for g in p["spec"].get("schedulingGates") or [])
-    ]
     allocs = (
         k.items("sliceallocations.instaslice.io", "-A")
         if k.has_resource("sliceallocations.instaslice.io")
         else []
     )
-    holders = [
-        f"{a['metadata']['namespace']}/{a['spec'].get('podName', '?')}"
-        f" ({a.get('status', {}).get('phase', 'Pending')} on {a['spec'].get('nodeName', '?')})"
-        for a in allocs
-        if not a["metadata"].get("deletionTimestamp")
-    ]
-    if gated or holders:
-        lines = [f"  gated: {p}" for p in gated] + [f"  holds slices: {h}" for h in holders]
+    lines = blockers(k.items("pods", "-A"), allocs)
+    if lines:
         raise Stop(
             "pods still wait for or hold slices; delete them (or their Jobs/Deployments) and "
             "run again (docs/upgrade.md, Uninstall step 2):\n" + "\n".join(lines)
@@ -204,17 +194,6 @@ def still_terminating(k: Kubectl) -> str:
             + ("; ".join(conditions) or "no condition")
         )
     return "still there:\n" + "\n".join(lines) if lines else "nothing of InstaSlice's is left"
-
-
-def capacity_patch(status: dict[str, Any]) -> dict[str, Any] | None:
-    """A merge patch removing `instaslice.io/*` from a Node's capacity and allocatable."""
-    drop: dict[str, None] = {
-        r: None
-        for key in ("capacity", "allocatable")
-        for r in status.get(key) or {}
-        if r.startswith("instaslice.io/")
-    }
-    return {"status": {"capacity": drop, "allocatable": drop}} if drop else None
 
 
 def clean_node_capacity(k: Kubectl) -> None:

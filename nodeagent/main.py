@@ -27,6 +27,7 @@ from pathlib import Path
 
 import structlog
 
+from common import buildinfo
 from common.catalog import load_catalog
 from common.clock import stoppable
 from common.constants import AGENT_LEASE_DURATION_S, NODE_LABEL, AllocationMode, BindingMode
@@ -398,7 +399,7 @@ async def serve(
     boot_id_for = boot_id_for or boot_id_factory(settings)
     reset_for = reset_factory(settings)
     agents: dict[str, NodeAgent] = {}
-    metrics = AgentMetrics()
+    metrics = AgentMetrics(registry=buildinfo.registry("nodeagent"))
     dra = settings.allocation is AllocationMode.DRA
 
     by_label = {node_label_value(n): n for n in settings.nodes}  # a long name's is cut

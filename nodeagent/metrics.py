@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.metricsauth import OK, MetricsAuth, refusal
+from common.metricstls import self_signed_context
 from nodeagent.report import SLICE_INFO_LABELS
 
 SliceSource = Callable[[], Iterable[Sequence[str]]]
@@ -142,7 +143,9 @@ async def health_server(
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        # a token must not cross the network in clear text: TLS wherever auth is on
+        tls = self_signed_context(f"instaslice-nodeagent-{host}") if auth is not None else None
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
         yield runner
     finally:
         await runner.cleanup()

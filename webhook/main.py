@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry
 
+from common import buildinfo
+from common.clock import SystemClock
 from common.constants import AllocationMode, BindingMode
 from common.heap import settle_collector
 from common.kubeapi import Kube
@@ -37,6 +38,7 @@ from webhook.allocator.preemption import parse_selector
 from webhook.metrics import WebhookMetrics
 from webhook.nsmirror import run_namespace_mirror
 from webhook.offered import OfferedProfiles, watch_mig_nodes
+from webhook.selfcert import SelfCertSettings, ensure, run_cert_rotation
 from webhook.server import serve
 from webhook.settings import AdmissionSettings, ServerSettings
 
@@ -54,6 +56,7 @@ class Settings:
     metrics_auth_limits: MetricsAuthLimits = field(default_factory=MetricsAuthLimits)
     # gates or dra (docs/dra.md), as the node agents': what the allocator is to run in
     allocation_mode: AllocationMode = AllocationMode.GATES
+    self_cert: SelfCertSettings | None = None  # None: the cert files come from elsewhere
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8080, help="/metrics, /healthz, /readyz")
     p.add_argument("--cert-file", type=Path, default=Path("/etc/instaslice/tls/tls.crt"))
     p.add_argument("--key-file", type=Path, default=Path("/etc/instaslice/tls/tls.key"))
+    p.add_argument(
+        "--cert-mode",
+        choices=["files", "self"],
+        default="files",
+        help="files: --cert-file/--key-file come from elsewhere (cert-manager, the OpenShift "
+        "service CA); self: the webhook issues, stores (--cert-secret), rotates and writes them "
+        "and patches --webhook-configuration's caBundle (webhook/selfcert.py)",
+    )
+    p.add_argument("--cert-secret", default="instaslice-webhook-tls", help="--cert-mode=self")
+    p.add_argument(
+        "--webhook-configuration", default="instaslice", help="--cert-mode=self: its caBundle"
+    )
+    p.add_argument(
+        "--service", default="instaslice-webhook", help="--cert-mode=self: the DNS names"
+    )
     p.add_argument(
         "--binding-mode",
         choices=[m.value for m in BindingMode],
@@ -250,6 +268,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             ampere_mode_change_interval_s=a.ampere_mode_change_interval,
             avoid_creates_in_flight=a.avoid_creates_in_flight,
         )
+    self_cert = None
+    if server is not None and a.cert_mode == "self":
+        self_cert = SelfCertSettings(
+            namespace=a.namespace,
+            cert_file=a.cert_file,
+            key_file=a.key_file,
+            secret=a.cert_secret,
+            service=a.service,
+            webhook_configuration=a.webhook_configuration,
+        )
     return Settings(
         a.kubeconfig,
         server,
@@ -259,14 +287,21 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         a.metrics_auth,
         limits_from(a),
         AllocationMode(a.allocation_mode),
+        self_cert=self_cert,
     )
 
 
 async def run(settings: Settings) -> None:
-    registry = CollectorRegistry()
+    registry = buildinfo.registry("webhook")
     webhook_metrics = WebhookMetrics(registry)
     allocator_metrics = AllocatorMetrics(registry)
     async with await Kube.connect(settings.kubeconfig) as kube, asyncio.TaskGroup() as tg:
+        if settings.self_cert is not None:  # the files must exist before the server starts
+            first = await ensure(kube, settings.self_cert, SystemClock().wall())
+            tg.create_task(
+                run_cert_rotation(kube, settings.self_cert, SystemClock(), first=first),
+                name="cert-rotation",
+            )
         if settings.server is not None:
             limits = settings.metrics_auth_limits
             auth = MetricsAuth(kube, limits) if settings.metrics_auth else None

@@ -36,6 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.metricsauth import OK, MetricsAuth, refusal
+from common.metricstls import self_signed_context
 from common.objects import new_claim_id
 from webhook.admission import review
 from webhook.metrics import Outcome, WebhookMetrics
@@ -337,7 +338,14 @@ async def running(
         if settings.metrics_port is not None:
             ops = web.AppRunner(build_ops_app(app), access_log=None, handle_signals=False)
             await ops.setup()
-            await web.TCPSite(ops, settings.host, settings.metrics_port).start()
+            # a token must not cross the network in clear text: TLS wherever auth is on,
+            # with the admission pair (a self-signed one without: tests only)
+            ops_tls = None
+            if metrics_auth is not None:
+                ops_tls = tls.context if tls else self_signed_context("instaslice-webhook")
+            await web.TCPSite(
+                ops, settings.host, settings.metrics_port, ssl_context=ops_tls
+            ).start()
             metrics_port = int(ops.addresses[0][1])
         scheme = "https" if tls else "http"
         log.info(

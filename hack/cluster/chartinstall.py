@@ -2,18 +2,19 @@
 on the local control plane's real node (hack/cluster/realnode.py).
 
 `install_chart(...)`: build the two images from the Containerfiles (hack/images.py), import
-them into the real node's containerd (`ctr -n k8s.io images import`), then
-`helm upgrade --install instaslice charts/instaslice` with the values of `chart_values`: the
-webhook/allocator Deployment and the node-agent DaemonSet run as containers on the real node
-only (nodeSelector on its hostname, toleration of its taint), the images never pulled, the
-agent on the NVML emulator (`testing.emulator`, state shared with the emulated agent that
-serves the KWOK nodes from outside the cluster), its host paths the real node's own.
+them into the real node's containerd (`ctr -n k8s.io images import`), then install the chart
+with the values of `chart_values`: the webhook/allocator Deployment, the node-agent DaemonSet
+and the uninstall hooks' Jobs run as containers on the real node only (nodeSelector on its
+hostname, toleration of its taint), the images never pulled, the agent on the NVML emulator
+(`testing.emulator`, state shared with the emulated agent that serves the KWOK nodes from
+outside the cluster), its host directories the real node's own.
 
-The install is docs/install.md's "Helm without cert-manager", run as written: its three
-marked sh blocks (a CA and serving certificate with openssl; the namespace with Helm's
-adoption metadata and the Secret; `helm upgrade --install` with `certificate.source=secret`),
-the last with `--values` of the local cluster appended. So the documented commands are the
-ones tests/e2e/test_installed.py tests.
+The install is docs/install.md's "Helm without cert-manager", run as written: its marked sh
+block, `helm install ... --create-namespace` with the self-managed certificate
+(`certificates.mode=self`, the default), with `--values` of the local cluster appended to its
+helm command. When the release is there already, docs/upgrade.md's "Helm" block (`helm upgrade
+--reuse-values` and the rollouts) runs the same way. So the documented commands are the ones
+tests/e2e/test_installed.py tests.
 
 Pod networking and the API server's reach are hack/cluster/podnet.py's; this module only
 installs. What it does not do: KWOK nodes' agents (KWOK starts no container), cert-manager.
@@ -40,17 +41,22 @@ __all__ = [
     "CHART",
     "NAMESPACE",
     "RELEASE",
+    "UPGRADE_DOC",
     "ChartInstallError",
     "chart_values",
+    "doc_block",
     "helm",
     "install_chart",
     "rollout",
+    "with_helm_args",
 ]
 
 RELEASE: Final = "instaslice"
 NAMESPACE: Final = "instaslice-system"
 CHART: Final = REPO_ROOT / "charts" / "instaslice"
 INSTALL_DOC: Final = REPO_ROOT / "docs" / "install.md"
+UPGRADE_DOC: Final = REPO_ROOT / "docs" / "upgrade.md"
+BLOCK_TIMEOUT_S: Final = 900  # a documented block: helm's and the rollouts' waits
 MIG_CAPABLE: Final = "nvidia.com/mig.capable"
 WORKLOADS: Final = ("deployment/instaslice-webhook", "daemonset/instaslice-nodeagent")
 
@@ -81,11 +87,9 @@ def chart_values(
         "nodeagent": {
             "nodeSelector": on_node,
             "tolerations": tolerate,
-            "hostPaths": {
-                "cdi": str(root / "cdi"),
-                "podResources": str(root / "kubelet" / "pod-resources"),
-                "state": str(root / "agent-state"),
-            },
+            # the kubelet's --root-dir (realnode_config); its device-plugins dir is fixed
+            "kubeletDir": str(root / "kubelet"),
+            "hostPaths": {"cdi": str(root / "cdi"), "state": str(root / "agent-state")},
         },
         "testing": {
             "emulator": {"enabled": True, "stateDir": str(gpu_state), "devRoot": str(root / "dev")}
@@ -115,24 +119,44 @@ def rollout(cp: ControlPlane, timeout_s: int = 300) -> None:
 
 
 def doc_block(name: str, doc: Path = INSTALL_DOC) -> str:
-    """The ```sh block after `<!-- chartinstall: NAME -->` in docs/install.md."""
+    """The ```sh block after `<!-- chartinstall: NAME -->` in `doc`."""
     m = re.search(rf"<!-- chartinstall: {name} -->\n```sh\n(.*?)```", doc.read_text(), re.S)
     if m is None:
         raise ChartInstallError(f"{doc}: no sh block marked `chartinstall: {name}`")
     return m.group(1)
 
 
-def _run_block(cp: ControlPlane, name: str, workdir: Path, append: str = "") -> None:
-    """Run the documented block `name` with bash in `workdir`, kubectl and helm on PATH and
-    KUBECONFIG the cluster's (`append`: more arguments for its last command)."""
+def with_helm_args(block: str, append: str) -> str:
+    """`block` with `append` at the end of its one helm command (lines joined by `\\`)."""
+    commands = re.split(r"(?<!\\)\n", block.rstrip())
+    helms = [i for i, c in enumerate(commands) if c.startswith("helm ")]
+    if len(helms) != 1:
+        raise ChartInstallError(f"expected one helm command, found {len(helms)}: {block}")
+    commands[helms[0]] += f" {append}"
+    return "\n".join(commands) + "\n"
+
+
+def _run_block(cp: ControlPlane, doc: Path, name: str, workdir: Path, append: str) -> None:
+    """Run the documented block `name` of `doc` with bash in `workdir`, kubectl and helm on
+    PATH and KUBECONFIG the cluster's, `append` added to its helm command."""
     tools = f"{cp.bin_dir}:{find_helm().parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
     env = dict(os.environ, PATH=tools, KUBECONFIG=str(cp.kubeconfig))
     env["KUBECACHEDIR"] = str(cp.kubectl_cache_dir)
-    script = doc_block(name).rstrip() + (f" {append}" if append else "") + "\n"
+    script = with_helm_args(doc_block(name, doc), append)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
-                          capture_output=True, text=True, check=False)  # fmt: skip
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
+                          check=False)  # fmt: skip
     if proc.returncode != 0:
-        raise ChartInstallError(f"docs/install.md `{name}` failed: {proc.stderr.strip()}")
+        raise ChartInstallError(f"docs/{doc.name} `{name}` failed: {proc.stderr.strip()}")
+
+
+def _installed(cp: ControlPlane) -> bool:
+    """Whether the release exists (deployed or not: `helm install` would refuse its name)."""
+    try:
+        helm(cp, "status", RELEASE, "-n", NAMESPACE)
+    except ChartInstallError:
+        return False
+    return True
 
 
 def install_chart(
@@ -165,10 +189,11 @@ def install_chart(
     work.mkdir(exist_ok=True)
     if not (work / "charts").exists():
         (work / "charts").symlink_to(CHART.parent)
-    if not (work / "ca.crt").exists():  # one CA per cluster dir: a reinstall keeps it
-        _run_block(cp, "certs", work)
-    _run_block(cp, "prepare", work)
     (work / "values.json").write_text(json.dumps(values, indent=1))
-    _run_block(cp, "install", work, shlex.join(["--values=values.json", *helm_args]))
+    append = shlex.join(["--values=values.json", *helm_args])
+    if _installed(cp):
+        _run_block(cp, UPGRADE_DOC, "upgrade", work, append)
+    else:
+        _run_block(cp, INSTALL_DOC, "install", work, append)
     rollout(cp)
     return values

@@ -1,21 +1,25 @@
 """InstaSlice as shipped: `install: chart` (docs/contract.md §5, hack/cluster/chartinstall.py).
 
 The two images are built here from the Containerfiles (make images), imported into the real
-node's containerd, and `helm upgrade --install instaslice charts/instaslice` runs the
-webhook/allocator Deployment and the node-agent DaemonSet as pods on the real node (pod network
-on a bridge, the API server reaching the webhook's Service through its endpoints; the agent on
-the NVML emulator via the chart's `testing.emulator` value); the KWOK node keeps its emulated
-agent outside the cluster. No InstaSlice process runs outside the cluster but that agent.
+node's containerd, and docs/install.md's `helm install instaslice charts/instaslice
+--namespace instaslice-system --create-namespace` (the webhook's own certificate, no
+cert-manager) runs the webhook/allocator Deployment and the node-agent DaemonSet as pods on the
+real node (pod network on a bridge, the API server reaching the webhook's Service through its
+endpoints; the agent on the NVML emulator via the chart's `testing.emulator` value); the KWOK
+node keeps its emulated agent outside the cluster. No InstaSlice process runs outside the
+cluster but that agent.
 
 Covers: the release is deployed from the images built here; InstaSlice's pods are Running and
 Ready on the real node with pod-network IPs; a MIG pod on the real node gets its slice through
 the installed components and its container sees exactly its device; a pod on the KWOK node is
-served by the in-cluster allocator; a `helm upgrade` that changes a setting of both workloads
-restarts every InstaSlice pod, keeps running pods' slices Ready and serves new pods; after the
-pods are gone no MIG instance, CDI file or finalizer is left; `helm uninstall` while a slice is
-in use is refused (the chart's pre-delete hook, docs/upgrade.md).
+served by the in-cluster allocator; a `helm upgrade` (docs/upgrade.md's block) that changes a
+setting of both workloads restarts every InstaSlice pod, keeps running pods' slices Ready and
+serves new pods; after the pods are gone no MIG instance, CDI file or finalizer is left;
+`helm uninstall` while a slice is in use is refused (the chart's pre-delete hook, its Job on
+the real node, docs/upgrade.md); once the pod is gone it goes through and leaves no MIG
+instance, CDI file, admission hook or Node capacity behind, and keeps the CRDs.
 
-Leaves out: cert-manager (the chart's `certificate.source=secret` path of docs/install.md),
+Leaves out: cert-manager (the chart's `certificates.mode=cert-manager`),
 NetworkPolicy enforcement (the bridge CNI has none), real GPUs (emulated; device files without
 a driver). Its own control plane (module fixture), as tests/e2e/test_realnode.py has.
 """
@@ -36,20 +40,20 @@ from hack.cluster import podnet
 from hack.cluster.chartinstall import NAMESPACE, RELEASE, ChartInstallError, helm
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
+from testkit.builders import user_pod
 from tests.e2e.conftest import running_system
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
     allocs_path,
     cdi_file_for,
     cdi_files,
-    make_pod,
     make_real_pod,
     pods_path,
-    wait_for,
     wait_opted_in,
     wait_pod_running,
 )
 from tests.e2e.test_realnode import REAL, SHOW, alloc_of, assert_sees_only_its_own
+from tests.support import wait_for
 from webhook.allocator.leader import LEASE_NAME
 
 pytestmark = pytest.mark.timeout(900)  # the first test builds both images
@@ -129,6 +133,21 @@ async def assert_served_on_kwok(kube: Kube, system: DevSystem, ns: str, name: st
     assert cdi_file_for(system, KWOK, ns, alloc["metadata"]["name"]) is not None, alloc
 
 
+async def assert_nothing_left(kube: Kube, system: DevSystem) -> None:
+    """No SliceAllocation (waited for), and no MIG instance or CDI file on either node."""
+    await wait_for(
+        kube,
+        allocs_path(None),
+        lambda a: not a,
+        what="no SliceAllocation anywhere",
+        timeout_s=RELEASE_TIMEOUT_S,
+    )
+    for node in (REAL, KWOK):
+        assert not cdi_files(system, node), f"CDI files left on {node}"
+        instances = EmulatorControl(system.gpu_state, node).instances()
+        assert not instances, f"MIG instances left on {node}: {instances}"
+
+
 def ready(pod: Obj) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
@@ -199,7 +218,7 @@ async def test_a_pod_on_the_kwok_node_is_served_by_the_in_cluster_allocator(
     )
     holder = lease["spec"]["holderIdentity"]  # <pod name>_<random>
     assert holder.rsplit("_", 1)[0] in pods, f"allocator Lease held by {holder}: {sorted(pods)}"
-    await ikube.create(pods_path(ns), make_pod("k", slices=ONE, node_selector=ON_KWOK))
+    await ikube.create(pods_path(ns), user_pod(name="k", slices=ONE, node_selector=ON_KWOK))
     await wait_pod_running(ikube, ns, "k")
     await assert_served_on_kwok(ikube, installed, ns, "k")
 
@@ -208,7 +227,7 @@ async def test_helm_upgrade_restarts_every_component_and_keeps_running_slices(
     ikube: Kube, installed: DevSystem, ns: str
 ) -> None:
     await ikube.create(pods_path(ns), make_real_pod("before", REAL, ONE, SHOW))
-    await ikube.create(pods_path(ns), make_pod("kb", slices=ONE, node_selector=ON_KWOK))
+    await ikube.create(pods_path(ns), user_pod(name="kb", slices=ONE, node_selector=ON_KWOK))
     for name in ("before", "kb"):
         await wait_pod_running(ikube, ns, name)
     old = {p["metadata"]["uid"] for p in (await instaslice_pods(ikube)).values()}
@@ -234,7 +253,7 @@ async def test_helm_upgrade_restarts_every_component_and_keeps_running_slices(
     assert await assert_sees_only_its_own(ikube, installed, ns, "before", ["main"]) == theirs
     # and new pods are served by the new pods
     await ikube.create(pods_path(ns), make_real_pod("after", REAL, ONE, SHOW))
-    await ikube.create(pods_path(ns), make_pod("ka", slices=ONE, node_selector=ON_KWOK))
+    await ikube.create(pods_path(ns), user_pod(name="ka", slices=ONE, node_selector=ON_KWOK))
     for name in ("after", "ka"):
         await wait_pod_running(ikube, ns, name)
     await assert_served_on_kwok(ikube, installed, ns, "ka")
@@ -247,22 +266,12 @@ async def test_nothing_is_left_behind_after_the_pods_are_gone(
 ) -> None:
     """No MIG instance, no CDI file, and no finalizer holding a SliceAllocation or a pod."""
     await ikube.create(pods_path(ns), make_real_pod("r", REAL, ONE, SHOW))
-    await ikube.create(pods_path(ns), make_pod("k", slices=ONE, node_selector=ON_KWOK))
+    await ikube.create(pods_path(ns), user_pod(name="k", slices=ONE, node_selector=ON_KWOK))
     for name in ("r", "k"):
         await wait_pod_running(ikube, ns, name)
         await ikube.delete(pods_path(ns, name))
     await wait_for(ikube, pods_path(ns), lambda p: not p, what="the pods gone")
-    await wait_for(
-        ikube,
-        allocs_path(None),
-        lambda a: not a,
-        what="no SliceAllocation anywhere",
-        timeout_s=RELEASE_TIMEOUT_S,
-    )
-    for node in (REAL, KWOK):
-        assert not cdi_files(installed, node), f"CDI files left on {node}"
-        instances = EmulatorControl(installed.gpu_state, node).instances()
-        assert not instances, f"MIG instances left on {node}: {instances}"
+    await assert_nothing_left(ikube, installed)
 
 
 async def test_helm_uninstall_with_a_slice_in_use_is_refused(
@@ -288,8 +297,52 @@ async def test_helm_uninstall_with_a_slice_in_use_is_refused(
     else:
         refusal = "it went through"
     assert "pre-delete" in refusal, f"helm uninstall not refused by the pre-delete hook: {refusal}"
+    # Helm records the attempt (`uninstalling`) but deleted nothing: everything still runs
     status = json.loads(helm(installed.cp, "status", RELEASE, "-n", NAMESPACE, "-o", "json"))
-    assert status["info"]["status"] == "deployed", status["info"]
+    assert status["info"]["status"] == "uninstalling", status["info"]
+    mwc = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/instaslice"
+    assert (await ikube.get(mwc))["webhooks"], "the admission hooks were deleted"
     pods = await instaslice_pods(ikube)
-    assert pods and all(ready(p) for p in pods.values()), sorted(pods)
+    # the hook's Job ran on the real node (the webhook's placement and image) and failed
+    (hook,) = [p for n, p in pods.items() if n.startswith("instaslice-uninstall-pre-delete")]
+    assert (hook["spec"]["nodeName"], hook["status"]["phase"]) == (REAL, "Failed"), hook["status"]
+    running = {n: p for n, p in pods.items() if p is not hook}
+    assert running and all(ready(p) for p in running.values()), sorted(running)
     await assert_sees_only_its_own(ikube, installed, ns, "busy", ["main"])
+
+
+async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
+    ikube: Kube, installed: DevSystem
+) -> None:
+    """After the refusal above: once the pod holding the slice is gone, `helm uninstall` (its
+    pre- and post-delete Jobs on the real node) goes through; no InstaSlice pod, admission
+    hook, MIG instance, CDI file or `instaslice.io/*` Node capacity is left (the real node's
+    kubelet keeps its device plugins' names at 0 until its own grace period ends), the CRDs
+    are kept. The KWOK node's agent, outside the cluster, stops first, as the DaemonSet's
+    pods do on a real cluster (it would advertise its capacity again)."""
+    listing = await ikube.get(core_path("namespaces"))
+    for ns in [n["metadata"]["name"] for n in listing["items"]]:
+        if ns.startswith("busy-"):
+            await ikube.delete(core_path("namespaces", name=ns))
+    await assert_nothing_left(ikube, installed)  # the busy pod's slice released
+    installed.stop("nodeagent")
+    # --timeout: at least uninstallHook.timeoutSeconds (docs/upgrade.md)
+    helm(installed.cp, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=600s",
+         timeout_s=660)  # fmt: skip
+    with pytest.raises(ChartInstallError, match="not found"):
+        helm(installed.cp, "status", RELEASE, "-n", NAMESPACE)
+    await wait_for(ikube, core_path("pods", NAMESPACE), lambda p: not p, what="no pod left")
+    hooks = await ikube.get("/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations")
+    assert not [h for h in hooks["items"] if h["metadata"]["name"] == "instaslice"], hooks
+    for crd in ("sliceallocations", "mignodes"):  # kept: helm.sh/resource-policy
+        await ikube.get(
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}.instaslice.io"
+        )
+    for node in (await ikube.get(core_path("nodes")))["items"]:
+        name, status = node["metadata"]["name"], node["status"]
+        left = {r: q for r, q in status.get("allocatable", {}).items() if "instaslice.io/" in r}
+        if name == REAL:  # the kubelet's: none allocatable
+            assert set(left.values()) <= {"0"}, left
+        else:
+            assert not left and "instaslice.io/gpu" not in status["capacity"], (name, left)
+    await assert_nothing_left(ikube, installed)  # and nothing made again

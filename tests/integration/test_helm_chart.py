@@ -21,6 +21,7 @@ certificate); the chart's NOTES.txt.
 
 from __future__ import annotations
 
+import copy
 import filecmp
 import subprocess
 import time
@@ -31,7 +32,14 @@ import pytest
 
 from hack.cluster import ControlPlane
 from hack.cluster.bins import BinariesMissing, find_bin_dir, find_helm
-from hack.gen_chart import CHART_DIR, build_chart, project_version, render_variants, write_chart
+from hack.gen_chart import (
+    CHART_DIR,
+    KEEP,
+    build_chart,
+    project_version,
+    render_variants,
+    write_chart,
+)
 from tests.integration import test_manifests as manifests
 
 pytestmark = pytest.mark.integration
@@ -44,12 +52,19 @@ instaslice_namespace = manifests.instaslice_namespace
 instaslice_crds = manifests.instaslice_crds
 
 # chart values -> the kustomize rendering they must equal (render_variants' names)
+# (the overlay's certificates come from cert-manager; the chart's default is self, test_helm_values)
+CM = "certificates.mode=cert-manager"
 VALUES = {
-    "default": ((), "default"),
-    "binding-env": (("bindingMode=env",), "binding-env"),
-    "monitoring": (("monitoring.enabled=true",), "monitoring"),
-    "dra": (("allocationMode=dra",), "dra"),
-    "binding-env+dra": (("bindingMode=env", "allocationMode=dra"), "binding-env+dra"),
+    "default": ((CM,), "default"),
+    "binding-env": ((CM, "bindingMode=env"), "binding-env"),
+    "monitoring": ((CM, "monitoring.enabled=true"), "monitoring"),
+    "metrics-auth": ((CM, "metricsAuth.enabled=true"), "metrics-auth"),
+    "monitoring-auth": (
+        (CM, "monitoring.enabled=true", "metricsAuth.enabled=true"),
+        "monitoring-auth",
+    ),
+    "dra": ((CM, "allocationMode=dra"), "dra"),
+    "binding-env+dra": ((CM, "bindingMode=env", "allocationMode=dra"), "binding-env+dra"),
 }
 
 
@@ -74,14 +89,42 @@ def variants(kubectl: Path) -> dict[str, list[dict[str, Any]]]:
     return render_variants(kubectl)
 
 
-def helm_template(helm: Path, *sets: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    args = [str(helm), "template", "instaslice", str(CHART_DIR)]
+# what Helm adds to every object and pod (the chart's standard labels), not in kustomize's
+HELM_LABELS = (
+    "helm.sh/chart",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+)
+
+
+def helm_template(
+    helm: Path, *sets: str, check: bool = True, namespace: str = manifests.NAMESPACE
+) -> subprocess.CompletedProcess[str]:
+    args = [str(helm), "template", "instaslice", str(CHART_DIR), "--namespace", namespace]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.run(args, capture_output=True, text=True, check=False)
     if check:
         assert proc.returncode == 0, f"helm template {sets} failed:\n{proc.stderr}"
     return proc
+
+
+def without_helm_labels(d: dict[str, Any]) -> dict[str, Any]:
+    """d without the standard labels Helm adds (on the object and on its pod template)."""
+    d = copy.deepcopy(d)
+    metas = [d["metadata"], ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}]
+    for meta in metas:
+        labels = meta.get("labels") or {}
+        for k in HELM_LABELS:
+            labels.pop(k, None)
+        if "labels" in meta and not labels:
+            del meta["labels"]
+    annotations = d["metadata"].get("annotations") or {}
+    kept = d["kind"] == "CustomResourceDefinition" and annotations.pop(KEEP[0], None) == KEEP[1]
+    if kept and not annotations:
+        del d["metadata"]["annotations"]
+    return d
 
 
 def _by_identity(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -113,9 +156,19 @@ def test_committed_chart_is_what_the_generator_makes(
 def test_chart_renders_the_overlays_objects(
     helm: Path, variants: dict[str, list[dict[str, Any]]], values: str
 ) -> None:
+    """Into the manifests' namespace, less Helm's labels, the CRDs' keep annotation and the
+    uninstall hooks (test_helm_hooks.py): the same objects but the Namespace itself (the
+    release's, `--create-namespace`)."""
     sets, variant = VALUES[values]
-    chart = _by_identity(manifests._docs(helm_template(helm, *sets).stdout))
-    kustomize = _by_identity(variants[variant])
+    docs = manifests._docs(helm_template(helm, *sets).stdout)
+    hooks = [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+    assert {d["kind"] for d in hooks} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                                          "Job"}  # fmt: skip
+    own = [
+        d for d in docs if d["metadata"]["name"] == "instaslice-grafana-dashboard"
+    ]  # dashboards/
+    chart = _by_identity([without_helm_labels(d) for d in docs if d not in hooks + own])
+    kustomize = _by_identity([o for o in variants[variant] if o["kind"] != "Namespace"])
     assert chart.keys() == kustomize.keys(), (
         f"only in the chart: {sorted(chart.keys() - kustomize.keys())}; "
         f"only in kustomize: {sorted(kustomize.keys() - chart.keys())}"
@@ -212,7 +265,9 @@ def crds_served(
 
 
 @pytest.mark.parametrize(
-    "sets", [(), ("bindingMode=env", "monitoring.enabled=true")], ids=["default", "env+monitoring"]
+    "sets",
+    [(), ("bindingMode=env", "monitoring.enabled=true", "metricsAuth.enabled=true")],
+    ids=["default", "env+monitoring+auth"],
 )
 def test_chart_passes_server_side_dry_run(
     control_plane: ControlPlane,

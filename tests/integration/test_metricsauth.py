@@ -5,8 +5,8 @@ manifests/components/metrics-auth applied.
 A ServiceAccount bound to `instaslice-metrics-reader` scrapes (200); one without the binding
 is refused (403), so is a made-up JWT-shaped token (403, the API server's answer), while a
 made-up token of another shape and a scrape with no token are refused without a review (401);
-/healthz stays open. Leaves out: the webhook's /metrics (the same check, webhook/server.py) and a
-real Prometheus.
+/healthz stays open; the port speaks TLS only (a plain-HTTP scrape fails), for the node agent
+and for the webhook's metrics port (its admission pair). Leaves out: a real Prometheus.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import aiohttp
 import pytest
 import yaml
 
+from certs.make import make_ca, make_serving_cert, write_pair
 from common.kubeapi import Kube, core_path, group_path
 from common.metricsauth import MetricsAuth, MetricsAuthLimits
 from hack.cluster import ControlPlane
 from hack.cluster.procs import free_port
 from nodeagent.metrics import AgentMetrics, health_server
+from webhook.server import running
+from webhook.settings import AdmissionSettings, ServerSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 RBAC = Path(__file__).parents[2] / "manifests/components/metrics-auth/rbac.yaml"
@@ -62,11 +65,13 @@ async def _bind_reader(kube: Kube, ns: str, sa: str) -> None:
     })  # fmt: skip
 
 
-async def _get(port: int, path: str, token: str | None) -> int:
+async def _get(port: int, path: str, token: str | None, scheme: str = "https") -> int:
+    """The status of a scrape; with metrics auth on, the port speaks TLS only (a
+    self-signed pair for the node agent: not verified, as the shipped PodMonitor does)."""
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     async with (
         aiohttp.ClientSession() as s,
-        s.get(f"http://127.0.0.1:{port}{path}", headers=headers) as r,
+        s.get(f"{scheme}://127.0.0.1:{port}{path}", headers=headers, ssl=False) as r,
     ):
         await r.read()
         return r.status
@@ -90,6 +95,8 @@ async def test_metrics_only_for_a_token_granted_the_url(kube: Kube, namespace: s
         made_up = ".".join(secrets.token_urlsafe(24) for _ in range(3))  # JWT-shaped
         assert await status(made_up) == 403  # the API server's no
         assert await status(None, "/healthz") == 200  # the kubelet's probes carry no token
+        with pytest.raises(aiohttp.ClientError):  # no token in clear text: TLS only
+            await _get(port, "/metrics", scraper, scheme="http")
         for _ in range(50):  # the authorizer may see the new binding a little later
             if await status(scraper) == 200:
                 break
@@ -97,3 +104,21 @@ async def test_metrics_only_for_a_token_granted_the_url(kube: Kube, namespace: s
         assert await status(scraper) == 200
     bindings = group_path("rbac.authorization.k8s.io/v1", "clusterrolebindings")
     await kube.delete_ignore_missing(f"{bindings}/metrics-reader-{namespace}")
+
+
+async def test_webhook_metrics_port_speaks_tls_when_auth_is_on(kube: Kube, tmp_path: Path) -> None:
+    ca = make_ca()
+    write_pair(make_serving_cert(ca, ["localhost"], ["127.0.0.1"]), tmp_path / "c", tmp_path / "k")
+    settings = ServerSettings(cert_file=tmp_path / "c", key_file=tmp_path / "k",
+                              host="127.0.0.1", port=0, metrics_port=0,
+                              admission=AdmissionSettings.from_catalog())  # fmt: skip
+    auth = MetricsAuth(kube, MetricsAuthLimits(ttl_s=0.0))
+    async with running(settings, metrics_auth=auth) as srv:
+        assert srv.metrics_port is not None
+        assert await _get(srv.metrics_port, "/metrics", None) == 401
+        assert await _get(srv.metrics_port, "/healthz", None) == 200
+        with pytest.raises(aiohttp.ClientError):
+            await _get(srv.metrics_port, "/healthz", None, scheme="http")
+    async with running(settings) as srv:  # auth off: plain HTTP, as before
+        assert srv.metrics_port is not None
+        assert await _get(srv.metrics_port, "/metrics", None, scheme="http") == 200

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from hack.cluster import podnet
-from hack.cluster.chartinstall import chart_values, doc_block
+from hack.cluster.chartinstall import (
+    UPGRADE_DOC,
+    ChartInstallError,
+    chart_values,
+    doc_block,
+    with_helm_args,
+)
 from hack.cluster.nodes import REAL_NODE_TAINT, SpecError, parse_spec
 from hack.images import Built
 
@@ -47,9 +53,10 @@ def test_dev_values_put_both_workloads_on_the_real_node_with_the_emulator() -> N
             "tag": "dev-abc",
             "pullPolicy": "Never",  # imported, never pulled
         }
+    # the kubelet's --root-dir (its pod-resources/ under it); the agent's own directories
+    assert v["nodeagent"]["kubeletDir"] == "/d/realnode/real-0/kubelet"
     assert v["nodeagent"]["hostPaths"] == {
         "cdi": "/d/realnode/real-0/cdi",
-        "podResources": "/d/realnode/real-0/kubelet/pod-resources",
         "state": "/d/realnode/real-0/agent-state",
     }
     assert v["testing"]["emulator"] == {
@@ -75,13 +82,28 @@ def test_the_pod_network_is_a_bridge_with_host_local_ips() -> None:
     assert set(podnet.CNI_PLUGINS) == {"bridge", "host-local"}
 
 
-def test_the_documented_install_is_three_blocks_the_last_one_helm_command() -> None:
-    certs, prepare, install = (doc_block(n) for n in ("certs", "prepare", "install"))
-    assert "openssl" in certs and "DNS:instaslice-webhook.instaslice-system.svc" in certs
-    assert "secret tls instaslice-webhook-tls" in prepare
-    assert "meta.helm.sh/release-name=instaslice" in prepare
-    # chartinstall appends the dev values to the last command: it must be the one helm call
+def test_the_documented_install_is_helm_install_with_the_self_managed_certificate() -> None:
+    """docs/install.md "Helm without cert-manager": what an administrator without cert-manager
+    runs, one helm command; nothing makes a certificate or the namespace beforehand."""
+    install = doc_block("install")
     words = shlex.split(install.replace("\\\n", " "))
-    assert words[:5] == ["helm", "upgrade", "--install", "instaslice", "charts/instaslice"]
-    assert "certificate.source=secret" in words
-    assert install.count("\n") == 2 and install.rstrip().endswith(')"'), install
+    assert words == [
+        "helm", "install", "instaslice", "charts/instaslice",
+        "--namespace", "instaslice-system", "--create-namespace",
+    ]  # fmt: skip
+    assert "openssl" not in install and "certificate" not in install
+
+
+def test_the_dev_values_go_onto_the_blocks_helm_command() -> None:
+    """chartinstall appends its --values to a block's one helm command, wherever it is in the
+    block (docs/upgrade.md's Helm block ends with the rollouts)."""
+    upgrade = doc_block("upgrade", UPGRADE_DOC)
+    out = with_helm_args(upgrade, "--values=v.json")
+    (helm_line,) = [c for c in out.splitlines() if c.startswith("helm ")]
+    assert helm_line.startswith("helm upgrade instaslice charts/instaslice")
+    assert helm_line.endswith(" --reuse-values --values=v.json"), helm_line
+    assert "rollout status daemonset/instaslice-nodeagent" in out.splitlines()[-1]
+    joined = with_helm_args("helm install a \\\n  --set x=1\nkubectl get pods\n", "--y")
+    assert joined == "helm install a \\\n  --set x=1 --y\nkubectl get pods\n"
+    with pytest.raises(ChartInstallError, match="one helm command"):
+        with_helm_args("kubectl get pods\n", "--y")

@@ -20,25 +20,35 @@ from hack.gen_chart import build_chart, check_variants
 NS = "instaslice-system"
 
 
+FLAGS = {
+    "Deployment": ["--cert-mode=files", "--policy=instaslice", "--preemption=gpu",
+                   "--autoscaler-signal=off", "--log-level=info", "--port=8443"],
+    "DaemonSet": ["--log-level=info", "--kubelet-dir=/var/lib/kubelet/device-plugins"],
+}  # fmt: skip
+
+
 def _workload(kind: str, name: str, image: str, cm: str) -> dict[str, Any]:
     container = {
         "name": name,
         "image": image,
+        "args": FLAGS[kind],
         "env": [
             {"name": "M", "valueFrom": {"configMapKeyRef": {"name": cm, "key": "binding-mode"}}}
         ],
         "resources": {"limits": {"memory": "512Mi"}},
     }
-    spec: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
+    pod: dict[str, Any] = {"containers": [container]}
+    spec: dict[str, Any] = {"template": {"metadata": {"labels": {"app": name}}, "spec": pod}}
     if kind == "Deployment":
         spec["replicas"] = 2
-    else:  # the node agent's host directories (values nodeagent.hostPaths)
-        paths = {"cdi": "/var/run/cdi", "pod-resources": "/var/lib/kubelet/pod-resources",
+        container["volumeMounts"] = [{"name": "tls", "mountPath": "/tls", "readOnly": True}]
+        pod["volumes"] = [{"name": "tls", "secret": {"secretName": "instaslice-webhook-tls"}}]
+    else:  # host directories: kubeletDir's, the fixed device-plugins one, nodeagent.hostPaths
+        pod["priorityClassName"] = "system-node-critical"
+        paths = {"dp": "/var/lib/kubelet/device-plugins", "pod-resources":
+                 "/var/lib/kubelet/pod-resources", "cdi": "/var/run/cdi",
                  "state": "/var/lib/instaslice"}  # fmt: skip
-        spec["template"]["spec"]["volumes"] = [
-            {"name": k, "hostPath": {"path": v}} for k, v in paths.items()
-        ]
-        container["args"] = ["--cdi-dir=/var/run/cdi"]
+        pod["volumes"] = [{"name": k, "hostPath": {"path": v}} for k, v in paths.items()]
         container["volumeMounts"] = [{"name": "cdi", "mountPath": "/var/run/cdi"}]
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
@@ -78,6 +88,15 @@ def _rendering(
             "instaslice-webhook", {"ports": [{"port": "webhook"}]}, _metrics_rule(MONITORING_NS)
         ),
         _policy("instaslice-nodeagent", _metrics_rule(MONITORING_NS)),
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {
+                "name": "instaslice",
+                "annotations": {"cert-manager.io/inject-ca-from": f"{NS}/instaslice-webhook"},
+            },
+            "webhooks": [],
+        },
     ]
 
 
@@ -104,7 +123,18 @@ def _variants() -> dict[str, list[Any]]:
         "monitoring": [*_rendering(), RULE],
         "dra": [*_rendering("device-plugin", "instaslice-config-cccc", "dra"), CLASS],
         "binding-env+dra": [*_rendering("env", "instaslice-config-dddd", "dra"), CLASS],
+        "metrics-auth": _with_auth(_rendering()),
     }
+
+
+def _with_auth(objs: list[Any]) -> list[Any]:
+    """What manifests/components/metrics-auth does to the synthetic rendering."""
+    objs = copy.deepcopy(objs)
+    for o in objs[2:4]:  # the two workloads
+        o["spec"]["template"]["spec"]["containers"][0]["args"].append("--metrics-auth")
+    reader = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+              "metadata": {"name": "instaslice-metrics-reader"}, "rules": []}  # fmt: skip
+    return [*objs, reader]
 
 
 def test_parameterises_what_users_set() -> None:
@@ -113,6 +143,7 @@ def test_parameterises_what_users_set() -> None:
     assert values["images"]["webhook"] == {
         "repository": "quay.io/x/instaslice-webhook",
         "tag": "v1",
+        "digest": "",
         "pullPolicy": "",
     }
     assert values["bindingMode"] == "device-plugin"
@@ -134,6 +165,64 @@ def test_parameterises_what_users_set() -> None:
     assert "binding-mode: {{ .Values.bindingMode | quote }}" in cm
     assert "allocation-mode: {{ .Values.allocationMode | quote }}" in cm
     assert values["allocationMode"] == "gates"
+
+
+def test_daemon_flags_pod_fields_and_kubelet_dir_are_values() -> None:
+    """The manifests' flags give the defaults and become template expressions; pod fields
+    the manifests set are defaults of optional values; host paths under the kubelet's dir
+    follow `kubeletDir` but the device plugins' one; the CDI and state ones are values."""
+    files = build_chart(_variants(), "1")
+    values = yaml.safe_load(files["values.yaml"])
+    assert values["allocator"] == {
+        "policy": "instaslice", "preemption": "gpu", "autoscalerSignal": "off"
+    }  # fmt: skip
+    assert (values["logLevel"], values["allocationMode"]) == ("info", "gates")
+    assert values["nodeagent"]["priorityClassName"] == "system-node-critical"
+    assert values["nodeagent"]["kubeletDir"] == "/var/lib/kubelet"
+    assert values["webhook"]["priorityClassName"] == ""
+    deploy = files["templates/deployment-instaslice-webhook.yaml"]
+    assert "- --policy={{ .Values.allocator.policy }}" in deploy
+    assert "- --log-level={{ .Values.logLevel }}" in deploy
+    assert "- --port=8443" in deploy  # not a value
+    assert 'image: {{ include "instaslice.image" .Values.images.webhook | quote }}' in deploy
+    ds = files["templates/daemonset-instaslice-nodeagent.yaml"]
+    assert "priorityClassName: system-node-critical" not in ds
+    assert (
+        "{{- with .Values.nodeagent.priorityClassName }}\n      priorityClassName: "
+        "{{ . | quote }}\n{{- end }}" in ds
+    )
+    assert "path: {{ .Values.nodeagent.kubeletDir }}/pod-resources" in ds
+    # the kubelet fixes the device plugins' directory whatever its root
+    assert "path: /var/lib/kubelet/device-plugins" in ds
+    assert values["nodeagent"]["hostPaths"] == {
+        "cdi": "/var/run/cdi",
+        "state": "/var/lib/instaslice",
+    }
+    assert "path: {{ .Values.nodeagent.hostPaths.state | quote }}" in ds
+    assert "path: {{ .Values.nodeagent.hostPaths.cdi | quote }}" in ds
+    assert (
+        '        app: instaslice-nodeagent\n{{- include "instaslice.labels" . | nindent 8 }}' in ds
+    )
+
+
+def test_the_namespace_is_the_releases() -> None:
+    files = build_chart(_variants(), "1")
+    assert not any(name.startswith("templates/namespace-") for name in files)
+    for name, text in files.items():
+        if name.startswith("templates/") and name.endswith(".yaml"):
+            assert NS not in text, name
+            assert 'include "instaslice.labels"' in text or name == "templates/validate.yaml"
+    assert (
+        "namespace: {{ .Release.Namespace }}" in files["templates/configmap-instaslice-config.yaml"]
+    )
+
+
+def test_refuses_a_workload_without_the_flags_it_parameterises() -> None:
+    v = copy.deepcopy(_variants())
+    for objs in v.values():
+        objs[2]["spec"]["template"]["spec"]["containers"][0]["args"] = ["--port=8443"]
+    with pytest.raises(SystemExit, match="no flag for the values"):
+        build_chart(v, "1")
 
 
 def test_the_metrics_namespace_selector_is_a_value() -> None:
@@ -177,6 +266,18 @@ def test_monitoring_objects_are_optional_and_braces_escaped() -> None:
     assert rule.startswith("{{- if .Values.monitoring.enabled }}\n")
     assert rule.endswith("{{- end }}\n")
     assert 'pod {{ "{{" }} $labels.pod }} down' in rule
+
+
+def test_metrics_auth_is_a_value() -> None:
+    files = build_chart(_variants(), "1")
+    deploy = files["templates/deployment-instaslice-webhook.yaml"]
+    assert "{{- if .Values.metricsAuth.enabled }}\n        - --metrics-auth\n{{- end }}" in deploy
+    role = files["templates/metrics-auth/clusterrole-instaslice-metrics-reader.yaml"]
+    assert role.startswith("{{- if .Values.metricsAuth.enabled }}\n")
+    v = _variants()
+    v["metrics-auth"][2]["spec"]["replicas"] = 5  # the component touching something else
+    with pytest.raises(SystemExit, match="metrics-auth changes more"):
+        build_chart(v, "1")
 
 
 def test_refuses_a_component_that_changes_more() -> None:

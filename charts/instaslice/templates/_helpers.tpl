@@ -15,3 +15,18 @@ instaslice-config-b997g262fg
 {{- fail (printf "bindingMode %q, allocationMode %q: device-plugin or env, gates or dra" .Values.bindingMode .Values.allocationMode) -}}
 {{- end -}}
 {{- end -}}
+{{/* The standard labels of every object and pod (helm.sh, app.kubernetes.io). */}}
+{{- define "instaslice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+{{/* repository@digest when a digest is set, else repository:tag (of .Values.images.X). */}}
+{{- define "instaslice.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
