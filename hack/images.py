@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.version import VERSION
 from hack.cluster.bins import REPO_ROOT
 
 __all__ = [
@@ -165,6 +166,7 @@ def build_image(component: str, base: str, out: Path, log: Path) -> Built:
         "--layers",
         f"--file={REPO_ROOT / f'Containerfile.{component}'}",
         f"--build-arg=BASE_IMAGE={base}",
+        f"--build-arg=VERSION={VERSION}",  # the image's `version` label (docs/release.md)
         f"--tag={image_name(component)}",
     ]
     if HOST_CA_BUNDLE.exists():

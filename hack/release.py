@@ -3,13 +3,14 @@
 Into one directory (default .dev/release/, emptied first): the Helm chart package
 (`helm package charts/instaslice`, instaslice-<version>.tgz), the krew archive
 (hack/krew_archive.py) and the krew manifest with that archive's URI and sha256 filled in (for
-the krew index), and SHA256SUMS over all of them in `sha256sum -c` format. Every version comes
-from common/version.py; this refuses to run when the committed chart says another one. The
-images are built by `make images` (the Makefile's `release` target runs it first); pushing the
+the krew index), both images as docker-archive tarballs (`instaslice-<component>-v<version>.tar`,
+copied from what `make images` wrote to .dev/images/: the Makefile's `release` target runs it
+first), and SHA256SUMS over all of them in `sha256sum -c` format. Every version comes from
+common/version.py; this refuses to run when the committed chart says another one. Pushing the
 images, the chart and the GitHub release needs credentials and a network this step does not
 have, and is left to the person releasing.
 
-Usage: python -m hack.release [--out DIR] [--base-uri URI]
+Usage: python -m hack.release [--out DIR] [--base-uri URI] [--images DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ CHART = REPO_ROOT / "charts" / "instaslice"
 KREW_MANIFEST = REPO_ROOT / "plugins" / "krew" / "instaslice.yaml"
 BASE_URI = "https://github.com/instaslice/instaslice/releases/download/v{version}"
 SUMS = "SHA256SUMS"
+IMAGES = REPO_ROOT / ".dev" / "images"  # where `make images` (hack/images.py) writes them
+COMPONENTS = ("webhook", "nodeagent")
+
+
+class ReleaseError(RuntimeError):
+    """Something the release needs is missing; the message says what to run."""
+
+
+def copy_images(images: Path, out: Path) -> None:
+    """Both images' tarballs from `images` into `out`, named for the release."""
+    for component in COMPONENTS:
+        tar = images / f"{component}.tar"
+        if not tar.is_file():
+            raise ReleaseError(f"{tar} is missing: run `make images` first (or `make release`)")
+        shutil.copyfile(tar, out / f"instaslice-{component}-v{VERSION}.tar")
 
 
 def sha256(path: Path) -> str:
@@ -60,11 +76,14 @@ def package_chart(helm: Path, out: Path) -> Path:
     return path
 
 
-def release(out: Path, helm: Path, base_uri: str = BASE_URI) -> dict[str, str]:
+def release(
+    out: Path, helm: Path, base_uri: str = BASE_URI, images: Path = IMAGES
+) -> dict[str, str]:
     """Build every artifact into `out`; returns file name -> sha256 (what SHA256SUMS lists)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    copy_images(images, out)
     package_chart(helm, out)
     archive, sha = krew_archive.build(out)
     uri = f"{base_uri.format(version=VERSION)}/{archive.name}"
@@ -78,8 +97,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO_ROOT / ".dev" / "release")
     p.add_argument("--base-uri", default=BASE_URI, help="where the archive will be published")
+    p.add_argument("--images", type=Path, default=IMAGES, help="where `make images` wrote them")
     args = p.parse_args()
-    sums = release(args.out, find_helm(), args.base_uri)
+    try:
+        sums = release(args.out, find_helm(), args.base_uri, args.images)
+    except ReleaseError as exc:
+        raise SystemExit(f"release: {exc}") from None
     for name, s in sums.items():
         print(f"{s}  {args.out / name}")
     print(

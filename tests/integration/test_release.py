@@ -29,9 +29,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _release(out: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "hack.release", "--out", str(out)],
+def _images(where: Path) -> Path:
+    """Stand-ins for `make images`' tarballs (their bytes are Buildah's business; the release
+    copies them under its names and sums them)."""
+    where.mkdir(parents=True, exist_ok=True)
+    for component in ("webhook", "nodeagent"):
+        (where / f"{component}.tar").write_bytes(f"image {component}".encode())
+    return where
+
+
+def _run_release(out: Path, images: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hack.release", "--out", str(out),
+                           "--images", str(images)],
                           cwd=ROOT, capture_output=True, text=True, check=False)  # fmt: skip
+
+
+def _release(out: Path) -> str:
+    proc = _run_release(out, _images(out.parent / "images"))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -48,12 +62,14 @@ def test_release_builds_the_artifacts_with_matching_checksums_and_one_version(
     out = tmp_path / "release"
     stdout = _release(out)
     chart_tgz, archive = f"instaslice-{VERSION}.tgz", f"kubectl-instaslice-v{VERSION}.tar.gz"
+    images = {f"instaslice-{c}-v{VERSION}.tar" for c in ("webhook", "nodeagent")}
     assert {p.name for p in out.iterdir()} == {chart_tgz, archive, "instaslice.yaml",
-                                               "SHA256SUMS"}  # fmt: skip
+                                               "SHA256SUMS", *images}  # fmt: skip
     assert "Not pushed from here" in stdout
+    assert (out / f"instaslice-webhook-v{VERSION}.tar").read_bytes() == b"image webhook"
     lines = [line.split("  ") for line in (out / "SHA256SUMS").read_text().splitlines()]
     sums = {name: digest for digest, name in lines}
-    assert set(sums) == {chart_tgz, archive, "instaslice.yaml"}
+    assert set(sums) == {chart_tgz, archive, "instaslice.yaml", *images}
     for name, digest in sums.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True,
@@ -76,6 +92,13 @@ def test_release_builds_the_artifacts_with_matching_checksums_and_one_version(
     again = tmp_path / "again"
     _release(again)
     assert (again / archive).read_bytes() == (out / archive).read_bytes()
+
+
+def test_a_release_without_the_images_says_to_build_them(tmp_path: Path) -> None:
+    proc = _run_release(tmp_path / "release", tmp_path / "no-images")
+    assert proc.returncode != 0
+    assert "nodeagent.tar is missing" in proc.stderr or "webhook.tar is missing" in proc.stderr
+    assert "make images" in proc.stderr
 
 
 def test_the_krew_archive_runs_with_the_standard_library_alone(tmp_path: Path) -> None:
