@@ -128,6 +128,7 @@ class NodeAgent:
         self._health_q: asyncio.Queue[HealthEvent] = asyncio.Queue()
         self._orphan_seen: dict[str, float] = {}
         self._last_status: Obj | None = None
+        self._status_writing = False  # a MigNode status write is out (publish_once)
         self._last_capacity: dict[str, str] | None = None
         self._capacity_written = False  # once: later writes undo another writer's (logged)
         self._node_uid = ""  # of our Node as last seen (watched): a new one republishes all
@@ -155,9 +156,11 @@ class NodeAgent:
     def on_mig_node(self, etype: EventType, obj: Obj) -> None:
         """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance. A spec
         generation acted on is published as `status.observedGeneration`."""
-        before = self.maint.observed_generation
         self.maint.on_mig_node({} if etype == "DELETED" else obj)
-        if self.maint.observed_generation != before:
+        # Only a generation not yet written: our own MigNode's ADDED event (generation 1, often
+        # seen while the write that made it is still out) is written by that write, and a wake
+        # for it would list a slice made meanwhile early (`create.SLICES_LISTED_WITHIN_S`).
+        if not self._status_writing and self.maint.observed_generation != self._written_generation:
             self.st.publish.set()
 
     def on_node(self, etype: EventType, obj: Obj) -> None:
@@ -298,6 +301,13 @@ class NodeAgent:
                 retry = 2.0
 
     @property
+    def _written_generation(self) -> int | None:
+        """The `observedGeneration` last written; None before the first write."""
+        if self._last_status is None:
+            return None
+        return int(self._last_status.get("observedGeneration") or 0)
+
+    @property
     def _prune(self) -> bool:
         """Whether the agent owns the `instaslice.io/mig-*` capacity (not in device-plugin
         mode, where the kubelet advertises what the plugin lists)."""
@@ -326,12 +336,18 @@ class NodeAgent:
         )
         self.node_conditions = status["conditions"]  # Ready too: its transition time holds
         if status != self._last_status:
-            created = await writes.patch_mig_node_status(self.kube, self.node, status)
+            self._status_writing = True
+            try:
+                created = await writes.patch_mig_node_status(self.kube, self.node, status)
+            finally:
+                self._status_writing = False
             if created:  # made just now, spec empty: generation 1 observed, nothing to redo
                 self.maint.observed_generation = created
                 status = {**status, "observedGeneration": created}
                 status["conditions"] = observed(status["conditions"], created, "")
             self._last_status = status
+            if self.maint.observed_generation != self._written_generation:
+                self.st.publish.set()  # observed while the write was out (on_mig_node)
             if not self._conditions_told:  # those known at start; later ones tell themselves
                 self._conditions_told = True
                 for c in self._startup_conditions:

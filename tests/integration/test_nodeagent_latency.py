@@ -30,6 +30,7 @@ from common.conditions import CONFLICT_FREE
 from common.kubeapi import ApiError, Kube, instaslice_path
 from hack.cluster import ControlPlane
 from nodeagent import checkpoint, create
+from nodeagent.agent import NodeAgent
 from nodeagent.lifebase import LifeBase
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.settings import Settings
@@ -376,6 +377,13 @@ def _phases_written(life: Lifecycle) -> list[str]:
     return phases
 
 
+async def _watching(agent: NodeAgent) -> None:
+    """Until `agent`'s allocation watch has listed: an allocation made after that is brought by
+    the watch, fresh (one found by the first list goes `Creating` first, nodeagent/create.py)."""
+    async with asyncio.timeout(30):
+        await agent.synced.wait()
+
+
 def _held_gi_creates(life: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> tuple[Event, Event]:
     """NVML's GI creates of `life` wait for the second event once they set the first."""
     entered, go = Event(), Event()
@@ -398,6 +406,7 @@ async def test_a_fast_create_goes_to_ready_without_creating(
     write, `Ready`; the allocation never shows `Creating` (issue 37 §1)."""
     node, settings = h200
     async with running_agent(replace(settings, creating_after_s=30.0)) as agents:
+        await _watching(agents[node.name])
         phases = _phases_written(agents[node.name].life)
         alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
         await create_allocation(agent_kube, alloc)
@@ -413,6 +422,7 @@ async def test_a_slow_create_writes_creating_while_nvml_makes_the_slice(
     `Creating` while NVML works — not before NVML begins — then `Ready`."""
     node, settings = h200
     async with running_agent(replace(settings, creating_after_s=1.5)) as agents:
+        await _watching(agents[node.name])
         life = agents[node.name].life
         phases = _phases_written(life)
         entered, go = _held_gi_creates(life, monkeypatch)
@@ -437,6 +447,7 @@ async def test_a_fresh_allocation_deleted_while_made_has_its_slices_destroyed(
     not after the garbage collector's grace (60 s)."""
     node, settings = h200
     async with running_agent(replace(settings, creating_after_s=30.0)) as agents:
+        await _watching(agents[node.name])
         life = agents[node.name].life
         entered, go = _held_gi_creates(life, monkeypatch)
         alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
