@@ -14,6 +14,7 @@ Leaves out: the kubelet plugin (a KWOK node has no kubelet), the allocator's sid
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -25,7 +26,7 @@ import yaml
 from common.constants import AllocationMode
 from common.kubeapi import ApiError, Kube, core_path, group_path
 from hack.cluster import ControlPlane
-from nodeagent.dra.publish import slices_path
+from nodeagent.dra.publish import PoolPublisher, slices_path
 from tests.integration.agent_fixtures import (
     agent_settings,
     eventually,
@@ -68,6 +69,21 @@ def generations(slices: list[Obj]) -> set[tuple[int, int]]:
     }
 
 
+@pytest.fixture
+def slow_creates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each slice the agent creates lands half a second late (a loaded API server), so a
+    check that takes part of a generation for the whole of it stops the agent mid-write."""
+    write = PoolPublisher._write
+
+    async def slow(self: PoolPublisher, body: Obj, current: Obj | None) -> None:
+        if current is None:
+            await asyncio.sleep(0.5)
+        await write(self, body, current)
+
+    monkeypatch.setattr(PoolPublisher, "_write", slow)
+
+
+@pytest.mark.usefixtures("slow_creates")
 async def test_pool_protocol(kube: Kube, tmp_path: Path, control_plane: ControlPlane) -> None:
     node = await gpu_node(kube, tmp_path, [H100, H100], prefix="dra")
     settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
