@@ -8,9 +8,9 @@ uses the older, complete generation, or none. The generation comes from what the
 holds (the highest found at the first write), so a restarted agent goes on counting up; one
 that finds its own pool unchanged writes nothing, and one that finds a generation of its pool
 cut short (its last run stopped between two slices) writes only the slices missing from it,
-in that generation. The node's slices are watched: a change
-that is not our own write coming back (the kubelet deletes a driver's slices when its plugin
-unregisters, e.g. across a kubelet or agent restart) has the pool written again.
+in that generation. The node's slices are watched: a change that is not our own write coming
+back (the kubelet deletes a driver's slices when its plugin unregisters, e.g. across a
+kubelet or agent restart) has the pool written again, as a new generation.
 
 Slices are named `<node>-instaslice.io-<part>` (cut and hashed past 253 characters), so the
 agent finds its own by name as well as by its node's field selector. What it deliberately does
