@@ -6,9 +6,11 @@ pool is written (created or replaced) with the generation bumped and the new cou
 slices that are no longer part of it are deleted; until the last write lands the scheduler
 uses the older, complete generation, or none. The generation comes from what the API server
 holds (the highest found at the first write), so a restarted agent goes on counting up; one
-that finds its own pool unchanged writes nothing. The node's slices are watched: a change
-that is not our own write coming back (the kubelet deletes a driver's slices when its plugin
-unregisters, e.g. across a kubelet or agent restart) has the pool written again.
+that finds its own pool unchanged writes nothing, and one that finds a generation of its pool
+cut short (its last run stopped between two slices) writes only the slices missing from it,
+in that generation. The node's slices are watched: a change that is not our own write coming
+back (the kubelet deletes a driver's slices when its plugin unregisters, e.g. across a
+kubelet or agent restart) has the pool written again, as a new generation.
 
 Slices are named `<node>-instaslice.io-<part>` (cut and hashed past 253 characters), so the
 agent finds its own by name as well as by its node's field selector. What it deliberately does
@@ -44,27 +46,28 @@ def slice_name(node: str, part: str) -> str:
     return f"{node[: MAX_NAME - len(part) - len(DRA_DRIVER) - 13]}-{digest}-{DRA_DRIVER}-{part}"
 
 
-def _same(existing: Sequence[Obj], desired: dict[str, Obj]) -> bool:
-    """Whether the API server already holds exactly the desired pool (any one generation)."""
-    if len(existing) != len(desired):
-        return False
+def _missing(existing: Sequence[Obj], desired: dict[str, Obj]) -> set[str] | None:
+    """The desired slices the API server lacks, when every slice it holds is one of the
+    desired pool's, as desired, all of one generation and count: an empty set when it holds
+    the whole pool, some names when a write of it was cut short (an agent stopped between
+    two slices of a generation). None when anything else is there (or nothing)."""
     gens = {o["spec"]["pool"].get("generation") for o in existing}
     if len(gens) != 1:
-        return False
+        return None
     for o in existing:
         want = desired.get(o["metadata"]["name"])
         if want is None:
-            return False
+            return None
         have = {k: v for k, v in o["spec"].items() if k != "pool"}
         pool = o["spec"]["pool"]
         if have != {k: v for k, v in want["spec"].items() if k != "pool"}:
-            return False
+            return None
         if (
             pool.get("resourceSliceCount") != len(desired)
             or pool.get("name") != want["spec"]["pool"]["name"]
         ):
-            return False
-    return True
+            return None
+    return set(desired) - {o["metadata"]["name"] for o in existing}
 
 
 class PoolPublisher:
@@ -113,10 +116,19 @@ class PoolPublisher:
             n: slice_body(self.node, n, s, generation, len(slices))
             for n, s in zip(names, slices, strict=True)
         }
-        if _same(existing, bodies):
+        missing = _missing(existing, bodies)
+        if missing and self.generation:  # completed at start only: a slice of ours deleted
+            missing = None  # underneath later has the pool written as a new generation
+        if missing is not None:
             self._written = {
                 o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in existing
             }
+            for n in sorted(missing):  # the rest of a generation cut short: same generation
+                await self._write(bodies[n], None)
+            if missing:
+                log.info(
+                    "pool completed", node=self.node, generation=generation, slices=len(missing)
+                )
         else:
             generation += 1
             by_name = {o["metadata"]["name"]: o for o in existing}

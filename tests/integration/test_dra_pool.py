@@ -14,6 +14,7 @@ Leaves out: the kubelet plugin (a KWOK node has no kubelet), the allocator's sid
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -25,7 +26,7 @@ import yaml
 from common.constants import AllocationMode
 from common.kubeapi import ApiError, Kube, core_path, group_path
 from hack.cluster import ControlPlane
-from nodeagent.dra.publish import slices_path
+from nodeagent.dra.publish import PoolPublisher, slices_path
 from tests.integration.agent_fixtures import (
     agent_settings,
     eventually,
@@ -68,6 +69,21 @@ def generations(slices: list[Obj]) -> set[tuple[int, int]]:
     }
 
 
+@pytest.fixture
+def slow_creates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each slice the agent creates lands half a second late (a loaded API server), so a
+    check that takes part of a generation for the whole of it stops the agent mid-write."""
+    write = PoolPublisher._write
+
+    async def slow(self: PoolPublisher, body: Obj, current: Obj | None) -> None:
+        if current is None:
+            await asyncio.sleep(0.5)
+        await write(self, body, current)
+
+    monkeypatch.setattr(PoolPublisher, "_write", slow)
+
+
+@pytest.mark.usefixtures("slow_creates")
 async def test_pool_protocol(kube: Kube, tmp_path: Path, control_plane: ControlPlane) -> None:
     node = await gpu_node(kube, tmp_path, [H100, H100], prefix="dra")
     settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
@@ -103,8 +119,9 @@ async def test_pool_protocol(kube: Kube, tmp_path: Path, control_plane: ControlP
     # restarted: NVML says GPU 1 is fine again, so it is back, one generation on
     async with running_agent(settings):
 
-        async def back() -> bool:
-            return generations(await pool(kube, node.name)) == {(gen + 2, 3)}
+        async def back() -> bool:  # all three: two of them alone read as gen + 2 too
+            s = await pool(kube, node.name)
+            return len(s) == 3 and generations(s) == {(gen + 2, 3)}
 
         await eventually(back, what="GPU 1 back, generation counted on")
 
@@ -118,6 +135,31 @@ async def test_pool_protocol(kube: Kube, tmp_path: Path, control_plane: ControlP
         await eventually(published, what="the pool checked")
         assert agent.pool is not None and agent.pool.writes == 0
         assert generations(await pool(kube, node.name)) == {(gen + 2, 3)}
+
+
+async def test_a_generation_cut_short_is_completed_at_start(
+    kube: Kube, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """An agent stopped between two slices of a generation leaves it incomplete (the
+    scheduler reads none of it): the next start writes only the missing slice, in that
+    generation, and no new generation of the whole pool."""
+    node = await gpu_node(kube, tmp_path, [H100, H100], prefix="drc")
+    settings = agent_settings([node], control_plane.kubeconfig, allocation=AllocationMode.DRA)
+    async with running_agent(settings):
+
+        async def three() -> bool:
+            return len(await pool(kube, node.name)) == 3
+
+        await eventually(three, what="the pool's three slices")
+    slices = await pool(kube, node.name)
+    ((gen, _),) = generations(slices)
+    last = next(o for o in slices if o["metadata"]["name"].endswith("gpu-1-0"))
+    await kube.delete(slices_path(last["metadata"]["name"]))  # the write that never came
+    async with running_agent(settings) as agents:
+        await eventually(three, what="the pool completed")
+        assert generations(await pool(kube, node.name)) == {(gen, 3)}
+        publisher = agents[node.name].pool
+        assert publisher is not None and publisher.writes == 1
 
 
 async def test_users_claim_is_allocated_by_kube_scheduler(
