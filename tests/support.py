@@ -114,6 +114,8 @@ async def wait_for(
     (cluster-scoped ones by name). A dropped or expired watch is re-listed; 429 (a new CRD's
     storage still initializing, on a loaded machine) is retried. Fails with `what` and a
     summary of the last objects seen on timeout."""
+    if unknown := set(query) - {"labelSelector", "fieldSelector"}:  # e.g. a timeout misspelled
+        raise TypeError(f"wait_for: {sorted(unknown)} are not selectors (the wait is `within`)")
     within_ns = "/namespaces/" in path
     objs: dict[str, Obj] = {}
 

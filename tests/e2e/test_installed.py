@@ -104,7 +104,7 @@ async def ns(ikube: Kube) -> AsyncIterator[str]:
             allocs_path(name),
             lambda a: not a,
             what=f"SliceAllocations of {name} gone",
-            timeout_s=RELEASE_TIMEOUT_S,
+            within=RELEASE_TIMEOUT_S,
         )
 
 
@@ -140,7 +140,7 @@ async def assert_nothing_left(kube: Kube, system: DevSystem) -> None:
         allocs_path(None),
         lambda a: not a,
         what="no SliceAllocation anywhere",
-        timeout_s=RELEASE_TIMEOUT_S,
+        within=RELEASE_TIMEOUT_S,
     )
     for node in (REAL, KWOK):
         assert not cdi_files(system, node), f"CDI files left on {node}"
