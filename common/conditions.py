@@ -113,10 +113,14 @@ def allocation_status(
     completed: those it carries, or else `existing` (a merge patch replaces the list whole),
     `Ready` derived from the phase it writes (or `phase`, the current one) and the other
     conditions, every one stamped with `generation`."""
-    conditions = [c for c in status.get("conditions") or existing if c.get("type") != READY]
+    given = status.get("conditions") or existing
+    conditions = [c for c in given if c.get("type") != READY]
     old_ready = _status_of(existing, READY)
     write_phase = str(status.get("phase") or phase)
-    message = str(status.get("message") or "")
+    # the message of a Ready the writer gave (the agent's: which slices, by MIG UUID) is kept,
+    # and a write of conditions alone (no phase) keeps the one Ready has
+    kept = _status_of(given, READY) or (old_ready if "phase" not in status else None) or {}
+    message = str(status.get("message") or kept.get("message") or "")
     ready = allocation_ready(write_phase, message, conditions, now)
     merged = with_condition([*conditions, *([old_ready] if old_ready else [])], ready)
     return {**status, "conditions": observed(merged, generation, now)}

@@ -91,6 +91,18 @@ def test_an_unchanged_ready_keeps_its_transition_time() -> None:
     assert (ready["status"], ready["lastTransitionTime"]) == ("True", "T0")
 
 
+def test_ready_keeps_the_message_its_writer_gave_and_a_condition_write_keeps_it_too() -> None:
+    """The agent's Ready names the slices by MIG UUID (docs/troubleshooting.md reads it)."""
+    given = _c(READY, "True", "SlicesCreated", "T0")
+    given["message"] = "main: MIG-1"
+    got = allocation_status({"phase": "Ready", "conditions": [given]}, [], "Pending", 1, "T1")
+    ready = next(c for c in got["conditions"] if c["type"] == READY)
+    assert (ready["status"], ready["message"]) == ("True", "main: MIG-1")
+    body = {"conditions": [_c("GPUHealthy", "True", "Healthy", "T2")]}
+    again = allocation_status(body, got["conditions"], "Ready", 1, "T3")
+    assert next(c for c in again["conditions"] if c["type"] == READY)["message"] == "main: MIG-1"
+
+
 @pytest.mark.parametrize(
     ("gpus", "findings", "want"),
     [
