@@ -238,6 +238,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                 BindingMode(a.binding_mode),
                 do_not_disrupt=a.karpenter_do_not_disrupt,
                 slot_accounting=a.slot_accounting,
+                allocation_mode=AllocationMode(a.allocation_mode),
             ),
             host=a.host,
             port=a.port,
