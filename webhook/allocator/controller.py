@@ -37,6 +37,7 @@ from common.clock import cancel_until_done, monotonic_at, wait_or_sleep
 from common.constants import (
     GATE_NAME,
     SLICE_ALLOCATION_PLURAL,
+    AllocationMode,
     EventReason,
 )
 from common.kubeapi import (
@@ -48,6 +49,7 @@ from common.kubeapi import (
 from common.workqueue import KeyedQueue
 from webhook.allocator.agents import AgentWatch
 from webhook.allocator.bookkeeping import Bookkeeping
+from webhook.allocator.claimwrites import ClaimWrites
 from webhook.allocator.handlers import Handlers, informers
 from webhook.allocator.leader import LeaderElector
 from webhook.allocator.maintenance import ASK_DRAIN
@@ -172,8 +174,13 @@ class Controller:
             wake_timer=self._wake_timer.set,
             withdraw_modes=lambda node, uuids: self.modes.set(node, {}, uuids),
         )
+        writes = (
+            ClaimWrites(kube, elector, self.clock, settings.instance, state=self.state)
+            if settings.allocation_mode is AllocationMode.DRA
+            else Writes(kube, elector, self.clock, settings.instance)
+        )
         self.steps = Steps(
-            Writes(kube, elector, self.clock, settings.instance),
+            writes,
             self.state,
             self.tracks,
             self.placer,

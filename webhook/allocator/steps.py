@@ -124,6 +124,8 @@ class Steps:
                 await self.release_failed(track, alloc)
             case OnAllocation(Act.MOVE_OFF, alloc):
                 await self.move_off_down_node(track, alloc)
+            case OnAllocation(Act.YIELD, alloc, why):
+                await self.yield_to_scheduler(track, alloc, why)
             case OnAllocation(Act.FINALIZE, alloc):
                 await self.finalize(alloc)
             case UnstickPod(pod):
@@ -211,6 +213,26 @@ class Steps:
             "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
         )
         await self.release(track, alloc, "its node's agent is down and never acted on it")
+
+    async def yield_to_scheduler(self, track: PodTrack, alloc: SliceAllocation, why: str) -> None:
+        """DRA mode: kube-scheduler gave a user's claim slots of ours at the same moment
+        (docs/dra.md "Racing kube-scheduler"). Its claim cannot move (its pod is bound), so
+        ours yields: a pod still gated is placed again at once (its claim released); an
+        ungated one, bound to the node by the claim, is deleted as read first, as a pinned
+        pod stuck unschedulable is, and its controller recreates it to be placed again."""
+        pod = self.state.pods.get(alloc.pod_uid)
+        current = await self.writes.read_pod(pod.obj) if pod is not None else None
+        if current is not None and podlib.ungated_on(current, alloc.pod_uid, alloc.name):
+            if not await self.writes.delete_pod_as_read(current):
+                return  # changed since the read: its watch event brings it back here
+            message = (
+                f"kube-scheduler allocated the user's claim {why} on node {alloc.node} at the "
+                "same time as this pod's slices; InstaSlice's claim yields: deleted the pod "
+                "and released its slices (its controller, if any, recreates it to be placed "
+                "again)"
+            )
+            self.tell(current, EventReason.SLICE_LOST, message, "Warning")
+        await self.release(track, alloc, f"kube-scheduler gave {why} its slots too")
 
     async def finalize(self, alloc: SliceAllocation) -> None:
         """The node is gone, so nothing is left to destroy: finish the record ourselves.
