@@ -148,15 +148,16 @@ async def create_user_claim_pod(env: AllocatorEnv, name: str, profile: str) -> N
         }}]}},
     }  # fmt: skip
     await env.kube.create(claims_path(env.namespace), claim)
+    main = {"name": "main", "image": "x", "resources": {"claims": [{"name": "gpu"}]}}
     pod = {
         "metadata": {"name": name, "namespace": env.namespace},
         "spec": {
             "nodeSelector": {"allocator-test.instaslice.io/namespace": env.namespace},
             "tolerations": [{"operator": "Exists"}],
             "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-            "containers": [{"name": "main", "image": "x", "resources": {"claims": [{"name": "gpu"}]}}],
+            "containers": [main],
         },
-    }  # fmt: skip
+    }
     await env.kube.create(core_path("pods", env.namespace), pod)
 
 
@@ -288,3 +289,39 @@ async def test_allocator_and_scheduler_racing_never_double_book(
 
     await wait_for(env.kube, claims_path(env.namespace), listed(settled), within=90,
                    what="allocated claims without a shared slot")  # fmt: skip
+
+
+async def test_a_race_lost_to_the_scheduler_is_yielded(env: AllocatorEnv) -> None:
+    """kube-scheduler read our claim late and gave a user's claim the same device (written
+    here as it would: the race made certain). InstaSlice's claim yields: its pod, ungated and
+    bound, is deleted as read (a controller recreates it) and its claim released."""
+    await dra_node(env, "n0")
+    env.start(allocation_mode=AllocationMode.DRA)
+    await create_dra_pod(env, "ours", {"main": {"1g.10gb": 1}})
+    pod = await env.wait_bound("ours")
+    ours = await env.kube.get(
+        claims_path(env.namespace, pod["metadata"]["annotations"][CLAIM_ANNOTATION])
+    )
+    (result,) = ours["status"]["allocation"]["devices"]["results"]
+    theirs = await env.kube.create(
+        claims_path(env.namespace),
+        {"metadata": {"name": "theirs"}, "spec": {"devices": {"requests": [
+            {"name": "r", "exactly": {"deviceClassName": "mig.instaslice.io"}}]}}},
+    )  # fmt: skip
+    theirs["status"] = {
+        "allocation": {
+            "devices": {"results": [{**result, "request": "r"}]},
+            "nodeSelector": ours["status"]["allocation"]["nodeSelector"],
+        }
+    }
+    await env.kube.replace(claims_path(env.namespace, "theirs") + "/status", theirs)
+    await env.wait_gone("ours")
+    await env.wait_event("ours", "SliceLost", saying="theirs")
+    await wait_for(
+        env.kube,
+        claims_path(env.namespace),
+        listed(lambda items: all(
+            c["metadata"]["name"] == "theirs" or c["metadata"].get("deletionTimestamp")
+            for c in items)),
+        what="our claim released",
+    )  # fmt: skip
