@@ -36,6 +36,8 @@ def claim_path(namespace: str, name: str | None = None) -> str:
 class ClaimWrites(Writes):
     """`Writes` with ResourceClaims as the record (DRA mode)."""
 
+    record_kind = "ResourceClaim"
+
     def __init__(self, kube: Kube, *args: Any, state: ClusterState) -> None:
         super().__init__(kube, *args)
         self.state = state  # the pods' asks, the GPUs' profile ids

@@ -156,7 +156,7 @@ class Steps:
             if isinstance(exc, ApiError) and not exc.retryable:
                 self.metrics.outcome("error")
                 log.error("allocation refused", pod=pod.key, error=str(exc))
-                why = f"the SliceAllocation was refused: {exc.message}"
+                why = f"the {self.writes.record_kind} was refused: {exc.message}"
                 self.placer.park(pod, WRITE_ERROR, why)
                 return
             raise

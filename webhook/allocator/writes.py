@@ -45,6 +45,8 @@ _LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal look
 
 
 class Writes:
+    record_kind = "SliceAllocation"  # the pods' records (claimwrites.py: ResourceClaim)
+
     def __init__(self, kube: Kube, elector: LeaderElector, clock: Clock, instance: str) -> None:
         self.kube = kube
         self.elector = elector
