@@ -1,0 +1,93 @@
+"""DRA mode end to end on KWOK GPU nodes (`dra: true`): the real webhook, allocator and node
+agents (emulated NVML), every component with `--allocation-mode dra` (docs/dra.md).
+
+Covers: an unmodified pod asking `nvidia.com/mig-*` in an opted-in namespace is rewritten to
+name a ResourceClaim; the allocator creates it, allocates it where its engine placed the pod
+(devices of the node's pool) and reserves it, the gate comes off, the pod Runs on that node;
+the node agent carves the claim's slices (MigNode instances at the devices' starts, CDI file);
+`kubectl describe pod` shows SliceAllocated as in gate mode; a pod asking in two containers gets
+one request each; deleting the pods leaves no claim, no finalizer, no instance.
+Leaves out: the kubelet's prepare (tests/e2e/test_realnode_dra.py, on the real node), races
+with kube-scheduler (tests/integration/test_allocator_dra.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.constants import CLAIM_ANNOTATION, DRA_DRIVER, REASON_ALLOCATED, RELEASE_FINALIZER
+from common.draclaim import parse_device
+from common.kubeapi import Kube, Obj, core_path, group_path, instaslice_path
+from testkit.builders import user_pod
+from tests.e2e.conftest import _NODE
+from tests.e2e.helpers import pods_path, wait_event, wait_pod_running
+from tests.support import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+OWN_SPEC: dict[str, Any] = {
+    "dra": True,
+    "nodes": [{"prefix": "dra", "count": 1, "gpus": 2, "model": "H100-80GB", **_NODE}],
+}
+
+
+def claims_path(ns: str, name: str | None = None) -> str:
+    return group_path("resource.k8s.io/v1", "resourceclaims", ns, name)
+
+
+def instances(mig_node: Obj) -> set[tuple[int, int, str]]:
+    """(GPU index, start, claim) of every instance the node agent reports."""
+    out = set()
+    for g in (mig_node.get("status") or {}).get("gpus") or []:
+        for i in g.get("slices") or []:
+            out.add((int(g["index"]), int(i["start"]), str(i.get("claim") or "")))
+    return out
+
+
+async def test_pods_get_their_slices_through_claims(own_kube: Kube, own_ns: str) -> None:
+    kube, ns = own_kube, own_ns
+    await kube.create(pods_path(ns), user_pod(name="one", slices={"main": {"1g.10gb": 1}}))
+    await kube.create(
+        pods_path(ns), user_pod(name="two", slices={"a": {"3g.40gb": 1}, "b": {"1g.10gb": 2}})
+    )
+    carved: dict[str, list[tuple[int, int]]] = {}
+    for name in ("one", "two"):
+        pod = await wait_pod_running(kube, ns, name)
+        node = pod["spec"]["nodeName"]
+        claim_name = pod["metadata"]["annotations"][CLAIM_ANNOTATION]
+        assert pod["spec"]["resourceClaims"] == [
+            {"name": "instaslice", "resourceClaimName": claim_name}
+        ]
+        claim = await kube.get(claims_path(ns, claim_name))
+        assert claim["metadata"]["finalizers"] == [RELEASE_FINALIZER]
+        assert claim["status"]["reservedFor"][0]["uid"] == pod["metadata"]["uid"]
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert {(r["driver"], r["pool"]) for r in results} == {(DRA_DRIVER, node)}
+        devices = [parse_device(r["device"]) for r in results]
+        assert all(d is not None for d in devices)
+        carved[claim_name] = [(d[0], d[2]) for d in devices if d is not None]
+        await wait_event(kube, ns, name, REASON_ALLOCATED)
+        for c in pod["spec"]["containers"]:
+            assert [r["name"] for r in c["resources"].get("claims", [])] == ["instaslice"]
+    assert len(carved[next(iter(carved))]) == 1 and sum(len(v) for v in carved.values()) == 4
+
+    def made(objs: dict[str, Obj]) -> bool:
+        held = set().union(*(instances(m) for m in objs.values()))
+        want = {(g, s, c) for c, where in carved.items() for g, s in where}
+        return want <= held
+
+    await wait_for(kube, instaslice_path("mignodes"), made, what="the claims' instances made")
+
+    for name in ("one", "two"):
+        await kube.delete(core_path("pods", ns, name), {"gracePeriodSeconds": 0})
+    await wait_for(
+        kube, claims_path(ns), lambda objs: not objs, what="no claim left (finalizer dropped)"
+    )
+
+    def none_left(objs: dict[str, Obj]) -> bool:
+        held = set().union(*(instances(m) for m in objs.values()))
+        return not {h for h in held if h[2] in carved}
+
+    await wait_for(kube, instaslice_path("mignodes"), none_left, what="the instances destroyed")
