@@ -109,7 +109,7 @@ class Handlers:
             view = self.state.upsert_pod(obj)
             if self.leading() and view.claim is not None:
                 track = self.tracks.ensure(uid)
-                fresh = track.ungate_start is None and track.pinned_rv is None
+                fresh = track.ungate_start is None and not track.pinned
                 if fresh and view.gates == (GATE_NAME,):  # ours became its only gate now
                     track.ungate_start = self.clock.monotonic()
             if view.claim is not None or self.tracks.get(uid) or self.state.allocations_of(uid):

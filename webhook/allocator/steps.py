@@ -4,7 +4,7 @@
 queues (`Wait`, `Forget`, `Dequeue`, `Unserved`, `Queue`, `Kick`, `Settled`, `AwaitVictims`,
 `GiveUp`), the write ones against the API server (through `writes`, every write
 Lease-checked) — and records in the pod's record what it did: the create in flight, the
-pin's resourceVersion, the allocations it deleted, the retry backoff. It answers when to
+pin written, the allocations it deleted, the retry backoff. It answers when to
 look at the pod again (None: when a watch event says). Deciding is not done here
 (webhook.allocator.track); the controller's worker only asks `next_step` and runs this.
 """
@@ -177,7 +177,7 @@ class Steps:
         if written is None:
             return
         # gates cannot come back: never pin this pod again
-        track.pinned_rv = str(written.get("metadata", {}).get("resourceVersion") or "?")
+        track.pinned = True
         if track.ungate_start is not None:
             waited = max(0.0, self.clock.monotonic() - track.ungate_start)
             self.metrics.time_to_ungate.observe(waited)

@@ -57,9 +57,8 @@ class Writes:
         return await self.kube.create(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace), body)
 
     async def pin(self, pod: Obj, node: str) -> Obj | None:
-        """Pin `pod` to `node` and lift our gate in one PUT; the pod as written (its
-        resourceVersion identifies the echo). None when there is nothing to do any more (the
-        pod is gone, replaced, or already ungated)."""
+        """Pin `pod` to `node` and lift our gate in one PUT; the pod as written. None when
+        there is nothing to do any more (the pod is gone, replaced, or already ungated)."""
         meta = pod["metadata"]
         path = core_path("pods", meta["namespace"], meta["name"])
         uid, current = podlib.uid(pod), pod
