@@ -446,10 +446,10 @@ async def test_a_pinned_pod_never_shows_our_gate_again(env: AllocatorEnv) -> Non
     await env.add_node("n1")
     env.start()
     await env.create_pod("p")
-    pod = await env.wait_ungated("p")
-    regated = {**pod, "spec": {**pod["spec"], "schedulingGates": [{"name": GATE_NAME}]}}
-    with pytest.raises(ApiError) as refused:
-        await env.kube.replace(core_path("pods", env.namespace, "p"), regated)
+    await env.wait_ungated("p")
+    regate = [{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": GATE_NAME}]}]
+    with pytest.raises(ApiError) as refused:  # a patch: no resourceVersion to race the binding
+        await env.kube.patch(core_path("pods", env.namespace, "p"), regate, kind="json")
     assert refused.value.status == 422, refused.value
     assert "schedulingGates" in str(refused.value), refused.value
     assert not podlib.has_our_gate(await env.pod("p"))
