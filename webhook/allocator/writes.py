@@ -109,6 +109,11 @@ class Writes:
         await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))  # last
         return True
 
+    async def list_allocations(self) -> list[Obj]:
+        """Every SliceAllocation, as a quorum list reads them (a new term's first look)."""
+        listing = await self.kube.list(instaslice_path(SLICE_ALLOCATION_PLURAL))
+        return list(listing.get("items") or [])
+
     async def pod_alive(self, alloc: SliceAllocation) -> bool:
         """Whether the allocation's pod exists (same UID) and has not finished."""
         try:
