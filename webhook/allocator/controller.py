@@ -118,14 +118,13 @@ class Controller:
             )
         self.scale_up = ScaleUp(
             kube,
-            elector,
+            self.writes,
             state,
             settings.scale_up,
             settings.policy,
             self.catalog,
             clock,
             tell=self._event,
-            instance=settings.instance,
         )
         if self.scale_up.on:
             placer.pendings = self.scale_up

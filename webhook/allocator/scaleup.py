@@ -58,7 +58,7 @@ from webhook.allocator.autoscale import (
     placeholder_identity,
     releasing,
 )
-from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.leader import NotLeader
 from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import placeable
@@ -85,15 +85,14 @@ class Need:
 
 @dataclass(eq=False)
 class ScaleUp(Signals):
-    kube: Kube
-    elector: LeaderElector
+    kube: Kube  # its informers' (reads only)
+    writes: Writes  # every write, Lease-checked: the controller's one Writes
     state: ClusterState
     settings: ScaleUpSettings
     policy: Policy
     catalog: Catalog
     clock: Clock
     tell: Tell
-    instance: str  # the pod this replica runs in (its writes' reportingInstance)
     needs: dict[str, Need] = field(default_factory=dict)  # pod uid → since when
     waits: set[str] = field(default_factory=set)  # classified: no new node needed
     told: dict[tuple[str, EventReason], str] = field(
@@ -109,11 +108,6 @@ class ScaleUp(Signals):
     # pods whose signal we hold from our own create's answer (or a read), which the watch
     # has not shown yet: until it does, another object of that name it shows is older
     _unechoed: set[str] = field(default_factory=set)
-
-    @property
-    def writes(self) -> Writes:
-        """Its writes, each Lease-checked, as every other write of the allocator."""
-        return Writes(self.kube, self.elector, self.clock, self.instance)
 
     # --- called by the placer (synchronous, pure bookkeeping) -------------------------------
 

@@ -48,6 +48,7 @@ class Signals:
     state: ClusterState
     settings: ScaleUpSettings
     tell: Tell
+    writes: Writes
     needs: dict[str, Need]
     told: dict[tuple[str, EventReason], str]
     signals: dict[str, Obj]
@@ -59,10 +60,6 @@ class Signals:
     @property
     def on(self) -> bool:
         return self.settings.mode is not SignalMode.OFF
-
-    @property
-    def writes(self) -> Writes:
-        raise NotImplementedError  # ScaleUp's
 
     def lost(self, uid: str) -> None:
         raise NotImplementedError  # ScaleUp's

@@ -1,5 +1,7 @@
 """Every write the allocator makes, each preceded by the Lease check (but its own Lease's,
-leader.py).
+leader.py). The controller builds one `Writes` and hands it to every part that writes (steps,
+the MigNode writes, the loops, the autoscaler signal); no other module calls a write of
+`Kube` (tests/unit/test_allocator_one_writer.py).
 
 The controller decides *what* to do; this module is *how*, against the API server: the
 SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
