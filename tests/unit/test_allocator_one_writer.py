@@ -2,7 +2,8 @@
 
 Covers: no module of webhook/allocator/ but writes.py calls a write of `Kube` (leader.py
 writes only its own Lease, which no Lease check can guard), none but the controller builds
-a `Writes`, and the controller hands its one `Writes` to every part that writes. Leaves out
+a `Writes`, the controller hands its one `Writes` to every part that writes, and the alias
+of an event written in the background (`Tell`) is declared there once. Leaves out
 what each write sends (test_allocator_controller.py, the integration tests).
 """
 
@@ -77,3 +78,15 @@ async def test_the_controller_hands_its_one_writes_to_every_writer(scale_up: str
     )
     writers = [c.steps.writes, c.modes.writes, c.loops.writes, c.scale_up.writes]
     assert all(w is c.writes for w in writers)
+
+
+def test_the_event_writing_alias_is_defined_once_in_writes_py() -> None:
+    """`Tell` and `EventType_` (an event written in the background, and its type) are
+    declared in writes.py only; the other modules import them."""
+    found = []
+    for path in sorted(ALLOCATOR.glob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            found += [(path.name, n) for n in sorted(names & {"Tell", "EventType_"})]
+    assert found == [("writes.py", "EventType_"), ("writes.py", "Tell")]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal
+from typing import Any
 
 from common.catalog import load_catalog
 from common.clock import cancel_until_done
@@ -44,7 +44,7 @@ from webhook.allocator.settings import AllocatorSettings
 from webhook.allocator.state import ClusterState
 from webhook.allocator.steps import Steps
 from webhook.allocator.track import Tracks, next_step
-from webhook.allocator.writes import MigNodeWrites, Writes
+from webhook.allocator.writes import EventType_, MigNodeWrites, Writes
 
 
 class Controller:
@@ -257,9 +257,7 @@ class Controller:
         if self._tg is not None and self._leading:
             self._tg.create_task(write())
 
-    def _event(
-        self, pod: Obj, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
+    def _event(self, pod: Obj, reason: EventReason, message: str, type_: EventType_) -> None:
         """An event written in the background, off the pod's critical path."""
         if self._tg is None:
             return

@@ -32,9 +32,8 @@ of pods that are still gated are kept across terms, so a leader change does not 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import structlog
 
@@ -63,11 +62,10 @@ from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import EventType_, Tell, Writes
 
 log = structlog.get_logger("allocator")
 
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 _PROVREQ_FAILURES = ("Failed", "BookingExpired", "CapacityRevoked")
 LOST_BACKOFF_S = 30.0
 
@@ -345,9 +343,7 @@ class ScaleUp(Signals):
         if reason == "FailedScheduling":
             self._tell_once(uid, REASON_FAILED, f"Karpenter: {obj.get('message', '')}", "Warning")
 
-    def _tell_once(
-        self, uid: str, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
+    def _tell_once(self, uid: str, reason: EventReason, message: str, type_: EventType_) -> None:
         if self.told.get((uid, reason)) == message:
             return
         pod = self.state.pods.get(uid)

@@ -11,8 +11,8 @@ in the way of a pin before it is written (docs/autoscaling.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,14 +32,12 @@ from webhook.allocator.autoscale import (
     selection,
 )
 from webhook.allocator.state import ClusterState
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import Tell, Writes
 
 if TYPE_CHECKING:
     from webhook.allocator.scaleup import Need
 
 log = structlog.get_logger("allocator")
-
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 
 
 class Signals:

@@ -15,7 +15,6 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import structlog
 
@@ -26,7 +25,6 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
-    EventReason,
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
@@ -50,12 +48,9 @@ from webhook.allocator.track import (
     UnstickPod,
 )
 from webhook.allocator.views import PodView
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import Tell, Writes
 
 log = structlog.get_logger("allocator")
-
-EventType_ = Literal["Normal", "Warning"]
-Tell = Callable[[Obj, EventReason, str, EventType_], None]
 
 
 _FIRST_BACKOFF_S = 0.2

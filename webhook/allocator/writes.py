@@ -42,6 +42,9 @@ from webhook.allocator.state import ClusterState
 log = structlog.get_logger("allocator")
 
 COMPONENT = "instaslice-allocator"
+
+EventType_ = Literal["Normal", "Warning"]  # an Event's type (kubeapi.EventType: a watch event's)
+Tell = Callable[[Obj, EventReason, str, EventType_], None]  # an event, written in the background
 _PIN_ATTEMPTS = 5
 _LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal looks again
 
@@ -243,9 +246,7 @@ class Writes:
             raise
         return True
 
-    async def event(
-        self, pod: Obj, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
+    async def event(self, pod: Obj, reason: EventReason, message: str, type_: EventType_) -> None:
         """Best effort (common.events), written only while this replica's leadership is
         confirmed. While a renewal is late it waits, for a decision made in that moment must
         still be told (CI: a pod parked just as the term began was never told why); the end
