@@ -893,24 +893,22 @@ def test_make_room_asks_the_api_server_where_a_placeholder_unbound_to_it_stands(
     assert set(s.signals) == {"want"}
 
 
-def test_make_room_waits_for_the_terms_listing() -> None:
-    """A new term's first pins come before its watches listed the placeholders: make_room
-    waits for the listing, then deletes the pod's own (which was there all along)."""
+def test_make_room_never_waits_for_the_terms_listing() -> None:
+    """make_room reads the signals as the term's watches listed them: the controller starts
+    a term's pins only once they have (`ScaleUp.listed`; test_allocator_controller.py
+    `test_a_term_pins_nothing_before_the_signal_watches_listed`), so it never waits for
+    the listing itself, even before `synced` is set."""
     state, _ = _full_cluster()
     s = _scale_up(state, FakeClock(), delay=0)
     kube = _Kube()
     s.writes.kube = kube  # type: ignore[assignment]
     _decided(state, "own", "n1")
 
-    async def pin_then_listing() -> None:
-        room = asyncio.create_task(s.make_room("own", "n1"))
-        await asyncio.sleep(0.01)
-        assert not room.done() and kube.calls == []  # waits: nothing known yet
+    async def listing_then_pin() -> None:
         await s._on_signal("ADDED", _bound("own", "n1"))  # the listing
-        s.synced.set()
-        await room
+        await asyncio.wait_for(s.make_room("own", "n1"), 5)  # synced is never set here
 
-    asyncio.run(pin_then_listing())
+    asyncio.run(listing_then_pin())
     assert kube.calls == [f"delete {signal_name('own')}"]
 
 

@@ -210,6 +210,10 @@ class Controller:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                tg.create_task(self.scale_up.run(), name="scale-up")
+                # the autoscaler signal's watches list first: a pin's make_room then reads
+                # the signals as listed, never waiting for them (docs/autoscaling.md)
+                await self.scale_up.listed()
                 self._leading = True
                 self.work.start(tg)
                 if revisit:
@@ -217,7 +221,6 @@ class Controller:
                 tg.create_task(self.loops.placement(), name="placer")
                 tg.create_task(self.loops.timer(), name="timer")
                 tg.create_task(self.loops.agents_sweep(), name="agents")
-                tg.create_task(self.scale_up.run(), name="scale-up")
         finally:
             self.step_down()
 

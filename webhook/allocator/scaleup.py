@@ -97,7 +97,7 @@ class ScaleUp(Signals):
         default_factory=dict
     )  # (uid, reason) → message
     signals: dict[str, Obj] = field(default_factory=dict)  # pod uid → its signal object
-    # set once this term's watches have listed the signals (`make_room` waits for it)
+    # set once this term's watches have listed the signals (`listed`)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -150,6 +150,13 @@ class ScaleUp(Signals):
         self.waits.discard(uid)
 
     # --- the loop (leading) -----------------------------------------------------------------
+
+    async def listed(self) -> None:
+        """Return once this term's watches (`run`) have listed the signals. The controller
+        starts the term's workers only then, so a pin's `make_room` reads the signals as
+        listed and never waits for them itself."""
+        if self.on:
+            await self.synced.wait()
 
     async def run(self) -> None:
         if not self.on:

@@ -50,7 +50,6 @@ class Signals:
     needs: dict[str, Need]
     told: dict[tuple[str, EventReason], str]
     signals: dict[str, Obj]
-    synced: asyncio.Event
     _withdrawing: dict[str, asyncio.Task[None]]
     _raising: dict[str, asyncio.Event]
     _unechoed: set[str]
@@ -86,16 +85,16 @@ class Signals:
 
     async def make_room(self, uid: str, node: str) -> None:
         """Withdraw `in_the_way(uid, node)` before the pin, the deletes sent together and
-        answered. It waits first for this term's watches to have listed the signals (a new
-        leader's first pins would see none) and for `uid`'s own create if one is in flight
-        (answered after the pin, it would stand there). Only `uid`'s own delete must
-        succeed; another's failure is logged (the round tries it again). A pod still
-        waiting for a node whose placeholder went so asks again after `lost`'s wait, as if
-        the scheduler had preempted it (at once, it would take the room back); pins to the
-        node at the same time share the delete and count it once."""
+        answered. It reads the signals as this term's watches listed them: the controller
+        starts the term's workers, and so its pins, only once they have (`ScaleUp.listed`;
+        a new leader's first pins would otherwise see none). It waits for `uid`'s own
+        create if one is in flight (answered after the pin, it would stand there). Only
+        `uid`'s own delete must succeed; another's failure is logged (the round tries it
+        again). A pod still waiting for a node whose placeholder went so asks again after
+        `lost`'s wait, as if the scheduler had preempted it (at once, it would take the room
+        back); pins to the node at the same time share the delete and count it once."""
         if not self.on:
             return
-        await self.synced.wait()
         raising = self._raising.get(uid)
         if raising is not None:
             await raising.wait()
