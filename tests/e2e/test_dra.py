@@ -6,7 +6,8 @@ name a ResourceClaim; the allocator creates it, allocates it where its engine pl
 (devices of the node's pool) and reserves it, the gate comes off, the pod Runs on that node;
 the node agent carves the claim's slices (MigNode instances at the devices' starts, CDI file);
 `kubectl describe pod` shows SliceAllocated as in gate mode; a pod asking in two containers gets
-one request each; deleting the pods leaves no claim, no finalizer, no instance.
+one request each; deleting the pods leaves no claim, no finalizer, no instance; preemption:
+the victims' claims are released and the preemptor's allocated on the freed GPU.
 Leaves out: the kubelet's prepare (tests/e2e/test_realnode_dra.py, on the real node), races
 with kube-scheduler (tests/integration/test_allocator_dra.py).
 """
@@ -17,9 +18,16 @@ from typing import Any
 
 import pytest
 
-from common.constants import CLAIM_ANNOTATION, DRA_DRIVER, REASON_ALLOCATED, RELEASE_FINALIZER
+from common.constants import (
+    CLAIM_ANNOTATION,
+    DRA_DRIVER,
+    REASON_ALLOCATED,
+    REASON_PREEMPTING,
+    RELEASE_FINALIZER,
+)
 from common.draclaim import parse_device
 from common.kubeapi import Kube, Obj, core_path, group_path, instaslice_path
+from hack.cluster.priority import ensure_priority_classes
 from testkit.builders import user_pod
 from tests.e2e.conftest import _NODE
 from tests.e2e.helpers import pods_path, wait_event, wait_pod_running
@@ -31,6 +39,9 @@ OWN_SPEC: dict[str, Any] = {
     "dra": True,
     "nodes": [{"prefix": "dra", "count": 1, "gpus": 2, "model": "H100-80GB", **_NODE}],
 }
+
+
+LOW, HIGH = "e2e-dra-low", "e2e-dra-high"
 
 
 def claims_path(ns: str, name: str | None = None) -> str:
@@ -91,3 +102,33 @@ async def test_pods_get_their_slices_through_claims(own_kube: Kube, own_ns: str)
         return not {h for h in held if h[2] in carved}
 
     await wait_for(kube, instaslice_path("mignodes"), none_left, what="the instances destroyed")
+
+
+async def test_preemption_releases_the_victims_claims(own_kube: Kube, own_ns: str) -> None:
+    """§6 in DRA mode: the node's two H100s full of low-priority 3g.40gb + 4g.40gb pods, then
+    a high-priority 7g.80gb pod: the pods of one GPU are evicted, their claims released (gone:
+    the agent destroyed their slices and dropped the finalizer), and the preemptor Runs on a
+    claim of that GPU's whole 7g device."""
+    kube, ns = own_kube, own_ns
+    await ensure_priority_classes(kube, {LOW: 100, HIGH: 1000})
+    lows = {f"low{i}": ("3g.40gb" if i % 2 else "4g.40gb") for i in range(4)}
+    for name, profile in lows.items():
+        body = user_pod(name=name, slices={"main": {profile: 1}})
+        body["spec"]["priorityClassName"] = LOW
+        await kube.create(pods_path(ns), body)
+    for name in lows:
+        await wait_pod_running(kube, ns, name)
+    body = user_pod(name="big", slices={"main": {"7g.80gb": 1}})
+    body["spec"]["priorityClassName"] = HIGH
+    await kube.create(pods_path(ns), body)
+    await wait_event(kube, ns, "big", REASON_PREEMPTING)
+    pod = await wait_pod_running(kube, ns, "big")
+    claim = await kube.get(claims_path(ns, pod["metadata"]["annotations"][CLAIM_ANNOTATION]))
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert [parse_device(r["device"])[1:] for r in results] == [(0, 0)]  # type: ignore[index]
+    pods = (await kube.list(pods_path(ns)))["items"]
+    left = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+    assert len(left & set(lows)) == 2, left  # one GPU's two pods were the victims
+    await wait_for(
+        kube, claims_path(ns), lambda objs: len(objs) == 3, what="the victims' claims gone"
+    )
