@@ -21,6 +21,7 @@ import pytest
 from common.constants import (
     CLAIM_ANNOTATION,
     DRA_DRIVER,
+    NVIDIA_GPU,
     REASON_ALLOCATED,
     REASON_PREEMPTING,
     RELEASE_FINALIZER,
@@ -29,7 +30,7 @@ from common.draclaim import parse_device
 from common.kubeapi import Kube, Obj, core_path, group_path, instaslice_path
 from hack.cluster.priority import ensure_priority_classes
 from testkit.builders import user_pod
-from tests.e2e.conftest import _NODE
+from tests.e2e.conftest import _NODE, whole_gpu_namespace
 from tests.e2e.helpers import pods_path, wait_event, wait_pod_running
 from tests.support import wait_for
 
@@ -37,11 +38,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 OWN_SPEC: dict[str, Any] = {
     "dra": True,
-    "nodes": [{"prefix": "dra", "count": 1, "gpus": 2, "model": "H100-80GB", **_NODE}],
+    "nodes": [
+        {"prefix": "dra", "count": 1, "gpus": 2, "model": "H100-80GB", **_NODE},
+        {
+            "prefix": "off",
+            "count": 1,
+            "gpus": 2,
+            "model": "H100-80GB",
+            "migMode": "disabled",
+            **_NODE,
+        },
+    ],
 }
 
 
 LOW, HIGH = "e2e-dra-low", "e2e-dra-high"
+ON_DRA = {"kubernetes.io/hostname": "dra-0"}  # the node in MIG mode
+ON_OFF = {"kubernetes.io/hostname": "off-0"}  # the node whose GPUs start with MIG off
 
 
 def claims_path(ns: str, name: str | None = None) -> str:
@@ -59,9 +72,14 @@ def instances(mig_node: Obj) -> set[tuple[int, int, str]]:
 
 async def test_pods_get_their_slices_through_claims(own_kube: Kube, own_ns: str) -> None:
     kube, ns = own_kube, own_ns
-    await kube.create(pods_path(ns), user_pod(name="one", slices={"main": {"1g.10gb": 1}}))
     await kube.create(
-        pods_path(ns), user_pod(name="two", slices={"a": {"3g.40gb": 1}, "b": {"1g.10gb": 2}})
+        pods_path(ns), user_pod(name="one", slices={"main": {"1g.10gb": 1}}, node_selector=ON_DRA)
+    )
+    await kube.create(
+        pods_path(ns),
+        user_pod(
+            name="two", slices={"a": {"3g.40gb": 1}, "b": {"1g.10gb": 2}}, node_selector=ON_DRA
+        ),
     )
     carved: dict[str, list[tuple[int, int]]] = {}
     for name in ("one", "two"):
@@ -113,12 +131,12 @@ async def test_preemption_releases_the_victims_claims(own_kube: Kube, own_ns: st
     await ensure_priority_classes(kube, {LOW: 100, HIGH: 1000})
     lows = {f"low{i}": ("3g.40gb" if i % 2 else "4g.40gb") for i in range(4)}
     for name, profile in lows.items():
-        body = user_pod(name=name, slices={"main": {profile: 1}})
+        body = user_pod(name=name, slices={"main": {profile: 1}}, node_selector=ON_DRA)
         body["spec"]["priorityClassName"] = LOW
         await kube.create(pods_path(ns), body)
     for name in lows:
         await wait_pod_running(kube, ns, name)
-    body = user_pod(name="big", slices={"main": {"7g.80gb": 1}})
+    body = user_pod(name="big", slices={"main": {"7g.80gb": 1}}, node_selector=ON_DRA)
     body["spec"]["priorityClassName"] = HIGH
     await kube.create(pods_path(ns), body)
     await wait_event(kube, ns, "big", REASON_PREEMPTING)
@@ -132,3 +150,38 @@ async def test_preemption_releases_the_victims_claims(own_kube: Kube, own_ns: st
     await wait_for(
         kube, claims_path(ns), lambda objs: len(objs) == 3, what="the victims' claims gone"
     )
+
+
+async def test_whole_gpus_and_mig_mode_on_demand(own_kube: Kube) -> None:
+    """§6 in DRA mode, on a node whose GPUs start with MIG off: a whole-GPU pod gets a claim
+    of device `gpu-<i>` (whole, MIG left off), and a 1g.10gb pod a claim of the other GPU,
+    whose MIG mode the node agent turns on to carve it."""
+    kube = own_kube
+    async with whole_gpu_namespace(kube, "dra-whole-") as ns:
+        whole = user_pod(name="w", slices={}, node_selector=ON_OFF)
+        whole["spec"]["containers"] = [
+            {"name": "main", "image": "cuda", "resources": {"limits": {NVIDIA_GPU: "1"}}}
+        ]
+        await kube.create(pods_path(ns), whole)
+        await kube.create(
+            pods_path(ns), user_pod(name="m", slices={"main": {"1g.10gb": 1}}, node_selector=ON_OFF)
+        )
+        devices = {}
+        for name in ("w", "m"):
+            pod = await wait_pod_running(kube, ns, name)
+            assert pod["spec"]["nodeName"] == "off-0"
+            claim = await kube.get(
+                claims_path(ns, pod["metadata"]["annotations"][CLAIM_ANNOTATION])
+            )
+            (result,) = claim["status"]["allocation"]["devices"]["results"]
+            devices[name] = parse_device(result["device"])
+        assert devices["w"] is not None and devices["w"][1] is None  # `gpu-<i>`: whole
+        assert devices["m"] is not None and devices["m"][1] is not None
+        assert devices["w"][0] != devices["m"][0]
+
+        def mig_on_for_m(objs: dict[str, Obj]) -> bool:
+            gpus = (objs.get("off-0", {}).get("status") or {}).get("gpus") or []
+            g = next((g for g in gpus if g.get("index") == devices["m"][0]), {})  # type: ignore[index]
+            return (g.get("migMode") or {}).get("current") == "enabled" and bool(g.get("slices"))
+
+        await wait_for(kube, instaslice_path("mignodes"), mig_on_for_m, what="MIG on, 1g made")
