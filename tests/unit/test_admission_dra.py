@@ -6,7 +6,8 @@ Covers: a MIG ask, a whole-GPU ask, several asks in one container and in several
 pod names its ResourceClaim in `spec.resourceClaims` (the claim annotation's id) and each
 asking container names exactly its own asks' requests; no NVIDIA_VISIBLE_DEVICES is set;
 a user's own resourceClaims entries and claims are kept; an entry named like InstaSlice's and
-size asks are refused. Leaves out: the claim the allocator makes (test_draclaim.py) and gate
+size asks are refused; the autoscaler signal's placeholder asks what the pod asks.
+Leaves out: the claim the allocator makes (test_draclaim.py) and gate
 mode (test_admission.py).
 """
 
@@ -23,6 +24,8 @@ from common.podspec import SliceAsk, slice_requests
 from testkit.builders import container
 from tests.unit.test_admission import ENV, claims, make_request, team_pod
 from webhook.admission import review
+from webhook.allocator.autoscale import placeholder_pod
+from webhook.allocator.pods import pod_request
 from webhook.reviews import Denied, Patched
 
 DRA = dataclasses.replace(ENV, allocation_mode=AllocationMode.DRA)
@@ -120,3 +123,23 @@ def test_an_entry_named_like_ours_and_size_asks_are_refused() -> None:
     sized["metadata"]["annotations"] = {"instaslice.io/mig-size.main": "memory>=10Gi"}
     d = review(make_request(sized), DRA, new_claim=claims())
     assert isinstance(d, Denied) and "DRA mode" in d.message
+
+
+def test_the_autoscaler_signal_asks_what_the_pod_asks() -> None:
+    """§6 in DRA mode: the placeholder standing for a gated DRA pod (docs/autoscaling.md) asks
+    the same `instaslice.io/mig-*` resources as for the gate-mode form of the pod: the asks
+    come from `instaslice.io/asks`, and the placeholder names no claim."""
+    pod = team_pod(container(limits={"nvidia.com/mig-1g.18gb": "2", "cpu": "1"}))
+    _, dra = rewrite(pod)
+    gate = jsonpatch.apply_patch(
+        pod,
+        review(make_request(pod), ENV, new_claim=claims()).patch,  # type: ignore[union-attr]
+    )
+    for out in (dra, gate):
+        out["metadata"]["uid"] = "u1"
+    signals = [placeholder_pod(p, pod_request(p), ()) for p in (dra, gate)]
+    assert signals[0]["spec"] == signals[1]["spec"]
+    assert signals[0]["spec"]["containers"][0]["resources"]["limits"] == {
+        "instaslice.io/mig-1g.18gb": "2"
+    }
+    assert "resourceClaims" not in signals[0]["spec"]
