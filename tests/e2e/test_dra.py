@@ -181,7 +181,9 @@ async def test_whole_gpus_and_mig_mode_on_demand(own_kube: Kube) -> None:
 
         def mig_on_for_m(objs: dict[str, Obj]) -> bool:
             gpus = (objs.get("off-0", {}).get("status") or {}).get("gpus") or []
-            g = next((g for g in gpus if g.get("index") == devices["m"][0]), {})  # type: ignore[index]
+            m = devices["m"]
+            assert m is not None
+            g: Obj = next((g for g in gpus if g.get("index") == m[0]), {})
             return (g.get("migMode") or {}).get("current") == "enabled" and bool(g.get("slices"))
 
         await wait_for(kube, instaslice_path("mignodes"), mig_on_for_m, what="MIG on, 1g made")

@@ -20,8 +20,7 @@ import pytest
 from common.constants import CLAIM_ANNOTATION, ENABLED_KEY, GATE_NAME, MEMORY_SLOTS_RESOURCE
 from common.kubeapi import Kube, Obj, core_path, group_path
 from testkit.builders import user_pod
-from tests.e2e.conftest import wait_opted_in
-from tests.e2e.helpers import pods_path
+from tests.e2e.helpers import pods_path, wait_opted_in
 from tests.e2e.test_kueue import KUEUE, KUEUE_GATE, QUEUE_LABEL, _flavor, cluster_queue
 from tests.support import wait_for
 
