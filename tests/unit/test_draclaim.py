@@ -6,16 +6,25 @@ on the profile); its status (a result per slice naming the request of its contai
 the device of our pool, whole GPUs too; the node selector; reservedFor = the pod) in one
 body; read back as the SliceAllocation it stands for, `Pending` before the status and `Ready`
 after; a user's claim read as the devices it holds, never as ours; device names both ways;
-the model counting a user's devices as occupied and naming our allocation they overlap.
+the model counting a user's devices as occupied and naming our allocation they overlap; the
+adapter (ClaimWrites) creating the claim, then allocation + reservation in one status update,
+and taking the claim back when that update is refused.
 Leaves out: the API server (tests/integration/test_allocator_dra.py).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from common.allocation import SliceAllocation, allocation_for
-from common.constants import DEVICE_CLASS_GPU, DEVICE_CLASS_MIG, RELEASE_FINALIZER
+from common.constants import (
+    ASKS_ANNOTATION,
+    DEVICE_CLASS_GPU,
+    DEVICE_CLASS_MIG,
+    RELEASE_FINALIZER,
+)
 from common.draclaim import (
     as_allocation,
     claim_for,
@@ -24,9 +33,12 @@ from common.draclaim import (
     parse_device,
     reserve,
 )
+from common.kubeapi import ApiError, Obj
 from common.placement import Occupied, PlacedSlice, Placement
-from common.podspec import SliceAsk
+from common.podspec import SliceAsk, encode_asks
 from testkit.builders import make_mig_node, make_pod
+from testkit.clock import FakeClock
+from webhook.allocator.claimwrites import ClaimWrites
 from webhook.allocator.state import ClusterState
 
 POD = make_pod("p", namespace="ns", uid="u1", claim="c1", slices={"a": {"1g.10gb": 2}})
@@ -145,3 +157,62 @@ def test_a_users_devices_are_occupied_and_overlaps_named() -> None:
     assert state.put_foreign("ns/mine", "", ())  # deallocated: capacity back
     assert state.epoch > epoch and state.overlapped(alloc) is None
     assert state.occupied("n1")[uuid1] == (Occupied(4, 4, "3g.40gb"),)  # ours alone
+
+
+class _Elector:
+    is_leader = True
+
+    def check(self) -> None:
+        pass
+
+
+class _Kube:
+    """Records ClaimWrites' requests; `status_fails`: the status update answers this."""
+
+    def __init__(self, status_fails: int | None = None) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.status_fails = status_fails
+
+    async def create(self, path: str, body: Obj) -> Obj:
+        self.calls.append(("create", path, body))
+        return {**body, "metadata": {**body["metadata"], "uid": "k1", "resourceVersion": "1"}}
+
+    async def replace(self, path: str, body: Obj) -> Obj:
+        self.calls.append(("replace", path, body))
+        if self.status_fails is not None:
+            raise ApiError(self.status_fails, "Forbidden", "no")
+        return body
+
+    async def delete(self, path: str, body: Obj | None = None) -> Obj:
+        self.calls.append(("delete", path, body))
+        return {}
+
+
+def _writes(kube: _Kube) -> ClaimWrites:
+    state = ClusterState()
+    state.upsert_mig_node(make_mig_node("n1", ["H100-80GB", "H100-80GB"]))
+    pod = make_pod("p", namespace="ns", uid="u1", claim="c1",
+                   slices={"a": {"1g.10gb": 2}, "b": {"3g.40gb": 1}})  # fmt: skip
+    pod["metadata"]["annotations"][ASKS_ANNOTATION] = encode_asks(ASKS)
+    state.upsert_pod(pod)
+    return ClaimWrites(kube, _Elector(), FakeClock(), "i", state=state)  # type: ignore[arg-type]
+
+
+async def test_the_adapter_creates_then_allocates_and_reserves_in_one_update() -> None:
+    kube = _Kube()
+    got = await _writes(kube).create_allocation(body())
+    assert [(c[0], c[1].rsplit("/", 2)[-1]) for c in kube.calls] == [
+        ("create", "resourceclaims"),
+        ("replace", "status"),
+    ]
+    status = kube.calls[1][2]["status"]
+    assert status["reservedFor"][0]["uid"] == "u1" and status["allocation"]["devices"]["results"]
+    assert SliceAllocation.parse(got).ready  # what the model is told: Ready, pin next
+
+
+async def test_a_refused_status_update_takes_the_claim_back() -> None:
+    kube = _Kube(status_fails=403)
+    with pytest.raises(ApiError):
+        await _writes(kube).create_allocation(body())
+    assert kube.calls[-1][0] == "delete"
+    assert kube.calls[-1][2] == {"preconditions": {"uid": "k1"}}
