@@ -8,7 +8,8 @@ body; read back as the SliceAllocation it stands for, `Pending` before the statu
 after; a user's claim read as the devices it holds, never as ours; device names both ways;
 the model counting a user's devices as occupied and naming our allocation they overlap; the
 adapter (ClaimWrites) creating the claim, then allocation + reservation in one status update,
-and taking the claim back when that update is refused.
+and taking the claim back when that update is refused; the controller ungating a DRA pod right
+after that update, with no pin.
 Leaves out: the API server (tests/integration/test_allocator_dra.py).
 """
 
@@ -24,6 +25,7 @@ from common.constants import (
     DEVICE_CLASS_GPU,
     DEVICE_CLASS_MIG,
     RELEASE_FINALIZER,
+    AllocationMode,
 )
 from common.draclaim import (
     as_allocation,
@@ -37,7 +39,8 @@ from common.kubeapi import ApiError, Obj
 from common.placement import Occupied, PlacedSlice, Placement
 from common.podspec import SliceAsk, encode_asks
 from testkit.builders import make_mig_node, make_pod
-from testkit.clock import FakeClock
+from testkit.clock import FakeClock, settle
+from tests.unit.test_allocator_controller import RecordingKube, controller, leading, node
 from webhook.allocator.claimwrites import ClaimWrites
 from webhook.allocator.state import ClusterState
 
@@ -216,3 +219,25 @@ async def test_a_refused_status_update_takes_the_claim_back() -> None:
         await _writes(kube).create_allocation(body())
     assert kube.calls[-1][0] == "delete"
     assert kube.calls[-1][2] == {"preconditions": {"uid": "k1"}}
+
+
+async def test_a_dra_pod_is_ungated_right_after_its_claim_is_written() -> None:
+    """The allocator in DRA mode, watch events fed by hand (none for the claim): the claim is
+    created, allocated and reserved in one status update, and the pod's gate comes off at
+    once, with no pin and without waiting for the claim's watch echo."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock, allocation_mode=AllocationMode.DRA)
+    pod = make_pod("p", uid="p", claim="cclaim")
+    async with leading(c):
+        await node(c)
+        await c.handlers.on_pod("ADDED", pod)
+        await settle()
+    writes = [(verb, path.rsplit("/", 2)[-2:]) for verb, path, _ in kube.writes()
+              if "events" not in path]  # fmt: skip
+    assert writes == [
+        ("create", ["ns", "resourceclaims"]),
+        ("replace", ["cclaim", "status"]),
+        ("replace", ["pods", "p"]),
+    ]
+    ungated = kube.writes("replace")[-1][2]
+    assert "schedulingGates" not in ungated["spec"] and "affinity" not in ungated["spec"]

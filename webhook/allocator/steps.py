@@ -99,6 +99,8 @@ class Steps:
             track.backoff_s = 0.0
             if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
                 return 0.0
+            if isinstance(step, Create) and self._ready_now(step):
+                self.book.kick(track.uid)  # DRA mode: written Ready: the ungate comes at once
             return None  # what comes next is told by the watch events the write causes
         track.backoff_s = min(max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.max_backoff_s)
         return track.backoff_s
@@ -160,6 +162,14 @@ class Steps:
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
         self.tell(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the critical path
+
+    def _ready_now(self, step: Create) -> bool:
+        """The record the create wrote is Ready already (DRA mode: the claim is allocated and
+        reserved in the write itself, docs/dra.md), so the pod's next step, its ungate, need
+        not wait for the watch to echo it."""
+        key = f"{step.pod.namespace}/{step.body['metadata']['name']}"
+        alloc = self.state.allocations.get(key)
+        return alloc is not None and alloc.ready and not self.state.is_assumed(key)
 
     def _created(self, key: str, write: asyncio.Future[Obj]) -> None:
         """Settle an assumed allocation by its create's outcome, whatever term it is now."""
