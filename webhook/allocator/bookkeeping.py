@@ -59,10 +59,13 @@ class Bookkeeping:
                 pass
             case Forget():
                 if track.create is not None:  # decided, but the pod left before the create
-                    meta = track.create["metadata"]
+                    meta, track.create = track.create["metadata"], None
                     self.state.forget(f"{meta['namespace']}/{meta['name']}")
                     self.after_change()
-                self.tracks.forget(uid)
+                if track.signal is None:
+                    self.tracks.forget(uid)
+                # else the record goes once the autoscaler signal standing for the pod is
+                # withdrawn (scaleup.py kicks it then): it is the signal's record too
                 queue.remove(uid)
                 self.placer.ampere.release(uid)  # a MIG mode change it alone needed: withdrawn
             case Dequeue():
