@@ -221,11 +221,13 @@ async def test_a_gone_pods_record_lives_until_its_signal_is_gone() -> None:
     pod = make_pod("p", uid="p")
     signal = placeholder_identity(placeholder_pod(pod, podlib.pod_request(pod), []))
     async with leading(c):
-        await c.scale_up._on_signal("ADDED", signal)  # a signal of a pod never seen
+        await c.scale_up._on_signal("ADDED", signal)  # a signal of a pod gone now
+        c.tracks.ensure("p").told = "Full"  # what the pod was told while it was there
         c.kick("p")
         await settle()
         track = c.tracks.get("p")
-        assert track is not None and track.signal == signal  # Forget kept the record
+        assert track is not None and track.signal == signal  # Forget kept its signal's part
+        assert track.told is None and c.tracks.pending_counts() == {}
         assert c.scale_up.wanted(clock.monotonic()) == (set(), {"p"})  # to be withdrawn
         await c.scale_up._on_signal("DELETED", signal)  # gone (the garbage collector)
         await settle()

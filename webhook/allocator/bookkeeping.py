@@ -59,13 +59,12 @@ class Bookkeeping:
                 pass
             case Forget():
                 if track.create is not None:  # decided, but the pod left before the create
-                    meta, track.create = track.create["metadata"], None
+                    meta = track.create["metadata"]
                     self.state.forget(f"{meta['namespace']}/{meta['name']}")
                     self.after_change()
-                if track.signal is None:
-                    self.tracks.forget(uid)
-                # else the record goes once the autoscaler signal standing for the pod is
-                # withdrawn (scaleup.py kicks it then): it is the signal's record too
+                # while an autoscaler signal stands for the pod, its part of the record
+                # stays, until the signal is withdrawn (scaleup.py kicks the pod then)
+                self.tracks.forget(uid, keep_signal=True)
                 queue.remove(uid)
                 self.placer.ampere.release(uid)  # a MIG mode change it alone needed: withdrawn
             case Dequeue():

@@ -420,11 +420,25 @@ class Tracks:
             track = self._by_uid[uid] = PodTrack(uid)
         return track
 
-    def forget(self, uid: str) -> None:
-        self._by_uid.pop(uid, None)
+    def forget(self, uid: str, *, keep_signal: bool = False) -> None:
+        """Drop the record. `keep_signal`: while an autoscaler signal still stands for the
+        pod, a record of the signal's part alone stays (docs/allocator.md "How long a
+        record lives")."""
+        track = self._by_uid.pop(uid, None)
         self._parked.discard(uid)
         self._stuck.discard(uid)
         self._preempting.discard(uid)
+        if keep_signal and track is not None and track.signal is not None:
+            self._by_uid[uid] = PodTrack(
+                uid,
+                need=track.need,
+                waits=track.waits,
+                signal=track.signal,
+                signal_unechoed=track.signal_unechoed,
+                raising=track.raising,
+                withdrawing=track.withdrawing,
+                answers=track.answers,
+            )
 
     def values(self) -> list[PodTrack]:
         return list(self._by_uid.values())
