@@ -29,9 +29,11 @@ from typing import Any
 import pytest
 import yaml
 
-from hack.cluster import BinariesMissing, ControlPlane
+from hack.cluster import ControlPlane
 from tests.integration import test_helm_chart as chart
 from tests.integration import test_manifests as manifests
+from tests.integration.private_cluster import kubectl_ok as _kubectl
+from tests.integration.private_cluster import private_control_plane
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 helm = chart.helm
@@ -90,18 +92,8 @@ def test_uninstall_hook_jobs(helm: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    try:
-        started = ControlPlane.start(tmp_path_factory.mktemp("hooks-cp"))
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    with started as cp:
+    with private_control_plane(tmp_path_factory, "hooks-cp") as cp:
         yield cp
-
-
-def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
-    proc = cp.kubectl(*args, check=False, stdin=stdin)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
 
 
 def _hook_cmd(cp: ControlPlane, phase: str, timeout_s: int) -> list[str]:

@@ -29,7 +29,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hack.cluster import BinariesMissing, ControlPlane
+from hack.cluster import ControlPlane
+from tests.integration.private_cluster import kubectl_ok as _kubectl
+from tests.integration.private_cluster import private_control_plane
 from tests.integration.test_manifests import _fetch_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -40,18 +42,8 @@ NODE = "gpu-uninstall-0"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    try:
-        started = ControlPlane.start(tmp_path_factory.mktemp("uninstall-cp"))
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    with started as cp:
+    with private_control_plane(tmp_path_factory, "uninstall-cp") as cp:
         yield cp
-
-
-def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
-    proc = cp.kubectl(*args, check=False, stdin=stdin)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
 
 
 def _uninstall(cp: ControlPlane, timeout_s: int = 60) -> subprocess.CompletedProcess[str]:
