@@ -108,6 +108,8 @@ def issue(
     client's groups); `dns` and `ips` become the subjectAltName."""
     if (kind is Kind.CA) != (issuer is None):
         raise ValueError("a CA signs itself; a leaf needs an issuer")
+    if kind is Kind.CA and (dns or ips):
+        raise ValueError("a CA names no host")
     if kind is Kind.SERVER and not dns and not ips:
         raise ValueError("a serving certificate needs at least one DNS name or IP address")
     key = ec.generate_private_key(ec.SECP256R1())

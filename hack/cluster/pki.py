@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from common.x509 import Kind, Pair, issue, key_pem
 
@@ -51,43 +50,23 @@ def _is_ip(host: str) -> bool:
 
 
 @dataclass(frozen=True)
-class CertificateAuthority:
+class CertificateAuthority(IssuedCert):
     """The cluster CA: its certificate and key, able to issue leaf certificates."""
-
-    pair: Pair
-
-    @property
-    def cert(self) -> x509.Certificate:
-        return self.pair.cert
-
-    @property
-    def key(self) -> ec.EllipticCurvePrivateKey:
-        return self.pair.key
-
-    @property
-    def cert_pem(self) -> bytes:
-        return self.pair.cert_pem
-
-    @property
-    def key_pem(self) -> bytes:
-        return self.pair.key_pem
 
     @classmethod
     def generate(cls, common_name: str = "instaslice-local-ca") -> CertificateAuthority:
         now = datetime.datetime.now(datetime.UTC)
-        return cls(issue(Kind.CA, common_name, now=now, valid_for=10 * _VALIDITY))
+        ca = issue(Kind.CA, common_name, now=now, valid_for=10 * _VALIDITY)
+        return cls(ca.cert_pem, ca.key_pem)
 
     @classmethod
     def load(cls, cert_path: Path, key_path: Path) -> CertificateAuthority:
-        pair = Pair(cert_path.read_bytes(), key_path.read_bytes())
+        ca = cls(cert_path.read_bytes(), key_path.read_bytes())
         try:
-            _ = pair.cert, pair.key  # parse now: a bad file fails here, not at first use
+            _ = ca.cert, ca.key  # parse now: a bad file fails here, not at first use
         except TypeError as exc:
             raise TypeError(f"{key_path}: expected an EC private key") from exc
-        return cls(pair)
-
-    def write(self, cert_path: Path, key_path: Path) -> None:
-        IssuedCert(self.cert_pem, self.key_pem).write(cert_path, key_path)
+        return ca
 
     def issue(
         self,
@@ -108,7 +87,7 @@ class CertificateAuthority:
         pair = issue(
             Kind.CLIENT if client else Kind.SERVER,
             common_name,
-            issuer=self.pair,
+            issuer=self,
             organizations=organizations,
             dns=[h for h in hosts if not _is_ip(h)],
             ips=[h for h in hosts if _is_ip(h)],

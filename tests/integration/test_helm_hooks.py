@@ -32,8 +32,8 @@ import yaml
 from hack.cluster import ControlPlane
 from tests.integration import test_helm_chart as chart
 from tests.integration import test_manifests as manifests
+from tests.integration.private_cluster import hold_a_slice, private_control_plane
 from tests.integration.private_cluster import kubectl_ok as _kubectl
-from tests.integration.private_cluster import private_control_plane
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 helm = chart.helm
@@ -135,19 +135,7 @@ def test_pre_delete_refuses_while_a_slice_is_held_then_waits_for_its_release(
     installed: ControlPlane,
 ) -> None:
     cp = installed
-    _kubectl(cp, "create", "namespace", "team-a")
-    _kubectl(cp, "annotate", "namespace", "team-a", "instaslice.io/enabled=true")
-    _kubectl(cp, "label", "namespace", "team-a", "instaslice.io/enabled=true")
-    alloc = {
-        "apiVersion": "instaslice.io/v1alpha1",
-        "kind": "SliceAllocation",
-        "metadata": {"name": "claim-1", "namespace": "team-a",
-                     "finalizers": ["instaslice.io/release"]},
-        "spec": {"podName": "trainer", "podUID": "u1", "nodeName": NODE,
-                 "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-1",
-                             "start": 0, "size": 1}]},
-    }  # fmt: skip
-    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    hold_a_slice(cp, NODE)
     hooks = _admission_hooks(cp)
     assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in hooks
 

@@ -129,6 +129,8 @@ def test_refusals() -> None:
         issue(Kind.SERVER, "x", dns=["x"], now=NOW, valid_for=YEAR)
     with pytest.raises(ValueError, match="signs itself"):
         issue(Kind.CA, "x", issuer=ca, now=NOW, valid_for=YEAR)
+    with pytest.raises(ValueError, match="names no host"):
+        issue(Kind.CA, "x", dns=["x"], now=NOW, valid_for=YEAR)
 
 
 def _server(tmp: Path, chain: bytes, key: bytes) -> ssl.SSLContext:
