@@ -250,9 +250,7 @@ class Bench:
     base: bool = True  # the variant at emulated NVML latency 0
     trace: Path | None = None  # per-pod milestones of each variant, one JSON line a pod
     webhook_args: tuple[str, ...] = ()  # extra flags for the webhook/allocator process
-    # allocation modes to run, each on fleets of its own (docs/dra.md); a DRA fleet's
-    # scenarios are keyed `<scenario>-dra[-variant]`, its ratios to its own static baseline
-    modes: tuple[str, ...] = ("gates",)
+    modes: tuple[str, ...] = ("gates",)  # each on fleets of its own; dra's keyed <scenario>-dra
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
