@@ -22,7 +22,8 @@ behind, and keeps the CRDs. Then DRA mode
 by chart on the same cluster (`dra: true` with `install: chart`, installed again): the
 DaemonSet's agent registers its DRA plugin with the real kubelet, whose root dir is not
 /var/lib/kubelet (the chart's `nodeagent.kubeletDir`), and prepares a user's own
-ResourceClaim that kube-scheduler allocated; releasing it leaves no CDI file or instance.
+ResourceClaim that kube-scheduler allocated, writing the prepared device (its MIG UUID) into
+the claim's status.devices; releasing it leaves no CDI file or instance.
 
 Leaves out: cert-manager (the chart's `certificates.mode=cert-manager`),
 NetworkPolicy enforcement (the bridge CNI has none), real GPUs (emulated; device files without
@@ -392,6 +393,14 @@ async def test_dra_mode_by_chart_the_in_cluster_agent_prepares_a_users_claim(
         held = {i.mig_uuid for i in EmulatorControl(installed.gpu_state, REAL).instances()}
         assert held == {mine}, (held, mine)
         assert socket.is_socket(), f"{socket}: the plugin's socket is not on the host"
+        # the agent's pod (its ServiceAccount token bound to it: associated-node) wrote the
+        # prepared device into the claim's status
+        await wait_for(
+            ikube,
+            claims_path(ns),
+            lambda c: "c" in c and ready_device(c["c"], mine),
+            what="the claim's status.devices naming its MIG UUID",
+        )
         logs = await asyncio.to_thread(
             installed.cp.kubectl, "logs", "-n", NAMESPACE, "daemonset/instaslice-nodeagent"
         )
@@ -403,6 +412,16 @@ async def test_dra_mode_by_chart_the_in_cluster_agent_prepares_a_users_claim(
         await wait_for_nothing_on(installed, REAL)
     finally:
         await ikube.delete(core_path("namespaces", name=ns))
+
+
+def ready_device(claim: Obj, mig_uuid: str) -> bool:
+    """Whether the claim's status.devices has this node's entry Ready with `mig_uuid`."""
+    return any(
+        (d["driver"], d["pool"], d.get("data", {}).get("migUUID"))
+        == ("instaslice.io", REAL, mig_uuid)
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in d["conditions"])
+        for d in (claim.get("status") or {}).get("devices") or []
+    )
 
 
 async def wait_for_nothing_on(system: DevSystem, node: str, within: float = 60.0) -> None:
