@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import structlog
 
 from common.clock import Clock
-from common.constants import REASON_PENDING, EventReason
-from common.kubeapi import Obj
+from common.constants import REASON_PENDING
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState
@@ -33,10 +31,9 @@ from webhook.allocator.track import (
     Unserved,
     Wait,
 )
+from webhook.allocator.writes import Tell
 
 log = structlog.get_logger("allocator")
-
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 
 
 @dataclass(eq=False)
@@ -65,7 +62,9 @@ class Bookkeeping:
                     meta = track.create["metadata"]
                     self.state.forget(f"{meta['namespace']}/{meta['name']}")
                     self.after_change()
-                self.tracks.forget(uid)
+                # while an autoscaler signal stands for the pod, its part of the record
+                # stays, until the signal is withdrawn (scaleup.py kicks the pod then)
+                self.tracks.forget(uid, keep_signal=True)
                 queue.remove(uid)
                 self.placer.ampere.release(uid)  # a MIG mode change it alone needed: withdrawn
             case Dequeue():

@@ -11,12 +11,10 @@ in the way of a pin before it is written (docs/autoscaling.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Hashable, MutableMapping, MutableSet
 
 import structlog
 
-from common.constants import EventReason
 from common.kubeapi import ApiError, Obj
 from common.objects import node_label_value
 from common.placeholders import signal_name, stands_for
@@ -32,42 +30,37 @@ from webhook.allocator.autoscale import (
     selection,
 )
 from webhook.allocator.state import ClusterState
-from webhook.allocator.writes import Writes
-
-if TYPE_CHECKING:
-    from webhook.allocator.scaleup import Need
+from webhook.allocator.track import Need, Tracks
+from webhook.allocator.writes import Tell, Writes
 
 log = structlog.get_logger("allocator")
 
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
-
 
 class Signals:
-    """The signal objects of `ScaleUp` (its tables, declared here)."""
+    """The signal objects of `ScaleUp` (its views of the pods' records, declared here)."""
 
     state: ClusterState
     settings: ScaleUpSettings
     tell: Tell
-    needs: dict[str, Need]
-    told: dict[tuple[str, EventReason], str]
-    signals: dict[str, Obj]
-    synced: asyncio.Event
-    _withdrawing: dict[str, asyncio.Task[None]]
-    _raising: dict[str, asyncio.Event]
-    _unechoed: set[str]
+    writes: Writes
+    tracks: Tracks
+    needs: MutableMapping[str, Need]
+    signals: MutableMapping[str, Obj]
+    _withdrawing: MutableMapping[str, asyncio.Task[None]]
+    _raising: MutableMapping[str, asyncio.Event]
+    _unechoed: MutableSet[str]
 
     @property
     def on(self) -> bool:
         return self.settings.mode is not SignalMode.OFF
 
-    @property
-    def writes(self) -> Writes:
-        raise NotImplementedError  # ScaleUp's
-
     def lost(self, uid: str) -> None:
         raise NotImplementedError  # ScaleUp's
 
     def _goes(self, uid: str) -> bool:
+        raise NotImplementedError  # ScaleUp's
+
+    def _gone(self, uid: str) -> None:
         raise NotImplementedError  # ScaleUp's
 
     def in_the_way(self, uid: str, node: str) -> list[str]:
@@ -91,16 +84,16 @@ class Signals:
 
     async def make_room(self, uid: str, node: str) -> None:
         """Withdraw `in_the_way(uid, node)` before the pin, the deletes sent together and
-        answered. It waits first for this term's watches to have listed the signals (a new
-        leader's first pins would see none) and for `uid`'s own create if one is in flight
-        (answered after the pin, it would stand there). Only `uid`'s own delete must
-        succeed; another's failure is logged (the round tries it again). A pod still
-        waiting for a node whose placeholder went so asks again after `lost`'s wait, as if
-        the scheduler had preempted it (at once, it would take the room back); pins to the
-        node at the same time share the delete and count it once."""
+        answered. It reads the signals as this term's watches listed them: the controller
+        starts the term's workers, and so its pins, only once they have (`ScaleUp.listed`;
+        a new leader's first pins would otherwise see none). It waits for `uid`'s own
+        create if one is in flight (answered after the pin, it would stand there). Only
+        `uid`'s own delete must succeed; another's failure is logged (the round tries it
+        again). A pod still waiting for a node whose placeholder went so asks again after
+        `lost`'s wait, as if the scheduler had preempted it (at once, it would take the room
+        back); pins to the node at the same time share the delete and count it once."""
         if not self.on:
             return
-        await self.synced.wait()
         raising = self._raising.get(uid)
         if raising is not None:
             await raising.wait()
@@ -240,9 +233,11 @@ class Signals:
             await self.writes.withdraw_provisioning_request(ns, name)
         self.signals.pop(uid, None)
         self._unechoed.discard(uid)
-        for key in [k for k in self.told if k[0] == uid]:
-            del self.told[key]
+        track = self.tracks.get(uid)
+        if track is not None:
+            track.answers.clear()
         log.info("scale-up withdrawn", pod_uid=uid, signal=name)
+        self._gone(uid)
 
 
 def _uid(obj: Obj) -> str:
