@@ -90,4 +90,3 @@ def test_no_file_from_any_worker_is_an_error_not_a_silent_split(tmp_path: Path) 
     sched._groups_dir, sched._groups = tmp_path, None
     with pytest.raises(RuntimeError, match="no worker wrote"):
         sched._split_scope("tests/unit/test_e.py::t1")
-
