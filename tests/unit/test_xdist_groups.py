@@ -55,7 +55,7 @@ def test_real_node_modules_share_one_group_and_shared_system_modules_another() -
         item("tests/integration/test_d.py", "t1", module(), ("system",)),  # not e2e's
         item("tests/unit/test_e.py", "t1", module()),
     ]
-    groups = workers.module_groups(items)  # type: ignore[arg-type]
+    groups = workers.module_groups(items)
     by_name = {p.name: g for p, g in groups.items()}
     assert by_name == {
         "test_a.py": workers.SHARED_SYSTEM_GROUP,
