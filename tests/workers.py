@@ -5,7 +5,8 @@ collection order, and a worker takes the next group as it runs out of work. A te
 a group of its own, so its module-scoped system starts once. Two groups span modules:
 
 - `REALNODE_GROUP`: every module that runs the machine's one real node (a cluster spec of
-  the module with a `runtime: containerd` group): hack/cluster/realnode.py holds host-wide
+  the module with a `runtime: containerd` group; not tests/unit, where such a dict is a unit
+  test's data, as in its test_xdist_groups.py): hack/cluster/realnode.py holds host-wide
   things (the kubelet's device-plugin dir, /run/instaslice-realnode.json, the shim socket dir,
   the pod bridge), so two of them must never run at once.
 - `SHARED_SYSTEM_GROUP`: the e2e modules on the session's shared system (tests/e2e/conftest.py
@@ -55,7 +56,8 @@ def module_groups(items: list[pytest.Item]) -> dict[Path, str]:
     groups: dict[Path, str] = {}
     for item in items:
         module = getattr(item, "module", None)
-        if module is not None and runs_real_node(module):
+        unit = "unit" in item.path.parts[:-1]  # starts nothing, whatever dicts it holds
+        if module is not None and not unit and runs_real_node(module):
             groups[item.path] = REALNODE_GROUP
         elif "e2e" in item.path.parts[:-1] and "system" in getattr(item, "fixturenames", ()):
             groups[item.path] = SHARED_SYSTEM_GROUP

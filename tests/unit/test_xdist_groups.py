@@ -54,6 +54,7 @@ def test_real_node_modules_share_one_group_and_shared_system_modules_another() -
         item("tests/e2e/test_realnode.py", "t1", real_b, ("real",)),
         item("tests/integration/test_d.py", "t1", module(), ("system",)),  # not e2e's
         item("tests/unit/test_e.py", "t1", module()),
+        item("tests/unit/test_f.py", "t1", module(SPEC=REAL)),  # a unit test's data
     ]
     groups = workers.module_groups(items)
     by_name = {p.name: g for p, g in groups.items()}
@@ -65,6 +66,7 @@ def test_real_node_modules_share_one_group_and_shared_system_modules_another() -
         "test_realnode.py": workers.REALNODE_GROUP,
         "test_d.py": "tests/integration/test_d.py",
         "test_e.py": "tests/unit/test_e.py",
+        "test_f.py": "tests/unit/test_f.py",
     }
 
 
