@@ -44,6 +44,7 @@ def _pending_task_stacks() -> str:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before the tmp_path plugin reads the basetemp
 def pytest_configure(config: pytest.Config) -> None:
     """structlog's defaults, but a logged exception is a plain traceback. The default (rich,
     with every frame's locals: the allocator's whole state) rendered synchronously on the
@@ -51,6 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     load 4, longer than the integration allocator's 2.5 s renew deadline, and made a 30 s
     wait of test_bad_input take 13.8 s at load 8. The components' own processes configure
     their logs themselves (JSON); this only changes how tests render them."""
+    workers.shorten_basetemp(config)
     renderer = structlog.get_config()["processors"][-1]
     if isinstance(renderer, structlog.dev.ConsoleRenderer):
         renderer.exception_formatter = structlog.dev.plain_traceback

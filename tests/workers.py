@@ -78,6 +78,18 @@ def write_groups(config: pytest.Config, items: list[pytest.Item], groups: dict[P
     os.replace(tmp, out)
 
 
+def shorten_basetemp(config: pytest.Config) -> None:
+    """On an xdist worker: its basetemp `<run's>/N` (worker gwN), not xdist's
+    `<run's>/popen-gwN`. gRPC binds a unix socket path of at most 105 bytes, and tests put
+    sockets under their tmp_path (the DRA plugin's registration socket: 102 bytes alone);
+    xdist's 10 more broke four tests, `gwN/` still two."""
+    workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+    given = config.option.basetemp
+    if "workerid" in workerinput and given and Path(given).name.startswith("popen-"):
+        number = str(workerinput["workerid"]).removeprefix("gw")
+        config.option.basetemp = str(Path(given).with_name(number))
+
+
 class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
     """xdist's scheduling by scope, the scope of a test being its group as the workers wrote
     it (every worker collects the same tests, so any worker's file will do)."""

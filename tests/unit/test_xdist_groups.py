@@ -92,3 +92,15 @@ def test_no_file_from_any_worker_is_an_error_not_a_silent_split(tmp_path: Path) 
     sched._groups_dir, sched._groups = tmp_path, None
     with pytest.raises(RuntimeError, match="no worker wrote"):
         sched._split_scope("tests/unit/test_e.py::t1")
+
+
+def test_a_workers_basetemp_is_short_enough_for_the_suites_unix_sockets() -> None:
+    config = types.SimpleNamespace(
+        workerinput={"workerid": "gw1"},
+        option=types.SimpleNamespace(basetemp="/tmp/pytest-of-root/pytest-654/popen-gw1"),
+    )
+    workers.shorten_basetemp(config)  # type: ignore[arg-type]
+    assert config.option.basetemp == "/tmp/pytest-of-root/pytest-654/1"
+    alone = types.SimpleNamespace(option=types.SimpleNamespace(basetemp=None))
+    workers.shorten_basetemp(alone)  # type: ignore[arg-type]
+    assert alone.option.basetemp is None  # not a worker: pytest's own
