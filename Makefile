@@ -10,6 +10,8 @@ CHAOS_MINUTES ?= 10
 CHAOS_SEED ?= 1
 FUZZ_REVIEWS ?= 100000
 FUZZ_SEED ?= 1
+# make test's pytest-xdist workers (tests/conftest.py groups the tests; 0: one process, no xdist)
+TEST_WORKERS ?= 2
 # The one version (common/version.py): image tags v$(VERSION) and labels, the chart, krew
 VERSION := $(shell sed -n 's/^VERSION = "\(.*\)"$$/\1/p' common/version.py)
 
@@ -78,7 +80,8 @@ test-e2e: install kube-bins images ## whole system on the local control plane
 
 test: lint kube-bins images ## the whole suite: lint, unit, integration, e2e (what CI runs); failures named last
 	@mkdir -p .dev && rm -f .dev/test-report.xml
-	$(BIN)/pytest -q tests --durations=25 --junitxml=.dev/test-report.xml || { status=$$?; \
+	$(BIN)/pytest -q tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		--durations=25 --junitxml=.dev/test-report.xml || { status=$$?; \
 		$(BIN)/python -m hack.test_report .dev/test-report.xml; exit $$status; }
 
 cluster-up: install kube-bins ## local control plane only; kubeconfig at .dev/kubeconfig

@@ -7,10 +7,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import linecache
+import shutil
+import tempfile
 from collections.abc import Generator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
+
+from tests import workers
 
 
 def _task_stack(task: asyncio.Task[object], limit: int = 12) -> str:
@@ -38,6 +44,7 @@ def _pending_task_stacks() -> str:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before the tmp_path plugin reads the basetemp
 def pytest_configure(config: pytest.Config) -> None:
     """structlog's defaults, but a logged exception is a plain traceback. The default (rich,
     with every frame's locals: the allocator's whole state) rendered synchronously on the
@@ -45,6 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     load 4, longer than the integration allocator's 2.5 s renew deadline, and made a 30 s
     wait of test_bad_input take 13.8 s at load 8. The components' own processes configure
     their logs themselves (JSON); this only changes how tests render them."""
+    workers.shorten_basetemp(config)
     renderer = structlog.get_config()["processors"][-1]
     if isinstance(renderer, structlog.dev.ConsoleRenderer):
         renderer.exception_formatter = structlog.dev.plain_traceback
@@ -55,10 +63,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # kubelet + containerd node. `pytest -m unit`, `-m "not system"`, `-m realnode` select them.
 _TIERS = {"unit", "integration", "e2e", "packaging"}
 _SYSTEM_MODULES = {"test_chaos_quick.py", "test_bench_latency_quick.py"}
-_REALNODE_MODULES = {"test_realnode.py", "test_installed.py"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = workers.module_groups(items)
     for item in items:
         parts = item.path.parts
         tier = next((p for p in reversed(parts[:-1]) if p in _TIERS), None)
@@ -66,8 +74,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(tier)
         if tier == "e2e" or item.path.name in _SYSTEM_MODULES:
             item.add_marker("system")
-        if item.path.name in _REALNODE_MODULES:
+        if groups[item.path] == workers.REALNODE_GROUP:
             item.add_marker("realnode")
+    workers.write_groups(config, items, groups)
+
+
+# `make test`'s pytest-xdist workers (tests/workers.py): the controller names a dir, each
+# worker writes its tests' groups there, and `--dist loadgroup` schedules by them.
+_GROUPS_DIR = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    config: pytest.Config = node.config
+    if _GROUPS_DIR not in config.stash:
+        config.stash[_GROUPS_DIR] = Path(tempfile.mkdtemp(prefix="instaslice-test-groups-"))
+    node.workerinput[workers.GROUPS_KEY] = str(config.stash[_GROUPS_DIR])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup" or _GROUPS_DIR not in config.stash:
+        return None  # xdist's own
+    return workers.GroupScheduling(config, log, config.stash[_GROUPS_DIR])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _GROUPS_DIR in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_DIR], ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

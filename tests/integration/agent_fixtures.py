@@ -10,6 +10,8 @@
   sample OCI spec.
 - `had_its_chance(agent, ...)`: until the agent's next garbage collection passes (and
   maintenance steps) have ended, before a test asserts that nothing happened.
+- `caught_up(agent, kube, obj)`: until the agent holds the allocation as the API server has
+  it and no worker of the agent runs, before a test changes the agent's files underneath it.
 - `eventually(...)`: poll a condition with a deadline (tests may poll; the agent never does;
   tests/support.py, shared with the e2e tier).
 """
@@ -246,6 +248,29 @@ async def had_its_chance(
     if maintenance:
         counts.append(lambda: agent.maint.steps)
     await passes(*counts, more=more, not_before=not_before, within=within, what="agent passes")
+
+
+async def caught_up(agent: NodeAgent, kube: Kube, obj: Obj, within: float = 20) -> None:
+    """Until `agent` holds the allocation `obj` at the resourceVersion the API server has now
+    (its informer delivered every event of it, its own status writes included) and no worker
+    of the agent runs: whatever the agent does about the allocation it has done, and it does
+    nothing more until the next event. A test that then changes the allocation's files
+    underneath the agent is not raced by a late event's pass (`verify` rewrites a spec file
+    that is not the allocation's own: on a loaded machine the agent's Ready event came in
+    while test_gc_removes_cdi_files_by_uid ran garbage collection on such a file)."""
+    ns, name, uid = obj["metadata"]["namespace"], obj["metadata"]["name"], obj["metadata"]["uid"]
+
+    async def check() -> bool:
+        now = await get_allocation(kube, ns, name)
+        held = agent.st.allocs.get(uid)
+        return (
+            now is not None
+            and held is not None
+            and held["metadata"]["resourceVersion"] == now["metadata"]["resourceVersion"]
+            and agent.queue.active == 0
+        )
+
+    await eventually(check, within=within, what=f"agent caught up with {ns}/{name}")
 
 
 @dataclass

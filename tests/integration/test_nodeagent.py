@@ -41,6 +41,7 @@ from tests.integration.agent_fixtures import (
     AgentProcess,
     GpuNode,
     agent_settings,
+    caught_up,
     cdi_inject,
     create_allocation,
     delete_allocation,
@@ -670,6 +671,8 @@ async def test_gc_removes_cdi_files_by_uid(
         live = slice_allocation(ns, node, [("a", "1g.18gb", 0, 3, 1)])
         await create_allocation(kube, live)
         ready = await wait_phase(kube, live, "Ready")
+        # its Ready event handled, or a late one rewrites the stale file this test plants
+        await caught_up(agent, kube, ready)
         name, uid = ready["metadata"]["name"], ready["metadata"]["uid"]
         own = cdi.spec_file_name(ns, name)
         assert own in node.cdi_files()
