@@ -352,9 +352,12 @@ class Create(LifeBase):
     ) -> tuple[ClaimRecord | str, list[Instance]]:
         """The create's intent record, on disk before NVML makes anything, and the GPUs'
         instances; or why not. Intent first, but only for placements that are free: an
-        instance already at one is not ours, and a new record would otherwise claim it."""
+        instance already at one is not ours, and a new record would otherwise claim it.
+        Without a record yet, the GIs alone say that (an instance at a placement fails the
+        create; none is adopted): the scan skips the MIG walk for their CIs, most of its
+        NVML calls (issue 37)."""
         took = {} if took is None else took
-        scan = self.instances({s.gpu_index for s in fresh}, first=True)
+        scan = self.instances({s.gpu_index for s in fresh}, first=True, with_cis=rec is not None)
         instances = await _timed(scan, took, "scan", self.clock)
         if rec is None:
             why = blocked(fresh, alloc.uid, instances, match(self.st.cp, instances))

@@ -279,6 +279,54 @@ async def test_a_create_puts_its_intent_on_disk_with_one_sync_before_nvml(
     assert rec.state == "ready"
 
 
+async def test_a_fresh_create_checks_its_placements_without_the_mig_walk(
+    agent_kube: Kube,
+    alloc_ns: str,
+    h200: NodeAndAgent,
+) -> None:
+    """Issue 37: before its intent record, a fresh create (no record yet) reads the GPU's GIs
+    to check its placements are free, not the MIG devices behind them (the walk for CIs and
+    MIG UUIDs, most of a scan's NVML calls): an instance at a placement fails the create
+    whatever its CIs, and none is adopted. Still refused: a placement an instance InstaSlice
+    did not create overlaps (test_nodeagent.py's
+    `test_foreign_instance_is_reported_and_never_touched`)."""
+    node, settings = h200
+    scans: list[list[str]] = []  # the NVML calls of each scan (garbage collection's too)
+    inside: list[list[str]] = []  # the scan running now, if one is
+    made: list[int] = []  # how many scans had begun when the first GI was made
+    async with running_agent(settings) as agents:
+        session = agents[node.name].life.gpus.s
+        real_call, real_instances = session.call, session.instances
+
+        def counting(name: str, *args: Any) -> Any:
+            if inside:
+                inside[-1].append(name)
+            if name == "nvmlDeviceCreateGpuInstanceWithPlacement" and not made:
+                made.append(len(scans))
+            return real_call(name, *args)
+
+        def scan(gpu: Any, *args: Any) -> Any:
+            scans.append([])
+            inside.append(scans[-1])
+            try:
+                return real_instances(gpu, *args)
+            finally:
+                inside.pop()
+
+        session.call = counting  # type: ignore[method-assign]
+        session.instances = scan  # type: ignore[method-assign,assignment]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        scans.clear()
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    assert made, "no GI was made"
+    before = scans[: made[0]]
+    assert any(
+        "nvmlDeviceGetGpuInstances" in s and "nvmlDeviceGetMigDeviceHandleByIndex" not in s
+        for s in before
+    ), before  # the create's own scan read the GIs, and no MIG device
+
+
 async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(
     agent_kube: Kube,
     alloc_ns: str,
