@@ -9,8 +9,9 @@ keeps the bundle the apiserver already trusts. In a real cluster use cert-manage
 (manifests/base/webhook/certificate.yaml); this tool is the same thing without a controller.
 
 ECDSA P-256 keys, SHA-256 signatures, serverAuth only, SANs from --dns/--ip (the CN is not
-used for host checks by Go's TLS client). Serving certificates live 90 days by default: the
-server reloads renewed files on its own.
+used for host checks by Go's TLS client); common/x509.py builds them. Serving certificates
+live 90 days by default (from a minute before now): the server reloads renewed files on its
+own.
 """
 
 from __future__ import annotations
@@ -22,45 +23,12 @@ import ipaddress
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from common.x509 import Kind, issue
+from common.x509 import Pair as KeyPair
 
-_BACKDATE = dt.timedelta(minutes=5)  # tolerate clock skew between this host and the cluster
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    """A certificate and its private key, PEM."""
-
-    cert_pem: bytes
-    key_pem: bytes
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def key_usage(*, ca: bool) -> x509.KeyUsage:
-    """Digital signatures; for a CA, signing certificates and CRLs too (also the test
-    control plane's, hack/cluster/pki.py)."""
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=ca,
-        crl_sign=ca,
-        encipher_only=False,
-        decipher_only=False,
-    )
+__all__ = ["KeyPair", "ca_bundle", "main", "make_ca", "make_serving_cert", "write_pair"]
 
 
 def make_ca(
@@ -70,23 +38,8 @@ def make_ca(
     now: dt.datetime | None = None,
 ) -> KeyPair:
     """A self-signed CA certificate and key."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    start = (now or dt.datetime.now(dt.UTC)) - _BACKDATE
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(key_usage(ca=True), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-        .sign(key, hashes.SHA256())
-    )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+    now = now or dt.datetime.now(dt.UTC)
+    return issue(Kind.CA, common_name, now=now, valid_for=dt.timedelta(days=days))
 
 
 def make_serving_cert(
@@ -98,34 +51,16 @@ def make_serving_cert(
     now: dt.datetime | None = None,
 ) -> KeyPair:
     """A TLS serving certificate for `dns` names and `ips`, signed by `ca`."""
-    if not dns and not ips:
-        raise ValueError("a serving certificate needs at least one DNS name or IP address")
-    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
-    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise TypeError("the CA key must be an EC key (as make_ca makes)")
-    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
-    sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-    key = ec.generate_private_key(ec.SECP256R1())
-    start = (now or dt.datetime.now(dt.UTC)) - _BACKDATE
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, (dns or ips)[0])]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(key_usage(ca=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
-        )
-        .sign(ca_key, hashes.SHA256())
+    names = [*dns, *ips]  # none: issue() refuses
+    return issue(
+        Kind.SERVER,
+        names[0] if names else "",
+        issuer=ca,
+        dns=dns,
+        ips=ips,
+        now=now or dt.datetime.now(dt.UTC),
+        valid_for=dt.timedelta(days=days),
     )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
 def ca_bundle(ca: KeyPair) -> str:

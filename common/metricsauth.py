@@ -63,7 +63,13 @@ class MetricsAuthLimits:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The limits' flags, the same for both daemons."""
+    """`--metrics-auth` and the limits' flags, the same for both daemons."""
+    p.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
+        "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
+    )
     d = MetricsAuthLimits()
     p.add_argument(
         "--metrics-auth-cache", type=_positive_int, default=d.cache_size, metavar="N",

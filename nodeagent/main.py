@@ -190,12 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="serve /metrics, /healthz and /readyz on this port (0: off)",
     )
-    p.add_argument(
-        "--metrics-auth",
-        action="store_true",
-        help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
-        "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
-    )
     add_flags(p)
     p.add_argument("--log-level", default="info", choices=LEVELS)
     return p

@@ -196,12 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-allocator", action="store_true", help="run without the allocator")
     p.add_argument("--no-namespace-mirror", action="store_true")
     p.add_argument("--log-level", default="info", choices=LEVELS)
-    p.add_argument(
-        "--metrics-auth",
-        action="store_true",
-        help="/metrics only for a bearer token whose user may get the URL (TokenReview + "
-        "SubjectAccessReview, as kube-rbac-proxy; the OpenShift overlay sets it)",
-    )
     add_flags(p)
     return p
 

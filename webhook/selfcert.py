@@ -32,12 +32,12 @@ from typing import Any, Literal
 import structlog
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 
 from common.clock import Clock
 from common.kubeapi import ApiError, Kube, core_path, group_path
+from common.x509 import Kind
+from common.x509 import issue as issue_cert
 
 __all__ = [
     "Bundle",
@@ -86,51 +86,16 @@ class Bundle:
 # --- pure ------------------------------------------------------------------------------------
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
 def issue(now: dt.datetime, dns_names: tuple[str, ...], validity_s: float) -> Bundle:
-    """A fresh CA and a serving certificate it signed for `dns_names`, both valid from a
-    minute before `now` (clock skew) for `validity_s`."""
-    start, end = now - dt.timedelta(minutes=1), now + dt.timedelta(seconds=validity_s)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "instaslice-webhook-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
+    """A fresh CA and a serving certificate it signed for `dns_names` (common/x509.py: the
+    extensions each kind carries), both valid from a minute before `now` (clock skew) until
+    `validity_s` after it."""
+    valid_for = dt.timedelta(seconds=validity_s)
+    ca = issue_cert(Kind.CA, "instaslice-webhook-ca", now=now, valid_for=valid_for)
+    leaf = issue_cert(
+        Kind.SERVER, dns_names[-1], issuer=ca, dns=dns_names, now=now, valid_for=valid_for
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[-1])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    return Bundle(cert.public_bytes(pem), _key_pem(key), ca.public_bytes(pem), _key_pem(ca_key))
+    return Bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem, ca.key_pem)
 
 
 def from_secret(secret: Obj | None) -> Bundle | None:

@@ -199,10 +199,10 @@ async def _delete_namespace(kube: Kube, name: str, *, wait_released: bool) -> No
 
 
 @contextlib.asynccontextmanager
-async def opted_in_namespace(kube: Kube) -> AsyncIterator[str]:
-    """A fresh namespace opted in to InstaSlice, once the opt-in is mirrored; deleted at the
-    end, which then waits until every SliceAllocation of it is gone."""
-    name = await _new_namespace(kube, "e2e-", {ENABLED_KEY: "true"})
+async def opted_in_namespace(kube: Kube, prefix: str = "e2e-") -> AsyncIterator[str]:
+    """A fresh namespace (named `prefix`...) opted in to InstaSlice, once the opt-in is
+    mirrored; deleted at the end, which then waits until every SliceAllocation of it is gone."""
+    name = await _new_namespace(kube, prefix, {ENABLED_KEY: "true"})
     await wait_opted_in(kube, name)
     try:
         yield name

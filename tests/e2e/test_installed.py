@@ -41,7 +41,7 @@ from hack.cluster.chartinstall import NAMESPACE, RELEASE, ChartInstallError, hel
 from hack.dev import DevSystem
 from nodeagent.emulator import EmulatorControl
 from testkit.builders import user_pod
-from tests.e2e.conftest import running_system
+from tests.e2e.conftest import opted_in_namespace, running_system
 from tests.e2e.helpers import (
     RELEASE_TIMEOUT_S,
     allocs_path,
@@ -86,26 +86,8 @@ async def ikube(installed: DevSystem) -> AsyncIterator[Kube]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def ns(ikube: Kube) -> AsyncIterator[str]:
-    created = await ikube.create(
-        core_path("namespaces"),
-        {"metadata": {"generateName": "inst-", "annotations": {ENABLED_KEY: "true"}}},
-    )
-    name: str = created["metadata"]["name"]
-    await wait_for(
-        ikube, core_path("serviceaccounts", name), lambda sas: "default" in sas, what="SA"
-    )
-    await wait_opted_in(ikube, name)
-    try:
+    async with opted_in_namespace(ikube, "inst-") as name:
         yield name
-    finally:
-        await ikube.delete(core_path("namespaces", name=name))
-        await wait_for(
-            ikube,
-            allocs_path(name),
-            lambda a: not a,
-            what=f"SliceAllocations of {name} gone",
-            within=RELEASE_TIMEOUT_S,
-        )
 
 
 async def instaslice_pods(kube: Kube) -> dict[str, Obj]:

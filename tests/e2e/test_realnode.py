@@ -38,21 +38,18 @@ from common.constants import (
     CDI_FILE_PREFIX,
     CDI_KIND,
     CLAIM_ANNOTATION,
-    ENABLED_KEY,
     REASON_PINNED_UNSCHEDULABLE,
     VISIBLE_DEVICES_ENV,
 )
 from common.kubeapi import Kube, Obj, core_path, instaslice_path
 from hack.dev import DevSystem
 from nodeagent.cdi import formula_minor
-from tests.e2e.conftest import running_system
+from tests.e2e.conftest import opted_in_namespace, running_system
 from tests.e2e.helpers import (
-    RELEASE_TIMEOUT_S,
     allocs_path,
     make_real_pod,
     pods_path,
     wait_event,
-    wait_opted_in,
     wait_pod_running,
 )
 from tests.support import wait_for
@@ -87,26 +84,8 @@ async def rkube(real: DevSystem) -> AsyncIterator[Kube]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def ns(rkube: Kube, real: DevSystem) -> AsyncIterator[str]:
-    created = await rkube.create(
-        core_path("namespaces"),
-        {"metadata": {"generateName": "real-", "annotations": {ENABLED_KEY: "true"}}},
-    )
-    name: str = created["metadata"]["name"]
-    await wait_for(
-        rkube, core_path("serviceaccounts", name), lambda sas: "default" in sas, what="SA"
-    )
-    await wait_opted_in(rkube, name)
-    try:
+    async with opted_in_namespace(rkube, "real-") as name:
         yield name
-    finally:
-        await rkube.delete(core_path("namespaces", name=name))
-        await wait_for(
-            rkube,
-            allocs_path(name),
-            lambda a: not a,
-            what=f"SliceAllocations of {name} gone",
-            within=RELEASE_TIMEOUT_S,
-        )
 
 
 # --- what a container saw ------------------------------------------------------------------

@@ -9,6 +9,8 @@
 - `agent_kube` (session): a `common.kubeapi.Kube` with InstaSlice's CRDs, namespace, agent
   RBAC and policies installed; `alloc_ns` (function): `namespace`, whose leftover
   SliceAllocations lose their finalizer afterwards so it can go.
+- `kube` and `ns`: the tier's defaults, `agent_kube` and `alloc_ns`; a module that needs
+  another client or namespace defines its own fixture of that name.
 KWOK GPU nodes: `await hack.cluster.nodes.create_nodes(kube_api, load_spec(path))`.
 
 Every async test under tests/integration runs in the session event loop, the loop the
@@ -151,3 +153,13 @@ async def alloc_ns(agent_kube: Kube, namespace: str) -> AsyncIterator[str]:
         if a["metadata"].get("finalizers"):
             patch = {"metadata": {"finalizers": None}}
             await agent_kube.patch(f"{path}/{a['metadata']['name']}", patch)
+
+
+@pytest.fixture(scope="session")
+def kube(agent_kube: Kube) -> Kube:
+    return agent_kube
+
+
+@pytest.fixture
+def ns(alloc_ns: str) -> str:
+    return alloc_ns

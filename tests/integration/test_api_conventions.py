@@ -36,6 +36,7 @@ from tests.integration.agent_fixtures import (
     running_agent,
     slice_allocation,
 )
+from tests.integration.private_cluster import kubectl_ok
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 H200 = "H200-141GB"
@@ -43,21 +44,9 @@ Obj = dict[str, Any]
 METAV1_KEYS = {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
 
 
-@pytest.fixture(scope="session")
-def kube(agent_kube: Kube) -> Kube:
-    return agent_kube
-
-
-@pytest.fixture
-def ns(alloc_ns: str) -> str:
-    return alloc_ns
-
-
 async def kubectl(cp: ControlPlane, *args: str) -> str:
     """kubectl off the event loop (the agent under test runs on it), which must succeed."""
-    proc = await asyncio.to_thread(cp.kubectl, *args, check=False)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
+    return await asyncio.to_thread(kubectl_ok, cp, *args)
 
 
 def table(text: str) -> list[dict[str, str]]:

@@ -49,11 +49,6 @@ Obj = dict[str, Any]
 
 
 @pytest.fixture
-def kube(agent_kube: Kube) -> Kube:
-    return agent_kube
-
-
-@pytest.fixture
 async def ns(agent_kube: Kube, namespace: str) -> AsyncIterator[str]:
     """The test namespace; its leftover claims lose their finalizer so it can go."""
     yield namespace

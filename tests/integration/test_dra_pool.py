@@ -41,11 +41,6 @@ H100 = "H100-80GB"
 Obj = dict[str, Any]
 
 
-@pytest.fixture
-def kube(agent_kube: Kube) -> Kube:
-    return agent_kube
-
-
 async def device_classes(kube: Kube) -> None:
     path = group_path("resource.k8s.io/v1", "deviceclasses")
     for doc in yaml.safe_load_all(

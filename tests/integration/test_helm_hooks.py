@@ -29,9 +29,11 @@ from typing import Any
 import pytest
 import yaml
 
-from hack.cluster import BinariesMissing, ControlPlane
+from hack.cluster import ControlPlane
 from tests.integration import test_helm_chart as chart
 from tests.integration import test_manifests as manifests
+from tests.integration.private_cluster import hold_a_slice, private_control_plane
+from tests.integration.private_cluster import kubectl_ok as _kubectl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 helm = chart.helm
@@ -90,18 +92,8 @@ def test_uninstall_hook_jobs(helm: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    try:
-        started = ControlPlane.start(tmp_path_factory.mktemp("hooks-cp"))
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    with started as cp:
+    with private_control_plane(tmp_path_factory, "hooks-cp") as cp:
         yield cp
-
-
-def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
-    proc = cp.kubectl(*args, check=False, stdin=stdin)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
 
 
 def _hook_cmd(cp: ControlPlane, phase: str, timeout_s: int) -> list[str]:
@@ -143,19 +135,7 @@ def test_pre_delete_refuses_while_a_slice_is_held_then_waits_for_its_release(
     installed: ControlPlane,
 ) -> None:
     cp = installed
-    _kubectl(cp, "create", "namespace", "team-a")
-    _kubectl(cp, "annotate", "namespace", "team-a", "instaslice.io/enabled=true")
-    _kubectl(cp, "label", "namespace", "team-a", "instaslice.io/enabled=true")
-    alloc = {
-        "apiVersion": "instaslice.io/v1alpha1",
-        "kind": "SliceAllocation",
-        "metadata": {"name": "claim-1", "namespace": "team-a",
-                     "finalizers": ["instaslice.io/release"]},
-        "spec": {"podName": "trainer", "podUID": "u1", "nodeName": NODE,
-                 "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-1",
-                             "start": 0, "size": 1}]},
-    }  # fmt: skip
-    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    hold_a_slice(cp, NODE)
     hooks = _admission_hooks(cp)
     assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/instaslice" in hooks
 

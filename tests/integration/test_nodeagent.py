@@ -65,17 +65,6 @@ H200 = "H200-141GB"
 Obj = dict[str, Any]
 
 
-@pytest.fixture(scope="session")
-def kube(agent_kube: Kube) -> Kube:
-    return agent_kube
-
-
-@pytest.fixture
-def ns(alloc_ns: str) -> str:
-    """The test namespace; leftover allocations lose their finalizer so it can go."""
-    return alloc_ns
-
-
 async def _event(kube: Kube, ns: str, pod: str, reason: str, text: str = "") -> Obj:
     """The pod's first event with `reason` (events follow the status write they report)."""
 

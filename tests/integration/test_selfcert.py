@@ -35,9 +35,10 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from common.clock import SystemClock
 from common.kubeapi import Kube, core_path, group_path
-from hack.cluster import BinariesMissing, ControlPlane
+from hack.cluster import ControlPlane
 from tests.integration import test_helm_chart as chart
 from tests.integration import test_manifests as manifests
+from tests.integration.private_cluster import kubectl_ok, private_control_plane
 from webhook.selfcert import SelfCertSettings, ensure, issue, run_cert_rotation, secret_body
 from webhook.server import running
 from webhook.settings import AdmissionSettings, ServerSettings
@@ -53,11 +54,7 @@ SECRET = core_path("secrets", NS, "instaslice-webhook-tls")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, helm: Path) -> Iterator[ControlPlane]:
-    try:
-        started = ControlPlane.start(tmp_path_factory.mktemp("selfcert-cp"))
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    with started as cp:
+    with private_control_plane(tmp_path_factory, "selfcert-cp") as cp:
         docs = manifests._docs(chart.helm_template(helm).stdout)
         kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                  "MutatingWebhookConfiguration", "ValidatingAdmissionPolicy",
@@ -71,8 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, helm: Path) -> Iterator[Co
             (("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all"), None),
             (("apply", "--server-side", "-f", "-"), yaml.safe_dump_all(picked)),
         ):
-            proc = cp.kubectl(*args, stdin=stdin, check=False)
-            assert proc.returncode == 0, proc.stderr
+            kubectl_ok(cp, *args, stdin=stdin)
         yield cp
 
 

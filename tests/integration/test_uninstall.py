@@ -29,7 +29,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hack.cluster import BinariesMissing, ControlPlane
+from hack.cluster import ControlPlane
+from tests.integration.private_cluster import hold_a_slice, private_control_plane
+from tests.integration.private_cluster import kubectl_ok as _kubectl
 from tests.integration.test_manifests import _fetch_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -40,18 +42,8 @@ NODE = "gpu-uninstall-0"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    try:
-        started = ControlPlane.start(tmp_path_factory.mktemp("uninstall-cp"))
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    with started as cp:
+    with private_control_plane(tmp_path_factory, "uninstall-cp") as cp:
         yield cp
-
-
-def _kubectl(cp: ControlPlane, *args: str, stdin: str | None = None) -> str:
-    proc = cp.kubectl(*args, check=False, stdin=stdin)
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
 
 
 def _uninstall(cp: ControlPlane, timeout_s: int = 60) -> subprocess.CompletedProcess[str]:
@@ -94,19 +86,7 @@ def test_uninstall_stops_while_slices_are_held_then_removes_everything(
     _install(cp)
 
     # a tenant namespace, a slice held there, a node advertising slices
-    _kubectl(cp, "create", "namespace", "team-a")
-    _kubectl(cp, "annotate", "namespace", "team-a", "instaslice.io/enabled=true")
-    _kubectl(cp, "label", "namespace", "team-a", "instaslice.io/enabled=true")
-    alloc = {
-        "apiVersion": "instaslice.io/v1alpha1",
-        "kind": "SliceAllocation",
-        "metadata": {"name": "claim-1", "namespace": "team-a",
-                     "finalizers": ["instaslice.io/release"]},
-        "spec": {"podName": "trainer", "podUID": "u1", "nodeName": NODE,
-                 "slices": [{"container": "c", "profile": "1g.18gb", "gpuUUID": "GPU-1",
-                             "start": 0, "size": 1}]},
-    }  # fmt: skip
-    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(alloc))
+    hold_a_slice(cp, NODE)
     node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
     _kubectl(cp, "create", "-f", "-", stdin=json.dumps(node))
     cap = {"status": {"capacity": {"instaslice.io/mig-1g.18gb": "7", "example.com/other": "1"}}}

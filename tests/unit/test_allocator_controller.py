@@ -35,7 +35,12 @@ from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, 
 from testkit.clock import FakeClock, settle
 from webhook.allocator import AllocatorSettings, run_controller
 from webhook.allocator import pods as podlib
-from webhook.allocator.autoscale import ScaleUpSettings, SignalMode
+from webhook.allocator.autoscale import (
+    ScaleUpSettings,
+    SignalMode,
+    placeholder_identity,
+    placeholder_pod,
+)
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
@@ -204,6 +209,29 @@ async def test_a_term_pins_nothing_before_the_signal_watches_listed() -> None:
         assert [call[1] for call in kube.writes("replace")] == ["/api/v1/namespaces/ns/pods/p"]
     finally:
         await cancel_until_done([term])
+
+
+async def test_a_gone_pods_record_lives_until_its_signal_is_gone() -> None:
+    """The autoscaler signal's state is the pod record's (docs/allocator.md "How long a
+    record lives"): a pod gone while a signal stands for it keeps its record, so the round
+    still withdraws the signal, and the record goes once the signal is gone."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock, scale_up=ScaleUpSettings(mode=SignalMode.PLACEHOLDER))
+    c.scale_up.synced.set()
+    pod = make_pod("p", uid="p")
+    signal = placeholder_identity(placeholder_pod(pod, podlib.pod_request(pod), []))
+    async with leading(c):
+        await c.scale_up._on_signal("ADDED", signal)  # a signal of a pod gone now
+        c.tracks.ensure("p").told = "Full"  # what the pod was told while it was there
+        c.kick("p")
+        await settle()
+        track = c.tracks.get("p")
+        assert track is not None and track.signal == signal  # Forget kept its signal's part
+        assert track.told is None and c.tracks.pending_counts() == {}
+        assert c.scale_up.wanted(clock.monotonic()) == (set(), {"p"})  # to be withdrawn
+        await c.scale_up._on_signal("DELETED", signal)  # gone (the garbage collector)
+        await settle()
+        assert c.tracks.get("p") is None
 
 
 # --- pinned but unschedulable --------------------------------------------------------------

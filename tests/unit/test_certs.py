@@ -21,6 +21,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from certs.make import KeyPair, ca_bundle, main, make_ca, make_serving_cert, write_pair
+from common.x509 import BACKDATE
+from testkit.tls import handshake
 
 
 def _cert(pem: bytes) -> x509.Certificate:
@@ -44,8 +46,9 @@ def test_ca_and_serving_certificate() -> None:
     eku = lc.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
     assert not lc.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    assert lc.not_valid_after_utc - lc.not_valid_before_utc == dt.timedelta(days=90)
-    assert lc.not_valid_before_utc < now
+    # valid from a minute before `now` (clock skew) for 90 days from `now`
+    assert lc.not_valid_after_utc - now == dt.timedelta(days=90)
+    assert now - lc.not_valid_before_utc == BACKDATE
 
 
 def test_serving_certificate_needs_a_name() -> None:
@@ -58,22 +61,7 @@ def _handshake(tmp: Path, ca: KeyPair, leaf: KeyPair, host: str) -> None:
     write_pair(leaf, tmp / "tls.crt", tmp / "tls.key")
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(tmp / "tls.crt", tmp / "tls.key")
-    client = ssl.create_default_context(cadata=ca.cert_pem.decode())
-    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
-    cli = client.wrap_bio(c_in, c_out, server_hostname=host)
-    srv = server.wrap_bio(s_in, s_out, server_side=True)
-    for _ in range(10):
-        done = 0
-        for side, out, peer_in in ((cli, c_out, s_in), (srv, s_out, c_in)):
-            try:
-                side.do_handshake()
-                done += 1
-            except ssl.SSLWantReadError:
-                pass
-            peer_in.write(out.read())
-        if done == 2:
-            return
-    raise AssertionError("handshake did not finish")
+    handshake(server, ssl.create_default_context(cadata=ca.cert_pem.decode()), host)
 
 
 def test_tls_handshake_trusts_the_sans_only(tmp_path: Path) -> None:
@@ -103,7 +91,7 @@ def test_cli_writes_files_and_reuses_the_ca(
     leaf = _cert((out / "tls.crt").read_bytes())
     assert (out / "tls.crt").read_bytes() != first_leaf
     leaf.verify_directly_issued_by(_cert(ca.cert_pem))
-    assert leaf.not_valid_after_utc - leaf.not_valid_before_utc == dt.timedelta(days=7)
+    assert leaf.not_valid_after_utc - leaf.not_valid_before_utc == dt.timedelta(days=7) + BACKDATE
     assert not list(out.glob(".*.tmp"))
 
 

@@ -224,6 +224,9 @@ def test_the_flags_set_the_limits() -> None:
     p = argparse.ArgumentParser()
     add_flags(p)
     assert limits_from(p.parse_args([])) == MetricsAuthLimits()
+    # --metrics-auth itself comes with them: both daemons take it from here
+    assert p.parse_args([]).metrics_auth is False
+    assert p.parse_args(["--metrics-auth"]).metrics_auth is True
     got = limits_from(
         p.parse_args(
             [

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from testkit.tls import handshake
 from webhook.selfcert import (
     SelfCertSettings,
     ca_bundle_patch,
@@ -50,6 +51,19 @@ def test_issued_pair_serves_the_services_names_and_chains_to_its_ca(tmp_path: Pa
         tmp_path / "c", tmp_path / "k"
     )  # the pair matches: the server can load it
     assert cert.not_valid_after_utc - NOW == dt.timedelta(days=365)
+
+
+def test_a_strict_client_trusts_the_issued_pair(tmp_path: Path) -> None:
+    """OpenSSL's X509_STRICT (Python 3.13's default) wants the CA's subjectKeyIdentifier and
+    the leaf's authorityKeyIdentifier, which common/x509.py puts in."""
+    b = issue(dt.datetime.now(dt.UTC), S.dns_names, S.validity_s)
+    (tmp_path / "c").write_bytes(b.cert)
+    (tmp_path / "k").write_bytes(b.key)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(tmp_path / "c", tmp_path / "k")
+    client = ssl.create_default_context(cadata=b.ca.decode())
+    client.verify_flags |= ssl.VERIFY_X509_STRICT
+    handshake(server, client, "instaslice-webhook.gpu-ops.svc")
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,9 @@ class Bookkeeping:
                     meta = track.create["metadata"]
                     self.state.forget(f"{meta['namespace']}/{meta['name']}")
                     self.after_change()
-                self.tracks.forget(uid)
+                # while an autoscaler signal stands for the pod, its part of the record
+                # stays, until the signal is withdrawn (scaleup.py kicks the pod then)
+                self.tracks.forget(uid, keep_signal=True)
                 queue.remove(uid)
                 self.placer.ampere.release(uid)  # a MIG mode change it alone needed: withdrawn
             case Dequeue():

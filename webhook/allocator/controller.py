@@ -125,6 +125,8 @@ class Controller:
             self.catalog,
             clock,
             tell=self._event,
+            tracks=tracks,
+            kick=self.kick,
         )
         if self.scale_up.on:
             placer.pendings = self.scale_up

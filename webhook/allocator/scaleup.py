@@ -25,14 +25,18 @@ placeholder's late MODIFIED or DELETED) is older and changes nothing. Watch orde
 not the resourceVersions, which are opaque (Kubernetes API conventions: compared for
 equality, never ordered).
 
-Verdicts live only for the term (a new leader re-parks every pod within a pass) and signals
-of pods that are still gated are kept across terms, so a leader change does not flap them.
+Its per-pod state is no table of its own: it lives in each pod's record (`PodTrack.need`,
+`waits`, `signal`, `signal_unechoed`, `raising`, `withdrawing`, `answers`), read and
+written through views (`Tracks.field`, `Tracks.flag`). Verdicts live only for the term (a
+new leader re-parks every pod within a pass); the signal objects and the answers told stay
+with the records across terms, so a leader change does not flap them, and a record whose
+pod is gone lives until its signal is (docs/allocator.md "How long a record lives").
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -60,7 +64,7 @@ from webhook.allocator.autoscale import (
 from webhook.allocator.leader import NotLeader
 from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import placeable
+from webhook.allocator.track import Need, RecordField, RecordFlag, Tracks, placeable
 from webhook.allocator.views import PodView
 from webhook.allocator.writes import EventType_, Tell, Writes
 
@@ -68,17 +72,6 @@ log = structlog.get_logger("allocator")
 
 _PROVREQ_FAILURES = ("Failed", "BookingExpired", "CapacityRevoked")
 LOST_BACKOFF_S = 30.0
-
-
-@dataclass
-class Need:
-    since: float  # monotonic: when it was first found to need a node (or may ask again)
-    request: PodRequest
-    why: str
-    lost: int = 0  # signals of it deleted by someone else (a placeholder preempted)
-    # nodes its placeholders were bound to though it cannot go there (`misplaced`): the
-    # scheduler found room there, so its next ones list them whatever `kept_off` reads
-    misplaced_on: set[str] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -91,21 +84,35 @@ class ScaleUp(Signals):
     catalog: Catalog
     clock: Clock
     tell: Tell
-    needs: dict[str, Need] = field(default_factory=dict)  # pod uid → since when
-    waits: set[str] = field(default_factory=set)  # classified: no new node needed
-    told: dict[tuple[str, EventReason], str] = field(
-        default_factory=dict
-    )  # (uid, reason) → message
-    signals: dict[str, Obj] = field(default_factory=dict)  # pod uid → its signal object
+    # the leader's records (the controller's): the signal's per-pod state lives there
+    # (PodTrack.need, waits, signal, ...), read and written through the views below
+    tracks: Tracks = field(default_factory=Tracks)
+    kick: Callable[[str], None] = lambda uid: None  # look at a pod again (its record may go)
     # set once this term's watches have listed the signals (`listed`)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    _raising: dict[str, asyncio.Event] = field(default_factory=dict)  # creates in flight
     rounds: int = 0  # reconcile rounds ended, failed ones too (a test's proof of a chance)
-    # pods whose signal we hold from our own create's answer (or a read), which the watch
-    # has not shown yet: until it does, another object of that name it shows is older
-    _unechoed: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.needs: RecordField[Need] = self.tracks.field("need")  # needs a node since when
+        self.waits: RecordFlag = self.tracks.flag("waits")  # classified: no new node needed
+        self._signals: RecordField[Obj] = self.tracks.field("signal")
+        self._withdrawing: RecordField[asyncio.Task[None]] = self.tracks.field("withdrawing")
+        self._raising: RecordField[asyncio.Event] = self.tracks.field("raising")  # creates
+        # pods whose signal we hold from our own create's answer (or a read), which the
+        # watch has not shown yet: until it does, another object of that name it shows is
+        # older
+        self._unechoed: RecordFlag = self.tracks.flag("signal_unechoed")
+
+    @property
+    def signals(self) -> RecordField[Obj]:
+        """Pod uid → the signal object standing for it (PodTrack.signal)."""
+        return self._signals
+
+    @signals.setter
+    def signals(self, held: Mapping[str, Obj]) -> None:
+        self._signals.clear()
+        self._signals.update(held)
 
     # --- called by the placer (synchronous, pure bookkeeping) -------------------------------
 
@@ -183,6 +190,11 @@ class ScaleUp(Signals):
             await cancel_until_done([*tasks, *self._withdrawing.values()])
             self.needs.clear()
             self.waits.clear()
+
+    def _gone(self, uid: str) -> None:
+        """`uid`'s signal went: a record kept only for it (its pod is gone) may go now."""
+        if uid not in self.state.pods:
+            self.kick(uid)
 
     def _informers(self) -> list[Informer]:
         selector = SCALE_UP_LABEL
@@ -310,6 +322,7 @@ class ScaleUp(Signals):
             self._unechoed.discard(uid)
             if self.signals.pop(uid, None) is not None and uid not in self._withdrawing:
                 self.lost(uid)  # not our own delete, whose answer is still to come
+            self._gone(uid)
             return
         if held is None and (obj.get("metadata") or {}).get("deletionTimestamp"):
             # the echo of a delete of ours that has already answered (the signal forgotten):
@@ -351,11 +364,12 @@ class ScaleUp(Signals):
             self._tell_once(uid, REASON_FAILED, f"Karpenter: {obj.get('message', '')}", "Warning")
 
     def _tell_once(self, uid: str, reason: EventReason, message: str, type_: EventType_) -> None:
-        if self.told.get((uid, reason)) == message:
+        track = self.tracks.get(uid)
+        if track is not None and track.answers.get(reason) == message:
             return
         pod = self.state.pods.get(uid)
         if pod is None:
             return
-        self.told[(uid, reason)] = message
+        self.tracks.ensure(uid).answers[reason] = message
         log.info("scale-up answer", pod=pod.key, reason=reason, message=message)
         self.tell(pod.obj, reason, message, type_)

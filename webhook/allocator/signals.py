@@ -11,12 +11,10 @@ in the way of a pin before it is written (docs/autoscaling.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, MutableMapping, MutableSet
 
 import structlog
 
-from common.constants import EventReason
 from common.kubeapi import ApiError, Obj
 from common.objects import node_label_value
 from common.placeholders import signal_name, stands_for
@@ -32,27 +30,25 @@ from webhook.allocator.autoscale import (
     selection,
 )
 from webhook.allocator.state import ClusterState
+from webhook.allocator.track import Need, Tracks
 from webhook.allocator.writes import Tell, Writes
-
-if TYPE_CHECKING:
-    from webhook.allocator.scaleup import Need
 
 log = structlog.get_logger("allocator")
 
 
 class Signals:
-    """The signal objects of `ScaleUp` (its tables, declared here)."""
+    """The signal objects of `ScaleUp` (its views of the pods' records, declared here)."""
 
     state: ClusterState
     settings: ScaleUpSettings
     tell: Tell
     writes: Writes
-    needs: dict[str, Need]
-    told: dict[tuple[str, EventReason], str]
-    signals: dict[str, Obj]
-    _withdrawing: dict[str, asyncio.Task[None]]
-    _raising: dict[str, asyncio.Event]
-    _unechoed: set[str]
+    tracks: Tracks
+    needs: MutableMapping[str, Need]
+    signals: MutableMapping[str, Obj]
+    _withdrawing: MutableMapping[str, asyncio.Task[None]]
+    _raising: MutableMapping[str, asyncio.Event]
+    _unechoed: MutableSet[str]
 
     @property
     def on(self) -> bool:
@@ -62,6 +58,9 @@ class Signals:
         raise NotImplementedError  # ScaleUp's
 
     def _goes(self, uid: str) -> bool:
+        raise NotImplementedError  # ScaleUp's
+
+    def _gone(self, uid: str) -> None:
         raise NotImplementedError  # ScaleUp's
 
     def in_the_way(self, uid: str, node: str) -> list[str]:
@@ -234,9 +233,11 @@ class Signals:
             await self.writes.withdraw_provisioning_request(ns, name)
         self.signals.pop(uid, None)
         self._unechoed.discard(uid)
-        for key in [k for k in self.told if k[0] == uid]:
-            del self.told[key]
+        track = self.tracks.get(uid)
+        if track is not None:
+            track.answers.clear()
         log.info("scale-up withdrawn", pod_uid=uid, signal=name)
+        self._gone(uid)
 
 
 def _uid(obj: Obj) -> str:

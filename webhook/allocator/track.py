@@ -34,23 +34,39 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
+from collections.abc import Callable, Iterator, MutableMapping, MutableSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from common.allocation import SliceAllocation
-from common.constants import GATE_NAME, INSTASLICE_GPU, WHOLE_GPU_KEY
+from common.constants import GATE_NAME, INSTASLICE_GPU, WHOLE_GPU_KEY, EventReason
 from common.objects import Phase
+from common.placement import PodRequest
 from webhook.allocator.planning import PlanInputs
 from webhook.allocator.preemption import Preemption, Victim
 from webhook.allocator.views import PodView
 
 Obj = dict[str, Any]
+V = TypeVar("V")
 
 
 class Unstick(enum.Enum):
     NO = "no"
     DUE = "due"  # the timer found it unschedulable for the whole timeout
     DONE = "done"  # handled once; never again for this pod
+
+
+@dataclass
+class Need:
+    """The autoscaler signal's verdict that a pod needs a new node (scaleup.py)."""
+
+    since: float  # monotonic: when it was first found to need a node (or may ask again)
+    request: PodRequest
+    why: str
+    lost: int = 0  # signals of it deleted by someone else (a placeholder preempted)
+    # nodes its placeholders were bound to though it cannot go there (`misplaced`): the
+    # scheduler found room there, so its next ones list them whatever `kept_off` reads
+    misplaced_on: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -81,6 +97,17 @@ class PodTrack:
     # again only when those inputs change (webhook/allocator/planning.py)
     no_plan: tuple[PlanInputs, str] | None = None
     plan_deferred: bool = False  # its plan waits for the next placement round (budget spent)
+    # the autoscaler signal (scaleup.py, signals.py): its verdict for this term (needs a new
+    # node since, or waits: no new node needed), the signal object standing for the pod as
+    # last watched or written (`signal_unechoed`: held from our own write or a read that the
+    # watch has not shown yet), its create and delete in flight, the answers told
+    need: Need | None = None
+    waits: bool = False
+    signal: Obj | None = None
+    signal_unechoed: bool = False
+    raising: asyncio.Event | None = field(default=None, repr=False)
+    withdrawing: asyncio.Task[None] | None = field(default=None, repr=False)
+    answers: dict[EventReason, str] = field(default_factory=dict)
 
     def end_term(self) -> None:
         """What only a leadership term may hold: the next term decides afresh (and tells a
@@ -92,6 +119,8 @@ class PodTrack:
         self.preempt = None  # its reservation was assumed in this term only: planned afresh
         self.no_plan = None
         self.plan_deferred = False
+        self.need = None  # the signal's verdicts are the term's (its object is the cluster's)
+        self.waits = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +401,9 @@ class Tracks:
     """The leader's records, by pod uid, with the two small indexes its loops scan: pods
     parked as pending (retried when capacity may have grown) and pinned pods the scheduler
     cannot place (the pinned-unschedulable timer). Records are made while leading and
-    dropped when their pod is gone, so a standby holds none of its own."""
+    dropped when their pod is gone and nothing of ours stands for it (an allocation, a
+    signal object: the `Forget` step keeps a record whose signal is not withdrawn yet), so
+    a standby holds none of its own (docs/allocator.md "How long a record lives")."""
 
     def __init__(self) -> None:
         self._by_uid: dict[str, PodTrack] = {}
@@ -389,14 +420,36 @@ class Tracks:
             track = self._by_uid[uid] = PodTrack(uid)
         return track
 
-    def forget(self, uid: str) -> None:
-        self._by_uid.pop(uid, None)
+    def forget(self, uid: str, *, keep_signal: bool = False) -> None:
+        """Drop the record. `keep_signal`: while an autoscaler signal still stands for the
+        pod, a record of the signal's part alone stays (docs/allocator.md "How long a
+        record lives")."""
+        track = self._by_uid.pop(uid, None)
         self._parked.discard(uid)
         self._stuck.discard(uid)
         self._preempting.discard(uid)
+        if keep_signal and track is not None and track.signal is not None:
+            self._by_uid[uid] = PodTrack(
+                uid,
+                need=track.need,
+                waits=track.waits,
+                signal=track.signal,
+                signal_unechoed=track.signal_unechoed,
+                raising=track.raising,
+                withdrawing=track.withdrawing,
+                answers=track.answers,
+            )
 
     def values(self) -> list[PodTrack]:
         return list(self._by_uid.values())
+
+    def field(self, name: str) -> RecordField[Any]:
+        """Field `name` of every record, by uid (see `RecordField`)."""
+        return RecordField(self._by_uid, self.ensure, name)
+
+    def flag(self, name: str) -> RecordFlag:
+        """Boolean field `name` of every record, as the set of uids it is set for."""
+        return RecordFlag(self._by_uid, self.ensure, name)
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -478,3 +531,65 @@ class Tracks:
             track.end_term()
         self._parked.clear()
         self._preempting.clear()
+
+
+class RecordField(MutableMapping[str, V], Generic[V]):
+    """One field of the records, by pod uid: the records whose field is set (not None).
+    Setting it makes the record if there is none (only while leading are records made);
+    deleting it unsets the field. How the autoscaler signal keeps its part of a pod's
+    record: no table of its own."""
+
+    def __init__(
+        self, by_uid: dict[str, PodTrack], ensure: Callable[[str], PodTrack], name: str
+    ) -> None:
+        self._by_uid, self._ensure, self._name = by_uid, ensure, name
+
+    def __getitem__(self, uid: str) -> V:
+        track = self._by_uid.get(uid)
+        value = None if track is None else getattr(track, self._name)
+        if value is None:
+            raise KeyError(uid)
+        return value  # type: ignore[no-any-return]
+
+    def __setitem__(self, uid: str, value: V) -> None:
+        setattr(self._ensure(uid), self._name, value)
+
+    def __delitem__(self, uid: str) -> None:
+        if uid not in self:
+            raise KeyError(uid)
+        setattr(self._by_uid[uid], self._name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        name = self._name
+        return iter([u for u, t in self._by_uid.items() if getattr(t, name) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class RecordFlag(MutableSet[str]):
+    """One boolean field of the records, as the set of uids it is set for."""
+
+    def __init__(
+        self, by_uid: dict[str, PodTrack], ensure: Callable[[str], PodTrack], name: str
+    ) -> None:
+        self._by_uid, self._ensure, self._name = by_uid, ensure, name
+
+    def __contains__(self, uid: object) -> bool:
+        track = self._by_uid.get(uid) if isinstance(uid, str) else None
+        return track is not None and bool(getattr(track, self._name))
+
+    def add(self, uid: str) -> None:
+        setattr(self._ensure(uid), self._name, True)
+
+    def discard(self, uid: str) -> None:
+        track = self._by_uid.get(uid)
+        if track is not None:
+            setattr(track, self._name, False)
+
+    def __iter__(self) -> Iterator[str]:
+        name = self._name
+        return iter([u for u, t in self._by_uid.items() if getattr(t, name)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
