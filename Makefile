@@ -16,7 +16,7 @@ VERSION := $(shell sed -n 's/^VERSION = "\(.*\)"$$/\1/p' common/version.py)
 .PHONY: help install lint test test-unit test-packaging test-integration test-e2e control-plane-bins kube-bins chart protos \
         node-deps node-bins images cluster-up cluster-down dev-up dev-down demo uninstall bench-placement \
         bench-agent-leases bench-latency bench-autoscale bench-memory bench-apiserver bench-check \
-        chaos fuzz release clean
+        chaos chaos-dra fuzz release clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -122,6 +122,9 @@ bench-check: install ## the benchmarks' key figures in .dev/bench/ against bench
 
 chaos: install kube-bins ## fault-injection soak; .dev/bench/chaos.json
 	$(BIN)/python -m bench.chaos --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)
+
+chaos-dra: install kube-bins ## the soak in DRA mode (users' own ResourceClaims); .dev/bench/chaos-dra.json
+	$(BIN)/python -m bench.chaos_dra --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED)
 
 fuzz: install ## hostile AdmissionReviews against the admission server (no cluster); .dev/bench/fuzz.json
 	$(BIN)/python -m bench.fuzz --reviews $(FUZZ_REVIEWS) --seed $(FUZZ_SEED)

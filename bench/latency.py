@@ -13,6 +13,9 @@ per GI/CI create/destroy call, so one slice costs 600 ms to make and 400 ms to d
 - scale: the largest fleets (1000, 2000, 5000 nodes x 8 GPUs; the largest that completes is
   the `scale` entry): startup, idle cost, then a sequential probe and a burst; allocator
   and agent CPU seconds and peak RSS;
+- `--modes gates,dra`: the simple scenarios again on fleets in DRA mode (docs/dra.md), keyed
+  `<scenario>-dra`, with their own static baseline; there the "agent" step ends when the
+  claim is allocated and reserved (no agent round trip stands before the gate comes off);
 - floor: the least time the contract's chain of writes can take on this machine, each link
   measured alone (bench/floor.py), against the static pod's create → Running, on the
   sequential scenario's fleet; once, at emulated latency 0.
@@ -247,6 +250,7 @@ class Bench:
     base: bool = True  # the variant at emulated NVML latency 0
     trace: Path | None = None  # per-pod milestones of each variant, one JSON line a pod
     webhook_args: tuple[str, ...] = ()  # extra flags for the webhook/allocator process
+    modes: tuple[str, ...] = ("gates",)  # each on fleets of its own; dra's keyed <scenario>-dra
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
@@ -276,16 +280,18 @@ class Bench:
         doc: dict[str, Any] = {"machine": machine(), "plan": _plan_json(self.plan),
                                "scenarios": {}, "fleets": {}}  # fmt: skip
         simple = [sc for sc in self.scenarios if sc != "scale"]
-        if self.plan.shared_fleet and simple:
-            # --quick: one fleet (the largest asked for) serves every small scenario
-            t0 = time.monotonic()
-            self._fleet(doc, simple, max(self._simple_nodes(sc) for sc in simple))
-            self.log(f"{','.join(simple)}: done in {time.monotonic() - t0:.0f}s")
-        else:
-            for sc in simple:
+        for mode in self.modes:
+            dra = mode == "dra"
+            if self.plan.shared_fleet and simple:
+                # --quick: one fleet (the largest asked for) serves every small scenario
                 t0 = time.monotonic()
-                self._fleet(doc, [sc], self._simple_nodes(sc))
-                self.log(f"{sc}: done in {time.monotonic() - t0:.0f}s")
+                self._fleet(doc, simple, max(self._simple_nodes(sc) for sc in simple), dra)
+                self.log(f"{','.join(simple)} ({mode}): done in {time.monotonic() - t0:.0f}s")
+            else:
+                for sc in simple:
+                    t0 = time.monotonic()
+                    self._fleet(doc, [sc], self._simple_nodes(sc), dra)
+                    self.log(f"{sc} ({mode}): done in {time.monotonic() - t0:.0f}s")
         if "scale" in self.scenarios:
             t0 = time.monotonic()
             self._scale(doc)
@@ -294,7 +300,7 @@ class Bench:
         doc["machine"]["load_at_end"] = load()
         return doc
 
-    def _fleet(self, doc: Obj, scenarios: list[str], nodes: int) -> None:
+    def _fleet(self, doc: Obj, scenarios: list[str], nodes: int, dra: bool = False) -> None:
         fns = {"sequential": self._sequential, "burst": self._burst, "churn": self._churn}
 
         async def body(fleet: Fleet, rec: Obj) -> None:
@@ -304,10 +310,11 @@ class Bench:
                     doc["scenarios"]["floor"] = res = await self._floor(fleet)
                     self.log("  floor: " + floor_chain.line(res))
                     continue
+                mode = "-dra" if dra else ""
                 for suffix, cms, dms in self.variants():
                     fleet.set_latency(cms, dms)
                     fleet.ns = STATIC_NS if suffix == "-static" else NS
-                    key = name + suffix
+                    key = name + mode + suffix
                     self.log(f"  {key}: running (load {load()})")
                     prof = self._profiled(key, fleet)
                     first = fleet.seq
@@ -320,9 +327,9 @@ class Bench:
                     if self.trace is not None:
                         write_trace(self.trace / f"{key}.jsonl", fleet.tr, first + 1, fleet.seq)
                     self.log("  " + line(key, res))
-                add_ratios(doc["scenarios"], name)
+                add_ratios(doc["scenarios"], name + mode)
 
-        doc["fleets"][str(nodes)] = with_fleet(
+        doc["fleets"][f"{nodes}{'-dra' if dra else ''}"] = with_fleet(
             self.run_dir,
             nodes,
             self.plan.idle_s,
@@ -330,6 +337,7 @@ class Bench:
             self.log,
             static=self.static or "floor" in scenarios,  # the floor's static link
             webhook_args=self.webhook_args,
+            dra=dra,
         )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
@@ -515,6 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ARG",
         help="pass ARG to the webhook/allocator process, e.g. --webhook-arg=--policy=spread",
     )
+    ap.add_argument(
+        "--modes",
+        default="gates",
+        help="comma-separated allocation modes to run, each on its own fleets: gates, dra "
+        "(docs/dra.md); a DRA fleet's results are keyed <scenario>-dra",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--dir", type=Path, default=RUN_DIR, help="where the system runs")
     ap.add_argument("--report", type=Path, default=None, help="write plots into this dir")
@@ -545,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - {"gates", "dra"}:
+        ap.error(f"--modes: {args.modes!r}; known: gates, dra")
     if args.only_realistic and args.no_realistic:
         ap.error("--only-realistic and --no-realistic leave no InstaSlice variant")
     bench = Bench(
@@ -557,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base=not args.only_realistic,
         trace=args.trace,
         webhook_args=tuple(args.webhook_arg),
+        modes=modes,
     )
     # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
     # so the fleet is torn down; children die with this process anyway (PDEATHSIG)

@@ -40,7 +40,18 @@ from bench.latency_track import (
     request_seconds,
     writes_summary,
 )
-from common.kubeapi import ApiError, Informer, Kube, Obj, core_path, harden, instaslice_path
+from common.constants import DRA_API_VERSION
+from common.draclaim import as_allocation
+from common.kubeapi import (
+    ApiError,
+    Informer,
+    Kube,
+    Obj,
+    core_path,
+    group_path,
+    harden,
+    instaslice_path,
+)
 from hack.cluster.controlplane import ClusterSettings, ControlPlane
 from hack.cluster.nodes import create_nodes, parse_spec, wait_nodes_ready
 from hack.dev import DevSystem
@@ -80,8 +91,9 @@ def agent_args(nodes: int) -> list[str]:
     return [f"--lease-duration-s={lease_s(nodes)}", f"--gc-period-s={max(30, nodes // 5)}"]
 
 
-def spec(nodes: int) -> Any:
-    return parse_spec({"nodes": [{
+def spec(nodes: int, dra: bool = False) -> Any:
+    """The fleet's cluster spec; `dra`: every component in DRA mode (docs/dra.md)."""
+    return parse_spec({"dra": dra, "nodes": [{
         "prefix": "gpu", "count": nodes, "gpus": GPUS_PER_NODE, "model": MODEL,
         "cpu": "128", "memory": "1Ti", "pods": 250,
     }]})  # fmt: skip
@@ -336,7 +348,7 @@ def _leftovers(run_dir: Path) -> None:
 
 
 def bring_up(
-    run_dir: Path, nodes: int, webhook_args: Sequence[str] = ()
+    run_dir: Path, nodes: int, webhook_args: Sequence[str] = (), dra: bool = False
 ) -> tuple[DevSystem, dict[str, float]]:
     """Control plane, then the KWOK nodes (Ready, untainted), then InstaSlice (DevSystem.up
     attaches to the running control plane); seconds per phase."""
@@ -363,7 +375,7 @@ def bring_up(
             warnings.filterwarnings("ignore", r"subprocess \d+ is still running", ResourceWarning)
             system = BenchSystem.up(
                 run_dir,
-                spec(nodes),
+                spec(nodes, dra),
                 die_with_parent=True,
                 cluster_settings=cluster_settings(nodes),
                 agent_args=agent_args(nodes),
@@ -390,18 +402,20 @@ def with_fleet(
     *,
     static: bool = False,
     webhook_args: Sequence[str] = (),
+    dra: bool = False,
 ) -> dict[str, Any]:
     """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
     down. Startup runs on the main thread, so the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed."""
     log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
-    system, phases = bring_up(run_dir, nodes, webhook_args)
+    system, phases = bring_up(run_dir, nodes, webhook_args, dra)
     cs = cluster_settings(nodes)
     rec: dict[str, Any] = {
         "nodes": nodes,
         "gpus": nodes * GPUS_PER_NODE,
         **phases,
         "settings": {
+            "allocation_mode": "dra" if dra else "gates",
             "kwok_node_lease_s": cs.node_lease_duration_s,
             "kcm_node_monitor_grace_s": cs.node_monitor_grace_s,
             "agent_args": agent_args(nodes),
@@ -411,7 +425,7 @@ def with_fleet(
     steps = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
     log(f"  up in {phases['startup_s']:.1f}s ({steps})")
     try:
-        asyncio.run(_session(system, rec, idle_s, body, log, static))
+        asyncio.run(_session(system, rec, idle_s, body, log, static, dra))
     finally:
         system.down()
         log(f"  torn down (load {load()})")
@@ -419,7 +433,7 @@ def with_fleet(
 
 
 async def _session(
-    system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any, static: bool
+    system: DevSystem, rec: Obj, idle_s: float, body: Any, log: Any, static: bool, dra: bool
 ) -> None:
     async with await Kube.connect(str(system.kubeconfig)) as kube:
         tr = Tracker()
@@ -433,7 +447,11 @@ async def _session(
         informers = [
             Informer(kube, core_path("pods", NS), tr.on_pod, name="bench-pods"),
             Informer(kube, core_path("pods", STATIC_NS), tr.on_pod, name="bench-static-pods"),
-            Informer(
+            # the pods' records: in DRA mode their ResourceClaims, read as the allocations
+            # they stand for (`Ready`: allocated and reserved, docs/dra.md)
+            Informer(kube, claims_path(NS), claims_as_allocations(tr), name="bench-claims")
+            if dra
+            else Informer(
                 kube, instaslice_path("sliceallocations", NS), tr.on_alloc, name="bench-allocs"
             ),
         ]
@@ -454,6 +472,19 @@ async def _session(
                 for t in pending:
                     t.cancel()
                 await asyncio.wait(pending, timeout=1.0)
+
+
+def claims_path(namespace: str) -> str:
+    return group_path(DRA_API_VERSION, "resourceclaims", namespace)
+
+
+def claims_as_allocations(tr: Tracker) -> Any:
+    async def on_claim(etype: str, obj: Obj) -> None:
+        shaped = as_allocation(obj)
+        if shaped is not None:
+            await tr.on_alloc(etype, shaped)
+
+    return on_claim
 
 
 async def idle(fleet: Fleet, seconds: float) -> dict[str, Any]:

@@ -58,6 +58,10 @@ DRA_DRIVER: Final = "instaslice.io"
 DRA_API_VERSION: Final = "resource.k8s.io/v1"
 DEVICE_CLASS_MIG: Final = "mig.instaslice.io"
 DEVICE_CLASS_GPU: Final = "gpu.instaslice.io"
+# DRA mode's rewritten pod (docs/contract.md §8): its asks, kept for the allocator (the
+# extended resource is gone), and the name of its spec.resourceClaims entry.
+ASKS_ANNOTATION: Final = "instaslice.io/asks"
+POD_CLAIM_ENTRY: Final = "instaslice"
 
 
 # Objects.

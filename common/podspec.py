@@ -3,7 +3,8 @@
 The webhook validates and rewrites what users write (`nvidia.com/mig-*`); everything after
 admission (allocator, node agent, kubectl plugin) reads the rewritten pod, whose slice asks
 are the `instaslice.io/mig-*` limits of its containers and sidecars (and
-`instaslice.io/gpu`, whole GPUs, read as the profile "gpu"). Ephemeral
+`instaslice.io/gpu`, whole GPUs, read as the profile "gpu"), or in DRA mode, where the pod
+names a ResourceClaim instead, its `instaslice.io/asks` annotation. Ephemeral
 containers never get slices (docs/contract.md §1) and are never read here.
 
 Init containers that are not sidecars (`restartPolicy: Always`) never get slices either: every
@@ -20,12 +21,14 @@ refuses such pods too): callers treat it as a permanent error for that pod.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.constants import (
+    ASKS_ANNOTATION,
     CLAIM_ANNOTATION,
     INSTASLICE_GPU,
     INSTASLICE_MIG_PREFIX,
@@ -102,11 +105,16 @@ def pod_claim(pod: Mapping[str, Any]) -> str | None:
 
 
 def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
-    """Every slice ask of a rewritten pod, in container order (containers, then sidecars).
+    """Every slice ask of a rewritten pod, in container order (containers, then sidecars);
+    in DRA mode, those of its `instaslice.io/asks` annotation (`decode_asks`).
 
     Raises SliceRequestError for an `instaslice.io/mig-*` limit that names no profile, whose
     count is not a positive integer, or that an init container other than a sidecar asks.
     """
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if isinstance(annotations, Mapping) and ASKS_ANNOTATION in annotations:
+        return decode_asks(pod, annotations[ASKS_ANNOTATION])
     asks: list[SliceAsk] = []
     for fld, _, c in iter_containers(pod):
         if not isinstance(c, Mapping):
@@ -139,4 +147,35 @@ def slice_requests(pod: Mapping[str, Any]) -> list[SliceAsk]:
                     f"container {name!r}: {key}={value!r} is not a positive integer count"
                 )
             asks.append(SliceAsk(str(name), profile, count))
+    return asks
+
+
+def encode_asks(asks: Sequence[SliceAsk]) -> str:
+    """DRA mode's `instaslice.io/asks` (docs/contract.md §8): `[[container, profile, n], ...]`."""
+    return json.dumps([[a.container, a.profile, a.count] for a in asks], separators=(",", ":"))
+
+
+def decode_asks(pod: Mapping[str, Any], text: object) -> list[SliceAsk]:
+    """The asks of `instaslice.io/asks`; SliceRequestError when it is not what admission
+    writes: a list of [container, profile, count] naming the pod's containers or sidecars."""
+    try:
+        rows = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        rows = None
+    if not isinstance(rows, list):
+        raise SliceRequestError(f"{ASKS_ANNOTATION} is not a JSON list")
+    asking = {
+        c.get("name")
+        for fld, _, c in iter_containers(pod)
+        if isinstance(c, Mapping) and not holds_uncharged(fld, c)
+    }
+    asks: list[SliceAsk] = []
+    for row in rows:
+        ok = isinstance(row, list) and len(row) == 3 and row[0] in asking
+        count = parse_count(row[2]) if ok else None
+        if not ok or not isinstance(row[1], str) or count is None:
+            raise SliceRequestError(
+                f"{ASKS_ANNOTATION}: {row!r} is not [container or sidecar, profile, count]"
+            )
+        asks.append(SliceAsk(row[0], row[1], count))
     return asks

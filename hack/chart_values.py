@@ -252,9 +252,10 @@ _VALUE_DOCS = {
     "# --autoscaler-signal",
     "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",
     "nodeagent": "the node agent DaemonSet; kubeletDir: the kubelet's root directory on the "
-    "nodes\n# (pod-resources/ under it; the device plugins' directory is "
-    "/var/lib/kubelet/device-plugins\n# whatever the root, the kubelet fixes it); hostPaths: "
-    "the node's CDI-spec (cdi) and agent-state\n# (state) directories",
+    "nodes\n# (pod-resources/, plugins_registry/ and plugins/ under it, mounted at the same paths: "
+    "the DRA\n# plugin's socket path is what the kubelet dials; the device plugins' directory "
+    "is\n# /var/lib/kubelet/device-plugins whatever the root, the kubelet fixes it); hostPaths: "
+    "the node's\n# CDI-spec (cdi) and agent-state (state) directories",
     "monitoring": "PodMonitor + PrometheusRule (manifests/components/monitoring); needs the\n"
     "# Prometheus Operator's monitoring.coreos.com CRDs",
     "metricsAuth": "the component manifests/components/metrics-auth: /metrics over TLS for a "

@@ -357,8 +357,14 @@ class DevSystem:
         (hack/cluster/chartinstall.py) with `extra_values` over the dev values; both workloads
         rolled out. The values used."""
         assert self.real is not None
+        # DRA mode is the chart's allocationMode (its ConfigMap, DeviceClasses and DRA RBAC)
+        mode = {"allocationMode": AllocationMode.DRA.value} if DRA_MODE in self.agent_args else {}
         return install_chart(
-            self.cp, self.real, self.gpu_state, self.dir / "images", extra_values=extra_values
+            self.cp,
+            self.real,
+            self.gpu_state,
+            self.dir / "images",
+            extra_values={**mode, **(extra_values or {})},
         )
 
     def start_real_agent(

@@ -17,8 +17,10 @@ values users set replaced by template expressions:
   their value in manifests/ is the default;
 - per workload: `resources`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName`
   (the manifests' are the defaults), `podLabels`, `podAnnotations`; `webhook.replicas`;
-  `nodeagent.kubeletDir`, the kubelet's root directory (pod-resources/ under it; the device
-  plugins' directory is /var/lib/kubelet/device-plugins whatever the root, the kubelet fixes it),
+  `nodeagent.kubeletDir`, the kubelet's root directory (pod-resources/, plugins_registry/ and
+  plugins/ under it, each mounted at its host path and named so in the agent's flags: the DRA
+  plugin's socket path is what the kubelet dials; the device plugins' directory is
+  /var/lib/kubelet/device-plugins whatever the root, the kubelet fixes it),
   `nodeagent.hostPaths.{cdi,state}`, the node's CDI-spec and agent-state directories;
 - `monitoring.enabled`: the objects manifests/components/monitoring adds;
 - `metricsAuth.enabled`: what manifests/components/metrics-auth does (hack/chart_auth.py);
@@ -438,13 +440,42 @@ def _parameterise_workload(o: Obj, part: str, mark: Callable[[str, str], str]) -
     if "annotations" in meta:
         raise SystemExit(f"{o['kind']}/{o['metadata']['name']}: pod annotations; extend gen_chart")
     meta[mark("line", _optional("annotations", f"{v}.podAnnotations"))] = ""
-    for vol in _kubelet_volumes(o):
-        rest = vol["hostPath"]["path"][len(KUBELET_DIR) :]
-        vol["hostPath"]["path"] = mark("inline", f"{{{{ {v}.kubeletDir }}}}") + rest
+    if _kubelet_volumes(o):
+        _follow_kubelet_dir(o, container, mark("inline", f"{{{{ {v}.kubeletDir }}}}"))
     if part == "nodeagent":
         for key, vol in _host_path_volumes(o).items():
             vol["hostPath"]["path"] = mark("value", f"{{{{ {v}.hostPaths.{key} | quote }}}}")
         chart_emulator.parameterise(spec, mark)
+
+
+def _follow_kubelet_dir(o: Obj, container: Obj, kubelet_dir: str) -> None:
+    """Every path under the kubelet's root dir (but the fixed device-plugins one) becomes
+    `kubelet_dir` + the rest: the hostPath volumes, their mounts and the flags naming them.
+    The mounts must sit at their host paths: the DRA plugin's socket path is the endpoint the
+    agent hands the kubelet, which dials it on the host (docs/dra.md)."""
+    vols = _kubelet_volumes(o)
+    mounts = {m["name"]: m for m in container.get("volumeMounts") or []}
+
+    def moved(path: str) -> str:
+        return kubelet_dir + path[len(KUBELET_DIR) :]
+
+    for vol in vols:
+        host = vol["hostPath"]["path"]
+        mount = mounts.get(vol["name"])
+        if mount is not None and mount["mountPath"] != host:
+            raise SystemExit(
+                f"{o['kind']}/{o['metadata']['name']}: {vol['name']} mounted at "
+                f"{mount['mountPath']}, not its host path {host}; extend gen_chart"
+            )
+        vol["hostPath"]["path"] = moved(host)
+        if mount is not None:
+            mount["mountPath"] = moved(host)
+    args = []
+    for arg in container.get("args") or []:
+        flag, eq, value = arg.partition("=")
+        under = value.startswith(KUBELET_DIR + "/") and not value.startswith(DEVICE_PLUGIN_DIR)
+        args.append(f"{flag}={moved(value)}" if eq and under else arg)
+    container["args"] = args
 
 
 _LABELS = '{{- include "instaslice.labels" . | nindent {i} }}'

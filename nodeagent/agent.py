@@ -538,9 +538,8 @@ class NodeAgent:
             self.st.lost.add(ev.gpu_index)
         if not self.st.healthy(ev.gpu_index):
             return
-        self.st.health[ev.gpu_index] = Health(False, ev.message)
+        self.st.set_unhealthy(ev.gpu_index, ev.message)
         log.warning("GPU unhealthy", node=self.node, gpu=ev.gpu_index, reason=ev.message)
-        self.st.publish.set()
         for uid, obj in list(self.st.allocs.items()):
             alloc = SliceAllocation.parse(obj)
             if any(s.gpu_uuid == gpu.uuid for s in alloc.slices):

@@ -28,7 +28,7 @@ from nodeagent.checkpoint import ClaimRecord, SliceRecord
 from nodeagent.device import NodeGpus
 from nodeagent.metrics import AgentMetrics
 from nodeagent.modechange import ModeChanger
-from nodeagent.model import Health, Instance, NvmlFailure
+from nodeagent.model import Instance, NvmlFailure
 from nodeagent.reconcile import adopt_from_status, match
 from nodeagent.report import status_failed
 from nodeagent.settings import Settings
@@ -65,8 +65,7 @@ class LifeBase:
         if exc.gpu_lost and gpu_index is not None:
             self.st.lost.add(gpu_index)
             if self.st.healthy(gpu_index):
-                self.st.health[gpu_index] = Health(False, "GPU is lost (NVML: GPU_IS_LOST)")
-                self.st.publish.set()
+                self.st.set_unhealthy(gpu_index, "GPU is lost (NVML: GPU_IS_LOST)")
 
     async def instances(
         self, gpu_indexes: set[int], first: bool = False, with_cis: bool = True

@@ -64,6 +64,7 @@ class AgentNode:
         self._lock = asyncio.Lock()
         self._soon: asyncio.TimerHandle | None = None
         self._dropped = asyncio.Event()
+        self._health_changed = asyncio.Event()
 
     def publish_soon(self, within_s: float) -> None:
         """Publish within `within_s`, together with whatever else changes meanwhile: for a
@@ -146,3 +147,15 @@ class AgentNode:
 
     def healthy(self, gpu_index: int) -> bool:
         return self.health.get(gpu_index, Health()).healthy
+
+    def set_unhealthy(self, gpu_index: int, message: str) -> None:
+        """The GPU is unhealthy from now on: the pool is published again (without it) and
+        whoever waits on `next_health_change` (the DRA health stream) is woken."""
+        self.health[gpu_index] = Health(False, message)
+        self.publish.set()
+        self._health_changed.set()
+        self._health_changed = asyncio.Event()
+
+    def next_health_change(self) -> asyncio.Event:
+        """An event set when a GPU's health changes next."""
+        return self._health_changed

@@ -18,6 +18,11 @@ namespaceSelector and matchConditions already filtered out everything else):
   validated and rewritten the same way, to `instaslice.io/gpu: N` (the CDI device of such a
   container binds its whole GPUs); a pod asking whole GPUs and MIG slices together is
   refused (not supported).
+- in DRA mode (`allocation_mode`, docs/dra.md) the asks are not renamed but removed, kept in
+  the annotation `instaslice.io/asks`, and the pod names its ResourceClaim instead
+  (`spec.resourceClaims[{name: instaslice, resourceClaimName: <claim>}]`, each asking
+  container's `resources.claims` naming its asks' requests; docs/contract.md §8); no
+  NVIDIA_VISIBLE_DEVICES is set (the kubelet hands the devices over, from the claim);
 - an init container that is not a sidecar (`restartPolicy: Always`) may not ask, by profile,
   whole GPU or size: it would hold its slices for the pod's whole life while ResourceQuota,
   the scheduler and Kueue charge the pod only its largest init container's ask
@@ -46,18 +51,28 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from common.constants import (
+    ASKS_ANNOTATION,
     CDI_KIND,
     CLAIM_ANNOTATION,
     GATE_NAME,
     MEMORY_SLOTS_RESOURCE,
     NVIDIA_GPU,
+    POD_CLAIM_ENTRY,
     SIZE_ANNOTATION_PREFIX,
     WHOLE_GPU_PROFILE,
+    AllocationMode,
     BindingMode,
     qualified_cdi_device,
 )
+from common.draclaim import request_name
 from common.placeholders import is_placeholder
-from common.podspec import SliceAsk, holds_uncharged, iter_containers, slice_requests
+from common.podspec import (
+    SliceAsk,
+    encode_asks,
+    holds_uncharged,
+    iter_containers,
+    slice_requests,
+)
 from common.quota import admitted_models, slot_charge
 from common.sizing import Size, SizeError, parse_size, resolve, unsatisfiable
 from webhook.container_checks import DEVICE_MARK, ContainerChecks, esc, is_gpu_key, is_mig_key, show
@@ -172,6 +187,36 @@ def _slot_ops(fld: str, i: int, c: Obj, slots: int) -> list[PatchOp]:
     return ops
 
 
+def _claim_ops(spec: Obj, asks: list[SliceAsk], claim: str) -> list[PatchOp]:
+    """DRA mode (docs/contract.md §8): the pod names its ResourceClaim (`claim`, made by the
+    allocator when it places the pod) in `spec.resourceClaims`, and each asking container
+    names the claim's requests of its asks (`common.draclaim.request_name`), so it gets
+    exactly its own devices."""
+    entry = {"name": POD_CLAIM_ENTRY, "resourceClaimName": claim}
+    ops: list[PatchOp] = []
+    if isinstance(spec.get("resourceClaims"), list):
+        ops.append({"op": "add", "path": "/spec/resourceClaims/-", "value": entry})
+    else:
+        ops.append({"op": "add", "path": "/spec/resourceClaims", "value": [entry]})
+    index = {name: (fld, i, c) for fld, i, c in iter_containers({"spec": spec})
+             if isinstance(c, dict) and isinstance(name := c.get("name"), str)}  # fmt: skip
+    by_container: dict[str, list[Obj]] = {}
+    for n, ask in enumerate(asks):
+        refs = by_container.setdefault(ask.container, [])
+        refs.append({"name": POD_CLAIM_ENTRY, "request": request_name(n)})
+    for name, refs in by_container.items():
+        fld, i, c = index[name]
+        base = f"/spec/{fld}/{i}/resources"
+        resources = c.get("resources")
+        if not isinstance(resources, dict):
+            ops.append({"op": "add", "path": base, "value": {"claims": refs}})
+        elif isinstance(resources.get("claims"), list):
+            ops.extend({"op": "add", "path": f"{base}/claims/-", "value": r} for r in refs)
+        else:
+            ops.append({"op": "add", "path": f"{base}/claims", "value": refs})
+    return ops
+
+
 def _without_field(message: str, path: str) -> str:
     """`message` less the field `path` names: a leading `<path or a parent of it>: `, or the
     container-relative `: resources.limits[k]: ` after the container's name."""
@@ -240,6 +285,7 @@ class _Rewrite(ContainerChecks):
                 )
 
         sizes = self._sizes(annotations)
+        dra = self.settings.allocation_mode is AllocationMode.DRA
         claim = new_claim()
         devices: list[str] = []
         names: set[str] = set()
@@ -273,7 +319,7 @@ class _Rewrite(ContainerChecks):
                 charges.append((fld, i, c, self._slots(self.asks[before:], sizes.get(name))))
             own = qualified_cdi_device(self.namespace, old_claim, name) if old_claim else None
             device = qualified_cdi_device(self.namespace, claim, name)
-            bind = bool(asks) and self.settings.binding_mode is BindingMode.ENV
+            bind = bool(asks) and self.settings.binding_mode is BindingMode.ENV and not dra
             if self._env(c, fld, i, name, own, device if bind else None) and bind:
                 devices.append(device)
 
@@ -294,12 +340,26 @@ class _Rewrite(ContainerChecks):
                 f"({', '.join(mig)}) together; a pod gets either, not both (not supported)",
                 "FieldValueForbidden",
             )
+        claims = spec.get("resourceClaims")
+        if (
+            dra
+            and isinstance(claims, list)
+            and any(isinstance(e, dict) and e.get("name") == POD_CLAIM_ENTRY for e in claims)
+        ):
+            self._problem(
+                "spec.resourceClaims",
+                f"spec.resourceClaims: the entry name {POD_CLAIM_ENTRY} is InstaSlice's (DRA "
+                "mode: it names the pod's slices); rename yours",
+                "FieldValueDuplicate",
+            )
         if self.causes:
             return self.denied()
 
         # "add" on an existing member replaces it, so a JSON null in the way is fine too.
         head: list[PatchOp] = []
         ours = {CLAIM_ANNOTATION: claim}
+        if dra:
+            ours[ASKS_ANNOTATION] = encode_asks(self.asks)
         if self.settings.do_not_disrupt:
             ours[DO_NOT_DISRUPT] = "true"
         if isinstance(self.meta.get("annotations"), dict):
@@ -323,8 +383,13 @@ class _Rewrite(ContainerChecks):
                 f"{claim} (claims are never reused)"
             )
         slot_ops = [op for fld, i, c, n in charges for op in _slot_ops(fld, i, c, n)]
+        claim_ops = _claim_ops(spec, self.asks, claim) if dra else []
         return Patched(
-            head + self.ops + slot_ops, claim, tuple(self.asks), tuple(devices), tuple(warnings)
+            head + self.ops + slot_ops + claim_ops,
+            claim,
+            tuple(self.asks),
+            tuple(devices),
+            tuple(warnings),
         )
 
     def _sizes(self, annotations: Obj) -> dict[str, Size]:
@@ -342,6 +407,13 @@ class _Rewrite(ContainerChecks):
             models = self.settings.catalog.models
             if all(resolve(m, size) is None for m in models):
                 self._problem(where, f"{where}: {unsatisfiable(size, models, 'the catalog')}")
+                continue
+            if self.settings.allocation_mode is AllocationMode.DRA:
+                self._problem(
+                    where,
+                    f"{where}: size-based requests are not served in DRA mode yet "
+                    "(docs/dra.md); ask for nvidia.com/mig-<profile> instead",
+                )
                 continue
             if self.settings.binding_mode is not BindingMode.ENV:
                 self._problem(

@@ -22,6 +22,7 @@ from common.constants import (
     NVIDIA_MIG_PREFIX,
     VISIBLE_DEVICES_ENV,
     WHOLE_GPU_PROFILE,
+    AllocationMode,
 )
 from common.podspec import SliceAsk, parse_count
 from common.profiles import ProfileNameError, profile_from_suffix
@@ -187,15 +188,7 @@ class ContainerChecks:
             if count is None:
                 continue
             self.asks.append(SliceAsk(name, profile, count))
-            if nvidia:
-                new_key = INSTASLICE_MIG_PREFIX + suffix
-                for section, entries in (("limits", limits), ("requests", requests)):
-                    if key in entries:
-                        self.ops.append({"op": "remove", "path": f"{base}/{section}/{esc(key)}"})
-                        self.ops.append(
-                            {"op": "add", "path": f"{base}/{section}/{esc(new_key)}",
-                             "value": entries[key]}
-                        )  # fmt: skip
+            self._rename(base, key, INSTASLICE_MIG_PREFIX + suffix, (limits, requests))
         if self.whole_gpu:
             asked = self._whole(where, name, (at, base), limits, requests) or asked
         for key in requests:
@@ -242,15 +235,21 @@ class ContainerChecks:
         if count is None:
             return True
         self.asks.append(SliceAsk(name, WHOLE_GPU_PROFILE, count))
-        if key == NVIDIA_GPU:
-            new_key = esc(INSTASLICE_GPU)
-            for section, entries in (("limits", limits), ("requests", requests)):
-                if key in entries:
-                    self.ops.append({"op": "remove", "path": f"{base}/{section}/{esc(key)}"})
-                    self.ops.append(
-                        {"op": "add", "path": f"{base}/{section}/{new_key}", "value": entries[key]}
-                    )
+        self._rename(base, key, INSTASLICE_GPU, (limits, requests))
         return True
+
+    def _rename(self, base: str, key: str, new_key: str, sections: tuple[Obj, Obj]) -> None:
+        """Queue `key` renamed to InstaSlice's `new_key` in limits and requests; in DRA mode
+        removed instead: the container names the pod's ResourceClaim (docs/contract.md §8)."""
+        dra = self.settings.allocation_mode is AllocationMode.DRA
+        if key == new_key and not dra:
+            return
+        for section, entries in zip(("limits", "requests"), sections, strict=True):
+            if key in entries:
+                self.ops.append({"op": "remove", "path": f"{base}/{section}/{esc(key)}"})
+                if not dra:
+                    path = f"{base}/{section}/{esc(new_key)}"
+                    self.ops.append({"op": "add", "path": path, "value": entries[key]})
 
     def _count(self, where: str, field_: str, value: object, at: str) -> int | None:
         """The count of one ask (`field_` of `where`, under the API field path `at`)."""

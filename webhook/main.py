@@ -232,6 +232,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                 BindingMode(a.binding_mode),
                 do_not_disrupt=a.karpenter_do_not_disrupt,
                 slot_accounting=a.slot_accounting,
+                allocation_mode=AllocationMode(a.allocation_mode),
             ),
             host=a.host,
             port=a.port,
@@ -261,6 +262,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             ampere_mode_changes=a.ampere_mode_changes,
             ampere_mode_change_interval_s=a.ampere_mode_change_interval,
             avoid_creates_in_flight=a.avoid_creates_in_flight,
+            allocation_mode=AllocationMode(a.allocation_mode),
         )
     self_cert = None
     if server is not None and a.cert_mode == "self":

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.catalog import Catalog, load_catalog
-from common.constants import BindingMode
+from common.constants import AllocationMode, BindingMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,8 @@ class AdmissionSettings:
     slot_accounting: bool = False
     # what size-based asks and slot charges are resolved against
     catalog: Catalog = field(default_factory=load_catalog)
+    # dra: asks become a ResourceClaim reference, not an extended resource (docs/dra.md)
+    allocation_mode: AllocationMode = AllocationMode.GATES
 
     @classmethod
     def from_catalog(
@@ -45,6 +47,7 @@ class AdmissionSettings:
         *,
         do_not_disrupt: bool = False,
         slot_accounting: bool = False,
+        allocation_mode: AllocationMode = AllocationMode.GATES,
     ) -> AdmissionSettings:
         catalog = load_catalog()
         return cls(
@@ -53,6 +56,7 @@ class AdmissionSettings:
             do_not_disrupt=do_not_disrupt,
             slot_accounting=slot_accounting,
             catalog=catalog,
+            allocation_mode=allocation_mode,
         )
 
 

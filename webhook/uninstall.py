@@ -12,12 +12,15 @@ templates/hooks-*.yaml), with the webhook's image and a ServiceAccount of its ow
   MutatingWebhookConfiguration and the ValidatingAdmissionPolicies and bindings) before Helm
   deletes the webhook behind them.
 - `--phase=post-delete`, after Helm deleted the release's objects: wait until no node agent
-  pod is left (one still terminating could advertise again), then (5) remove
-  `instaslice.io/*` extended resources from every Node's status.
+  or webhook pod is left (an agent still terminating could advertise again, a webhook could
+  write its certificate's Secret again), then (5) remove `instaslice.io/*` extended resources
+  from every Node's status and delete the Secrets named by `--secret` (the webhook's serving
+  certificate, which the webhook made itself or cert-manager did: Helm never owned them).
 
 The same steps as `make uninstall` (hack/uninstall.py, which uses the pure parts below), but
 through the API rather than kubectl (the image has no kubectl), and without deleting the
-objects: Helm does, and keeps the CRDs (`helm.sh/resource-policy: keep`). Waits are watches
+objects: Helm does, and keeps the CRDs (`helm.sh/resource-policy: keep`); the certificate
+Secrets are the exception, made at run time where Helm does not see them. Waits are watches
 bounded by `--timeout`. Every step is idempotent: after fixing what stopped it, run
 `helm uninstall` again.
 """
@@ -33,12 +36,21 @@ from typing import Any
 
 from common.kubeapi import ApiError, Kube, connected, core_path, group_path, instaslice_path
 
-__all__ = ["Stop", "blockers", "capacity_patch", "main", "post_delete", "pre_delete"]
+__all__ = [
+    "Stop",
+    "blockers",
+    "capacity_patch",
+    "delete_secrets",
+    "main",
+    "post_delete",
+    "pre_delete",
+]
 
 GATE = "instaslice.io/allocation"
 OPT_IN = "instaslice.io/enabled"
 PART_OF = "app.kubernetes.io/part-of=instaslice"
-AGENT_PODS = "app.kubernetes.io/name=instaslice-nodeagent"
+# the pods that must be gone before the post-delete phase acts (the node agents, the webhook)
+RUNNING_PODS = "app.kubernetes.io/name in (instaslice-nodeagent,instaslice-webhook)"
 HOOKS = (
     group_path("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations"),
     group_path("admissionregistration.k8s.io/v1", "validatingadmissionpolicybindings"),
@@ -185,13 +197,15 @@ async def delete_admission_hooks(kube: Kube, selector: str) -> None:
     say("4/5", f"admission hooks ({selector}) deleted; Helm deletes the rest, keeps the CRDs")
 
 
-async def wait_agents_gone(kube: Kube, namespace: str, timeout_s: float) -> None:
+async def wait_pods_gone(kube: Kube, namespace: str, timeout_s: float) -> None:
     path = core_path("pods", namespace)
     left = await wait_empty(
-        kube, path, timeout_s, lambda o: str(o["metadata"]["name"]), labelSelector=AGENT_PODS
+        kube, path, timeout_s, lambda o: str(o["metadata"]["name"]), labelSelector=RUNNING_PODS
     )
     if left:
-        raise Stop(f"node agent pods still there after {timeout_s:g} s: " + ", ".join(left))
+        raise Stop(
+            f"node agent or webhook pods still there after {timeout_s:g} s: " + ", ".join(left)
+        )
 
 
 async def clean_node_capacity(kube: Kube) -> None:
@@ -206,6 +220,21 @@ async def clean_node_capacity(kube: Kube) -> None:
     say("5/5", f"instaslice.io/* capacity removed from {cleaned} node(s)")
 
 
+async def delete_secrets(kube: Kube, namespace: str, names: Sequence[str]) -> None:
+    """The webhook certificate's Secrets: made at run time, so `helm uninstall` would leave
+    them (docs/upgrade.md). One already gone is fine."""
+    deleted = []
+    for name in names:
+        try:
+            await kube.delete(core_path("secrets", namespace, name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        else:
+            deleted.append(name)
+    say("5/5", f"Secrets deleted: {', '.join(deleted) or 'none were left'}")
+
+
 async def pre_delete(kube: Kube, selector: str, timeout_s: float) -> None:
     await opt_out_namespaces(kube)
     await check_no_waiting_pods(kube)
@@ -213,9 +242,12 @@ async def pre_delete(kube: Kube, selector: str, timeout_s: float) -> None:
     await delete_admission_hooks(kube, selector)
 
 
-async def post_delete(kube: Kube, namespace: str, timeout_s: float) -> None:
-    await wait_agents_gone(kube, namespace, timeout_s)
+async def post_delete(
+    kube: Kube, namespace: str, timeout_s: float, secrets: Sequence[str] = ()
+) -> None:
+    await wait_pods_gone(kube, namespace, timeout_s)
     await clean_node_capacity(kube)
+    await delete_secrets(kube, namespace, secrets)
     say("done", "on each GPU node, remove /var/lib/instaslice (docs/upgrade.md)")
 
 
@@ -230,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="label selector of the admission hooks to delete (the chart adds its release)",
     )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="each wait's bound")
+    p.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="post-delete: a Secret of the release's namespace to delete (repeatable; the chart "
+        "names its certificate's)",
+    )
     return p
 
 
@@ -238,7 +278,7 @@ async def _run(a: argparse.Namespace) -> None:
         if a.phase == "pre-delete":
             await pre_delete(kube, a.selector, a.timeout)
         else:
-            await post_delete(kube, a.namespace, a.timeout)
+            await post_delete(kube, a.namespace, a.timeout, a.secret)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

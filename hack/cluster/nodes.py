@@ -214,11 +214,6 @@ def parse_spec(doc: Mapping[str, Any], base: Path | None = None) -> ClusterSpec:
         dra=dra,
         install=install,
     )
-    if install == "chart" and dra:
-        raise SpecError(
-            "dra: true with install: chart is not supported yet (the chart's node agent would "
-            "register with /var/lib/kubelet, not the real node's kubelet dirs); use processes"
-        )
     if install == "chart" and spec.real_group is None:
         raise SpecError(
             "install: chart needs a `runtime: containerd` group (InstaSlice's pods run there)"

@@ -9,13 +9,16 @@ another record or a foreign instance holds is refused (`reconcile.blocked`), nev
 
 The kubelet's calls meet the workers here: `prepare` wakes the claim's worker and waits until
 its slices are made (or it failed); `unprepare` releases them. Both are idempotent by claim
-UID. What it does not do: write the claim's status (the allocation is the allocator's or the
-scheduler's), or tell pods (the kubelet reports a failed prepare as a pod event).
+UID. Once made (after prepare was answered), the worker writes the claim's `status.devices`
+entries of this pool (nodeagent/dra/status.py), and takes them out on a release. What it
+does not do: write the allocation (the allocator's or the scheduler's), or tell pods (the
+kubelet reports a failed prepare as a pod event).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -30,7 +33,17 @@ from common.workqueue import KeyedQueue
 from nodeagent import cdi
 from nodeagent.checkpoint import ClaimRecord
 from nodeagent.create import CREATE_GI, NOT_OURS
-from nodeagent.dra.claims import ClaimView, Step, cdi_ids, decide, made, parse, slices_for
+from nodeagent.dra import status
+from nodeagent.dra.claims import (
+    ClaimView,
+    Step,
+    cdi_ids,
+    decide,
+    made,
+    parse,
+    slices_for,
+    unreported,
+)
 from nodeagent.lifecycle import Lifecycle
 from nodeagent.model import NvmlFailure
 from nodeagent.reconcile import match
@@ -43,6 +56,10 @@ API_RETRY_S = 1.0
 
 def claim_path(namespace: str, name: str | None = None) -> str:
     return group_path("resource.k8s.io/v1", "resourceclaims", namespace, name)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class PrepareFailed(Exception):
@@ -100,12 +117,13 @@ class DraClaims:
         view = self.views.get(uid)
         step = decide(view, st.cp.claims.get(uid), st.boot_id, uid in self.unprepared)
         try:
+            delay = None
             if step is Step.CARVE:
                 assert view is not None
-                return await self.carve(view)
-            if step is Step.RELEASE:
-                return await self.release(uid, view)
-            if step is Step.DROP_FINALIZER:
+                delay = await self.carve(view)
+            elif step is Step.RELEASE:
+                delay = await self.release(uid, view)
+            elif step is Step.DROP_FINALIZER:
                 assert view is not None
                 await self.drop_finalizer(view)
             elif (
@@ -114,12 +132,27 @@ class DraClaims:
                 and made(st.cp.claims.get(uid), st.boot_id)
             ):
                 await self._cdi_in_place(st.cp.claims[uid])
-            return None
+            self._tell(uid)  # the kubelet's prepare waits for the slices, not the status
+            if delay is None and unreported(view, st.cp.claims.get(uid), st.boot_id):
+                assert view is not None
+                await self.report(view)
+            return delay
         except ApiError as exc:
             log.warning("api write failed; retrying", claim=uid, error=str(exc))
             return API_RETRY_S
         finally:
             self._tell(uid)
+
+    async def report(self, view: ClaimView) -> None:
+        """The claim's status.devices entries of this pool: the made slices', or none."""
+        rec = self.life.st.cp.claims.get(view.uid)
+        ours = (
+            status.entries(self.node, rec, _now())
+            if made(rec, self.life.st.boot_id) and rec is not None
+            else []
+        )
+        if await status.write(self.kube, self.node, view.namespace, view.name, view.uid, ours):
+            log.info("claim's device status written", claim=view.key, devices=len(ours))
 
     async def _cdi_in_place(self, rec: ClaimRecord) -> None:
         """A made claim's CDI file (an earlier process wrote it; rewritten if gone)."""

@@ -10,6 +10,9 @@ function of the claim, its record and whether the kubelet unprepared it:
   overlaps binding and image pulls; NodePrepareResources waits for it);
 - release when the claim is deallocated, deleted or no longer reserved, or the kubelet
   unprepared it; then, if the claim is being deleted, drop the finalizer `instaslice.io/release`.
+
+`unreported` says whether the claim's `status.devices` still lacks (or, released, still
+shows) this node's entries (nodeagent/dra/status.py), which the worker then writes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from common.constants import DRA_DRIVER, RELEASE_FINALIZER, qualified_cdi_device
 from nodeagent.checkpoint import ClaimRecord, SliceRecord
+from nodeagent.dra.status import reported
 from nodeagent.model import NodeInventory
 
 Obj = dict[str, Any]
@@ -42,6 +46,7 @@ class ClaimView:
     deleting: bool
     has_finalizer: bool
     problem: str = ""  # the allocation names this driver but not (only) this node
+    reported: frozenset[str] = frozenset()  # our devices its status.devices shows Ready
 
     @property
     def key(self) -> str:
@@ -89,6 +94,7 @@ def parse(obj: Mapping[str, Any], node: str) -> ClaimView:
         deleting=bool(meta.get("deletionTimestamp")),
         has_finalizer=RELEASE_FINALIZER in (meta.get("finalizers") or []),
         problem=problem,
+        reported=reported(obj, node),
     )
 
 
@@ -165,3 +171,14 @@ def decide(
     if view is not None and view.deleting and view.has_finalizer:
         return Step.DROP_FINALIZER
     return Step.NOTHING
+
+
+def unreported(view: ClaimView | None, record: ClaimRecord | None, boot_id: str) -> bool:
+    """Whether the claim's status.devices is not what this node's records say: made slices
+    not shown Ready, or entries left of slices no longer held (while it is still allocated
+    here; a deallocation clears them itself)."""
+    if view is None or not view.ours or view.deleting:
+        return False
+    if made(record, boot_id):
+        return view.reported != {r.device for r in view.ours}
+    return record is None and bool(view.reported)

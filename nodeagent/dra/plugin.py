@@ -8,7 +8,8 @@ Two gRPC servers on unix sockets, as the kubelet expects of a DRA driver:
   claim with its devices' CDI ids once its slices are made (`DraClaims.prepare`, which checks
   the allocation names this driver and this node), `NodeUnprepareResources` releases them.
   Claims of one call are handled side by side, each idempotent by UID; a claim's failure is
-  its own `error`, never the call's.
+  its own `error`, never the call's. The same socket serves `v1.DRAResourceHealth`
+  (nodeagent/dra/health.py: the held devices' health, streamed), advertised at registration.
 Both sockets are made anew at start (a stale file from an earlier process is removed): a
 restarted agent is found again by the kubelet, which then re-prepares the claims of running
 pods, answered from the records without making anything twice.
@@ -29,9 +30,11 @@ import structlog
 from common.constants import DRA_DRIVER
 from nodeagent.deviceplugin._gen.dra.v1 import api_pb2 as dra
 from nodeagent.deviceplugin._gen.dra.v1 import api_pb2_grpc as dra_grpc
+from nodeagent.deviceplugin._gen.drahealth.v1 import api_pb2_grpc as health_grpc
 from nodeagent.deviceplugin._gen.pluginregistration.v1 import api_pb2 as reg
 from nodeagent.deviceplugin._gen.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nodeagent.dra.carve import DraClaims, PrepareFailed
+from nodeagent.dra.health import HEALTH_SERVICE, HealthStream
 
 log = structlog.get_logger("dra.plugin")
 DRA_SERVICE = "v1.DRAPlugin"  # k8s.io/kubelet/pkg/apis/dra/v1 DRAPluginService
@@ -66,7 +69,7 @@ class Registration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
             type=PLUGIN_TYPE,
             name=DRA_DRIVER,
             endpoint=str(self.plugin_socket),
-            supported_versions=[DRA_SERVICE],
+            supported_versions=[DRA_SERVICE, HEALTH_SERVICE],
         )
 
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -79,9 +82,15 @@ class Registration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
 
 
 class DraPlugin(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
-    def __init__(self, claims: DraClaims, timeout_s: float = PREPARE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        claims: DraClaims,
+        timeout_s: float = PREPARE_TIMEOUT_S,
+        health: HealthStream | None = None,
+    ) -> None:
         self.claims = claims
         self.timeout_s = timeout_s
+        self.health = health
 
     async def _prepare_one(self, c: Any) -> Any:
         try:
@@ -103,6 +112,8 @@ class DraPlugin(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
         answers = await asyncio.gather(*(self._prepare_one(c) for c in request.claims))
+        if self.health is not None:  # the held devices changed: their health goes out now
+            self.health.poke()
         out = dra.NodePrepareResourcesResponse()
         for c, a in zip(request.claims, answers, strict=True):
             out.claims[c.uid].CopyFrom(a)
@@ -117,6 +128,8 @@ class DraPlugin(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         answers = await asyncio.gather(*(self._unprepare_one(c) for c in request.claims))
+        if self.health is not None:
+            self.health.poke()
         out = dra.NodeUnprepareResourcesResponse()
         for c, a in zip(request.claims, answers, strict=True):
             out.claims[c.uid].CopyFrom(a)
@@ -138,7 +151,7 @@ class SocketPathTooLong(ValueError):
 MAX_SOCKET_PATH = 107
 
 
-async def _serve(add: Any, servicer: Any, path: Path) -> grpc.aio.Server:
+async def _serve(services: list[tuple[Any, Any]], path: Path) -> grpc.aio.Server:
     if len(str(path).encode()) > MAX_SOCKET_PATH:
         raise SocketPathTooLong(
             f"{path}: {len(str(path).encode())} bytes, a unix socket path has at most "
@@ -146,7 +159,8 @@ async def _serve(add: Any, servicer: Any, path: Path) -> grpc.aio.Server:
         )
     await asyncio.to_thread(_remove, path, make_dir=True)  # an earlier process's socket
     server = grpc.aio.server()
-    add(servicer, server)
+    for add, servicer in services:
+        add(servicer, server)
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     return server
@@ -156,12 +170,17 @@ async def _serve(add: Any, servicer: Any, path: Path) -> grpc.aio.Server:
 async def serving(claims: DraClaims, sockets: Sockets) -> AsyncIterator[Registration]:
     """Both servers, plugin first (the kubelet dials it as soon as it registers)."""
     registration = Registration(sockets.plugin)
+    health = HealthStream(claims.life.st)
     plugin = await _serve(
-        dra_grpc.add_DRAPluginServicer_to_server, DraPlugin(claims), sockets.plugin
+        [
+            (dra_grpc.add_DRAPluginServicer_to_server, DraPlugin(claims, health=health)),
+            (health_grpc.add_DRAResourceHealthServicer_to_server, health),
+        ],
+        sockets.plugin,
     )
     try:
         registrar = await _serve(
-            reg_grpc.add_RegistrationServicer_to_server, registration, sockets.registration
+            [(reg_grpc.add_RegistrationServicer_to_server, registration)], sockets.registration
         )
         try:
             log.info(

@@ -17,7 +17,13 @@ setting of both workloads restarts every InstaSlice pod, keeps running pods' sli
 serves new pods; after the pods are gone no MIG instance, CDI file or finalizer is left;
 `helm uninstall` while a slice is in use is refused (the chart's pre-delete hook, its Job on
 the real node, docs/upgrade.md); once the pod is gone it goes through and leaves no MIG
-instance, CDI file, admission hook or Node capacity behind, and keeps the CRDs.
+instance, CDI file, admission hook, Node capacity or Secret (the webhook's own certificate)
+behind, and keeps the CRDs. Then DRA mode
+by chart on the same cluster (`dra: true` with `install: chart`, installed again): the
+DaemonSet's agent registers its DRA plugin with the real kubelet, whose root dir is not
+/var/lib/kubelet (the chart's `nodeagent.kubeletDir`), and prepares a user's own
+ResourceClaim that kube-scheduler allocated, writing the prepared device (its MIG UUID) into
+the claim's status.devices; releasing it leaves no CDI file or instance.
 
 Leaves out: cert-manager (the chart's `certificates.mode=cert-manager`),
 NetworkPolicy enforcement (the bridge CNI has none), real GPUs (emulated; device files without
@@ -35,10 +41,10 @@ import pytest
 import pytest_asyncio
 
 from common.constants import ENABLED_KEY
-from common.kubeapi import Kube, Obj, core_path
+from common.kubeapi import Kube, Obj, core_path, group_path
 from hack.cluster import podnet
 from hack.cluster.chartinstall import NAMESPACE, RELEASE, ChartInstallError, helm
-from hack.dev import DevSystem
+from hack.dev import DRA_MODE, DevSystem
 from nodeagent.emulator import EmulatorControl
 from testkit.builders import user_pod
 from tests.e2e.conftest import opted_in_namespace, running_system
@@ -53,6 +59,8 @@ from tests.e2e.helpers import (
     wait_pod_running,
 )
 from tests.e2e.test_realnode import REAL, SHOW, alloc_of, assert_sees_only_its_own
+from tests.e2e.test_realnode_dra import REGISTERED, a_claim, claims_path, dra_pod, running
+from tests.e2e.test_realnode_dra import assert_sees_only_its_own as assert_claim_sees_its_own
 from tests.support import wait_for
 from webhook.allocator.leader import LEASE_NAME
 
@@ -316,6 +324,9 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
     await wait_for(ikube, core_path("pods", NAMESPACE), lambda p: not p, what="no pod left")
     hooks = await ikube.get("/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations")
     assert not [h for h in hooks["items"] if h["metadata"]["name"] == "instaslice"], hooks
+    # nothing of the release's in its namespace: the webhook's own certificate Secret too
+    secrets = (await ikube.get(core_path("secrets", NAMESPACE)))["items"]
+    assert not [s["metadata"]["name"] for s in secrets], secrets
     for crd in ("sliceallocations", "mignodes"):  # kept: helm.sh/resource-policy
         await ikube.get(
             f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}.instaslice.io"
@@ -328,3 +339,84 @@ async def test_helm_uninstall_after_the_slice_is_released_leaves_nothing_behind(
         else:
             assert not left and "instaslice.io/gpu" not in status["capacity"], (name, left)
     await assert_nothing_left(ikube, installed)  # and nothing made again
+
+
+async def test_dra_mode_by_chart_the_in_cluster_agent_prepares_a_users_claim(
+    ikube: Kube, installed: DevSystem
+) -> None:
+    """`dra: true` with `install: chart` (docs/dra.md): what the spec key sets (hack/dev.py),
+    installed again after the uninstall above (a `-k` run upgrades the release instead). The
+    agent's pod hands the kubelet its plugin socket by the host path under the real node's
+    kubelet root (not /var/lib/kubelet, nor a path inside its container), so the kubelet
+    prepares a user's own claim through it."""
+    assert installed.real is not None
+    installed.agent_args += (DRA_MODE,)
+    values = await asyncio.to_thread(installed.install_chart)
+    assert values["allocationMode"] == "dra", values
+    assert not [p for p in installed.processes if REAL in p], installed.processes  # a pod only
+    kubelet = installed.real.root / "kubelet"
+    socket = kubelet / "plugins" / "instaslice.io" / "dra.sock"
+    assert values["nodeagent"]["kubeletDir"] == str(kubelet) != "/var/lib/kubelet", values
+    await wait_for(
+        ikube,
+        group_path("resource.k8s.io/v1", "resourceslices"),
+        lambda s: [x for x in s.values() if x["spec"].get("nodeName") == REAL],
+        what=f"the in-cluster agent's ResourceSlices of {REAL}",
+    )
+    ns = (await ikube.create(core_path("namespaces"), {"metadata": {"generateName": "drac-"}}))[
+        "metadata"
+    ]["name"]
+    await wait_for(ikube, core_path("serviceaccounts", ns), lambda sas: "default" in sas, what="SA")
+    try:
+        await ikube.create(claims_path(ns), a_claim("c", "1g.10gb"))
+        await ikube.create(pods_path(ns), dra_pod("p", "c"))
+        await running(ikube, installed, ns, "p", timeout_s=180)
+        mine = await assert_claim_sees_its_own(installed, ikube, ns, "p", "c")
+        held = {i.mig_uuid for i in EmulatorControl(installed.gpu_state, REAL).instances()}
+        assert held == {mine}, (held, mine)
+        assert socket.is_socket(), f"{socket}: the plugin's socket is not on the host"
+        # the agent's pod (its ServiceAccount token bound to it: associated-node) wrote the
+        # prepared device into the claim's status
+        await wait_for(
+            ikube,
+            claims_path(ns),
+            lambda c: "c" in c and ready_device(c["c"], mine),
+            what="the claim's status.devices naming its MIG UUID",
+        )
+        logs = await asyncio.to_thread(
+            installed.cp.kubectl, "logs", "-n", NAMESPACE, "daemonset/instaslice-nodeagent"
+        )
+        assert REGISTERED in logs.stdout and str(socket) in logs.stdout, logs.stdout[-2000:]
+        await ikube.delete(pods_path(ns, "p"), {"gracePeriodSeconds": 0})
+        await wait_for(ikube, pods_path(ns), lambda p: not p, what="the pod gone")
+        await ikube.delete(claims_path(ns, "c"))
+        await wait_for(ikube, claims_path(ns), lambda c: not c, what="the claim released")
+        await wait_for_nothing_on(installed, REAL)
+    finally:
+        await ikube.delete(core_path("namespaces", name=ns))
+
+
+def ready_device(claim: Obj, mig_uuid: str) -> bool:
+    """Whether the claim's status.devices has this node's entry Ready with `mig_uuid`."""
+    return any(
+        (d["driver"], d["pool"], d.get("data", {}).get("migUUID"))
+        == ("instaslice.io", REAL, mig_uuid)
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in d["conditions"])
+        for d in (claim.get("status") or {}).get("devices") or []
+    )
+
+
+async def wait_for_nothing_on(system: DevSystem, node: str, within: float = 60.0) -> None:
+    """Until the node has no MIG instance and no CDI file of InstaSlice (the agent destroys
+    them after the claim's deallocation, off any watch this test can join)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        left = (
+            sorted(cdi_files(system, node)),
+            EmulatorControl(system.gpu_state, node).instances(),
+        )
+        if not any(left):
+            return
+        assert loop.time() < deadline, f"left on {node}: {left}"
+        await asyncio.sleep(0.5)

@@ -9,8 +9,10 @@ MIG UUID, exactly its GPU-instance and compute-instance capability nodes); a sec
 claim on the same GPU sees only its own; an agent restart and then a kubelet restart keep the
 running pod (its claim re-prepared from the records, nothing made twice) and a new pod is
 served; deleting the pods and claims leaves no CDI file and no instance.
-Leaves out: the allocator's side of DRA mode (admission rewriting `nvidia.com/mig-*` to a
-claim: not built yet), NVML (emulated; the device files have no driver behind them).
+An unmodified `nvidia.com/mig-*` pod in an opted-in namespace gets its slice through the
+allocator's claim (admission rewrites it, the allocator allocates and reserves the claim) and
+sees exactly its device; deleting it leaves no claim, CDI file or instance.
+Leaves out: NVML (emulated; the device files have no driver behind them).
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from common.constants import CDI_FILE_PREFIX, VISIBLE_DEVICES_ENV
+from common.constants import CDI_FILE_PREFIX, CLAIM_ANNOTATION, VISIBLE_DEVICES_ENV
 from common.kubeapi import ApiError, Kube, Obj, core_path, group_path
 from hack.dev import DevSystem
 from nodeagent.cdi import formula_minor
 from nodeagent.emulator import EmulatorControl
-from tests.e2e.conftest import running_system
+from tests.e2e.conftest import opted_in_namespace, running_system
 from tests.e2e.helpers import make_real_pod, pods_path, wait_pod_running
 from tests.e2e.test_realnode import SHOW, listing
 from tests.e2e.test_realnode import rkube as rkube  # its Kube for this module's `real`
@@ -237,3 +239,38 @@ async def wait_gone(kube: Kube, path: str, timeout_s: float = 90.0) -> None:
             raise
         assert time.monotonic() < deadline, f"{path} still there"
         await asyncio.sleep(0.5)
+
+
+async def test_an_unmodified_mig_pod_gets_its_slice_through_the_allocators_claim(
+    rkube: Kube, real: DevSystem
+) -> None:
+    """DRA mode's allocator side on the real kubelet: a pod asking `nvidia.com/mig-*` in an
+    opted-in namespace is rewritten to name a claim, the allocator allocates and reserves it
+    where it placed the pod, the kubelet prepares it and the container sees exactly its MIG
+    device; deleting the pod releases the claim (gone, finalizer dropped), its CDI file and
+    its instance."""
+    assert real.real is not None
+    await wait_registered(real, 0)
+    async with opted_in_namespace(rkube) as ns:
+        names = {"u0": "1g.10gb", "u1": "2g.20gb"}
+        for name, profile in names.items():
+            await rkube.create(
+                pods_path(ns), make_real_pod(name, REAL, {"main": {profile: 1}}, SHOW)
+            )
+        seen = []
+        for name in names:
+            await running(rkube, real, ns, name)
+            pod = await rkube.get(pods_path(ns, name))
+            claim = pod["metadata"]["annotations"][CLAIM_ANNOTATION]
+            assert pod["spec"]["resourceClaims"] == [
+                {"name": "instaslice", "resourceClaimName": claim}
+            ]
+            seen.append(await assert_sees_only_its_own(real, rkube, ns, name, claim))
+        assert len(set(seen)) == 2
+        for name in names:
+            await rkube.delete(pods_path(ns, name), {"gracePeriodSeconds": 0})
+        await wait_for(rkube, claims_path(ns), lambda objs: not objs, what="claims released")
+        deadline = time.monotonic() + 60
+        while (left := (cdi_files(real), instances(real))) != ([], []):
+            assert time.monotonic() < deadline, f"left over (CDI files, instances): {left}"
+            await asyncio.sleep(0.5)

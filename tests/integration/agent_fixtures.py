@@ -448,3 +448,28 @@ def injected_env(result: Obj) -> dict[str, str]:
 
 def injected_devices(result: Obj) -> list[str]:
     return sorted(d["path"] for d in (result["spec"].get("linux") or {}).get("devices") or [])
+
+
+async def agent_pod_token(kube: Kube, node: str) -> tuple[Obj, str]:
+    """A pod of the agent's ServiceAccount placed on `node` (as the DaemonSet's would be) and
+    a token bound to it: the production identity, whose user info carries the node's name."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"agent-{secrets.token_hex(3)}", "namespace": NAMESPACE},
+        "spec": {
+            "serviceAccountName": "instaslice-nodeagent",
+            "nodeName": node,
+            "containers": [{"name": "agent", "image": "registry.k8s.io/pause:3.10"}],
+        },
+    }
+    created = await kube.create(core_path("pods", NAMESPACE), pod)
+    ref = {"apiVersion": "v1", "kind": "Pod", "name": created["metadata"]["name"],
+           "uid": created["metadata"]["uid"]}  # fmt: skip
+    sa = core_path("serviceaccounts", NAMESPACE, "instaslice-nodeagent") + "/token"
+    bound = await kube.create(
+        sa,
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"expirationSeconds": 600, "boundObjectRef": ref}},
+    )  # fmt: skip
+    return created, str(bound["status"]["token"])

@@ -11,13 +11,18 @@ client side of the registration and `v1.DRAPlugin` over the agent's unix sockets
   gets the claim's own error, never a slice.
 - NodeUnprepareResources destroys the instance and removes the CDI file; a deleted claim
   holding the finalizer `instaslice.io/release` loses it once its slices are gone.
+- Resource health (`v1.DRAResourceHealth`, advertised at registration): the stream lists the
+  prepared claims' devices HEALTHY; a GPU that goes unhealthy (an NVML XID event) reports its
+  devices UNHEALTHY with the reason at once, the other GPU's stay HEALTHY; an unprepared
+  claim's device leaves the list.
 Leaves out: a real kubelet and container (tests/e2e/test_realnode.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,8 @@ from common.kubeapi import ApiError, Kube, core_path
 from hack.cluster import ControlPlane
 from nodeagent.deviceplugin._gen.dra.v1 import api_pb2 as dra
 from nodeagent.deviceplugin._gen.dra.v1 import api_pb2_grpc as dra_grpc
+from nodeagent.deviceplugin._gen.drahealth.v1 import api_pb2 as health
+from nodeagent.deviceplugin._gen.drahealth.v1 import api_pb2_grpc as health_grpc
 from nodeagent.deviceplugin._gen.pluginregistration.v1 import api_pb2 as reg
 from nodeagent.deviceplugin._gen.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nodeagent.dra.carve import claim_path
@@ -156,7 +163,7 @@ async def test_register_carve_prepare_unprepare(
             stub = reg_grpc.RegistrationStub(ch)
             info = await stub.GetInfo(reg.InfoRequest(), timeout=10)
             assert (info.type, info.name, list(info.supported_versions)) == (
-                "DRAPlugin", "instaslice.io", ["v1.DRAPlugin"],
+                "DRAPlugin", "instaslice.io", ["v1.DRAPlugin", "v1.DRAResourceHealth"],
             )  # fmt: skip
             assert Path(info.endpoint) == sockets.plugin
             await stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True))
@@ -268,3 +275,57 @@ async def test_a_claim_deleted_while_the_agent_was_down_is_released_on_restart(
                 return exc.not_found and node.instances() == [] and node.cdi_files() == []
 
         await eventually(released, what="released and let go after the restart")
+
+
+Healths = dict[str, tuple[str, str]]  # device -> (HEALTHY | UNHEALTHY, message)
+
+
+async def next_health(
+    stream: Any, want: Callable[[Healths], bool], what: str, within: float = 30.0
+) -> Healths:
+    """The stream's messages until one whose devices satisfy `want`."""
+    got: Healths = {}
+    try:
+        async with asyncio.timeout(within):
+            async for resp in stream:
+                got = {
+                    d.device.device_name: (health.HealthStatus.Name(d.health), d.message)
+                    for d in resp.devices
+                }
+                if want(got):
+                    return got
+    except TimeoutError:
+        pass
+    raise AssertionError(f"{what}: last message {got}")
+
+
+async def test_health_stream_reports_an_unhealthy_gpus_devices(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    node = await gpu_node(kube, tmp_path, [H100, H100], prefix="drh")
+    settings = settings_for(node, control_plane, tmp_path)
+    sockets = Sockets(settings.dra_registry_dir, settings.dra_plugins_dir)
+    d0, d1 = "gpu-0-mig-19-0", "gpu-1-mig-19-0"
+    async with running_agent(settings):
+        c0 = await allocated_claim(kube, ns, "h0", node.name, d0, finalizer=True)
+        c1 = await allocated_claim(kube, ns, "h1", node.name, d1, finalizer=True)
+        async with grpc.aio.insecure_channel(f"unix://{sockets.plugin}") as ch:
+            stream = health_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
+                health.NodeWatchResourcesRequest()
+            )
+            answers = (await prepare(sockets.plugin, c0, c1)).claims
+            assert all(a.error == "" for a in answers.values()), answers
+            both = {d0: ("HEALTHY", ""), d1: ("HEALTHY", "")}
+            await next_health(stream, lambda h: h == both, "both prepared devices healthy")
+
+            node.emu.emit_xid(1, 48)  # double-bit ECC error on GPU 1
+            got = await next_health(
+                stream, lambda h: h.get(d1, ("",))[0] == "UNHEALTHY", "GPU 1's device unhealthy"
+            )
+            assert got[d0] == ("HEALTHY", ""), got
+            assert "48" in got[d1][1], got  # NVML's reason: the XID
+
+            assert (await unprepare(sockets.plugin, c0)).claims[c0["metadata"]["uid"]].error == ""
+            got = await next_health(stream, lambda h: d0 not in h, "the unprepared device gone")
+            assert set(got) == {d1}, got
+            stream.cancel()

@@ -163,7 +163,7 @@ def test_chart_renders_the_overlays_objects(
     docs = manifests._docs(helm_template(helm, *sets).stdout)
     hooks = [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
     assert {d["kind"] for d in hooks} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                          "Job"}  # fmt: skip
+                                          "Role", "RoleBinding", "Job"}  # fmt: skip
     own = [
         d for d in docs if d["metadata"]["name"] == "instaslice-grafana-dashboard"
     ]  # dashboards/

@@ -9,8 +9,9 @@
   pre-delete phase takes the namespaces out and refuses while a slice is held, deleting
   nothing; with the allocation being released, it waits (on a watch) until the node agent's
   finalizer goes, then deletes the release's admission hooks and keeps the CRDs. The
-  post-delete phase refuses while a node agent pod is left, then cleans the Nodes'
-  `instaslice.io/*` capacity and nothing else.
+  post-delete phase refuses while a node agent or webhook pod is left, then cleans the Nodes'
+  `instaslice.io/*` capacity and deletes the webhook certificate's Secret (made at run time,
+  so Helm would leave it), and nothing else.
 
 Uses a private control plane (it deletes the admission policies other modules share).
 Leaves out: a real `helm uninstall` running the Jobs (no kubelet here: tests/e2e on an
@@ -78,10 +79,19 @@ def test_uninstall_hook_jobs(helm: Path) -> None:
             "--namespace=gpu-ops",
             f"--selector={SELECTOR}",  # the release's name: helm_template's `instaslice`
             "--timeout=42",
+            *(["--secret=instaslice-webhook-tls"] if phase == "post-delete" else []),
         ]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
     rbac = [d for d in docs if d["kind"] != "Job"]
-    assert {d["kind"] for d in rbac} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    assert {d["kind"] for d in rbac} == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"
+    }  # fmt: skip
+    (role,) = [d for d in rbac if d["kind"] == "Role"]  # the certificate's Secrets, by name
+    assert role["metadata"]["namespace"] == "gpu-ops"
+    names = ["instaslice-webhook-tls", "instaslice-ca"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["delete"], "resourceNames": names}
+    ]
     for d in rbac:  # there while either phase's Job runs, gone when it succeeded
         assert d["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete,post-delete"
         assert int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0
@@ -96,15 +106,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         yield cp
 
 
-def _hook_cmd(cp: ControlPlane, phase: str, timeout_s: int) -> list[str]:
+def _hook_cmd(cp: ControlPlane, phase: str, timeout_s: int, *more: str) -> list[str]:
     kubeconfig = cp.service_account_kubeconfig(NS, SA)
     return [sys.executable, "-m", "webhook.uninstall", f"--phase={phase}",
             f"--kubeconfig={kubeconfig}", f"--namespace={NS}", f"--selector={SELECTOR}",
-            f"--timeout={timeout_s}"]  # fmt: skip
+            f"--timeout={timeout_s}", *more]  # fmt: skip
 
 
-def _run(cp: ControlPlane, phase: str, timeout_s: int = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_hook_cmd(cp, phase, timeout_s), cwd=ROOT, capture_output=True,
+def _run(
+    cp: ControlPlane, phase: str, timeout_s: int = 30, *more: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_hook_cmd(cp, phase, timeout_s, *more), cwd=ROOT, capture_output=True,
                           text=True, check=False, timeout=timeout_s + 60)  # fmt: skip
 
 
@@ -169,7 +181,11 @@ def test_pre_delete_refuses_while_a_slice_is_held_then_waits_for_its_release(
     assert "customresourcedefinition.apiextensions.k8s.io/sliceallocations.instaslice.io" in crds
 
 
-def test_post_delete_waits_for_the_node_agents_then_cleans_capacity(
+def _secrets(cp: ControlPlane) -> list[str]:
+    return sorted(_kubectl(cp, "-n", NS, "get", "secrets", "-o", "name").split())
+
+
+def test_post_delete_waits_for_the_pods_then_cleans_capacity_and_the_certificate(
     installed: ControlPlane,
 ) -> None:
     cp = installed
@@ -178,21 +194,44 @@ def test_post_delete_waits_for_the_node_agents_then_cleans_capacity(
     cap = {"status": {"capacity": {"instaslice.io/mig-1g.18gb": "7", "example.com/other": "1"}}}
     _kubectl(cp, "patch", "node", NODE, "--subresource=status", "--type=merge",
              "-p", json.dumps(cap))  # fmt: skip
-    agent = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "agent-x", "namespace": NS,
-                          "labels": {"app.kubernetes.io/name": "instaslice-nodeagent"}},
-             "spec": {"containers": [{"name": "a", "image": "x"}]}}  # fmt: skip
-    _kubectl(cp, "create", "-f", "-", stdin=json.dumps(agent))
+    for name in ("instaslice-nodeagent", "instaslice-webhook"):
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"{name}-x", "namespace": NS,
+                            "labels": {"app.kubernetes.io/name": name}},
+               "spec": {"containers": [{"name": "a", "image": "x"}]}}  # fmt: skip
+        _kubectl(cp, "create", "-f", "-", stdin=json.dumps(pod))
+    # the webhook's own certificate (webhook/selfcert.py), and a Secret that is not ours
+    for name in ("instaslice-webhook-tls", "someone-elses"):
+        _kubectl(cp, "-n", NS, "create", "secret", "generic", name, "--from-literal=k=v")
+    secret = "--secret=instaslice-webhook-tls"
 
-    waiting = _run(cp, "post-delete", timeout_s=2)
+    waiting = _run(cp, "post-delete", 2, secret)
     assert waiting.returncode == 1, waiting.stdout + waiting.stderr
-    assert "node agent pods still there" in waiting.stderr and "agent-x" in waiting.stderr
+    assert "pods still there" in waiting.stderr, waiting.stderr
+    assert "instaslice-nodeagent-x" in waiting.stderr and "instaslice-webhook-x" in waiting.stderr
     status = json.loads(_kubectl(cp, "get", "node", NODE, "-o", "json"))["status"]
     assert status["capacity"]["instaslice.io/mig-1g.18gb"] == "7"  # untouched
+    assert "secret/instaslice-webhook-tls" in _secrets(cp)  # a webhook could write it again
 
-    _kubectl(cp, "-n", NS, "delete", "pod", "agent-x", "--wait=true")
-    done = _run(cp, "post-delete")
+    _kubectl(cp, "-n", NS, "delete", "pod", "instaslice-nodeagent-x", "--wait=true")
+    still = _run(cp, "post-delete", 2, secret)  # the webhook's pod alone holds it back
+    assert still.returncode == 1 and "instaslice-webhook-x" in still.stderr, still.stderr
+    _kubectl(cp, "-n", NS, "delete", "pod", "instaslice-webhook-x", "--wait=true")
+    done = _run(cp, "post-delete", 30, secret)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "Secrets deleted: instaslice-webhook-tls" in done.stdout, done.stdout
     status = json.loads(_kubectl(cp, "get", "node", NODE, "-o", "json"))["status"]
     assert not [r for r in status.get("capacity", {}) if r.startswith("instaslice.io/")]
     assert status["capacity"].get("example.com/other") == "1"  # others' resources untouched
+    left = _secrets(cp)
+    assert "secret/instaslice-webhook-tls" not in left and "secret/someone-elses" in left, left
+    again = _run(cp, "post-delete", 30, secret)  # idempotent: an uninstall run again
+    assert again.returncode == 0 and "none were left" in again.stdout, again.stdout
+
+
+def test_cert_manager_mode_also_deletes_its_ca_secret(helm: Path) -> None:
+    """cert-manager keeps a deleted Certificate's Secret (its default): both go too."""
+    docs = manifests._docs(chart.helm_template(helm, "certificates.mode=cert-manager").stdout)
+    (job,) = [d for d in docs if d["metadata"]["name"] == "instaslice-uninstall-post-delete"]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--secret=instaslice-webhook-tls", "--secret=instaslice-ca"], args

@@ -27,6 +27,8 @@ import yaml
 
 from hack.cluster import ControlPlane
 from hack.gen_chart import CHART_DIR
+from nodeagent.dra.plugin import Registration, Sockets
+from nodeagent.main import parse_args as agent_args
 from tests.integration import test_helm_chart as chart
 from tests.integration import test_manifests as manifests
 
@@ -255,9 +257,34 @@ def _host_path_is(volume: str) -> Check:
     return lambda objs: _eq(_host_paths(objs)[volume], f"/data/{volume}")
 
 
+def on_host(objs: Objs, inside: Path) -> Path:
+    """Where a path inside the node agent's container is on the node (its hostPath mounts)."""
+    spec = pod(objs, "nodeagent")["spec"]
+    vols = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounts = [m for m in container(objs, "nodeagent")["volumeMounts"] if m["name"] in vols]
+    (m,) = [m for m in mounts if inside.is_relative_to(m["mountPath"])] or [None]
+    assert m is not None, f"{inside} is on no hostPath mount: {mounts}"
+    return Path(vols[m["name"]]) / inside.relative_to(m["mountPath"])
+
+
 def _kubelet_dir(objs: Objs) -> None:
+    """Every kubelet path follows the value, and the agent hands the kubelet the DRA plugin's
+    socket path as the kubelet sees it on the node, not a path inside its container."""
     paths = _host_paths(objs)
     assert paths["pod-resources"] == "/data/kubelet/pod-resources", paths
+    values = {"INSTASLICE_BINDING_MODE": "device-plugin", "INSTASLICE_ALLOCATION_MODE": "dra"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: values.get(m[1], "x"), a)
+            for a in args(objs, "nodeagent")]  # fmt: skip
+    settings, _ = agent_args([*argv, "--node=n"])
+    assert settings.dra_registry_dir is not None, argv
+    sockets = Sockets(settings.dra_registry_dir, settings.dra_plugins_dir)
+    registration = Registration(sockets.plugin)
+    endpoint = Path(registration.plugin_socket)  # what GetInfo tells the kubelet
+    kubelet = Path("/data/kubelet")
+    _eq(on_host(objs, sockets.registration), kubelet / "plugins_registry/instaslice.io-reg.sock")
+    _eq(on_host(objs, sockets.plugin), kubelet / "plugins/instaslice.io/dra.sock")
+    _eq(endpoint, kubelet / "plugins/instaslice.io/dra.sock")
+    _eq(on_host(objs, settings.pod_resources_socket), kubelet / "pod-resources/kubelet.sock")
     # the kubelet fixes the device plugins' directory whatever its --root-dir
     assert paths["device-plugins"] == "/var/lib/kubelet/device-plugins", paths
 

@@ -16,7 +16,6 @@ TokenRequest API for the same kind of bound token).
 from __future__ import annotations
 
 import base64
-import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from common.objects import mig_node
 from hack.cluster import ControlPlane
 from tests.integration.agent_fixtures import (
     NAMESPACE,
+    agent_pod_token,
     agent_settings,
     create_allocation,
     eventually,
@@ -238,39 +238,13 @@ async def test_service_account_token_bound_to_a_pod_on_the_node(
     admin: Kube, namespace: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:
     a, b, a_mine, a_other = await _setup(admin, tmp_path, namespace)
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"agent-{secrets.token_hex(3)}", "namespace": NAMESPACE},
-        "spec": {
-            "serviceAccountName": "instaslice-nodeagent",
-            "nodeName": a.name,  # as the DaemonSet controller + scheduler would place it
-            "containers": [{"name": "agent", "image": "registry.k8s.io/pause:3.10"}],
-        },
-    }
-    created = await admin.create(core_path("pods", NAMESPACE), pod)
+    created, token = await agent_pod_token(admin, a.name)
     sa = core_path("serviceaccounts", NAMESPACE, "instaslice-nodeagent") + "/token"
-    bound = await admin.create(
-        sa,
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": 600,
-                "boundObjectRef": {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": created["metadata"]["name"],
-                    "uid": created["metadata"]["uid"],
-                },
-            },
-        },
-    )
     unbound = await admin.create(
         sa, {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
     )
     try:
-        kc = _token_kubeconfig(control_plane, bound["status"]["token"], tmp_path / "sa.kubeconfig")
+        kc = _token_kubeconfig(control_plane, token, tmp_path / "sa.kubeconfig")
         async with await Kube.connect(str(kc)) as me:
             review = await me.create(
                 "/apis/authentication.k8s.io/v1/selfsubjectreviews",

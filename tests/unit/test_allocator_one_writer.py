@@ -1,7 +1,8 @@
 """Every API write of the allocator goes through one `writes.Writes` (docs/allocator.md).
 
-Covers: no module of webhook/allocator/ but writes.py calls a write of `Kube` (leader.py
-writes only its own Lease, which no Lease check can guard), none but the controller builds
+Covers: no module of webhook/allocator/ but writes.py (and claimwrites.py, its DRA-mode
+subclass) calls a write of `Kube` (leader.py writes only its own Lease, which no Lease check
+can guard), none but the controller builds
 a `Writes`, the controller hands its one `Writes` to every part that writes, and the alias
 of an event written in the background (`Tell`) is declared there once. Leaves out
 what each write sends (test_allocator_controller.py, the integration tests).
@@ -18,7 +19,9 @@ import pytest
 from common.kubeapi import Kube
 from testkit.clock import FakeClock
 from webhook.allocator import AllocatorMetrics, AllocatorSettings, Controller
+from webhook.allocator.claimwrites import ClaimWrites
 from webhook.allocator.leader import LeaderElector
+from webhook.allocator.writes import Writes
 
 ALLOCATOR = Path(__file__).resolve().parents[2] / "webhook" / "allocator"
 KUBE_WRITES = {"create", "replace", "patch", "delete", "delete_ignore_missing"}
@@ -45,6 +48,9 @@ def _calls(path: Path) -> list[tuple[int, str]]:
 def test_only_writes_py_writes_and_only_the_controller_builds_it() -> None:
     allowed = {
         "writes.py": KUBE_WRITES,
+        # DRA mode's persistence adapter: a `Writes` whose record writes go to ResourceClaims
+        # (the controller builds it instead, docs/dra.md), each Lease-checked the same way
+        "claimwrites.py": {"create", "replace", "delete"},
         "leader.py": {"create", "replace"},  # its own Lease only
         "controller.py": {"Writes"},  # the one Writes, handed on
     }
@@ -54,6 +60,7 @@ def test_only_writes_py_writes_and_only_the_controller_builds_it() -> None:
         if calls:
             found[path.name] = calls
     assert found == {}
+    assert issubclass(ClaimWrites, Writes)
 
 
 class _Leader:

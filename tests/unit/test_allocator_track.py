@@ -273,6 +273,15 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
     ),
     ("failed", PodTrack("p"), seen(pod(), alloc(Phase.FAILED)), Act.RELEASE_FAILED, None),
     (
+        "dra-overlapped-by-a-users-claim",  # kube-scheduler raced us: ours yields
+        PodTrack("p"),
+        seen(
+            pod(gates=()), alloc(Phase.READY), overlapped={f"ns/{CLAIM}": "ns/u (gpu-0-mig-19-0)"}
+        ),
+        Act.YIELD,
+        "ns/u (gpu-0-mig-19-0)",
+    ),
+    (
         "agent-down-untouched",
         PodTrack("p"),
         seen(pod(), alloc(), agents_down=frozenset({"n1"})),

@@ -59,9 +59,9 @@ def test_dra_is_a_top_level_boolean_off_by_default() -> None:
     assert parse_spec({"dra": True, "nodes": [group]}).dra is True
     with pytest.raises(SpecError, match="dra: 'yes' is not true or false"):
         parse_spec({"dra": "yes", "nodes": [group]})
-    real = {**group, "runtime": "containerd"}
-    with pytest.raises(SpecError, match="not supported yet"):
-        parse_spec({"dra": True, "install": "chart", "nodes": [real]})
+    real = {**group, "runtime": "containerd"}  # the chart's agent in DRA mode (docs/dra.md)
+    spec = parse_spec({"dra": True, "install": "chart", "nodes": [real]})
+    assert (spec.dra, spec.install) == (True, "chart")
 
 
 def test_slot_accounting_is_a_top_level_boolean_off_by_default() -> None:

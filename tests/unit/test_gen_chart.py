@@ -225,6 +225,31 @@ def test_refuses_a_workload_without_the_flags_it_parameterises() -> None:
         build_chart(v, "1")
 
 
+def test_kubelet_paths_follow_kubelet_dir_inside_the_container_too() -> None:
+    """A kubelet dir is mounted at its host path and the flag naming it follows the value: the
+    DRA plugin's socket path the agent registers is the one the kubelet dials on the node."""
+    v = copy.deepcopy(_variants())
+    for objs in v.values():
+        c = objs[3]["spec"]["template"]["spec"]["containers"][0]
+        c["args"] = [
+            "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock",
+            *c["args"],
+        ]
+        c["volumeMounts"].append(
+            {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources"}
+        )
+    ds = build_chart(v, "1")["templates/daemonset-instaslice-nodeagent.yaml"]
+    kubelet_dir = "{{ .Values.nodeagent.kubeletDir }}"
+    assert f"- --pod-resources-socket={kubelet_dir}/pod-resources/kubelet.sock" in ds
+    assert f"mountPath: {kubelet_dir}/pod-resources\n" in ds
+    for objs in v.values():  # mounted elsewhere: the kubelet could not dial what it is told
+        objs[3]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][-1]["mountPath"] = (
+            "/kubelet/pod-resources"
+        )
+    with pytest.raises(SystemExit, match="not its host path"):
+        build_chart(v, "1")
+
+
 def test_the_metrics_namespace_selector_is_a_value() -> None:
     """Both NetworkPolicies' metrics rule admit `.Values.metricsNamespaceSelector`, whose
     default is the overlay's; the admission port's rule stays open to every source."""

@@ -26,11 +26,12 @@ from typing import Any
 
 from common.catalog import load_catalog
 from common.clock import cancel_until_done
-from common.constants import EventReason
+from common.constants import AllocationMode, EventReason
 from common.kubeapi import Informer, Kube, Obj
 from common.workqueue import KeyedQueue
 from webhook.allocator.agents import AgentWatch
 from webhook.allocator.bookkeeping import Bookkeeping
+from webhook.allocator.claimwrites import ClaimWrites
 from webhook.allocator.handlers import Handlers, informers
 from webhook.allocator.leader import LeaderElector
 from webhook.allocator.loops import Loops
@@ -65,7 +66,12 @@ class Controller:
             self.catalog, avoid_creates_in_flight=settings.avoid_creates_in_flight
         )
         self.tracks = tracks = Tracks()
-        self.writes = Writes(kube, elector, clock, settings.instance)  # the one writer
+        # the one writer; in DRA mode its records are ResourceClaims (docs/dra.md)
+        self.writes: Writes = (
+            ClaimWrites(kube, elector, clock, settings.instance, state=state)
+            if settings.allocation_mode is AllocationMode.DRA
+            else Writes(kube, elector, clock, settings.instance)
+        )
         self.modes = MigNodeWrites(self.writes, state, self._spawn)
         self.agents = AgentWatch(state, clock, self.kick, self._after_change)
         self.placer = placer = Placer(

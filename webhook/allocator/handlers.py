@@ -21,6 +21,7 @@ import structlog
 from common.catalog import Catalog, GpuModel
 from common.clock import Clock, monotonic_at
 from common.constants import (
+    DRA_API_VERSION,
     ENABLED_KEY,
     GATE_NAME,
     LEASE_API_VERSION,
@@ -29,8 +30,10 @@ from common.constants import (
     REASON_GPU_OUT_OF_BOUNDS,
     SLICE_ALLOCATION_PLURAL,
     WHOLE_GPU_KEY,
+    AllocationMode,
     EventReason,
 )
+from common.draclaim import as_allocation, foreign_devices
 from common.kubeapi import (
     EventType,
     Informer,
@@ -56,6 +59,10 @@ from webhook.allocator.track import PodTrack, Seen, Tracks
 from webhook.allocator.views import GpuView, gpus_of
 
 log = structlog.get_logger("allocator")
+
+
+def claim_path() -> str:
+    return group_path(DRA_API_VERSION, "resourceclaims")
 
 
 def _warm_all(models: list[GpuModel]) -> None:
@@ -131,6 +138,25 @@ class Handlers:
                 for uid in self.tracks.preempting():  # or for a victim's slots
                     self.kick(uid)
         self.after_change()
+
+    async def on_claim(self, etype: EventType, obj: Obj) -> None:
+        """DRA mode (docs/dra.md): a ResourceClaim the allocator made is the record of its
+        pod's slices, read as the SliceAllocation it stands for; any other allocated claim
+        of our driver (a user's, kube-scheduler allocated it) holds devices the placement
+        counts as occupied."""
+        shaped = as_allocation(obj)
+        if shaped is not None:
+            await self.on_allocation(etype, shaped)
+            return
+        meta = obj.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        node, devices = ("", ()) if etype == "DELETED" else foreign_devices(obj)
+        if self.state.put_foreign(key, node, devices):
+            for alloc in self.state.allocations_on(node):  # one may have to yield
+                self.kick(alloc.pod_uid)
+            for uid in self.tracks.preempting():  # a victim's slots may be taken
+                self.kick(uid)
+            self.after_change()
 
     async def on_node(self, etype: EventType, obj: Obj) -> None:
         name = str(obj.get("metadata", {}).get("name", ""))
@@ -285,6 +311,11 @@ class Handlers:
             holding=holding,
             modes_pending=pending,
             now=self.clock.monotonic(),
+            overlapped={
+                a.key: why
+                for a in allocs
+                if self.state.foreign and (why := self.state.overlapped(a)) is not None
+            },
         )
 
 
@@ -330,7 +361,10 @@ def informers(
             keep=identity,
             page_size=MIG_NODE_PAGE_SIZE,
         ),
-        Informer(
+        # the pods' records: SliceAllocations, or in DRA mode ResourceClaims (docs/dra.md)
+        Informer(kube, claim_path(), h.on_claim, name="resourceclaims")
+        if settings.allocation_mode is AllocationMode.DRA
+        else Informer(
             kube,
             instaslice_path(SLICE_ALLOCATION_PLURAL),
             h.on_allocation,

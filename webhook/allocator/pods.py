@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.constants import CLAIM_ANNOTATION, GATE_NAME, GROUP, INSTASLICE_GPU, SCALE_UP_LABEL
+from common.constants import (
+    ASKS_ANNOTATION,
+    CLAIM_ANNOTATION,
+    GATE_NAME,
+    GROUP,
+    INSTASLICE_GPU,
+    SCALE_UP_LABEL,
+    WHOLE_GPU_PROFILE,
+)
 from common.placeholders import MANAGED_BY_LABEL, is_placeholder
 from common.placement.model import (
     NodeSelectorRequirement,
@@ -28,7 +36,7 @@ from common.placement.model import (
     SliceRequest,
     Toleration,
 )
-from common.podspec import iter_containers, slice_requests
+from common.podspec import SliceRequestError, iter_containers, slice_requests
 from common.quantity import parse_bytes, parse_cpu_millis
 
 Obj = dict[str, Any]
@@ -161,7 +169,12 @@ def is_unschedulable(pod: Obj) -> bool:
 def asks_whole_gpu(pod: Obj) -> bool:
     """Some container or initContainer of the pod asks for `instaslice.io/gpu` (whole GPUs),
     in its limits, where `slice_requests` reads asks (an extended resource's request is its
-    limit)."""
+    limit), or in its `instaslice.io/asks` annotation (DRA mode)."""
+    if ASKS_ANNOTATION in (pod.get("metadata", {}).get("annotations") or {}):
+        try:
+            return any(a.profile == WHOLE_GPU_PROFILE for a in slice_requests(pod))
+        except SliceRequestError:
+            return False
     for _, _, c in iter_containers(pod):
         limits = ((c.get("resources") or {}).get("limits") or {}) if isinstance(c, dict) else {}
         if isinstance(limits, dict) and INSTASLICE_GPU in limits:
@@ -426,9 +439,20 @@ def pin(pod: Obj, node: str) -> Obj:
     node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = required
     affinity["nodeAffinity"] = node_affinity
     spec["affinity"] = affinity
+    return _drop_gate(out)
+
+
+def ungate(pod: Obj) -> Obj:
+    """A copy of `pod` with our gate removed and nothing else changed: DRA mode, where the
+    claim's node selector binds the pod (docs/dra.md)."""
+    return _drop_gate(copy.deepcopy(pod))
+
+
+def _drop_gate(pod: Obj) -> Obj:
+    spec = pod.setdefault("spec", {})
     remaining = [g for g in spec.get("schedulingGates") or [] if g.get("name") != GATE_NAME]
     if remaining:
         spec["schedulingGates"] = remaining
     else:
         spec.pop("schedulingGates", None)
-    return out
+    return pod

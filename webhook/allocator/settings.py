@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from common.catalog import Catalog
 from common.clock import Clock, SystemClock
+from common.constants import AllocationMode
 from common.placement import Policy
 from webhook.allocator.autoscale import ScaleUpSettings
 from webhook.allocator.leader import LEASE_NAME, LeaseSettings
@@ -67,6 +68,8 @@ class AllocatorSettings:
       pod needs on Ampere GPUs (docs/allocator.md "Ampere maintenance"); `off`: it waits.
     ampere_mode_change_interval_s: under `drain`, the least time between a GPU's last mode
       change (the agent's `lastModeChange`) and an ask for the opposite one; 0: none.
+    allocation_mode: `dra`: the record of a pod's slices is a ResourceClaim, not a
+      SliceAllocation, and the pod is ungated without a pin (docs/dra.md).
     clock: injectable for tests.
     """
 
@@ -96,6 +99,7 @@ class AllocatorSettings:
     ampere_mode_changes: str = "off"  # off | drain (webhook/allocator/maintenance.py)
     ampere_mode_change_interval_s: float = 600.0
     avoid_creates_in_flight: int = 0
+    allocation_mode: AllocationMode = AllocationMode.GATES
     clock: Clock = field(default_factory=SystemClock, compare=False)
 
     def lease(self) -> LeaseSettings:

@@ -2,7 +2,9 @@
 
 A GPU's occupied slots are the union of the slices of every live SliceAllocation naming it
 (any phase, including assumed ones and ones being deleted) and the MigNode's instances that
-no live allocation claims (foreign instances are never reused). Node states are cached and
+no live allocation claims (foreign instances are never reused), and in DRA mode the devices
+users' own ResourceClaims hold (kube-scheduler allocated them; not yet carved, they are in no
+MigNode). Node states are cached and
 rebuilt only for nodes that changed (`_dirty`), and the placeable ones are kept in a
 `FleetIndex` (common/placement/index.py), so a decision on the state's own snapshot
 (`place`) neither rebuilds it nor scans every node. With `avoid_creates_in_flight` on, a
@@ -19,6 +21,9 @@ from collections.abc import Collection
 
 from common.allocation import SliceAllocation
 from common.catalog import Catalog
+from common.catalog.learned import Geometries
+from common.constants import WHOLE_GPU_PROFILE
+from common.draclaim import parse_device
 from common.placement import (
     Gpu,
     NodeState,
@@ -46,6 +51,9 @@ class Snapshots:
     allocations: dict[str, SliceAllocation]
     _allocs_by_node: dict[str, set[str]]
     _live_claims: Counter[tuple[str, str]]
+    geometries: Geometries
+    foreign: dict[str, tuple[str, tuple[str, ...]]]
+    _foreign_by_node: dict[str, set[str]]
     agents_down: set[str]
     in_flight: InFlight
     _dirty: set[str]
@@ -72,10 +80,49 @@ class Snapshots:
             for start, size, profile, claim in gpu.instances:
                 if not claim or (node, claim) not in self._live_claims:
                     slots.setdefault(gpu.uuid, set()).add(Occupied(start, size, profile))
+        for key in self._foreign_by_node.get(node, ()):
+            for device in self.foreign[key][1]:
+                held = self._device_slots(node, device)
+                if held is not None:
+                    slots.setdefault(held[0], set()).add(held[1])
         return {
             uuid: tuple(sorted(occ, key=lambda o: (o.start, o.size, o.profile)))
             for uuid, occ in slots.items()
         }
+
+    def _device_slots(self, node: str, device: str) -> tuple[str, Occupied] | None:
+        """(GPU uuid, slots) of a device of `node`'s pool (docs/dra.md); None when its GPU
+        or profile is not (or no longer) published: nothing to plan around there."""
+        parsed = parse_device(device)
+        gpu = None if parsed is None else self.gpu(node, parsed[0])
+        if parsed is None or gpu is None:
+            return None
+        model = gpu.geometry or self.geometries.catalog.model(gpu.model)
+        if model is None:
+            return None
+        if parsed[1] is None:
+            return gpu.uuid, Occupied(0, model.memory_slots, WHOLE_GPU_PROFILE)
+        p = model.profile_by_id(parsed[1])
+        return None if p is None else (gpu.uuid, Occupied(parsed[2], p.memory_slots, p.name))
+
+    def gpu(self, node: str, index: int) -> GpuView | None:
+        raise NotImplementedError  # ClusterState's
+
+    def overlapped(self, alloc: SliceAllocation) -> str | None:
+        """DRA mode: a user's claim holding some of `alloc`'s slots too (kube-scheduler
+        allocated it at the same time as ours: each read the other late), as
+        `<claim> (<device>)`; None when none does."""
+        for key in sorted(self._foreign_by_node.get(alloc.node, ())):
+            for device in self.foreign[key][1]:
+                held = self._device_slots(alloc.node, device)
+                if held is None:
+                    continue
+                uuid, occ = held
+                for s in alloc.slices:
+                    mask = ((1 << s.size) - 1) << s.start
+                    if s.gpu_uuid == uuid and mask & occ.mask:
+                        return f"{key} ({device})"
+        return None
 
     def _node_state(self, name: str) -> NodeState | None:
         view = self.nodes.get(name)

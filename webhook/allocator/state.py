@@ -1,11 +1,13 @@
 """The allocator's in-memory cluster model: pure data, fed by watch events, read as snapshots.
 
 `ClusterState` keeps what the four informers deliver — Pods, Nodes, MigNodes and
-SliceAllocations — reduced to what placement needs, and answers `snapshot()` with the
-placement engine's `Snapshot`. It is the facade of three parts: the tables and their
-updates (here), the accounting of what pods take of each node (accounting.py: charges,
-bound usage, `room`), and the snapshots and fleet indexes placement reads (snapshots.py:
-occupied slots, node states, `place`, `decide_calm`, the mode and whole-GPU views).
+SliceAllocations (in DRA mode ResourceClaims, read as SliceAllocations, and the devices
+users' own claims hold: `put_foreign`) — reduced to what placement needs, and answers
+`snapshot()` with the placement engine's `Snapshot`. It is the facade of three parts: the
+tables and their updates (here), the accounting of what pods take of each node
+(accounting.py: charges, bound usage, `room`), and the snapshots and fleet indexes placement
+reads (snapshots.py: occupied slots, node states, `place`, `decide_calm`, the mode and
+whole-GPU views).
 
 "Assumed" allocations (docs/allocator.md "What one pod goes through", step 3) are recorded
 before the create is sent, so the next decision already sees them, and are forgotten if the
@@ -88,6 +90,10 @@ class ClusterState(Accounting, Snapshots):
         self._calm_index = FleetIndex() if avoid_creates_in_flight else None
         self._calm_nodes: dict[str, NodeState] = {}
         self._calm_plain: Snapshot | None = None
+        # DRA mode: the devices of our driver that claims not made by the allocator hold
+        # (users' own, allocated by kube-scheduler), by claim key: (node, device names)
+        self.foreign: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._foreign_by_node: dict[str, set[str]] = {}
 
     # --- pods ---------------------------------------------------------------------------
 
@@ -228,6 +234,24 @@ class ClusterState(Accounting, Snapshots):
             self.slice_counts.subtract((s.profile, view.node, s.gpu_uuid) for s in view.slices)
             self.slice_counts += Counter()  # drop zero counts
         self._dirty.add(view.node)
+
+    def put_foreign(self, key: str, node: str, devices: tuple[str, ...]) -> bool:
+        """DRA mode: the claim `key` (not ours) holds `devices` of `node`'s pool now (none:
+        deallocated or gone); True when that changed. Counted as occupied (snapshots.py)."""
+        old = self.foreign.get(key)
+        if old == ((node, devices) if devices else None):
+            return False
+        if old is not None:
+            del self.foreign[key]
+            self._foreign_by_node[old[0]].discard(key)
+            self._dirty.add(old[0])
+            self.epoch += 1
+        if devices:
+            self.foreign[key] = (node, devices)
+            self._foreign_by_node.setdefault(node, set()).add(key)
+            self._dirty.add(node)
+        self.holders_version += 1
+        return True
 
     # --- nodes and MigNodes -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
+    EventReason,
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
@@ -98,6 +99,8 @@ class Steps:
             track.backoff_s = 0.0
             if isinstance(step, Evict):  # a refusal changes nothing watched; a wait has a deadline
                 return 0.0
+            if isinstance(step, Create) and self._ready_now(step):
+                self.book.kick(track.uid)  # DRA mode: written Ready: the ungate comes at once
             return None  # what comes next is told by the watch events the write causes
         track.backoff_s = min(max(track.backoff_s * 2, _FIRST_BACKOFF_S), self.max_backoff_s)
         return track.backoff_s
@@ -119,6 +122,8 @@ class Steps:
                 await self.release_failed(track, alloc)
             case OnAllocation(Act.MOVE_OFF, alloc):
                 await self.move_off_down_node(track, alloc)
+            case OnAllocation(Act.YIELD, alloc, why):
+                await self.yield_to_scheduler(track, alloc, why)
             case OnAllocation(Act.FINALIZE, alloc):
                 await self.finalize(alloc)
             case UnstickPod(pod):
@@ -149,7 +154,7 @@ class Steps:
             if isinstance(exc, ApiError) and not exc.retryable:
                 self.metrics.outcome("error")
                 log.error("allocation refused", pod=pod.key, error=str(exc))
-                why = f"the SliceAllocation was refused: {exc.message}"
+                why = f"the {self.writes.record_kind} was refused: {exc.message}"
                 self.placer.park(pod, WRITE_ERROR, why)
                 return
             raise
@@ -157,6 +162,14 @@ class Steps:
         annotations = body["metadata"]["annotations"]
         message = f"node {body['spec']['nodeName']}: {annotations[SUMMARY_ANNOTATION]}"
         self.tell(pod.obj, REASON_ALLOCATED, message, "Normal")  # off the critical path
+
+    def _ready_now(self, step: Create) -> bool:
+        """The record the create wrote is Ready already (DRA mode: the claim is allocated and
+        reserved in the write itself, docs/dra.md), so the pod's next step, its ungate, need
+        not wait for the watch to echo it."""
+        key = f"{step.pod.namespace}/{step.body['metadata']['name']}"
+        alloc = self.state.allocations.get(key)
+        return alloc is not None and alloc.ready and not self.state.is_assumed(key)
 
     def _created(self, key: str, write: asyncio.Future[Obj]) -> None:
         """Settle an assumed allocation by its create's outcome, whatever term it is now."""
@@ -206,6 +219,26 @@ class Steps:
             "allocation on a node whose agent is down moved", allocation=alloc.key, node=alloc.node
         )
         await self.release(track, alloc, "its node's agent is down and never acted on it")
+
+    async def yield_to_scheduler(self, track: PodTrack, alloc: SliceAllocation, why: str) -> None:
+        """DRA mode: kube-scheduler gave a user's claim slots of ours at the same moment
+        (docs/dra.md "Racing kube-scheduler"). Its claim cannot move (its pod is bound), so
+        ours yields: a pod still gated is placed again at once (its claim released); an
+        ungated one, bound to the node by the claim, is deleted as read first, as a pinned
+        pod stuck unschedulable is, and its controller recreates it to be placed again."""
+        pod = self.state.pods.get(alloc.pod_uid)
+        current = await self.writes.read_pod(pod.obj) if pod is not None else None
+        if current is not None and podlib.ungated_on(current, alloc.pod_uid, alloc.name):
+            if not await self.writes.delete_pod_as_read(current):
+                return  # changed since the read: its watch event brings it back here
+            message = (
+                f"kube-scheduler allocated the user's claim {why} on node {alloc.node} at the "
+                "same time as this pod's slices; InstaSlice's claim yields: deleted the pod "
+                "and released its slices (its controller, if any, recreates it to be placed "
+                "again)"
+            )
+            self.tell(current, EventReason.SLICE_LOST, message, "Warning")
+        await self.release(track, alloc, f"kube-scheduler gave {why} its slots too")
 
     async def finalize(self, alloc: SliceAllocation) -> None:
         """The node is gone, so nothing is left to destroy: finish the record ourselves.

@@ -21,7 +21,7 @@ order of precedence:
 1. a pinned pod unschedulable past the timeout (the timer marked it): `Unstick`;
 2. per allocation of the pod: finalize one on a gone node, release one whose pod is gone,
    finished or no longer claims it, release a failed one, move one the agent never touched
-   off a node whose agent is down;
+   off a node whose agent is down, `Yield` one a user's claim overlaps (DRA mode);
 3. no pod (or no claim) and nothing left to release: `Forget`;
 4. gated by ours alone: `Unserved` when it asks for whole GPUs its namespace did not opt in
    to, else wait for a running create, `Queue` for placement (unless parked or another
@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
-from collections.abc import Callable, Iterator, MutableMapping, MutableSet
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSet
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -142,6 +142,7 @@ class Seen:
     # and, for whole GPUs on Ampere, whether a reserved GPU's MIG mode is not off yet
     modes_pending: bool = False
     now: float = 0.0  # monotonic
+    overlapped: Mapping[str, str] = field(default_factory=dict)  # DRA: key -> a user's claim
 
 
 # --- steps ---------------------------------------------------------------------------------
@@ -176,6 +177,7 @@ class Act(enum.Enum):
     RELEASE_ORPHAN = "release-orphan"  # the cache never saw the pod: ask the API server first
     RELEASE_FAILED = "release-failed"  # the agent failed it: release, avoid its GPUs next time
     MOVE_OFF = "move-off"  # its node's agent is down and never acted on it: drop it
+    YIELD = "yield"  # DRA: kube-scheduler gave a user's claim its slots too; ours yields
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +343,8 @@ def _allocation_step(track: PodTrack, seen: Seen, alloc: SliceAllocation) -> Ste
         return OnAllocation(Act.RELEASE, alloc, "it is not in the pod's namespace")
     if alloc.failed:
         return OnAllocation(Act.RELEASE_FAILED, alloc)
+    if alloc.key in seen.overlapped:
+        return OnAllocation(Act.YIELD, alloc, seen.overlapped[alloc.key])
     if alloc.node in seen.agents_down and alloc.phase == Phase.PENDING:
         return OnAllocation(Act.MOVE_OFF, alloc)
     return None

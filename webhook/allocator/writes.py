@@ -50,16 +50,26 @@ _LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal look
 
 
 class Writes:
+    record_kind = "SliceAllocation"  # the pods' records (claimwrites.py: ResourceClaim)
+
     def __init__(self, kube: Kube, elector: LeaderElector, clock: Clock, instance: str) -> None:
         self.kube = kube
         self.elector = elector
         self.clock = clock
         self.instance = instance  # the pod this replica runs in: its events' reportingInstance
 
+    def record_path(self, namespace: str, name: str | None = None) -> str:
+        """Where a pod's record lives: SliceAllocations (ResourceClaims in DRA mode:
+        claimwrites.py, the only other persistence adapter)."""
+        return instaslice_path(SLICE_ALLOCATION_PLURAL, namespace, name)
+
+    def pinned(self, pod: Obj, node: str) -> Obj:
+        """`pod` as the pin writes it: pinned to `node`, our gate removed."""
+        return podlib.pin(pod, node)
+
     async def create_allocation(self, body: Obj) -> Obj:
         self.elector.check()
-        namespace = body["metadata"]["namespace"]
-        return await self.kube.create(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace), body)
+        return await self.kube.create(self.record_path(body["metadata"]["namespace"]), body)
 
     async def pin(self, pod: Obj, node: str) -> Obj | None:
         """Pin `pod` to `node` and lift our gate in one PUT; the pod as written. None when
@@ -72,7 +82,7 @@ class Writes:
                 return None
             self.elector.check()
             try:
-                return await self.kube.replace(path, podlib.pin(current, node))
+                return await self.kube.replace(path, self.pinned(current, node))
             except ApiError as exc:
                 if exc.not_found:
                     return None
@@ -86,7 +96,7 @@ class Writes:
         uid = alloc.uid
         try:
             await self.kube.delete(
-                instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name),
+                self.record_path(alloc.namespace, alloc.name),
                 {"preconditions": {"uid": uid}} if uid else None,
             )
         except ApiError as exc:
@@ -154,7 +164,7 @@ class Writes:
     async def drop_finalizer(self, alloc: SliceAllocation) -> Obj | None:
         """Remove the release finalizer (nothing is left to destroy); returns the object as
         it was read, or None when it is already gone."""
-        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        path = self.record_path(alloc.namespace, alloc.name)
         current = await self._read(path)
         if current is None:
             return None
@@ -173,7 +183,7 @@ class Writes:
         `test`s the resourceVersion read, so a status written since makes it fail and the
         record stays. True when the finalizer is off and the object is still there to
         delete; False when gone already (an earlier pass did it) or kept."""
-        path = instaslice_path(SLICE_ALLOCATION_PLURAL, alloc.namespace, alloc.name)
+        path = self.record_path(alloc.namespace, alloc.name)
         current = await self._read(path)
         if current is None:
             return False
