@@ -20,6 +20,9 @@ another process on the machine slows the wall clock, not them (much).
   cpu taken, 50 % H100-80GB: half full of 1g.10gb, a quarter full of 7g.80gb with cpu to
   spare, a quarter full of 3g.40gb that took the cpu): the list without the advertised room
   (`all`) and with it (`room`; `room_again` with every node's room kept).
+- `kinds`: one decision of every pod kind (one slice of each size, `+me`, several slices,
+  a model by node selector, whole GPUs, size asks, one that fits nowhere) through the
+  allocator's placer at 5000 nodes x 8 GPUs, per kind (bench/decision_kinds.py).
 - `lanes`: why a churn has a long tail, without the machine's noise: `bench.latency`'s
   churn (Poisson arrivals at 4/s for 180 s, lifetimes exponential with mean 20 s, 500 nodes
   x 8 H100-80GB, one `1g.10gb` a pod) replayed through the real engine
@@ -45,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bench import decision_kinds
 from common.catalog import load_catalog
 from common.constants import NODE_LABEL
 from common.objects import Phase
@@ -437,6 +441,10 @@ def _lanes(quick: bool) -> Obj:
     return out
 
 
+def _kinds(quick: bool) -> Obj:
+    return decision_kinds.run(100 if quick else 5000, per_kind=40 if quick else 300)
+
+
 # ---- the registry ------------------------------------------------------------------------------
 
 
@@ -455,6 +463,11 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario("keepoff", "Karpenter placeholders: kept_off list, size, CPU", _keepoff),
         Scenario("lanes", "churn on a model of the NVML lanes: create tail per order", _lanes),
+        Scenario(
+            "kinds",
+            "one decision of every pod kind at 5000 nodes (bench/decision_kinds.py)",
+            _kinds,
+        ),
     )
 }
 
@@ -485,6 +498,8 @@ def table(results: Obj) -> str:
             f"named, {m['room_ms_cpu']} ms ({m['room_again_ms_cpu']} ms rooms kept), "
             f"{m['room_placeholder_json_bytes']} B"
         )
+    if k := results.get("kinds"):
+        lines.extend(decision_kinds.lines(k))
     for key, r in (results.get("lanes") or {}).items():
         lines.append(
             f"lanes {key}: create p50 {r['create_p50_s']} s, p99 {r['create_p99_s']} s, "

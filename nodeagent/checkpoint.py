@@ -1,8 +1,13 @@
 """Intent records: the node agent's proof of what it created (docs/style.md §6).
 
 Before any NVML call that creates or destroys, the agent writes what it is about to do into a
-small JSON file per node (`<state-dir>/<node>.agent.json`), atomically (tmp + fsync +
-rename). After a crash the records are reconciled against what NVML reports:
+small JSON file per node (`<state-dir>/<node>.agent.json`), atomically (tmp + rename), and a
+create's intent first into the node's intent journal (`<node>.agent.intents.jsonl`): one line
+appended and `fdatasync`ed, the one sync on a pod's path (a snapshot made durable costs two,
+the file's and its directory's, ~2-3x as long on this machine's disk: docs/benchmarks.md).
+`load` replays the journal's lines newer than the snapshot (`intent_seq`); a snapshot made
+durable lets the journal be emptied. After a crash the records are reconciled against what
+NVML reports:
 
 - a `creating` record claims the instances at exactly its placements (the allocator never
   promises one placement twice, and the agent checked the placement was free before it wrote
@@ -131,6 +136,8 @@ class Checkpoint:
     mode_changes: Mapping[str, ModeIntent] = field(default_factory=dict)  # by GPU UUID
     maintenance: MaintenanceIntent | None = None
     drains: Mapping[str, DrainClock] = field(default_factory=dict)  # by GPU UUID
+    # the last intent-journal line this snapshot holds (`append_intent`); later ones replay
+    intent_seq: int = 0
 
     def with_drains(self, drains: Mapping[str, DrainClock]) -> Checkpoint:
         return replace(self, drains=drains)
@@ -183,6 +190,7 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
             }
             for uuid, d in sorted(cp.drains.items())
         },
+        "intentSeq": cp.intent_seq,
     }
 
 
@@ -229,27 +237,103 @@ def from_json(doc: Mapping[str, Any]) -> Checkpoint:
             else MaintenanceIntent(dict(maint["modes"]), dict(maint.get("labels") or {}))
         ),
         drains=drains,
+        intent_seq=int(doc.get("intentSeq") or 0),  # added later still
     )
 
 
 def load(path: Path, node: str) -> Checkpoint:
-    """The checkpoint at `path`; empty if there is none. A corrupt file is moved aside (its
-    instances then count as foreign: leaked and reported, never destroyed by guesswork)."""
+    """The checkpoint at `path` with the intents journaled after it (`replay`); empty if there
+    is none. A corrupt file is moved aside, and its journal with it (its instances then count
+    as foreign: leaked and reported, never destroyed by guesswork; intents cannot be ordered
+    against a snapshot that is lost)."""
+    journal = journal_path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return Checkpoint(node=node)
+        return replay(Checkpoint(node=node), journal)
     try:
-        return from_json(json.loads(text))
+        cp = from_json(json.loads(text))
     except (ValueError, KeyError, TypeError):
-        path.rename(path.with_name(f"{path.name}.corrupt-{int(time.time())}"))
+        stamp = int(time.time())
+        path.rename(path.with_name(f"{path.name}.corrupt-{stamp}"))
+        if journal.exists():
+            journal.rename(journal.with_name(f"{journal.name}.corrupt-{stamp}"))
         return Checkpoint(node=node)
+    return replay(cp, journal)
+
+
+def journal_path(path: Path) -> Path:
+    """The intent journal beside the checkpoint at `path`: `n.agent.intents.jsonl`."""
+    return path.with_suffix(".intents.jsonl")
+
+
+def append_intent(path: Path, seq: int, rec: ClaimRecord) -> None:
+    """Journal `rec` (line `seq`) beside the checkpoint at `path`, on disk when this returns:
+    one append and one `fdatasync` (the file's length is data to it); the directory is synced
+    only when the journal is new. A crash mid-append leaves a torn last line, which `replay`
+    skips: its intent was never acted on (NVML comes after this returns)."""
+    journal = journal_path(path)
+    new = not journal.exists()
+    line = json.dumps({"seq": seq, "claim": _claim_json(rec)}, separators=_COMPACT) + "\n"
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        _sync_dir(journal.parent)
+
+
+def replay(cp: Checkpoint, journal: Path) -> Checkpoint:
+    """`cp` with every journaled intent newer than it (`seq` > `cp.intent_seq`) put back, in
+    order; `intent_seq` the newest line seen. Lines that do not parse (a torn last append)
+    are skipped."""
+    try:
+        text = journal.read_text()
+    except FileNotFoundError:
+        return cp
+    last = cp.intent_seq
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            seq = int(entry["seq"])
+            raw = entry["claim"]
+            rec = ClaimRecord(**{**raw, "slices": tuple(SliceRecord(**s) for s in raw["slices"])})
+        except (ValueError, KeyError, TypeError):
+            continue
+        if seq > cp.intent_seq:
+            cp = cp.with_claim(rec)
+        last = max(last, seq)
+    return replace(cp, intent_seq=last)
+
+
+def clear_journal(path: Path) -> None:
+    """Empty (or make) the intent journal beside the checkpoint at `path`: called once a
+    durable snapshot holds every line (a truncation lost in a crash only leaves lines
+    `replay` ignores, their `seq` not above the snapshot's). Made here, at a start, the
+    journal's directory entry is synced before the first create needs it."""
+    journal = journal_path(path)
+    if journal.exists():
+        os.truncate(journal, 0)
+        return
+    os.close(os.open(journal, os.O_WRONLY | os.O_CREAT, 0o600))
+    _sync_dir(journal.parent)
+
+
+def _sync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
     """Atomic write (tmp + rename): a crash leaves the old or the new file, never a mix.
-    `durable` also fsyncs file and directory, for records that must survive power loss:
-    the intent written before NVML creates anything. Later updates (ids, `ready`, removal)
+    `durable` also fsyncs file and directory, for records that must survive power loss: a
+    MIG mode or maintenance intent, and a snapshot that lets the intent journal be emptied
+    (a create's intent is journaled: `append_intent`). Later updates (ids, `ready`, removal)
     may be lost with the page cache: the restart then re-derives them from NVML."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -263,11 +347,7 @@ def save(path: Path, cp: Checkpoint, durable: bool = True) -> None:
         os.close(fd)
     os.replace(tmp, path)
     if durable:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _sync_dir(path.parent)
 
 
 # The JSON text of each claim of the last checkpoint saved to a path, by the record's id

@@ -236,7 +236,7 @@ class Create(LifeBase):
         if await self.waited_for_releases(alloc, fresh):
             return AFTER_RELEASE_WAIT_S
         took: dict[str, float] = {}
-        intent = _timed(self.intent(alloc, rec, fresh), took, "intent_record", self.clock)
+        intent = _timed(self.intent(alloc, rec, fresh, took), took, "intent_record", self.clock)
         late: LateCreating | None = None
         if reason or (alloc.phase != Phase.CREATING and uid not in self.st.live_added):
             # A view that may be stale (or a re-create): the Creating status first, as the
@@ -344,12 +344,21 @@ class Create(LifeBase):
             await self.binding.slices_released(alloc.namespace, alloc.name, alloc.uid)
 
     async def intent(
-        self, alloc: Claimed, rec: ClaimRecord | None, fresh: list[SliceRecord]
+        self,
+        alloc: Claimed,
+        rec: ClaimRecord | None,
+        fresh: list[SliceRecord],
+        took: dict[str, float] | None = None,
     ) -> tuple[ClaimRecord | str, list[Instance]]:
         """The create's intent record, on disk before NVML makes anything, and the GPUs'
         instances; or why not. Intent first, but only for placements that are free: an
-        instance already at one is not ours, and a new record would otherwise claim it."""
-        instances = await self.instances({s.gpu_index for s in fresh}, first=True)
+        instance already at one is not ours, and a new record would otherwise claim it.
+        Without a record yet, the GIs alone say that (an instance at a placement fails the
+        create; none is adopted): the scan skips the MIG walk for their CIs, most of its
+        NVML calls (issue 37)."""
+        took = {} if took is None else took
+        scan = self.instances({s.gpu_index for s in fresh}, first=True, with_cis=rec is not None)
+        instances = await _timed(scan, took, "scan", self.clock)
         if rec is None:
             why = blocked(fresh, alloc.uid, instances, match(self.st.cp, instances))
             if why:
@@ -364,8 +373,7 @@ class Create(LifeBase):
             updated=time.time(),
             announced=rec.announced if rec is not None else False,  # re-made: told once
         )
-        self.st.put(made)
-        await self.st.persist(durable=True)
+        await _timed(self.st.persist_intent(made), took, "intent_write", self.clock)
         return made, instances
 
     async def make_slice(self, s: SliceRecord, inst: Instance | None) -> SliceRecord:

@@ -67,13 +67,16 @@ class LifeBase:
             if self.st.healthy(gpu_index):
                 self.st.set_unhealthy(gpu_index, "GPU is lost (NVML: GPU_IS_LOST)")
 
-    async def instances(self, gpu_indexes: set[int], first: bool = False) -> list[Instance]:
-        """The GPUs' instances; `first`: a create's scan, ahead of other queued calls."""
+    async def instances(
+        self, gpu_indexes: set[int], first: bool = False, with_cis: bool = True
+    ) -> list[Instance]:
+        """The GPUs' instances; `first`: a create's scan, ahead of other queued calls;
+        without `with_cis`, their GIs only (`NvmlSession.instances`)."""
         call = self.gpus.call_gpu_first if first else self.gpus.call_gpu
         out: list[Instance] = []
         for g in self.st.inv.gpus:
             if g.index in gpu_indexes and not self.st.is_lost(g.index):
-                out += await call(g.index, self.gpus.s.instances, g)
+                out += await call(g.index, self.gpus.s.instances, g, with_cis)
         return out
 
     async def status(self, alloc: SliceAllocation, body: cdi.Obj) -> bool:

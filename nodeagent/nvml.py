@@ -328,12 +328,14 @@ class NvmlSession:
                 break
         return out
 
-    def instances(self, gpu: GpuInfo) -> list[Instance]:
-        """Every GPU instance on `gpu` (with its CIs), found per profile and by MIG walk."""
+    def instances(self, gpu: GpuInfo, with_cis: bool = True) -> list[Instance]:
+        """Every GPU instance on `gpu`, found per profile; `with_cis`: its CIs and MIG UUIDs
+        too, by the MIG walk (most of a scan's calls: a check that placements are free needs
+        only the GIs)."""
         if not gpu.mig_enabled:
             return []
         h = self.handle(gpu.index)
-        migs = self.mig_devices(gpu.index)
+        migs = self.mig_devices(gpu.index) if with_cis else {}
         out: list[Instance] = []
         for p in gpu.profiles:
             count = ctypes.c_uint(0)

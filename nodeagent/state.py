@@ -2,7 +2,10 @@
 
 Coroutines of the node change `cp` synchronously (no await between reading and replacing
 it), then `await persist()`: a write started after a change contains it, writes are
-serialized, and a change already covered by a later write is not written twice.
+serialized, and a change already covered by a later write is not written twice. A create's
+intent is `persist_intent`: one line journaled and synced (nodeagent/checkpoint.py), the
+snapshot written later; every `JOURNAL_COMPACT_AFTER` lines a snapshot is made durable and
+the journal emptied, off the pods' path.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from nodeagent.model import GpuInfo, Health, Instance, NodeInventory
 from nodeagent.modes import ModeChanged, ModeFailure
 
 Obj = dict[str, Any]
+# Intent-journal lines after which the next snapshot is made durable and the journal emptied:
+# two syncs once per this many creates instead of each create's (the first snapshot after a
+# start is made durable too: the journal may hold the last process's lines)
+JOURNAL_COMPACT_AFTER = 32
 
 
 @dataclass
@@ -52,6 +59,8 @@ class AgentNode:
         self._version = 0
         self._saved = 0
         self._durable = 0
+        self._journaled = JOURNAL_COMPACT_AFTER  # lines since the journal was last emptied
+        self._seq = 0  # the last journal line written (or loaded: `cp.intent_seq`)
         self._lock = asyncio.Lock()
         self._soon: asyncio.TimerHandle | None = None
         self._dropped = asyncio.Event()
@@ -94,16 +103,39 @@ class AgentNode:
         return self._dropped
 
     async def persist(self, durable: bool = False) -> None:
-        """Write the checkpoint if it changed; `durable` (fsync) for intent records."""
+        """Write the checkpoint if it changed; `durable` (fsync) for what must survive a power
+        loss (MIG mode and maintenance intents; a create's intent is `persist_intent`'s)."""
         want = self._version
         async with self._lock:
             if self._saved >= want and not (durable and self._durable < want):
                 return
+            compact = self._journaled >= JOURNAL_COMPACT_AFTER
+            durable = durable or compact
             snap, version = self.cp, self._version
-            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, snap, durable)
+            await asyncio.to_thread(self._save, snap, durable, compact)
             self._saved = version
             if durable:
                 self._durable = version
+                self._journaled = 0
+
+    def _save(self, snap: Checkpoint, durable: bool, compact: bool) -> None:
+        """The snapshot (holding every intent journaled so far); made `durable`, it lets the
+        journal be emptied (`compact`)."""
+        path = self.checkpoint_path
+        seq = max(self._seq, snap.intent_seq)
+        checkpoint.save(path, dataclasses.replace(snap, intent_seq=seq), durable)
+        if compact:
+            checkpoint.clear_journal(path)
+
+    async def persist_intent(self, rec: ClaimRecord) -> None:
+        """Put `rec` and have it on disk, durably, when this returns: one journal line synced
+        (`checkpoint.append_intent`), the snapshot left to the next `persist`. What must be
+        on disk before NVML makes anything (docs/nodeagent.md)."""
+        self.put(rec)
+        async with self._lock:
+            self._seq = max(self._seq, self.cp.intent_seq) + 1
+            await asyncio.to_thread(checkpoint.append_intent, self.checkpoint_path, self._seq, rec)
+            self._journaled += 1
 
     def replace_gpu(self, gpu: GpuInfo) -> None:
         """A GPU read afresh (after a MIG mode change: minor, profiles, placements)."""

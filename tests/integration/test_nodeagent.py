@@ -544,6 +544,47 @@ async def test_sigkill_during_create_then_restart(
         proc2.kill()
 
 
+async def test_sigkill_after_the_intent_before_nvml_then_restart(
+    kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    """Killed once the intent is journaled (issue 37: one line synced, the snapshot not yet
+    written) and before NVML made anything: the restart finds the record, makes each slice
+    once, and a release leaves nothing behind."""
+    node = await gpu_node(kube, tmp_path, [H200])
+    settings = agent_settings([node], control_plane.kubeconfig)
+    node.emu.set_latency(create_ms=3000)  # the first GI create holds long enough to kill
+    proc = AgentProcess(process_args(settings), tmp_path / "agent-1.log").start()
+    alloc = slice_allocation(ns, node, [("a", "1g.18gb", 0, 1, 1)])
+    try:
+        await create_allocation(kube, alloc)
+
+        async def journaled() -> bool:
+            return bool(checkpoint.load(node.checkpoint, node.name).claims)
+
+        await eventually(journaled, within=30, interval=0.02, what="the intent on disk")
+        proc.kill()
+    finally:
+        proc.kill()
+    assert node.emu.instances() == [], proc.tail()  # NVML made nothing yet
+    snapshot = json.loads(node.checkpoint.read_text())
+    assert snapshot["claims"] == [], "the intent was expected in the journal only"
+
+    node.emu.set_latency(create_ms=0)
+    proc2 = AgentProcess(process_args(settings), tmp_path / "agent-2.log").start()
+    try:
+        ready = await wait_phase(kube, alloc, "Ready", within=40)
+        assert node.instances() == [(0, "1g.18gb", 1, 1, 0)]  # made once
+        assert {s["migUUID"] for s in ready["status"]["slices"]} == {
+            r.mig_uuid for r in node.emu.instances()
+        }
+        await delete_allocation(kube, alloc)
+        await wait_gone(kube, alloc)
+        assert node.instances() == []  # nothing leaked
+        assert checkpoint.load(node.checkpoint, node.name).claims == {}
+    finally:
+        proc2.kill()
+
+
 async def test_sigkill_during_destroy_then_restart(
     kube: Kube, ns: str, tmp_path: Path, control_plane: ControlPlane
 ) -> None:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -219,17 +220,17 @@ async def test_a_failed_creating_write_lets_the_intent_write_finish(
     async with running_agent(settings) as agents:
         life = agents[node.name].life
         ended: list[bool] = []
-        real_save = checkpoint.save
+        real_append = checkpoint.append_intent
 
-        def slow_save(path: Path, cp: checkpoint.Checkpoint, durable: bool = True) -> None:
+        def slow_append(path: Path, seq: int, rec: checkpoint.ClaimRecord) -> None:
             time.sleep(0.5)
-            real_save(path, cp, durable)
-            ended.append(durable)
+            real_append(path, seq, rec)
+            ended.append(True)
 
         async def failing(alloc: SliceAllocation, body: dict[str, Any]) -> bool:
             raise ApiError(500, "InternalError", "the API server failed")
 
-        monkeypatch.setattr(checkpoint, "save", slow_save)
+        monkeypatch.setattr(checkpoint, "append_intent", slow_append)
         life.status = failing  # type: ignore[method-assign]
         obj = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
         obj["metadata"]["uid"] = "uid-never-created"
@@ -237,6 +238,93 @@ async def test_a_failed_creating_write_lets_the_intent_write_finish(
             await life.create(SliceAllocation.parse(obj))
         assert True in ended, "the create gave up while its intent record was being written"
         assert node.instances() == []
+
+
+async def test_a_create_puts_its_intent_on_disk_with_one_sync_before_nvml(
+    agent_kube: Kube,
+    alloc_ns: str,
+    h200: NodeAndAgent,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 37: the intent record, on disk before NVML makes anything, costs one sync (a
+    journal line `fdatasync`ed), not two (the snapshot's fsync, then its directory's): the
+    agent's step is on every pod's path. What a crash then finds is
+    test_nodeagent.py's `test_sigkill_after_the_intent_before_nvml_then_restart`."""
+    node, settings = h200
+    syncs: list[str] = []
+    at_create: list[list[str]] = []
+    real_syncs = {name: getattr(os, name) for name in ("fsync", "fdatasync")}
+    for name in real_syncs:
+
+        def counting(fd: int, name: str = name) -> None:
+            syncs.append(name)
+            real_syncs[name](fd)
+
+        monkeypatch.setattr(os, name, counting)
+    async with running_agent(settings) as agents:
+        session = agents[node.name].life.gpus.s
+        real_create = session.create_gi
+
+        def create_gi(gpu_index: int, profile_id: int, start: int, size: int) -> int:
+            at_create.append(list(syncs))
+            return real_create(gpu_index, profile_id, start, size)
+
+        session.create_gi = create_gi  # type: ignore[method-assign]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        syncs.clear()
+        await create_allocation(agent_kube, alloc)
+        got = await wait_phase(agent_kube, alloc, "Ready")
+    assert at_create == [["fdatasync"]], at_create
+    rec = checkpoint.load(node.checkpoint, node.name).claims[got["metadata"]["uid"]]
+    assert rec.state == "ready"
+
+
+async def test_a_fresh_create_checks_its_placements_without_the_mig_walk(
+    agent_kube: Kube,
+    alloc_ns: str,
+    h200: NodeAndAgent,
+) -> None:
+    """Issue 37: before its intent record, a fresh create (no record yet) reads the GPU's GIs
+    to check its placements are free, not the MIG devices behind them (the walk for CIs and
+    MIG UUIDs, most of a scan's NVML calls): an instance at a placement fails the create
+    whatever its CIs, and none is adopted. Still refused: a placement an instance InstaSlice
+    did not create overlaps (test_nodeagent.py's
+    `test_foreign_instance_is_reported_and_never_touched`)."""
+    node, settings = h200
+    scans: list[list[str]] = []  # the NVML calls of each scan (garbage collection's too)
+    inside: list[list[str]] = []  # the scan running now, if one is
+    made: list[int] = []  # how many scans had begun when the first GI was made
+    async with running_agent(settings) as agents:
+        session = agents[node.name].life.gpus.s
+        real_call, real_instances = session.call, session.instances
+
+        def counting(name: str, *args: Any) -> Any:
+            if inside:
+                inside[-1].append(name)
+            if name == "nvmlDeviceCreateGpuInstanceWithPlacement" and not made:
+                made.append(len(scans))
+            return real_call(name, *args)
+
+        def scan(gpu: Any, *args: Any) -> Any:
+            scans.append([])
+            inside.append(scans[-1])
+            try:
+                return real_instances(gpu, *args)
+            finally:
+                inside.pop()
+
+        session.call = counting  # type: ignore[method-assign]
+        session.instances = scan  # type: ignore[method-assign,assignment]
+        alloc = slice_allocation(alloc_ns, node, [("c", "1g.18gb", 0, 0, 1)])
+        scans.clear()
+        await create_allocation(agent_kube, alloc)
+        await wait_phase(agent_kube, alloc, "Ready")
+    assert made, "no GI was made"
+    before = scans[: made[0]]
+    assert any(
+        "nvmlDeviceGetGpuInstances" in s and "nvmlDeviceGetMigDeviceHandleByIndex" not in s
+        for s in before
+    ), before  # the create's own scan read the GIs, and no MIG device
 
 
 async def test_an_agent_stopped_right_after_making_a_slice_lists_it_first(

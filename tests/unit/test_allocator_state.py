@@ -10,6 +10,9 @@ controller, leader election against an API server): tests/integration/test_alloc
 
 from __future__ import annotations
 
+import builtins
+from typing import Any
+
 import pytest
 
 from common.constants import GATE_NAME
@@ -18,6 +21,7 @@ from common.placement import Pending, PendingReason, Placement, place
 from common.podspec import SliceRequestError
 from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, make_node, make_pod
 from webhook.allocator import pods as podlib
+from webhook.allocator import snapshots
 from webhook.allocator.agents import AgentLeases
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
 from webhook.allocator.queue import PlacementQueue
@@ -227,6 +231,42 @@ def test_nodes_without_a_mig_node_are_not_offered():
     state.upsert_node(make_node("plain", model=None))
     state.upsert_mig_node(make_mig_node("ghost"))  # a MigNode without a Node
     assert state.snapshot().nodes == ()
+
+
+def test_a_node_changed_in_place_keeps_its_place_without_sorting_the_fleet_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 37: after a placement or a departure (one node changed) the snapshot is not
+    sorted again (5000 names: most of a decision's time, docs/benchmarks.md); a node added
+    or removed still is, and the snapshot is the one a fresh sort gives."""
+    sorts: list[int] = []  # sorts of the node cache (a dict of node states by name)
+
+    def counting(xs: Any, **kw: Any) -> list[Any]:
+        if isinstance(xs, dict):
+            sorts.append(1)
+        return builtins.sorted(xs, **kw)
+
+    monkeypatch.setattr(snapshots, "sorted", counting, raising=False)
+    state = ClusterState()
+    for name in ("n3", "n1", "n2"):
+        state.upsert_node(make_node(name))
+        state.upsert_mig_node(make_mig_node(name))
+    assert [n.name for n in state.snapshot().nodes] == ["n1", "n2", "n3"] and len(sorts) == 1
+    pod = make_pod("p", uid="p", claim="cown")
+    state.upsert_allocation(make_allocation(pod, "n2", [("main", "1g.10gb", 0, 0, 1)]))
+    nodes = state.snapshot().nodes
+    assert len(sorts) == 1  # n2 changed in place
+    assert [n.name for n in nodes] == ["n1", "n2", "n3"] and nodes[1].gpus[0].occupied
+    state.upsert_node(make_node("n0"))
+    state.upsert_mig_node(make_mig_node("n0"))
+    assert [n.name for n in state.snapshot().nodes] == ["n0", "n1", "n2", "n3"]
+    assert len(sorts) == 2
+    fresh = ClusterState()
+    for name in ("n0", "n1", "n2", "n3"):
+        fresh.upsert_node(make_node(name))
+        fresh.upsert_mig_node(make_mig_node(name))
+    fresh.upsert_allocation(make_allocation(pod, "n2", [("main", "1g.10gb", 0, 0, 1)]))
+    assert state.snapshot() == fresh.snapshot()
 
 
 # --- occupancy ----------------------------------------------------------------------------

@@ -31,6 +31,11 @@ def test_every_scenario_runs_quick_and_reports_its_figures() -> None:
     orders = ("fifo", "creates-first")
     assert set(out["lanes"]) == {f"{o}-avoid-{k}" for o in orders for k in (0, 2)}
     assert "lanes creates-first-avoid-2" in table(out)
+    kinds = out["kinds"]["by_kind"]
+    for kind, k in kinds.items():
+        assert 0 < k["p50"] <= k["p99"] <= k["max"], kind
+        assert (k["placed"] == 0) == kind.startswith("pending"), (kind, k)
+    assert "whole GPU" in table(out) and "size ask" in table(out)
 
 
 def test_placement_refuses_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:

@@ -59,6 +59,7 @@ class Snapshots:
     _dirty: set[str]
     _node_cache: dict[str, NodeState]
     _nodes_sorted: tuple[NodeState, ...] | None  # None: to sort again
+    _sorted_at: dict[str, int]  # node name → its place in `_nodes_sorted`
     _index: FleetIndex  # the placeable node states, keyed by name
     _plain: Snapshot | None  # snapshot() while nothing changed: the index's
     _calm_index: FleetIndex | None
@@ -152,14 +153,23 @@ class Snapshots:
         )
 
     def _refresh(self) -> None:
-        """Rebuild the node states of the nodes that changed, and index the placeable ones."""
+        """Rebuild the node states of the nodes that changed, and index the placeable ones.
+        A node changed in place keeps its place in `node_states()`: only a node added or
+        removed sorts them again (a sort of 5000 names took most of a decision's 4 ms after
+        each placement: docs/benchmarks.md, issue 37)."""
         if not self._dirty:
             return
+        moved: dict[int, NodeState] = {}  # place in `_nodes_sorted` → its new state
         for name in self._dirty:
             state = self._node_state(name)
             if state is None:
-                self._node_cache.pop(name, None)
+                if self._node_cache.pop(name, None) is not None:
+                    self._nodes_sorted = None
             else:
+                if name not in self._node_cache:
+                    self._nodes_sorted = None
+                elif self._nodes_sorted is not None:
+                    moved[self._sorted_at[name]] = state
                 self._node_cache[name] = state
             if state is None or name in self.agents_down:
                 self._index.remove(name)
@@ -168,7 +178,11 @@ class Snapshots:
             if self._calm_index is not None:
                 self._refresh_calm(name, state)
         self._dirty.clear()
-        self._nodes_sorted = None
+        if self._nodes_sorted is not None and moved:
+            nodes = list(self._nodes_sorted)
+            for at, state in moved.items():
+                nodes[at] = state
+            self._nodes_sorted = tuple(nodes)
         self._plain = None
         self._calm_plain = None
 
@@ -190,7 +204,9 @@ class Snapshots:
         """Every node that has both a Node and a MigNode, by name (agents down included)."""
         self._refresh()
         if self._nodes_sorted is None:
-            self._nodes_sorted = tuple(self._node_cache[n] for n in sorted(self._node_cache))
+            names = sorted(self._node_cache)
+            self._sorted_at = {n: i for i, n in enumerate(names)}
+            self._nodes_sorted = tuple(self._node_cache[n] for n in names)
         return self._nodes_sorted
 
     def place(

@@ -76,6 +76,7 @@ class ClusterState(Accounting, Snapshots):
         self._rooms: dict[str, Room] = {}  # `room`, by node: dropped when either changes
         self._node_cache: dict[str, NodeState] = {}
         self._nodes_sorted: tuple[NodeState, ...] | None = ()  # None: to sort again
+        self._sorted_at: dict[str, int] = {}  # node name → its place in `_nodes_sorted`
         self._dirty: set[str] = set()
         self._index = FleetIndex()  # the placeable node states, keyed by name
         self._plain: Snapshot | None = None  # snapshot() while nothing changed: the index's
