@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--warm-slices",
-        action="store_true",
-        help="keep a few slices of the profiles most asked for here made ahead of demand, "
+        choices=("on", "off"),
+        default="off",
+        help="on: keep a few slices of the profiles most asked for here made ahead of demand, "
         "handed to a pod without an NVML call (docs/warm-slices.md; gate mode only)",
     )
     p.add_argument("--warm-per-gpu", type=int, default=1, help="warm slices per GPU, at most")
@@ -254,7 +255,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
         creating_after_s=a.creating_after_s,
-        warm_slices=a.warm_slices,
+        warm_slices=a.warm_slices == "on",
         warm_per_gpu=max(0, a.warm_per_gpu),
         warm_per_node=max(0, a.warm_per_node),
         idle_mig_mode_after_s=a.idle_mig_mode_after_s,
