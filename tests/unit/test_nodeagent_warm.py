@@ -38,7 +38,9 @@ def _slice(start: int, size: int = 1, profile: str = "1g.10gb", pid: int = ONE_G
 
 def _warm(start: int, gi: int | None = None, gpu: str = U0) -> ClaimRecord:
     uid = f"warm-{gpu}-{start}"
-    return ClaimRecord(uid, "", uid, "warm", (replace(_slice(start, gpu=gpu, gi=gi), container=""),))
+    return ClaimRecord(
+        uid, "", uid, "warm", (replace(_slice(start, gpu=gpu, gi=gi), container=""),)
+    )
 
 
 def _cp(*recs: ClaimRecord) -> Checkpoint:

@@ -11,8 +11,16 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.placement import Gpu, NodeState, Occupied, Placement, PodRequest, SliceRequest
-from common.placement import Snapshot, place
+from common.placement import (
+    Gpu,
+    NodeState,
+    Occupied,
+    Placement,
+    PodRequest,
+    SliceRequest,
+    Snapshot,
+    place,
+)
 from common.placement.search import catalog_tables
 from common.placement.tables import COST_SCALE, gpu_state
 from common.placement.warm import next_picks, prefer_warm
@@ -122,6 +130,8 @@ def test_a_warm_slice_never_costs_packing(case: tuple[NodeState, dict, str]) -> 
     got = prefer_warm(node, chosen, warm)
     c, g = chosen.slices[0], got.slices[0]
     assert got.node == chosen.node
-    assert _score(node, g.gpu_index, profile, g.start) == _score(node, c.gpu_index, profile, c.start)
+    assert _score(node, g.gpu_index, profile, g.start) == _score(
+        node, c.gpu_index, profile, c.start
+    )
     if got != chosen:
         assert Occupied(g.start, g.size, profile) in warm.get(g.gpu_index, ())
