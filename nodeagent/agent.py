@@ -171,6 +171,8 @@ class NodeAgent:
         """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance. A spec
         generation acted on is published as `status.observedGeneration`."""
         self.maint.on_mig_node({} if etype == "DELETED" else obj)
+        if self.warm is not None:
+            self.warm.kick.set()  # a GPU asked a mode has its warm slices destroyed
         # Only a generation not yet written: our own MigNode's ADDED event (generation 1, often
         # seen while the write that made it is still out) is written by that write, and a wake
         # for it would list a slice made meanwhile early (`create.SLICES_LISTED_WITHIN_S`).
@@ -191,7 +193,10 @@ class NodeAgent:
                 self.st.publish.set()
             self._node_uid = uid
         labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+        was = self.idle_mode
         self.note_idle_mode(labels)
+        if self.warm is not None and self.idle_mode != was:
+            self.warm.kick.set()  # idle-mig-mode disabled: no warm slices
         # the instaslice.io/gpu-* and instaslice.io/node labels, likewise
         if self._last_labels is not None and label_patch(self._last_labels, labels) is not None:
             self._last_labels = None

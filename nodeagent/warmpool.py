@@ -211,11 +211,15 @@ class WarmPool:
         model = life.catalog.model(gpu.model)
         known = model.profile_by_id(prof.id) if model else None
         self.making = rec.uid
+        hint = known.default_ci if known else None
         try:
+            # two trips to the GPU's NVML lane, GI then CI: a pod's create queued meanwhile
+            # goes between them (nodeagent/lane.py), waiting for one call, not both
+            nv, i = life.gpus.s, gpu.index
+            gi = await life.gpus.call_gpu(i, nv.create_gi, i, prof.id, spot.start, spot.size)
             gi, ci, uuid = await life.gpus.call_gpu(
-                gpu.index, gi_ci_uuid, life.gpus.s, gpu.index, prof.id, spot.start, spot.size,
-                None, prof.slice_count, known.default_ci if known else None,
-            )  # fmt: skip
+                i, gi_ci_uuid, nv, i, prof.id, spot.start, spot.size, gi, prof.slice_count, hint
+            )
         except NvmlFailure as exc:
             life.note_nvml(exc, gpu.index)
             log.warning("could not make a warm slice", node=st.node, warm=rec.uid, error=str(exc))
