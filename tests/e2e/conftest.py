@@ -144,12 +144,13 @@ def own_system(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DevSystem]:
     """The test module's own system: its `OWN_SPEC` (a cluster spec dict), in a tmp dir named
-    after the module."""
+    after the module; its agents get the module's `OWN_AGENT_ARGS` too, if it has any."""
     spec: dict[str, Any] = request.module.OWN_SPEC
+    extra = tuple(getattr(request.module, "OWN_AGENT_ARGS", ()))
     where = tmp_path_factory.mktemp(
         request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     )
-    with running_system(request.config, where, spec) as started:
+    with running_system(request.config, where, spec, agent_args=extra) as started:
         yield started
 
 

@@ -11,11 +11,6 @@ Leaves out: the handover's crash safety and NVML call counts
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,35 +18,15 @@ import pytest
 from common.kubeapi import Kube, Obj, instaslice_path
 from hack.dev import DevSystem
 from testkit.builders import user_pod
-from tests.e2e.conftest import _NODE, opted_in_namespace, running_system
-from tests.e2e.helpers import assert_holds_slices, pods_path, wait_pod_running
+from tests.e2e.conftest import _NODE
+from tests.e2e.helpers import assert_holds_slices, plugin_nodes, pods_path, wait_pod_running
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-SPEC: dict[str, Any] = {
+OWN_SPEC: dict[str, Any] = {  # own_system
     "nodes": [{"prefix": "warm", "count": 1, "gpus": 2, "model": "H100-80GB", **_NODE}]
 }
-
-
-@pytest.fixture(scope="module")
-def warm_system(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DevSystem]:
-    where = tmp_path_factory.mktemp("warm")
-    with running_system(request.config, where, SPEC, agent_args=["--warm-slices=on"]) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-async def warm_kube(warm_system: DevSystem) -> AsyncIterator[Kube]:
-    async with await Kube.connect(str(warm_system.kubeconfig)) as k:
-        yield k
-
-
-@pytest.fixture
-async def warm_ns(warm_kube: Kube) -> AsyncIterator[str]:
-    async with opted_in_namespace(warm_kube) as name:
-        yield name
+OWN_AGENT_ARGS = ("--warm-slices=on",)
 
 
 async def _warm_slices(kube: Kube) -> list[tuple[int, Obj]]:
@@ -67,34 +42,26 @@ async def _warm_slices(kube: Kube) -> list[tuple[int, Obj]]:
 
 
 async def test_a_pod_runs_on_a_warm_slice_and_the_slot_map_shows_warm(
-    warm_kube: Kube, warm_system: DevSystem, warm_ns: str
+    own_kube: Kube, own_system: DevSystem, own_ns: str
 ) -> None:
-    await warm_kube.create(
-        pods_path(warm_ns), user_pod(name="first", slices={"main": {"1g.10gb": 1}})
+    await own_kube.create(
+        pods_path(own_ns), user_pod(name="first", slices={"main": {"1g.10gb": 1}})
     )
-    await wait_pod_running(warm_kube, warm_ns, "first")
-    ((gpu, warm),) = await _warm_slices(warm_kube)  # one per node by default on one GPU
+    await wait_pod_running(own_kube, own_ns, "first")
+    ((gpu, warm),) = await _warm_slices(own_kube)  # one per node by default on one GPU
     assert warm["profile"] == "1g.10gb" and "claim" not in warm, warm
 
-    plugin = Path(sys.executable).parent / "kubectl-instaslice"
-    shown = await asyncio.to_thread(
-        subprocess.run,
-        [str(plugin), "nodes", f"--kubeconfig={warm_system.kubeconfig}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert shown.returncode == 0, shown.stderr
-    row = next(ln for ln in shown.stdout.splitlines() if ln.split()[:2] == ["warm-0", str(gpu)])
+    shown = await plugin_nodes(own_system)
+    row = next(ln for ln in shown.splitlines() if ln.split()[:2] == ["warm-0", str(gpu)])
     slots = row.split()[-1].strip("|")
-    assert slots[warm["start"]] == "w", shown.stdout
-    assert "w = warm" in shown.stdout
+    assert slots[warm["start"]] == "w", shown
+    assert "w = warm" in shown
 
-    await warm_kube.create(
-        pods_path(warm_ns), user_pod(name="second", slices={"main": {"1g.10gb": 1}})
+    await own_kube.create(
+        pods_path(own_ns), user_pod(name="second", slices={"main": {"1g.10gb": 1}})
     )
-    await wait_pod_running(warm_kube, warm_ns, "second")
-    alloc = await assert_holds_slices(warm_kube, warm_system, warm_ns, "second")
+    await wait_pod_running(own_kube, own_ns, "second")
+    alloc = await assert_holds_slices(own_kube, own_system, own_ns, "second")
     placed = alloc["spec"]["slices"][0]
     assert (placed["gpuIndex"], placed["start"]) == (gpu, warm["start"]), (placed, warm)
     assert alloc["status"]["slices"][0]["migUUID"] == warm["migUUID"]
