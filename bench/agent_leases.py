@@ -76,7 +76,7 @@ async def measure(nodes: int, events: int) -> dict[str, float]:
     sweeps = 200
     t0 = time.process_time()
     for _ in range(sweeps):
-        controller._sweep_agents()
+        controller.agents.sweep()
     per_sweep = (time.process_time() - t0) / sweeps
     return {
         "nodes": nodes,

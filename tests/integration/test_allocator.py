@@ -439,6 +439,22 @@ async def test_existing_required_affinity_is_kept(env: AllocatorEnv) -> None:
     assert podlib.pinned_node(pod) == node == podlib.bound_node(pod)
 
 
+async def test_a_pinned_pod_never_shows_our_gate_again(env: AllocatorEnv) -> None:
+    """Why `PodTrack.pinned` needs no resourceVersion: once the pin is written, the API
+    server refuses to put a scheduling gate back on the pod, so every view of it that still
+    carries our gate is older than the pin (next_step waits for the watch to catch up)."""
+    await env.add_node("n1")
+    env.start()
+    await env.create_pod("p")
+    await env.wait_ungated("p")
+    regate = [{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": GATE_NAME}]}]
+    with pytest.raises(ApiError) as refused:  # a patch: no resourceVersion to race the binding
+        await env.kube.patch(core_path("pods", env.namespace, "p"), regate, kind="json")
+    assert refused.value.status == 422, refused.value
+    assert "schedulingGates" in str(refused.value), refused.value
+    assert not podlib.has_our_gate(await env.pod("p"))
+
+
 async def test_foreign_gate_is_respected_until_removed(env: AllocatorEnv) -> None:
     await env.add_node("n1")
     env.start()

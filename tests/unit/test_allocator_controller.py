@@ -35,6 +35,7 @@ from testkit.builders import GpuSpec, gpu_uuid, make_allocation, make_mig_node, 
 from testkit.clock import FakeClock, settle
 from webhook.allocator import AllocatorSettings, run_controller
 from webhook.allocator import pods as podlib
+from webhook.allocator.autoscale import ScaleUpSettings, SignalMode
 from webhook.allocator.controller import Controller
 from webhook.allocator.leader import LeaderElector, NotLeader
 from webhook.allocator.metrics import AllocatorMetrics
@@ -171,6 +172,38 @@ def unschedulable(pod: Obj) -> Obj:
 
 def event_reasons(kube: RecordingKube) -> list[str]:
     return [c[2]["reason"] for c in kube.writes("create") if c[1].endswith("/events")]
+
+
+# --- the autoscaler signal's watches -------------------------------------------------------
+
+
+async def test_a_term_pins_nothing_before_the_signal_watches_listed() -> None:
+    """A term's workers start once the autoscaler signal's watches have listed (a new
+    leader's first pins would know no placeholder), so `make_room` never waits for them."""
+    kube, clock = RecordingKube(), FakeClock()
+    c = controller(kube, clock, scale_up=ScaleUpSettings(mode=SignalMode.PLACEHOLDER))
+    listing = asyncio.Event()
+
+    async def run() -> None:  # stands for ScaleUp.run: its watches list, then its rounds
+        await listing.wait()
+        c.scale_up.synced.set()
+        await asyncio.Event().wait()
+
+    c.scale_up.run = run  # type: ignore[method-assign]
+    pod = make_pod("p", uid="p")
+    alloc = make_allocation(pod, "n1", [("main", "1g.10gb", 0, 0, 1)], phase=Phase.READY)
+    await node(c)
+    await c.handlers.on_allocation("ADDED", alloc)
+    await c.handlers.on_pod("ADDED", pod)
+    term = asyncio.create_task(c.term(revisit=True))
+    try:
+        await settle()
+        assert kube.writes() == [] and not c.work.active  # nothing pinned, no worker yet
+        listing.set()
+        await settle()
+        assert [call[1] for call in kube.writes("replace")] == ["/api/v1/namespaces/ns/pods/p"]
+    finally:
+        await cancel_until_done([term])
 
 
 # --- pinned but unschedulable --------------------------------------------------------------

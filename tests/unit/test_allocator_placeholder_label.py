@@ -146,7 +146,7 @@ def test_a_labelled_tenant_pod_is_no_signal_of_another_pod() -> None:
     assert s.needs["want"].lost == 0
     # the list of placeholders bound to a node a pin goes to
     kube = _Kube(bound=(tenant, _bound("want", "n2")))
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     s.signals = {"want": _bound("want", None)}
     assert asyncio.run(s._bound_now("n2")) == {"want"}
     kube.bound = (tenant,)

@@ -353,7 +353,7 @@ ROWS: list[tuple[str, PodTrack, Seen, Kind, str | None]] = [
     ("ready", PodTrack("p"), seen(pod(), alloc(Phase.READY)), Pin, None),
     (
         "ready-pinned-echo-pending",
-        PodTrack("p", pinned_rv="42"),
+        PodTrack("p", pinned=True),
         seen(pod(), alloc(Phase.READY)),
         Wait,
         "pinned already; the watch has not caught up",
@@ -436,7 +436,7 @@ def test_no_write_for_a_create_in_flight_and_no_pin_to_a_released_allocation(
     track = PodTrack(
         "p",
         released=frozenset({"a1"}) if released else frozenset(),
-        pinned_rv="1" if pinned else None,
+        pinned=pinned,
     )
     view = Seen(
         pod=(pod() if gated else pod(gates=(), node_name="n1")) if pod_present else None,

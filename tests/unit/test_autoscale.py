@@ -87,6 +87,7 @@ from webhook.allocator.preemption import Budgets, PreemptionSettings
 from webhook.allocator.scaleup import LOST_BACKOFF_S, Need, ScaleUp
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import Tracks
+from webhook.allocator.writes import Writes
 
 pytestmark = pytest.mark.timeout(20)
 CATALOG = load_catalog()
@@ -470,14 +471,13 @@ def _scale_up(state: ClusterState, clock: FakeClock, delay: float = 5.0) -> Scal
     told: list[tuple[str, str]] = []
     s = ScaleUp(
         kube=None,  # type: ignore[arg-type]  # bookkeeping only: nothing is written here
-        elector=_Elector(),  # type: ignore[arg-type]
+        writes=Writes(None, _Elector(), clock, "allocator-0"),  # type: ignore[arg-type]
         state=state,
         settings=ScaleUpSettings(mode=SignalMode.PLACEHOLDER, delay_s=delay),
         policy=Policy.INSTASLICE,
         catalog=CATALOG,
         clock=clock,
         tell=lambda pod, reason, message, type_: told.append((reason, message)),
-        instance="allocator-0",
     )
     return s
 
@@ -811,7 +811,7 @@ def test_make_room_deletes_before_it_returns() -> None:
     state, _ = _full_cluster()
     kube = _Kube()
     s = _scale_up(state, FakeClock(), delay=0)
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
     own = state.pods["own"].obj
     state.upsert_allocation(make_allocation(own, "n1", [("main", "3g.40gb", 0, 0, 4)]))
@@ -830,7 +830,7 @@ def _own_decided_on_n2_want_waits(kube: _Kube, clock: FakeClock) -> tuple[Cluste
     """The full cluster with `own` decided on n2 and `want` pending (full), its need noted."""
     state, _ = _full_cluster()
     s = _scale_up(state, clock, delay=0)
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     state.upsert_pod(make_pod("own", slices={"main": {"3g.40gb": 1}}, uid="own"))
     own = state.pods["own"].obj
     state.upsert_allocation(make_allocation(own, "n2", [("main", "3g.40gb", 0, 0, 4)]))
@@ -893,24 +893,22 @@ def test_make_room_asks_the_api_server_where_a_placeholder_unbound_to_it_stands(
     assert set(s.signals) == {"want"}
 
 
-def test_make_room_waits_for_the_terms_listing() -> None:
-    """A new term's first pins come before its watches listed the placeholders: make_room
-    waits for the listing, then deletes the pod's own (which was there all along)."""
+def test_make_room_never_waits_for_the_terms_listing() -> None:
+    """make_room reads the signals as the term's watches listed them: the controller starts
+    a term's pins only once they have (`ScaleUp.listed`; test_allocator_controller.py
+    `test_a_term_pins_nothing_before_the_signal_watches_listed`), so it never waits for
+    the listing itself, even before `synced` is set."""
     state, _ = _full_cluster()
     s = _scale_up(state, FakeClock(), delay=0)
     kube = _Kube()
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     _decided(state, "own", "n1")
 
-    async def pin_then_listing() -> None:
-        room = asyncio.create_task(s.make_room("own", "n1"))
-        await asyncio.sleep(0.01)
-        assert not room.done() and kube.calls == []  # waits: nothing known yet
+    async def listing_then_pin() -> None:
         await s._on_signal("ADDED", _bound("own", "n1"))  # the listing
-        s.synced.set()
-        await room
+        await asyncio.wait_for(s.make_room("own", "n1"), 5)  # synced is never set here
 
-    asyncio.run(pin_then_listing())
+    asyncio.run(listing_then_pin())
     assert kube.calls == [f"delete {signal_name('own')}"]
 
 
@@ -920,7 +918,7 @@ def test_make_room_waits_for_the_pods_own_create_in_flight() -> None:
     state, pod = _full_cluster()
     s = _scale_up(state, FakeClock(), delay=0)
     kube = _Kube()
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     name = signal_name("want")
 
@@ -951,7 +949,7 @@ def test_a_placeholder_bound_before_its_create_answered_is_held_bound() -> None:
     state, pod = _full_cluster()
     s = _scale_up(state, FakeClock(), delay=0)
     kube = _Kube()
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     create = kube.create
 
@@ -979,7 +977,7 @@ def test_make_room_needs_only_its_own_delete_to_succeed() -> None:
     _decided(state, "own", "n1")
     _decided(state, "other", "n1")
     s.signals = {"own": _bound("own", "n1"), "other": _bound("other", "n1")}
-    s.kube = _Kube(refuse=(signal_name("other"),))  # type: ignore[assignment]
+    s.writes.kube = _Kube(refuse=(signal_name("other"),))  # type: ignore[assignment]
 
     async def pin(uid: str) -> None:
         s.synced.set()
@@ -1002,7 +1000,7 @@ def _full_labelled_cluster(label: bool = True) -> tuple[ClusterState, ScaleUp, _
     kube = _Kube()
     kube.answer.set()
     s = _scale_up(state, FakeClock(), delay=0)
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     old = _bound("want", "n1")
     old["metadata"].update(uid="old", resourceVersion="10")
@@ -1184,7 +1182,7 @@ def test_one_round_lists_the_nodes_to_keep_off_once_per_node_selection(
     kube.answer.set()
     clock = FakeClock()
     s = _scale_up(state, clock, delay=0)
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     s.tell = lambda pod, reason, message, type_: None
     for uid in ("want", "want2", "zoned"):
         req = podlib.pod_request(state.pods[uid].obj)
@@ -1426,7 +1424,7 @@ def test_a_whole_gpu_pod_no_node_serves_asks_for_a_node_after_preemption(
     assert (track.preempt is not None) is (needs == set())
     kube = _Kube()
     kube.answer.set()
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     asyncio.run(s.reconcile())
     if needs:
         (body,) = kube.created
@@ -1496,7 +1494,7 @@ def test_a_size_based_pod_asks_for_a_node_only_on_the_model_it_names(
     assert ("sized" in s.needs) is (asks is not None)
     kube = _Kube()
     kube.answer.set()
-    s.kube = kube  # type: ignore[assignment]
+    s.writes.kube = kube  # type: ignore[assignment]
     asyncio.run(s.reconcile())
     if asks is None:
         assert kube.created == []

@@ -40,6 +40,7 @@ from webhook.allocator.autoscale import (
 from webhook.allocator.scaleup import ScaleUp
 from webhook.allocator.state import ClusterState
 from webhook.allocator.views import Room
+from webhook.allocator.writes import Writes
 
 pytestmark = pytest.mark.timeout(60)
 CATALOG = load_catalog()
@@ -336,17 +337,16 @@ def _fleet(mode: SignalMode) -> tuple[ClusterState, ScaleUp, _Kube]:
                                             phase=Phase.READY))  # fmt: skip
     want = make_pod("want", slices={"main": {"1g.10gb": 1}}, uid="want")
     state.upsert_pod(want)
-    kube = _Kube()
+    kube, clock = _Kube(), FakeClock()
     s = ScaleUp(
         kube=kube,  # type: ignore[arg-type]
-        elector=_Elector(),  # type: ignore[arg-type]
+        writes=Writes(kube, _Elector(), clock, "allocator-0"),  # type: ignore[arg-type]
         state=state,
         settings=ScaleUpSettings(mode=mode, delay_s=0),
         policy=Policy.INSTASLICE,
         catalog=CATALOG,
-        clock=FakeClock(),
+        clock=clock,
         tell=lambda pod, reason, message, type_: None,
-        instance="allocator-0",
     )
     s.pending(state.pods["want"], podlib.pod_request(want), Pending(PendingReason.FULL, "f"), False)
     s.synced.set()

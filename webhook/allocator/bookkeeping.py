@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import structlog
 
 from common.clock import Clock
-from common.constants import REASON_PENDING, EventReason
-from common.kubeapi import Obj
+from common.constants import REASON_PENDING
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.state import ClusterState
@@ -33,10 +31,9 @@ from webhook.allocator.track import (
     Unserved,
     Wait,
 )
+from webhook.allocator.writes import Tell
 
 log = structlog.get_logger("allocator")
-
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 
 
 @dataclass(eq=False)

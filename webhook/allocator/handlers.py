@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.catalog import Catalog, GpuModel
-from common.clock import Clock
+from common.clock import Clock, monotonic_at
 from common.constants import (
     ENABLED_KEY,
     GATE_NAME,
@@ -109,7 +109,7 @@ class Handlers:
             view = self.state.upsert_pod(obj)
             if self.leading() and view.claim is not None:
                 track = self.tracks.ensure(uid)
-                fresh = track.ungate_start is None and track.pinned_rv is None
+                fresh = track.ungate_start is None and not track.pinned
                 if fresh and view.gates == (GATE_NAME,):  # ours became its only gate now
                     track.ungate_start = self.clock.monotonic()
             if view.claim is not None or self.tracks.get(uid) or self.state.allocations_of(uid):
@@ -231,6 +231,28 @@ class Handlers:
 
     async def on_lease(self, etype: EventType, obj: Obj) -> None:
         await self.agents.on_lease(etype, obj, initial=not self.leases_synced())
+
+    def revisit(self) -> None:
+        """A term begins: look at every pod InstaSlice places and every allocation's pod."""
+        ours = {a.pod_uid for a in self.state.allocations.values()}
+        for pod in list(self.state.pods.values()):
+            if pod.claim is not None:
+                ours.add(pod.uid)
+                track = self.tracks.ensure(pod.uid)
+                if track.ungate_start is None and pod.gates == (GATE_NAME,):
+                    # seen before this term: timed from its creation (whole seconds)
+                    track.ungate_start = monotonic_at(self.clock, pod.created)
+        for uid in sorted(ours):
+            self.kick(uid)
+
+    def merge_allocations(self, items: list[Obj]) -> None:
+        """Add allocations a previous leader may have written that our watch has not shown
+        yet (a quorum list, `Writes.list_allocations`). Add-only: seeing too much is safe,
+        too little is not."""
+        for item in items:
+            meta = item.get("metadata", {})
+            if f"{meta.get('namespace')}/{meta.get('name')}" not in self.state.allocations:
+                self.state.upsert_allocation(item)
 
     def seen(self, uid: str, track: PodTrack | None = None) -> Seen:
         """What the caches show for pod `uid`, as `next_step` reads it."""

@@ -45,9 +45,9 @@ WRITE_ERROR = "WriteError"
 INTERNAL_ERROR = "InternalError"
 AGENT_DOWN = "NodeAgentDown"  # every MIG node is left out: no node agent renews its Lease
 
-Tell = Callable[
-    [Obj, EventReason, str], None
-]  # (pod, reason, message): a Warning event, in the background
+# (pod, reason, message): a Warning event, written in the background (writes.Tell's, its
+# type fixed)
+Warn = Callable[[Obj, EventReason, str], None]
 
 
 class Pendings(Protocol):
@@ -68,7 +68,7 @@ class Placer:
     policy: Policy
     catalog: Catalog
     kick: Callable[[str], None]  # the pod's worker carries the decision out
-    tell: Tell
+    tell: Warn
     queue: PlacementQueue = field(default_factory=PlacementQueue)
     pendings: Pendings | None = None  # the autoscaler signal, when on
     preemption: PreemptionSettings | None = None  # None: preemption off

@@ -32,9 +32,8 @@ of pods that are still gated are kept across terms, so a leader change does not 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import structlog
 
@@ -58,16 +57,15 @@ from webhook.allocator.autoscale import (
     placeholder_identity,
     releasing,
 )
-from webhook.allocator.leader import LeaderElector, NotLeader
+from webhook.allocator.leader import NotLeader
 from webhook.allocator.signals import Signals, _uid
 from webhook.allocator.state import ClusterState
 from webhook.allocator.track import placeable
 from webhook.allocator.views import PodView
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import EventType_, Tell, Writes
 
 log = structlog.get_logger("allocator")
 
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 _PROVREQ_FAILURES = ("Failed", "BookingExpired", "CapacityRevoked")
 LOST_BACKOFF_S = 30.0
 
@@ -85,22 +83,21 @@ class Need:
 
 @dataclass(eq=False)
 class ScaleUp(Signals):
-    kube: Kube
-    elector: LeaderElector
+    kube: Kube  # its informers' (reads only)
+    writes: Writes  # every write, Lease-checked: the controller's one Writes
     state: ClusterState
     settings: ScaleUpSettings
     policy: Policy
     catalog: Catalog
     clock: Clock
     tell: Tell
-    instance: str  # the pod this replica runs in (its writes' reportingInstance)
     needs: dict[str, Need] = field(default_factory=dict)  # pod uid → since when
     waits: set[str] = field(default_factory=set)  # classified: no new node needed
     told: dict[tuple[str, EventReason], str] = field(
         default_factory=dict
     )  # (uid, reason) → message
     signals: dict[str, Obj] = field(default_factory=dict)  # pod uid → its signal object
-    # set once this term's watches have listed the signals (`make_room` waits for it)
+    # set once this term's watches have listed the signals (`listed`)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _withdrawing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -109,11 +106,6 @@ class ScaleUp(Signals):
     # pods whose signal we hold from our own create's answer (or a read), which the watch
     # has not shown yet: until it does, another object of that name it shows is older
     _unechoed: set[str] = field(default_factory=set)
-
-    @property
-    def writes(self) -> Writes:
-        """Its writes, each Lease-checked, as every other write of the allocator."""
-        return Writes(self.kube, self.elector, self.clock, self.instance)
 
     # --- called by the placer (synchronous, pure bookkeeping) -------------------------------
 
@@ -158,6 +150,13 @@ class ScaleUp(Signals):
         self.waits.discard(uid)
 
     # --- the loop (leading) -----------------------------------------------------------------
+
+    async def listed(self) -> None:
+        """Return once this term's watches (`run`) have listed the signals. The controller
+        starts the term's workers only then, so a pin's `make_room` reads the signals as
+        listed and never waits for them itself."""
+        if self.on:
+            await self.synced.wait()
 
     async def run(self) -> None:
         if not self.on:
@@ -351,9 +350,7 @@ class ScaleUp(Signals):
         if reason == "FailedScheduling":
             self._tell_once(uid, REASON_FAILED, f"Karpenter: {obj.get('message', '')}", "Warning")
 
-    def _tell_once(
-        self, uid: str, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
+    def _tell_once(self, uid: str, reason: EventReason, message: str, type_: EventType_) -> None:
         if self.told.get((uid, reason)) == message:
             return
         pod = self.state.pods.get(uid)

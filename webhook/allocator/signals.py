@@ -11,8 +11,8 @@ in the way of a pin before it is written (docs/autoscaling.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,14 +32,12 @@ from webhook.allocator.autoscale import (
     selection,
 )
 from webhook.allocator.state import ClusterState
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import Tell, Writes
 
 if TYPE_CHECKING:
     from webhook.allocator.scaleup import Need
 
 log = structlog.get_logger("allocator")
-
-Tell = Callable[[Obj, EventReason, str, Literal["Normal", "Warning"]], None]
 
 
 class Signals:
@@ -48,10 +46,10 @@ class Signals:
     state: ClusterState
     settings: ScaleUpSettings
     tell: Tell
+    writes: Writes
     needs: dict[str, Need]
     told: dict[tuple[str, EventReason], str]
     signals: dict[str, Obj]
-    synced: asyncio.Event
     _withdrawing: dict[str, asyncio.Task[None]]
     _raising: dict[str, asyncio.Event]
     _unechoed: set[str]
@@ -59,10 +57,6 @@ class Signals:
     @property
     def on(self) -> bool:
         return self.settings.mode is not SignalMode.OFF
-
-    @property
-    def writes(self) -> Writes:
-        raise NotImplementedError  # ScaleUp's
 
     def lost(self, uid: str) -> None:
         raise NotImplementedError  # ScaleUp's
@@ -91,16 +85,16 @@ class Signals:
 
     async def make_room(self, uid: str, node: str) -> None:
         """Withdraw `in_the_way(uid, node)` before the pin, the deletes sent together and
-        answered. It waits first for this term's watches to have listed the signals (a new
-        leader's first pins would see none) and for `uid`'s own create if one is in flight
-        (answered after the pin, it would stand there). Only `uid`'s own delete must
-        succeed; another's failure is logged (the round tries it again). A pod still
-        waiting for a node whose placeholder went so asks again after `lost`'s wait, as if
-        the scheduler had preempted it (at once, it would take the room back); pins to the
-        node at the same time share the delete and count it once."""
+        answered. It reads the signals as this term's watches listed them: the controller
+        starts the term's workers, and so its pins, only once they have (`ScaleUp.listed`;
+        a new leader's first pins would otherwise see none). It waits for `uid`'s own
+        create if one is in flight (answered after the pin, it would stand there). Only
+        `uid`'s own delete must succeed; another's failure is logged (the round tries it
+        again). A pod still waiting for a node whose placeholder went so asks again after
+        `lost`'s wait, as if the scheduler had preempted it (at once, it would take the room
+        back); pins to the node at the same time share the delete and count it once."""
         if not self.on:
             return
-        await self.synced.wait()
         raising = self._raising.get(uid)
         if raising is not None:
             await raising.wait()

@@ -4,7 +4,7 @@
 queues (`Wait`, `Forget`, `Dequeue`, `Unserved`, `Queue`, `Kick`, `Settled`, `AwaitVictims`,
 `GiveUp`), the write ones against the API server (through `writes`, every write
 Lease-checked) — and records in the pod's record what it did: the create in flight, the
-pin's resourceVersion, the allocations it deleted, the retry backoff. It answers when to
+pin written, the allocations it deleted, the retry backoff. It answers when to
 look at the pod again (None: when a watch event says). Deciding is not done here
 (webhook.allocator.track); the controller's worker only asks `next_step` and runs this.
 """
@@ -15,7 +15,6 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import structlog
 
@@ -26,7 +25,6 @@ from common.constants import (
     REASON_PINNED_UNSCHEDULABLE,
     REASON_PREEMPTED,
     REASON_PREEMPTING,
-    EventReason,
 )
 from common.kubeapi import ApiError, Obj
 from webhook.allocator import pods as podlib
@@ -50,12 +48,9 @@ from webhook.allocator.track import (
     UnstickPod,
 )
 from webhook.allocator.views import PodView
-from webhook.allocator.writes import Writes
+from webhook.allocator.writes import Tell, Writes
 
 log = structlog.get_logger("allocator")
-
-EventType_ = Literal["Normal", "Warning"]
-Tell = Callable[[Obj, EventReason, str, EventType_], None]
 
 
 _FIRST_BACKOFF_S = 0.2
@@ -177,7 +172,7 @@ class Steps:
         if written is None:
             return
         # gates cannot come back: never pin this pod again
-        track.pinned_rv = str(written.get("metadata", {}).get("resourceVersion") or "?")
+        track.pinned = True
         if track.ungate_start is not None:
             waited = max(0.0, self.clock.monotonic() - track.ungate_start)
             self.metrics.time_to_ungate.observe(waited)

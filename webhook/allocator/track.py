@@ -2,9 +2,10 @@
 
 `PodTrack` is everything the leading allocator knows and has promised about one pod: that it
 is parked as pending (and which reason the pod was told), the GPUs that failed it, when it
-became unschedulable while pinned, the create it decided and the write in flight, the pin it
-wrote (by resourceVersion, so the echo of our own write is recognised), the allocations it
-deleted (so an older watch event of one is never trusted), and its retry backoff.
+became unschedulable while pinned, the create it decided and the write in flight, that its
+pin was written (so a watch event older than the pin is recognised: see `PodTrack.pinned`),
+the allocations it deleted (so an older watch event of one is never trusted), and its retry
+backoff.
 
 `next_step(track, seen)` reads that record and what the caches show (`Seen`) and returns one
 `Step`; it does no I/O and keeps no clock. The controller executes steps, one pod at a time
@@ -65,7 +66,12 @@ class PodTrack:
     create: Obj | None = None  # decided and assumed; its create not sent yet
     creating: asyncio.Future[Obj] | None = field(default=None, repr=False)  # create in flight
     creating_key: str = ""  # namespace/name of the allocation being created
-    pinned_rv: str | None = None  # resourceVersion our pin+ungate update returned
+    # our pin+ungate update was written. No resourceVersion is needed to recognise its echo:
+    # the API server only ever removes scheduling gates (adding one to an existing pod is
+    # refused), so once the pin is written every view still carrying our gate is older than
+    # it, and every later one is ungated. A resourceVersion, opaque (equality only), could
+    # tell no more, and a re-list that skips the echo would leave it unmatched.
+    pinned: bool = False
     released: frozenset[str] = frozenset()  # uids of allocations we deleted
     gone: str | None = None  # why the pod left the cache (DELETED event), if it did
     preempt: Preemption | None = None  # a preemption in flight: its slots reserved
@@ -328,7 +334,7 @@ def _gated_step(track: PodTrack, seen: Seen, pod: PodView) -> Step:
         if track.parked_at == pod.generation:
             return Wait("pending; waits for capacity to grow")
         return Queue(pod)
-    if track.pinned_rv is not None:
+    if track.pinned:
         return Wait("pinned already; the watch has not caught up")
     for alloc in seen.allocations:
         usable = alloc.key not in seen.assumed and alloc.uid not in track.released

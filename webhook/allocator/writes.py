@@ -1,5 +1,7 @@
 """Every write the allocator makes, each preceded by the Lease check (but its own Lease's,
-leader.py).
+leader.py). The controller builds one `Writes` and hands it to every part that writes (steps,
+the MigNode writes, the loops, the autoscaler signal); no other module calls a write of
+`Kube` (tests/unit/test_allocator_one_writer.py).
 
 The controller decides *what* to do; this module is *how*, against the API server: the
 SliceAllocation create, the one PUT that pins and ungates a pod (re-read and retried on 409),
@@ -40,6 +42,9 @@ from webhook.allocator.state import ClusterState
 log = structlog.get_logger("allocator")
 
 COMPONENT = "instaslice-allocator"
+
+EventType_ = Literal["Normal", "Warning"]  # an Event's type (kubeapi.EventType: a watch event's)
+Tell = Callable[[Obj, EventReason, str, EventType_], None]  # an event, written in the background
 _PIN_ATTEMPTS = 5
 _LEADER_WAIT_S = 0.2  # how often an event waiting out a late Lease renewal looks again
 
@@ -57,9 +62,8 @@ class Writes:
         return await self.kube.create(instaslice_path(SLICE_ALLOCATION_PLURAL, namespace), body)
 
     async def pin(self, pod: Obj, node: str) -> Obj | None:
-        """Pin `pod` to `node` and lift our gate in one PUT; the pod as written (its
-        resourceVersion identifies the echo). None when there is nothing to do any more (the
-        pod is gone, replaced, or already ungated)."""
+        """Pin `pod` to `node` and lift our gate in one PUT; the pod as written. None when
+        there is nothing to do any more (the pod is gone, replaced, or already ungated)."""
         meta = pod["metadata"]
         path = core_path("pods", meta["namespace"], meta["name"])
         uid, current = podlib.uid(pod), pod
@@ -109,6 +113,11 @@ class Writes:
         )
         await self.kube.delete_ignore_missing(instaslice_path("mignodes", name=node))  # last
         return True
+
+    async def list_allocations(self) -> list[Obj]:
+        """Every SliceAllocation, as a quorum list reads them (a new term's first look)."""
+        listing = await self.kube.list(instaslice_path(SLICE_ALLOCATION_PLURAL))
+        return list(listing.get("items") or [])
 
     async def pod_alive(self, alloc: SliceAllocation) -> bool:
         """Whether the allocation's pod exists (same UID) and has not finished."""
@@ -237,9 +246,7 @@ class Writes:
             raise
         return True
 
-    async def event(
-        self, pod: Obj, reason: EventReason, message: str, type_: Literal["Normal", "Warning"]
-    ) -> None:
+    async def event(self, pod: Obj, reason: EventReason, message: str, type_: EventType_) -> None:
         """Best effort (common.events), written only while this replica's leadership is
         confirmed. While a renewal is late it waits, for a decision made in that moment must
         still be told (CI: a pod parked just as the term began was never told why); the end
