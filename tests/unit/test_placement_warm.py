@@ -25,6 +25,8 @@ from common.placement.search import catalog_tables
 from common.placement.tables import COST_SCALE, gpu_state
 from common.placement.warm import next_picks, prefer_warm
 
+WarmSpots = dict[int, tuple[Occupied, ...]]
+
 H100 = "H100-80GB"
 PROFILES = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb")
 
@@ -119,7 +121,7 @@ def _cases(draw: st.DrawFn) -> tuple[NodeState, dict[int, tuple[Occupied, ...]],
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_cases())
-def test_a_warm_slice_never_costs_packing(case: tuple[NodeState, dict, str]) -> None:
+def test_a_warm_slice_never_costs_packing(case: tuple[NodeState, WarmSpots, str]) -> None:
     """With warm slices, the spot chosen scores exactly what the engine's choice without
     them scores (the engine's loss of potential and potential left), on the same node; and
     it is either the engine's spot or a warm slice."""
