@@ -251,6 +251,7 @@ class Bench:
     trace: Path | None = None  # per-pod milestones of each variant, one JSON line a pod
     webhook_args: tuple[str, ...] = ()  # extra flags for the webhook/allocator process
     modes: tuple[str, ...] = ("gates",)  # each on fleets of its own; dra's keyed <scenario>-dra
+    agent_args: tuple[str, ...] = ()  # and for the node agent's (e.g. --warm-slices=on)
 
     def _profiled(self, label: str, fleet: Fleet) -> Profiler | None:
         if self.profile is None:
@@ -338,6 +339,7 @@ class Bench:
             static=self.static or "floor" in scenarios,  # the floor's static link
             webhook_args=self.webhook_args,
             dra=dra,
+            agent_extra=self.agent_args,
         )
 
     async def _sequential(self, fleet: Fleet, cms: int) -> Obj:
@@ -378,7 +380,13 @@ class Bench:
 
             try:
                 rec = with_fleet(
-                    self.run_dir, nodes, p.idle_s, body, self.log, webhook_args=self.webhook_args
+                    self.run_dir,
+                    nodes,
+                    p.idle_s,
+                    body,
+                    self.log,
+                    webhook_args=self.webhook_args,
+                    agent_extra=self.agent_args,
                 )
             except Exception as exc:  # the largest fleet may not fit: record why, keep going
                 self.log(f"  {key}: FAILED: {exc!r}")
@@ -529,6 +537,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated allocation modes to run, each on its own fleets: gates, dra "
         "(docs/dra.md); a DRA fleet's results are keyed <scenario>-dra",
     )
+    ap.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to the node agent, e.g. --agent-arg=--warm-slices=on",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--dir", type=Path, default=RUN_DIR, help="where the system runs")
     ap.add_argument("--report", type=Path, default=None, help="write plots into this dir")
@@ -575,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace=args.trace,
         webhook_args=tuple(args.webhook_arg),
         modes=modes,
+        agent_args=tuple(args.agent_arg),
     )
     # SIGTERM (and SIGINT, which background shells ignore) unwind through the `finally`s,
     # so the fleet is torn down; children die with this process anyway (PDEATHSIG)

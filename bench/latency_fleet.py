@@ -40,6 +40,7 @@ from bench.latency_track import (
     request_seconds,
     writes_summary,
 )
+from bench.warm import agent_scrape, warm_counts, warm_summary
 from common.constants import DRA_API_VERSION
 from common.draclaim import as_allocation
 from common.kubeapi import (
@@ -211,9 +212,15 @@ class Fleet:
         )
         return proc.stdout
 
+    async def agent_metrics(self) -> str:
+        """The node agent process's /metrics ("" when it does not answer)."""
+        port = self.system.agent_metrics_port
+        return await asyncio.to_thread(agent_scrape, port) if port else ""
+
     async def measured(self, res: Obj, pods: int, coro: Any) -> None:
         """Run `coro` with process CPU/RSS and API-server writes recorded into `res`."""
         res["load_start"] = load()
+        warm0 = warm_counts(await self.agent_metrics())
         text = await self.api_metrics()
         before, seconds = api_writes(text), request_seconds(text)
         s = self.sampler()
@@ -247,6 +254,9 @@ class Fleet:
             res["bench_cpu_s"] = r3(time.process_time() - own0)
             res["machine_busy_cores"] = r3((machine_busy_s() - busy0) / wall) if wall else 0.0
             res["load_end"] = load()
+            warm = warm_summary(warm0, warm_counts(await self.agent_metrics()))
+            if warm is not None:  # --warm-slices=on (docs/warm-slices.md)
+                res["warm"] = warm
 
     async def scrape(self) -> dict[str, tuple[float, float]]:
         """The API server's request and admission histograms (`request_seconds`,
@@ -348,7 +358,11 @@ def _leftovers(run_dir: Path) -> None:
 
 
 def bring_up(
-    run_dir: Path, nodes: int, webhook_args: Sequence[str] = (), dra: bool = False
+    run_dir: Path,
+    nodes: int,
+    webhook_args: Sequence[str] = (),
+    dra: bool = False,
+    agent_extra: Sequence[str] = (),
 ) -> tuple[DevSystem, dict[str, float]]:
     """Control plane, then the KWOK nodes (Ready, untainted), then InstaSlice (DevSystem.up
     attaches to the running control plane); seconds per phase."""
@@ -378,7 +392,7 @@ def bring_up(
                 spec(nodes, dra),
                 die_with_parent=True,
                 cluster_settings=cluster_settings(nodes),
-                agent_args=agent_args(nodes),
+                agent_args=[*agent_args(nodes), *agent_extra],
                 webhook_args=webhook_args,
             )
         phases["instaslice_ready_s"] = r3(time.monotonic() - t2)
@@ -403,12 +417,13 @@ def with_fleet(
     static: bool = False,
     webhook_args: Sequence[str] = (),
     dra: bool = False,
+    agent_extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Bring a fleet up, run `body(fleet, fleet_record)` in an event loop, always tear it
     down. Startup runs on the main thread, so the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed."""
     log(f"fleet of {nodes} nodes x {GPUS_PER_NODE} {MODEL}: starting (load {load()})")
-    system, phases = bring_up(run_dir, nodes, webhook_args, dra)
+    system, phases = bring_up(run_dir, nodes, webhook_args, dra, agent_extra)
     cs = cluster_settings(nodes)
     rec: dict[str, Any] = {
         "nodes": nodes,
@@ -418,7 +433,7 @@ def with_fleet(
             "allocation_mode": "dra" if dra else "gates",
             "kwok_node_lease_s": cs.node_lease_duration_s,
             "kcm_node_monitor_grace_s": cs.node_monitor_grace_s,
-            "agent_args": agent_args(nodes),
+            "agent_args": [*agent_args(nodes), *agent_extra],
             "webhook_args": list(webhook_args),
         },
     }

@@ -100,6 +100,9 @@ class MigSliceStatus(TypedDict):
     size: int
     migUUID: str
     claim: NotRequired[str]
+    # made ahead of demand, no pod's: free capacity that costs no NVML call to use
+    # (docs/warm-slices.md)
+    warm: NotRequired[bool]
 
 
 class MigMode(TypedDict):

@@ -88,8 +88,9 @@ def render_nodes(
             cells = ["."] * slots
             for inst in gpu.get("slices", []):
                 if inst.get("claim") not in live:
+                    mark = "w" if inst.get("warm") else "#"
                     for i in range(inst["start"], min(slots, inst["start"] + inst["size"])):
-                        cells[i] = "#"
+                        cells[i] = mark
             for h in holders.get(gpu.get("uuid", ""), []):
                 label = f"{h.key} {h.profile} [{h.start}:{h.size}] {h.phase}"
                 letter = legend.setdefault(label, _LETTERS[len(legend) % len(_LETTERS)])
@@ -116,7 +117,8 @@ def render_nodes(
         lines.append("")
         lines.extend(f"  {letter} = {label}" for label, letter in legend.items())
     lines.append(
-        "  . = free   # = instance held by no live allocation (foreign, or awaiting GC)"
+        "  . = free   w = warm (made ahead of demand, free to place on)"
+        "   # = instance held by no live allocation (foreign, or awaiting GC)"
         "   REFUSED = its MigNode entry lies beyond InstaSlice's bounds (event GpuOutOfBounds)"
     )
     lines.append(
@@ -232,7 +234,12 @@ def gpu_rows(mignodes: Sequence[Obj], allocations: Sequence[Obj]) -> list[dict[s
                     "unclaimed": [
                         {"profile": i.get("profile", ""), "start": i["start"], "size": i["size"]}
                         for i in gpu.get("slices", [])
-                        if i.get("claim") not in live
+                        if i.get("claim") not in live and not i.get("warm")
+                    ],
+                    "warm": [
+                        {"profile": i.get("profile", ""), "start": i["start"], "size": i["size"]}
+                        for i in gpu.get("slices", [])
+                        if i.get("warm")
                     ],
                 }
             )

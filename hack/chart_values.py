@@ -58,6 +58,7 @@ ARG_VALUES: dict[tuple[str, str], str] = {
     ("webhook", "--autoscaler-signal"): "allocator.autoscalerSignal",
     ("webhook", "--log-level"): "logLevel",
     ("nodeagent", "--log-level"): "logLevel",
+    ("nodeagent", "--warm-slices"): "warmSlices",
 }
 
 _OBJ = {"type": "object"}
@@ -157,6 +158,7 @@ def schema() -> dict[str, Any]:
         "bindingMode": {"enum": list(BINDING_MODES)},
         "allocationMode": {"enum": list(ALLOCATION_MODES)},
         "logLevel": {"enum": list(LOG_LEVELS)},
+        "warmSlices": {"enum": ["on", "off"]},
         "allocator": {
             "type": "object",
             "additionalProperties": False,
@@ -248,6 +250,8 @@ _VALUE_DOCS = {
     "component\n# manifests/components/dra (docs/dra.md; Kubernetes 1.36 or later); dra adds "
     "the DeviceClasses\n# and the node agent's DRA RBAC",
     "logLevel": "both daemons' --log-level",
+    "warmSlices": "the node agent's --warm-slices: on keeps a few slices of the profiles most "
+    "asked for\n# made ahead of demand (docs/warm-slices.md); off: never",
     "allocator": "the allocator's flags (docs/configuration.md): --policy, --preemption,\n"
     "# --autoscaler-signal",
     "webhook": "the admission webhook + allocator Deployment (replicas >= 2: its PDB keeps one)",

@@ -54,6 +54,8 @@ from nodeagent.report import (
 )
 from nodeagent.settings import Settings
 from nodeagent.state import AgentNode
+from nodeagent.warm import Demand
+from nodeagent.warmpool import WarmPool
 
 log = structlog.get_logger("agent")
 Obj = dict[str, Any]
@@ -139,6 +141,18 @@ class NodeAgent:
         self.pool = PoolPublisher(kube, node, self.st.publish.set) if dra else None
         self.claims = DraClaims(self.life, kube) if dra else None  # ResourceClaims allocated here
         self._idle_mode_told = ""
+        self.warm: WarmPool | None = None  # warm slices (gate mode, --warm-slices)
+        if settings.warm_slices and not dra:
+            self.warm = WarmPool(
+                life=self.life,
+                per_gpu=settings.warm_per_gpu,
+                per_node=settings.warm_per_node,
+                profiles=settings.warm_profiles,
+                demand=Demand(window_s=settings.warm_window_s),
+                asked=lambda: self.maint.desired,
+                idle_mode=lambda: self.idle_mode,
+            )
+            self.life.warm = self.warm
 
     # ---- informer → agent --------------------------------------------------------------------
 
@@ -157,6 +171,8 @@ class NodeAgent:
         """Our MigNode changed: its `spec.gpus[].desiredMigMode` asks for maintenance. A spec
         generation acted on is published as `status.observedGeneration`."""
         self.maint.on_mig_node({} if etype == "DELETED" else obj)
+        if self.warm is not None:
+            self.warm.kick.set()  # a GPU asked a mode has its warm slices destroyed
         # Only a generation not yet written: our own MigNode's ADDED event (generation 1, often
         # seen while the write that made it is still out) is written by that write, and a wake
         # for it would list a slice made meanwhile early (`create.SLICES_LISTED_WITHIN_S`).
@@ -177,7 +193,10 @@ class NodeAgent:
                 self.st.publish.set()
             self._node_uid = uid
         labels = {} if etype == "DELETED" else obj.get("metadata", {}).get("labels") or {}
+        was = self.idle_mode
         self.note_idle_mode(labels)
+        if self.warm is not None and self.idle_mode != was:
+            self.warm.kick.set()  # idle-mig-mode disabled: no warm slices
         # the instaslice.io/gpu-* and instaslice.io/node labels, likewise
         if self._last_labels is not None and label_patch(self._last_labels, labels) is not None:
             self._last_labels = None
@@ -216,6 +235,8 @@ class NodeAgent:
                 tg.create_task(self._gc_loop(), name=f"gc-{self.node}")
                 tg.create_task(self._health(), name=f"health-{self.node}")
                 tg.create_task(self.maint.run(), name=f"maintenance-{self.node}")
+                if self.warm is not None:
+                    tg.create_task(self.warm.run(), name=f"warm-{self.node}")
                 self.started.set()
         finally:
             self.hub.remove(self.node)
@@ -450,6 +471,8 @@ class NodeAgent:
         )
         if self.maint.desired or self.st.cp.maintenance is not None:
             self.maint.kick.set()  # draining GPUs: idle yet?
+        if self.warm is not None:
+            self.warm.kick.set()  # demand ages, GPUs change: the pool looks again
         scan_started = time.time()
         instances = await self.life.instances({g.index for g in st.inv.gpus})
         own = match(st.cp, instances)

@@ -33,7 +33,8 @@ from typing import Any, Literal
 # "failed": this process wrote Failed (after rolling back whatever it made): final for that
 # uid. Such a record holds no slice, goes when the allocation does, and is never written to
 # disk (it proves nothing about hardware; a restarted agent decides from the phase alone).
-State = Literal["creating", "ready", "releasing", "failed"]
+# "warm": a slice made ahead of demand, no pod's yet (nodeagent/warm.py).
+State = Literal["creating", "ready", "releasing", "failed", "warm"]
 VERSION = 1
 
 

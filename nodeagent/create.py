@@ -41,6 +41,7 @@ from nodeagent.nvml import NvmlSession
 from nodeagent.reconcile import blocked, held_by_release, match, merge_plan, plan
 from nodeagent.report import gpu_condition, status_creating, status_ready
 from nodeagent.state import AgentNode
+from nodeagent.warm import WarmHooks, hand_over, warm_records
 
 log = structlog.get_logger("lifecycle")  # one logger name for the whole life
 A = TypeVar("A")
@@ -133,6 +134,9 @@ def _gi_ci_uuid(
     return gi, ci, nv.mig_uuid(i, gi, ci)
 
 
+gi_ci_uuid = _gi_ci_uuid  # the warm pool's makes (nodeagent/warmpool.py) take the same trip
+
+
 async def _timed(aw: Awaitable[A], took: dict[str, float], name: str, clock: Clock) -> A:
     """`aw`'s result; how long it took (ms) in `took[name]`, for the "slices ready" log: a
     phase runs a write and a record side by side, and only this tells which one it waited on."""
@@ -195,6 +199,8 @@ class LateCreating:
 class Create(LifeBase):
     # claims whose wait for a release ran RELEASE_WAIT_S: the next create goes on at once
     waited_out: set[str] = field(default_factory=set)
+    # warm slices (nodeagent/warmpool.py): cleared out of a create's way, handed over to it
+    warm: WarmHooks | None = None
 
     async def waited_for_releases(self, alloc: SliceAllocation, fresh: list[SliceRecord]) -> bool:
         """Whether the create waited for a release (`wait_for_releases`): it is then decided
@@ -233,6 +239,8 @@ class Create(LifeBase):
             cannot = f"{reason}; cannot re-create: {fresh}" if reason else fresh
             await (self.give_up(alloc, rec, cannot) if rec else self.fail(alloc, cannot))
             return None
+        if self.warm is not None and rec is None:
+            await self.warm.clear_for(fresh)
         if await self.waited_for_releases(alloc, fresh):
             return AFTER_RELEASE_WAIT_S
         took: dict[str, float] = {}
@@ -353,16 +361,10 @@ class Create(LifeBase):
         """The create's intent record, on disk before NVML makes anything, and the GPUs'
         instances; or why not. Intent first, but only for placements that are free: an
         instance already at one is not ours, and a new record would otherwise claim it.
-        Without a record yet, the GIs alone say that (an instance at a placement fails the
-        create; none is adopted): the scan skips the MIG walk for their CIs, most of its
-        NVML calls (issue 37)."""
+        Without a record yet and nothing handed over, the GIs alone say that (an instance at a
+        placement fails the create; none is adopted): the scan skips the MIG walk for their
+        CIs, most of its NVML calls (issue 37)."""
         took = {} if took is None else took
-        scan = self.instances({s.gpu_index for s in fresh}, first=True, with_cis=rec is not None)
-        instances = await _timed(scan, took, "scan", self.clock)
-        if rec is None:
-            why = blocked(fresh, alloc.uid, instances, match(self.st.cp, instances))
-            if why:
-                return why, instances
         made = ClaimRecord(
             uid=alloc.uid,
             namespace=alloc.namespace,
@@ -373,8 +375,29 @@ class Create(LifeBase):
             updated=time.time(),
             announced=rec.announced if rec is not None else False,  # re-made: told once
         )
-        await _timed(self.st.persist_intent(made), took, "intent_write", self.clock)
-        return made, instances
+        warm = any(True for _ in warm_records(self.st.cp))  # a handover adopts their CIs
+        gpus = {s.gpu_index for s in fresh}
+        scan = self.instances(gpus, first=True, with_cis=rec is not None or warm)
+        instances = await _timed(scan, took, "scan", self.clock)
+        # a warm slice at exactly a planned placement becomes this claim's in the same
+        # checkpoint change that records the claim (nodeagent/warm.py): no NVML call
+        cp, taken = hand_over(self.st.cp, made)
+        if rec is None:  # placements free, but for the instances handed over
+            handed = {
+                (s.gpu_uuid, s.gi_id) for s in cp.claims[alloc.uid].slices if s.gi_id is not None
+            }
+            rest = [i for i in instances if i.key not in handed]
+            why = blocked(fresh, alloc.uid, rest, match(cp.without(alloc.uid), rest))
+            if why:
+                return why, instances
+        if taken:  # the warm records' drop must be on disk with the claim: the whole snapshot
+            self.st.set_checkpoint(cp)
+            await _timed(self.st.persist(durable=True), took, "intent_write", self.clock)
+        else:  # the claim alone: one journal line (nodeagent/state.py persist_intent)
+            await _timed(self.st.persist_intent(made), took, "intent_write", self.clock)
+        if self.warm is not None and rec is None:
+            self.warm.asked_for(fresh, taken)
+        return self.st.cp.claims[alloc.uid], instances
 
     async def make_slice(self, s: SliceRecord, inst: Instance | None) -> SliceRecord:
         """One slice: adopt what the record already claims, create only what is missing."""

@@ -192,6 +192,8 @@ class Lifecycle(Create):
         self.st.drop(uid)
         await self.st.persist()
         self.st.publish.set()
+        if self.warm is not None:
+            self.warm.released()
         await self.binding.slices_released(alloc.namespace, alloc.name, uid)
         dropped = alloc.has_finalizer and await writes.drop_finalizer(
             self.kube, alloc.namespace, alloc.name, list(alloc.finalizers)

@@ -169,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a Hopper+ GPU must be idle before it is brought to the MIG mode its "
         "Node's instaslice.io/idle-mig-mode label names (enabled|disabled; any: left alone)",
     )
+    p.add_argument(
+        "--warm-slices",
+        choices=("on", "off"),
+        default="off",
+        help="on: keep a few slices of the profiles most asked for here made ahead of demand, "
+        "handed to a pod without an NVML call (docs/warm-slices.md; gate mode only)",
+    )
+    p.add_argument("--warm-per-gpu", type=int, default=1, help="warm slices per GPU, at most")
+    p.add_argument("--warm-per-node", type=int, default=2, help="warm slices per node, at most")
     p.add_argument("--lease-duration-s", type=int, default=AGENT_LEASE_DURATION_S)
     p.add_argument(
         "--nvidia-cdi-spec",
@@ -240,6 +249,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
         gc_grace_s=a.gc_grace_s,
         gc_period_s=a.gc_period_s,
         creating_after_s=a.creating_after_s,
+        warm_slices=a.warm_slices == "on",
+        warm_per_gpu=max(0, a.warm_per_gpu),
+        warm_per_node=max(0, a.warm_per_node),
         idle_mig_mode_after_s=a.idle_mig_mode_after_s,
         maintenance_wait_s=a.maintenance_wait_s,
         maintenance_drain_timeout_s=a.maintenance_drain_timeout_s,

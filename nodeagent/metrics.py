@@ -105,6 +105,13 @@ class AgentMetrics:
             ["node", "kind"],
             registry=self.registry,
         )
+        self.warm = Counter(
+            "instaslice_nodeagent_warm_slices",
+            "Warm slices (docs/warm-slices.md), by event: hit (a slice handed over without "
+            "NVML), miss (a slice made for its pod), made, destroyed.",
+            ["node", "event"],
+            registry=self.registry,
+        )
         self.slices = Gauge(
             "instaslice_nodeagent_slices",
             "Slices held by InstaSlice records, and foreign instances, on the node.",

@@ -334,7 +334,11 @@ def orphans(
 ) -> tuple[list[str], dict[str, float]]:
     """Records without a live allocation: those orphaned for `grace_s` are due for
     destruction. Returns (due uids, the updated first-seen map)."""
-    seen = {uid: first_seen.get(uid, now) for uid in cp.claims if uid not in live_uids}
+    seen = {
+        uid: first_seen.get(uid, now)
+        for uid, rec in cp.claims.items()
+        if uid not in live_uids and rec.state != "warm"  # warm slices: no allocation's
+    }
     due = sorted(uid for uid, t in seen.items() if now - t >= grace_s)
     return due, seen
 

@@ -109,6 +109,13 @@ def claimed_slices(cp: Checkpoint) -> dict[str, list[MigSliceStatus]]:
         for s in rec.slices:
             if s.gi_id is None and rec.state == "ready" and not s.whole:
                 continue  # cleared by a reboot and not yet re-created
+            if rec.state == "warm":  # no pod's: free capacity to the allocator, once made
+                if s.done:
+                    out.setdefault(s.gpu_uuid, []).append(
+                        {"profile": s.profile, "start": s.start, "size": s.size,
+                         "migUUID": str(s.mig_uuid), "warm": True}
+                    )  # fmt: skip
+                continue
             out.setdefault(s.gpu_uuid, []).append(
                 {
                     "profile": s.profile,

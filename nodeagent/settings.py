@@ -64,6 +64,13 @@ class Settings:
     # a create that has taken this long writes `Creating` (docs/protocol.md); a faster one
     # goes from nothing to `Ready`
     creating_after_s: float = 1.0
+    # warm slices (docs/warm-slices.md): off unless asked; at most this many per GPU and per
+    # node, of the `warm_profiles` profiles most asked for in the last `warm_window_s`
+    warm_slices: bool = False
+    warm_per_gpu: int = 1
+    warm_per_node: int = 2
+    warm_profiles: int = 2
+    warm_window_s: float = 600.0
     release_backoff_s: float = 0.5  # first IN_USE retry; doubles up to release_backoff_max_s
     release_backoff_max_s: float = 30.0
     nvidia_cdi_spec: Path | None = None  # None: the first of cdi_specs that exists

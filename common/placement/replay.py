@@ -273,6 +273,15 @@ class Cluster:
     def holds(self, pod: str) -> bool:
         return pod in self._held
 
+    def node(self, name: str) -> NodeState:
+        """The node's state now."""
+        return self._nodes[self._index[name]]
+
+    def node_of(self, pod: str) -> str | None:
+        """The node holding `pod`, None when it holds nothing."""
+        held = self._held.get(pod)
+        return None if held is None else self._nodes[held.node].name
+
     def add(self, request: PodRequest) -> Placement | Pending:
         if request.name in self._held:
             raise TraceError(f"pod {request.name!r} added twice without a remove")

@@ -111,16 +111,17 @@ def running_system(
 ) -> Iterator[DevSystem]:
     """`DevSystem.up` of `spec` with the e2e agents' settings (`up`: more of its keywords;
     the allocator gets `--avoid-creates-in-flight` from INSTASLICE_TEST_AVOID_CREATES_IN_FLIGHT,
-    tests/support.py, unless `webhook_args` has its own); its logs go into a failing test's
-    report; always torn down."""
+    tests/support.py, unless `webhook_args` has its own; `agent_args` are added to the
+    agents'); its logs go into a failing test's report; always torn down."""
     webhook_args = list(up.pop("webhook_args", ()))
+    agent_args = [*AGENT_ARGS, *up.pop("agent_args", ())]
     avoid = avoid_creates_in_flight()
     if avoid and not any(a.startswith("--avoid-creates-in-flight") for a in webhook_args):
         webhook_args.append(f"--avoid-creates-in-flight={avoid}")
     up["webhook_args"] = webhook_args
     try:
         started = DevSystem.up(
-            where, parse_spec(spec), die_with_parent=True, agent_args=AGENT_ARGS, **up
+            where, parse_spec(spec), die_with_parent=True, agent_args=agent_args, **up
         )
     except (BinariesMissing, RealNodeError) as e:
         pytest.fail(str(e), pytrace=False)
@@ -143,12 +144,13 @@ def own_system(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DevSystem]:
     """The test module's own system: its `OWN_SPEC` (a cluster spec dict), in a tmp dir named
-    after the module."""
+    after the module; its agents get the module's `OWN_AGENT_ARGS` too, if it has any."""
     spec: dict[str, Any] = request.module.OWN_SPEC
+    extra = tuple(getattr(request.module, "OWN_AGENT_ARGS", ()))
     where = tmp_path_factory.mktemp(
         request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     )
-    with running_system(request.config, where, spec) as started:
+    with running_system(request.config, where, spec, agent_args=extra) as started:
         yield started
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +257,20 @@ async def kubectl(system: DevSystem, *args: str, stdin: str | None = None) -> Re
     out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
     assert proc.returncode is not None
     return Result(proc.returncode, out.decode(), err.decode())
+
+
+async def plugin_nodes(system: DevSystem) -> str:
+    """What `kubectl instaslice nodes` prints (the plugin as installed beside this Python)."""
+    plugin = Path(sys.executable).parent / "kubectl-instaslice"
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [str(plugin), "nodes", f"--kubeconfig={system.kubeconfig}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout
 
 
 # --- the invariant ------------------------------------------------------------------------

@@ -18,11 +18,7 @@ Leaves out: the agent's failure paths
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,6 +41,7 @@ from tests.e2e.helpers import (
     allocs_path,
     assert_holds_slices,
     cdi_file_for,
+    plugin_nodes,
     pods_path,
     wait_event,
     wait_pod_running,
@@ -119,20 +116,12 @@ async def test_mig_pods_on_gpus_that_start_with_mig_off(
     assert second["spec"]["slices"][0]["gpuIndex"] == gpu  # the GPU already in MIG mode
     assert (await _gpus(own_kube, "off-0"))[1 - gpu]["migMode"]["current"] == "disabled"
 
-    plugin = Path(sys.executable).parent / "kubectl-instaslice"
-    shown = await asyncio.to_thread(
-        subprocess.run,
-        [str(plugin), "nodes", f"--kubeconfig={own_system.kubeconfig}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert shown.returncode == 0, shown.stderr
-    rows = [ln.split() for ln in shown.stdout.splitlines() if ln.startswith("off-0")]
+    shown = await plugin_nodes(own_system)
+    rows = [ln.split() for ln in shown.splitlines() if ln.startswith("off-0")]
     assert sorted(r[3:5] for r in rows) == [
         ["disabled", "resetless"],
         ["enabled", "resetless"],
-    ], shown.stdout
+    ], shown
 
 
 async def test_ampere_gpu_with_mig_off_is_named_in_the_pending_reason(

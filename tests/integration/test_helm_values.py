@@ -171,6 +171,7 @@ def _rows() -> Iterator[tuple[str, Any, Check]]:
            lambda o: _eq(manifests.binding_modes(list(o.values())), ("env", "env")))  # fmt: skip
     yield _row("allocationMode", "dra", _dra)
     yield _row("logLevel", "debug", lambda o: _flag(o, "--log-level=debug", "webhook", "nodeagent"))
+    yield _row("warmSlices", "on", lambda o: _flag(o, "--warm-slices=on", "nodeagent"))
     yield _row("allocator.policy", "spread", lambda o: _flag(o, "--policy=spread", "webhook"))
     yield _row("allocator.preemption", "off", lambda o: _flag(o, "--preemption=off", "webhook"))
     yield _row("allocator.autoscalerSignal", "placeholder",

@@ -23,7 +23,8 @@ NS = "instaslice-system"
 FLAGS = {
     "Deployment": ["--cert-mode=files", "--policy=instaslice", "--preemption=gpu",
                    "--autoscaler-signal=off", "--log-level=info", "--port=8443"],
-    "DaemonSet": ["--log-level=info", "--kubelet-dir=/var/lib/kubelet/device-plugins"],
+    "DaemonSet": ["--log-level=info", "--warm-slices=off",
+                  "--kubelet-dir=/var/lib/kubelet/device-plugins"],
 }  # fmt: skip
 
 

@@ -210,6 +210,8 @@ class Placer:
         if self.pendings is not None:
             self.pendings.placed(uid)
         assert pod.claim is not None
+        if not plan.resets and not plan.toggles:  # a tie goes to a warm slice (docs/warm-slices.md)
+            result = self.state.prefer_warm(result, self.catalog)
         body = allocation_for(
             namespace=pod.namespace,
             claim=pod.claim,

@@ -37,6 +37,7 @@ from common.placement import (
 )
 from common.placement.index import FleetIndex
 from common.placement.modes import ModeView
+from common.placement.warm import prefer_warm
 from common.placement.whole import WholeView
 from webhook.allocator.inflight import GpuRef, InFlight, calm_node
 from webhook.allocator.pods import FIELD_NAME_LABEL, Resources
@@ -223,6 +224,17 @@ class Snapshots:
         if snapshot is self._plain:
             return self._index.place(request, policy, catalog, self.snapshot)
         return engine.place(snapshot, request, policy, catalog)
+
+    def prefer_warm(self, placement: Placement, catalog: Catalog | None) -> Placement:
+        """`placement` onto a warm slice of its node where that ties the engine's score
+        (common/placement/warm.py); as it is when the node has none."""
+        gpus = self.gpus.get(placement.node, ())
+        warm = {g.index: tuple(Occupied(*w) for w in g.warm) for g in gpus if g.warm}
+        if not warm:
+            return placement
+        self._refresh()
+        node = self._node_cache.get(placement.node)
+        return placement if node is None else prefer_warm(node, placement, warm, catalog)
 
     def decide(
         self, request: PodRequest, policy: Policy, catalog: Catalog | None

@@ -178,6 +178,9 @@ class GpuView:
     mig_enabled: bool
     healthy: bool
     instances: tuple[tuple[int, int, str, str], ...]  # (start, size, profile, claim)
+    # warm slices (docs/warm-slices.md): made ahead of demand, free capacity, not in
+    # `instances`; a single-slice pod takes one when it ties the engine's choice
+    warm: tuple[tuple[int, int, str], ...] = ()
     # MIG off (common/placement/modes.py): `flex`, its agent enables MIG without a reset and
     # it is idle; `needs_reset`, only a GPU reset would (Ampere)
     flex: bool = False
@@ -322,6 +325,12 @@ def gpus_of(mig_node: Obj, geometries: Geometries) -> tuple[GpuView, ...]:
                         str(s.get("claim") or ""),
                     )
                     for s in g.get("slices") or []
+                    if not s.get("warm")
+                ),
+                warm=tuple(
+                    (int(s.get("start", 0)), int(s.get("size", 1)), str(s.get("profile", "")))
+                    for s in g.get("slices") or []
+                    if s.get("warm")
                 ),
                 flex=flex,
                 needs_reset=needs_reset,
