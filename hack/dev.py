@@ -9,7 +9,7 @@ local processes, so the MutatingWebhookConfiguration points at `https://127.0.0.
 with a serving certificate from the cluster CA.
 
 A `runtime: containerd` group's node is real (hack/cluster/realnode.py: kubelet + containerd
-+ runc on this machine, state under `<dir>/realnode/<node>/`); its emulated GPUs get real
++ runc on this machine, state under `<dir>/rn/<node>/`); its emulated GPUs get real
 device files, and its node agent runs as its own process, as in a cluster: CDI dir =
 containerd's `cdi_spec_dirs`, `--binding-mode device-plugin` against that kubelet (`env` on request,
 with NVIDIA's runtime as the node's default runtime).
@@ -343,7 +343,9 @@ class DevSystem:
     ) -> None:
         """(Re)start the real node (kubelet + containerd) of `group`; Ready on return."""
         self.real = RealNode.start(
-            self.dir / "realnode" / group.names()[0],
+            # short: the DRA agent binds <root>/kubelet/plugins_registry/instaslice.io-reg.sock
+            # and gRPC refuses a unix socket path over 105 bytes (a test's dir is already long)
+            self.dir / "rn" / group.names()[0],
             self.cp,
             group,
             runtime=runtime,

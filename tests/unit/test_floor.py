@@ -96,7 +96,8 @@ def test_the_floor_is_a_scenario_of_bench_latency(monkeypatch: pytest.MonkeyPatc
         out["chain"] = {"floor_ms": 60.0, "static_ms": 32.0, "floor_ratio": 1.88}
 
     def with_fleet(run_dir: Path, nodes: int, idle_s: float, body: Any, log: Any,
-                   *, static: bool = False, webhook_args: Any = ()) -> dict[str, Any]:  # fmt: skip
+                   *, static: bool = False, webhook_args: Any = (), dra: bool = False,
+                   agent_extra: Any = ()) -> dict[str, Any]:  # fmt: skip
         seen["nodes"], seen["static"] = nodes, static
         asyncio.run(body(Fleet(), {}))
         return {"nodes": nodes}
