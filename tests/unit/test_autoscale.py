@@ -84,9 +84,9 @@ from webhook.allocator.autoscale import (
 from webhook.allocator.metrics import AllocatorMetrics
 from webhook.allocator.placer import Placer
 from webhook.allocator.preemption import Budgets, PreemptionSettings
-from webhook.allocator.scaleup import LOST_BACKOFF_S, Need, ScaleUp
+from webhook.allocator.scaleup import LOST_BACKOFF_S, ScaleUp
 from webhook.allocator.state import ClusterState
-from webhook.allocator.track import Tracks
+from webhook.allocator.track import Need, Tracks
 from webhook.allocator.writes import Writes
 
 pytestmark = pytest.mark.timeout(20)
@@ -506,7 +506,7 @@ def test_a_pod_whose_affinity_names_its_nodes_waits() -> None:
     s = _scale_up(state, clock)
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), True)
     clock.t += 60
-    assert s.wanted(clock.monotonic()) == (set(), set()) and s.waits == {"want"}
+    assert s.wanted(clock.monotonic()) == (set(), set()) and set(s.waits) == {"want"}
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
     clock.t += 60
     assert s.wanted(clock.monotonic()) == ({"want"}, set())  # by labels, it asks
@@ -659,7 +659,7 @@ def test_off_does_nothing() -> None:
     s = _scale_up(state, FakeClock())
     s.settings = ScaleUpSettings(mode=SignalMode.OFF)
     s.pending(state.pods["want"], podlib.pod_request(pod), Pending(PendingReason.FULL, "f"), False)
-    assert s.needs == {} and s.waits == set()
+    assert s.needs == {} and set(s.waits) == set()
     asyncio.run(s.run())  # returns at once
 
 
@@ -1448,7 +1448,7 @@ def test_a_whole_gpu_pod_waits_for_a_gpu_being_released() -> None:
     holder = state.pods["holder1"].obj
     state.upsert_pod({**holder, "status": {"phase": "Succeeded"}})
     placer.decide("want")
-    assert s.needs == {} and s.waits == {"want"}
+    assert s.needs == {} and set(s.waits) == {"want"}
     assert s.wanted(0.0) == (set(), {"want"})
 
 
