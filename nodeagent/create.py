@@ -465,6 +465,9 @@ class Create(LifeBase):
         # kubelet's Allocate can follow within milliseconds (it was refused once, in the
         # window of the record's write, and the pod failed UnexpectedAdmissionError)
         await self.announce(alloc)
+        # due before the Ready write, not after it: an agent stopped once Ready is seen (its
+        # write's answer or the record's persist still out) lists the slices as it stops
+        self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         write = self.status(alloc, status_ready(slices, self.st.boot_id, conds))
         if not await _timed(write, took, "ready_write", self.clock):
             await self.gone(alloc, rec)  # deleted meanwhile: nothing may outlive it
@@ -473,7 +476,6 @@ class Create(LifeBase):
             marks["ready"] = self.clock.monotonic()
         if persist:
             await _timed(self.st.persist(), took, "ready_record", self.clock)
-        self.st.publish_soon(SLICES_LISTED_WITHIN_S)
         if rec.announced:
             return
         self.st.put(replace(rec, announced=True))
